@@ -1,0 +1,221 @@
+"""Read Flower's flat run config (``context.run_config``) into a validated OmegaConf structure.
+
+Flower flattens ``[tool.flwr.app.config]`` and ``--run-config`` overrides into one dict with
+dotted keys (``strategy.outer-lr = 0.7``). :func:`read_run_config` checks it against a nested
+*defaults* mapping (the schema: every allowed key with its default value, whose type fixes the
+key's type) and optional per-key validators, and returns a read-only nested ``DictConfig``::
+
+    cfg = read_run_config(context.run_config, DEFAULTS, {"strategy.name": choices("a", "b")})
+    cfg.strategy["outer-lr"]        # keys keep their dashes; use item access for them
+
+Every problem raises :class:`RunConfigError` naming the key and the value (unknown keys also
+list close matches), so a run stops up front with a message the user can act on.
+"""
+
+from __future__ import annotations
+
+import difflib
+import math
+import os
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+__all__ = [
+    "RunConfigError",
+    "read_run_config",
+    "flatten",
+    "unflatten",
+    "choices",
+    "positive",
+    "non_negative",
+    "in_range",
+    "absolute_path",
+    "existing_path",
+]
+
+Validator = Callable[[Any], None]
+"""A validator takes the (type-checked) value and raises ``ValueError(reason)`` if it is bad."""
+
+
+class RunConfigError(ValueError):
+    """A run-config key is unknown, has the wrong type, or has a bad value."""
+
+
+# ----------------------------------------------------------------------------- flatten helpers
+def flatten(nested: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """``{"a": {"b": 1}} -> {"a.b": 1}`` (the shape of Flower's ``context.run_config``)."""
+    flat: dict[str, Any] = {}
+    for key, value in nested.items():
+        if not isinstance(key, str) or not key or "." in key:
+            raise RunConfigError(
+                f"schema key {prefix + str(key)!r} must be a non-empty str without '.'"
+            )
+        full = f"{prefix}{key}"
+        if isinstance(value, Mapping):
+            flat.update(flatten(value, full + "."))
+        else:
+            flat[full] = value
+    return flat
+
+
+def unflatten(flat: Mapping[str, Any]) -> dict[str, Any]:
+    """``{"a.b": 1} -> {"a": {"b": 1}}``; raises if a key is both a leaf and a section."""
+    nested: dict[str, Any] = {}
+    for key, value in flat.items():
+        parts = key.split(".")
+        node = nested
+        for part in parts[:-1]:
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise RunConfigError(f"run-config key {key!r} clashes with the value key {part!r}")
+            node = child
+        if isinstance(node.get(parts[-1]), dict):
+            raise RunConfigError(f"run-config key {key!r} is a section, not a value")
+        node[parts[-1]] = value
+    return nested
+
+
+# ----------------------------------------------------------------------------- validators
+def choices(*allowed: Any) -> Validator:
+    """Value must be one of ``allowed``."""
+
+    def check(value: Any) -> None:
+        if value not in allowed:
+            raise ValueError(f"must be one of {sorted(map(str, allowed))}")
+
+    return check
+
+
+def positive(value: Any) -> None:
+    """Value must be > 0."""
+    if not value > 0:
+        raise ValueError("must be > 0")
+
+
+def non_negative(value: Any) -> None:
+    """Value must be >= 0."""
+    if not value >= 0:
+        raise ValueError("must be >= 0")
+
+
+def in_range(lo: float, hi: float, *, lo_open: bool = False, hi_open: bool = False) -> Validator:
+    """Value must lie in [lo, hi] (ends excluded when ``*_open``)."""
+
+    def check(value: Any) -> None:
+        ok_lo = value > lo if lo_open else value >= lo
+        ok_hi = value < hi if hi_open else value <= hi
+        if not (ok_lo and ok_hi):
+            left, right = "(" if lo_open else "[", ")" if hi_open else "]"
+            raise ValueError(f"must be in {left}{lo}, {hi}{right}")
+
+    return check
+
+
+def absolute_path(*, allow_empty: bool = False) -> Validator:
+    """Value must be an absolute path (the ServerApp's cwd is the SuperLink's, so relative
+    paths would land somewhere surprising). ``allow_empty`` lets ``""`` mean "use the default"."""
+
+    def check(value: Any) -> None:
+        if value == "" and allow_empty:
+            return
+        if not os.path.isabs(os.path.expanduser(str(value))):
+            raise ValueError("must be an absolute path")
+
+    return check
+
+
+def existing_path(*, allow_empty: bool = False) -> Validator:
+    """Value must name an existing file or directory (``""`` allowed if ``allow_empty``)."""
+
+    def check(value: Any) -> None:
+        if value == "" and allow_empty:
+            return
+        if not os.path.exists(os.path.expanduser(str(value))):
+            raise ValueError("no such file or directory")
+
+    return check
+
+
+# ----------------------------------------------------------------------------- reader
+def _coerce(key: str, value: Any, default: Any) -> Any:
+    """Check ``value`` against the type of ``default``; ints are accepted for float keys."""
+    bad = RunConfigError(
+        f"run-config key {key!r} has value {value!r} of type {type(value).__name__}; "
+        f"expected {type(default).__name__} (default {default!r})"
+    )
+    if isinstance(default, bool):
+        if not isinstance(value, bool):
+            raise bad
+        return value
+    if isinstance(default, int):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise bad
+        return value
+    if isinstance(default, float):
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise bad
+        value = float(value)
+        if not math.isfinite(value):
+            raise RunConfigError(f"run-config key {key!r} has non-finite value {value!r}")
+        return value
+    if isinstance(default, str):
+        if not isinstance(value, str):
+            raise bad
+        return value
+    raise RunConfigError(
+        f"schema default for {key!r} has unsupported type {type(default).__name__}"
+    )
+
+
+def read_run_config(
+    run_config: Mapping[str, Any],
+    defaults: Mapping[str, Any],
+    validators: Mapping[str, Validator | Iterable[Validator]] | None = None,
+    *,
+    readonly: bool = True,
+) -> DictConfig:
+    """Validate Flower's flat ``run_config`` against nested ``defaults``; return a ``DictConfig``.
+
+    - keys missing from ``run_config`` take their default;
+    - a key not in ``defaults`` -> :class:`RunConfigError` naming it, with close matches;
+    - a value whose type differs from the default's (int accepted for float) -> error;
+    - each validator of a key (dotted name) runs on the final value, defaults included.
+    Nested input (``{"strategy": {"outer-lr": 1}}``) is accepted too and flattened first.
+    """
+    schema = flatten(defaults)
+    flat_input = (
+        flatten(run_config)
+        if any(isinstance(v, Mapping) for v in run_config.values())
+        else dict(run_config)
+    )
+    validators = dict(validators or {})
+    for key in validators:
+        if key not in schema:
+            raise RunConfigError(f"validator given for {key!r}, which is not a schema key")
+
+    merged = dict(schema)
+    for key, value in flat_input.items():
+        if key not in schema:
+            close = difflib.get_close_matches(key, list(schema), n=3, cutoff=0.6)
+            hint = f"; did you mean {', '.join(map(repr, close))}?" if close else ""
+            raise RunConfigError(
+                f"unknown run-config key {key!r}{hint} (valid keys: {', '.join(sorted(schema))})"
+            )
+        merged[key] = _coerce(key, value, schema[key])
+
+    for key, checks in validators.items():
+        for check in [checks] if callable(checks) else list(checks):
+            try:
+                check(merged[key])
+            except ValueError as exc:
+                raise RunConfigError(
+                    f"run-config key {key!r} has bad value {merged[key]!r}: {exc}"
+                ) from None
+
+    cfg = OmegaConf.create(unflatten(merged))
+    OmegaConf.set_struct(cfg, True)
+    if readonly:
+        OmegaConf.set_readonly(cfg, True)
+    return cfg
