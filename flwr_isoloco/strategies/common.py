@@ -1,0 +1,397 @@
+"""Reply validation shared by every flwr-isoloco strategy.
+
+Flower's FedAvg raises ``InconsistentMessageReplies`` on one malformed reply and the run dies.
+Here each reply is checked on its own; a bad one is dropped with a logged reason naming the node,
+counted, and the round goes on with the rest. Nothing in this module raises on bad replies.
+
+Checks, in order (the first failure drops the reply):
+
+1. error reply (``msg.has_error()``), e.g. a ClientApp that raised or a dead node;
+2. no ArrayRecord under ``arrayrecord_key`` (when arrays are required);
+3. keys differ from the expected model (missing or extra keys are both rejected);
+4. an array that cannot be decoded, has the wrong shape, or a non-floating dtype;
+5. a floating dtype different from the expected one: **cast** to the expected dtype by default
+   (clients may legitimately send fp16 to halve traffic; bf16 cannot travel in an ArrayRecord),
+   or **rejected** with ``dtype_policy="reject"``;
+6. non-finite values (NaN / inf);
+7. the weight key (``num-examples``) missing from every MetricRecord, or not a finite number
+   > 0 (bool and lists are rejected);
+8. the payload flag (ConfigRecord key ``"payload"``: ``"weights"`` or ``"delta"``) invalid;
+9. update norm bounds (see :class:`ReplyValidator`): ``||u_i|| > max_update_norm``, or
+   ``||u_i|| > max_norm_ratio * median_j ||u_j||`` (median over the other accepted replies;
+   needs >= 2 others).
+
+Who sent a reply: the node we *sent* the instruction to, found by matching
+``reply.metadata.reply_to_message_id`` with the sent message's id (a killed SuperNode's error
+reply comes from the SuperLink, ``src_node_id == 1``); ``src_node_id`` otherwise.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from logging import INFO, WARNING
+
+import numpy as np
+import torch
+from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
+from flwr.common.logger import log
+
+PAYLOAD_KEY = "payload"
+"""ConfigRecord key a reply may set to say what its arrays hold: ``"weights"`` or ``"delta"``."""
+PAYLOADS = ("weights", "delta")
+DTYPE_POLICIES = ("cast", "reject")
+
+
+@dataclass
+class CheckedReply:
+    """A reply that passed validation.
+
+    Arrays are decoded lazily by :meth:`tensors` (so a server folding replies one by one never
+    holds M decoded copies); ``payload`` says whether they are the node's trained weights or
+    its delta ``theta - theta_i``.
+    """
+
+    node_id: int
+    weight: float
+    metrics: dict[str, float]
+    payload: str
+    content: RecordDict
+    arrayrecord_key: str = "arrays"
+    dtypes: dict[str, torch.dtype] = field(default_factory=dict)
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The reply's arrays as torch tensors, cast to the expected dtypes."""
+        rec = self.content.array_records.get(self.arrayrecord_key)
+        if rec is None:
+            return {}
+        out = {}
+        for k, arr in rec.items():
+            t = torch.from_numpy(np.array(arr.numpy(), copy=True))
+            want = self.dtypes.get(k)
+            out[k] = t if want is None or t.dtype == want else t.to(want)
+        return out
+
+    def update(self, reference: Mapping[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
+        """The pseudo-gradient ``delta_i = theta - theta_i`` (fp32), or the delta as sent."""
+        arrays = self.tensors()
+        if self.payload == "delta" or reference is None:
+            return {k: v.float() for k, v in arrays.items()}
+        return {k: reference[k].float() - v.float() for k, v in arrays.items()}
+
+
+@dataclass
+class ReplyReport:
+    """What happened to one round's replies."""
+
+    used: int = 0
+    rejected: int = 0
+    missing: int = 0  # sent but no reply came back (timeout)
+    reasons: list[tuple[int, str]] = field(default_factory=list)  # (node id, reason)
+
+    def as_metrics(self) -> dict[str, int]:
+        """Counts for a MetricRecord."""
+        return {
+            "replies-used": self.used,
+            "replies-rejected": self.rejected,
+            "replies-missing": self.missing,
+        }
+
+
+class SentLedger:
+    """Remembers which node each instruction went to, to attribute replies correctly."""
+
+    def __init__(self) -> None:
+        self._sent: list[Message] = []
+
+    def remember(self, messages: Iterable[Message]) -> list[Message]:
+        """Record ``messages`` (their ids are filled in later by ``grid.push_messages``)."""
+        self._sent = list(messages)
+        return self._sent
+
+    @property
+    def node_ids(self) -> list[int]:
+        """Destination node of every remembered message."""
+        return [m.metadata.dst_node_id for m in self._sent]
+
+    def sender(self, reply: Message) -> int:
+        """The node a reply answers for."""
+        target = reply.metadata.reply_to_message_id
+        for m in self._sent:
+            if target and m.metadata.message_id == target:
+                return m.metadata.dst_node_id
+        return reply.metadata.src_node_id
+
+    def missing(self, replies: Iterable[Message]) -> list[int]:
+        """Nodes we sent to that did not reply at all."""
+        answered = {r.metadata.reply_to_message_id for r in replies}
+        return [
+            m.metadata.dst_node_id
+            for m in self._sent
+            if m.metadata.message_id and m.metadata.message_id not in answered
+        ]
+
+
+def _is_number(v: object) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def reply_metrics(content: RecordDict) -> dict[str, float]:
+    """Scalar numeric metrics of every MetricRecord in a reply (lists skipped)."""
+    out: dict[str, float] = {}
+    for rec in content.metric_records.values():
+        for k, v in rec.items():
+            if _is_number(v) and math.isfinite(float(v)):
+                out[k] = float(v)
+    return out
+
+
+def weighted_mean_metrics(
+    replies: Iterable[CheckedReply], exclude: Iterable[str] = ()
+) -> dict[str, float]:
+    """Weighted mean of each scalar client metric, over the replies that report it."""
+    sums: dict[str, float] = {}
+    totals: dict[str, float] = {}
+    skip = set(exclude)
+    for r in replies:
+        for k, v in r.metrics.items():
+            if k in skip:
+                continue
+            sums[k] = sums.get(k, 0.0) + r.weight * v
+            totals[k] = totals.get(k, 0.0) + r.weight
+    return {k: sums[k] / totals[k] for k in sums if totals[k] > 0}
+
+
+def _tensor_norm(tensors: Mapping[str, torch.Tensor]) -> float:
+    sq = sum(float(t.double().pow(2).sum()) for t in tensors.values())
+    return math.sqrt(sq)
+
+
+@dataclass
+class ReplyValidator:
+    """Validate Flower replies against an expected model; drop and log the bad ones.
+
+    Parameters
+    ----------
+    arrayrecord_key, weighted_by_key :
+        As in FedAvg.
+    require_arrays :
+        Train replies must carry arrays; evaluate replies need not.
+    require_weight :
+        Whether the weight key must be present (and a finite number > 0).
+    dtype_policy :
+        ``"cast"`` (default): a floating array of another floating dtype is cast to the expected
+        dtype; ``"reject"``: dropped. Non-floating arrays for a floating model are always dropped.
+    max_update_norm :
+        Drop a reply whose update norm ``||u_i||_2`` (all tensors together) exceeds this.
+    max_norm_ratio :
+        Drop a reply whose update norm exceeds ``max_norm_ratio * median`` of the norms of the
+        other accepted replies (applied when at least 2 others exist).
+    default_payload :
+        ``"weights"`` (FedAvg-style, ``u_i = theta - theta_i``) or ``"delta"`` (``u_i`` sent).
+    what :
+        Label used in log lines (e.g. ``"aggregate_train"``).
+    """
+
+    arrayrecord_key: str = "arrays"
+    weighted_by_key: str = "num-examples"
+    require_arrays: bool = True
+    require_weight: bool = True
+    dtype_policy: str = "cast"
+    max_update_norm: float | None = None
+    max_norm_ratio: float | None = None
+    default_payload: str = "weights"
+    what: str = "aggregate_train"
+
+    def __post_init__(self) -> None:
+        if self.dtype_policy not in DTYPE_POLICIES:
+            raise ValueError(
+                f"dtype_policy must be one of {DTYPE_POLICIES}, got {self.dtype_policy!r}"
+            )
+        if self.default_payload not in PAYLOADS:
+            raise ValueError(
+                f"default_payload must be one of {PAYLOADS}, got {self.default_payload!r}"
+            )
+        for name in ("max_update_norm", "max_norm_ratio"):
+            v = getattr(self, name)
+            if v is not None and not (_is_number(v) and v > 0 and math.isfinite(v)):
+                raise ValueError(f"{name} must be a finite number > 0 or None, got {v!r}")
+
+    # ----------------------------------------------------------------- public
+    def validate(
+        self,
+        replies: Iterable[Message],
+        expected: Mapping[str, torch.Tensor] | None = None,
+        ledger: SentLedger | None = None,
+    ) -> tuple[list[CheckedReply], ReplyReport]:
+        """Check every reply; return the usable ones and a report. Never raises.
+
+        ``expected`` is the model the replies must match (keys, shapes, dtypes) and the
+        reference for ``u_i = theta - theta_i``. Without it only the structure is checked
+        and the first good reply's keys/shapes become the reference for the others.
+        """
+        replies = list(replies)
+        report = ReplyReport()
+        checked: list[CheckedReply] = []
+        spec = (
+            None
+            if expected is None
+            else {k: (tuple(v.shape), v.dtype) for k, v in expected.items()}
+        )
+        for msg in replies:
+            node = ledger.sender(msg) if ledger is not None else msg.metadata.src_node_id
+            try:
+                result = self._check_one(msg, node, spec)
+            except Exception as exc:  # noqa: BLE001 - never let one reply kill the round
+                result = f"could not be read ({type(exc).__name__}: {exc})"
+            if isinstance(result, str):
+                self._reject(report, node, result)
+                continue
+            if spec is None and self.require_arrays:
+                spec = {k: (tuple(v.shape), v.dtype) for k, v in result.tensors().items()}
+            checked.append(result)
+        if ledger is not None:
+            for node in ledger.missing(replies):
+                report.missing += 1
+                log(WARNING, "%s: no reply from node %d (timeout)", self.what, node)
+        if self.require_arrays and (self.max_update_norm or self.max_norm_ratio):
+            checked = self._norm_filter(checked, expected, report)
+        report.used = len(checked)
+        log(
+            INFO,
+            "%s: %d replies used, %d rejected, %d missing",
+            self.what,
+            report.used,
+            report.rejected,
+            report.missing,
+        )
+        return checked, report
+
+    # ----------------------------------------------------------------- internals
+    def _reject(self, report: ReplyReport, node: int, reason: str) -> None:
+        report.rejected += 1
+        report.reasons.append((node, reason))
+        log(WARNING, "%s: dropped reply from node %d: %s", self.what, node, reason)
+
+    def _check_one(
+        self,
+        msg: Message,
+        node: int,
+        spec: Mapping[str, tuple[tuple[int, ...], torch.dtype]] | None,
+    ) -> CheckedReply | str:
+        if msg.has_error():
+            return f"error reply (code {msg.error.code}): {str(msg.error.reason)[:300]}"
+        if not msg.has_content():
+            return "reply has no content"
+        content = msg.content
+        dtypes: dict[str, torch.dtype] = {}
+        if self.require_arrays:
+            rec = content.array_records.get(self.arrayrecord_key)
+            if not isinstance(rec, ArrayRecord):
+                found = sorted(content.array_records.keys())
+                return f"no ArrayRecord under key {self.arrayrecord_key!r} (found {found})"
+            if spec is not None:
+                missing = sorted(set(spec) - set(rec.keys()))
+                extra = sorted(set(rec.keys()) - set(spec))
+                if missing or extra:
+                    return f"array keys differ from the model: missing {missing[:5]}, extra {extra[:5]}"
+            for key, arr in rec.items():
+                t = self._decode(key, arr, spec)
+                if isinstance(t, str):
+                    return t
+                dtypes[key] = t.dtype
+        weight = 1.0
+        if self.require_weight:
+            w = None
+            for mrec in content.metric_records.values():
+                if self.weighted_by_key in mrec:
+                    w = mrec[self.weighted_by_key]
+                    break
+            if w is None:
+                return f"missing weight key {self.weighted_by_key!r} in its MetricRecord"
+            if not _is_number(w) or not math.isfinite(float(w)) or float(w) <= 0:
+                return f"invalid weight {self.weighted_by_key!r}={w!r} (need a finite number > 0)"
+            weight = float(w)
+        payload = self.default_payload
+        for crec in content.config_records.values():
+            if isinstance(crec, ConfigRecord) and PAYLOAD_KEY in crec:
+                payload = crec[PAYLOAD_KEY]
+                break
+        if payload not in PAYLOADS:
+            return f"invalid {PAYLOAD_KEY!r} flag {payload!r} (expected one of {PAYLOADS})"
+        return CheckedReply(
+            node,
+            weight,
+            reply_metrics(content),
+            str(payload),
+            content,
+            self.arrayrecord_key,
+            dtypes,
+        )
+
+    def _decode(self, key: str, arr, spec) -> torch.Tensor | str:
+        nd = arr.numpy()
+        if not isinstance(nd, np.ndarray):
+            return f"array {key!r} did not decode to an ndarray"
+        want = None if spec is None else spec.get(key)
+        if want is not None and tuple(nd.shape) != want[0]:
+            return f"array {key!r} has shape {tuple(nd.shape)}, expected {want[0]}"
+        if nd.dtype.kind not in "fiu" or nd.dtype.kind == "b":
+            return f"array {key!r} has unsupported dtype {nd.dtype}"
+        t = torch.from_numpy(np.ascontiguousarray(nd))
+        if want is not None and t.dtype != want[1]:
+            if not (t.dtype.is_floating_point and want[1].is_floating_point):
+                return f"array {key!r} has dtype {t.dtype}, expected {want[1]}"
+            if self.dtype_policy == "reject":
+                return (
+                    f"array {key!r} has dtype {t.dtype}, expected {want[1]} (dtype_policy='reject')"
+                )
+            log(INFO, "%s: casting array %r from %s to %s", self.what, key, t.dtype, want[1])
+            t = t.to(want[1])
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            n_bad = int((~torch.isfinite(t)).sum())
+            return f"array {key!r} has {n_bad} non-finite values (NaN/inf)"
+        return t
+
+    def _norm_filter(
+        self,
+        checked: list[CheckedReply],
+        expected: Mapping[str, torch.Tensor] | None,
+        report: ReplyReport,
+    ) -> list[CheckedReply]:
+        norms = [_tensor_norm(r.update(expected)) for r in checked]
+        keep = [True] * len(checked)
+        for i, (r, n) in enumerate(zip(checked, norms, strict=True)):
+            if self.max_update_norm is not None and n > self.max_update_norm:
+                keep[i] = False
+                self._reject(
+                    report,
+                    r.node_id,
+                    f"update norm {n:.4g} > max_update_norm {self.max_update_norm:.4g}",
+                )
+        if self.max_norm_ratio is not None:
+            base = [n for n, k in zip(norms, keep, strict=True) if k]
+            for i, (r, n) in enumerate(zip(checked, norms, strict=True)):
+                if not keep[i]:
+                    continue
+                others = list(base)
+                others.remove(n)
+                if len(others) < 2:
+                    continue
+                med = statistics.median(others)
+                if n > self.max_norm_ratio * med:
+                    keep[i] = False
+                    self._reject(
+                        report,
+                        r.node_id,
+                        f"update norm {n:.4g} > max_norm_ratio {self.max_norm_ratio:g} "
+                        f"x median of the others {med:.4g}",
+                    )
+        return [r for r, k in zip(checked, keep, strict=True) if k]
+
+
+def metric_record(values: Mapping[str, float | int]) -> MetricRecord:
+    """A MetricRecord from plain numbers (drops non-finite values, which Flower would print)."""
+    return MetricRecord({k: v for k, v in values.items() if math.isfinite(float(v))})
