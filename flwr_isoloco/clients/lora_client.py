@@ -1,0 +1,356 @@
+"""peft LoRA client: K local AdamW steps on the node's private sentence shard, adapter out.
+
+Message conventions (shared with :mod:`flwr_isoloco.strategies.rwlora`, ``gossip`` and Flower's
+FedAvg):
+
+- TRAIN in: ArrayRecord ``arrays`` = the adapter (peft keys, fp32; the classification head too
+  when ``train_head``); ConfigRecord ``config`` with optional ``local-steps`` (K), ``lr``;
+  optional ArrayRecord ``optimizer-state`` (AdamW ``exp_avg``/``exp_avg_sq``/``step`` per
+  trainable tensor) when the strategy carries it.
+- TRAIN out: ``arrays`` = the adapter after K steps, MetricRecord ``metrics`` with
+  ``num-examples`` (shard size, FedAvg's weight), ``train_loss`` (mean over the K steps),
+  ``local-steps`` and ``examples-seen``; ``optimizer-state`` back iff it came in.
+- EVALUATE: loss/accuracy of the received adapter on the node's validation slice.
+- QUERY: MetricRecord ``metrics`` with ``partition-id`` (from ``context.node_config``) and
+  ``num-examples``.
+
+Batch order: the shard is visited in seeded epoch permutations; the stream position (cursor)
+is kept in ``context.state`` so consecutive visits continue where the last one stopped. Dropout
+is seeded from (seed, partition, cursor). The model is cached per process for speed only: every
+message loads the full trainable state, so a fresh process gives the same result.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+import torch
+from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
+
+from flwr_isoloco.data import sentiment
+from flwr_isoloco.models import classifier
+
+OPTIMIZER_KEY = "optimizer-state"
+STATE_KEY = "lora-client"
+_MOMENTS = ("exp_avg", "exp_avg_sq", "step")
+
+
+@dataclass(frozen=True)
+class LoRAClientConfig:
+    """Model, data and local-training settings of a node (all nodes must agree on ``lora``)."""
+
+    lora: classifier.LoRASpec = field(default_factory=classifier.LoRASpec)
+    data_source: str = sentiment.DEFAULT_SOURCE
+    partitioner: str = "iid"
+    dirichlet_alpha: float = 0.5
+    test_size: int = 1000
+    data_seed: int = 0
+    max_examples: int = 0  # per shard, 0 = all
+    val_fraction: float = 0.1
+    batch_size: int = 16
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    local_steps: int = 5
+    max_length: int = 64
+    num_threads: int = 0  # torch threads per client process (0 = leave as is)
+    partition_key: str = "partition-id"
+    num_partitions_key: str = "num-partitions"
+
+    def __post_init__(self):
+        for name in ("batch_size", "local_steps", "max_length"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be a positive int, got {v!r}")
+        if not (isinstance(self.lr, (int, float)) and math.isfinite(self.lr) and self.lr > 0):
+            raise ValueError(f"lr must be a finite number > 0, got {self.lr!r}")
+        if not 0.0 <= self.val_fraction < 1.0:
+            raise ValueError(f"val_fraction must be in [0, 1), got {self.val_fraction!r}")
+        if self.weight_decay < 0:
+            raise ValueError(f"weight_decay must be >= 0, got {self.weight_decay!r}")
+
+
+@dataclass
+class NodeData:
+    """A node's training rows and validation rows (texts, labels)."""
+
+    train_texts: list[str]
+    train_labels: list[int]
+    val_texts: list[str]
+    val_labels: list[int]
+
+
+def node_partition(context: Context, cfg: LoRAClientConfig) -> tuple[int, int]:
+    """(partition id, number of partitions) from ``context.node_config``, checked."""
+    nc = context.node_config
+    if cfg.partition_key not in nc:
+        raise KeyError(f"node_config has no {cfg.partition_key!r} (got keys {sorted(nc)})")
+    pid = int(nc[cfg.partition_key])
+    n = int(nc.get(cfg.num_partitions_key, 0))
+    if n <= 0:
+        raise KeyError(f"node_config needs a positive {cfg.num_partitions_key!r} (got {n})")
+    if not 0 <= pid < n:
+        raise ValueError(f"node_config {cfg.partition_key}={pid} not in [0, {n})")
+    return pid, n
+
+
+def load_node_data(cfg: LoRAClientConfig, pid: int, n: int) -> NodeData:
+    """The shard of partition ``pid``, split into training rows and a validation tail."""
+    shard = sentiment.load_partition(
+        pid,
+        n,
+        cfg.data_source,
+        cfg.partitioner,
+        cfg.dirichlet_alpha,
+        cfg.test_size,
+        cfg.data_seed,
+        cfg.max_examples,
+    )
+    texts, labels = list(shard["text"]), [int(y) for y in shard["label"]]
+    n_val = int(len(texts) * cfg.val_fraction)
+    if len(texts) - n_val < 1:
+        raise ValueError(f"partition {pid} has {len(texts)} rows: too few to train on")
+    cut = len(texts) - n_val
+    return NodeData(texts[:cut], labels[:cut], texts[cut:], labels[cut:])
+
+
+def batch_indices(cursor: int, batch_size: int, n: int, seed: int) -> np.ndarray:
+    """Rows of the batch starting at stream position ``cursor``.
+
+    The stream is the concatenation of epoch permutations ``perm_e = rng(seed, e).permutation(n)``.
+    """
+    out = np.empty(batch_size, dtype=np.int64)
+    for j in range(batch_size):
+        pos = cursor + j
+        epoch, offset = divmod(pos, n)
+        perm = _epoch_perm(seed, epoch, n)
+        out[j] = perm[offset]
+    return out
+
+
+_PERM_CACHE: dict[tuple[int, int, int], np.ndarray] = {}
+
+
+def _epoch_perm(seed: int, epoch: int, n: int) -> np.ndarray:
+    key = (seed, epoch, n)
+    if key not in _PERM_CACHE:
+        if len(_PERM_CACHE) > 256:
+            _PERM_CACHE.clear()
+        _PERM_CACHE[key] = np.random.default_rng([seed, epoch]).permutation(n)
+    return _PERM_CACHE[key]
+
+
+def _trainable(model) -> list[tuple[str, torch.nn.Parameter]]:
+    return [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+
+
+def optimizer_to_arrays(opt: torch.optim.AdamW, named: list[tuple[str, torch.nn.Parameter]]):
+    """AdamW state as ``{f"{param}.{moment}": tensor}`` (fp32; step as a 0-d tensor)."""
+    out: dict[str, torch.Tensor] = {}
+    for name, p in named:
+        st = opt.state.get(p, {})
+        for m in _MOMENTS:
+            if m in st:
+                out[f"{name}.{m}"] = torch.as_tensor(st[m]).detach().to(torch.float32).clone()
+    return out
+
+
+def arrays_to_optimizer(
+    opt: torch.optim.AdamW, named: list[tuple[str, torch.nn.Parameter]], arrays: Mapping
+) -> None:
+    """Inverse of :func:`optimizer_to_arrays`; shapes are checked."""
+    for name, p in named:
+        keys = [f"{name}.{m}" for m in _MOMENTS]
+        present = [k in arrays for k in keys]
+        if not any(present):
+            continue
+        if not all(present):
+            raise ValueError(f"optimizer state for {name!r} is incomplete")
+        ea, eas, step = (torch.as_tensor(arrays[k]).float() for k in keys)
+        if ea.shape != p.shape or eas.shape != p.shape:
+            raise ValueError(
+                f"optimizer state for {name!r}: shape {tuple(ea.shape)} != {tuple(p.shape)}"
+            )
+        opt.state[p] = {"step": step.reshape(()), "exp_avg": ea.clone(), "exp_avg_sq": eas.clone()}
+    extra = set(arrays) - {f"{n}.{m}" for n, _ in named for m in _MOMENTS}
+    if extra:
+        raise ValueError(f"optimizer state has unknown keys {sorted(extra)[:3]}")
+
+
+def train_steps(
+    model,
+    tokenizer,
+    data: NodeData,
+    cfg: LoRAClientConfig,
+    *,
+    steps: int,
+    lr: float,
+    cursor: int,
+    seed: int,
+    opt_state: Mapping[str, torch.Tensor] | None = None,
+) -> tuple[float, int, dict[str, torch.Tensor] | None]:
+    """``steps`` AdamW steps from stream position ``cursor``; returns (mean loss, new cursor,
+    optimiser state or None when none came in)."""
+    named = _trainable(model)
+    opt = torch.optim.AdamW([p for _, p in named], lr=lr, weight_decay=cfg.weight_decay)
+    if opt_state:
+        arrays_to_optimizer(opt, named, opt_state)
+    n = len(data.train_texts)
+    model.train()
+    losses = []
+    with torch.random.fork_rng(devices=[]):
+        for _ in range(steps):
+            idx = batch_indices(cursor, cfg.batch_size, n, seed)
+            torch.manual_seed(int(np.random.default_rng([seed, cursor]).integers(2**62)))
+            batch = classifier.encode(tokenizer, [data.train_texts[i] for i in idx], cfg.max_length)
+            y = torch.tensor([data.train_labels[i] for i in idx])
+            loss = torch.nn.functional.cross_entropy(model(**batch).logits.float(), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            losses.append(float(loss.detach()))
+            cursor += cfg.batch_size
+    model.eval()
+    out_state = optimizer_to_arrays(opt, named) if opt_state is not None else None
+    return float(np.mean(losses)) if losses else float("nan"), cursor, out_state
+
+
+class LoRAClient:
+    """ClientApp handlers (train / evaluate / query) for the peft LoRA sentence classifier.
+
+    ``config`` is a :class:`LoRAClientConfig` or a function ``context -> LoRAClientConfig``
+    (e.g. built from ``context.run_config``).
+    """
+
+    def __init__(
+        self,
+        config: LoRAClientConfig | Callable[[Context], LoRAClientConfig] | None = None,
+        *,
+        arrayrecord_key: str = "arrays",
+        configrecord_key: str = "config",
+        optimizer_key: str = OPTIMIZER_KEY,
+    ) -> None:
+        self._config = config or LoRAClientConfig()
+        self.arrayrecord_key = arrayrecord_key
+        self.configrecord_key = configrecord_key
+        self.optimizer_key = optimizer_key
+
+    # ------------------------------------------------------------------ helpers
+    def config(self, context: Context) -> LoRAClientConfig:
+        cfg = self._config(context) if callable(self._config) else self._config
+        if cfg.num_threads:
+            torch.set_num_threads(cfg.num_threads)
+        return cfg
+
+    def _setup(self, msg: Message, context: Context):
+        cfg = self.config(context)
+        pid, n = node_partition(context, cfg)
+        model = classifier.get_model(cfg.lora)
+        if self.arrayrecord_key not in msg.content.array_records:
+            raise KeyError(f"message has no ArrayRecord {self.arrayrecord_key!r}")
+        adapter = msg.content.array_records[self.arrayrecord_key].to_torch_state_dict()
+        classifier.load_adapter_state_dict(model, adapter)
+        return cfg, pid, n, model
+
+    def _msg_config(self, msg: Message) -> Mapping:
+        rec = msg.content.config_records.get(self.configrecord_key)
+        return rec if rec is not None else {}
+
+    # ------------------------------------------------------------------ handlers
+    def train(self, msg: Message, context: Context) -> Message:
+        cfg, pid, n, model = self._setup(msg, context)
+        mc = self._msg_config(msg)
+        steps = int(mc.get("local-steps", cfg.local_steps))
+        lr = float(mc.get("lr", cfg.lr))
+        if steps < 1 or not (math.isfinite(lr) and lr > 0):
+            raise ValueError(f"bad message config: local-steps={steps}, lr={lr}")
+        opt_state = None
+        if self.optimizer_key in msg.content.array_records:
+            opt_state = msg.content.array_records[self.optimizer_key].to_torch_state_dict()
+        data = load_node_data(cfg, pid, n)
+        cursor = _get_cursor(context)
+        seed = _node_seed(cfg, pid)
+        loss, cursor, new_opt = train_steps(
+            model,
+            classifier.load_tokenizer(cfg.lora.model),
+            data,
+            cfg,
+            steps=steps,
+            lr=lr,
+            cursor=cursor,
+            seed=seed,
+            opt_state=opt_state,
+        )
+        _set_cursor(context, cursor)
+        content = RecordDict(
+            {
+                self.arrayrecord_key: ArrayRecord(classifier.adapter_state_dict(model)),
+                "metrics": MetricRecord(
+                    {
+                        "num-examples": len(data.train_texts),
+                        "train_loss": loss,
+                        "local-steps": steps,
+                        "examples-seen": steps * cfg.batch_size,
+                    }
+                ),
+            }
+        )
+        if new_opt is not None:
+            content[self.optimizer_key] = ArrayRecord(new_opt)
+        return Message(content=content, reply_to=msg)
+
+    def evaluate(self, msg: Message, context: Context) -> Message:
+        cfg, pid, n, model = self._setup(msg, context)
+        data = load_node_data(cfg, pid, n)
+        texts, labels = data.val_texts, data.val_labels
+        if not texts:  # no validation slice: fall back to the training rows
+            texts, labels = data.train_texts, data.train_labels
+        res = classifier.evaluate(
+            model,
+            classifier.load_tokenizer(cfg.lora.model),
+            texts,
+            labels,
+            max_length=cfg.max_length,
+        )
+        metrics = MetricRecord(
+            {"num-examples": len(texts), "eval_loss": res["loss"], "eval_acc": res["accuracy"]}
+        )
+        return Message(content=RecordDict({"metrics": metrics}), reply_to=msg)
+
+    def query(self, msg: Message, context: Context) -> Message:
+        cfg = self.config(context)
+        pid, n = node_partition(context, cfg)
+        metrics = {cfg.partition_key: pid, cfg.num_partitions_key: n}
+        try:
+            metrics["num-examples"] = len(load_node_data(cfg, pid, n).train_texts)
+        except (ValueError, FileNotFoundError):
+            pass  # still answer who we are; training will report the data problem
+        return Message(content=RecordDict({"metrics": MetricRecord(metrics)}), reply_to=msg)
+
+    def register(self, app) -> None:
+        """Attach the three handlers to a ``flwr.clientapp.ClientApp``."""
+        app.train()(self.train)
+        app.evaluate()(self.evaluate)
+        app.query()(self.query)
+
+
+def _node_seed(cfg: LoRAClientConfig, pid: int) -> int:
+    return int(np.random.default_rng([cfg.lora.seed, pid, 7919]).integers(2**31))
+
+
+def _get_cursor(context: Context) -> int:
+    rec = context.state.config_records.get(STATE_KEY)
+    return int(rec["cursor"]) if rec is not None and "cursor" in rec else 0
+
+
+def _set_cursor(context: Context, cursor: int) -> None:
+    context.state[STATE_KEY] = ConfigRecord({"cursor": int(cursor)})
+
+
+def with_overrides(cfg: LoRAClientConfig, **kw) -> LoRAClientConfig:
+    """Copy of ``cfg`` with fields replaced (``lora_<field>`` replaces inside ``cfg.lora``)."""
+    lora_kw = {k[5:]: v for k, v in kw.items() if k.startswith("lora_")}
+    rest = {k: v for k, v in kw.items() if not k.startswith("lora_")}
+    return replace(cfg, lora=replace(cfg.lora, **lora_kw), **rest)
