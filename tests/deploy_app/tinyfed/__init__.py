@@ -1,0 +1,1 @@
+"""Smallest Flower app used to prove the loopback deployment harness."""

@@ -1,0 +1,422 @@
+"""A throw-away Flower deployment on 127.0.0.1: TLS, SuperNode authentication, N SuperNodes.
+
+Every step calls the scripts in ``scripts/deploy/`` that ``docs/deployment.md`` shows, so the
+guide's commands are the ones tested:
+
+    with loopback_deployment(tmp_path, num_supernodes=3) as dep:
+        run = dep.run_app(APP_DIR, {"num-server-rounds": 2, "output-dir": str(out)})
+        assert run.status == "finished:completed", run.logs
+
+Each process is started in its own session with its own ``FLWR_HOME``; teardown stops every
+process the harness started (and their descendants, found while their parents still live) by
+PID, also when the body raises. The CLI side gets its own ``FLWR_HOME`` with one connection.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager, suppress
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import psutil
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+SCRIPTS = REPO_ROOT / "scripts" / "deploy"
+CONNECTION = "loopback"
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that is free now (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def base_env(flwr_home: Path | None = None) -> dict[str, str]:
+    """Environment for every child: this venv first on PATH, offline, quiet, few threads."""
+    env = dict(os.environ)
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    env.update(
+        FLWR_TELEMETRY_ENABLED="0",
+        FLWR_DISABLE_UPDATE_CHECK="1",
+        HF_HUB_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+        HF_DATASETS_OFFLINE="1",
+        TOKENIZERS_PARALLELISM="false",
+        OMP_NUM_THREADS=env.get("OMP_NUM_THREADS", "1"),
+        MKL_NUM_THREADS=env.get("MKL_NUM_THREADS", "1"),
+        PYTHON=sys.executable,
+        PYTHONUNBUFFERED="1",
+    )
+    env.pop("FLWR_HOME", None)
+    if flwr_home is not None:
+        env["FLWR_HOME"] = str(flwr_home)
+    return env
+
+
+def format_run_config(values: Mapping[str, object]) -> str:
+    """Flower's ``--run-config`` string: TOML values, strings single-quoted, space-separated."""
+    parts = []
+    for key, value in values.items():
+        if isinstance(value, bool):
+            text = "true" if value else "false"
+        elif isinstance(value, (int, float)):
+            text = repr(value)
+        elif isinstance(value, str):
+            if "'" in value or "\n" in value:
+                raise ValueError(f"run config value for {key!r} cannot hold quotes: {value!r}")
+            text = f"'{value}'"
+        else:
+            raise TypeError(f"run config value for {key!r} must be bool/int/float/str")
+        parts.append(f"{key}={text}")
+    return " ".join(parts)
+
+
+@dataclass
+class ManagedProcess:
+    """One long-running process the harness started, with its log file."""
+
+    name: str
+    popen: subprocess.Popen
+    log_path: Path
+    descendants: set[int] = field(default_factory=set)
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def remember_descendants(self) -> None:
+        """Record the PIDs of children (SuperExec, app processes) while the parent lives."""
+        with suppress(psutil.Error):
+            for child in psutil.Process(self.pid).children(recursive=True):
+                self.descendants.add(child.pid)
+
+    def log_tail(self, n_chars: int = 4000) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-n_chars:]
+        except OSError:
+            return ""
+
+
+def _signal_pids(pids: list[int], sig: int) -> None:
+    for pid in pids:
+        with suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, sig)
+
+
+def stop_processes(procs: list[ManagedProcess], grace_s: float = 5.0) -> None:
+    """SIGTERM each process and its recorded descendants, then SIGKILL what is left; reap."""
+    for proc in procs:
+        proc.remember_descendants()
+    own = [p.pid for p in procs if p.alive()]
+    extra = sorted({d for p in procs for d in p.descendants})
+    _signal_pids(own + extra, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    for proc in procs:
+        with suppress(subprocess.TimeoutExpired):
+            proc.popen.wait(timeout=max(0.1, deadline - time.monotonic()))
+    leftovers = [p.pid for p in procs if p.alive()]
+    leftovers += [d for d in extra if psutil.pid_exists(d) and _not_zombie(d)]
+    _signal_pids(leftovers, signal.SIGKILL)
+    for proc in procs:
+        with suppress(subprocess.TimeoutExpired):
+            proc.popen.wait(timeout=5)
+        if proc.popen.stdout is not None:
+            proc.popen.stdout.close()
+
+
+def _not_zombie(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+@dataclass
+class SuperNodeInfo:
+    """A SuperNode of the loopback federation."""
+
+    index: int
+    node_id: int
+    node_config: str
+    appio_port: int
+    flwr_home: Path
+    private_key: Path
+    process: ManagedProcess | None = None
+
+
+@dataclass
+class RunOutcome:
+    """What `scripts/deploy/run_app.sh` reported, plus the run's logs from `flwr log`."""
+
+    run_id: int | None
+    status: str
+    returncode: int
+    output: str
+    logs: str
+    wall_s: float
+
+
+class LoopbackDeployment:
+    """SuperLink (TLS + SuperNode auth) and SuperNodes on 127.0.0.1, driven by the deploy scripts."""
+
+    def __init__(self, root: Path, *, cwd: Path | None = None) -> None:
+        self.root = root
+        self.cert_dir = root / "certs"
+        self.key_dir = root / "keys"
+        self.cli_home = root / "cli-home"
+        self.cwd = cwd or root
+        self.port = 0
+        self.superlink: ManagedProcess | None = None
+        self.supernodes: list[SuperNodeInfo] = []
+        self._procs: list[ManagedProcess] = []
+
+    # --- plumbing -------------------------------------------------------------------------
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def _script(self, name: str, *args: str, timeout: float = 120.0) -> str:
+        """Run one of the deploy scripts against the CLI's FLWR_HOME; return its stdout."""
+        cmd = [str(SCRIPTS / name), *args]
+        res = subprocess.run(
+            cmd,
+            env=base_env(self.cli_home),
+            cwd=self.cwd,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
+        if res.returncode != 0:
+            raise RuntimeError(
+                f"{shlex.join(cmd)} failed ({res.returncode}):\n{res.stdout}\n{res.stderr}"
+            )
+        return res.stdout
+
+    def _flwr_json(self, *args: str, timeout: float = 60.0) -> dict:
+        res = subprocess.run(
+            ["flwr", *args, "--format", "json"],
+            env=base_env(self.cli_home),
+            cwd=self.cwd,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
+        try:
+            return json.loads(res.stdout)
+        except json.JSONDecodeError as err:
+            raise RuntimeError(f"flwr {' '.join(args)}: no JSON: {res.stdout}{res.stderr}") from err
+
+    def _start(self, name: str, cmd: list[str], flwr_home: Path) -> ManagedProcess:
+        log_path = self.root / f"{name}.log"
+        flwr_home.mkdir(parents=True, exist_ok=True)
+        log_file = open(log_path, "wb")
+        popen = subprocess.Popen(
+            cmd,
+            env=base_env(flwr_home),
+            cwd=self.cwd,
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+        log_file.close()
+        proc = ManagedProcess(name=name, popen=popen, log_path=log_path)
+        self._procs.append(proc)
+        return proc
+
+    def _wait_for(self, what: str, predicate, timeout: float, procs=()) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for proc in procs:
+                if not proc.alive():
+                    raise RuntimeError(f"{proc.name} exited early:\n{proc.log_tail()}")
+            if predicate():
+                return
+            time.sleep(0.5)
+        tails = "\n".join(f"--- {p.name}\n{p.log_tail()}" for p in procs)
+        raise TimeoutError(f"timed out after {timeout}s waiting for {what}\n{tails}")
+
+    # --- set-up steps (each one a script of the guide) -------------------------------------
+    def make_certs(self) -> None:
+        self._script("make_certs.sh", str(self.cert_dir), "127.0.0.1", "localhost")
+
+    def start_superlink(self, timeout: float = 60.0) -> None:
+        self.port = free_port()
+        self.superlink = self._start(
+            "superlink",
+            [str(SCRIPTS / "start_superlink.sh"), str(self.cert_dir), "127.0.0.1", str(self.port)],
+            self.root / "superlink-home",
+        )
+        self._script("write_cli_config.sh", CONNECTION, self.address, str(self.cert_dir / "ca.crt"))
+
+        def control_api_answers() -> bool:
+            try:
+                return bool(self._flwr_json("ls", CONNECTION, timeout=30).get("success"))
+            except (RuntimeError, subprocess.TimeoutExpired):
+                return False
+
+        self._wait_for("the SuperLink's Control API", control_api_answers, timeout, [self.superlink])
+
+    def add_supernode(self, node_config: str) -> SuperNodeInfo:
+        """Create the node's key pair and register its public key (coordinating site's step)."""
+        index = len(self.supernodes)
+        name = f"supernode-{index}"
+        self._script("make_supernode_keys.sh", str(self.key_dir), name)
+        out = self._script(
+            "register_supernode.sh", str(self.key_dir / f"{name}.pub"), CONNECTION, f"site-{index}"
+        )
+        match = re.search(r"SuperNode (\d+) registered", out)
+        if match is None:
+            raise RuntimeError(f"could not read the node id from: {out}")
+        info = SuperNodeInfo(
+            index=index,
+            node_id=int(match.group(1)),
+            node_config=node_config,
+            appio_port=free_port(),
+            flwr_home=self.root / f"{name}-home",
+            private_key=self.key_dir / name,
+        )
+        self.supernodes.append(info)
+        return info
+
+    def start_supernode(self, info: SuperNodeInfo) -> None:
+        info.process = self._start(
+            f"supernode-{info.index}",
+            [
+                str(SCRIPTS / "start_supernode.sh"),
+                str(self.cert_dir / "ca.crt"),
+                self.address,
+                str(info.private_key),
+                info.node_config,
+                str(info.appio_port),
+            ],
+            info.flwr_home,
+        )
+
+    def online_node_ids(self) -> set[int]:
+        nodes = self._flwr_json("supernode", "ls", CONNECTION).get("nodes", [])
+        return {int(n["node-id"]) for n in nodes if n.get("status") == "online"}
+
+    def wait_online(self, timeout: float = 90.0) -> None:
+        want = {n.node_id for n in self.supernodes if n.process is not None and n.process.alive()}
+        procs = [n.process for n in self.supernodes if n.process is not None]
+        self._wait_for(
+            f"{len(want)} SuperNodes online", lambda: want <= self.online_node_ids(), timeout, procs
+        )
+
+    # --- use --------------------------------------------------------------------------------
+    def run_app(
+        self, app_dir: Path, run_config: Mapping[str, object], timeout: float = 600.0
+    ) -> RunOutcome:
+        """`scripts/deploy/run_app.sh`: submit, poll `flwr ls` until finished, fetch logs."""
+        t0 = time.monotonic()
+        cmd = [
+            str(SCRIPTS / "run_app.sh"),
+            str(app_dir),
+            CONNECTION,
+            format_run_config(run_config),
+            str(int(timeout)),
+        ]
+        res = subprocess.run(
+            cmd,
+            env=base_env(self.cli_home),
+            cwd=self.cwd,
+            capture_output=True,
+            text=True,
+            timeout=timeout + 120,
+        )
+        wall = time.monotonic() - t0
+        out = res.stdout + res.stderr
+        run_id_match = re.search(r"^run-id (\d+)$", res.stdout, re.M)
+        status_match = re.search(r"^status (\S+)$", res.stdout, re.M)
+        run_id = int(run_id_match.group(1)) if run_id_match else None
+        logs = self.run_logs(run_id) if run_id is not None else ""
+        return RunOutcome(
+            run_id=run_id,
+            status=status_match.group(1) if status_match else "unknown",
+            returncode=res.returncode,
+            output=out,
+            logs=logs,
+            wall_s=wall,
+        )
+
+    def run_logs(self, run_id: int) -> str:
+        try:
+            res = subprocess.run(
+                ["flwr", "log", str(run_id), CONNECTION, "--show"],
+                env=base_env(self.cli_home),
+                cwd=self.cwd,
+                capture_output=True,
+                text=True,
+                timeout=60,
+            )
+            return res.stdout + res.stderr
+        except subprocess.TimeoutExpired:
+            return "(flwr log timed out)"
+
+    def kill_supernode(self, index: int) -> None:
+        """SIGKILL one SuperNode and everything under it at once: a site that loses power."""
+        proc = self.supernodes[index].process
+        if proc is None:
+            raise ValueError(f"SuperNode {index} was never started")
+        proc.remember_descendants()
+        _signal_pids([proc.pid, *sorted(proc.descendants)], signal.SIGKILL)
+        with suppress(subprocess.TimeoutExpired):
+            proc.popen.wait(timeout=10)
+
+    def close(self) -> None:
+        """Stop every process this harness started (SuperNodes first, then the SuperLink)."""
+        for proc in self._procs:
+            proc.remember_descendants()
+        stop_processes(list(reversed(self._procs)))
+
+    def diagnostics(self) -> str:
+        """The last lines of every process log (for assertion messages)."""
+        return "\n".join(f"--- {p.name} (pid {p.pid})\n{p.log_tail(2500)}" for p in self._procs)
+
+
+@contextmanager
+def loopback_deployment(
+    root: Path,
+    num_supernodes: int = 3,
+    node_configs: list[str] | None = None,
+    cwd: Path | None = None,
+) -> Iterator[LoopbackDeployment]:
+    """Certificates, a TLS SuperLink with SuperNode auth, N registered SuperNodes online.
+
+    node_configs[i] is SuperNode i's ``--node-config`` (default
+    ``partition-id=i num-partitions=N``). Everything started is stopped on exit, also on error.
+    """
+    if node_configs is None:
+        node_configs = [
+            f"partition-id={i} num-partitions={num_supernodes}" for i in range(num_supernodes)
+        ]
+    if len(node_configs) != num_supernodes:
+        raise ValueError(f"{len(node_configs)} node configs for {num_supernodes} SuperNodes")
+    root.mkdir(parents=True, exist_ok=True)
+    dep = LoopbackDeployment(root, cwd=cwd)
+    try:
+        dep.make_certs()
+        dep.start_superlink()
+        for cfg in node_configs:
+            dep.add_supernode(cfg)
+        for info in dep.supernodes:
+            dep.start_supernode(info)
+        dep.wait_online()
+        yield dep
+    finally:
+        dep.close()
