@@ -1,0 +1,21 @@
+"""Merge rules for pseudo-gradients (ALGORITHMS.md section 2), pure torch, no Flower.
+
+Public API: :data:`MERGE_RULES`, :func:`merge`, :class:`StreamingMerger`, :func:`iso_c`,
+:func:`polar`, :class:`MergeRule`.
+"""
+
+from .merge import merge
+from .polar import iso_c, newton_schulz_polar, ns_coefficients, polar
+from .rules import MERGE_RULES, MergeRule
+from .streaming import StreamingMerger
+
+__all__ = [
+    "MERGE_RULES",
+    "MergeRule",
+    "StreamingMerger",
+    "iso_c",
+    "merge",
+    "newton_schulz_polar",
+    "ns_coefficients",
+    "polar",
+]

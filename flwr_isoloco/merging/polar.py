@@ -1,0 +1,226 @@
+"""Polar factor and Iso-C of one 2-D tensor: exact (SVD) and fast (Newton-Schulz).
+
+For ``g = U diag(s) V^T`` (thin SVD, ``r = min(m, n)``):
+
+- ``polar(g) = U V^T``;
+- ``iso_c(g) = mean(s) * U V^T`` (Marczak et al. 2025): all singular values equal, nuclear norm
+  kept, ``||iso_c(g)||_F = ||g||_* / sqrt(r)``.
+
+Fast mode. With ``O ~= U V^T`` from Newton-Schulz, ``mean(s) = <U V^T, g>_F / r``, so
+``iso_c(g) ~= (<O, g>_F / r) * O``. Each Newton-Schulz step maps ``X <- p(X)`` for an odd
+quintic ``p(x) = a x + b x^3 + c x^5`` applied to the singular values, computed on the small
+side as ``X <- (a I + b A + c A^2) X`` with ``A = X X^T``. Unlike Muon's fixed coefficients
+(singular values end in about [0.7, 1.2]), the coefficients here follow the "Polar Express"
+recipe (Amsel et al. 2025): step k uses the minimax quintic for the interval ``[l_k, u_k]``
+that the previous steps left the singular values in, so the schedule starts aggressive and ends
+in the classic ``(15, -10, 3) / 8`` iteration, which converges to exactly 1. See
+``docs/merging.md`` for the measured accuracy and speed.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+
+__all__ = [
+    "iso_c",
+    "polar",
+    "newton_schulz_polar",
+    "ns_coefficients",
+    "NS_LOWER",
+    "NS_TOL",
+    "NS_MAX_STEPS",
+]
+
+#: Smallest singular value (relative to the largest) one pass of the schedule is designed for.
+NS_LOWER = 1e-3
+#: Early stop once the RMS deviation of the singular values from 1 is below this.
+NS_TOL = 1e-3
+#: Hard cap on Newton-Schulz steps when ``steps`` is not given.
+NS_MAX_STEPS = 30
+#: Coefficients are designed for inputs up to ``_SAFETY * u`` so fp32 round-off cannot push a
+#: singular value past the interval where the quintic is bounded (Polar Express uses 1.01).
+_SAFETY = 1.01
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _check_matrix(g: torch.Tensor) -> None:
+    if not isinstance(g, torch.Tensor):
+        raise ValueError(f"expected a torch.Tensor, got {type(g).__name__}")
+    if g.ndim != 2:
+        raise ValueError(f"expected a 2-D tensor, got shape {tuple(g.shape)}")
+    if not g.is_floating_point():
+        raise ValueError(f"expected a floating-point tensor, got dtype {g.dtype}")
+
+
+def _minimax_quintic(lo: float, hi: float) -> tuple[float, float, float, float]:
+    """Odd quintic ``p`` minimising ``max |1 - p(x)|`` on ``[lo, hi]`` (Remez exchange).
+
+    Returns ``(a, b, c, E)``: ``p(x) = a x + b x^3 + c x^5`` equioscillates between ``1 - E`` and
+    ``1 + E`` at ``lo``, two interior extrema and ``hi``.
+    """
+    x1, x2 = lo + 0.25 * (hi - lo), lo + 0.75 * (hi - lo)
+    a = b = c = err = 0.0
+    for _ in range(200):
+        pts = (lo, x1, x2, hi)
+        mat = torch.tensor(
+            [[x, x**3, x**5, (-1.0) ** j] for j, x in enumerate(pts)], dtype=torch.float64
+        )
+        a, b, c, err = torch.linalg.solve(mat, torch.ones(4, dtype=torch.float64)).tolist()
+        disc = 9 * b * b - 20 * a * c
+        if c <= 0 or disc <= 0:  # degenerate: fall back to the classic converging quintic
+            return 15 / 8, -10 / 8, 3 / 8, 0.0
+        y1 = (-3 * b - math.sqrt(disc)) / (10 * c)
+        y2 = (-3 * b + math.sqrt(disc)) / (10 * c)
+        n1, n2 = math.sqrt(max(y1, 0.0)), math.sqrt(max(y2, 0.0))
+        if not (lo < n1 < n2 < hi):
+            return 15 / 8, -10 / 8, 3 / 8, 0.0
+        done = abs(n1 - x1) <= 1e-14 * hi and abs(n2 - x2) <= 1e-14 * hi
+        x1, x2 = n1, n2
+        if done:
+            break
+    return a, b, c, abs(err)
+
+
+@functools.lru_cache(maxsize=64)
+def ns_coefficients(lower: float = NS_LOWER, tol: float = 1e-7) -> tuple[tuple[float, ...], ...]:
+    """Per-step quintic coefficients ``(a, b, c)`` taking ``[lower, 1]`` to within ``tol`` of 1.
+
+    Step k is the minimax quintic on the interval ``[l_k, u_k]`` the previous steps produce
+    (``l_0 = lower, u_0 = 1``), evaluated at ``x / 1.01`` for round-off safety; the next
+    interval is ``[p(l_k), 1 + E_k]``. Once the interval is within 1e-3 of 1, the classic
+    ``(15, -10, 3) / 8`` step (``p(1) = 1``, ``p'(1) = p''(1) = 0``) finishes.
+    """
+    if not 0 < lower < 1:
+        raise ValueError(f"lower must be in (0, 1), got {lower!r}")
+    steps: list[tuple[float, float, float]] = []
+    lo, hi = lower, 1.0
+    while len(steps) < 50:
+        if hi - lo <= 2e-3:
+            a, b, c = 15 / 8, -10 / 8, 3 / 8
+            steps.append((a, b, c))
+            p_lo, p_hi = (a * x + b * x**3 + c * x**5 for x in (lo, hi))
+            lo, hi = min(p_lo, p_hi, 1.0), max(p_lo, p_hi, 1.0)
+        else:
+            a, b, c, err = _minimax_quintic(lo, hi)
+            s = _SAFETY
+            a, b, c = a / s, b / s**3, c / s**5
+            steps.append((a, b, c))
+            lo, hi = a * lo + b * lo**3 + c * lo**5, 1.0 + err
+        if max(1.0 - lo, hi - 1.0) <= tol:
+            break
+    return tuple(steps)
+
+
+def newton_schulz_polar(
+    g: torch.Tensor,
+    steps: int | None = None,
+    *,
+    lower: float = NS_LOWER,
+    tol: float = NS_TOL,
+    max_steps: int = NS_MAX_STEPS,
+) -> torch.Tensor:
+    """``U V^T`` of a 2-D tensor by Newton-Schulz, in fp32 (fp64 for fp64 input).
+
+    ``steps=None``: run the schedule of :func:`ns_coefficients` (restarting it if singular
+    values below ``lower`` are still unconverged) until the RMS of ``s_i - 1`` over the
+    singular values is at most ``tol`` (checked for free from the Gram matrix each step), at
+    most ``max_steps`` steps. ``steps=k``: exactly k steps of the schedule, no early stop.
+    The input is scaled by ``||(X X^T)^2||_F^(1/4) >= s_max`` (of ``X = g / ||g||_F``), a
+    bound much tighter than the Frobenius norm, which saves one or two steps.
+    """
+    _check_matrix(g)
+    if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 1):
+        raise ValueError(f"ns_steps must be a positive int or None, got {steps!r}")
+    dtype = _compute_dtype(g.dtype)
+    x = g.detach().to(dtype)
+    transposed = x.shape[0] > x.shape[1]
+    if transposed:  # keep the Gram matrix X X^T on the small side
+        x = x.T
+    r = x.shape[0]
+    fro = torch.linalg.matrix_norm(x)
+    if not bool(fro > 0):
+        out = torch.zeros_like(x)
+        return out.T if transposed else out
+    x = x / fro
+    gram = x @ x.T
+    gram2 = gram @ gram
+    nu = torch.linalg.matrix_norm(gram2).pow(0.25).clamp_min(torch.finfo(dtype).tiny)
+    x = x / nu
+    gram = gram / nu**2
+    gram2 = gram2 / nu**4
+    schedule = ns_coefficients(float(lower))
+    eye = torch.eye(r, dtype=dtype, device=x.device)
+    limit = steps if steps is not None else max_steps
+    for k in range(limit):
+        if k > 0:
+            gram = x @ x.T
+            if steps is None:
+                # ||A - I||_F / sqrt(r) = RMS(s^2 - 1) ~= 2 RMS(s - 1) near convergence
+                dev = torch.linalg.matrix_norm(gram - eye) / math.sqrt(r)
+                if float(dev) <= 2 * tol:
+                    break
+            gram2 = gram @ gram
+        a, b, c = schedule[k % len(schedule)]
+        poly = gram2 * c  # a I + b A + c A^2
+        poly.add_(gram, alpha=b)
+        poly.diagonal().add_(a)
+        x = poly @ x
+    return x.T if transposed else x
+
+
+def polar(
+    g: torch.Tensor,
+    method: str = "svd",
+    steps: int | None = None,
+    **ns_options,
+) -> torch.Tensor:
+    """Orthogonal polar factor ``U V^T`` of a 2-D tensor, returned in the input dtype.
+
+    ``method="svd"`` is exact; ``method="newton_schulz"`` is the fast approximation of
+    :func:`newton_schulz_polar` (``steps`` and ``lower``/``tol``/``max_steps`` apply to it).
+    """
+    _check_matrix(g)
+    if method == "svd":
+        if steps is not None or ns_options:
+            raise ValueError("steps/ns options only apply to method='newton_schulz'")
+        x = g.detach().to(_compute_dtype(g.dtype))
+        u, _, vh = torch.linalg.svd(x, full_matrices=False)
+        out = u @ vh
+    elif method == "newton_schulz":
+        out = newton_schulz_polar(g, steps, **ns_options)
+    else:
+        raise ValueError(f"polar method must be 'svd' or 'newton_schulz', got {method!r}")
+    return out.to(g.dtype)
+
+
+def iso_c(
+    g: torch.Tensor,
+    method: str = "svd",
+    steps: int | None = None,
+    **ns_options,
+) -> torch.Tensor:
+    """``mean(s) * U V^T`` of a 2-D tensor (fp32 inside, input dtype out).
+
+    ``method="svd"``: exact, from the thin SVD. ``method="newton_schulz"``: ``(<O, g>/r) O``
+    with ``O`` the Newton-Schulz polar factor.
+    """
+    _check_matrix(g)
+    x = g.detach().to(_compute_dtype(g.dtype))
+    r = min(x.shape)
+    if method == "svd":
+        if steps is not None or ns_options:
+            raise ValueError("steps/ns options only apply to method='newton_schulz'")
+        u, s, vh = torch.linalg.svd(x, full_matrices=False)
+        out = (u * s.mean()) @ vh
+    elif method == "newton_schulz":
+        o = newton_schulz_polar(x, steps, **ns_options)
+        out = o * (torch.sum(o * x) / r)
+    else:
+        raise ValueError(f"iso_c method must be 'svd' or 'newton_schulz', got {method!r}")
+    return out.to(g.dtype)

@@ -1,0 +1,291 @@
+"""The merge rules of ALGORITHMS.md section 2, per tensor, as pure torch.
+
+Conventions. ``deltas`` are M fp32 tensors of one parameter, ``weights`` are non-negative and sum
+to 1, so every rule is on the scale of the weighted mean (for M identical deltas, ``mean`` returns
+that delta). A rule only touches 2-D tensors whose name matches ``spectral_pattern`` (a regex,
+``re.search``; default: every 2-D tensor); every other tensor takes the weighted mean.
+
+- ``mean``: ``sum_i w_i d_i``.
+- ``iso_c`` / ``iso_c_ns``: Iso-C of the weighted mean (exact SVD / Newton-Schulz polar factor).
+- ``iso_cts``: common subspace (top k of the mean) + each worker's top ``(r-k)/M`` directions
+  outside it; orthonormalised by polar factors; every singular value set to their mean.
+- ``tsv_m``: top ``max(1, r // M)`` triplets of each ``w_i d_i``, stacked, U and V orthonormalised
+  by polar factors, singular values kept.
+- ``ties``: prune each worker's smallest entries, elect the sign of the weighted sum, weighted
+  mean of the kept entries that agree with it.
+- ``dare``: drop entries with probability p, rescale survivors by 1/(1-p), weighted mean.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import zlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from .polar import NS_LOWER, NS_MAX_STEPS, NS_TOL, iso_c
+
+__all__ = ["MergeRule", "MERGE_RULES", "resolve_rule", "check_options", "rule_applies"]
+
+Tensors = Sequence[torch.Tensor]
+
+
+@dataclass(frozen=True)
+class MergeRule:
+    """A merge rule.
+
+    ``combine(deltas, weights, key=..., **options)`` merges one 2-D tensor from the M workers'
+    tensors (fp32) and weights (summing to 1). Streaming rules also have
+    ``transform(mean, **options)``, a function of the weighted mean only, so they can be folded
+    reply by reply (:class:`StreamingMerger`). ``options`` maps each option to its default.
+    """
+
+    name: str
+    combine: Callable[..., torch.Tensor]
+    transform: Callable[..., torch.Tensor] | None = None
+    options: dict = field(default_factory=dict)
+    description: str = ""
+
+    @property
+    def streaming(self) -> bool:
+        return self.transform is not None
+
+
+def weighted_mean(deltas: Tensors, weights: Sequence[float]) -> torch.Tensor:
+    """``sum_i w_i d_i`` (weights already normalised)."""
+    out = deltas[0] * weights[0]
+    for d, w in zip(deltas[1:], weights[1:], strict=True):
+        out.add_(d, alpha=w)
+    return out
+
+
+def _streaming(transform: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    def combine(deltas: Tensors, weights: Sequence[float], key: str = "", **options):
+        return transform(weighted_mean(deltas, weights), **options)
+
+    return combine
+
+
+# ---- streaming rules: functions of the weighted mean ---------------------------------------
+
+
+def _mean(g: torch.Tensor) -> torch.Tensor:
+    return g
+
+
+def _iso_c(g: torch.Tensor) -> torch.Tensor:
+    return iso_c(g, method="svd")
+
+
+def _iso_c_ns(
+    g: torch.Tensor,
+    ns_steps: int | None = None,
+    ns_tol: float = NS_TOL,
+    ns_lower: float = NS_LOWER,
+    ns_max_steps: int = NS_MAX_STEPS,
+) -> torch.Tensor:
+    return iso_c(
+        g,
+        method="newton_schulz",
+        steps=ns_steps,
+        tol=ns_tol,
+        lower=ns_lower,
+        max_steps=ns_max_steps,
+    )
+
+
+# ---- rules that need every worker's tensor ------------------------------------------------
+
+
+def _svd_polar(x: torch.Tensor) -> torch.Tensor:
+    u, _, vh = torch.linalg.svd(x, full_matrices=False)
+    return u @ vh
+
+
+def _iso_cts(
+    deltas: Tensors, weights: Sequence[float], key: str = "", common_fraction: float = 0.8
+) -> torch.Tensor:
+    """Iso-CTS: k common + (r-k)/M per-worker directions, flattened spectrum."""
+    m, n = deltas[0].shape
+    r, num = min(m, n), len(deltas)
+    per_worker = (r - math.floor(common_fraction * r)) // num
+    k = r - per_worker * num  # r - k divides evenly by M
+    scaled = [d * w for d, w in zip(deltas, weights, strict=True)]
+    total = weighted_mean(deltas, weights)
+    u, s, vh = torch.linalg.svd(total, full_matrices=False)
+    us, ss, vs = [u[:, :k]], [s[:k]], [vh[:k]]
+    if per_worker > 0:
+        common = u[:, :k]
+        for d in scaled:
+            outside = d - common @ (common.T @ d)
+            ui, si, vhi = torch.linalg.svd(outside, full_matrices=False)
+            us.append(ui[:, :per_worker])
+            ss.append(si[:per_worker])
+            vs.append(vhi[:per_worker])
+    u_all, s_all, v_all = torch.cat(us, 1), torch.cat(ss), torch.cat(vs, 0)
+    return s_all.mean() * (_svd_polar(u_all) @ _svd_polar(v_all))
+
+
+def _tsv_m(deltas: Tensors, weights: Sequence[float], key: str = "") -> torch.Tensor:
+    """TSV-M: each worker's top ``max(1, r // M)`` triplets, U and V orthonormalised."""
+    r, num = min(deltas[0].shape), len(deltas)
+    top = max(1, r // num)
+    us, ss, vs = [], [], []
+    for d, w in zip(deltas, weights, strict=True):
+        u, s, vh = torch.linalg.svd(d * w, full_matrices=False)
+        us.append(u[:, :top])
+        ss.append(s[:top])
+        vs.append(vh[:top])
+    u_all, s_all, v_all = torch.cat(us, 1), torch.cat(ss), torch.cat(vs, 0)
+    return (_svd_polar(u_all) * s_all) @ _svd_polar(v_all)
+
+
+def prune_smallest(d: torch.Tensor, fraction: float) -> torch.Tensor:
+    """Zero the ``floor(fraction * numel)`` smallest-magnitude entries (ties: lower index first)."""
+    count = math.floor(fraction * d.numel())
+    if count == 0:
+        return d
+    flat = d.flatten().clone()
+    order = torch.argsort(flat.abs(), stable=True)
+    flat[order[:count]] = 0
+    return flat.view_as(d)
+
+
+def _ties(
+    deltas: Tensors, weights: Sequence[float], key: str = "", prune_fraction: float = 0.1
+) -> torch.Tensor:
+    """TIES: trim, elect sign of the weighted sum of kept entries, disjoint weighted mean."""
+    kept = torch.stack([prune_smallest(d, prune_fraction) for d in deltas])
+    w = torch.tensor(weights, dtype=kept.dtype, device=kept.device).view(-1, *[1] * (kept.ndim - 1))
+    elected = torch.sign((w * kept).sum(0))
+    agree = (torch.sign(kept) == elected) & (elected != 0)
+    num = (w * kept * agree).sum(0)
+    den = (w * agree).sum(0)
+    return torch.where(den > 0, num / den.clamp_min(torch.finfo(den.dtype).tiny), 0.0)
+
+
+def dare_seed(seed: int, key: str) -> int:
+    """Per-tensor seed: independent of dict order, reproducible across processes."""
+    return (seed * 1_000_003 + zlib.crc32(key.encode())) % (2**63 - 1)
+
+
+def _dare(
+    deltas: Tensors,
+    weights: Sequence[float],
+    key: str = "",
+    drop_rate: float = 0.1,
+    seed: int = 0,
+) -> torch.Tensor:
+    """DARE: keep each entry with prob 1-p (one seeded generator per tensor), rescale, mean."""
+    gen = torch.Generator().manual_seed(dare_seed(seed, key))
+    out = torch.zeros_like(deltas[0])
+    for d, w in zip(deltas, weights, strict=True):
+        keep = torch.rand(d.shape, generator=gen) >= drop_rate
+        out.add_(d * keep.to(d.device), alpha=w / (1.0 - drop_rate))
+    return out
+
+
+MERGE_RULES: dict[str, MergeRule] = {
+    "mean": MergeRule("mean", _streaming(_mean), _mean, {}, "weighted mean (DiLoCo)"),
+    "iso_c": MergeRule("iso_c", _streaming(_iso_c), _iso_c, {}, "Iso-C of the mean, exact SVD"),
+    "iso_c_ns": MergeRule(
+        "iso_c_ns",
+        _streaming(_iso_c_ns),
+        _iso_c_ns,
+        {"ns_steps": None, "ns_tol": NS_TOL, "ns_lower": NS_LOWER, "ns_max_steps": NS_MAX_STEPS},
+        "Iso-C of the mean, Newton-Schulz polar factor",
+    ),
+    "iso_cts": MergeRule(
+        "iso_cts",
+        _iso_cts,
+        None,
+        {"common_fraction": 0.8},
+        "Iso-CTS: common + per-worker subspaces, flat spectrum",
+    ),
+    "tsv_m": MergeRule("tsv_m", _tsv_m, None, {}, "task singular vectors merge"),
+    "ties": MergeRule(
+        "ties", _ties, None, {"prune_fraction": 0.1}, "TIES: trim, elect sign, disjoint mean"
+    ),
+    "dare": MergeRule(
+        "dare",
+        _dare,
+        None,
+        {"drop_rate": 0.1, "seed": 0},
+        "DARE: random drop and rescale, then mean",
+    ),
+}
+
+#: Options every rule accepts.
+COMMON_OPTIONS = {"spectral_pattern": None}
+
+
+def resolve_rule(rule: str | MergeRule) -> MergeRule:
+    if isinstance(rule, MergeRule):
+        return rule
+    if isinstance(rule, str) and rule in MERGE_RULES:
+        return MERGE_RULES[rule]
+    raise ValueError(f"unknown merge rule {rule!r}; known: {', '.join(MERGE_RULES)}")
+
+
+def _fraction(name: str, value: object, low_open: bool, high_open: bool) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"option {name}={value!r} must be a number")
+    ok_low = value > 0 if low_open else value >= 0
+    ok_high = value < 1 if high_open else value <= 1
+    if not (ok_low and ok_high):
+        lo, hi = "(" if low_open else "[", ")" if high_open else "]"
+        raise ValueError(f"option {name}={value!r} must be in {lo}0, 1{hi}")
+    return float(value)
+
+
+def check_options(rule: MergeRule, options: dict) -> tuple[dict, re.Pattern | None]:
+    """Validate option names and values; return the rule's options and the compiled pattern."""
+    allowed = {**COMMON_OPTIONS, **rule.options}
+    for name in options:
+        if name not in allowed:
+            raise ValueError(
+                f"unknown option {name!r} for merge rule {rule.name!r}; "
+                f"accepted: {', '.join(sorted(allowed)) or 'none'}"
+            )
+    opts = {k: options.get(k, v) for k, v in rule.options.items()}
+    for name, value in opts.items():
+        if name in ("prune_fraction", "drop_rate"):
+            opts[name] = _fraction(name, value, low_open=False, high_open=True)
+        elif name in ("common_fraction",):
+            opts[name] = _fraction(name, value, low_open=True, high_open=False)
+        elif name in ("ns_lower",):
+            opts[name] = _fraction(name, value, low_open=True, high_open=True)
+        elif name in ("ns_tol",):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise ValueError(f"option ns_tol={value!r} must be a number > 0")
+        elif name in ("seed", "ns_max_steps", "ns_steps"):
+            if value is None and name == "ns_steps":
+                continue
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, int)
+                or value < (0 if name == "seed" else 1)
+            ):
+                raise ValueError(
+                    f"option {name}={value!r} must be an int >= {0 if name == 'seed' else 1}"
+                )
+    pattern = options.get("spectral_pattern")
+    compiled = None
+    if pattern is not None:
+        if not isinstance(pattern, str):
+            raise ValueError(f"option spectral_pattern={pattern!r} must be a regex string")
+        try:
+            compiled = re.compile(pattern)
+        except re.error as exc:
+            raise ValueError(
+                f"option spectral_pattern={pattern!r} is not a valid regex: {exc}"
+            ) from None
+    return opts, compiled
+
+
+def rule_applies(key: str, tensor: torch.Tensor, pattern: re.Pattern | None) -> bool:
+    """True for 2-D tensors whose name matches ``pattern`` (all 2-D when None)."""
+    return tensor.ndim == 2 and (pattern is None or pattern.search(key) is not None)

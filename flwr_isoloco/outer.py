@@ -1,0 +1,167 @@
+"""Outer optimiser of DiLoCo/IsoLoCo: SGD with optional heavy-ball or Nesterov momentum.
+
+Works on a dict ``name -> tensor`` (no ``nn.Module``, no Flower) and follows the
+``torch.optim.SGD`` convention with ``dampening=0`` and ``weight_decay=0``. For each name,
+with ``g`` the pseudo-gradient and ``b`` a zero-initialised buffer::
+
+    b <- mu * b + g
+    u = g + mu * b        (nesterov)
+    u = b                 (heavy-ball, mu > 0)
+    u = g                 (mu = 0: plain SGD, no buffer)
+    u = update_transform(u)   (optional, e.g. Iso-C after momentum)
+    theta <- theta - lr * u
+
+With ``mu = 0`` and ``lr = 1``, ``theta - g`` with ``g`` the mean pseudo-gradient is FedAvg.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+
+import torch
+
+__all__ = ["OuterSGD"]
+
+UpdateTransform = Callable[[dict[str, torch.Tensor]], Mapping[str, torch.Tensor]]
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """fp64 stays fp64 (exactness); everything else (fp32, bf16, fp16) is computed in fp32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+class OuterSGD:
+    """SGD / heavy-ball / Nesterov over a dict of tensors; ``step`` returns new params.
+
+    Inputs are never modified. Momentum buffers are kept in fp32 (fp64 for fp64 params).
+    """
+
+    def __init__(self, lr: float, momentum: float = 0.0, nesterov: bool = False) -> None:
+        self.lr, self.momentum, self.nesterov = self._check_hyper(lr, momentum, nesterov)
+        self.momentum_buffer: dict[str, torch.Tensor] = {}
+        self.steps = 0
+
+    @staticmethod
+    def _check_hyper(lr: float, momentum: float, nesterov: bool) -> tuple[float, float, bool]:
+        if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not math.isfinite(lr):
+            raise ValueError(f"outer lr must be a finite number, got {lr!r}")
+        if lr < 0:
+            raise ValueError(f"outer lr must be >= 0, got {lr!r}")
+        if (
+            isinstance(momentum, bool)
+            or not isinstance(momentum, (int, float))
+            or not math.isfinite(momentum)
+            or momentum < 0
+        ):
+            raise ValueError(f"outer momentum must be a finite number >= 0, got {momentum!r}")
+        if not isinstance(nesterov, bool):
+            raise ValueError(f"nesterov must be a bool, got {nesterov!r}")
+        if nesterov and momentum == 0:
+            raise ValueError("nesterov=True requires momentum > 0")
+        return float(lr), float(momentum), nesterov
+
+    def step(
+        self,
+        params: Mapping[str, torch.Tensor],
+        grads: Mapping[str, torch.Tensor],
+        update_transform: UpdateTransform | None = None,
+    ) -> dict[str, torch.Tensor]:
+        """Return ``theta - lr * u`` for every name (see module docstring).
+
+        ``update_transform`` receives the whole dict ``name -> u`` (compute dtype) and must return
+        a dict with the same names and shapes. Raises ``ValueError`` naming the key on mismatched
+        keys or shapes or non-finite values; state is only updated when the step succeeds.
+        """
+        self._check_pair(params, grads)
+        mu = self.momentum
+        new_buffers: dict[str, torch.Tensor] = {}
+        updates: dict[str, torch.Tensor] = {}
+        for name, p in params.items():
+            g = grads[name].detach().to(device=p.device, dtype=_compute_dtype(p.dtype))
+            if mu == 0:
+                updates[name] = g
+                continue
+            old = self.momentum_buffer.get(name)
+            if old is not None and old.shape != g.shape:
+                raise ValueError(
+                    f"key {name!r}: momentum buffer shape {tuple(old.shape)} != "
+                    f"gradient shape {tuple(g.shape)}"
+                )
+            buf = g.clone() if old is None else old.to(g.device, g.dtype).mul(mu).add_(g)
+            new_buffers[name] = buf
+            updates[name] = g.add(buf, alpha=mu) if self.nesterov else buf
+        if update_transform is not None:
+            updates = self._apply_transform(update_transform, updates)
+        out: dict[str, torch.Tensor] = {}
+        for name, p in params.items():
+            u = updates[name]
+            theta = p.detach().to(u.dtype)
+            out[name] = theta.sub(u, alpha=self.lr).to(p.dtype)
+        self.momentum_buffer.update(new_buffers)
+        self.steps += 1
+        return out
+
+    @staticmethod
+    def _check_pair(params: Mapping[str, torch.Tensor], grads: Mapping[str, torch.Tensor]) -> None:
+        if not isinstance(params, Mapping) or not isinstance(grads, Mapping):
+            raise ValueError("params and grads must be dicts name -> tensor")
+        missing = [k for k in params if k not in grads]
+        extra = [k for k in grads if k not in params]
+        if missing:
+            raise ValueError(f"key {missing[0]!r}: missing from grads")
+        if extra:
+            raise ValueError(f"key {extra[0]!r}: in grads but not in params")
+        for name, p in params.items():
+            g = grads[name]
+            if not isinstance(p, torch.Tensor) or not isinstance(g, torch.Tensor):
+                raise ValueError(f"key {name!r}: params and grads must be torch tensors")
+            if p.shape != g.shape:
+                raise ValueError(
+                    f"key {name!r}: grad shape {tuple(g.shape)} != param shape {tuple(p.shape)}"
+                )
+            if not p.is_floating_point():
+                raise ValueError(f"key {name!r}: param dtype {p.dtype} is not floating point")
+            if not bool(torch.isfinite(g).all()):
+                raise ValueError(f"key {name!r}: grad has non-finite values")
+
+    @staticmethod
+    def _apply_transform(
+        fn: UpdateTransform, updates: dict[str, torch.Tensor]
+    ) -> dict[str, torch.Tensor]:
+        result = fn(dict(updates))
+        if not isinstance(result, Mapping) or set(result) != set(updates):
+            raise ValueError("update_transform must return a dict with the same keys it received")
+        for name, u in updates.items():
+            r = result[name]
+            if not isinstance(r, torch.Tensor) or r.shape != u.shape:
+                raise ValueError(f"key {name!r}: update_transform changed the shape or type")
+        return {name: result[name].to(u.dtype) for name, u in updates.items()}
+
+    def state_dict(self) -> dict:
+        """Hyper-parameters, step count and momentum buffers (``{"momentum_buffer": {name: t}}``)."""
+        return {
+            "lr": self.lr,
+            "momentum": self.momentum,
+            "nesterov": self.nesterov,
+            "steps": self.steps,
+            "momentum_buffer": {k: v.clone() for k, v in self.momentum_buffer.items()},
+        }
+
+    def load_state_dict(self, state: Mapping) -> None:
+        """Restore a ``state_dict()``; like ``torch.optim``, saved hyper-parameters win."""
+        try:
+            lr, mu, nesterov = state["lr"], state["momentum"], state["nesterov"]
+            steps, buffers = state["steps"], state["momentum_buffer"]
+        except (KeyError, TypeError) as exc:
+            raise ValueError(f"outer optimiser state is missing {exc}") from None
+        self.lr, self.momentum, self.nesterov = self._check_hyper(lr, mu, nesterov)
+        if not isinstance(steps, int) or steps < 0:
+            raise ValueError(f"outer optimiser state: steps must be an int >= 0, got {steps!r}")
+        if not isinstance(buffers, Mapping):
+            raise ValueError("outer optimiser state: momentum_buffer must be a dict")
+        for name, t in buffers.items():
+            if not isinstance(t, torch.Tensor):
+                raise ValueError(f"key {name!r}: momentum buffer is not a tensor")
+        self.steps = steps
+        self.momentum_buffer = {k: v.detach().clone() for k, v in buffers.items()}
