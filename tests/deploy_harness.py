@@ -170,6 +170,39 @@ class RunOutcome:
     wall_s: float
 
 
+@dataclass
+class RunningApp:
+    """A `run_app.sh` in flight; `.wait()` gives its RunOutcome."""
+
+    deployment: LoopbackDeployment
+    process: ManagedProcess
+    t0: float
+    timeout: float
+
+    def run_id(self) -> int | None:
+        match = re.search(r"^run-id (\d+)$", self.process.log_tail(100_000), re.M)
+        return int(match.group(1)) if match else None
+
+    def wait(self) -> RunOutcome:
+        try:
+            self.process.popen.wait(timeout=self.timeout + 120)
+        except subprocess.TimeoutExpired:
+            stop_processes([self.process])
+        wall = time.monotonic() - self.t0
+        out = self.process.log_tail(100_000)
+        status_match = re.search(r"^status (\S+)$", out, re.M)
+        run_id = self.run_id()
+        logs = self.deployment.run_logs(run_id) if run_id is not None else ""
+        return RunOutcome(
+            run_id=run_id,
+            status=status_match.group(1) if status_match else "unknown",
+            returncode=self.process.popen.returncode,
+            output=out,
+            logs=logs,
+            wall_s=wall,
+        )
+
+
 class LoopbackDeployment:
     """SuperLink (TLS + SuperNode auth) and SuperNodes on 127.0.0.1, driven by the deploy scripts."""
 
@@ -319,11 +352,10 @@ class LoopbackDeployment:
         )
 
     # --- use --------------------------------------------------------------------------------
-    def run_app(
+    def start_app(
         self, app_dir: Path, run_config: Mapping[str, object], timeout: float = 600.0
-    ) -> RunOutcome:
-        """`scripts/deploy/run_app.sh`: submit, poll `flwr ls` until finished, fetch logs."""
-        t0 = time.monotonic()
+    ) -> RunningApp:
+        """Start `scripts/deploy/run_app.sh` (submit, poll `flwr ls`) without waiting for it."""
         cmd = [
             str(SCRIPTS / "run_app.sh"),
             str(app_dir),
@@ -331,28 +363,26 @@ class LoopbackDeployment:
             format_run_config(run_config),
             str(int(timeout)),
         ]
-        res = subprocess.run(
-            cmd,
-            env=base_env(self.cli_home),
-            cwd=self.cwd,
-            capture_output=True,
-            text=True,
-            timeout=timeout + 120,
-        )
-        wall = time.monotonic() - t0
-        out = res.stdout + res.stderr
-        run_id_match = re.search(r"^run-id (\d+)$", res.stdout, re.M)
-        status_match = re.search(r"^status (\S+)$", res.stdout, re.M)
-        run_id = int(run_id_match.group(1)) if run_id_match else None
-        logs = self.run_logs(run_id) if run_id is not None else ""
-        return RunOutcome(
-            run_id=run_id,
-            status=status_match.group(1) if status_match else "unknown",
-            returncode=res.returncode,
-            output=out,
-            logs=logs,
-            wall_s=wall,
-        )
+        log_path = self.root / f"run_app-{len(self._procs)}.log"
+        with open(log_path, "wb") as log_file:
+            popen = subprocess.Popen(
+                cmd,
+                env=base_env(self.cli_home),
+                cwd=self.cwd,
+                stdout=log_file,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
+        proc = ManagedProcess(name="run_app", popen=popen, log_path=log_path)
+        self._procs.append(proc)
+        return RunningApp(self, proc, time.monotonic(), timeout)
+
+    def run_app(
+        self, app_dir: Path, run_config: Mapping[str, object], timeout: float = 600.0
+    ) -> RunOutcome:
+        """`scripts/deploy/run_app.sh`: submit, poll `flwr ls` until finished, fetch logs."""
+        return self.start_app(app_dir, run_config, timeout).wait()
 
     def run_logs(self, run_id: int) -> str:
         try:
