@@ -97,26 +97,33 @@ def test_carried_optimizer_state_equals_one_long_visit():
     """K steps + K steps with AdamW state carried == 2K steps in one visit (exactly)."""
     init = classifier.initial_adapter(CFG.lora)
     g_split, g_once = _grid(CFG), _grid(CFG)
-    r1 = _train(g_split, 0, init, {"local-steps": 2}, {OPTIMIZER_KEY: ArrayRecord({})})
+    carry = {"local-steps": 2, "carry-optimizer-state": True}
+    r1 = _train(g_split, 0, init, carry)  # first hop: no state yet -> fresh AdamW
     opt = r1.content[OPTIMIZER_KEY].to_torch_state_dict()
     assert any(k.endswith(".exp_avg_sq") for k in opt)
+    assert r1.content["optimizer-config"]["step"] == 2
     mid = r1.content["arrays"].to_torch_state_dict()
-    r2 = _train(g_split, 0, mid, {"local-steps": 2}, {OPTIMIZER_KEY: ArrayRecord(opt)})
+    extra = {OPTIMIZER_KEY: ArrayRecord(opt), "optimizer-config": r1.content["optimizer-config"]}
+    r2 = _train(g_split, 0, mid, carry, extra)
+    assert r2.content["optimizer-config"]["step"] == 4
     split = r2.content["arrays"].to_torch_state_dict()
     once = _train(g_once, 0, init, {"local-steps": 4}).content["arrays"].to_torch_state_dict()
-    assert OPTIMIZER_KEY not in _train(g_once, 1, init).content  # not sent -> not returned
+    assert OPTIMIZER_KEY not in _train(g_once, 1, init).content  # not asked -> not returned
     for k in once:
         assert torch.equal(split[k], once[k]), k
 
 
 def test_query_answers_partition_id():
     grid = _grid(CFG, num_nodes=3)
-    msgs = [
-        grid.create_message(RecordDict(), MessageType.QUERY, nid, "0") for nid in grid.node_ids
-    ]
+    msgs = [grid.create_message(RecordDict(), MessageType.QUERY, nid, "0") for nid in grid.node_ids]
     replies = grid.send_and_receive(msgs)
-    got = {r.metadata.src_node_id: r.content["metrics"]["partition-id"] for r in replies}
+    got = {r.metadata.src_node_id: r.content["config"]["partition-id"] for r in replies}
     assert got == {nid: i for i, nid in enumerate(grid.node_ids)}
+    # the strategy may ask for another node_config key (a site name)
+    cfg = ConfigRecord({"vertex-key": "num-partitions"})
+    msg = grid.create_message(RecordDict({"config": cfg}), MessageType.QUERY, grid.node_ids[0], "0")
+    (reply,) = grid.send_and_receive([msg])
+    assert reply.content["config"]["num-partitions"] == 3
 
 
 def test_bad_adapter_gives_error_reply_not_crash():

@@ -4,15 +4,18 @@ Message conventions (shared with :mod:`flwr_isoloco.strategies.rwlora`, ``gossip
 FedAvg):
 
 - TRAIN in: ArrayRecord ``arrays`` = the adapter (peft keys, fp32; the classification head too
-  when ``train_head``); ConfigRecord ``config`` with optional ``local-steps`` (K), ``lr``;
-  optional ArrayRecord ``optimizer-state`` (AdamW ``exp_avg``/``exp_avg_sq``/``step`` per
-  trainable tensor) when the strategy carries it.
+  when ``train_head``); ConfigRecord ``config`` with optional ``local-steps`` (K), ``lr`` and
+  ``carry-optimizer-state`` (bool); when carrying, optional ArrayRecord ``optimizer`` (AdamW
+  ``<param>.exp_avg`` / ``<param>.exp_avg_sq`` per trainable tensor) and ConfigRecord
+  ``optimizer-config`` (``step``); none on the first hop = fresh AdamW.
 - TRAIN out: ``arrays`` = the adapter after K steps, MetricRecord ``metrics`` with
   ``num-examples`` (shard size, FedAvg's weight), ``train_loss`` (mean over the K steps),
-  ``local-steps`` and ``examples-seen``; ``optimizer-state`` back iff it came in.
+  ``local-steps`` and ``examples-seen``; the new ``optimizer`` + ``optimizer-config`` iff
+  carrying.
 - EVALUATE: loss/accuracy of the received adapter on the node's validation slice.
-- QUERY: MetricRecord ``metrics`` with ``partition-id`` (from ``context.node_config``) and
-  ``num-examples``.
+- QUERY: ``{vertex-key: context.node_config[vertex-key]}`` (vertex-key from the query's
+  ``config``, default ``partition-id``) as a ConfigRecord ``config``, plus a MetricRecord
+  ``metrics`` with the partition id (if an int) and ``num-examples``.
 
 Batch order: the shard is visited in seeded epoch permutations; the stream position (cursor)
 is kept in ``context.state`` so consecutive visits continue where the last one stopped. Dropout
@@ -33,9 +36,11 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, 
 from flwr_isoloco.data import sentiment
 from flwr_isoloco.models import classifier
 
-OPTIMIZER_KEY = "optimizer-state"
+OPTIMIZER_KEY = "optimizer"
+OPTIMIZER_CONFIG_KEY = "optimizer-config"
+CARRY_KEY = "carry-optimizer-state"
 STATE_KEY = "lora-client"
-_MOMENTS = ("exp_avg", "exp_avg_sq", "step")
+_MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
 @dataclass(frozen=True)
@@ -146,37 +151,50 @@ def _trainable(model) -> list[tuple[str, torch.nn.Parameter]]:
     return [(n, p) for n, p in model.named_parameters() if p.requires_grad]
 
 
-def optimizer_to_arrays(opt: torch.optim.AdamW, named: list[tuple[str, torch.nn.Parameter]]):
-    """AdamW state as ``{f"{param}.{moment}": tensor}`` (fp32; step as a 0-d tensor)."""
+def optimizer_to_arrays(
+    opt: torch.optim.AdamW, named: list[tuple[str, torch.nn.Parameter]]
+) -> tuple[dict[str, torch.Tensor], int]:
+    """AdamW state as (``{f"{param}.{moment}": fp32 tensor}``, step count)."""
     out: dict[str, torch.Tensor] = {}
+    steps = set()
     for name, p in named:
         st = opt.state.get(p, {})
         for m in _MOMENTS:
             if m in st:
-                out[f"{name}.{m}"] = torch.as_tensor(st[m]).detach().to(torch.float32).clone()
-    return out
+                out[f"{name}.{m}"] = st[m].detach().to(torch.float32).clone()
+        if "step" in st:
+            steps.add(int(torch.as_tensor(st["step"]).item()))
+    if len(steps) > 1:
+        raise ValueError(f"AdamW step counts differ across parameters: {sorted(steps)}")
+    return out, (steps.pop() if steps else 0)
 
 
 def arrays_to_optimizer(
-    opt: torch.optim.AdamW, named: list[tuple[str, torch.nn.Parameter]], arrays: Mapping
+    opt: torch.optim.AdamW,
+    named: list[tuple[str, torch.nn.Parameter]],
+    arrays: Mapping[str, torch.Tensor],
+    step: int,
 ) -> None:
-    """Inverse of :func:`optimizer_to_arrays`; shapes are checked."""
+    """Inverse of :func:`optimizer_to_arrays`; keys and shapes are checked."""
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        raise ValueError(f"optimizer-config step must be an int >= 0, got {step!r}")
+    expected = {f"{n}.{m}" for n, _ in named for m in _MOMENTS}
+    if set(arrays) != expected:
+        missing, extra = sorted(expected - set(arrays)), sorted(set(arrays) - expected)
+        raise ValueError(
+            f"optimizer state keys differ: missing {missing[:3]}, unexpected {extra[:3]}"
+        )
     for name, p in named:
-        keys = [f"{name}.{m}" for m in _MOMENTS]
-        present = [k in arrays for k in keys]
-        if not any(present):
-            continue
-        if not all(present):
-            raise ValueError(f"optimizer state for {name!r} is incomplete")
-        ea, eas, step = (torch.as_tensor(arrays[k]).float() for k in keys)
+        ea, eas = (torch.as_tensor(arrays[f"{name}.{m}"]).float() for m in _MOMENTS)
         if ea.shape != p.shape or eas.shape != p.shape:
             raise ValueError(
                 f"optimizer state for {name!r}: shape {tuple(ea.shape)} != {tuple(p.shape)}"
             )
-        opt.state[p] = {"step": step.reshape(()), "exp_avg": ea.clone(), "exp_avg_sq": eas.clone()}
-    extra = set(arrays) - {f"{n}.{m}" for n, _ in named for m in _MOMENTS}
-    if extra:
-        raise ValueError(f"optimizer state has unknown keys {sorted(extra)[:3]}")
+        opt.state[p] = {
+            "step": torch.tensor(float(step)),
+            "exp_avg": ea.clone(),
+            "exp_avg_sq": eas.clone(),
+        }
 
 
 def train_steps(
@@ -189,14 +207,14 @@ def train_steps(
     lr: float,
     cursor: int,
     seed: int,
-    opt_state: Mapping[str, torch.Tensor] | None = None,
-) -> tuple[float, int, dict[str, torch.Tensor] | None]:
-    """``steps`` AdamW steps from stream position ``cursor``; returns (mean loss, new cursor,
-    optimiser state or None when none came in)."""
+    opt_state: tuple[Mapping[str, torch.Tensor], int] | None = None,
+) -> tuple[float, int, tuple[dict[str, torch.Tensor], int]]:
+    """``steps`` AdamW steps from stream position ``cursor`` (fresh AdamW unless ``opt_state``
+    = (moments, step) is given); returns (mean loss, new cursor, (moments, step))."""
     named = _trainable(model)
     opt = torch.optim.AdamW([p for _, p in named], lr=lr, weight_decay=cfg.weight_decay)
-    if opt_state:
-        arrays_to_optimizer(opt, named, opt_state)
+    if opt_state is not None:
+        arrays_to_optimizer(opt, named, *opt_state)
     n = len(data.train_texts)
     model.train()
     losses = []
@@ -213,8 +231,11 @@ def train_steps(
             losses.append(float(loss.detach()))
             cursor += cfg.batch_size
     model.eval()
-    out_state = optimizer_to_arrays(opt, named) if opt_state is not None else None
-    return float(np.mean(losses)) if losses else float("nan"), cursor, out_state
+    return (
+        float(np.mean(losses)) if losses else float("nan"),
+        cursor,
+        optimizer_to_arrays(opt, named),
+    )
 
 
 class LoRAClient:
@@ -231,11 +252,13 @@ class LoRAClient:
         arrayrecord_key: str = "arrays",
         configrecord_key: str = "config",
         optimizer_key: str = OPTIMIZER_KEY,
+        optimizer_config_key: str = OPTIMIZER_CONFIG_KEY,
     ) -> None:
         self._config = config or LoRAClientConfig()
         self.arrayrecord_key = arrayrecord_key
         self.configrecord_key = configrecord_key
         self.optimizer_key = optimizer_key
+        self.optimizer_config_key = optimizer_config_key
 
     # ------------------------------------------------------------------ helpers
     def config(self, context: Context) -> LoRAClientConfig:
@@ -266,9 +289,14 @@ class LoRAClient:
         lr = float(mc.get("lr", cfg.lr))
         if steps < 1 or not (math.isfinite(lr) and lr > 0):
             raise ValueError(f"bad message config: local-steps={steps}, lr={lr}")
+        carry = bool(mc.get(CARRY_KEY, False)) or self.optimizer_key in msg.content
         opt_state = None
         if self.optimizer_key in msg.content.array_records:
-            opt_state = msg.content.array_records[self.optimizer_key].to_torch_state_dict()
+            oc = msg.content.config_records.get(self.optimizer_config_key)
+            opt_state = (
+                msg.content.array_records[self.optimizer_key].to_torch_state_dict(),
+                int(oc["step"]) if oc is not None and "step" in oc else 0,
+            )
         data = load_node_data(cfg, pid, n)
         cursor = _get_cursor(context)
         seed = _node_seed(cfg, pid)
@@ -297,8 +325,9 @@ class LoRAClient:
                 ),
             }
         )
-        if new_opt is not None:
-            content[self.optimizer_key] = ArrayRecord(new_opt)
+        if carry:
+            content[self.optimizer_key] = ArrayRecord(new_opt[0])
+            content[self.optimizer_config_key] = ConfigRecord({"step": new_opt[1]})
         return Message(content=content, reply_to=msg)
 
     def evaluate(self, msg: Message, context: Context) -> Message:
@@ -321,13 +350,22 @@ class LoRAClient:
 
     def query(self, msg: Message, context: Context) -> Message:
         cfg = self.config(context)
-        pid, n = node_partition(context, cfg)
-        metrics = {cfg.partition_key: pid, cfg.num_partitions_key: n}
-        try:
-            metrics["num-examples"] = len(load_node_data(cfg, pid, n).train_texts)
-        except (ValueError, FileNotFoundError):
-            pass  # still answer who we are; training will report the data problem
-        return Message(content=RecordDict({"metrics": MetricRecord(metrics)}), reply_to=msg)
+        key = str(self._msg_config(msg).get("vertex-key", cfg.partition_key))
+        if key not in context.node_config:
+            raise KeyError(f"node_config has no {key!r} (got keys {sorted(context.node_config)})")
+        value = context.node_config[key]
+        metrics: dict[str, int] = {}
+        if key == cfg.partition_key:
+            pid, n = node_partition(context, cfg)
+            metrics = {cfg.partition_key: pid, cfg.num_partitions_key: n}
+            try:
+                metrics["num-examples"] = len(load_node_data(cfg, pid, n).train_texts)
+            except (ValueError, FileNotFoundError):
+                pass  # still answer who we are; training will report the data problem
+        content = RecordDict({"config": ConfigRecord({key: value})})
+        if metrics:
+            content["metrics"] = MetricRecord(metrics)
+        return Message(content=content, reply_to=msg)
 
     def register(self, app) -> None:
         """Attach the three handlers to a ``flwr.clientapp.ClientApp``."""
