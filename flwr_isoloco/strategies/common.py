@@ -287,6 +287,7 @@ class ReplyValidator:
             return "reply has no content"
         content = msg.content
         dtypes: dict[str, torch.dtype] = {}
+        casts: list[str] = []
         if self.require_arrays:
             rec = content.array_records.get(self.arrayrecord_key)
             if not isinstance(rec, ArrayRecord):
@@ -298,10 +299,12 @@ class ReplyValidator:
                 if missing or extra:
                     return f"array keys differ from the model: missing {missing[:5]}, extra {extra[:5]}"
             for key, arr in rec.items():
-                t = self._decode(key, arr, spec)
+                t = self._decode(key, arr, spec, casts)
                 if isinstance(t, str):
                     return t
                 dtypes[key] = t.dtype
+        if casts:
+            log(INFO, "%s: node %d: cast %d arrays (%s)", self.what, node, len(casts), casts[0])
         weight = 1.0
         if self.require_weight:
             w = None
@@ -331,7 +334,7 @@ class ReplyValidator:
             dtypes,
         )
 
-    def _decode(self, key: str, arr, spec) -> torch.Tensor | str:
+    def _decode(self, key: str, arr, spec, casts: list[str]) -> torch.Tensor | str:
         nd = arr.numpy()
         if not isinstance(nd, np.ndarray):
             return f"array {key!r} did not decode to an ndarray"
@@ -348,7 +351,7 @@ class ReplyValidator:
                 return (
                     f"array {key!r} has dtype {t.dtype}, expected {want[1]} (dtype_policy='reject')"
                 )
-            log(INFO, "%s: casting array %r from %s to %s", self.what, key, t.dtype, want[1])
+            casts.append(f"{key}: {t.dtype}->{want[1]}")
             t = t.to(want[1])
         if t.is_floating_point() and not bool(torch.isfinite(t).all()):
             n_bad = int((~torch.isfinite(t)).sum())
