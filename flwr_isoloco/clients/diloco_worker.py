@@ -1,0 +1,327 @@
+"""DiLoCo worker: ClientApp handlers that run H inner AdamW steps and reply FedAvg-style.
+
+Train handler (``make_diloco_train_handler``), per message:
+
+1. load the received global model ``theta`` (ArrayRecord ``arrays``) into ``model_fn(context)``;
+2. restore this node's AdamW state from ``context.state`` (it never travels);
+3. run H = ``local-steps`` AdamW steps (betas (0.9, 0.95), weight decay 0.1, gradient clip 1.0)
+   with the learning rate of a schedule over the whole run (total ``T = num-server-rounds * H``
+   steps, global step ``s = (server-round - 1) * H + h``, warm-up ``W`` steps)::
+
+       lr(s) = lr * (s + 1) / W                                     if s < W
+       lr(s) = lr * (r + (1 - r) * (1 + cos(pi * (s - W) / (T - W))) / 2)   otherwise
+
+   with ``r = min-lr-ratio`` (default 0.1);
+4. save the AdamW state back to ``context.state`` and reply ``theta_i`` under ``arrays`` (or
+   ``theta - theta_i`` with ``payload="delta"``) plus a MetricRecord ``num-examples`` (number
+   of *predicted tokens* trained on this round: the weight of this reply), ``train-loss``
+   (mean over the H steps), ``lr`` (last), ``inner-steps``.
+
+AdamW state in ``context.state`` (survives deployment mode, where each message is a fresh
+process; no pickle): ArrayRecord ``diloco.adamw`` (``<param>.exp_avg``, ``<param>.exp_avg_sq``,
+``<param>.step``; fp32) and ConfigRecord ``diloco.worker`` (``data-cursor``: inner steps taken
+by this node so far, which picks the next batch; ``last-round``).
+
+Message config keys (ConfigRecord ``config``; the factory's keyword arguments are defaults):
+``server-round`` (required), ``num-server-rounds``, ``local-steps``, ``lr``, ``warmup-steps``,
+``min-lr-ratio``, ``weight-decay``, ``clip-norm``.
+
+``data_fn(context)`` returns the node's training batches: a sequence (visited cyclically, in a
+seeded random order per epoch) or a callable ``batch(step_index)``. ``loss_fn(model, batch) ->
+(mean loss, number of predicted tokens)``; the default is next-token cross-entropy on an int
+tensor ``(B, T+1)`` (inputs ``[:, :-1]``, targets ``[:, 1:]``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from logging import WARNING
+from typing import Any
+
+import torch
+from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
+from flwr.common.logger import log
+
+__all__ = [
+    "make_diloco_train_handler",
+    "make_lm_evaluate_handler",
+    "next_token_loss",
+    "inner_lr",
+    "ADAMW_STATE_KEY",
+    "WORKER_STATE_KEY",
+]
+
+ADAMW_STATE_KEY = "diloco.adamw"
+WORKER_STATE_KEY = "diloco.worker"
+
+ModelFn = Callable[[Context], torch.nn.Module]
+DataFn = Callable[[Context], Any]
+LossFn = Callable[[torch.nn.Module, Any], tuple[torch.Tensor, int]]
+
+
+def next_token_loss(model: torch.nn.Module, batch: Any) -> tuple[torch.Tensor, int]:
+    """Mean next-token cross-entropy of an int batch ``(B, T+1)``, and ``B*T`` predicted tokens."""
+    if not isinstance(batch, torch.Tensor) or batch.dim() != 2 or batch.size(1) < 2:
+        shape = tuple(batch.shape) if isinstance(batch, torch.Tensor) else type(batch).__name__
+        raise ValueError(f"expected an int tensor batch of shape (B, T+1) with T >= 1, got {shape}")
+    inputs, targets = batch[:, :-1], batch[:, 1:]
+    logits = model(input_ids=inputs).logits
+    loss = torch.nn.functional.cross_entropy(
+        logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1)
+    )
+    return loss, targets.numel()
+
+
+def inner_lr(step: int, total: int, lr: float, warmup: int, min_ratio: float) -> float:
+    """Linear warm-up then cosine decay to ``min_ratio * lr`` at ``total`` (see module doc)."""
+    if warmup > 0 and step < warmup:
+        return lr * (step + 1) / warmup
+    span = max(total - warmup, 1)
+    progress = min(max(step - warmup, 0) / span, 1.0)
+    return lr * (min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress)))
+
+
+def _config(msg: Message, key: str) -> Mapping[str, Any]:
+    rec = msg.content.config_records.get(key)
+    return rec if rec is not None else {}
+
+
+def _get(cfg: Mapping[str, Any], key: str, default: Any, kind: type) -> Any:
+    value = cfg.get(key, default)
+    if value is None:
+        raise ValueError(f"train config is missing {key!r}")
+    if kind is int and (isinstance(value, bool) or not isinstance(value, int)):
+        raise ValueError(f"train config {key!r} must be an int, got {value!r}")
+    if kind is float:
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, (int, float))
+            or not math.isfinite(value)
+        ):
+            raise ValueError(f"train config {key!r} must be a finite number, got {value!r}")
+        value = float(value)
+    return value
+
+
+def _trainable(model: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:
+    return [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+
+
+def _load_adamw(
+    opt: torch.optim.AdamW, named: list[tuple[str, torch.nn.Parameter]], state: RecordDict
+) -> bool:
+    """Restore AdamW moments from ``state``; False (fresh optimiser) if absent or mismatched."""
+    rec = state.get(ADAMW_STATE_KEY)
+    if not isinstance(rec, ArrayRecord):
+        return False
+    saved = rec.to_torch_state_dict()
+    restored = {}
+    for name, p in named:
+        keys = (f"{name}.exp_avg", f"{name}.exp_avg_sq", f"{name}.step")
+        if any(k not in saved for k in keys):
+            log(WARNING, "DiLoCo worker: AdamW state lacks %r; starting a fresh optimiser", name)
+            return False
+        m, v, step = (saved[k] for k in keys)
+        if m.shape != p.shape or v.shape != p.shape:
+            log(
+                WARNING,
+                "DiLoCo worker: AdamW state for %r has the wrong shape; fresh optimiser",
+                name,
+            )
+            return False
+        restored[p] = {
+            "step": step.reshape(()).to(torch.float32),
+            "exp_avg": m.to(p.dtype).clone(),
+            "exp_avg_sq": v.to(p.dtype).clone(),
+        }
+    for p, st in restored.items():
+        opt.state[p] = st
+    return True
+
+
+def _save_adamw(
+    opt: torch.optim.AdamW, named: list[tuple[str, torch.nn.Parameter]], state: RecordDict
+) -> None:
+    out: dict[str, torch.Tensor] = {}
+    for name, p in named:
+        st = opt.state.get(p)
+        if not st:
+            continue
+        out[f"{name}.exp_avg"] = st["exp_avg"].detach().float()
+        out[f"{name}.exp_avg_sq"] = st["exp_avg_sq"].detach().float()
+        out[f"{name}.step"] = torch.as_tensor(st["step"], dtype=torch.float32).reshape(1)
+    state[ADAMW_STATE_KEY] = ArrayRecord(out)
+
+
+def _batch_at(data: Any, index: int, seed: int) -> Any:
+    """Batch number ``index`` of this node: callable data, or a sequence in seeded epoch order."""
+    if callable(data):
+        return data(index)
+    if not isinstance(data, Sequence):
+        raise ValueError(
+            f"data_fn must return a sequence of batches or a callable, got {type(data).__name__}"
+        )
+    n = len(data)
+    if n == 0:
+        raise ValueError("data_fn returned no training batches")
+    epoch, pos = divmod(index, n)
+    g = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
+    return data[int(torch.randperm(n, generator=g)[pos])]
+
+
+def _fp32_record(sd: Mapping[str, torch.Tensor]) -> ArrayRecord:
+    # bf16 cannot travel in an ArrayRecord: cast it to fp32.
+    return ArrayRecord(
+        {
+            k: (v.detach().float() if v.dtype == torch.bfloat16 else v.detach())
+            for k, v in sd.items()
+        }
+    )
+
+
+def make_diloco_train_handler(
+    model_fn: ModelFn,
+    data_fn: DataFn,
+    *,
+    loss_fn: LossFn = next_token_loss,
+    lr: float = 1.38e-3,
+    local_steps: int = 30,
+    num_server_rounds: int | None = None,
+    warmup_steps: int = 0,
+    min_lr_ratio: float = 0.1,
+    weight_decay: float = 0.1,
+    betas: tuple[float, float] = (0.9, 0.95),
+    clip_norm: float = 1.0,
+    payload: str = "weights",
+    seed: int = 0,
+    arrayrecord_key: str = "arrays",
+    configrecord_key: str = "config",
+    device: str | torch.device = "cpu",
+) -> Callable[[Message, Context], Message]:
+    """A ClientApp ``@app.train()`` handler running H inner AdamW steps (see module doc).
+
+    ``payload``: reply ``"weights"`` (FedAvg-compatible, default) or ``"delta"``. ``seed`` plus
+    the node's ``partition-id`` (or node id) seeds the batch order and dropout.
+    """
+    if payload not in ("weights", "delta"):
+        raise ValueError(f"payload must be 'weights' or 'delta', got {payload!r}")
+
+    def train(msg: Message, context: Context) -> Message:
+        cfg = _config(msg, configrecord_key)
+        rnd = _get(cfg, "server-round", None, int)
+        h = _get(cfg, "local-steps", local_steps, int)
+        rounds = _get(cfg, "num-server-rounds", num_server_rounds, int)
+        base_lr = _get(cfg, "lr", lr, float)
+        warm = _get(cfg, "warmup-steps", warmup_steps, int)
+        min_ratio = _get(cfg, "min-lr-ratio", min_lr_ratio, float)
+        wd = _get(cfg, "weight-decay", weight_decay, float)
+        clip = _get(cfg, "clip-norm", clip_norm, float)
+        if rnd < 1 or h < 1 or rounds < 1:
+            raise ValueError(
+                f"server-round, local-steps and num-server-rounds must be >= 1, got {rnd}, {h}, {rounds}"
+            )
+        if arrayrecord_key not in msg.content.array_records:
+            raise ValueError(f"train message has no ArrayRecord {arrayrecord_key!r}")
+        theta = msg.content.array_records[arrayrecord_key].to_torch_state_dict()
+
+        model = model_fn(context).to(device)
+        model.load_state_dict(theta, strict=True)
+        model.train()
+        named = _trainable(model)
+        opt = torch.optim.AdamW(
+            [p for _, p in named], lr=base_lr, betas=betas, weight_decay=wd, eps=1e-8
+        )
+        _load_adamw(opt, named, context.state)
+        wstate = context.state.get(WORKER_STATE_KEY)
+        cursor = int(wstate["data-cursor"]) if isinstance(wstate, ConfigRecord) else 0
+        node_seed = seed * 1_000_003 + int(context.node_config.get("partition-id", context.node_id))
+        data = data_fn(context)
+        total = rounds * h
+        torch.manual_seed(node_seed * 7919 + rnd)  # dropout etc., reproducible per round
+
+        losses, tokens, step_lr = [], 0, base_lr
+        for i in range(h):
+            step_lr = inner_lr((rnd - 1) * h + i, total, base_lr, warm, min_ratio)
+            for group in opt.param_groups:
+                group["lr"] = step_lr
+            batch = _batch_at(data, cursor, node_seed)
+            if isinstance(batch, torch.Tensor):
+                batch = batch.to(device)
+            cursor += 1
+            opt.zero_grad(set_to_none=True)
+            loss, n = loss_fn(model, batch)
+            if not torch.isfinite(loss):
+                raise FloatingPointError(
+                    f"non-finite training loss at inner step {i} of round {rnd}"
+                )
+            loss.backward()
+            if clip > 0:
+                torch.nn.utils.clip_grad_norm_([p for _, p in named], clip)
+            opt.step()
+            losses.append(float(loss.detach()))
+            tokens += int(n)
+
+        _save_adamw(opt, named, context.state)
+        context.state[WORKER_STATE_KEY] = ConfigRecord({"data-cursor": cursor, "last-round": rnd})
+        new = {k: v.detach().cpu() for k, v in model.state_dict().items()}
+        content = RecordDict()
+        if payload == "delta":
+            content[arrayrecord_key] = _fp32_record(
+                {k: theta[k].to(new[k].dtype) - new[k] for k in new}
+            )
+            content["config"] = ConfigRecord({"payload": "delta"})
+        else:
+            content[arrayrecord_key] = _fp32_record(new)
+        content["metrics"] = MetricRecord(
+            {
+                "num-examples": tokens,
+                "train-loss": sum(losses) / len(losses),
+                "lr": step_lr,
+                "inner-steps": h,
+            }
+        )
+        return Message(content, reply_to=msg)
+
+    return train
+
+
+def make_lm_evaluate_handler(
+    model_fn: ModelFn,
+    data_fn: DataFn,
+    *,
+    loss_fn: LossFn = next_token_loss,
+    max_batches: int | None = None,
+    arrayrecord_key: str = "arrays",
+    device: str | torch.device = "cpu",
+) -> Callable[[Message, Context], Message]:
+    """A ClientApp ``@app.evaluate()`` handler: token-weighted validation loss of ``theta``.
+
+    Replies ``num-examples`` (predicted tokens), ``eval-loss`` and ``eval-ppl = exp(eval-loss)``.
+    ``data_fn(context)`` returns a sequence of validation batches.
+    """
+
+    def evaluate(msg: Message, context: Context) -> Message:
+        if arrayrecord_key not in msg.content.array_records:
+            raise ValueError(f"evaluate message has no ArrayRecord {arrayrecord_key!r}")
+        model = model_fn(context).to(device)
+        model.load_state_dict(msg.content.array_records[arrayrecord_key].to_torch_state_dict())
+        model.eval()
+        batches = list(data_fn(context))
+        if max_batches is not None:
+            batches = batches[:max_batches]
+        if not batches:
+            raise ValueError("data_fn returned no validation batches")
+        total, count = 0.0, 0
+        with torch.no_grad():
+            for batch in batches:
+                if isinstance(batch, torch.Tensor):
+                    batch = batch.to(device)
+                loss, n = loss_fn(model, batch)
+                total += float(loss) * int(n)
+                count += int(n)
+        mean = total / count
+        metrics = {"num-examples": count, "eval-loss": mean, "eval-ppl": math.exp(min(mean, 50.0))}
+        return Message(RecordDict({"metrics": MetricRecord(metrics)}), reply_to=msg)
+
+    return evaluate
