@@ -1,0 +1,466 @@
+"""RWLoRA strategy on an in-process fake grid: walk, faults, hostile replies, bytes, resume."""
+
+import io
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+from fakegrid import FakeGrid, corrupt_arrays
+from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
+from flwr.serverapp.strategy import Strategy
+
+from flwr_isoloco.checkpoint import load_checkpoint, save_checkpoint
+from flwr_isoloco.graphs import build_graph
+from flwr_isoloco.strategies import RWLoRA
+
+torch.set_num_threads(1)
+
+SHAPES = {"lora_A.weight": (2, 3), "lora_B.weight": (3, 2)}
+
+
+def _npy_bytes(shape) -> int:
+    buf = io.BytesIO()
+    np.save(buf, np.zeros(shape, np.float32), allow_pickle=False)
+    return len(buf.getvalue())
+
+
+# what Flower moves per adapter: each array as .npy (24 bytes of data + header each)
+NBYTES = sum(_npy_bytes(s) for s in SHAPES.values())
+
+
+def init_adapter() -> dict[str, torch.Tensor]:
+    return {k: torch.zeros(s) for k, s in SHAPES.items()}
+
+
+def client_update(adapter: dict, vertex: int, steps: int) -> dict:
+    """Deterministic stand-in for K local steps at `vertex`: x <- 0.5 x + (vertex + 1), K times."""
+    out = {}
+    for k, v in adapter.items():
+        x = v.clone()
+        for _ in range(steps):
+            x = 0.5 * x + (vertex + 1)
+        out[k] = x
+    return out
+
+
+def train(msg: Message, context) -> Message:
+    pid = int(context.node_config["partition-id"])
+    cfg = msg.content["config"]
+    adapter = msg.content["arrays"].to_torch_state_dict()
+    new = client_update(adapter, pid, int(cfg["local-steps"]))
+    content = RecordDict(
+        {
+            "arrays": ArrayRecord(new),
+            "metrics": MetricRecord({"num-examples": 10 + pid, "train-loss": 1.0 / (pid + 1)}),
+        }
+    )
+    if cfg["carry-optimizer-state"]:
+        old = msg.content.get("optimizer")
+        count = old.to_torch_state_dict()["visits"] if old is not None else torch.zeros(1)
+        content["optimizer"] = ArrayRecord({"visits": count + 1})
+        content["optimizer-config"] = ConfigRecord({"step": int(count.item()) + 1})
+    return Message(content, reply_to=msg)
+
+
+def query(msg: Message, context) -> Message:
+    key = msg.content["config"]["vertex-key"]
+    return Message(
+        RecordDict({"config": ConfigRecord({key: context.node_config[key]})}), reply_to=msg
+    )
+
+
+HANDLERS = {"train": train, "query": query}
+
+
+def replay(trajectory, steps, start=None):
+    x = init_adapter() if start is None else start
+    for v in trajectory:
+        x = client_update(x, v, steps)
+    return x
+
+
+def run(strategy, grid, rounds, **kw):
+    return strategy.start(
+        grid=grid,
+        initial_arrays=ArrayRecord(init_adapter()),
+        num_rounds=rounds,
+        timeout=5,
+        **kw,
+    )
+
+
+def assert_token(result, expected):
+    got = result.arrays.to_torch_state_dict()
+    assert set(got) == set(expected)
+    for k in expected:
+        assert torch.equal(got[k], expected[k]), k
+
+
+def arm(strategy, grid, node, fault):
+    """Map vertices (QUERY round) while every node is up, then inject ``fault`` on ``node``."""
+    strategy.setup(grid, timeout=5)
+    grid.set_fault(node, fault)
+
+
+def train_log(grid):
+    return [r for r in grid.log if r.message_type.startswith("train")]
+
+
+# ----------------------------------------------------------------------------- walk
+
+
+def test_token_follows_the_walk_one_node_per_round():
+    grid = FakeGrid(HANDLERS, num_nodes=8)
+    G = build_graph("ring", n=8)
+    s = RWLoRA("ring", num_vertices=8, lazy=True, seed=3, local_steps=2)
+    res = run(s, grid, 30)
+    traj = s.trajectory
+    assert len(traj) == 30
+    assert all(a == b or G.has_edge(a, b) for a, b in zip(traj, traj[1:], strict=False))
+    assert any(a == b for a, b in zip(traj, traj[1:], strict=False))  # lazy: some self-loops
+    sent = train_log(grid)
+    assert len(sent) == 30  # exactly one node per round
+    assert [grid.partition_of[r.node_id] for r in sent] == traj
+    assert [int(res.train_metrics_clientapp[r]["walk-vertex"]) for r in range(1, 31)] == traj
+    assert_token(res, replay(traj, 2))
+    assert s.local_updates == 60
+    counts = s.visit_counts()
+    assert sum(counts.values()) == 30
+    assert res.train_metrics_clientapp[30]["tv-distance"] == pytest.approx(
+        0.5 * sum(abs(counts[v] / 30 - 1 / 8) for v in range(8))
+    )
+
+
+def test_walk_is_reproducible_from_seed():
+    def traj(seed):
+        s = RWLoRA("erdos_renyi:p=0.4", num_vertices=6, seed=seed, graph_seed=1)
+        run(s, FakeGrid(HANDLERS, num_nodes=6, seed=seed + 10), 25)  # node ids differ by run
+        return s.trajectory
+
+    assert traj(5) == traj(5)
+    assert traj(5) != traj(6)
+
+
+def test_start_vertex_and_string_vertices():
+    grid = FakeGrid(
+        {"train": train, "query": query},
+        num_nodes=3,
+        node_config_fn=lambda i: {"site": ["a", "b", "c"][i]},
+    )
+    s = RWLoRA("a-b,b-c", vertex_key="site", start_vertex="c", seed=0)
+    res = run(s, grid, 6)
+    assert s.trajectory[0] == "c"
+    assert set(s.trajectory) <= {"a", "b", "c"}
+    assert all(0 <= res.train_metrics_clientapp[r]["walk-vertex"] <= 2 for r in range(1, 7))
+
+
+# ----------------------------------------------------------------------------- faults
+
+
+@pytest.mark.parametrize("fault", ["raise", "timeout", "dead"])
+def test_token_survives_a_failing_node_and_the_walk_reroutes(fault):
+    grid = FakeGrid(HANDLERS, num_nodes=5)
+    s = RWLoRA("complete", num_vertices=5, seed=1)
+    run(s, grid, 1)  # vertices mapped while everyone is up
+    grid.set_fault(2, fault)  # then partition 2 fails for ever
+    res = run(s, grid, 40)  # rounds 2..40
+    assert 2 not in s.trajectory[1:]
+    assert len(s.trajectory) == 40  # every round re-routed to a live neighbour
+    assert s.failures == s.failures_by_vertex[2] > 0
+    assert sum(res.train_metrics_clientapp[r]["failures"] for r in range(2, 41)) == s.failures
+    assert_token(res, replay(s.trajectory, 1))
+
+
+def test_all_neighbours_fail_token_stays_and_run_goes_on():
+    grid = FakeGrid(HANDLERS, num_nodes=2)
+    s = RWLoRA("0-1", seed=0, start_vertex=0)
+    res = run(s, grid, 1)
+    assert s.trajectory == [0]
+    s2 = RWLoRA("0-1", seed=0, start_vertex=0, max_reroutes=3)
+    arm(s2, grid, 1, "raise")
+    s2.load_state_dict(json_roundtrip(s.state_dict()))
+    res = run(s2, grid, 4)  # vertex 0's only neighbour (and the only move) is dead
+    for r in (2, 3, 4):
+        m = res.train_metrics_clientapp[r]
+        assert m["hop-ok"] == 0 and m["walk-vertex"] == -1 and m["attempts"] == 1
+    assert s2.trajectory == [0]
+    assert s2.walk.position == 0
+    assert_token(res, replay([0], 1))
+
+
+@pytest.mark.parametrize(
+    "name, corrupt, reason",
+    [
+        ("nan", lambda a: {k: v * np.nan for k, v in a.items()}, "non-finite"),
+        ("inf", lambda a: {k: v + np.inf for k, v in a.items()}, "non-finite"),
+        ("shape", lambda a: {k: v[:1] for k, v in a.items()}, "shape"),
+        ("extra", lambda a: {**a, "evil": np.zeros(2, np.float32)}, "extra"),
+        ("missing", lambda a: dict(list(a.items())[:1]), "missing"),
+        ("int", lambda a: {k: v.astype(np.int64) for k, v in a.items()}, "dtype"),
+        ("bool", lambda a: {k: v > 0 for k, v in a.items()}, "dtype"),
+    ],
+)
+def test_hostile_replies_are_rejected_and_token_kept(name, corrupt, reason):
+    grid = FakeGrid(HANDLERS, num_nodes=4)
+    s = RWLoRA("complete", num_vertices=4, seed=2)
+    arm(s, grid, 1, corrupt_arrays(corrupt))
+    res = run(s, grid, 25)
+    assert 1 not in s.trajectory and s.failures_by_vertex.get(1, 0) > 0
+    assert len(s.trajectory) == 25
+    assert_token(res, replay(s.trajectory, 1))
+    assert s.failure_log and all(v == 1 and reason in why for _, v, why in s.failure_log)
+
+
+def test_fp16_reply_is_cast_and_accepted():
+    grid = FakeGrid(HANDLERS, num_nodes=3)
+    s = RWLoRA("complete", num_vertices=3, seed=0)
+    arm(s, grid, 0, corrupt_arrays(lambda a: {k: v.astype(np.float16) for k, v in a.items()}))
+    res = run(s, grid, 12)
+    assert s.failures == 0 and 0 in s.trajectory
+    assert all(v.dtype == torch.float32 for v in res.arrays.to_torch_state_dict().values())
+
+
+def test_norm_bounds_reject_a_huge_update():
+    def blow_up(a):
+        return {k: v * 1e6 for k, v in a.items()}
+
+    grid = FakeGrid(HANDLERS, num_nodes=4)
+    s = RWLoRA("complete", num_vertices=4, seed=4, max_update_norm=1e3)
+    arm(s, grid, 3, corrupt_arrays(blow_up))
+    res = run(s, grid, 20)
+    assert 3 not in s.trajectory and s.failures > 0
+    assert_token(res, replay(s.trajectory, 1))
+    grid = FakeGrid(HANDLERS, num_nodes=4)
+    s = RWLoRA("complete", num_vertices=4, seed=4, max_norm_ratio=100.0)
+    arm(s, grid, 3, corrupt_arrays(blow_up))
+    run(s, grid, 20)
+    # until 3 updates are accepted the ratio has no baseline; afterwards vertex 3 is refused
+    late = s.trajectory[3:]
+    assert 3 not in late and s.failures > 0
+
+
+def test_error_and_missing_weight_replies_with_require_weight():
+    def no_weight(reply):
+        reply.content["metrics"] = MetricRecord({"train-loss": 0.5})
+        return reply
+
+    grid = FakeGrid(HANDLERS, num_nodes=3)
+    s = RWLoRA("complete", num_vertices=3, seed=0, require_weight=True)
+    arm(s, grid, 2, no_weight)
+    run(s, grid, 10)
+    assert 2 not in s.trajectory and s.failures > 0
+    grid = FakeGrid(HANDLERS, num_nodes=3)
+    s = RWLoRA("complete", num_vertices=3, seed=0)  # weight not needed: nothing is averaged
+    arm(s, grid, 2, no_weight)
+    run(s, grid, 10)
+    assert 2 in s.trajectory and s.failures == 0
+
+
+# ----------------------------------------------------------------------------- vertices
+
+
+def test_vertices_without_node_are_excluded_and_reported():
+    grid = FakeGrid(HANDLERS, num_nodes=5)
+    s = RWLoRA("ring", num_vertices=6, lazy=True, seed=0, node_wait_s=0)
+    run(s, grid, 20)
+    assert s.missing_vertices == [5]
+    assert s.vertices == [0, 1, 2, 3, 4] and 5 not in s.trajectory
+    star = RWLoRA("star", num_vertices=4, lazy=True, node_wait_s=0)
+    grid = FakeGrid(HANDLERS, num_nodes=4)
+    grid.offline.add(grid.node_ids[0])  # the centre is missing: leaves are cut apart
+    with pytest.raises(ValueError, match="disconnected"):
+        run(star, grid, 1)
+
+
+def test_bad_query_answers_are_ignored():
+    def query_bad(msg, context):
+        pid = context.node_config["partition-id"]
+        if pid == 0:
+            raise RuntimeError("boom")
+        value = {1: 99, 2: "x", 3: 3, 4: 3}[pid]  # unknown, nonsense, duplicate 3
+        return Message(RecordDict({"config": ConfigRecord({"partition-id": value})}), reply_to=msg)
+
+    grid = FakeGrid({"train": train, "query": query_bad}, num_nodes=5)
+    s = RWLoRA("complete", num_vertices=5, node_wait_s=0)
+    run(s, grid, 5)
+    assert s.vertices == [3]
+    assert s.vmap.node_of[3] == min(grid.node_ids[3], grid.node_ids[4])
+    assert s.missing_vertices == [0, 1, 2, 4]
+
+
+def test_bad_constructor_arguments():
+    with pytest.raises(ValueError, match="unknown graph spec"):
+        RWLoRA("hypercube", num_vertices=4)
+    with pytest.raises(ValueError, match="transition kind"):
+        RWLoRA("ring", num_vertices=4, transition="fast")
+    with pytest.raises(ValueError, match="local_steps"):
+        RWLoRA("ring", num_vertices=4, local_steps=0)
+    with pytest.raises(ValueError, match="start_vertex 9"):
+        RWLoRA("ring", num_vertices=4, start_vertex=9)
+    with pytest.raises(ValueError, match="weight 0"):
+        RWLoRA("ring", num_vertices=4, transition="metropolis", target=[1, 0, 1, 1])
+
+
+# ----------------------------------------------------------------------------- accounting
+
+
+def test_bytes_accounting():
+    grid = FakeGrid(HANDLERS, num_nodes=4)
+    s = RWLoRA("complete", num_vertices=4, lazy=True, seed=7)
+    arm(s, grid, 2, corrupt_arrays(lambda a: {k: v * np.nan for k, v in a.items()}))
+    grid.set_fault(3, "timeout")
+    res = run(s, grid, 30)
+    relayed = p2p = 0
+    pos = None
+    for r in range(1, 31):
+        m = res.train_metrics_clientapp[r]
+        # attempts before the success failed: NaN replies come back (up bytes), timeouts do not
+        tries = [rec for rec in train_log(grid) if rec.group_id == str(r)] or None
+        assert m["hop-ok"] == 1
+        v = int(m["walk-vertex"])
+        fails = int(m["failures"])
+        assert m["attempts"] == fails + 1
+        want_relay = 2 * NBYTES  # successful hop: down + up
+        want_p2p = NBYTES if v != pos else 0
+        want_relay += fails * NBYTES  # every failed attempt sent the token down
+        want_p2p += fails * NBYTES  # ... and in P2P too (failures here are never self-loops
+        # of a live holder: vertices 2 and 3 never hold the token)
+        assert tries is None or len(tries) == m["attempts"]
+        got_up_fail = m["bytes-relayed"] - want_relay
+        assert got_up_fail % NBYTES == 0 and 0 <= got_up_fail <= fails * NBYTES  # NaN replies
+        relayed += m["bytes-relayed"]
+        p2p += m["bytes-p2p"]
+        assert m["bytes-p2p"] == want_p2p
+        pos = v
+    assert relayed == s.bytes_relayed and p2p == s.bytes_p2p
+    nan_fails = s.failures_by_vertex.get(2, 0)
+    succ = 30
+    assert s.bytes_relayed == NBYTES * (2 * succ + s.failures + nan_fails)
+
+
+def test_optimizer_state_travels_with_the_token():
+    grid = FakeGrid(HANDLERS, num_nodes=4)
+    s = RWLoRA("complete", num_vertices=4, seed=0, carry_optimizer_state=True)
+    res = run(s, grid, 9)
+    assert s.optimizer_state.to_torch_state_dict()["visits"].item() == 9
+    assert s.optimizer_config["step"] == 9
+    # bytes: the optimiser state (one fp32 .npy) travels both ways with the adapter
+    assert res.train_metrics_clientapp[5]["bytes-relayed"] == 2 * (NBYTES + _npy_bytes((1,)))
+
+    def nan_opt(reply):
+        reply.content["optimizer"] = ArrayRecord({"visits": torch.tensor([float("nan")])})
+        return reply
+
+    grid = FakeGrid(HANDLERS, num_nodes=4)
+    s = RWLoRA("complete", num_vertices=4, seed=0, carry_optimizer_state=True)
+    arm(s, grid, 1, nan_opt)
+    run(s, grid, 12)
+    assert 1 not in s.trajectory and s.failures > 0
+    assert s.optimizer_state.to_torch_state_dict()["visits"].item() == 12
+
+
+# ----------------------------------------------------------------------------- resume
+
+
+def json_roundtrip(state):
+    return {"tensors": state["tensors"], "meta": json.loads(json.dumps(state["meta"]))}
+
+
+def test_resume_is_exact_through_a_checkpoint(tmp_path):
+    def make():
+        return RWLoRA(
+            "erdos_renyi:p=0.5",
+            num_vertices=6,
+            graph_seed=3,
+            transition="metropolis",
+            target=[1, 2, 3, 4, 5, 6],
+            lazy=True,
+            seed=9,
+            carry_optimizer_state=True,
+        )
+
+    def grid(strategy):
+        g = FakeGrid(HANDLERS, num_nodes=6, seed=len(ckpts))  # new node ids every run
+        arm(strategy, g, 4, "raise")  # failures and re-routing consume RNG draws too
+        return g
+
+    ckpts = []
+    full = make()
+    res_full = run(full, grid(full), 16)
+
+    first = make()
+    run(first, grid(first), 8)
+    sd = first.state_dict()
+    save_checkpoint(tmp_path / "ck.safetensors", sd["tensors"], {"strategy": sd["meta"]})
+    tensors, meta = load_checkpoint(tmp_path / "ck.safetensors")
+    second = make()
+    ckpts.append(0)
+    second.round_end_fn = lambda r, s: ckpts.append(r)
+    g2 = grid(second)  # fresh node ids: re-queried, same vertices
+    second.load_state_dict({"tensors": tensors, "meta": meta["strategy"]})
+    res_second = run(second, g2, 16)
+    assert ckpts == [0, *range(9, 17)]
+    assert second.trajectory == full.trajectory
+    assert second.failures == full.failures
+    assert second.bytes_relayed == full.bytes_relayed and second.bytes_p2p == full.bytes_p2p
+    assert_token(res_second, res_full.arrays.to_torch_state_dict())
+    assert torch.equal(
+        second.optimizer_state.to_torch_state_dict()["visits"],
+        full.optimizer_state.to_torch_state_dict()["visits"],
+    )
+    for r in range(9, 17):
+        a, b = (
+            dict(res_full.train_metrics_clientapp[r]),
+            dict(res_second.train_metrics_clientapp[r]),
+        )
+        assert a == b, r
+    assert second.history == full.history
+
+
+def test_load_state_rejects_wrong_state():
+    s = RWLoRA("ring", num_vertices=4, lazy=True)
+    with pytest.raises(ValueError, match="'tensors' and 'meta'"):
+        s.load_state_dict({"token": {}})
+    with pytest.raises(ValueError, match="not 'rwlora'"):
+        s.load_state_dict({"tensors": {}, "meta": {"kind": "gossip"}})
+    done = RWLoRA("ring", num_vertices=4, lazy=True)
+    run(done, FakeGrid(HANDLERS, num_nodes=4), 2)
+    bigger = RWLoRA("ring", num_vertices=5, lazy=True)
+    bigger.load_state_dict(done.state_dict())
+    with pytest.raises(ValueError, match="cannot resume the same walk"):
+        run(bigger, FakeGrid(HANDLERS, num_nodes=5), 4)
+
+
+# ----------------------------------------------------------------------------- Flower glue
+
+
+def test_evaluate_fn_sees_the_token_every_round():
+    seen = []
+
+    def evaluate_fn(rnd, arrays):
+        seen.append((rnd, arrays.to_torch_state_dict()["lora_A.weight"][0, 0].item()))
+        return MetricRecord({"acc": float(rnd)})
+
+    grid = FakeGrid(HANDLERS, num_nodes=3)
+    s = RWLoRA("complete", num_vertices=3, seed=0)
+    res = run(s, grid, 4, evaluate_fn=evaluate_fn)
+    assert [r for r, _ in seen] == [0, 1, 2, 3, 4]
+    assert seen[0][1] == 0.0
+    want = replay(s.trajectory, 1)["lora_A.weight"][0, 0].item()
+    assert seen[-1][1] == want
+    assert res.evaluate_metrics_serverapp[4]["acc"] == 4.0
+
+
+def test_works_with_floweres_own_round_loop():
+    """configure_train / aggregate_train alone (Flower's Strategy.start) also walk the token;
+    a failed hop keeps it and the next round re-routes."""
+    grid = FakeGrid(HANDLERS, num_nodes=4)
+    s = RWLoRA("complete", num_vertices=4, seed=1)
+    arm(s, grid, 0, "raise")
+    res = Strategy.start(s, grid, ArrayRecord(init_adapter()), num_rounds=15, timeout=5)
+    assert 0 not in s.trajectory
+    assert 0 < len(s.trajectory) <= 15
+    assert_token(res, replay(s.trajectory, 1))
+    assert all(math.isfinite(v) for m in res.train_metrics_clientapp.values() for v in m.values())
