@@ -10,7 +10,7 @@ FedAvg):
   ``optimizer-config`` (``step``); none on the first hop = fresh AdamW.
 - TRAIN out: ``arrays`` = the adapter after K steps, MetricRecord ``metrics`` with
   ``num-examples`` (shard size, FedAvg's weight), ``train_loss`` (mean over the K steps),
-  ``local-steps`` and ``examples-seen``; the new ``optimizer`` + ``optimizer-config`` iff
+  ``local-steps``, ``examples-seen``, ``partition-id`` and ``data-cursor``; the new ``optimizer`` + ``optimizer-config`` iff
   carrying.
 - EVALUATE: loss/accuracy of the received adapter on the node's validation slice.
 - QUERY: ``{vertex-key: context.node_config[vertex-key]}`` (vertex-key from the query's
@@ -25,6 +25,7 @@ message loads the full trainable state, so a fresh process gives the same result
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
@@ -39,6 +40,7 @@ from flwr_isoloco.models import classifier
 OPTIMIZER_KEY = "optimizer"
 OPTIMIZER_CONFIG_KEY = "optimizer-config"
 CARRY_KEY = "carry-optimizer-state"
+CURSORS_KEY = "data-cursors"
 STATE_KEY = "lora-client"
 _MOMENTS = ("exp_avg", "exp_avg_sq")
 
@@ -298,7 +300,7 @@ class LoRAClient:
                 int(oc["step"]) if oc is not None and "step" in oc else 0,
             )
         data = load_node_data(cfg, pid, n)
-        cursor = _get_cursor(context)
+        cursor = _get_cursor(context, mc, pid)
         seed = _node_seed(cfg, pid)
         loss, cursor, new_opt = train_steps(
             model,
@@ -321,6 +323,8 @@ class LoRAClient:
                         "train_loss": loss,
                         "local-steps": steps,
                         "examples-seen": steps * cfg.batch_size,
+                        "partition-id": pid,
+                        "data-cursor": cursor,
                     }
                 ),
             }
@@ -378,9 +382,18 @@ def _node_seed(cfg: LoRAClientConfig, pid: int) -> int:
     return int(np.random.default_rng([cfg.lora.seed, pid, 7919]).integers(2**31))
 
 
-def _get_cursor(context: Context) -> int:
+def _get_cursor(context: Context, msg_config: Mapping, pid: int) -> int:
+    """Stream position: ``context.state`` if the node has one, else the server's record
+    (``data-cursors``: JSON ``{partition-id: cursor}``, sent after a resume), else 0."""
     rec = context.state.config_records.get(STATE_KEY)
-    return int(rec["cursor"]) if rec is not None and "cursor" in rec else 0
+    if rec is not None and "cursor" in rec:
+        return int(rec["cursor"])
+    if CURSORS_KEY in msg_config:
+        try:
+            return int(json.loads(str(msg_config[CURSORS_KEY])).get(str(pid), 0))
+        except (ValueError, AttributeError):
+            raise ValueError(f"bad {CURSORS_KEY!r} in message config") from None
+    return 0
 
 
 def _set_cursor(context: Context, cursor: int) -> None:

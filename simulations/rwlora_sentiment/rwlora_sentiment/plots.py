@@ -1,0 +1,43 @@
+"""PNG plots of a run: test accuracy against local updates and bytes; visits per vertex."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+
+def plot_results(
+    history: list[dict[str, Any]], visits: dict[str, int] | None, out: Path, title: str
+) -> None:
+    """Write ``accuracy.png`` (vs local updates, vs bytes) and ``visits.png``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in history if "test-accuracy" in r]
+    if rows:
+        fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
+        acc = [r["test-accuracy"] for r in rows]
+        axes[0].plot([r["local-updates"] for r in rows], acc, marker="o")
+        axes[0].set_xlabel("local updates (optimiser steps, all clients)")
+        axes[0].set_ylabel("test accuracy")
+        axes[1].plot([r["bytes-relayed"] / 1e6 for r in rows], acc, marker="o", label="relayed")
+        axes[1].plot([r["bytes-p2p"] / 1e6 for r in rows], acc, marker="x", label="peer-to-peer")
+        axes[1].set_xlabel("MB sent")
+        axes[1].legend()
+        for ax in axes:
+            ax.grid(alpha=0.3)
+        fig.suptitle(title)
+        fig.tight_layout()
+        fig.savefig(out / "accuracy.png", dpi=100)
+        plt.close(fig)
+    if visits:
+        fig, ax = plt.subplots(figsize=(5, 3.2))
+        ax.bar(list(visits), list(visits.values()))
+        ax.set_xlabel("vertex (partition-id)")
+        ax.set_ylabel("visits")
+        ax.set_title(title)
+        fig.tight_layout()
+        fig.savefig(out / "visits.png", dpi=100)
+        plt.close(fig)

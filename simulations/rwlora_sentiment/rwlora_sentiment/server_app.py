@@ -1,0 +1,420 @@
+"""ServerApp: RW-LoRA / gossip LoRA / FedAvg-LoRA fine-tuning of all-MiniLM-L6-v2 on sentences.
+
+After every round the server appends a row to ``results.json`` (local updates so far, bytes
+relayed through the server and as a peer-to-peer deployment would send them, the walk vertex,
+train loss, and every ``eval-every`` rounds the test accuracy of the token / vertex average /
+global adapter on a fixed held-out subset), redraws the plots and writes an atomic checkpoint
+(``checkpoint.safetensors``); ``resume-from=<checkpoint>`` continues the same run exactly.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections.abc import Iterable
+from logging import ERROR, INFO, WARNING
+from typing import Any
+
+import torch
+from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord
+from flwr.common.logger import log
+from flwr.serverapp import Grid, ServerApp
+
+from flwr_isoloco.checkpoint import load_checkpoint, rng_state, save_checkpoint, set_rng_state
+from flwr_isoloco.data import sentiment
+from flwr_isoloco.models import classifier
+from flwr_isoloco.runconfig import RunConfigError
+
+from .plots import plot_results
+from .task import (
+    CURSORS_KEY,
+    config_dict,
+    load_config,
+    lora_spec,
+    output_dir,
+    write_json_atomic,
+)
+
+app = ServerApp()
+
+CHECKPOINT = "checkpoint.safetensors"
+# Keys that may differ between a run and the run that resumes it.
+RESUMABLE_DIFFERENCES = {
+    "output-dir",
+    "resume-from",
+    "round-timeout",
+    "torch-threads",
+    "checkpoint",
+    "num-server-rounds",
+    "strategy.node-wait-s",
+}
+
+
+# ----------------------------------------------------------------------------- grid recorder
+def _array_bytes(msg: Message) -> int:
+    if not msg.has_content():
+        return 0
+    return sum(len(a.data) for rec in msg.content.array_records.values() for a in rec.values())
+
+
+class RecordingGrid(Grid):
+    """Wraps a Grid; counts array bytes each way and keeps every node's latest train metrics
+    (``partition-id``, ``data-cursor``, ``local-steps``, ``train_loss``) per round."""
+
+    def __init__(self, grid: Grid) -> None:
+        self._grid = grid
+        self.bytes_down = 0
+        self.bytes_up = 0
+        self.local_updates = 0
+        self.cursors: dict[int, int] = {}
+        self.round_losses: list[float] = []
+        self.round_failures = 0
+
+    # delegate the Grid interface
+    def set_run(self, run_id: int) -> None:
+        self._grid.set_run(run_id)
+
+    @property
+    def run(self):
+        return self._grid.run
+
+    def create_message(self, *args, **kwargs) -> Message:
+        return self._grid.create_message(*args, **kwargs)
+
+    def get_node_ids(self) -> Iterable[int]:
+        return self._grid.get_node_ids()
+
+    def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
+        messages = list(messages)
+        self.bytes_down += sum(_array_bytes(m) for m in messages)
+        return self._grid.push_messages(messages)
+
+    def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:
+        replies = list(self._grid.pull_messages(message_ids))
+        self._observe(replies)
+        return replies
+
+    def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None):
+        messages = list(messages)
+        self.bytes_down += sum(_array_bytes(m) for m in messages)
+        replies = list(self._grid.send_and_receive(messages, timeout=timeout))
+        self._observe(replies)
+        return replies
+
+    def _observe(self, replies: list[Message]) -> None:
+        for r in replies:
+            self.bytes_up += _array_bytes(r)
+            if r.has_error():
+                self.round_failures += 1
+                continue
+            if r.metadata.message_type != "train":
+                continue
+            m = r.content.metric_records.get("metrics")
+            if m is None:
+                continue
+            if "partition-id" in m and "data-cursor" in m:
+                self.cursors[int(m["partition-id"])] = int(m["data-cursor"])
+            self.local_updates += int(m.get("local-steps", 0))
+            loss = m.get("train_loss")
+            if isinstance(loss, (int, float)) and math.isfinite(loss):
+                self.round_losses.append(float(loss))
+
+    def take_round(self) -> tuple[float | None, int]:
+        losses, fails = self.round_losses, self.round_failures
+        self.round_losses, self.round_failures = [], 0
+        return (sum(losses) / len(losses) if losses else None), fails
+
+
+# ----------------------------------------------------------------------------- helpers
+def wait_for_nodes(grid: Grid, want: int, settle_s: float, timeout_s: float) -> int:
+    """Wait for ``want`` nodes (``0``: until the count is stable for ``settle_s``)."""
+    t0 = time.monotonic()
+    last, since = -1, time.monotonic()
+    while True:
+        n = len(list(grid.get_node_ids()))
+        now = time.monotonic()
+        if n != last:
+            last, since = n, now
+        if want and n >= want:
+            return n
+        if not want and n >= 1 and now - since >= settle_s:
+            return n
+        if now - t0 > timeout_s:
+            if n >= max(want, 1):
+                return n
+            raise RuntimeError(f"only {n} nodes connected after {timeout_s:.0f} s (want {want})")
+        time.sleep(0.25)
+
+
+def _flat(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[prefix + k] = v
+    return out
+
+
+def _check_resumable(saved: dict[str, Any], now: dict[str, Any]) -> None:
+    a, b = _flat(saved), _flat(now)
+    for key in sorted(set(a) | set(b)):
+        if key not in RESUMABLE_DIFFERENCES and a.get(key) != b.get(key):
+            raise RunConfigError(
+                f"run-config key {key!r} = {b.get(key)!r} differs from the checkpoint's "
+                f"{a.get(key)!r}; a resumed run must use the same settings"
+            )
+
+
+def data_sizes(cfg, n: int) -> list[int]:
+    """Training rows per partition (same computation as the clients; Metropolis target)."""
+    d = cfg.data
+    sizes = []
+    for pid in range(n):
+        shard = sentiment.load_partition(
+            pid,
+            n,
+            d.source,
+            d.partitioner,
+            d["dirichlet-alpha"],
+            d["test-size"],
+            cfg.seed,
+            d["max-examples"],
+        )
+        sizes.append(len(shard) - int(len(shard) * d["val-fraction"]))
+    return sizes
+
+
+def build_strategy(cfg, n: int, round_end_fn=None):
+    """The strategy named by ``strategy.name`` for ``n`` clients."""
+    s = cfg.strategy
+    max_norm = s["max-update-norm"] or None
+    if s.name == "fedavg":
+        from flwr.serverapp.strategy import FedAvg
+
+        return FedAvg(
+            fraction_train=s["fraction-train"],
+            fraction_evaluate=0.0,
+            min_train_nodes=max(1, math.ceil(s["fraction-train"] * n)),
+            min_evaluate_nodes=0,
+            min_available_nodes=n,
+        )
+    common = dict(
+        num_vertices=n,
+        graph_seed=cfg.seed,
+        local_steps=s["local-steps"],
+        node_wait_s=s["node-wait-s"],
+        max_update_norm=max_norm,
+        round_end_fn=round_end_fn,
+    )
+    if s.name == "rwlora":
+        from flwr_isoloco.strategies.rwlora import RWLoRA
+
+        return RWLoRA(
+            s.graph,
+            transition=s.transition,
+            target=data_sizes(cfg, n) if s.target == "data-size" else None,
+            lazy=s.lazy,
+            seed=cfg.seed,
+            carry_optimizer_state=s["carry-optimizer-state"],
+            max_norm_ratio=s["max-norm-ratio"] or None,
+            **common,
+        )
+    from flwr_isoloco.strategies.gossip import GossipLoRA
+
+    return GossipLoRA(s.graph, **common)
+
+
+# ----------------------------------------------------------------------------- server
+def run_server(grid: Grid, run_config: dict[str, Any], run_id: int = 0, *, settle_s: float = 3.0):
+    """The whole server side; returns the output folder. Raises on a bad run config."""
+    try:
+        cfg = load_config(run_config)
+    except RunConfigError as exc:
+        log(ERROR, "rwlora-sentiment: bad run config: %s", exc)
+        raise
+    if cfg["torch-threads"]:
+        torch.set_num_threads(cfg["torch-threads"])
+    out = output_dir(cfg, run_id)
+    out.mkdir(parents=True, exist_ok=True)
+    conf = config_dict(cfg)
+    t0 = time.perf_counter()
+    d = cfg.data
+    test = sentiment.load_test(d.source, d["test-size"], cfg.seed, d["eval-examples"])
+    test_texts, test_labels = list(test["text"]), [int(y) for y in test["label"]]
+    spec = lora_spec(cfg)
+    model = classifier.build_model(spec)  # the server's own copy (not the clients' cache)
+    tokenizer = classifier.load_tokenizer(spec.model)
+    initial_adapter = classifier.adapter_state_dict(model)
+    adapter_bytes = sum(t.numel() * 4 for t in initial_adapter.values())
+    log(INFO, "rwlora-sentiment: output %s; adapter %d bytes", out, adapter_bytes)
+
+    total = cfg["num-server-rounds"]
+    history: list[dict[str, Any]] = []
+    done = 0
+    meta: dict[str, Any] | None = None
+    tensors: dict[str, Any] = {}
+    if cfg["resume-from"]:
+        tensors, meta = load_checkpoint(cfg["resume-from"])
+        if meta.get("app") != "rwlora_sentiment":
+            raise RunConfigError(
+                f"run-config key 'resume-from': {cfg['resume-from']!r} is not a "
+                f"rwlora_sentiment checkpoint (app {meta.get('app')!r})"
+            )
+        _check_resumable(meta["config"], conf)
+        done, history = int(meta["round"]), list(meta["history"])
+
+    rec = RecordingGrid(grid)
+    n = wait_for_nodes(grid, cfg.strategy["num-clients"], settle_s, cfg.strategy["node-wait-s"])
+    state: dict[str, Any] = {"strategy": None}
+    strategy = build_strategy(cfg, n)
+    state["strategy"] = strategy
+    name = cfg.strategy.name
+    base = {"local-updates": 0, "bytes-relayed": 0, "bytes-p2p": 0}
+    train_config: dict[str, Any] = {}
+    initial = ArrayRecord(initial_adapter)
+    if meta is not None:
+        base = {k: int(meta["totals"][k]) for k in base}
+        rec.cursors = {int(k): int(v) for k, v in meta["cursors"].items()}
+        train_config[CURSORS_KEY] = json.dumps(rec.cursors)
+        if name == "fedavg":
+            initial = ArrayRecord(tensors["arrays"])
+        else:
+            strategy.load_state_dict({"tensors": tensors["strategy"], "meta": meta["strategy"]})
+        set_rng_state(meta["rng"])
+        log(INFO, "rwlora-sentiment: resumed from %s at round %d", cfg["resume-from"], done)
+
+    results: dict[str, Any] = {
+        "app": "rwlora_sentiment",
+        "status": "running",
+        "output-dir": str(out),
+        "config": conf,
+        "num-clients": n,
+        "adapter-bytes": adapter_bytes,
+        "test-examples": len(test_texts),
+        "resumed-from": cfg["resume-from"] or None,
+        "rounds": history,
+    }
+    offset = done if name == "fedavg" else 0  # FedAvg numbers resumed rounds from 1
+    clock = {"start": time.perf_counter(), "last": time.perf_counter()}
+
+    def totals() -> dict[str, int]:
+        s = strategy
+        lu = getattr(s, "local_updates", None)
+        br = getattr(s, "bytes_relayed", None)
+        bp = getattr(s, "bytes_p2p", None)
+        if name == "fedavg":
+            lu, br = base["local-updates"] + rec.local_updates, None
+        relayed = base["bytes-relayed"] + rec.bytes_down + rec.bytes_up if br is None else br
+        return {
+            "local-updates": int(
+                lu if lu is not None else base["local-updates"] + rec.local_updates
+            ),
+            "bytes-relayed": int(relayed),
+            "bytes-p2p": int(bp if bp is not None else relayed),
+        }
+
+    def evaluate_fn(server_round: int, arrays: ArrayRecord) -> MetricRecord | None:
+        rnd = server_round + offset
+        if server_round == 0 and done > 0:
+            return None
+        want_eval = rnd == 0 or rnd % cfg["eval-every"] == 0 or rnd == total
+        row: dict[str, Any] = {"round": rnd, **(totals() if rnd else dict.fromkeys(base, 0))}
+        loss, fails = rec.take_round()
+        if rnd:
+            row["train-loss"] = loss
+            row["failed-replies"] = fails
+            if name == "rwlora" and strategy.trajectory:
+                v = strategy.trajectory[-1]
+                row["walk-vertex"] = int(v) if isinstance(v, int) else str(v)
+                row["hop-failures-total"] = strategy.failures
+        if want_eval:
+            tw = time.perf_counter()
+            classifier.load_adapter_state_dict(model, arrays.to_torch_state_dict())
+            res = classifier.evaluate(
+                model, tokenizer, test_texts, test_labels, max_length=cfg.model["max-length"]
+            )
+            row.update({"test-accuracy": res["accuracy"], "test-loss": res["loss"]})
+            row["eval-time-s"] = time.perf_counter() - tw
+        now = time.perf_counter()
+        row["round-wall-s"] = now - clock["last"]
+        clock["last"] = now
+        history.append(row)
+        log(INFO, "rwlora-sentiment: %s", row)
+        write_json_atomic(out / "results.json", results)
+        if cfg["checkpoint"] and rnd > 0:
+            _checkpoint(rnd, arrays)
+        if rnd and (want_eval or rnd == total):
+            _plots()
+        if "test-accuracy" in row:
+            return MetricRecord(
+                {"test-accuracy": row["test-accuracy"], "test-loss": row["test-loss"]}
+            )
+        return None
+
+    def _checkpoint(rnd: int, arrays: ArrayRecord) -> None:
+        if name == "fedavg":
+            ts: dict[str, Any] = {"arrays": arrays.to_torch_state_dict()}
+            smeta: dict[str, Any] = {}
+        else:
+            sd = strategy.state_dict()
+            ts, smeta = {"strategy": sd["tensors"]}, sd["meta"]
+        save_checkpoint(
+            out / CHECKPOINT,
+            ts,
+            {
+                "app": "rwlora_sentiment",
+                "round": rnd,
+                "config": conf,
+                "strategy": smeta,
+                "history": history,
+                "totals": totals(),
+                "cursors": {str(k): v for k, v in rec.cursors.items()},
+                "rng": rng_state(),
+            },
+        )
+
+    def _plots() -> None:
+        visits = None
+        if name == "rwlora":
+            visits = {str(k): int(v) for k, v in strategy.visit_counts().items()}
+        elif rec.cursors:
+            per_visit = cfg.strategy["local-steps"] * cfg.train["batch-size"]
+            visits = {str(k): c // per_visit for k, c in sorted(rec.cursors.items())}
+        results["visit-counts"] = visits
+        try:
+            plot_results(history, visits, out, title=f"{name} on {cfg.strategy.graph}, n={n}")
+        except Exception as exc:  # plots must never stop a run
+            log(WARNING, "rwlora-sentiment: plotting failed: %s", exc)
+
+    remaining = total - done
+    if remaining <= 0:
+        log(INFO, "rwlora-sentiment: checkpoint already holds all %d rounds", total)
+    else:
+        strategy.start(
+            grid=rec,
+            initial_arrays=initial,
+            num_rounds=total if name != "fedavg" else remaining,
+            timeout=cfg["round-timeout"],
+            train_config=ConfigRecord(train_config),
+            evaluate_fn=evaluate_fn,
+        )
+    _plots()
+    results["status"] = "completed"
+    results["wall-time-s"] = time.perf_counter() - t0
+    write_json_atomic(out / "results.json", results)
+    last = next((r for r in reversed(history) if "test-accuracy" in r), None)
+    log(
+        INFO,
+        "rwlora-sentiment: done, %d rounds; final test accuracy %s; results in %s",
+        len(history),
+        "n/a" if last is None else f"{last['test-accuracy']:.4f}",
+        out / "results.json",
+    )
+    return out
+
+
+@app.main()
+def main(grid: Grid, context: Context) -> None:
+    run_server(grid, dict(context.run_config), context.run_id)
