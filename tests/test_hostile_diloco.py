@@ -217,6 +217,7 @@ def test_validator_never_raises_on_garbage_messages():
         ({"strategy.fraction-train": 1.5}, "strategy.fraction-train"),
         ({"strategy.orthogonalize": "sideways"}, "strategy.orthogonalize"),
         ({"strategy.max-update-norm": -1.0}, "strategy.max-update-norm"),
+        ({"strategy.prune-fraction": 0.3}, "prune_fraction"),
     ],
 )
 def test_bad_run_config_names_the_key(cfg, needle):
@@ -235,6 +236,8 @@ def test_bad_run_config_names_the_key(cfg, needle):
         ({"weighting": "tokens"}, "weighting"),
         ({"max_update_norm": -3.0}, "max_update_norm"),
         ({"dtype_policy": "ignore"}, "dtype_policy"),
+        ({"merge": "mean", "merge_options": {"prune_fraction": 0.2}}, "prune_fraction"),
+        ({"merge": "ties", "merge_options": {"prune_fraction": 1.5}}, "prune_fraction"),
     ],
 )
 def test_bad_constructor_argument_names_it(kwargs, needle):

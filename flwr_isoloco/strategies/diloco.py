@@ -38,6 +38,7 @@ from flwr.serverapp.strategy import Strategy
 from flwr.serverapp.strategy.strategy_utils import sample_nodes
 
 from flwr_isoloco.merging import MERGE_RULES, StreamingMerger, merge
+from flwr_isoloco.merging.rules import check_options
 from flwr_isoloco.outer import OuterSGD
 from flwr_isoloco.strategies.common import (
     PAYLOADS,
@@ -213,6 +214,7 @@ class DiLoCo(Strategy):
                 f"orthogonalize='update' needs merge in {_SPECTRAL_FOR_UPDATE}, got {self.merge_name!r}"
             )
         self.merge_options = dict(merge_options or {})
+        check_options(self.rule, self.merge_options)  # unknown option / bad value -> ValueError
         self.fraction_train = float(fraction_train)
         self.fraction_evaluate = float(fraction_evaluate)
         self.min_train_nodes = 0 if fraction_train == 0 else min_train_nodes
