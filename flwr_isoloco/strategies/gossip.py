@@ -1,0 +1,332 @@
+"""Gossip LoRA: the decentralised-SGD baseline of RW-LoRA (ALGORITHMS.md section 4).
+
+Every vertex keeps its own adapter ``x_i`` (held by the server, sent to the vertex's node each
+round). Each round every node takes K local steps from its ``x_i``; then each adapter becomes
+the Metropolis-weighted mix of its neighbours' (``x_i <- sum_j W_ij x_j``, ``W_ij = 1/(1 +
+max(d_i, d_j))`` on edges, ``W_ii = 1 - sum_j W_ij``; symmetric, doubly stochastic).
+Evaluation uses the vertex average ``mean_i x_i`` (what ``current_arrays`` returns).
+
+Messages are those of :mod:`flwr_isoloco.strategies.rwlora` (QUERY round to map vertices to
+nodes; TRAIN with ``arrays`` + ``config`` holding ``local-steps`` and ``walk-vertex`` = the
+vertex; FedAvg-style replies). No optimiser state travels (``carry-optimizer-state`` is False):
+gossip nodes keep their own optimiser locally, if any.
+
+A node that errors, times out or returns a bad update keeps its previous adapter (it did not
+train this round) and that copy still enters the mixing step, as the last copy its neighbours
+received. Accounting per round: ``local-updates`` K per node that trained (``n K`` when all
+do); ``bytes-relayed`` what crossed the wire via the server (n adapters down + the replies up);
+``bytes-p2p`` what a peer-to-peer deployment sends: each edge carries one adapter each way,
+``2 |E|`` adapters.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Iterable, Mapping
+from logging import INFO, WARNING
+from typing import Any
+
+import networkx as nx
+import numpy as np
+import torch
+from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
+from flwr.common.logger import log
+from flwr.serverapp import Grid
+
+from ..graphs import metropolis_mixing_weights, spectral_gap
+from .common import SentLedger, weighted_mean_metrics
+from .rwlora import GraphStrategy, _record_of, _tensors_of, record_nbytes
+
+__all__ = ["GossipLoRA", "mix"]
+
+
+def mix(W: np.ndarray, adapters: list[Mapping[str, torch.Tensor]]) -> list[dict[str, torch.Tensor]]:
+    """``x_i <- sum_j W_ij x_j`` for every tensor name (fp64 accumulation, fp32 result)."""
+    n = len(adapters)
+    if W.shape != (n, n):
+        raise ValueError(f"mixing matrix {W.shape} for {n} adapters")
+    Wt = torch.as_tensor(W, dtype=torch.float64)
+    out: list[dict[str, torch.Tensor]] = [{} for _ in range(n)]
+    for k in adapters[0]:
+        stack = torch.stack([a[k].double().reshape(-1) for a in adapters])  # (n, size)
+        mixed = (Wt @ stack).float()
+        for i in range(n):
+            out[i][k] = mixed[i].reshape(adapters[0][k].shape).clone()
+    return out
+
+
+class GossipLoRA(GraphStrategy):
+    """Gossip / decentralised SGD on LoRA adapters with Metropolis mixing (Message API).
+
+    Parameters
+    ----------
+    graph, num_vertices, graph_seed, vertex_key, local_steps :
+        As in :class:`~flwr_isoloco.strategies.RWLoRA`.
+    max_update_norm : float, optional
+        Reject a reply whose ``||x_i - reply||`` exceeds this.
+    max_norm_ratio : float, optional
+        Reject a reply whose update norm exceeds this times the median of the other accepted
+        replies of the round (needs 2 others).
+    round_end_fn : callable, optional
+        ``fn(server_round, strategy)`` after each round (checkpointing).
+    """
+
+    what = "gossip"
+
+    def __init__(
+        self,
+        graph: str | nx.Graph = "complete",
+        *,
+        num_vertices: int | None = None,
+        local_steps: int = 1,
+        max_norm_ratio: float | None = None,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(graph, num_vertices=num_vertices, local_steps=local_steps, **kwargs)
+        if max_norm_ratio is not None and not (
+            max_norm_ratio > 0 and math.isfinite(max_norm_ratio)
+        ):
+            raise ValueError(f"max_norm_ratio must be a finite number > 0, got {max_norm_ratio!r}")
+        self.max_norm_ratio = max_norm_ratio
+        self.initial: dict[str, torch.Tensor] | None = None
+        self.adapters: dict[Any, dict[str, torch.Tensor]] = {}
+        self.W: np.ndarray | None = None
+        self.failures = 0
+        self.failures_by_vertex: dict[Any, int] = {}
+        self.failure_log: list[tuple[int, Any, str]] = []
+        self.local_updates = 0
+        self.bytes_relayed = 0
+        self.bytes_p2p = 0
+        self._ledger = SentLedger()
+        self._sent_vertex: dict[int, Any] = {}
+
+    def summary(self) -> None:
+        log(
+            INFO,
+            "\t└──> gossip: graph %d vertices, %d edges; K=%d local steps; Metropolis mixing",
+            self.graph.number_of_nodes(),
+            self.graph.number_of_edges(),
+            self.local_steps,
+        )
+
+    # ----------------------------------------------------------------- setup / arrays
+    def _init_arrays(self, initial_arrays: ArrayRecord) -> None:
+        if self.initial is None:
+            self.initial = {
+                k: (v.float() if v.is_floating_point() else v)
+                for k, v in _tensors_of(initial_arrays).items()
+            }
+
+    def _on_setup(self) -> None:
+        self.W = metropolis_mixing_weights(self.live_graph)
+        self._ensure_adapters()
+        log(
+            INFO,
+            "gossip: %d vertices, mixing spectral gap %.4f",
+            len(self.vertices),
+            spectral_gap(self.W),
+        )
+
+    def _ensure_adapters(self) -> None:
+        """Every live vertex without an adapter starts from the initial one."""
+        if self.initial is None or self.live_graph is None:
+            return
+        for v in self.vertices:
+            if v not in self.adapters:
+                self.adapters[v] = {k: t.clone() for k, t in self.initial.items()}
+
+    def average(self) -> dict[str, torch.Tensor]:
+        """Vertex average ``mean_i x_i`` (fp64 accumulation)."""
+        xs = [self.adapters[v] for v in self.vertices]
+        return {k: torch.stack([x[k].double() for x in xs]).mean(0).float() for k in xs[0]}
+
+    def current_arrays(self) -> ArrayRecord:
+        self._ensure_adapters()
+        if self.adapters:
+            return _record_of(self.average())
+        return _record_of(self.initial) if self.initial is not None else ArrayRecord()
+
+    def consensus_distance(self) -> float:
+        """``sqrt(mean_i ||x_i - xbar||^2)``: how far the vertices are from agreeing."""
+        avg = self.average()
+        sq = [
+            sum(float((x[k].double() - avg[k].double()).pow(2).sum()) for k in avg)
+            for x in (self.adapters[v] for v in self.vertices)
+        ]
+        return math.sqrt(sum(sq) / len(sq))
+
+    # ----------------------------------------------------------------- Flower API
+    def configure_train(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
+        """One message per live vertex, carrying that vertex's adapter."""
+        self._init_arrays(arrays)
+        if self.live_graph is None:
+            self.setup(grid)
+        self._ensure_adapters()
+        msgs = []
+        self._sent_vertex = {}
+        for v in self.vertices:
+            node = self.vmap.node_of[v]
+            cfg = ConfigRecord(dict(config))
+            cfg["server-round"] = server_round
+            cfg["local-steps"] = self.local_steps
+            cfg["walk-vertex"] = int(v) if isinstance(v, int) else self.vertices.index(v)
+            cfg["carry-optimizer-state"] = False
+            content = RecordDict(
+                {self.arrayrecord_key: _record_of(self.adapters[v]), self.configrecord_key: cfg}
+            )
+            msgs.append(Message(content=content, message_type=MessageType.TRAIN, dst_node_id=node))
+            self._sent_vertex[node] = v
+        self._round = server_round
+        return self._ledger.remember(msgs)
+
+    def _fail(self, v: Any, reason: str) -> None:
+        self.failures += 1
+        self.failures_by_vertex[v] = self.failures_by_vertex.get(v, 0) + 1
+        self.failure_log = [*self.failure_log[-999:], (self._round, v, reason)]
+        log(
+            WARNING,
+            "gossip: round %d: vertex %r keeps its previous adapter: %s",
+            self._round,
+            v,
+            reason,
+        )
+
+    def aggregate_train(
+        self, server_round: int, replies: Iterable[Message]
+    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        """Take each valid reply as its vertex's new adapter (failed vertices keep theirs),
+        then mix with ``W``. Returns the vertex average."""
+        replies = list(replies)
+        self._round = server_round
+        fail0 = self.failures
+        down = sum(record_nbytes(_record_of(self.adapters[v])) for v in self.vertices)
+        up = sum(
+            record_nbytes(*r.content.array_records.values()) for r in replies if r.has_content()
+        )
+        by_vertex: dict[Any, list[Message]] = {}
+        for r in replies:
+            v = self._sent_vertex.get(self._ledger.sender(r))
+            if v is None:
+                log(
+                    WARNING, "gossip: reply from node %d we did not send to", r.metadata.src_node_id
+                )
+                continue
+            by_vertex.setdefault(v, []).append(r)
+        trained: dict[Any, dict[str, torch.Tensor]] = {}
+        norms: dict[Any, float] = {}
+        accepted = []
+        steps_done = 0
+        for v in self.vertices:
+            got = by_vertex.get(v, [])
+            if not got:
+                self._fail(v, "no reply (timeout)")
+                continue
+            checked, report = self.validator.validate(got[:1], self.adapters[v], None)
+            if not checked:
+                self._fail(v, report.reasons[0][1] if report.reasons else "reply rejected")
+                continue
+            reply = checked[0]
+            update = reply.update(self.adapters[v])
+            trained[v] = {k: self.adapters[v][k].float() - update[k] for k in self.adapters[v]}
+            norms[v] = math.sqrt(sum(float(u.double().pow(2).sum()) for u in update.values()))
+            accepted.append((v, reply))
+        if self.max_norm_ratio is not None:
+            for v in list(trained):
+                others = [n for u, n in norms.items() if u != v and u in trained]
+                if len(others) >= 2 and norms[v] > self.max_norm_ratio * statistics.median(others):
+                    self._fail(
+                        v,
+                        f"update norm {norms[v]:.4g} > max_norm_ratio {self.max_norm_ratio:g} x "
+                        f"median of the others {statistics.median(others):.4g}",
+                    )
+                    del trained[v]
+            accepted = [(v, r) for v, r in accepted if v in trained]
+        for _, reply in accepted:
+            steps = reply.metrics.get("local-steps", self.local_steps)
+            steps_done += int(steps) if steps >= 0 else self.local_steps
+        before_mix = [trained.get(v, self.adapters[v]) for v in self.vertices]
+        mixed = mix(self.W, before_mix)
+        self.adapters = dict(zip(self.vertices, mixed, strict=True))
+        self.local_updates += steps_done
+        self.bytes_relayed += down + up
+        p2p = 2 * self.live_graph.number_of_edges() * record_nbytes(_record_of(self.initial))
+        self.bytes_p2p += p2p
+        client = weighted_mean_metrics(
+            [r for _, r in accepted], exclude=("local-steps", "walk-vertex")
+        )
+        metrics = {
+            **client,
+            "trained": len(accepted),
+            "failures": self.failures - fail0,
+            "failures-total": self.failures,
+            "local-updates": self.local_updates,
+            "bytes-relayed": down + up,
+            "bytes-relayed-total": self.bytes_relayed,
+            "bytes-p2p": p2p,
+            "bytes-p2p-total": self.bytes_p2p,
+            "consensus-distance": self.consensus_distance(),
+        }
+        return self.current_arrays(), MetricRecord(
+            {k: v for k, v in metrics.items() if math.isfinite(v)}
+        )
+
+    def _run_round(
+        self, grid: Grid, server_round: int, config: ConfigRecord, timeout: float
+    ) -> dict[str, float]:
+        msgs = list(self.configure_train(server_round, self.current_arrays(), config, grid))
+        replies = list(grid.send_and_receive(msgs, timeout=timeout))
+        _, metrics = self.aggregate_train(server_round, replies)
+        return dict(metrics)
+
+    # ----------------------------------------------------------------- state
+    def state_dict(self) -> dict[str, Any]:
+        """``{"tensors": {"adapters": {str(vertex): adapter}}, "meta": JSON-able}``."""
+        if self.live_graph is None:
+            raise ValueError("gossip: state_dict() before setup (call start first)")
+        return {
+            "tensors": {"adapters": {str(v): dict(self.adapters[v]) for v in self.vertices}},
+            "meta": {
+                "kind": self.what,
+                "round": self.round,
+                "vertices": self.vertices,
+                "failures": self.failures,
+                "failures_by_vertex": [[v, n] for v, n in self.failures_by_vertex.items()],
+                "failure_log": [list(x) for x in self.failure_log],
+                "local_updates": self.local_updates,
+                "bytes_relayed": self.bytes_relayed,
+                "bytes_p2p": self.bytes_p2p,
+                "history": list(self.history),
+            },
+        }
+
+    def _preload_state(self, state: Mapping[str, Any]) -> None:
+        adapters = state["tensors"].get("adapters") or {}
+        if not adapters:
+            raise ValueError("gossip state has no adapters")
+        first = next(iter(adapters.values()))
+        self.initial = {k: torch.zeros_like(t) for k, t in first.items()}
+
+    def _apply_state(self, state: Mapping[str, Any]) -> None:
+        meta, adapters = state["meta"], state["tensors"]["adapters"]
+        if list(meta["vertices"]) != self.vertices:
+            raise ValueError(
+                f"gossip: checkpoint has vertices {meta['vertices']} but the live vertices are "
+                f"{self.vertices}; cannot resume"
+            )
+        missing = [v for v in self.vertices if str(v) not in adapters]
+        if missing:
+            raise ValueError(f"gossip state: no adapter for vertex {missing[0]!r}")
+        self.adapters = {
+            v: {k: t.float().clone() for k, t in adapters[str(v)].items()} for v in self.vertices
+        }
+        self.round = int(meta["round"])
+        self.failures = int(meta["failures"])
+        self.failures_by_vertex = {v: int(n) for v, n in meta["failures_by_vertex"]}
+        self.failure_log = [(int(r), v, str(why)) for r, v, why in meta.get("failure_log", [])]
+        self.local_updates = int(meta["local_updates"])
+        self.bytes_relayed = int(meta["bytes_relayed"])
+        self.bytes_p2p = int(meta["bytes_p2p"])
+        self.history = [dict(h) for h in meta.get("history", [])]
