@@ -195,3 +195,17 @@ def test_client_update_is_the_reference_step():
     # keeps the fake client and the float64 reference in this file in sync
     x = client_update(init_adapter(), 2, 3)
     assert value(x) == pytest.approx(((0 * 0.5 + 3) * 0.5 + 3) * 0.5 + 3)
+
+
+def test_offline_node_keeps_its_adapter():
+    grid = FakeGrid(HANDLERS, num_nodes=4)
+    s = GossipLoRA("ring", num_vertices=4)
+    s.setup(grid, timeout=5)
+    grid.offline.add(grid.node_ids[3])
+    res = run(s, grid, 3)
+    W = metropolis_mixing_weights(build_graph("ring", n=4))
+    want = reference(W, 3, fail=lambda r, v: v == 3)
+    np.testing.assert_allclose([value(s.adapters[v]) for v in range(4)], want, rtol=1e-6)
+    m = res.train_metrics_clientapp[3]
+    assert m["bytes-relayed"] == 2 * 3 * NBYTES and m["trained"] == 3
+    assert all("offline" in why for _, _, why in s.failure_log)

@@ -464,3 +464,31 @@ def test_works_with_floweres_own_round_loop():
     assert 0 < len(s.trajectory) <= 15
     assert_token(res, replay(s.trajectory, 1))
     assert all(math.isfinite(v) for m in res.train_metrics_clientapp.values() for v in m.values())
+
+
+def test_offline_node_is_skipped_without_a_failed_attempt():
+    grid = FakeGrid(HANDLERS, num_nodes=4)
+    s = RWLoRA("complete", num_vertices=4, seed=5)
+    run(s, grid, 2)
+    grid.offline.add(grid.node_ids[1])  # node gone from the grid's listing (e.g. deregistered)
+    res = run(s, grid, 20)
+    assert 1 not in s.trajectory[2:]
+    assert s.failures == 0 and len(s.trajectory) == 20
+    assert res.train_metrics_clientapp[20]["offline-vertices"] == 1
+    grid.offline.clear()  # back: the walk uses it again
+    run(s, grid, 60)
+    assert 1 in s.trajectory[20:]
+
+
+def test_restarted_node_with_a_new_id_is_remapped():
+    grid = FakeGrid(HANDLERS, num_nodes=4)
+    s = RWLoRA("complete", num_vertices=4, seed=6)
+    run(s, grid, 2)
+    old = grid.node_ids[2]
+    new = old ^ 0xFFFF  # the SuperNode restarts under a new random id
+    grid.contexts[new] = grid.contexts.pop(old)
+    grid.node_ids[2] = new
+    grid.partition_of[new] = 2
+    run(s, grid, 30)
+    assert s.vmap.node_of[2] == new
+    assert 2 in s.trajectory[2:] and s.failures == 0

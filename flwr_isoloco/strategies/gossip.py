@@ -167,7 +167,10 @@ class GossipLoRA(GraphStrategy):
         self._ensure_adapters()
         msgs = []
         self._sent_vertex = {}
+        offline = set(self.offline_vertices(grid))
         for v in self.vertices:
+            if v in offline:  # not listed by the grid: keeps its adapter (counted at aggregate)
+                continue
             node = self.vmap.node_of[v]
             cfg = ConfigRecord(dict(config))
             cfg["server-round"] = server_round
@@ -202,7 +205,8 @@ class GossipLoRA(GraphStrategy):
         replies = list(replies)
         self._round = server_round
         fail0 = self.failures
-        down = sum(record_nbytes(_record_of(self.adapters[v])) for v in self.vertices)
+        sent = set(self._sent_vertex.values())
+        down = sum(record_nbytes(_record_of(self.adapters[v])) for v in self.vertices if v in sent)
         up = sum(
             record_nbytes(*r.content.array_records.values()) for r in replies if r.has_content()
         )
@@ -221,6 +225,9 @@ class GossipLoRA(GraphStrategy):
         steps_done = 0
         for v in self.vertices:
             got = by_vertex.get(v, [])
+            if v not in sent:
+                self._fail(v, "node offline (not listed by the grid); nothing sent")
+                continue
             if not got:
                 self._fail(v, "no reply (timeout)")
                 continue

@@ -349,6 +349,13 @@ class GraphStrategy(Strategy):
                 what=self.what,
             )
 
+    def offline_vertices(self, grid: Grid) -> list[Any]:
+        """Live-graph vertices whose node is not listed by the grid right now (skipped)."""
+        if self.vmap is None:
+            return []
+        listed = set(grid.get_node_ids())
+        return [v for v in self.vertices if self.vmap.node_of.get(v) not in listed]
+
     def _on_setup(self) -> None:  # pragma: no cover - overridden
         pass
 
@@ -641,7 +648,8 @@ class RWLoRA(GraphStrategy):
             self.setup(grid)
         if self.token is None:
             self._init_arrays(arrays)
-        v = self.walk.draw(exclude=self.excluded)
+        offline = self.offline_vertices(grid)
+        v = self.walk.draw(exclude=set(self.excluded) | set(offline))
         self._pending_vertex, self._pending_round = v, server_round
         if v is None:
             self.excluded = []  # every candidate failed: the next call starts afresh
@@ -816,6 +824,7 @@ class RWLoRA(GraphStrategy):
             "bytes-p2p": self.bytes_p2p - p2p0,
             "bytes-p2p-total": self.bytes_p2p,
             "tv-distance": self.tv_distance(),
+            "offline-vertices": len(self.offline_vertices(grid)),
         }
 
     # ----------------------------------------------------------------- state
