@@ -262,7 +262,8 @@ class GossipLoRA(GraphStrategy):
         p2p = 2 * self.live_graph.number_of_edges() * record_nbytes(_record_of(self.initial))
         self.bytes_p2p += p2p
         client = weighted_mean_metrics(
-            [r for _, r in accepted], exclude=("local-steps", "walk-vertex")
+            [r for _, r in accepted],
+            exclude=("local-steps", "walk-vertex", "partition-id", "data-cursor"),
         )
         metrics = {
             **client,

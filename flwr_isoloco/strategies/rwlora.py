@@ -22,7 +22,7 @@ Message conventions (what a client must implement; engineer E's LoRA client does
 - **TRAIN** reply (FedAvg-style, so FedAvg runs the same client): ``"arrays"``: the updated
   adapter, same keys/shapes (other float dtypes are cast to fp32; ConfigRecord
   ``payload="delta"`` means the arrays are ``old - new`` instead); a MetricRecord with
-  ``num-examples`` (optional here) and e.g. ``train-loss``, ``local-steps`` (steps actually
+  ``num-examples`` (optional here) and e.g. ``train_loss``, ``local-steps`` (steps actually
   taken; defaults to K); and, when ``carry-optimizer-state`` was set, the new ``"optimizer"``
   ArrayRecord (+ ``"optimizer-config"``). Missing optimiser state resets it (fresh optimiser).
 
