@@ -31,6 +31,8 @@ __all__ = [
     "unflatten_tensors",
     "rng_state",
     "set_rng_state",
+    "recorddict_to_tree",
+    "tree_to_recorddict",
 ]
 
 SEP = "/"
@@ -180,3 +182,43 @@ def set_rng_state(state: Mapping[str, Any]) -> None:
     name, keys, pos, has_gauss, cached = state["numpy"]
     np.random.set_state((name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
     torch.set_rng_state(torch.tensor(state["torch"], dtype=torch.uint8))
+
+
+# ----------------------------------------------------------------------------- Flower records
+def recorddict_to_tree(records: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Split a Flower ``RecordDict`` (e.g. a node's ``context.state``) into ``(tensors, meta)``
+    for :func:`save_checkpoint`: ArrayRecords become tensor dicts, Config/MetricRecords JSON."""
+    from flwr.app import ArrayRecord, ConfigRecord, MetricRecord
+
+    tensors: dict[str, Any] = {}
+    meta: dict[str, Any] = {}
+    for key, rec in records.items():
+        if isinstance(rec, ArrayRecord):
+            tensors[key] = rec.to_torch_state_dict()
+        elif isinstance(rec, (ConfigRecord, MetricRecord)):
+            kind = "config" if isinstance(rec, ConfigRecord) else "metric"
+            values = dict(rec)
+            if any(
+                isinstance(v, bytes) or (isinstance(v, list) and v and isinstance(v[0], bytes))
+                for v in values.values()
+            ):
+                raise CheckpointError(
+                    f"record {key!r} holds bytes, which a checkpoint's JSON cannot"
+                )
+            meta[key] = {"kind": kind, "values": values}
+        else:
+            raise CheckpointError(f"record {key!r} has unsupported type {type(rec).__name__}")
+    return tensors, meta
+
+
+def tree_to_recorddict(tensors: Mapping[str, Any], meta: Mapping[str, Any]) -> Any:
+    """Inverse of :func:`recorddict_to_tree`."""
+    from flwr.app import ArrayRecord, ConfigRecord, MetricRecord, RecordDict
+
+    out = RecordDict()
+    for key, sd in tensors.items():
+        out[key] = ArrayRecord({k: v for k, v in sd.items()})
+    for key, entry in meta.items():
+        cls = ConfigRecord if entry["kind"] == "config" else MetricRecord
+        out[key] = cls(dict(entry["values"]))
+    return out

@@ -109,3 +109,27 @@ def test_rng_state_roundtrip_through_json(tmp_path):
     set_rng_state(state)
     got = (random.random(), np.random.rand(), torch.rand(3))
     assert got[0] == expected[0] and got[1] == expected[1] and torch.equal(got[2], expected[2])
+
+
+def test_recorddict_roundtrip(tmp_path):
+    from flwr.app import ArrayRecord, ConfigRecord, MetricRecord, RecordDict
+
+    from flwr_isoloco.checkpoint import recorddict_to_tree, tree_to_recorddict
+
+    rd = RecordDict(
+        {
+            "opt": ArrayRecord({"w.exp_avg": torch.randn(3, 2), "w.step": torch.ones(1)}),
+            "cfg": ConfigRecord({"cursor": 7, "name": "x", "flag": True}),
+            "m": MetricRecord({"loss": 1.5}),
+        }
+    )
+    tensors, meta = recorddict_to_tree(rd)
+    save_checkpoint(tmp_path / "s.safetensors", tensors, meta)
+    back = tree_to_recorddict(*load_checkpoint(tmp_path / "s.safetensors"))
+    assert set(back) == {"opt", "cfg", "m"}
+    sd, sd2 = rd["opt"].to_torch_state_dict(), back["opt"].to_torch_state_dict()
+    assert all(torch.equal(sd[k], sd2[k]) for k in sd) and set(sd) == set(sd2)
+    assert dict(back["cfg"]) == {"cursor": 7, "name": "x", "flag": True}
+    assert dict(back["m"]) == {"loss": 1.5}
+    with pytest.raises(CheckpointError, match="'b' holds bytes"):
+        recorddict_to_tree(RecordDict({"b": ConfigRecord({"k": b"\x00"})}))

@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# The README demo: IsoLoCo pre-training of a small LLaMA on Shakespeare, 4 simulated nodes.
+#
+#   bash scripts/install.sh && bash scripts/demo.sh
+#
+# Runs `flwr run simulations/isoloco_lm` with the app's default run config (only the output
+# folder is set: <repo>/outputs/demo-<UTC time>) against a private SuperLink and FLWR_HOME under
+# <repo>/.flwr/ (see scripts/run_app.sh), checks that the run completed, prints where the results
+# are, and stops everything it started. NUM_SUPERNODES / CPUS_PER_CLIENT override the federation.
+set -euo pipefail
+REPO=$(cd "$(dirname "$0")/.." && pwd)
+OUT="$REPO/outputs/demo-$(date -u +%Y%m%d-%H%M%S)"
+T0=$(date +%s)
+bash "$REPO/scripts/run_app.sh" "$REPO/simulations/isoloco_lm" "$OUT"
+T1=$(date +%s)
+"$REPO/.venv/bin/python" - "$OUT/results.json" "$((T1 - T0))" <<'PY'
+import json, sys
+res = json.load(open(sys.argv[1]))
+first, last = res["initial"], res["rounds"][-1]
+print(f"demo: {len(res['rounds'])} rounds of {res['config']['strategy']['name']} on "
+      f"{res['rounds'][-1]['replies-used']} nodes in {sys.argv[2]} s: validation loss "
+      f"{first['val-loss']:.3f} -> {last['val-loss']:.3f} (perplexity {last['val-ppl']:.1f})")
+PY
+echo "demo: results in $OUT  (results.json, loss.png, checkpoint.safetensors, model/)"

@@ -1,0 +1,121 @@
+#!/usr/bin/env bash
+# Run a Flower app in simulation with a private SuperLink, and fail unless the run completed.
+#
+#   scripts/run_app.sh <app-dir> <output-dir> [run-config override]...
+#
+#   e.g. scripts/run_app.sh simulations/isoloco_lm /tmp/out num-server-rounds=3 "strategy.name='diloco'"
+#   (each override is key=value, TOML value syntax; no spaces inside a value)
+#
+# What it does, and why (see docs/user-guide.md):
+# - a fresh FLWR_HOME (under <repo>/.flwr/, gitignored) so no user or concurrent run is touched;
+# - its own `flower-superlink --simulation` on a free loopback port, started in its own process
+#   group with runtime dependency installation disabled (the app runs in this environment);
+# - `flwr run <app> <connection> --stream` with `output-dir='<output-dir>'` appended to the
+#   overrides (the app must have an `output-dir` key), logs tee'd to <output-dir>/flwr-run.log;
+# - `flwr run --stream` exits 0 even when the ServerApp crashed, so the run's status is read
+#   from `flwr ls --format json`; the script exits 0 only for `finished:completed`;
+# - the SuperLink's process group (it holds the simulation and Ray) is stopped on every exit.
+#
+# Environment: NUM_SUPERNODES (default 4), CPUS_PER_CLIENT (default 1), RUN_APP_KEEP_HOME=1
+# keeps the FLWR_HOME folder, FLWR_BIN_DIR (default <repo>/.venv/bin).
+set -euo pipefail
+
+if [ $# -lt 2 ]; then
+  echo "usage: $0 <app-dir> <output-dir> [run-config override]..." >&2
+  exit 2
+fi
+REPO=$(cd "$(dirname "$0")/.." && pwd)
+APP=$(cd "$1" && pwd)
+OUT=$2
+shift 2
+case "$OUT" in /*) ;; *) OUT="$(pwd)/$OUT" ;; esac
+mkdir -p "$OUT"
+
+BIN=${FLWR_BIN_DIR:-$REPO/.venv/bin}
+export PATH="$BIN:$PATH"
+export FLWR_TELEMETRY_ENABLED=0 FLWR_DISABLE_UPDATE_CHECK=1 HF_HUB_OFFLINE=1 \
+  HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false \
+  FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION=1 RAY_DEDUP_LOGS=0
+mkdir -p "$REPO/.flwr"
+export FLWR_HOME=$(mktemp -d "$REPO/.flwr/home.XXXXXX")
+PORT=$("$BIN/python" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+LOG="$OUT/flwr-run.log"
+SL_PID=""
+
+cleanup() {
+  local rc=$?
+  if [ -n "$SL_PID" ] && kill -0 "$SL_PID" 2>/dev/null; then
+    # The SuperLink's own group, plus the groups its children lead (flower-superexec calls
+    # setsid; it runs flwr-simulation and Ray). Collected before anything is stopped.
+    local groups="$SL_PID" child pg
+    for child in $(pgrep -P "$SL_PID" || true); do
+      pg=$(ps -o pgid= -p "$child" 2>/dev/null | tr -d ' ')
+      [ -n "$pg" ] && groups="$groups $pg"
+    done
+    for pg in $groups; do kill -TERM -- "-$pg" 2>/dev/null || true; done
+    for _ in $(seq 1 20); do kill -0 "$SL_PID" 2>/dev/null || break; sleep 0.5; done
+    sleep 1
+    for pg in $groups; do kill -KILL -- "-$pg" 2>/dev/null || true; done
+  fi
+  [ "${RUN_APP_KEEP_HOME:-0}" = 1 ] || rm -rf "$FLWR_HOME"
+  exit $rc
+}
+trap cleanup EXIT INT TERM
+
+cat > "$FLWR_HOME/config.toml" <<EOF
+[superlink]
+default = "runapp"
+
+[superlink.runapp]
+address = "127.0.0.1:$PORT"
+insecure = true
+EOF
+
+# setsid: the SuperLink leads its own process group, so cleanup stops it and its children.
+setsid "$BIN/flower-superlink" --insecure --simulation --isolation subprocess \
+  --host 127.0.0.1 --port "$PORT" --database "$FLWR_HOME/state.db" \
+  --log-file "$FLWR_HOME/superlink.log" --disable-runtime-dependency-installation \
+  >"$FLWR_HOME/superlink.out" 2>&1 &
+SL_PID=$!
+for _ in $(seq 1 120); do
+  "$BIN/python" - "$PORT" <<'PY' && break
+import socket, sys
+s = socket.socket()
+s.settimeout(0.5)
+sys.exit(0 if s.connect_ex(("127.0.0.1", int(sys.argv[1]))) == 0 else 1)
+PY
+  kill -0 "$SL_PID" 2>/dev/null || { echo "SuperLink exited; see $FLWR_HOME/superlink.out" >&2; cat "$FLWR_HOME/superlink.out" >&2; exit 1; }
+  sleep 0.5
+done
+
+# One --run-config string: Flower 1.42 parses each --run-config flag into a nested dict and
+# dict.update()s them, so a second flag with keys of the same section (train.a, then train.b)
+# silently drops the first. Within one string all keys survive.
+OVERRIDES="$* output-dir='$OUT'"
+FED="num-supernodes=${NUM_SUPERNODES:-4} client-resources-num-cpus=${CPUS_PER_CLIENT:-1}"
+
+echo "run_app: $APP -> $OUT (SuperLink pid $SL_PID, port $PORT, FLWR_HOME $FLWR_HOME)"
+T0=$(date +%s.%N)
+"$BIN/flwr" run "$APP" runapp --stream --federation-config "$FED" --run-config "$OVERRIDES" 2>&1 | tee "$LOG"
+T1=$(date +%s.%N)
+
+"$BIN/flwr" ls runapp --format json > "$OUT/flwr-ls.json" 2>/dev/null || true
+STATUS=$("$BIN/python" - "$OUT/flwr-ls.json" <<'PY'
+import json, sys
+try:
+    data = json.load(open(sys.argv[1]))
+except Exception as exc:  # noqa: BLE001
+    print(f"unknown (flwr ls unreadable: {exc})")
+    sys.exit(0)
+runs = data.get("runs") or []
+print(runs[-1].get("status", "unknown") if runs else "unknown (no run listed)")
+PY
+)
+WALL=$("$BIN/python" -c "print(f'{$T1 - $T0:.1f}')")
+echo "run_app: status $STATUS, wall time ${WALL}s, log $LOG"
+echo "{\"status\": \"$STATUS\", \"wall-time-s\": $WALL}" > "$OUT/run_app.json"
+if [ "$STATUS" != "finished:completed" ]; then
+  echo "run_app: FAILED: the run did not complete ($STATUS). Last ServerApp errors:" >&2
+  grep -E "ERROR|Error|Traceback|RunConfigError" "$LOG" | tail -n 20 >&2 || true
+  exit 1
+fi

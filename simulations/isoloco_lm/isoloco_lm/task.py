@@ -1,0 +1,396 @@
+"""Shared pieces of the isoloco-lm app: run-config schema, model, data, strategy, node state.
+
+Kept free of ServerApp/ClientApp objects so tests can drive them in-process.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import re
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from flwr_isoloco.checkpoint import (
+    load_checkpoint,
+    recorddict_to_tree,
+    save_checkpoint,
+    tree_to_recorddict,
+)
+from flwr_isoloco.data.text import prepare_tokens, sample_batch, shard_tokens
+from flwr_isoloco.merging import MERGE_RULES
+from flwr_isoloco.models.llama import build_llama, llama_config
+from flwr_isoloco.runconfig import (
+    RunConfigError,
+    absolute_path,
+    choices,
+    existing_path,
+    in_range,
+    non_negative,
+    positive,
+    read_run_config,
+)
+
+STRATEGIES = ("isoloco", "diloco", "fedavg")
+
+# The schema: every run-config key with its default (mirrors [tool.flwr.app.config]; a test
+# checks they agree). -1 / "" = "the chosen strategy's default".
+DEFAULTS: dict[str, Any] = {
+    "num-server-rounds": 10,
+    "rounds-this-run": 0,
+    "seed": 0,
+    "output-dir": "",
+    "resume-from": "",
+    "round-timeout": 600.0,
+    "checkpoint": True,
+    "torch-threads": 1,
+    "strategy": {
+        "name": "isoloco",
+        "merge": "",
+        "outer-lr": -1.0,
+        "outer-momentum": -1.0,
+        "nesterov": True,
+        "fast": False,
+        "orthogonalize": "gradient",
+        "min-nodes": 2,
+        "fraction-train": 1.0,
+        "max-update-norm": 0.0,
+        "max-norm-ratio": 0.0,
+    },
+    "train": {
+        "local-steps": 20,
+        "lr": 3e-3,
+        "warmup-steps": 20,
+        "min-lr-ratio": 0.1,
+        "weight-decay": 0.1,
+        "clip-norm": 1.0,
+        "batch-size": 8,
+        "seq-len": 128,
+    },
+    "model": {
+        "hidden": 128,
+        "layers": 2,
+        "heads": 4,
+        "kv-heads": 0,
+        "intermediate": 0,
+        "vocab-size": 4096,
+    },
+    "data": {
+        "corpus": "shakespeare",
+        "val-fraction": 0.05,
+        "val-tokens": 16384,
+        "cache-dir": "",
+    },
+}
+
+
+def _merge_name(value: str) -> None:
+    if value != "" and value not in MERGE_RULES:
+        raise ValueError(f"unknown merge rule; expected '' or one of {sorted(MERGE_RULES)}")
+
+
+def _default_or_positive(value: float) -> None:
+    if value != -1.0 and not value > 0:
+        raise ValueError("must be > 0, or -1 for the strategy's default")
+
+
+def _default_or_non_negative(value: float) -> None:
+    if value != -1.0 and not value >= 0:
+        raise ValueError("must be >= 0, or -1 for the strategy's default")
+
+
+def _corpus(value: str) -> None:
+    if not value:
+        raise ValueError("must name a corpus ('shakespeare', a path, or a Hub data set)")
+    if os.path.isabs(os.path.expanduser(value)) and not os.path.exists(os.path.expanduser(value)):
+        raise ValueError("no such file or directory")
+
+
+VALIDATORS = {
+    "num-server-rounds": positive,
+    "rounds-this-run": non_negative,
+    "seed": non_negative,
+    "output-dir": absolute_path(allow_empty=True),
+    "resume-from": [absolute_path(allow_empty=True), existing_path(allow_empty=True)],
+    "round-timeout": positive,
+    "torch-threads": positive,
+    "strategy.name": choices(*STRATEGIES),
+    "strategy.merge": _merge_name,
+    "strategy.outer-lr": _default_or_positive,
+    "strategy.outer-momentum": _default_or_non_negative,
+    "strategy.orthogonalize": choices("gradient", "update"),
+    "strategy.min-nodes": positive,
+    "strategy.fraction-train": in_range(0.0, 1.0, lo_open=True),
+    "strategy.max-update-norm": non_negative,
+    "strategy.max-norm-ratio": non_negative,
+    "train.local-steps": positive,
+    "train.lr": positive,
+    "train.warmup-steps": non_negative,
+    "train.min-lr-ratio": in_range(0.0, 1.0),
+    "train.weight-decay": non_negative,
+    "train.clip-norm": non_negative,
+    "train.batch-size": positive,
+    "train.seq-len": positive,
+    "model.hidden": positive,
+    "model.layers": positive,
+    "model.heads": positive,
+    "model.kv-heads": non_negative,
+    "model.intermediate": non_negative,
+    "model.vocab-size": in_range(300, 65535),
+    "data.corpus": _corpus,
+    "data.val-fraction": in_range(0.0, 0.5, lo_open=True),
+    "data.val-tokens": positive,
+    "data.cache-dir": absolute_path(allow_empty=True),
+}
+
+
+def load_config(run_config: Mapping[str, Any]) -> DictConfig:
+    """Validated app config (raises :class:`RunConfigError` naming the bad key)."""
+    cfg = read_run_config(run_config, DEFAULTS, VALIDATORS)
+    s = cfg.strategy
+    if s.name == "fedavg":
+        for key, unset in (("merge", ""), ("outer-lr", -1.0), ("outer-momentum", -1.0)):
+            if s[key] != unset and not (key == "merge" and s[key] == "mean"):
+                raise RunConfigError(
+                    f"run-config key 'strategy.{key}' = {s[key]!r} conflicts with strategy.name "
+                    "'fedavg' (FedAvg is mean merge, outer lr 1, no momentum); use 'diloco'"
+                )
+    if s.fast and s.name != "isoloco":
+        raise RunConfigError(
+            f"run-config key 'strategy.fast' = true needs strategy.name 'isoloco', got {s.name!r}"
+        )
+    if s.fast and s.merge not in ("", "iso_c", "iso_c_ns"):
+        raise RunConfigError(
+            f"run-config key 'strategy.fast' = true conflicts with strategy.merge {s.merge!r}"
+        )
+    try:
+        llama_config(**model_kwargs(cfg))
+    except ValueError as exc:
+        raise RunConfigError(f"run-config 'model.*' keys are inconsistent: {exc}") from None
+    return cfg
+
+
+def model_kwargs(cfg: DictConfig) -> dict[str, Any]:
+    m = cfg.model
+    return {
+        "vocab_size": m["vocab-size"],
+        "hidden": m.hidden,
+        "layers": m.layers,
+        "heads": m.heads,
+        "kv_heads": m["kv-heads"],
+        "intermediate": m.intermediate,
+        "max_seq_len": cfg.train["seq-len"],
+    }
+
+
+def config_dict(cfg: DictConfig) -> dict[str, Any]:
+    return OmegaConf.to_container(cfg, resolve=True)  # type: ignore[return-value]
+
+
+def output_dir(cfg: DictConfig, run_id: int) -> Path:
+    """``output-dir``, or ``~/flwr_isoloco_runs/isoloco_lm/<UTC time>-run<run id>`` if empty."""
+    if cfg["output-dir"]:
+        return Path(os.path.expanduser(cfg["output-dir"]))
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
+    return Path.home() / "flwr_isoloco_runs" / "isoloco_lm" / f"{stamp}-run{run_id}"
+
+
+def cache_dir(cfg: DictConfig) -> Path | None:
+    return Path(cfg.data["cache-dir"]) if cfg.data["cache-dir"] else None
+
+
+# ----------------------------------------------------------------------------- model and data
+def build_model(cfg: DictConfig) -> torch.nn.Module:
+    return build_llama(llama_config(**model_kwargs(cfg)), seed=cfg.seed)
+
+
+@functools.lru_cache(maxsize=4)
+def _tokens(corpus: str, vocab: int, val_fraction: float, cache: str | None):
+    # Per-process memo (simulation actors reuse it); the files on disk are the real cache.
+    return prepare_tokens(corpus, vocab, val_fraction, cache)
+
+
+def text_data(cfg: DictConfig):
+    cache = cache_dir(cfg)
+    data = _tokens(
+        cfg.data.corpus,
+        cfg.model["vocab-size"],
+        cfg.data["val-fraction"],
+        str(cache) if cache else None,
+    )
+    if data.vocab_size != cfg.model["vocab-size"]:
+        raise RunConfigError(
+            f"run-config key 'model.vocab-size' = {cfg.model['vocab-size']}: the corpus only supports "
+            f"a BPE vocabulary of {data.vocab_size}"
+        )
+    return data
+
+
+def node_batches(cfg: DictConfig, partition_id: int, num_partitions: int):
+    """``batch(i)``: the node's i-th training batch, random windows of its contiguous shard,
+    seeded by (seed, partition, i) so a resumed node draws exactly the same batches."""
+    shard = shard_tokens(text_data(cfg).train, partition_id, num_partitions)
+    bs, seq, seed = cfg.train["batch-size"], cfg.train["seq-len"], cfg.seed
+
+    def batch(index: int) -> torch.Tensor:
+        g = torch.Generator().manual_seed((seed * 1_000_003 + partition_id) * 1_000_033 + index)
+        return sample_batch(shard, bs, seq, g)
+
+    return batch
+
+
+def validation_batches(cfg: DictConfig) -> list[torch.Tensor]:
+    from flwr_isoloco.data.text import eval_batches
+
+    return list(eval_batches(text_data(cfg).val, 16, cfg.train["seq-len"], cfg.data["val-tokens"]))
+
+
+def evaluate_model(model: torch.nn.Module, batches: list[torch.Tensor]) -> float:
+    """Token-weighted mean next-token cross-entropy over ``batches``."""
+    from flwr_isoloco.clients.diloco_worker import next_token_loss
+
+    model.eval()
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for b in batches:
+            loss, n = next_token_loss(model, b)
+            total += float(loss) * n
+            count += n
+    return total / count
+
+
+# ----------------------------------------------------------------------------- strategy
+def build_strategy(cfg: DictConfig):
+    """DiLoCo / IsoLoCo / FedAvg (= DiLoCo(mean, lr 1, momentum 0)) from the app config via
+    the strategies' own ``from_run_config``; server-side evaluation only."""
+    from flwr_isoloco.strategies import DiLoCo, IsoLoCo
+
+    s = cfg.strategy
+    flat: dict[str, Any] = {
+        "strategy.nesterov": s.nesterov,
+        "strategy.orthogonalize": s.orthogonalize,
+        "strategy.min-train-nodes": s["min-nodes"],
+        "strategy.min-available-nodes": s["min-nodes"],
+        "strategy.min-evaluate-nodes": 0,
+        "strategy.fraction-train": s["fraction-train"],
+        "strategy.fraction-evaluate": 0.0,
+        "strategy.max-update-norm": s["max-update-norm"],
+        "strategy.max-norm-ratio": s["max-norm-ratio"],
+        "strategy.seed": cfg.seed,
+    }
+    if s.name == "fedavg":
+        flat.update(
+            {"strategy.merge": "mean", "strategy.outer-lr": 1.0, "strategy.outer-momentum": 0.0}
+        )
+        return DiLoCo.from_run_config(flat)
+    if s.merge:
+        flat["strategy.merge"] = s.merge
+    if s["outer-lr"] != -1.0:
+        flat["strategy.outer-lr"] = s["outer-lr"]
+    if s["outer-momentum"] != -1.0:
+        flat["strategy.outer-momentum"] = s["outer-momentum"]
+    if s.name == "isoloco":
+        if s.fast:
+            flat["strategy.fast"] = True
+            flat.pop("strategy.merge", None)
+        return IsoLoCo.from_run_config(flat)
+    return DiLoCo.from_run_config(flat)
+
+
+def train_config(cfg: DictConfig) -> dict[str, Any]:
+    """What the server sends to workers (the DiLoCo worker's message config keys)."""
+    t = cfg.train
+    return {
+        "num-server-rounds": cfg["num-server-rounds"],
+        "local-steps": t["local-steps"],
+        "lr": t.lr,
+        "warmup-steps": t["warmup-steps"],
+        "min-lr-ratio": t["min-lr-ratio"],
+        "weight-decay": t["weight-decay"],
+        "clip-norm": t["clip-norm"],
+    }
+
+
+# ----------------------------------------------------------------------------- node state files
+# A node's ``context.state`` (AdamW moments, data cursor) lives only as long as the run. To make
+# ``resume-from`` exact, each node also writes it after every train round to
+# ``<state-dir>/node-p<partition-id>-r<round>.safetensors`` (keeping its last two), and a node of
+# a resumed run whose state is empty reads the newest file at or before the checkpoint's round.
+STATE_DIR_KEY = "node-state-dir"
+RESUME_DIR_KEY = "resume-node-state-dir"
+RESUME_ROUND_KEY = "resume-round"
+_STATE_FILE = re.compile(r"node-p(\d+)-r(\d+)\.safetensors$")
+
+
+def _state_files(folder: Path, partition_id: int) -> list[tuple[int, Path]]:
+    if not folder.is_dir():
+        return []
+    out = []
+    for p in folder.iterdir():
+        m = _STATE_FILE.match(p.name)
+        if m and int(m.group(1)) == partition_id:
+            out.append((int(m.group(2)), p))
+    return sorted(out)
+
+
+def save_node_state(
+    state, folder: Path, partition_id: int, server_round: int, keep: int = 2
+) -> None:
+    tensors, meta = recorddict_to_tree(state)
+    save_checkpoint(
+        folder / f"node-p{partition_id}-r{server_round}.safetensors", tensors, {"records": meta}
+    )
+    for _, old in _state_files(folder, partition_id)[:-keep]:
+        old.unlink(missing_ok=True)
+
+
+def restore_node_state(state, folder: Path, partition_id: int, upto_round: int) -> int | None:
+    """Fill an empty ``state`` from the newest file of this node at round <= ``upto_round``."""
+    files = [(r, p) for r, p in _state_files(folder, partition_id) if r <= upto_round]
+    if not files:
+        return None
+    rnd, path = files[-1]
+    tensors, meta = load_checkpoint(path)
+    for key, rec in tree_to_recorddict(tensors, meta["records"]).items():
+        state[key] = rec
+    return rnd
+
+
+# ----------------------------------------------------------------------------- results
+def write_json_atomic(path: Path, obj: Any) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(tmp, "w", encoding="utf-8") as fh:
+        json.dump(obj, fh, indent=2)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+
+
+def plot_losses(rounds: list[dict[str, Any]], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    xs = [r["round"] for r in rounds]
+    ax.plot(xs, [r["val-loss"] for r in rounds], "o-", label="validation (server)")
+    tr = [(r["round"], r["train-loss"]) for r in rounds if r.get("train-loss") is not None]
+    if tr:
+        ax.plot(*zip(*tr, strict=True), "s--", label="train (mean of workers' inner steps)")
+    ax.set_xlabel("round")
+    ax.set_ylabel("cross-entropy (nats/token)")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    tmp = path.with_name(f".{path.stem}.{os.getpid()}.tmp.png")
+    fig.savefig(tmp, dpi=100)
+    plt.close(fig)
+    os.replace(tmp, path)

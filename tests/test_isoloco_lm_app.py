@@ -1,0 +1,255 @@
+"""The isoloco-lm app: config validation, in-process runs (FakeGrid), exact resume, a real
+`flwr run` (slow)."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import tomllib
+import torch
+
+from flwr_isoloco.checkpoint import load_checkpoint
+from flwr_isoloco.runconfig import RunConfigError, flatten
+
+REPO = Path(__file__).resolve().parents[1]
+APP_DIR = REPO / "simulations" / "isoloco_lm"
+sys.path.insert(0, str(APP_DIR))
+sys.path.insert(0, str(REPO / "tests"))
+
+from fakegrid import FakeGrid  # noqa: E402
+from isoloco_lm import client_app, server_app, task  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    """A small real-text corpus (3 plays, 40k characters each) so tokenizer training is fast."""
+    from flwr_isoloco.data.text import load_corpus
+
+    d = tmp_path_factory.mktemp("corpus")
+    for i, text in enumerate(load_corpus("shakespeare")[:3]):
+        (d / f"play{i}.txt").write_text(text[:40_000], encoding="utf-8")
+    return d
+
+
+@pytest.fixture(scope="module")
+def tiny(corpus, tmp_path_factory):
+    torch.set_num_threads(1)
+    return {
+        "num-server-rounds": 4,
+        "model.hidden": 32,
+        "model.heads": 2,
+        "model.vocab-size": 400,
+        "train.seq-len": 32,
+        "train.batch-size": 4,
+        "train.local-steps": 3,
+        "train.warmup-steps": 2,
+        "data.val-tokens": 1024,
+        "data.corpus": str(corpus),
+        "data.cache-dir": str(tmp_path_factory.mktemp("cache")),
+        "strategy.min-nodes": 3,
+    }
+
+
+def _run(rc, num_nodes=3, faults=()):
+    grid = FakeGrid({"train": client_app.train}, num_nodes=num_nodes, run_config=rc)
+    for node, fault, times in faults:
+        grid.set_fault(grid.node_ids[node], fault, times)
+    out = server_app.run_server(grid, rc, settle_s=0.0)
+    return out, json.loads((out / "results.json").read_text())
+
+
+# ----------------------------------------------------------------------------- config
+def test_schema_matches_pyproject():
+    with open(APP_DIR / "pyproject.toml", "rb") as fh:
+        app_cfg = tomllib.load(fh)["tool"]["flwr"]["app"]["config"]
+    assert flatten(app_cfg) == flatten(task.DEFAULTS)
+    task.load_config({})  # the defaults themselves are valid
+
+
+@pytest.mark.parametrize(
+    "override,pattern",
+    [
+        ({"strategy.name": "fedsgd"}, r"'strategy\.name' has bad value 'fedsgd'"),
+        (
+            {"strategy.merge": "median"},
+            r"'strategy\.merge' has bad value 'median': unknown merge rule",
+        ),
+        ({"train.lr": -0.001}, r"'train\.lr' has bad value -0\.001: must be > 0"),
+        ({"strategy.outer-lr": -0.5}, r"'strategy\.outer-lr' has bad value -0\.5"),
+        ({"strategy.outer-momentum": -0.2}, r"'strategy\.outer-momentum' has bad value -0\.2"),
+        (
+            {"data.corpus": "/nonexistent/corpus"},
+            r"'data\.corpus' has bad value '/nonexistent/corpus': no such file",
+        ),
+        ({"resume-from": "/nonexistent/ck.safetensors"}, r"'resume-from'.*no such file"),
+        ({"output-dir": "relative/out"}, r"'output-dir'.*absolute"),
+        (
+            {"strategy.outer_lr": 1.0},
+            r"unknown run-config key 'strategy\.outer_lr'.*did you mean 'strategy\.outer-lr'",
+        ),
+        ({"train.local-steps": 2.5}, r"'train\.local-steps'.*expected int"),
+        ({"model.hidden": 30, "model.heads": 4}, r"'model\.\*'.*divisible by heads"),
+        (
+            {"strategy.name": "fedavg", "strategy.outer-lr": 0.7},
+            r"'strategy\.outer-lr'.*conflicts with strategy\.name 'fedavg'",
+        ),
+        (
+            {"strategy.name": "diloco", "strategy.fast": True},
+            r"'strategy\.fast'.*needs strategy\.name 'isoloco'",
+        ),
+        ({"num-server-rounds": 0}, r"'num-server-rounds' has bad value 0"),
+    ],
+)
+def test_bad_run_config_named(override, pattern):
+    with pytest.raises(RunConfigError, match=pattern):
+        task.load_config(override)
+
+
+def test_bad_config_stops_server_before_training(tiny, tmp_path):
+    grid = FakeGrid({"train": client_app.train}, num_nodes=3, run_config=tiny)
+    rc = {**tiny, "output-dir": str(tmp_path), "strategy.merge": "nope"}
+    with pytest.raises(RunConfigError, match="strategy.merge"):
+        server_app.run_server(grid, rc, settle_s=0.0)
+    assert grid.log == [] and not (tmp_path / "results.json").exists()
+
+
+@pytest.mark.parametrize(
+    "name,merge,expected",
+    [
+        ("isoloco", "", ("IsoLoCo", "iso_c", 1.8, 0.8)),
+        ("diloco", "", ("DiLoCo", "mean", 0.7, 0.9)),
+        ("fedavg", "", ("DiLoCo", "mean", 1.0, 0.0)),
+        ("diloco", "ties", ("DiLoCo", "ties", 0.7, 0.9)),
+    ],
+)
+def test_strategy_choice(name, merge, expected):
+    s = task.build_strategy(task.load_config({"strategy.name": name, "strategy.merge": merge}))
+    assert (type(s).__name__, s.merge_name, s.outer.lr, s.outer.momentum) == expected
+    fast = task.build_strategy(task.load_config({"strategy.fast": True}))
+    assert fast.merge_name == "iso_c_ns"
+    nomom = task.build_strategy(
+        task.load_config({"strategy.outer-momentum": 0.0, "strategy.outer-lr": 2.1})
+    )
+    assert (nomom.outer.lr, nomom.outer.momentum) == (2.1, 0.0)
+
+
+# ----------------------------------------------------------------------------- in-process runs
+def test_run_writes_results_and_learns(tiny, tmp_path):
+    out, res = _run({**tiny, "output-dir": str(tmp_path / "a")})
+    assert res["status"] == "completed"
+    assert [r["round"] for r in res["rounds"]] == [1, 2, 3, 4]
+    assert all(r["replies-used"] == 3 and r["replies-rejected"] == 0 for r in res["rounds"])
+    # loss falls from the untrained model's ~ln(vocab)
+    assert abs(res["initial"]["val-loss"] - math.log(400)) < 0.3
+    assert res["rounds"][-1]["val-loss"] < res["initial"]["val-loss"] - 0.2
+    assert math.isclose(res["rounds"][-1]["val-ppl"], math.exp(res["rounds"][-1]["val-loss"]))
+    for name in ("results.json", "loss.png", "checkpoint.safetensors", "model"):
+        assert (out / name).exists(), name
+    _, meta = load_checkpoint(out / "checkpoint.safetensors")
+    assert meta["round"] == 4 and meta["config"] == res["config"]
+
+
+def test_resume_is_exact(tiny, tmp_path):
+    """4 rounds in one go == 2 rounds, then resume (fresh nodes: state from files) for 2 more."""
+    full, res_full = _run({**tiny, "output-dir": str(tmp_path / "full")})
+    half, res_half = _run({**tiny, "output-dir": str(tmp_path / "half"), "rounds-this-run": 2})
+    assert res_half["status"] == "partial" and len(res_half["rounds"]) == 2
+    rest, res_rest = _run(
+        {
+            **tiny,
+            "output-dir": str(tmp_path / "rest"),
+            "resume-from": str(half / "checkpoint.safetensors"),
+        }
+    )
+    assert res_rest["status"] == "completed"
+    t_full, m_full = load_checkpoint(full / "checkpoint.safetensors")
+    t_rest, m_rest = load_checkpoint(rest / "checkpoint.safetensors")
+    assert m_full["round"] == m_rest["round"] == 4
+    for group in ("theta",):
+        for k, v in t_full["strategy"][group].items():
+            assert torch.equal(v, t_rest["strategy"][group][k]), k
+    for k, v in t_full["strategy"].get("outer", {}).items():
+        assert (
+            torch.equal(v, t_rest["strategy"]["outer"][k]) if isinstance(v, torch.Tensor) else True
+        )
+    assert [r["val-loss"] for r in res_full["rounds"]] == [
+        r["val-loss"] for r in res_rest["rounds"]
+    ]
+    assert [r["train-loss"] for r in res_full["rounds"]] == [
+        r["train-loss"] for r in res_rest["rounds"]
+    ]
+
+
+def test_resume_rejects_changed_config(tiny, tmp_path):
+    half, _ = _run({**tiny, "output-dir": str(tmp_path / "h"), "rounds-this-run": 1})
+    rc = {
+        **tiny,
+        "output-dir": str(tmp_path / "r"),
+        "train.lr": 1e-3,
+        "resume-from": str(half / "checkpoint.safetensors"),
+    }
+    with pytest.raises(
+        RunConfigError, match=r"'train\.lr' = 0\.001 differs from the checkpoint's 0\.003"
+    ):
+        _run(rc)
+
+
+def test_bad_replies_dropped_run_goes_on(tiny, tmp_path):
+    def nan_reply(reply):
+        from flwr.app import ArrayRecord
+
+        rec = reply.content.array_records["arrays"]
+        sd = rec.to_torch_state_dict()
+        k = next(iter(sd))
+        sd[k] = torch.full_like(sd[k], float("nan"))
+        reply.content["arrays"] = ArrayRecord(sd)
+        return reply
+
+    rc = {**tiny, "output-dir": str(tmp_path / "f"), "num-server-rounds": 3}
+    _, res = _run(rc, faults=[(0, "raise", 1), (1, nan_reply, 1), (2, "timeout", 1)])
+    r1 = res["rounds"][0]
+    assert (r1["replies-used"], r1["replies-rejected"]) == (0, 2)  # timed-out reply is missing
+    assert r1["val-loss"] == pytest.approx(res["initial"]["val-loss"])  # model kept
+    assert all(r["replies-used"] == 3 for r in res["rounds"][1:])
+    assert res["rounds"][-1]["val-loss"] < res["initial"]["val-loss"]
+
+
+# ----------------------------------------------------------------------------- real flwr run
+def _run_app(out, *overrides, timeout=420):
+    env = {**os.environ, "NUM_SUPERNODES": "3", "CPUS_PER_CLIENT": "1"}
+    return subprocess.run(
+        ["bash", str(REPO / "scripts" / "run_app.sh"), str(APP_DIR), str(out), *overrides],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+    )
+
+
+def _toml(v):
+    return f"'{v}'" if isinstance(v, str) else str(v).lower() if isinstance(v, bool) else str(v)
+
+
+@pytest.mark.slow
+def test_flwr_run_completes(tiny, tmp_path):
+    rc = {**tiny, "num-server-rounds": 2}
+    proc = _run_app(tmp_path / "out", *(f"{k}={_toml(v)}" for k, v in rc.items()))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    status = json.loads((tmp_path / "out" / "run_app.json").read_text())["status"]
+    assert status == "finished:completed"
+    res = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert res["status"] == "completed" and [r["round"] for r in res["rounds"]] == [1, 2]
+    assert all(r["replies-used"] == 3 for r in res["rounds"])
+    assert "Results: " + str(tmp_path / "out" / "results.json") in proc.stdout
+
+
+@pytest.mark.slow
+def test_flwr_run_bad_config_fails_loudly(tmp_path):
+    proc = _run_app(tmp_path / "bad", "strategy.merge='median'", timeout=240)
+    assert proc.returncode == 1
+    assert "did not complete" in proc.stderr
+    assert "'strategy.merge' has bad value 'median'" in proc.stdout + proc.stderr
