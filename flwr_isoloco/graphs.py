@@ -17,6 +17,8 @@ matrix and vector here is indexed by :func:`vertex_list` (ints ascending, then s
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import os
 import re
 import warnings
@@ -227,8 +229,10 @@ def build_graph(
     elif isinstance(spec, (str, os.PathLike)):
         text = os.fspath(spec)
         is_file = Path(text).is_file()
-        if isinstance(spec, os.PathLike) or is_file or (
-            not _looks_like_edge_list(text) and (os.sep in text or "." in text.split(":")[0])
+        if (
+            isinstance(spec, os.PathLike)
+            or is_file
+            or (not _looks_like_edge_list(text) and (os.sep in text or "." in text.split(":")[0]))
         ):
             path = Path(text)
             if not is_file:
@@ -448,7 +452,9 @@ class RandomWalk:
         else:
             self.initial = np.asarray(initial, dtype=float).reshape(-1)
             if self.initial.shape[0] != n or np.any(self.initial < 0) or self.initial.sum() <= 0:
-                raise ValueError("RandomWalk: initial distribution must be n values >= 0, not all 0")
+                raise ValueError(
+                    "RandomWalk: initial distribution must be n values >= 0, not all 0"
+                )
             self.initial = self.initial / self.initial.sum()
         self.rng = np.random.Generator(np.random.PCG64(seed))
         self.position: Any = None
@@ -472,14 +478,19 @@ class RandomWalk:
 
     def draw(self, exclude: Iterable[Any] = ()) -> Any:
         """Sample the next vertex (not moving); ``None`` if every candidate is excluded."""
-        p = self.probabilities(exclude)
-        total = p.sum()
+        excluded = list(exclude)
+        if excluded:
+            p = self.probabilities(excluded).tolist()
+        else:  # fast path: the row as a plain list
+            row = self.initial if self.position is None else self.P[self._index[self.position]]
+            p = row.tolist()
+        cum = list(itertools.accumulate(p))
+        total = cum[-1]
         if total <= 0:
             return None
-        # inverse-CDF with one uniform: one RNG draw per call, whatever the exclusions
+        # inverse CDF with one uniform: one RNG draw per call, whatever the exclusions
         u = self.rng.random() * total
-        i = int(np.searchsorted(np.cumsum(p), u, side="right"))
-        i = min(i, len(p) - 1)
+        i = min(bisect.bisect_right(cum, u), len(p) - 1)
         while p[i] <= 0:  # guard against landing on a zero-width bin at the float edge
             i -= 1
         return self.vertices[i]

@@ -283,9 +283,11 @@ def test_exclusion_reroutes_renormalised_and_none_when_stuck():
 
 
 def test_first_step_follows_initial_distribution():
-    P = transition_matrix(build_graph("complete", n=4))
-    firsts = [RandomWalk(P, seed=s).step() for s in range(2000)]
-    assert total_variation(np.bincount(firsts, minlength=4), [0.25] * 4) < 0.05
+    P = transition_matrix(build_graph("star", n=4), lazy=True)  # pi = [1/2, 1/6, 1/6, 1/6]
+    pi = stationary_distribution(P)
+    np.testing.assert_allclose(RandomWalk(P).initial, pi)  # the default initial law
+    firsts = [RandomWalk(P, seed=s, initial=pi).step() for s in range(2000)]
+    assert total_variation(np.bincount(firsts, minlength=4), pi) < 0.05
     fixed = RandomWalk(P, seed=0, initial=[0, 0, 1, 0])
     assert fixed.step() == 2
 
