@@ -88,6 +88,10 @@ def _no_arrays(reply):
 HOSTILE = {
     "nan": (corrupt_arrays(lambda d: {**d, "w": d["w"] * np.nan}), "non-finite"),
     "inf": (corrupt_arrays(lambda d: {**d, "b": d["b"] + np.inf}), "non-finite"),
+    "overflow": (
+        corrupt_arrays(lambda d: {**d, "w": np.full_like(d["w"], 3e38)}),
+        "sum overflows",
+    ),
     "wrong-shape": (corrupt_arrays(lambda d: {**d, "w": d["w"][:2]}), "shape"),
     "transposed": (corrupt_arrays(lambda d: {**d, "w": d["w"].T.copy()}), "shape"),
     "missing-key": (corrupt_arrays(lambda d: {"w": d["w"]}), "missing ['b']"),

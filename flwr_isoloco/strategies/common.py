@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from logging import INFO, WARNING
 
@@ -61,9 +61,16 @@ class CheckedReply:
     content: RecordDict
     arrayrecord_key: str = "arrays"
     dtypes: dict[str, torch.dtype] = field(default_factory=dict)
+    _cache: dict[str, torch.Tensor] | None = field(default=None, repr=False)
+
+    def release(self) -> None:
+        """Drop the tensors decoded during validation (they are re-decoded on demand)."""
+        self._cache = None
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """The reply's arrays as torch tensors, cast to the expected dtypes."""
+        if self._cache is not None:
+            return dict(self._cache)
         rec = self.content.array_records.get(self.arrayrecord_key)
         if rec is None:
             return {}
@@ -164,9 +171,9 @@ def weighted_mean_metrics(
     return {k: sums[k] / totals[k] for k in sums if totals[k] > 0}
 
 
-def _tensor_norm(tensors: Mapping[str, torch.Tensor]) -> float:
-    sq = sum(float(t.double().pow(2).sum()) for t in tensors.values())
-    return math.sqrt(sq)
+def tensor_norm(tensors: Mapping[str, torch.Tensor]) -> float:
+    """Global L2 norm of a dict of tensors (per-tensor norms in their dtype, summed in fp64)."""
+    return math.sqrt(sum(float(torch.linalg.vector_norm(t.float())) ** 2 for t in tensors.values()))
 
 
 @dataclass
@@ -220,28 +227,71 @@ class ReplyValidator:
                 raise ValueError(f"{name} must be a finite number > 0 or None, got {v!r}")
 
     # ----------------------------------------------------------------- public
+    def stream(
+        self,
+        replies: Iterable[Message],
+        expected: Mapping[str, torch.Tensor] | None = None,
+        ledger: SentLedger | None = None,
+        report: ReplyReport | None = None,
+    ) -> Iterator[CheckedReply]:
+        """Yield the usable replies one by one, in sender node-id order. Never raises.
+
+        Each yielded reply still holds the tensors decoded while checking it (one decode per
+        reply); call ``reply.release()`` once folded, so only one reply is decoded at a time.
+        Norm bounds are not applied here (they need every norm first: use :meth:`validate`).
+        ``report`` (if given) is complete once the iterator is exhausted.
+        """
+        report = report if report is not None else ReplyReport()
+        for reply in self._iter(replies, expected, ledger, report):
+            report.used += 1
+            yield reply
+        self._log_summary(report)
+
     def validate(
         self,
         replies: Iterable[Message],
         expected: Mapping[str, torch.Tensor] | None = None,
         ledger: SentLedger | None = None,
     ) -> tuple[list[CheckedReply], ReplyReport]:
-        """Check every reply; return the usable ones and a report. Never raises.
+        """Check every reply; return the usable ones (sender node-id order) and a report.
 
         ``expected`` is the model the replies must match (keys, shapes, dtypes) and the
         reference for ``u_i = theta - theta_i``. Without it only the structure is checked
         and the first good reply's keys/shapes become the reference for the others.
+        Returned replies decode their arrays lazily (:meth:`CheckedReply.tensors`). Never raises.
         """
-        replies = list(replies)
         report = ReplyReport()
-        checked: list[CheckedReply] = []
+        bounds = self.require_arrays and bool(self.max_update_norm or self.max_norm_ratio)
+        checked: list[tuple[CheckedReply, float]] = []
+        for reply in self._iter(replies, expected, ledger, report):
+            norm = tensor_norm(reply.update(expected)) if bounds else 0.0
+            reply.release()
+            checked.append((reply, norm))
+        kept = self._norm_filter(checked, report) if bounds else [r for r, _ in checked]
+        report.used = len(kept)
+        self._log_summary(report)
+        return kept, report
+
+    # ----------------------------------------------------------------- internals
+    def _iter(
+        self,
+        replies: Iterable[Message],
+        expected: Mapping[str, torch.Tensor] | None,
+        ledger: SentLedger | None,
+        report: ReplyReport,
+    ) -> Iterator[CheckedReply]:
+        replies = list(replies)
         spec = (
             None
             if expected is None
             else {k: (tuple(v.shape), v.dtype) for k, v in expected.items()}
         )
-        for msg in replies:
-            node = ledger.sender(msg) if ledger is not None else msg.metadata.src_node_id
+
+        def sender(msg: Message) -> int:
+            return ledger.sender(msg) if ledger is not None else msg.metadata.src_node_id
+
+        for msg in sorted(replies, key=sender):
+            node = sender(msg)
             try:
                 result = self._check_one(msg, node, spec)
             except Exception as exc:  # noqa: BLE001 - never let one reply kill the round
@@ -251,14 +301,13 @@ class ReplyValidator:
                 continue
             if spec is None and self.require_arrays:
                 spec = {k: (tuple(v.shape), v.dtype) for k, v in result.tensors().items()}
-            checked.append(result)
+            yield result
         if ledger is not None:
             for node in ledger.missing(replies):
                 report.missing += 1
                 log(WARNING, "%s: no reply from node %d (timeout)", self.what, node)
-        if self.require_arrays and (self.max_update_norm or self.max_norm_ratio):
-            checked = self._norm_filter(checked, expected, report)
-        report.used = len(checked)
+
+    def _log_summary(self, report: ReplyReport) -> None:
         log(
             INFO,
             "%s: %d replies used, %d rejected, %d missing",
@@ -267,9 +316,7 @@ class ReplyValidator:
             report.rejected,
             report.missing,
         )
-        return checked, report
 
-    # ----------------------------------------------------------------- internals
     def _reject(self, report: ReplyReport, node: int, reason: str) -> None:
         report.rejected += 1
         report.reasons.append((node, reason))
@@ -287,6 +334,7 @@ class ReplyValidator:
             return "reply has no content"
         content = msg.content
         dtypes: dict[str, torch.dtype] = {}
+        decoded: dict[str, torch.Tensor] = {}
         casts: list[str] = []
         if self.require_arrays:
             rec = content.array_records.get(self.arrayrecord_key)
@@ -303,6 +351,7 @@ class ReplyValidator:
                 if isinstance(t, str):
                     return t
                 dtypes[key] = t.dtype
+                decoded[key] = t
         if casts:
             log(INFO, "%s: node %d: cast %d arrays (%s)", self.what, node, len(casts), casts[0])
         weight = 1.0
@@ -332,6 +381,7 @@ class ReplyValidator:
             content,
             self.arrayrecord_key,
             dtypes,
+            decoded if self.require_arrays else None,
         )
 
     def _decode(self, key: str, arr, spec, casts: list[str]) -> torch.Tensor | str:
@@ -353,20 +403,22 @@ class ReplyValidator:
                 )
             casts.append(f"{key}: {t.dtype}->{want[1]}")
             t = t.to(want[1])
-        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+        # One pass, no allocation: NaN/inf anywhere make the sum non-finite (so does an overflow
+        # of huge finite values, which is rejected too).
+        if t.is_floating_point() and t.numel() and not math.isfinite(float(t.sum())):
+            if bool(torch.isfinite(t).all()):
+                return f"array {key!r} has values so large that their sum overflows"
             n_bad = int((~torch.isfinite(t)).sum())
             return f"array {key!r} has {n_bad} non-finite values (NaN/inf)"
         return t
 
     def _norm_filter(
-        self,
-        checked: list[CheckedReply],
-        expected: Mapping[str, torch.Tensor] | None,
-        report: ReplyReport,
+        self, checked: list[tuple[CheckedReply, float]], report: ReplyReport
     ) -> list[CheckedReply]:
-        norms = [_tensor_norm(r.update(expected)) for r in checked]
+        norms = [n for _, n in checked]
+        replies = [r for r, _ in checked]
         keep = [True] * len(checked)
-        for i, (r, n) in enumerate(zip(checked, norms, strict=True)):
+        for i, (r, n) in enumerate(zip(replies, norms, strict=True)):
             if self.max_update_norm is not None and n > self.max_update_norm:
                 keep[i] = False
                 self._reject(
@@ -376,7 +428,7 @@ class ReplyValidator:
                 )
         if self.max_norm_ratio is not None:
             base = [n for n, k in zip(norms, keep, strict=True) if k]
-            for i, (r, n) in enumerate(zip(checked, norms, strict=True)):
+            for i, (r, n) in enumerate(zip(replies, norms, strict=True)):
                 if not keep[i]:
                     continue
                 others = list(base)
@@ -392,7 +444,7 @@ class ReplyValidator:
                         f"update norm {n:.4g} > max_norm_ratio {self.max_norm_ratio:g} "
                         f"x median of the others {med:.4g}",
                     )
-        return [r for r, k in zip(checked, keep, strict=True) if k]
+        return [r for r, k in zip(replies, keep, strict=True) if k]
 
 
 def metric_record(values: Mapping[str, float | int]) -> MetricRecord:

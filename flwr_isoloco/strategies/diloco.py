@@ -43,9 +43,11 @@ from flwr_isoloco.outer import OuterSGD
 from flwr_isoloco.strategies.common import (
     PAYLOADS,
     CheckedReply,
+    ReplyReport,
     ReplyValidator,
     SentLedger,
     metric_record,
+    tensor_norm,
     weighted_mean_metrics,
 )
 
@@ -468,24 +470,37 @@ class DiLoCo(Strategy):
         if self.theta is None:
             log(WARNING, "aggregate_train: no global model yet (configure_train not called)")
             return None, None
-        checked, report = self.train_validator.validate(replies, self.theta, self._train_ledger)
-        checked.sort(key=lambda r: r.node_id)  # arrival order must not change the result
+        rule = self._rule_for_g()
+        v = self.train_validator
+        checked: list[CheckedReply] = []
+        if getattr(rule, "streaming", False) and not (v.max_update_norm or v.max_norm_ratio):
+            report = ReplyReport()  # validate and fold one reply at a time: one decode each
+            source: Iterable[CheckedReply] = v.stream(
+                replies, self.theta, self._train_ledger, report
+            )
+        else:
+            source, report = v.validate(replies, self.theta, self._train_ledger)
         new_arrays = None
         extra: dict[str, float] = {}
-        if checked:
-            try:
-                g = self._merge(checked)
-                extra["pseudo-grad-norm"] = math.sqrt(
-                    sum(float(v.double().pow(2).sum()) for v in g.values())
-                )
+        try:
+            g = self._merge(rule, source, checked)
+            if g is not None:
+                extra["pseudo-grad-norm"] = tensor_norm(g)
                 self._outer_step(g)
                 new_arrays = self._model_record()
-            except (ValueError, RuntimeError) as exc:
-                log(WARNING, "aggregate_train: merge/outer step failed, model kept: %s", exc)
-                report.rejected += report.used
-                report.used = 0
-        else:
-            log(WARNING, "aggregate_train: no usable reply in round %d, model kept", server_round)
+            else:
+                log(
+                    WARNING,
+                    "aggregate_train: no usable reply in round %d, model kept",
+                    server_round,
+                )
+        except (ValueError, RuntimeError) as exc:
+            log(WARNING, "aggregate_train: merge/outer step failed, model kept: %s", exc)
+            for _ in source:  # finish validation so the counts are complete
+                pass
+            report.rejected += report.used
+            report.used = 0
+            checked = []
         if self.train_metrics_aggr_fn is not None and checked:
             client = dict(
                 self.train_metrics_aggr_fn([r.content for r in checked], self.weighted_by_key)
@@ -517,8 +532,8 @@ class DiLoCo(Strategy):
         return metric_record(metrics)
 
     # ------------------------------------------------------------------ maths glue
-    def _weights(self, checked: list[CheckedReply]) -> list[float]:
-        return [1.0 if self.weighting == "uniform" else r.weight for r in checked]
+    def _weight(self, reply: CheckedReply) -> float:
+        return 1.0 if self.weighting == "uniform" else reply.weight
 
     def _round_options(self) -> dict[str, Any]:
         opts = dict(self.merge_options)
@@ -526,24 +541,35 @@ class DiLoCo(Strategy):
             opts["seed"] = self.seed * 1_000_003 + self.server_round
         return opts
 
-    def _merge(self, checked: list[CheckedReply]) -> dict[str, torch.Tensor]:
-        """``g`` over the float entries of the model (non-float entries are never updated)."""
+    def _rule_for_g(self) -> Any:
+        return MERGE_RULES["mean"] if self.orthogonalize == "update" else self.rule
+
+    def _merge(
+        self, rule: Any, source: Iterable[CheckedReply], used: list[CheckedReply]
+    ) -> dict[str, torch.Tensor] | None:
+        """``g`` over the float entries of the model (non-float entries are never updated).
+
+        Streaming rules fold each reply as it comes (then release its tensors); the others
+        collect the M deltas for ``merge()``. Appends the replies used to ``used``.
+        """
         assert self.theta is not None
-        floats = {k for k, v in self.theta.items() if v.is_floating_point()}
-        rule = MERGE_RULES["mean"] if self.orthogonalize == "update" else self.rule
+        floats = [k for k, t in self.theta.items() if t.is_floating_point()]
         opts = {} if self.orthogonalize == "update" else self._round_options()
-        weights = self._weights(checked)
         if getattr(rule, "streaming", False):
             merger = StreamingMerger(rule, **opts)
-            for r, w in zip(checked, weights, strict=True):
+            for r in source:
                 d = r.update(self.theta)
-                merger.add({k: d[k] for k in floats}, w)
-            return merger.result()
+                r.release()
+                merger.add({k: d[k] for k in floats}, self._weight(r))
+                used.append(r)
+            return merger.result() if used else None
         deltas = []
-        for r in checked:
+        for r in source:
             d = r.update(self.theta)
+            r.release()
             deltas.append({k: d[k] for k in floats})
-        return merge(rule, deltas, weights, **opts)
+            used.append(r)
+        return merge(rule, deltas, [self._weight(r) for r in used], **opts) if used else None
 
     def _outer_step(self, g: Mapping[str, torch.Tensor]) -> None:
         assert self.theta is not None
