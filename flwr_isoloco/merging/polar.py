@@ -134,6 +134,13 @@ def newton_schulz_polar(
     The input is scaled by ``||(X X^T)^2||_F^(1/4) >= s_max`` (of ``X = g / ||g||_F``), a
     bound much tighter than the Frobenius norm, which saves one or two steps.
     """
+    return _newton_schulz(g, steps, lower=lower, tol=tol, max_steps=max_steps)[0]
+
+
+def _newton_schulz(
+    g: torch.Tensor, steps: int | None, *, lower: float, tol: float, max_steps: int
+) -> tuple[torch.Tensor, int]:
+    """:func:`newton_schulz_polar` plus the number of steps taken."""
     _check_matrix(g)
     if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 1):
         raise ValueError(f"ns_steps must be a positive int or None, got {steps!r}")
@@ -146,7 +153,7 @@ def newton_schulz_polar(
     fro = torch.linalg.matrix_norm(x)
     if not bool(fro > 0):
         out = torch.zeros_like(x)
-        return out.T if transposed else out
+        return (out.T if transposed else out), 0
     x = x / fro
     gram = x @ x.T
     gram2 = gram @ gram
@@ -157,6 +164,7 @@ def newton_schulz_polar(
     schedule = ns_coefficients(float(lower))
     eye = torch.eye(r, dtype=dtype, device=x.device)
     limit = steps if steps is not None else max_steps
+    taken = 0
     for k in range(limit):
         if k > 0:
             gram = x @ x.T
@@ -171,7 +179,8 @@ def newton_schulz_polar(
         poly.add_(gram, alpha=b)
         poly.diagonal().add_(a)
         x = poly @ x
-    return x.T if transposed else x
+        taken += 1
+    return (x.T if transposed else x), taken
 
 
 def polar(
