@@ -79,7 +79,7 @@ DEFAULTS: dict[str, Any] = {
         "heads": 4,
         "kv-heads": 0,
         "intermediate": 0,
-        "vocab-size": 4096,
+        "vocab-size": 2048,
     },
     "data": {
         "corpus": "shakespeare",
