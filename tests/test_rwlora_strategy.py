@@ -290,6 +290,23 @@ def test_bad_query_answers_are_ignored():
     assert s.missing_vertices == [0, 1, 2, 4]
 
 
+def test_silent_node_is_queried_again_then_left_out():
+    grid = FakeGrid(HANDLERS, num_nodes=4)
+    grid.set_fault(2, "timeout", times=1)  # slow first answer (e.g. a cold Ray actor)
+    s = RWLoRA("complete", num_vertices=4, seed=0)
+    run(s, grid, 3)
+    assert s.vertices == [0, 1, 2, 3] and s.missing_vertices == []
+    grid = FakeGrid(HANDLERS, num_nodes=4)
+    grid.set_fault(2, "timeout")  # never answers
+    s = RWLoRA("complete", num_vertices=4, seed=0, query_attempts=3)
+    run(s, grid, 5)
+    assert s.missing_vertices == [2] and 2 not in s.trajectory
+    queries = [
+        r for r in grid.log if r.message_type.startswith("query") and r.node_id == grid.node_ids[2]
+    ]
+    assert len(queries) == 3  # not re-queried every round
+
+
 def test_bad_constructor_arguments():
     with pytest.raises(ValueError, match="unknown graph spec"):
         RWLoRA("hypercube", num_vertices=4)
@@ -492,3 +509,77 @@ def test_restarted_node_with_a_new_id_is_remapped():
     run(s, grid, 30)
     assert s.vmap.node_of[2] == new
     assert 2 in s.trajectory[2:] and s.failures == 0
+
+
+# ----------------------------------------------------------------------------- real Flower
+
+
+RAY_RESULT: dict = {}
+
+
+def _ray_apps():
+    from flwr.app import Context
+    from flwr.clientapp import ClientApp
+    from flwr.serverapp import Grid, ServerApp
+
+    from flwr_isoloco.strategies import GossipLoRA
+
+    client = ClientApp()
+
+    @client.train()
+    def _train(msg, context):
+        if int(context.node_config["partition-id"]) == 2:
+            raise RuntimeError("vertex 2 is broken")
+        return train(msg, context)
+
+    client.query()(query)
+    server = ServerApp()
+
+    @server.main()
+    def main(grid: Grid, context: Context) -> None:
+        torch.set_num_threads(1)
+        rw = RWLoRA("ring", num_vertices=4, lazy=True, seed=0, local_steps=2)
+        RAY_RESULT["rw"] = rw
+        RAY_RESULT["rw_result"] = rw.start(
+            grid=grid, initial_arrays=ArrayRecord(init_adapter()), num_rounds=6, timeout=180
+        )
+        gossip = GossipLoRA("ring", num_vertices=4)
+        RAY_RESULT["gossip"] = gossip
+        RAY_RESULT["gossip_result"] = gossip.start(
+            grid=grid, initial_arrays=ArrayRecord(init_adapter()), num_rounds=2, timeout=180
+        )
+
+    return server, client
+
+
+@pytest.mark.slow
+def test_rwlora_and_gossip_in_a_real_ray_simulation():
+    """Real Flower (Ray backend, 4 SuperNodes): QUERY mapping, one node per hop, a ClientApp
+    that raises on vertex 2 (re-routed around), gossip mixing; ~15 s."""
+    import os
+    from pathlib import Path
+
+    from flwr.simulation import run_simulation
+
+    here = str(Path(__file__).parent)  # Ray workers import this module by name
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        p for p in (here, os.environ.get("PYTHONPATH", "")) if p
+    )
+    server, client = _ray_apps()
+    run_simulation(
+        server_app=server,
+        client_app=client,
+        num_supernodes=4,
+        backend_config={
+            "client_resources": {"num_cpus": 1, "num_gpus": 0.0},
+            "init_args": {"num_cpus": 2, "include_dashboard": False},
+        },
+    )
+    rw = RAY_RESULT["rw"]
+    assert rw.round == 6 and rw.vertices == [0, 1, 2, 3]
+    assert len(rw.trajectory) == 6 and 2 not in rw.trajectory
+    assert_token(RAY_RESULT["rw_result"], replay(rw.trajectory, 2))
+    assert rw.failures == rw.failures_by_vertex.get(2, 0)
+    gossip = RAY_RESULT["gossip"]
+    assert gossip.round == 2 and gossip.failures_by_vertex == {2: 2}
+    assert RAY_RESULT["gossip_result"].train_metrics_clientapp[2]["trained"] == 3

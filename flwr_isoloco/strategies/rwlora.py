@@ -234,7 +234,17 @@ def _config_from_json(d: Mapping[str, Any]) -> ConfigRecord:
 class GraphStrategy(Strategy):
     """Shared plumbing of the graph strategies (RW-LoRA, gossip): graph, vertex discovery,
     the round loop with resume (``start`` runs rounds ``self.round + 1 .. num_rounds``),
-    server-side evaluation and a per-round callback (for checkpoints)."""
+    server-side evaluation and a per-round callback (for checkpoints).
+
+    Keyword arguments shared by both: ``num_vertices`` / ``graph_seed`` (for
+    :func:`~flwr_isoloco.graphs.build_graph`), ``vertex_key`` (node_config key the clients
+    answer, default ``partition-id``), ``local_steps`` (K), ``node_wait_s`` (how long to wait
+    for one node per vertex before the QUERY round, default 60 s), ``query_timeout`` (default:
+    the ``timeout`` given to ``start``), ``query_attempts`` (QUERY retries for silent nodes,
+    default 3; nodes that never answer are left out), ``arrayrecord_key`` /
+    ``configrecord_key`` / ``weighted_by_key`` (as FedAvg), ``require_weight`` (default False),
+    ``dtype_policy`` (``cast`` | ``reject``), ``max_update_norm``, ``round_end_fn``.
+    """
 
     what = "graph-strategy"
 
@@ -248,6 +258,7 @@ class GraphStrategy(Strategy):
         local_steps: int = 1,
         node_wait_s: float = 60.0,
         query_timeout: float | None = None,
+        query_attempts: int = 3,
         arrayrecord_key: str = "arrays",
         configrecord_key: str = "config",
         weighted_by_key: str = "num-examples",
@@ -265,6 +276,13 @@ class GraphStrategy(Strategy):
         self.local_steps = local_steps
         self.node_wait_s = float(node_wait_s)
         self.query_timeout = query_timeout
+        if (
+            isinstance(query_attempts, bool)
+            or not isinstance(query_attempts, int)
+            or query_attempts < 1
+        ):
+            raise ValueError(f"query_attempts must be an int >= 1, got {query_attempts!r}")
+        self.query_attempts = query_attempts
         self.arrayrecord_key = arrayrecord_key
         self.configrecord_key = configrecord_key
         self.weighted_by_key = weighted_by_key
@@ -301,6 +319,28 @@ class GraphStrategy(Strategy):
         self.vmap = discover_vertices(
             grid, all_vertices, vertex_key=self.vertex_key, timeout=qt, what=self.what
         )
+        for attempt in range(2, self.query_attempts + 1):
+            silent = set(grid.get_node_ids()) - self.vmap.known_nodes()
+            if not silent or len(self.vmap.node_of) == len(all_vertices):
+                break
+            log(
+                INFO,
+                "%s: vertex query attempt %d for %d silent node(s)",
+                self.what,
+                attempt,
+                len(silent),
+            )
+            discover_vertices(
+                grid,
+                all_vertices,
+                vertex_key=self.vertex_key,
+                timeout=qt,
+                node_ids=silent,
+                vmap=self.vmap,
+                what=self.what,
+            )
+        # nodes that never answered are not re-queried every round (refresh_nodes)
+        self.vmap.unmapped_nodes |= set(grid.get_node_ids()) - self.vmap.known_nodes()
         self.missing_vertices = [v for v in all_vertices if v not in self.vmap.node_of]
         live = [v for v in all_vertices if v in self.vmap.node_of]
         if not live:
