@@ -306,7 +306,6 @@ class GossipLoRA(GraphStrategy):
                 "local_updates": self.local_updates,
                 "bytes_relayed": self.bytes_relayed,
                 "bytes_p2p": self.bytes_p2p,
-                "history": list(self.history),
             },
         }
 
@@ -337,4 +336,3 @@ class GossipLoRA(GraphStrategy):
         self.local_updates = int(meta["local_updates"])
         self.bytes_relayed = int(meta["bytes_relayed"])
         self.bytes_p2p = int(meta["bytes_p2p"])
-        self.history = [dict(h) for h in meta.get("history", [])]

@@ -588,6 +588,7 @@ class RWLoRA(GraphStrategy):
         self.pi: np.ndarray | None = None
         self.walk: RandomWalk | None = None
         self.trajectory: list[Any] = []  # vertex of every successful hop
+        self._visits: dict[Any, int] = {}
         self.excluded: list[Any] = []  # failed since the last successful hop (re-routing)
         self.failures = 0
         self.failures_by_vertex: dict[Any, int] = {}
@@ -663,10 +664,8 @@ class RWLoRA(GraphStrategy):
 
     # ----------------------------------------------------------------- one hop
     def visit_counts(self) -> dict[Any, int]:
-        counts = {v: 0 for v in self.vertices}
-        for v in self.trajectory:
-            counts[v] = counts.get(v, 0) + 1
-        return counts
+        """Successful visits per live vertex (kept incrementally: O(n) per round)."""
+        return {v: self._visits.get(v, 0) for v in self.vertices}
 
     def tv_distance(self) -> float:
         """TV distance of the visit frequencies from the walk's stationary distribution."""
@@ -808,6 +807,7 @@ class RWLoRA(GraphStrategy):
                 self.optimizer_config = ConfigRecord(dict(cfg)) if cfg is not None else None
         self.walk.move_to(v)
         self.trajectory.append(v)
+        self._visits[v] = self._visits.get(v, 0) + 1
         self.excluded = []
         self.update_norms.append(norm)
         self.update_norms = self.update_norms[-self.norm_window :]
@@ -897,7 +897,6 @@ class RWLoRA(GraphStrategy):
                     if self.optimizer_config is None
                     else _config_to_json(self.optimizer_config)
                 ),
-                "history": list(self.history),
             },
         }
 
@@ -922,6 +921,9 @@ class RWLoRA(GraphStrategy):
         self.walk.load_state_dict(meta["walk"])
         self.round = int(meta["round"])
         self.trajectory = list(meta["trajectory"])
+        self._visits = {}
+        for v in self.trajectory:
+            self._visits[v] = self._visits.get(v, 0) + 1
         self.excluded = list(meta["excluded"])
         self.failures = int(meta["failures"])
         self.failures_by_vertex = {v: int(n) for v, n in meta["failures_by_vertex"]}
@@ -930,4 +932,3 @@ class RWLoRA(GraphStrategy):
         self.bytes_relayed = int(meta["bytes_relayed"])
         self.bytes_p2p = int(meta["bytes_p2p"])
         self.update_norms = [float(x) for x in meta["update_norms"]]
-        self.history = [dict(h) for h in meta.get("history", [])]
