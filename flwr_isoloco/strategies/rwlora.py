@@ -585,7 +585,8 @@ class RWLoRA(GraphStrategy):
         self.optimizer_state: ArrayRecord | None = None
         self.optimizer_config: ConfigRecord | None = None
         self.P: np.ndarray | None = None
-        self.pi: np.ndarray | None = None
+        self.pi: np.ndarray | None = None  # stationary law of P (live vertices)
+        self.gap: float | None = None  # absolute spectral gap of P
         self.walk: RandomWalk | None = None
         self.trajectory: list[Any] = []  # vertex of every successful hop
         self._visits: dict[Any, int] = {}
@@ -637,6 +638,7 @@ class RWLoRA(GraphStrategy):
         G = self.live_graph
         self.P = transition_matrix(G, self.transition, target=self._target_for(G), lazy=self.lazy)
         self.pi = stationary_distribution(self.P)
+        self.gap = spectral_gap(self.P)
         start = self.start_vertex if self.start_vertex in G else None
         self.walk = RandomWalk(self.P, vertex_list(G), seed=self.seed, start=None)
         if start is not None:
@@ -646,7 +648,7 @@ class RWLoRA(GraphStrategy):
             "%s: walk on %d vertices, spectral gap %.4f, stationary %s",
             self.what,
             G.number_of_nodes(),
-            spectral_gap(self.P),
+            self.gap,
             np.round(self.pi, 4).tolist(),
         )
 
@@ -689,6 +691,15 @@ class RWLoRA(GraphStrategy):
             self._init_arrays(arrays)
         offline = self.offline_vertices(grid)
         v = self.walk.draw(exclude=set(self.excluded) | set(offline))
+        if v is None and self.walk.position is None and self.start_vertex is not None:
+            log(
+                WARNING,
+                "%s: start vertex %r unavailable; first vertex drawn from pi",
+                self.what,
+                self.start_vertex,
+            )
+            self.walk.initial = self.pi.copy()
+            v = self.walk.draw(exclude=set(self.excluded) | set(offline))
         self._pending_vertex, self._pending_round = v, server_round
         if v is None:
             self.excluded = []  # every candidate failed: the next call starts afresh
