@@ -143,6 +143,7 @@ def test_walk_is_reproducible_from_seed():
     assert traj(5) != traj(6)
 
 
+@pytest.mark.filterwarnings("ignore::flwr_isoloco.graphs.PeriodicWalkWarning")  # path graphs
 def test_start_vertex_and_string_vertices():
     grid = FakeGrid(
         {"train": train, "query": query},
@@ -173,6 +174,7 @@ def test_token_survives_a_failing_node_and_the_walk_reroutes(fault):
     assert_token(res, replay(s.trajectory, 1))
 
 
+@pytest.mark.filterwarnings("ignore::flwr_isoloco.graphs.PeriodicWalkWarning")  # path graphs
 def test_all_neighbours_fail_token_stays_and_run_goes_on():
     grid = FakeGrid(HANDLERS, num_nodes=2)
     s = RWLoRA("0-1", seed=0, start_vertex=0)
@@ -315,6 +317,7 @@ def test_dead_start_vertex_falls_back_to_the_stationary_law():
     assert len(s.trajectory) == 5 and 1 not in s.trajectory
 
 
+@pytest.mark.filterwarnings("ignore::flwr_isoloco.graphs.PeriodicWalkWarning")  # path graphs
 def test_bad_constructor_arguments():
     with pytest.raises(ValueError, match="unknown graph spec"):
         RWLoRA("hypercube", num_vertices=4)
