@@ -224,6 +224,47 @@ def test_fp16_reply_is_cast_and_accepted():
     assert all(v.dtype == torch.float32 for v in res.arrays.to_torch_state_dict().values())
 
 
+def test_fp16_reply_is_refused_with_dtype_policy_reject():
+    grid = FakeGrid(HANDLERS, num_nodes=3)
+    s = RWLoRA("complete", num_vertices=3, seed=0, dtype_policy="reject")
+    arm(s, grid, 0, corrupt_arrays(lambda a: {k: v.astype(np.float16) for k, v in a.items()}))
+    res = run(s, grid, 12)
+    assert 0 not in s.trajectory and s.failures > 0
+    assert all("dtype" in why for _, _, why in s.failure_log)
+    assert_token(res, replay(s.trajectory, 1))
+
+
+def test_delta_payload_reply():
+    """A client may send ``old - new`` with ConfigRecord payload='delta'."""
+
+    def as_delta(reply):
+        new = reply.content["arrays"].to_torch_state_dict()
+        reply.content["arrays"] = ArrayRecord({k: SENT[0][k] - v for k, v in new.items()})
+        reply.content["flags"] = ConfigRecord({"payload": "delta"})
+        return reply
+
+    SENT: list = []
+
+    def train_recording(msg, context):
+        SENT[:] = [msg.content["arrays"].to_torch_state_dict()]
+        return train(msg, context)
+
+    grid = FakeGrid({"train": train_recording, "query": query}, num_nodes=3)
+    s = RWLoRA("complete", num_vertices=3, seed=1)
+    s.setup(grid, timeout=5)
+    for node in range(3):
+        grid.set_fault(node, as_delta)
+    res = run(s, grid, 6)
+    assert s.failures == 0
+    assert_token_close(res, replay(s.trajectory, 1))
+
+
+def assert_token_close(result, expected):
+    got = result.arrays.to_torch_state_dict()
+    for k in expected:
+        torch.testing.assert_close(got[k], expected[k], rtol=1e-6, atol=1e-5)
+
+
 def test_norm_bounds_reject_a_huge_update():
     def blow_up(a):
         return {k: v * 1e6 for k, v in a.items()}
