@@ -8,6 +8,8 @@
 # <repo>/.flwr/ (see scripts/run_app.sh), checks that the run completed, prints where the results
 # are, and stops everything it started. NUM_SUPERNODES / CPUS_PER_CLIENT override the federation.
 set -euo pipefail
+
+main() {  # parsed whole before it runs (safe to edit while a demo runs)
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 OUT="$REPO/outputs/demo-$(date -u +%Y%m%d-%H%M%S)"
 T0=$(date +%s)
@@ -22,3 +24,6 @@ print(f"demo: {len(res['rounds'])} rounds of {res['config']['strategy']['name']}
       f"{first['val-loss']:.3f} -> {last['val-loss']:.3f} (perplexity {last['val-ppl']:.1f})")
 PY
 echo "demo: results in $OUT  (results.json, loss.png, checkpoint.safetensors, model/)"
+}
+
+main "$@"

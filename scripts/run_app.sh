@@ -20,6 +20,10 @@
 # keeps the FLWR_HOME folder, FLWR_BIN_DIR (default <repo>/.venv/bin).
 set -euo pipefail
 
+# Everything runs inside main(), so bash parses the whole file before executing any of it:
+# editing or replacing this script while a run is in flight cannot change that run.
+main() {
+
 if [ $# -lt 2 ]; then
   echo "usage: $0 <app-dir> <output-dir> [run-config override]..." >&2
   exit 2
@@ -36,12 +40,8 @@ export PATH="$BIN:$PATH"
 export FLWR_TELEMETRY_ENABLED=0 FLWR_DISABLE_UPDATE_CHECK=1 HF_HUB_OFFLINE=1 \
   HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false \
   FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION=1 RAY_DEDUP_LOGS=0
-mkdir -p "$REPO/.flwr"
-export FLWR_HOME=$(mktemp -d "$REPO/.flwr/home.XXXXXX")
-PORT=$("$BIN/python" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
-LOG="$OUT/flwr-run.log"
 SL_PID=""
-
+RUN_HOME=""
 cleanup() {
   local rc=$?
   if [ -n "$SL_PID" ] && kill -0 "$SL_PID" 2>/dev/null; then
@@ -57,10 +57,36 @@ cleanup() {
     sleep 1
     for pg in $groups; do kill -KILL -- "-$pg" 2>/dev/null || true; done
   fi
-  [ "${RUN_APP_KEEP_HOME:-0}" = 1 ] || rm -rf "$FLWR_HOME"
+  # only the folder this script created (never an inherited FLWR_HOME)
+  if [ -n "${RUN_HOME:-}" ] && [ "${RUN_APP_KEEP_HOME:-0}" != 1 ]; then rm -rf "$RUN_HOME"; fi
   exit $rc
 }
 trap cleanup EXIT INT TERM
+
+# Flower answers an override key that the app does not declare with a bare "[code: 15] Invalid
+# run configuration."; check the keys here first so the message names the bad key.
+"$BIN/python" - "$APP/pyproject.toml" "$* output-dir=''" <<'PY' || exit 2
+import difflib, sys, tomllib
+from flwr.common.config import flatten_dict, parse_config_args
+with open(sys.argv[1], "rb") as fh:
+    known = flatten_dict(tomllib.load(fh)["tool"]["flwr"]["app"].get("config", {}))
+try:
+    given = parse_config_args([sys.argv[2]])
+except Exception as exc:  # noqa: BLE001
+    sys.exit(f"run_app: cannot parse the run-config overrides {sys.argv[2]!r}: {exc}")
+bad = [k for k in given if k not in known]
+for k in bad:
+    close = difflib.get_close_matches(k, list(known), n=3, cutoff=0.6)
+    hint = f" (did you mean {', '.join(close)}?)" if close else ""
+    print(f"run_app: unknown run-config key {k!r}{hint}; the app declares: {', '.join(sorted(known))}", file=sys.stderr)
+sys.exit(1 if bad else 0)
+PY
+
+mkdir -p "$REPO/.flwr"
+RUN_HOME=$(mktemp -d "$REPO/.flwr/home.XXXXXX")
+export FLWR_HOME=$RUN_HOME
+PORT=$("$BIN/python" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+LOG="$OUT/flwr-run.log"
 
 cat > "$FLWR_HOME/config.toml" <<EOF
 [superlink]
@@ -119,3 +145,6 @@ if [ "$STATUS" != "finished:completed" ]; then
   grep -E "ERROR|Error|Traceback|RunConfigError" "$LOG" | tail -n 20 >&2 || true
   exit 1
 fi
+}
+
+main "$@"

@@ -253,3 +253,11 @@ def test_flwr_run_bad_config_fails_loudly(tmp_path):
     assert proc.returncode == 1
     assert "did not complete" in proc.stderr
     assert "'strategy.merge' has bad value 'median'" in proc.stdout + proc.stderr
+
+
+def test_run_app_names_unknown_key_before_starting(tmp_path):
+    """Flower only says "[code: 15] Invalid run configuration."; run_app.sh names the key."""
+    proc = _run_app(tmp_path / "unknown", "strategy.outer_lr=1.0", timeout=120)
+    assert proc.returncode == 2
+    assert "unknown run-config key 'strategy.outer_lr' (did you mean strategy.outer-lr" in proc.stderr
+    assert not (tmp_path / "unknown" / "flwr-run.log").exists()  # nothing was started
