@@ -129,18 +129,24 @@ def build_model(spec: LoRASpec):
     return model
 
 
-@functools.lru_cache(maxsize=2)
-def _cached(spec: LoRASpec):
+@functools.lru_cache(maxsize=4)
+def _cached(spec: LoRASpec, slot: str):
     return build_model(spec)
 
 
-def get_model(spec: LoRASpec):
-    """Per-process cached model (speed-up only: callers always load the full adapter state)."""
-    return _cached(spec)
+def get_model(spec: LoRASpec, slot: str = "client"):
+    """Per-process cached model, one per ``slot`` (the server evaluates on its own copy). A
+    speed-up only: callers always load the full trainable state before using it."""
+    return _cached(spec, slot)
 
 
 def initial_adapter(spec: LoRASpec) -> dict[str, torch.Tensor]:
-    """The seeded starting adapter (what every node would build)."""
+    """The seeded starting adapter (what every node would build); a fresh copy each call."""
+    return {k: v.clone() for k, v in _initial_adapter(spec).items()}
+
+
+@functools.lru_cache(maxsize=4)
+def _initial_adapter(spec: LoRASpec) -> dict[str, torch.Tensor]:
     return adapter_state_dict(build_model(spec))
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import random
 import time
 from collections.abc import Iterable
 from logging import ERROR, INFO, WARNING
@@ -244,9 +245,9 @@ def run_server(grid: Grid, run_config: dict[str, Any], run_id: int = 0, *, settl
     test = sentiment.load_test(d.source, d["test-size"], cfg.seed, d["eval-examples"])
     test_texts, test_labels = list(test["text"]), [int(y) for y in test["label"]]
     spec = lora_spec(cfg)
-    model = classifier.build_model(spec)  # the server's own copy (not the clients' cache)
+    model = classifier.get_model(spec, slot="server")  # not the clients' copy
     tokenizer = classifier.load_tokenizer(spec.model)
-    initial_adapter = classifier.adapter_state_dict(model)
+    initial_adapter = classifier.initial_adapter(spec)  # not the cached model's current state
     adapter_bytes = sum(t.numel() * 4 for t in initial_adapter.values())
     log(INFO, "rwlora-sentiment: output %s; adapter %d bytes", out, adapter_bytes)
 
@@ -268,12 +269,24 @@ def run_server(grid: Grid, run_config: dict[str, Any], run_id: int = 0, *, settl
     rec = RecordingGrid(grid)
     n = wait_for_nodes(grid, cfg.strategy["num-clients"], settle_s, cfg.strategy["node-wait-s"])
     state: dict[str, Any] = {"strategy": None}
-    strategy = build_strategy(cfg, n)
+    try:
+        strategy = build_strategy(cfg, n)
+    except ValueError as exc:
+        s = cfg.strategy
+        msg = (
+            f"run-config keys strategy.graph={s.graph!r}, strategy.transition={s.transition!r}, "
+            f"strategy.target={s.target!r} with {n} clients: {exc}"
+        )
+        log(ERROR, "rwlora-sentiment: bad run config: %s", msg)
+        raise RunConfigError(msg) from None
     state["strategy"] = strategy
     name = cfg.strategy.name
     base = {"local-updates": 0, "bytes-relayed": 0, "bytes-p2p": 0}
     train_config: dict[str, Any] = {}
     initial = ArrayRecord(initial_adapter)
+    # FedAvg samples nodes with Python's global ``random``: seed it so runs repeat exactly
+    # (a resumed run restores the generator's state from the checkpoint below).
+    random.seed(cfg.seed)
     if meta is not None:
         base = {k: int(meta["totals"][k]) for k in base}
         rec.cursors = {int(k): int(v) for k, v in meta["cursors"].items()}

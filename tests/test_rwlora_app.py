@@ -1,0 +1,164 @@
+"""The rwlora_sentiment app: exact resume, hostile run config, and one real `flwr run` (slow)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from fakegrid import FakeGrid
+
+ROOT = Path(__file__).resolve().parents[1]
+APP = ROOT / "simulations" / "rwlora_sentiment"
+sys.path.insert(0, str(APP))
+
+from rwlora_sentiment.client_app import app as client_app  # noqa: E402
+from rwlora_sentiment.server_app import CHECKPOINT, run_server  # noqa: E402
+from rwlora_sentiment.task import load_config  # noqa: E402
+
+from flwr_isoloco.checkpoint import load_checkpoint  # noqa: E402
+from flwr_isoloco.runconfig import RunConfigError  # noqa: E402
+
+torch.set_num_threads(1)
+
+TINY = {
+    "eval-every": 2,
+    "strategy.local-steps": 1,
+    "train.batch-size": 4,
+    "data.max-examples": 24,
+    "data.eval-examples": 16,
+    "data.test-size": 200,
+    "model.max-length": 24,
+    "strategy.graph": "ring",
+    "strategy.node-wait-s": 5.0,
+}
+
+
+def _run(tmp: Path, name: str, **over) -> tuple[Path, dict]:
+    rc = {**TINY, "output-dir": str(tmp / name), **over}
+    out = run_server(FakeGrid(client_app, num_nodes=3, run_config=rc), rc, settle_s=0.05)
+    return out, json.loads((out / "results.json").read_text())
+
+
+def _flat(tree, prefix=""):
+    out = {}
+    for k, v in tree.items():
+        if isinstance(v, dict):
+            out.update(_flat(v, f"{prefix}{k}/"))
+        else:
+            out[prefix + k] = v
+    return out
+
+
+@pytest.mark.parametrize(
+    "strategy, extra",
+    [("rwlora", {"strategy.carry-optimizer-state": True}), ("gossip", {}), ("fedavg", {})],
+)
+def test_n_rounds_equal_half_resume_half_exactly(tmp_path, strategy, extra):
+    over = {"strategy.name": strategy, **extra}
+    full, res_full = _run(tmp_path, "full", **{"num-server-rounds": 4, **over})
+    half, _ = _run(tmp_path, "half", **{"num-server-rounds": 2, **over})
+    rest, res_rest = _run(
+        tmp_path,
+        "rest",
+        **{"num-server-rounds": 4, "resume-from": str(half / CHECKPOINT), **over},
+    )
+    t_full, m_full = load_checkpoint(full / CHECKPOINT)
+    t_rest, m_rest = load_checkpoint(rest / CHECKPOINT)
+    a, b = _flat(t_full), _flat(t_rest)
+    assert set(a) == set(b) and a
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+    assert m_full["round"] == m_rest["round"] == 4
+    assert m_full["totals"] == m_rest["totals"]
+    keys = ("round", "local-updates", "bytes-relayed", "bytes-p2p", "test-accuracy", "walk-vertex")
+    rows = lambda res: [{k: r.get(k) for k in keys} for r in res["rounds"]]  # noqa: E731
+    assert rows(res_full) == rows(res_rest)
+    assert res_rest["status"] == "completed" and len(res_rest["rounds"]) == 5  # rounds 0..4
+    # byte accounting with the optimiser state carried (2 AdamW moments per adapter tensor, so
+    # the state is 2 tokens T): hop 1 sends T down (no state yet) and 3T up; later hops 3T each
+    # way. Relayed after 4 hops = 4T + 3 * 6T = 22T; peer-to-peer = T + 3 * 3T = 10T.
+    if strategy == "rwlora":
+        first, last = res_full["rounds"][1], res_full["rounds"][-1]
+        token = first["bytes-p2p"]
+        assert first["bytes-relayed"] == 4 * token
+        assert last["bytes-relayed"] == 22 * token and last["bytes-p2p"] == 10 * token
+        assert last["local-updates"] == 4
+    if strategy == "fedavg":
+        assert res_full["rounds"][-1]["local-updates"] == 4 * 3
+
+
+@pytest.mark.parametrize(
+    "override, key",
+    [
+        ({"strategy.name": "sgd"}, "strategy.name"),
+        ({"strategy.nme": "rwlora"}, "strategy.nme"),
+        ({"train.lr": -0.1}, "train.lr"),
+        ({"data.source": "/no/such/file.csv"}, "data.source"),
+        ({"lora.target-modules": " , "}, "lora.target-modules"),
+        ({"output-dir": "relative/dir"}, "output-dir"),
+        ({"strategy.transition": "greedy"}, "strategy.transition"),
+        ({"lora.r": 0}, "lora.r"),
+        ({"strategy.carry-optimizer-state": True, "strategy.name": "gossip"}, "carry-optimizer"),
+    ],
+)
+def test_bad_run_config_is_named(override, key):
+    with pytest.raises(RunConfigError, match=key.replace(".", r"\.")):
+        load_config(override)
+
+
+@pytest.mark.parametrize("graph", ["erdos_renyi:p=oops", "0-1,5-6", "/no/such/graph.txt"])
+def test_bad_graph_spec_stops_before_training(tmp_path, graph):
+    rc = {**TINY, "strategy.graph": graph, "output-dir": str(tmp_path)}
+    grid = FakeGrid(client_app, num_nodes=3, run_config=rc)
+    with pytest.raises(RunConfigError, match="strategy.graph"):
+        run_server(grid, rc, settle_s=0.05)
+    assert not [r for r in grid.log if r.message_type == "train"]
+
+
+def test_resume_refuses_a_changed_setting(tmp_path):
+    half, _ = _run(tmp_path, "half", **{"num-server-rounds": 1})
+    with pytest.raises(RunConfigError, match="train.lr"):
+        _run(
+            tmp_path,
+            "rest",
+            **{"num-server-rounds": 2, "resume-from": str(half / CHECKPOINT), "train.lr": 0.5},
+        )
+
+
+@pytest.mark.slow
+def test_real_flwr_run_simulation_completes(tmp_path):
+    """`flwr run` of the app on a private SuperLink (Ray simulation, 3 SuperNodes)."""
+    out = tmp_path / "run"
+    env = {**os.environ, "NUM_SUPERNODES": "3", "CPUS_PER_CLIENT": "1"}
+    overrides = [
+        "num-server-rounds=3",
+        "eval-every=3",
+        "strategy.local-steps=2",
+        "train.batch-size=4",
+        "data.max-examples=32",
+        "data.eval-examples=32",
+        "model.max-length=32",
+        "strategy.graph='ring'",
+    ]
+    proc = subprocess.run(
+        ["bash", str(ROOT / "scripts" / "run_app.sh"), str(APP), str(out), *overrides],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    res = json.loads((out / "results.json").read_text())
+    assert res["status"] == "completed" and res["num-clients"] == 3
+    rows = res["rounds"]
+    assert [r["round"] for r in rows] == [0, 1, 2, 3]
+    assert rows[-1]["local-updates"] == 3 * 2
+    assert 0.0 <= rows[-1]["test-accuracy"] <= 1.0
+    assert all(r["walk-vertex"] in (0, 1, 2) for r in rows[1:])
+    assert (out / "accuracy.png").stat().st_size > 0 and (out / "visits.png").exists()
+    assert (out / CHECKPOINT).exists()
