@@ -162,3 +162,18 @@ def test_real_flwr_run_simulation_completes(tmp_path):
     assert all(r["walk-vertex"] in (0, 1, 2) for r in rows[1:])
     assert (out / "accuracy.png").stat().st_size > 0 and (out / "visits.png").exists()
     assert (out / CHECKPOINT).exists()
+
+
+def test_pyproject_config_matches_schema_defaults():
+    tomllib = pytest.importorskip("tomllib")
+
+    from rwlora_sentiment.task import DEFAULTS
+
+    from flwr_isoloco.runconfig import flatten
+
+    app_cfg = tomllib.loads((APP / "pyproject.toml").read_text())["tool"]["flwr"]["app"]["config"]
+    assert flatten(app_cfg) == flatten(DEFAULTS)
+    assert (APP / "README.md").read_text().count("`") > 2 * len(flatten(DEFAULTS))
+    readme = (APP / "README.md").read_text()
+    missing = [k for k in flatten(DEFAULTS) if f"`{k}`" not in readme]
+    assert not missing, f"README.md does not document {missing}"

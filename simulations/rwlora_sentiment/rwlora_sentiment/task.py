@@ -31,7 +31,7 @@ STRATEGIES = ("rwlora", "gossip", "fedavg")
 CURSORS_KEY = "data-cursors"  # train-config key: JSON {partition-id: cursor} after a resume
 
 DEFAULTS: dict[str, Any] = {
-    "num-server-rounds": 30,
+    "num-server-rounds": 20,
     "seed": 0,
     "output-dir": "",
     "resume-from": "",
@@ -67,7 +67,7 @@ DEFAULTS: dict[str, Any] = {
         "partitioner": "iid",
         "dirichlet-alpha": 0.5,
         "test-size": 1000,
-        "eval-examples": 500,
+        "eval-examples": 300,
         "max-examples": 0,
         "val-fraction": 0.1,
     },
