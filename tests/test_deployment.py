@@ -1,22 +1,84 @@
 """Loopback deployment tests: TLS SuperLink + authenticated SuperNodes on 127.0.0.1, `flwr run`.
 
-Select alone with ``pytest -m deployment``. Each test stops every process it started.
+Select alone with ``pytest -m deployment``. The real-app tests share one deployment (3
+SuperNodes, module scope); each kill test SIGKILLs one SuperNode mid-run and restarts it after.
+Every process started is stopped by PID, also when a test fails.
 """
 
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+import time
 from pathlib import Path
 
+import psutil
 import pytest
-from deploy_harness import format_run_config, loopback_deployment
+from deploy_harness import (
+    CONNECTION,
+    LoopbackDeployment,
+    ManagedProcess,
+    format_run_config,
+    loopback_deployment,
+    stop_processes,
+)
 
 pytestmark = pytest.mark.deployment
 
-TESTS_DIR = Path(__file__).resolve().parent
-TINY_APP = TESTS_DIR / "deploy_app"
+REPO = Path(__file__).resolve().parents[1]
+TINY_APP = REPO / "tests" / "deploy_app"
+ISOLOCO_APP = REPO / "simulations" / "isoloco_lm"
+RWLORA_APP = REPO / "simulations" / "rwlora_sentiment"
+
+# Tiny but real: a 1-layer LLaMA on Shakespeare, 3 SuperNodes, 4 rounds of 3 inner steps.
+ISOLOCO_CONFIG = {
+    "num-server-rounds": 3,
+    "round-timeout": 300.0,
+    "strategy.name": "isoloco",
+    "strategy.min-nodes": 2,
+    "train.local-steps": 3,
+    "train.batch-size": 4,
+    "train.seq-len": 32,
+    "train.warmup-steps": 1,
+    "model.hidden": 32,
+    "model.layers": 1,
+    "model.heads": 2,
+    "data.val-tokens": 1024,
+}
+# Tiny but real: LoRA r=4 on MiniLM, 3 hops of 2 steps on a complete graph of the 3 SuperNodes.
+RWLORA_CONFIG = {
+    "num-server-rounds": 3,
+    "round-timeout": 300.0,
+    "eval-every": 1000,
+    "strategy.name": "rwlora",
+    "strategy.num-clients": 3,
+    "strategy.graph": "complete",
+    "strategy.local-steps": 2,
+    "lora.r": 4,
+    "model.max-length": 32,
+    "train.batch-size": 8,
+    "data.max-examples": 600,
+    "data.test-size": 200,
+    "data.eval-examples": 64,
+}
+# Round timeout of the kill runs. A message to a SIGKILLed SuperNode gets an error reply once
+# the SuperLink marks the node offline (~60 s: heartbeat 30 s, patience 2), so a longer timeout
+# costs nothing; it must only exceed a normal round on a loaded 2-core machine (~60 s seen).
+KILL_ROUND_TIMEOUT = 150.0
+
+# Outcomes of the runs, so the kill tests can print themselves against the no-kill runs.
+OUTCOMES: dict[str, dict] = {}
 
 
+def _alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+# ---------------------------------------------------------------- harness checks (no Flower)
 def test_format_run_config_quotes_strings_and_rejects_quotes():
     text = format_run_config({"a": 1, "b": 0.5, "c": True, "output-dir": "/x/y"})
     assert text == "a=1 b=0.5 c=true output-dir='/x/y'"
@@ -24,16 +86,225 @@ def test_format_run_config_quotes_strings_and_rejects_quotes():
         format_run_config({"bad": "it's"})
 
 
+def test_stop_processes_kills_descendants_in_other_sessions(tmp_path):
+    """A child that detached into its own session (as SuperExec does) is still stopped."""
+    pid_file = tmp_path / "child.pid"
+    code = (
+        "import subprocess, sys, time; "
+        "c = subprocess.Popen(['sleep', '300'], start_new_session=True); "
+        f"open({str(pid_file)!r}, 'w').write(str(c.pid)); time.sleep(300)"
+    )
+    log = tmp_path / "p.log"
+    popen = subprocess.Popen([sys.executable, "-c", code], start_new_session=True)
+    proc = ManagedProcess("parent", popen, log)
+    deadline = time.monotonic() + 30
+    while not pid_file.exists() or not pid_file.read_text():
+        assert time.monotonic() < deadline, "child never started"
+        time.sleep(0.05)
+    child = int(pid_file.read_text())
+    assert _alive(child)
+    stop_processes([proc], grace_s=2.0)
+    assert popen.returncode is not None
+    deadline = time.monotonic() + 10
+    while _alive(child) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _alive(child)
+
+
+def test_setup_failure_stops_the_started_superlink(tmp_path, monkeypatch):
+    """If set-up fails after the SuperLink started, the context manager still stops it."""
+    started: list[int] = []
+
+    def boom(self, node_config):
+        started.append(self.superlink.pid)
+        raise RuntimeError("registration failed on purpose")
+
+    monkeypatch.setattr(LoopbackDeployment, "add_supernode", boom)
+    with pytest.raises(RuntimeError, match="on purpose"):
+        with loopback_deployment(tmp_path / "dep", num_supernodes=1):
+            pass
+    assert started and not _alive(started[0])
+
+
+# ---------------------------------------------------------------- the tiny FedAvg app
 def test_tiny_fedavg_app_over_tls_with_node_auth(tmp_path):
-    """The harness end to end: 3 authenticated SuperNodes, 2 FedAvg rounds, results written."""
+    """The harness end to end: 3 authenticated SuperNodes, 2 FedAvg rounds, results written;
+    an unregistered key is refused; everything stops, also when the body raises."""
     out = tmp_path / "out"
-    with loopback_deployment(tmp_path / "dep", num_supernodes=3) as dep:
-        run = dep.run_app(TINY_APP, {"num-server-rounds": 2, "output-dir": str(out)}, 300)
-        assert run.status == "finished:completed", run.output + run.logs + dep.diagnostics()
-        procs = [dep.superlink] + [n.process for n in dep.supernodes]
-    assert all(not p.alive() for p in procs)
+    with pytest.raises(KeyboardInterrupt):
+        with loopback_deployment(tmp_path / "dep", num_supernodes=3) as dep:
+            run = dep.run_app(TINY_APP, {"num-server-rounds": 2, "output-dir": str(out)}, 300)
+            assert run.status == "finished:completed", run.output + run.logs + dep.diagnostics()
+            assert run.returncode == 0
+            pids = [p.pid for p in dep._procs]
+            raise KeyboardInterrupt  # teardown must still stop everything
+    assert pids and not any(_alive(pid) for pid in pids)
     results = json.loads((out / "results.json").read_text())
     assert results["num-server-rounds"] == 2
     assert sorted(results["train_metrics"]) == ["1", "2"]
-    # FedAvg of 3 equal-size partitions: every node trained, the loss fell from round 1 to 2.
+    # The fit improved: round-2 loss below round-1 loss (both averaged over the 3 nodes).
     assert results["train_metrics"]["2"]["train_loss"] < results["train_metrics"]["1"]["train_loss"]
+
+
+# ---------------------------------------------------------------- the real apps
+@pytest.fixture(scope="module")
+def deployment(tmp_path_factory):
+    for app in (ISOLOCO_APP, RWLORA_APP):
+        if not (app / "pyproject.toml").exists():
+            pytest.skip(f"{app} is not there yet")
+    with loopback_deployment(tmp_path_factory.mktemp("realapps"), num_supernodes=3) as dep:
+        yield dep
+
+
+def _restore_all_nodes(dep: LoopbackDeployment) -> None:
+    for info in dep.supernodes:
+        if info.process is None or not info.process.alive():
+            dep.start_supernode(info)
+    dep.wait_online()
+
+
+def _wait_for_rounds(results_path: Path, n: int, run, timeout: float = 300.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not run.process.alive():
+            raise AssertionError(f"run ended before round {n}:\n{run.process.log_tail()}")
+        try:
+            if len(json.loads(results_path.read_text()).get("rounds", [])) >= n:
+                return
+        except (OSError, json.JSONDecodeError):
+            pass
+        time.sleep(0.5)
+    raise AssertionError(f"no round {n} in {results_path} after {timeout}s")
+
+
+def _isoloco_summary(results: dict) -> dict:
+    rounds = results["rounds"]
+    return {
+        "rounds": len(rounds),
+        "replies-used": [r["replies-used"] for r in rounds],
+        "replies-lost": sum(r["replies-missing"] + r["replies-rejected"] for r in rounds),
+        "final-val-loss": rounds[-1]["val-loss"],
+    }
+
+
+def test_isoloco_run_over_tls(deployment, tmp_path):
+    out = tmp_path / "isoloco"
+    run = deployment.run_app(ISOLOCO_APP, {**ISOLOCO_CONFIG, "output-dir": str(out)}, 600)
+    assert run.status == "finished:completed", run.output + run.logs + deployment.diagnostics()
+    results = json.loads((out / "results.json").read_text())
+    assert results["status"] == "completed"
+    n = ISOLOCO_CONFIG["num-server-rounds"]
+    assert [r["round"] for r in results["rounds"]] == list(range(1, n + 1))
+    assert all(r["replies-used"] == 3 for r in results["rounds"]), results["rounds"]
+    assert results["rounds"][-1]["val-loss"] < results["initial"]["val-loss"]
+    assert (out / "checkpoint.safetensors").exists()
+    OUTCOMES["isoloco"] = {**_isoloco_summary(results), "wall-s": round(run.wall_s, 1)}
+    print("\nisoloco no-kill:", OUTCOMES["isoloco"])
+
+
+def test_isoloco_survives_a_supernode_sigkill(deployment, tmp_path):
+    """SIGKILL SuperNode 2 after round 1: the run completes on the 2 survivors and results.json
+    records the lost replies."""
+    _restore_all_nodes(deployment)
+    out = tmp_path / "isoloco-kill"
+    config = {**ISOLOCO_CONFIG, "round-timeout": KILL_ROUND_TIMEOUT, "output-dir": str(out)}
+    try:
+        run = deployment.start_app(ISOLOCO_APP, config, 600)
+        _wait_for_rounds(out / "results.json", 1, run)
+        deployment.kill_supernode(2)
+        outcome = run.wait()
+        assert outcome.status == "finished:completed", (
+            outcome.output + outcome.logs + deployment.diagnostics()
+        )
+        results = json.loads((out / "results.json").read_text())
+        assert results["status"] == "completed"
+        n = ISOLOCO_CONFIG["num-server-rounds"]
+        assert [r["round"] for r in results["rounds"]] == list(range(1, n + 1))
+        used = [r["replies-used"] for r in results["rounds"]]
+        lost = [r["replies-rejected"] + r["replies-missing"] for r in results["rounds"]]
+        # Round 1 before the kill: all 3. Round 2: the dead node's reply is lost (an error
+        # reply once the SuperLink marks it offline, or a timeout), the merge uses the other 2.
+        # Later rounds: 2 merged (the dead node is either not sampled or lost again).
+        assert used[0] == 3 and lost[0] == 0, (used, lost)
+        assert used[1] == 2 and lost[1] == 1, (used, lost)
+        assert all(u == 2 for u in used[2:]), (used, lost)
+        summary = _isoloco_summary(results)
+        OUTCOMES["isoloco-kill"] = {**summary, "wall-s": round(outcome.wall_s, 1)}
+        print("\nisoloco with SuperNode 2 SIGKILLed after round 1:", OUTCOMES["isoloco-kill"])
+        if "isoloco" in OUTCOMES:
+            print("isoloco no-kill:                              ", OUTCOMES["isoloco"])
+    finally:
+        _restore_all_nodes(deployment)
+
+
+def test_cli_lists_the_runs(deployment):
+    """`flwr ls` over TLS sees the finished runs (the guide's status command)."""
+    runs = deployment._flwr_json("ls", CONNECTION).get("runs", [])
+    assert runs and all(r["status"].startswith("finished:") for r in runs)
+
+
+def _rwlora_summary(results: dict) -> dict:
+    rounds = results["rounds"]
+    hops = [r for r in rounds if r["round"] > 0]
+    final = next(r for r in reversed(rounds) if "test-accuracy" in r)
+    return {
+        "rounds": len(hops),
+        "walk": [r.get("walk-vertex") for r in hops],
+        "failed-replies": sum(r.get("failed-replies", 0) for r in hops),
+        "hop-failures-total": hops[-1].get("hop-failures-total", 0),
+        "final-test-accuracy": final["test-accuracy"],
+        "final-test-loss": final["test-loss"],
+    }
+
+
+def test_rwlora_run_over_tls(deployment, tmp_path):
+    out = tmp_path / "rwlora"
+    run = deployment.run_app(RWLORA_APP, {**RWLORA_CONFIG, "output-dir": str(out)}, 900)
+    assert run.status == "finished:completed", run.output + run.logs + deployment.diagnostics()
+    results = json.loads((out / "results.json").read_text())
+    assert results["status"] == "completed"
+    n = RWLORA_CONFIG["num-server-rounds"]
+    assert [r["round"] for r in results["rounds"]] == list(range(0, n + 1))
+    summary = _rwlora_summary(results)
+    # One vertex per hop, each a partition-id of a SuperNode; simple walk: no self-loops.
+    assert all(v in (0, 1, 2) for v in summary["walk"]), summary
+    assert all(a != b for a, b in zip(summary["walk"], summary["walk"][1:], strict=False)), summary
+    assert summary["failed-replies"] == 0 and summary["hop-failures-total"] == 0
+    assert 0.0 <= summary["final-test-accuracy"] <= 1.0
+    assert (out / "checkpoint.safetensors").exists()
+    OUTCOMES["rwlora"] = {**summary, "wall-s": round(run.wall_s, 1)}
+    print("\nrwlora no-kill:", OUTCOMES["rwlora"])
+
+
+def test_rwlora_token_survives_a_supernode_sigkill(deployment, tmp_path):
+    """SIGKILL, after hop 1, the SuperNode the walk visits next (known from the no-kill run with
+    the same seed): that hop fails, the token moves on from the last good copy, the run
+    completes and results.json counts the failure."""
+    _restore_all_nodes(deployment)
+    walk = OUTCOMES.get("rwlora", {}).get("walk", [])
+    victim = walk[1] if len(walk) > 1 else 2  # SuperNode i has partition-id i
+    out = tmp_path / "rwlora-kill"
+    config = {**RWLORA_CONFIG, "round-timeout": KILL_ROUND_TIMEOUT, "output-dir": str(out)}
+    try:
+        run = deployment.start_app(RWLORA_APP, config, 900)
+        _wait_for_rounds(out / "results.json", 2, run)  # round 0 (initial eval) and hop 1
+        deployment.kill_supernode(victim)
+        outcome = run.wait()
+        assert outcome.status == "finished:completed", (
+            outcome.output + outcome.logs + deployment.diagnostics()
+        )
+        results = json.loads((out / "results.json").read_text())
+        assert results["status"] == "completed"
+        n = RWLORA_CONFIG["num-server-rounds"]
+        assert [r["round"] for r in results["rounds"]] == list(range(0, n + 1))
+        summary = _rwlora_summary(results)
+        assert summary["hop-failures-total"] >= 1, summary
+        assert summary["failed-replies"] >= 1, summary
+        # After the kill no hop lands on the dead vertex (a failed hop re-routes).
+        assert victim not in summary["walk"][1:], summary
+        OUTCOMES["rwlora-kill"] = {**summary, "victim": victim, "wall-s": round(outcome.wall_s, 1)}
+        print(f"\nrwlora with SuperNode {victim} SIGKILLed after hop 1:", OUTCOMES["rwlora-kill"])
+        if "rwlora" in OUTCOMES:
+            print("rwlora no-kill:                              ", OUTCOMES["rwlora"])
+    finally:
+        _restore_all_nodes(deployment)
