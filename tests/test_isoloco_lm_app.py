@@ -261,3 +261,12 @@ def test_run_app_names_unknown_key_before_starting(tmp_path):
     assert proc.returncode == 2
     assert "unknown run-config key 'strategy.outer_lr' (did you mean strategy.outer-lr" in proc.stderr
     assert not (tmp_path / "unknown" / "flwr-run.log").exists()  # nothing was started
+
+
+def test_unwritable_node_state_does_not_lose_replies(tiny, tmp_path):
+    out = tmp_path / "ro"
+    out.mkdir()
+    (out / "node-state").write_text("a file where the state folder should be")
+    _, res = _run({**tiny, "output-dir": str(out), "num-server-rounds": 2})
+    assert res["status"] == "completed"
+    assert [r["replies-used"] for r in res["rounds"]] == [3, 3]

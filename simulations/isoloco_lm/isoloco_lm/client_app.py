@@ -8,11 +8,13 @@ exact (see ``task.py``). The node's shard is ``partition-id`` of ``num-partition
 
 from __future__ import annotations
 
+from logging import WARNING
 from pathlib import Path
 
 import torch
 from flwr.app import Context, Message
 from flwr.clientapp import ClientApp
+from flwr.common.logger import log
 
 from flwr_isoloco.clients.diloco_worker import ADAMW_STATE_KEY, make_diloco_train_handler
 
@@ -40,24 +42,60 @@ def _partition(context: Context) -> tuple[int, int]:
         ) from None
 
 
+def _state_folder(context: Context, conf, key: str) -> Path | None:
+    """Where this node keeps its state files: ``--node-config "state-dir='/abs/dir'"`` if the
+    node sets it (deployment: a node-local disk), else the folder the server suggests."""
+    local = context.node_config.get("state-dir")
+    if local:
+        return Path(str(local))
+    return Path(str(conf[key])) if key in conf else None
+
+
 def train(msg: Message, context: Context) -> Message:
     cfg = load_config(context.run_config)
     torch.set_num_threads(cfg["torch-threads"])
     pid, parts = _partition(context)
     conf = msg.content.config_records.get("config", {})
     rnd = int(conf.get("server-round", 0))
-    if ADAMW_STATE_KEY not in context.state and RESUME_DIR_KEY in conf:
-        restore_node_state(
-            context.state, Path(str(conf[RESUME_DIR_KEY])), pid, int(conf[RESUME_ROUND_KEY])
-        )
+    if ADAMW_STATE_KEY not in context.state and RESUME_ROUND_KEY in conf:
+        folder = _state_folder(context, conf, RESUME_DIR_KEY)
+        try:
+            if folder is None:
+                raise ValueError("no state folder given")
+            got = restore_node_state(context.state, folder, pid, int(conf[RESUME_ROUND_KEY]))
+            if got is None:
+                log(
+                    WARNING,
+                    "node p%d: no saved state in %s; starting a fresh optimiser",
+                    pid,
+                    folder,
+                )
+        except (OSError, ValueError) as exc:  # a damaged file must not stop training
+            log(
+                WARNING,
+                "node p%d: cannot restore state from %s (%s); fresh optimiser",
+                pid,
+                folder,
+                exc,
+            )
     handler = make_diloco_train_handler(
         lambda ctx: build_model(cfg),
         lambda ctx: node_batches(cfg, pid, parts),
         seed=cfg.seed,
     )
     reply = handler(msg, context)
-    if STATE_DIR_KEY in conf:
-        save_node_state(context.state, Path(str(conf[STATE_DIR_KEY])), pid, rnd)
+    folder = _state_folder(context, conf, STATE_DIR_KEY) if STATE_DIR_KEY in conf else None
+    if folder is not None:
+        try:
+            save_node_state(context.state, folder, pid, rnd)
+        except (OSError, ValueError) as exc:  # the reply matters more than the state file
+            log(
+                WARNING,
+                "node p%d: cannot save state to %s (%s); the reply is sent anyway",
+                pid,
+                folder,
+                exc,
+            )
     return reply
 
 
