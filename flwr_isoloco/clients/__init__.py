@@ -10,6 +10,7 @@ _EXPORTS = {
     "make_diloco_train_handler": "diloco_worker",
     "make_lm_evaluate_handler": "diloco_worker",
     "LoRAClient": "lora_client",
+    "LoRAClientConfig": "lora_client",
 }
 
 __all__ = sorted(_EXPORTS)
