@@ -326,6 +326,15 @@ class LoopbackDeployment:
         self.supernodes.append(info)
         return info
 
+    def unregister_supernode(self, info: SuperNodeInfo) -> None:
+        """`scripts/deploy/unregister_supernode.sh`: the node's key may no longer connect."""
+        self._script("unregister_supernode.sh", str(info.node_id), CONNECTION)
+
+    def node_statuses(self) -> dict[int, str]:
+        """Node id -> status (`registered`, `online`, `offline`, ...) from `flwr supernode ls`."""
+        nodes = self._flwr_json("supernode", "ls", CONNECTION).get("nodes", [])
+        return {int(n["node-id"]): str(n.get("status")) for n in nodes}
+
     def start_supernode(self, info: SuperNodeInfo) -> None:
         info.process = self._start(
             f"supernode-{info.index}",
@@ -341,8 +350,7 @@ class LoopbackDeployment:
         )
 
     def online_node_ids(self) -> set[int]:
-        nodes = self._flwr_json("supernode", "ls", CONNECTION).get("nodes", [])
-        return {int(n["node-id"]) for n in nodes if n.get("status") == "online"}
+        return {node for node, status in self.node_statuses().items() if status == "online"}
 
     def wait_online(self, timeout: float = 90.0) -> None:
         want = {n.node_id for n in self.supernodes if n.process is not None and n.process.alive()}

@@ -16,7 +16,6 @@ from pathlib import Path
 import psutil
 import pytest
 from deploy_harness import (
-    CONNECTION,
     LoopbackDeployment,
     ManagedProcess,
     format_run_config,
@@ -129,13 +128,22 @@ def test_setup_failure_stops_the_started_superlink(tmp_path, monkeypatch):
 # ---------------------------------------------------------------- the tiny FedAvg app
 def test_tiny_fedavg_app_over_tls_with_node_auth(tmp_path):
     """The harness end to end: 3 authenticated SuperNodes, 2 FedAvg rounds, results written;
-    an unregistered key is refused; everything stops, also when the body raises."""
+    an unregistered SuperNode key is refused; everything stops, also when the body raises."""
     out = tmp_path / "out"
     with pytest.raises(KeyboardInterrupt):
         with loopback_deployment(tmp_path / "dep", num_supernodes=3) as dep:
             run = dep.run_app(TINY_APP, {"num-server-rounds": 2, "output-dir": str(out)}, 300)
             assert run.status == "finished:completed", run.output + run.logs + dep.diagnostics()
             assert run.returncode == 0
+            # Node authentication: a key the coordinator unregistered cannot join.
+            intruder = dep.add_supernode("partition-id=3 num-partitions=4")
+            assert dep.node_statuses()[intruder.node_id] == "registered"
+            dep.unregister_supernode(intruder)
+            dep.start_supernode(intruder)
+            assert intruder.process.popen.wait(timeout=120) != 0, intruder.process.log_tail()
+            statuses = dep.node_statuses()
+            assert statuses[intruder.node_id] == "unregistered", statuses
+            assert dep.online_node_ids() == {n.node_id for n in dep.supernodes[:3]}, statuses
             pids = [p.pid for p in dep._procs]
             raise KeyboardInterrupt  # teardown must still stop everything
     assert pids and not any(_alive(pid) for pid in pids)
@@ -235,12 +243,6 @@ def test_isoloco_survives_a_supernode_sigkill(deployment, tmp_path):
             print("isoloco no-kill:                              ", OUTCOMES["isoloco"])
     finally:
         _restore_all_nodes(deployment)
-
-
-def test_cli_lists_the_runs(deployment):
-    """`flwr ls` over TLS sees the finished runs (the guide's status command)."""
-    runs = deployment._flwr_json("ls", CONNECTION).get("runs", [])
-    assert runs and all(r["status"].startswith("finished:") for r in runs)
 
 
 def _rwlora_summary(results: dict) -> dict:
