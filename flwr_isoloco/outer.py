@@ -21,6 +21,8 @@ from collections.abc import Callable, Mapping
 
 import torch
 
+from .merging.validation import all_finite
+
 __all__ = ["OuterSGD"]
 
 UpdateTransform = Callable[[dict[str, torch.Tensor]], Mapping[str, torch.Tensor]]
@@ -122,7 +124,7 @@ class OuterSGD:
                 )
             if not p.is_floating_point():
                 raise ValueError(f"key {name!r}: param dtype {p.dtype} is not floating point")
-            if not bool(torch.isfinite(g).all()):
+            if not all_finite(g):
                 raise ValueError(f"key {name!r}: grad has non-finite values")
 
     @staticmethod

@@ -30,16 +30,24 @@ __all__ = [
     "newton_schulz_polar",
     "ns_coefficients",
     "NS_LOWER",
+    "NS_LOWER_SQUARE",
+    "NS_LOWER_RECT",
     "NS_TOL",
     "NS_MAX_STEPS",
 ]
 
-#: Smallest singular value (relative to the largest) one pass of the schedule is designed for.
-NS_LOWER = 1e-3
+#: Smallest singular value (relative to the bound on the largest) that the first pass of the
+#: schedule is designed for, by shape: square-ish matrices (long side < 2 x short side) have
+#: singular values down to ~0 (quarter-circle law), clearly rectangular ones are far better
+#: conditioned (Marchenko-Pastur). ``lower=None`` picks by shape; later passes use
+#: ``NS_LOWER_SQUARE``.
+NS_LOWER_SQUARE = 1e-4
+NS_LOWER_RECT = 1e-2
+NS_LOWER = None
 #: Early stop once the RMS deviation of the singular values from 1 is below this.
 NS_TOL = 1e-3
 #: Hard cap on Newton-Schulz steps when ``steps`` is not given.
-NS_MAX_STEPS = 30
+NS_MAX_STEPS = 20
 #: Coefficients are designed for inputs up to ``_SAFETY * u`` so fp32 round-off cannot push a
 #: singular value past the interval where the quintic is bounded (Polar Express uses 1.01).
 _SAFETY = 1.01
@@ -88,7 +96,9 @@ def _minimax_quintic(lo: float, hi: float) -> tuple[float, float, float, float]:
 
 
 @functools.lru_cache(maxsize=64)
-def ns_coefficients(lower: float = NS_LOWER, tol: float = 1e-7) -> tuple[tuple[float, ...], ...]:
+def ns_coefficients(
+    lower: float = NS_LOWER_SQUARE, tol: float = 1e-7
+) -> tuple[tuple[float, ...], ...]:
     """Per-step quintic coefficients ``(a, b, c)`` taking ``[lower, 1]`` to within ``tol`` of 1.
 
     Step k is the minimax quintic on the interval ``[l_k, u_k]`` the previous steps produce
@@ -121,14 +131,15 @@ def newton_schulz_polar(
     g: torch.Tensor,
     steps: int | None = None,
     *,
-    lower: float = NS_LOWER,
+    lower: float | None = NS_LOWER,
     tol: float = NS_TOL,
     max_steps: int = NS_MAX_STEPS,
 ) -> torch.Tensor:
     """``U V^T`` of a 2-D tensor by Newton-Schulz, in fp32 (fp64 for fp64 input).
 
-    ``steps=None``: run the schedule of :func:`ns_coefficients` (restarting it if singular
-    values below ``lower`` are still unconverged) until the RMS of ``s_i - 1`` over the
+    ``steps=None``: run the schedule of :func:`ns_coefficients` for ``lower`` (``None``: by
+    shape, see ``NS_LOWER_SQUARE``/``NS_LOWER_RECT``), then, if singular values below ``lower``
+    are still unconverged, passes of the ``NS_LOWER_SQUARE`` schedule, until the RMS of ``s_i - 1`` over the
     singular values is at most ``tol`` (checked for free from the Gram matrix each step), at
     most ``max_steps`` steps. ``steps=k``: exactly k steps of the schedule, no early stop.
     The input is scaled by ``||(X X^T)^2||_F^(1/4) >= s_max`` (of ``X = g / ||g||_F``), a
@@ -138,7 +149,7 @@ def newton_schulz_polar(
 
 
 def _newton_schulz(
-    g: torch.Tensor, steps: int | None, *, lower: float, tol: float, max_steps: int
+    g: torch.Tensor, steps: int | None, *, lower: float | None, tol: float, max_steps: int
 ) -> tuple[torch.Tensor, int]:
     """:func:`newton_schulz_polar` plus the number of steps taken."""
     _check_matrix(g)
@@ -161,10 +172,14 @@ def _newton_schulz(
     x = x / nu
     gram = gram / nu**2
     gram2 = gram2 / nu**4
-    schedule = ns_coefficients(float(lower))
+    if lower is None:
+        lower = NS_LOWER_SQUARE if x.shape[1] < 2 * r else NS_LOWER_RECT
+    first = ns_coefficients(float(lower))
+    again = ns_coefficients(min(float(lower), NS_LOWER_SQUARE))
     eye = torch.eye(r, dtype=dtype, device=x.device)
     limit = steps if steps is not None else max_steps
     taken = 0
+    pass_dev: float | None = None
     for k in range(limit):
         if k > 0:
             gram = x @ x.T
@@ -173,8 +188,14 @@ def _newton_schulz(
                 dev = torch.linalg.matrix_norm(gram - eye) / math.sqrt(r)
                 if float(dev) <= 2 * tol:
                     break
+                if k >= len(first) and (k - len(first)) % len(again) == 0:
+                    # end of a pass: stop if it did not halve the deviation (e.g. exactly
+                    # rank-deficient g, whose zero singular values never move)
+                    if pass_dev is not None and float(dev) > 0.5 * pass_dev:
+                        break
+                    pass_dev = float(dev)
             gram2 = gram @ gram
-        a, b, c = schedule[k % len(schedule)]
+        a, b, c = first[k] if k < len(first) else again[(k - len(first)) % len(again)]
         poly = gram2 * c  # a I + b A + c A^2
         poly.add_(gram, alpha=b)
         poly.diagonal().add_(a)

@@ -148,10 +148,12 @@ def prune_smallest(d: torch.Tensor, fraction: float) -> torch.Tensor:
     count = math.floor(fraction * d.numel())
     if count == 0:
         return d
-    flat = d.flatten().clone()
-    order = torch.argsort(flat.abs(), stable=True)
-    flat[order[:count]] = 0
-    return flat.view_as(d)
+    mag = d.abs().flatten()
+    threshold = torch.kthvalue(mag, count).values  # O(n) selection, no full sort
+    prune = mag < threshold
+    ties = torch.nonzero(mag == threshold).flatten()
+    prune[ties[: count - int(prune.sum())]] = True  # equal magnitudes: lower index first
+    return torch.where(prune.view_as(d), 0.0, d)
 
 
 def _ties(
@@ -256,7 +258,9 @@ def check_options(rule: MergeRule, options: dict) -> tuple[dict, re.Pattern | No
             opts[name] = _fraction(name, value, low_open=False, high_open=True)
         elif name in ("common_fraction",):
             opts[name] = _fraction(name, value, low_open=True, high_open=False)
-        elif name in ("ns_lower",):
+        elif name == "ns_lower":
+            if value is None:
+                continue
             opts[name] = _fraction(name, value, low_open=True, high_open=True)
         elif name in ("ns_tol",):
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
