@@ -32,6 +32,7 @@ BEGIN, END = "<!-- BEGIN GENERATED TABLE -->", "<!-- END GENERATED TABLE -->"
 RUNS = {
     "isoloco": ["strategy.name='isoloco'"],
     "diloco": ["strategy.name='diloco'"],
+    "fedavg": ["strategy.name='fedavg'"],
     "iso_c-nomom": [
         "strategy.name='diloco'",
         "strategy.merge='iso_c'",
