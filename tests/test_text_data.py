@@ -110,3 +110,14 @@ def test_batches():
     flat = torch.cat(ev)
     assert flat.shape == (20, 17)
     assert torch.equal(flat[:, 0], torch.arange(0, 320, 16))
+
+
+def test_default_cache_dir_ignores_empty_env(monkeypatch, tmp_path):
+    from pathlib import Path
+
+    from flwr_isoloco.data.text import default_cache_dir
+
+    monkeypatch.setenv("FLWR_ISOLOCO_CACHE", "")
+    assert default_cache_dir() == (Path.home() / ".cache" / "flwr_isoloco").resolve()
+    monkeypatch.setenv("FLWR_ISOLOCO_CACHE", str(tmp_path))
+    assert default_cache_dir() == tmp_path.resolve()

@@ -51,12 +51,10 @@ _STRIP = re.compile(r"[*_#]")
 
 
 def default_cache_dir() -> Path:
-    """``$FLWR_ISOLOCO_CACHE`` or ``~/.cache/flwr_isoloco`` (absolute)."""
-    return (
-        Path(os.environ.get("FLWR_ISOLOCO_CACHE", Path.home() / ".cache" / "flwr_isoloco"))
-        .expanduser()
-        .resolve()
-    )
+    """``$FLWR_ISOLOCO_CACHE`` (if set and not empty) or ``~/.cache/flwr_isoloco``, absolute."""
+    env = os.environ.get("FLWR_ISOLOCO_CACHE", "").strip()
+    base = Path(env) if env else Path.home() / ".cache" / "flwr_isoloco"
+    return base.expanduser().resolve()
 
 
 # ----------------------------------------------------------------------------- corpora
