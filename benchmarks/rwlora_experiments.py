@@ -154,6 +154,30 @@ def plot(summary: dict, path_prefix: Path) -> None:
         plt.close(fig)
 
 
+def markdown_table(summary: dict) -> str:
+    """The summary table as Markdown (updates / MB to each target accuracy)."""
+    targets = ("0.7", "0.75", "0.8")
+    head = (
+        "| graph | method | updates to 0.70 | updates to 0.75 | updates to 0.80 "
+        "| MB relayed to 0.75 | MB P2P to 0.75 | best acc | final acc | total updates | wall s |"
+    )
+    lines = [head, "|" + "---|" * 11]
+
+    def mb(x):
+        return "-" if x is None else f"{x / 1e6:.1f}"
+
+    for r in summary["table"]:
+        ups = [r["updates-to"].get(t) for t in targets]
+        lines.append(
+            f"| {r['graph']} | {r['method']} | "
+            + " | ".join("not reached" if u is None else str(u) for u in ups)
+            + f" | {mb(r['bytes-relayed-to-target'])} | {mb(r['bytes-p2p-to-target'])}"
+            f" | {r['best-accuracy']:.3f} | {r['final-accuracy']:.3f} | {r['total-updates']}"
+            f" | {r['wall-s']:.0f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--engine", choices=("ray", "fake"), default="ray")
@@ -240,6 +264,10 @@ def main() -> None:
                 {
                     "graph": g,
                     "method": run["method"],
+                    "target": args.target,
+                    "updates-to": {
+                        str(t): reach(rows, t).get("local-updates") for t in (0.65, 0.7, 0.75, 0.8)
+                    },
                     "updates-to-target": hit.get("local-updates"),
                     "bytes-relayed-to-target": hit.get("bytes-relayed"),
                     "bytes-p2p-to-target": hit.get("bytes-p2p"),
@@ -252,7 +280,10 @@ def main() -> None:
     summary["table"] = table
     summary_path.write_text(json.dumps(summary, indent=1))
     plot(summary, img_dir / ("rwlora_quick" if args.quick else "rwlora"))
-    print(json.dumps(table, indent=1))
+    md = markdown_table(summary)
+    if not args.quick:
+        (out_dir / "rwlora_table.md").write_text(md)
+    print(md)
 
 
 if __name__ == "__main__":
