@@ -290,7 +290,7 @@ def bench_streaming(hidden: int, layers: int, vocab: int, workers: list[int]) ->
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="smaller sizes, one repeat")
-    parser.add_argument("--threads", type=int, default=2, help="torch CPU threads (default 2)")
+    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
     parser.add_argument("--out", type=Path, default=RESULTS, help="JSON output path")
     parser.add_argument(
         "--parts",

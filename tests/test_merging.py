@@ -142,6 +142,22 @@ def test_iso_c_ns_within_one_percent_of_svd(make, shape):
     assert (torch.linalg.matrix_norm(out - exact) / torch.linalg.matrix_norm(exact)) <= 1e-2
 
 
+@pytest.mark.parametrize("shape", [(200, 50), (50, 200)])
+def test_ns_ill_conditioned_rectangular_continues_after_gram_side_pass(shape):
+    # singular values 1 .. 1e-5: below the rectangular first pass's design range (1e-2), and
+    # far below what the Gram-side pass resolves in fp32; the explicit passes must finish it.
+    g = torch.Generator().manual_seed(2)
+    m, n = shape
+    u, _ = torch.linalg.qr(torch.randn(m, 50, generator=g))
+    v, _ = torch.linalg.qr(torch.randn(n, 50, generator=g))
+    x = (u * torch.logspace(0, -5, 50)) @ v.T
+    exact = iso_c(x.double())
+    fast, taken = _newton_schulz(x, None, lower=None, tol=1e-3, max_steps=20)
+    fast = fast.double() * (torch.sum(fast.double() * x.double()) / 50)
+    assert (fast - exact).norm() / exact.norm() <= 1e-2
+    assert taken > 6  # the first pass alone was not enough
+
+
 def test_muon_like_few_steps_are_not_enough_but_schedule_is():
     g = low_rank_plus_noise(64, 64, seed=3)
     exact = polar(g.double())

@@ -177,10 +177,13 @@ def _newton_schulz(
     first = ns_coefficients(float(lower))
     again = ns_coefficients(min(float(lower), NS_LOWER_SQUARE))
     eye = torch.eye(r, dtype=dtype, device=x.device)
-    limit = steps if steps is not None else max_steps
-    taken = 0
+    taken, start = 0, 0
+    if steps is None and x.shape[1] >= 2 * r:
+        x, taken = _gram_side_pass(x, gram, gram2, first[:max_steps], eye, tol)
+        start = len(first)  # go on (if needed) with explicit steps of the `again` schedule
+    limit = steps if steps is not None else start + max_steps - taken
     pass_dev: float | None = None
-    for k in range(limit):
+    for k in range(start, limit):
         if k > 0:
             gram = x @ x.T
             if steps is None:
@@ -202,6 +205,40 @@ def _newton_schulz(
         x = poly @ x
         taken += 1
     return (x.T if transposed else x), taken
+
+
+def _gram_side_pass(
+    x: torch.Tensor,
+    gram: torch.Tensor,
+    gram2: torch.Tensor,
+    schedule: tuple[tuple[float, ...], ...],
+    eye: torch.Tensor,
+    tol: float,
+) -> tuple[torch.Tensor, int]:
+    """One pass of ``schedule`` on the small side, for rectangular ``x`` (r x N, N >= 2r).
+
+    The steps are polynomials in ``A_0 = X_0 X_0^T``: ``X_k = Q_k X_0`` and ``A_{k+1} = P_k A_k
+    P_k`` with ``P_k = a I + b A_k + c A_k^2``, so a step costs four r x r products instead of
+    ``2 N / r + 1`` and X is formed once at the end. Squaring the condition number in fp32 is
+    harmless for the first pass of a rectangular matrix (designed for ``s >= 1e-2 s_max``,
+    i.e. eigenvalues of A >= 1e-4); the explicit Gram check that follows in
+    :func:`_newton_schulz` catches anything left unconverged.
+    """
+    q: torch.Tensor | None = None
+    r, taken = gram.shape[0], 0
+    for k, (a, b, c) in enumerate(schedule):
+        if k > 0:
+            if float(torch.linalg.matrix_norm(gram - eye)) / math.sqrt(r) <= 2 * tol:
+                break
+            gram2 = gram @ gram
+        poly = gram2 * c  # a I + b A + c A^2
+        poly.add_(gram, alpha=b)
+        poly.diagonal().add_(a)
+        q = poly if q is None else poly @ q
+        taken += 1
+        if k < len(schedule) - 1:
+            gram = poly @ (gram @ poly)
+    return (x if q is None else q @ x), taken
 
 
 def polar(
