@@ -291,7 +291,13 @@ class LoopbackDeployment:
         self.port = free_port()
         self.superlink = self._start(
             "superlink",
-            [str(SCRIPTS / "start_superlink.sh"), str(self.cert_dir), "127.0.0.1", str(self.port)],
+            [
+                str(SCRIPTS / "start_superlink.sh"),
+                str(self.cert_dir),
+                "127.0.0.1",
+                str(self.port),
+                str(self.root / "superlink.db"),
+            ],
             self.root / "superlink-home",
         )
         self._script("write_cli_config.sh", CONNECTION, self.address, str(self.cert_dir / "ca.crt"))
@@ -391,6 +397,23 @@ class LoopbackDeployment:
     ) -> RunOutcome:
         """`scripts/deploy/run_app.sh`: submit, poll `flwr ls` until finished, fetch logs."""
         return self.start_app(app_dir, run_config, timeout).wait()
+
+    def run_status(self, run_id: int) -> str:
+        """The run's status from `flwr ls --run-id` (`running`, `finished:completed`, ...)."""
+        runs = self._flwr_json("ls", CONNECTION, "--run-id", str(run_id)).get("runs", [])
+        return str(runs[0]["status"]) if runs else "unknown"
+
+    def stop_run(self, run_id: int) -> None:
+        """`flwr stop <run-id>` (the guide's command to cancel a run)."""
+        subprocess.run(
+            ["flwr", "stop", str(run_id), CONNECTION],
+            env=base_env(self.cli_home),
+            cwd=self.cwd,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=True,
+        )
 
     def run_logs(self, run_id: int) -> str:
         try:

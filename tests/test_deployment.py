@@ -144,6 +144,16 @@ def test_tiny_fedavg_app_over_tls_with_node_auth(tmp_path):
             statuses = dep.node_statuses()
             assert statuses[intruder.node_id] == "unregistered", statuses
             assert dep.online_node_ids() == {n.node_id for n in dep.supernodes[:3]}, statuses
+            # `flwr stop` cancels a run; run_app.sh then reports it and exits non-zero.
+            long_run = dep.start_app(TINY_APP, {"num-server-rounds": 1000, "output-dir": str(out)})
+            deadline = time.monotonic() + 120
+            while long_run.run_id() is None or dep.run_status(long_run.run_id()) != "running":
+                assert time.monotonic() < deadline, long_run.process.log_tail()
+                time.sleep(1)
+            dep.stop_run(long_run.run_id())
+            stopped = long_run.wait()
+            assert stopped.status == "finished:stopped", stopped.output
+            assert stopped.returncode != 0
             pids = [p.pid for p in dep._procs]
             raise KeyboardInterrupt  # teardown must still stop everything
     assert pids and not any(_alive(pid) for pid in pids)
@@ -160,7 +170,12 @@ def deployment(tmp_path_factory):
     for app in (ISOLOCO_APP, RWLORA_APP):
         if not (app / "pyproject.toml").exists():
             pytest.skip(f"{app} is not there yet")
-    with loopback_deployment(tmp_path_factory.mktemp("realapps"), num_supernodes=3) as dep:
+    root = tmp_path_factory.mktemp("realapps")
+    # As at a real site: each SuperNode keeps the app's node state on its own disk.
+    node_configs = [
+        f"partition-id={i} num-partitions=3 state-dir='{root / f'node-{i}-state'}'" for i in range(3)
+    ]
+    with loopback_deployment(root, num_supernodes=3, node_configs=node_configs) as dep:
         yield dep
 
 
@@ -206,6 +221,9 @@ def test_isoloco_run_over_tls(deployment, tmp_path):
     assert all(r["replies-used"] == 3 for r in results["rounds"]), results["rounds"]
     assert results["rounds"][-1]["val-loss"] < results["initial"]["val-loss"]
     assert (out / "checkpoint.safetensors").exists()
+    # Each SuperNode saved its optimiser state in its own --node-config state-dir.
+    for i in range(3):
+        assert list((deployment.root / f"node-{i}-state").glob(f"node-p{i}-r*.safetensors")), i
     OUTCOMES["isoloco"] = {**_isoloco_summary(results), "wall-s": round(run.wall_s, 1)}
     print("\nisoloco no-kill:", OUTCOMES["isoloco"])
 
