@@ -89,7 +89,9 @@ class ManagedProcess:
     name: str
     popen: subprocess.Popen
     log_path: Path
-    descendants: set[int] = field(default_factory=set)
+    # pid -> start time: a recorded pid is signalled only while it is still that process
+    # (pids are reused, and this machine is shared).
+    descendants: dict[int, float] = field(default_factory=dict)
 
     @property
     def pid(self) -> int:
@@ -99,10 +101,11 @@ class ManagedProcess:
         return self.popen.poll() is None
 
     def remember_descendants(self) -> None:
-        """Record the PIDs of children (SuperExec, app processes) while the parent lives."""
+        """Record children (SuperExec, app processes) while the parent lives; they may detach."""
         with suppress(psutil.Error):
             for child in psutil.Process(self.pid).children(recursive=True):
-                self.descendants.add(child.pid)
+                with suppress(psutil.Error):
+                    self.descendants.setdefault(child.pid, child.create_time())
 
     def log_tail(self, n_chars: int = 4000) -> str:
         try:
@@ -111,38 +114,45 @@ class ManagedProcess:
             return ""
 
 
+def _same_live_process(pid: int, create_time: float) -> bool:
+    """True if ``pid`` still runs (not a zombie) and is the process that started then."""
+    try:
+        p = psutil.Process(pid)
+        return p.create_time() == create_time and p.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
 def _signal_pids(pids: list[int], sig: int) -> None:
     for pid in pids:
         with suppress(ProcessLookupError, PermissionError):
             os.kill(pid, sig)
 
 
+def _recorded_alive(procs: list[ManagedProcess]) -> list[int]:
+    found = {pid: t for p in procs for pid, t in p.descendants.items()}
+    return sorted(pid for pid, t in found.items() if _same_live_process(pid, t))
+
+
 def stop_processes(procs: list[ManagedProcess], grace_s: float = 5.0) -> None:
-    """SIGTERM each process and its recorded descendants, then SIGKILL what is left; reap."""
+    """SIGTERM each process and its recorded descendants, then SIGKILL what is left; reap.
+
+    Our own children are Popen objects (their pids cannot be reused before we reap them);
+    descendants are checked against their recorded start time before each signal.
+    """
     for proc in procs:
         proc.remember_descendants()
-    own = [p.pid for p in procs if p.alive()]
-    extra = sorted({d for p in procs for d in p.descendants})
-    _signal_pids(own + extra, signal.SIGTERM)
+    _signal_pids([p.pid for p in procs if p.alive()] + _recorded_alive(procs), signal.SIGTERM)
     deadline = time.monotonic() + grace_s
     for proc in procs:
         with suppress(subprocess.TimeoutExpired):
             proc.popen.wait(timeout=max(0.1, deadline - time.monotonic()))
-    leftovers = [p.pid for p in procs if p.alive()]
-    leftovers += [d for d in extra if psutil.pid_exists(d) and _not_zombie(d)]
-    _signal_pids(leftovers, signal.SIGKILL)
+    while _recorded_alive(procs) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    _signal_pids([p.pid for p in procs if p.alive()] + _recorded_alive(procs), signal.SIGKILL)
     for proc in procs:
         with suppress(subprocess.TimeoutExpired):
             proc.popen.wait(timeout=5)
-        if proc.popen.stdout is not None:
-            proc.popen.stdout.close()
-
-
-def _not_zombie(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.Error:
-        return False
 
 
 @dataclass
@@ -435,7 +445,7 @@ class LoopbackDeployment:
         if proc is None:
             raise ValueError(f"SuperNode {index} was never started")
         proc.remember_descendants()
-        _signal_pids([proc.pid, *sorted(proc.descendants)], signal.SIGKILL)
+        _signal_pids([proc.pid, *_recorded_alive([proc])], signal.SIGKILL)
         with suppress(subprocess.TimeoutExpired):
             proc.popen.wait(timeout=10)
 
