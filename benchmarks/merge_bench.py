@@ -93,9 +93,12 @@ class PeakMemory:
 
 
 def _timed(fn):
-    start = time.perf_counter()
+    """(result, seconds). With one thread the seconds are this process's CPU time, which other
+    jobs on a shared machine do not inflate; with more threads, wall-clock time."""
+    clock = time.process_time if torch.get_num_threads() == 1 else time.perf_counter
+    start = clock()
     out = fn()
-    return out, time.perf_counter() - start
+    return out, clock() - start
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -317,6 +320,8 @@ def main(argv: list[str] | None = None) -> dict:
             "machine": platform.processor() or platform.machine(),
             "cpu_count": os.cpu_count(),
             "load_average_at_start": os.getloadavg() if hasattr(os, "getloadavg") else None,
+            "time_method": "median of repeats; process CPU time when threads == 1 (immune to "
+            "other jobs on a shared machine), wall-clock time otherwise",
             "memory_method": "peak RSS above the RSS before the call (VmHWM reset via "
             "/proc/self/clear_refs; MALLOC_MMAP_THRESHOLD_=65536)",
         }

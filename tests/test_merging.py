@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from flwr_isoloco.merging import MERGE_RULES, StreamingMerger, iso_c, merge, polar
-from flwr_isoloco.merging.polar import _newton_schulz, ns_coefficients
+from flwr_isoloco.merging.polar import _newton_schulz, ns_coefficients, thin_svd
 from flwr_isoloco.merging.rules import prune_smallest
 from flwr_isoloco.merging.synthetic import adam_pseudo_gradient, low_rank_plus_noise
 from flwr_isoloco.merging.validation import all_finite
@@ -156,6 +156,27 @@ def test_ns_ill_conditioned_rectangular_continues_after_gram_side_pass(shape):
     fast = fast.double() * (torch.sum(fast.double() * x.double()) / 50)
     assert (fast - exact).norm() / exact.norm() <= 1e-2
     assert taken > 6  # the first pass alone was not enough
+
+
+def test_thin_svd_falls_back_when_lapack_fails(monkeypatch):
+    g = torch.randn(7, 4, generator=torch.Generator().manual_seed(3), dtype=F64)
+    real_svd = torch.linalg.svd
+    calls = []
+
+    def failing_svd(x, full_matrices=True):
+        calls.append(x.dtype)
+        raise torch.linalg.LinAlgError("simulated non-convergence")
+
+    monkeypatch.setattr(torch.linalg, "svd", failing_svd)
+    for shape in ((7, 4), (4, 7)):
+        x = g if shape == (7, 4) else g.T
+        u, s, vh = thin_svd(x)
+        torch.testing.assert_close((u * s) @ vh, x)  # eigh fallback reconstructs x
+        torch.testing.assert_close(s, torch.linalg.svdvals(x))
+    assert len(calls) == 4  # fp32/fp64 attempt, then fp64, for each shape
+    monkeypatch.setattr(torch.linalg, "svd", real_svd)
+    out = merge("tsv_m", [{"w": g}, {"w": g}])  # and merge still works with the real one
+    assert bool(torch.isfinite(out["w"]).all())
 
 
 def test_muon_like_few_steps_are_not_enough_but_schedule_is():

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .polar import NS_LOWER, NS_MAX_STEPS, NS_TOL, iso_c
+from .polar import NS_LOWER, NS_MAX_STEPS, NS_TOL, iso_c, thin_svd
 
 __all__ = ["MergeRule", "MERGE_RULES", "resolve_rule", "check_options", "rule_applies"]
 
@@ -101,7 +101,7 @@ def _iso_c_ns(
 
 
 def _svd_polar(x: torch.Tensor) -> torch.Tensor:
-    u, _, vh = torch.linalg.svd(x, full_matrices=False)
+    u, _, vh = thin_svd(x)
     return u @ vh
 
 
@@ -115,13 +115,13 @@ def _iso_cts(
     k = r - per_worker * num  # r - k divides evenly by M
     scaled = [d * w for d, w in zip(deltas, weights, strict=True)]
     total = weighted_mean(deltas, weights)
-    u, s, vh = torch.linalg.svd(total, full_matrices=False)
+    u, s, vh = thin_svd(total)
     us, ss, vs = [u[:, :k]], [s[:k]], [vh[:k]]
     if per_worker > 0:
         common = u[:, :k]
         for d in scaled:
             outside = d - common @ (common.T @ d)
-            ui, si, vhi = torch.linalg.svd(outside, full_matrices=False)
+            ui, si, vhi = thin_svd(outside)
             us.append(ui[:, :per_worker])
             ss.append(si[:per_worker])
             vs.append(vhi[:per_worker])
@@ -135,7 +135,7 @@ def _tsv_m(deltas: Tensors, weights: Sequence[float], key: str = "") -> torch.Te
     top = max(1, r // num)
     us, ss, vs = [], [], []
     for d, w in zip(deltas, weights, strict=True):
-        u, s, vh = torch.linalg.svd(d * w, full_matrices=False)
+        u, s, vh = thin_svd(d * w)
         us.append(u[:, :top])
         ss.append(s[:top])
         vs.append(vh[:top])
