@@ -27,13 +27,14 @@ def adam_pseudo_gradient(
     data = torch.randn(n, 2 * n, generator=gen)
     cov = data @ data.T / (2 * n)
     rhs = target @ cov + noise * torch.randn(m, n, generator=gen) / math.sqrt(n)
-    w = w0.clone()
-    w.grad = torch.zeros_like(w)
-    opt = torch.optim.Adam([w], lr=lr)
-    for _ in range(steps):
-        torch.matmul(w, cov, out=w.grad)
-        w.grad.sub_(rhs)
-        opt.step()
+    w, m1, m2 = w0.clone(), torch.zeros_like(w0), torch.zeros_like(w0)
+    beta1, beta2, eps = 0.9, 0.999, 1e-8
+    for t in range(1, steps + 1):  # torch.optim.Adam's update, written out (no optim import)
+        grad = w @ cov - rhs
+        m1.mul_(beta1).add_(grad, alpha=1 - beta1)
+        m2.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+        denom = (m2 / (1 - beta2**t)).sqrt_().add_(eps)
+        w.addcdiv_(m1, denom, value=-lr / (1 - beta1**t))
     return w0 - w
 
 
