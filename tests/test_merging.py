@@ -308,6 +308,15 @@ def test_iso_cts_hand_worked_and_reduces_to_iso_c():
 
 
 @pytest.mark.parametrize("rule", sorted(MERGE_RULES))
+def test_zero_weight_worker_takes_no_part(rule):
+    ds = _deltas(3)
+    out = merge(rule, ds, [1.0, 0.0, 2.0])
+    ref = merge(rule, [ds[0], ds[2]], [1.0, 2.0])
+    for k in ref:
+        torch.testing.assert_close(out[k], ref[k])
+
+
+@pytest.mark.parametrize("rule", sorted(MERGE_RULES))
 def test_every_rule_keeps_shapes_dtypes_and_means_non_2d(rule):
     ds = _deltas(3, dtype=torch.bfloat16, shape=(12, 8))
     out = merge(rule, ds, [1, 2, 3])

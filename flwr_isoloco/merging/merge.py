@@ -35,6 +35,10 @@ def merge(
         for d, w in zip(deltas, norm, strict=True):
             merger.add(d, w)
         return merger.result()
+    # zero-weight workers take no part (their arbitrary singular vectors must not enter
+    # TSV-M / Iso-CTS, nor count in M)
+    used = [i for i, w in enumerate(norm) if w > 0]
+    deltas, norm = [deltas[i] for i in used], [norm[i] for i in used]
     out: dict[str, torch.Tensor] = {}
     for key, t0 in deltas[0].items():
         cdt = torch.float64 if t0.dtype == torch.float64 else torch.float32
