@@ -26,6 +26,7 @@ APP = REPO / "simulations" / "isoloco_lm"
 RESULTS = REPO / "benchmarks" / "results" / "lm_experiments.json"
 PLOT = REPO / "docs" / "img" / "lm_val_loss.png"
 DOC = REPO / "docs" / "results-lm.md"
+COLORS = {"isoloco": "C3", "diloco": "C0", "fedavg": "C1", "iso_c-nomom": "C2", "mean-nomom": "C4"}
 BEGIN, END = "<!-- BEGIN GENERATED TABLE -->", "<!-- END GENERATED TABLE -->"
 
 # name -> run-config overrides (besides the worker count); tuned outer values from the paper
@@ -97,7 +98,8 @@ def plot(entries: dict) -> None:
             (e for e in entries.values() if e["workers"] == m), key=lambda e: e["name"]
         ):
             xs = list(range(0, len(e["val-loss"]) + 1))
-            ax.plot(xs, [e["initial-val-loss"], *e["val-loss"]], "o-", ms=3, label=e["name"])
+            color = COLORS.get(e["name"])
+            ax.plot(xs, [e["initial-val-loss"], *e["val-loss"]], "o-", ms=3, label=e["name"], color=color)
         ax.set_title(f"M = {m} workers")
         ax.set_xlabel("outer round")
         ax.set_ylabel("validation loss (nats/token)")
