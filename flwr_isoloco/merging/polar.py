@@ -41,7 +41,7 @@ __all__ = [
 #: schedule is designed for, by shape: square-ish matrices (long side < 2 x short side) have
 #: singular values down to ~0 (quarter-circle law), clearly rectangular ones are far better
 #: conditioned (Marchenko-Pastur). ``lower=None`` picks by shape; later passes use
-#: ``NS_LOWER_SQUARE``.
+#: ``NS_LOWER_RECT``.
 NS_LOWER_SQUARE = 1e-4
 NS_LOWER_RECT = 1e-2
 NS_LOWER = None
@@ -167,7 +167,8 @@ def newton_schulz_polar(
 
     ``steps=None``: run the schedule of :func:`ns_coefficients` for ``lower`` (``None``: by
     shape, see ``NS_LOWER_SQUARE``/``NS_LOWER_RECT``), then, if singular values below ``lower``
-    are still unconverged, passes of the ``NS_LOWER_SQUARE`` schedule, until the RMS of ``s_i - 1`` over the
+    are still unconverged, passes of the ``NS_LOWER_RECT`` schedule (values left below
+    ``lower`` are >= 1e-2 after one pass if they started >= 1e-2 * lower), until the RMS of ``s_i - 1`` over the
     singular values is at most ``tol`` (checked for free from the Gram matrix each step), at
     most ``max_steps`` steps. ``steps=k``: exactly k steps of the schedule, no early stop.
     The input is scaled by ``||(X X^T)^2||_F^(1/4) >= s_max`` (of ``X = g / ||g||_F``), a
