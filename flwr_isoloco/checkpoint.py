@@ -26,6 +26,8 @@ from safetensors.torch import save as st_save
 __all__ = [
     "CheckpointError",
     "save_checkpoint",
+    "write_bytes_atomic",
+    "write_json_atomic",
     "load_checkpoint",
     "flatten_tensors",
     "unflatten_tensors",
@@ -111,11 +113,21 @@ def save_checkpoint(
     header = {"format": _FORMAT, "meta": meta_json, "empty": json.dumps(empty)}
     blob = st_save(ready, metadata=header)
 
+    write_bytes_atomic(path, blob)
+    return path
+
+
+def write_bytes_atomic(path: str | os.PathLike, data: bytes) -> None:
+    """Write ``data`` to ``path`` so a reader sees the old or the new file, never a torn one.
+
+    Temporary file in the same folder, fsync, ``os.replace``, then fsync the folder.
+    """
+    path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as fh:
-            fh.write(blob)
+            fh.write(data)
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, path)
@@ -131,7 +143,11 @@ def save_checkpoint(
             os.close(dir_fd)
     except OSError:
         pass
-    return path
+
+
+def write_json_atomic(path: str | os.PathLike, obj: Any) -> None:
+    """``json.dump(obj)`` (indented) to ``path`` atomically (see :func:`write_bytes_atomic`)."""
+    write_bytes_atomic(path, json.dumps(obj, indent=2).encode("utf-8"))
 
 
 def load_checkpoint(path: str | os.PathLike) -> tuple[dict[str, Any], dict[str, Any]]:

@@ -27,6 +27,7 @@ __all__ = [
     "read_run_config",
     "flatten",
     "unflatten",
+    "check_resumable",
     "choices",
     "positive",
     "non_negative",
@@ -78,6 +79,23 @@ def unflatten(flat: Mapping[str, Any]) -> dict[str, Any]:
 
 
 # ----------------------------------------------------------------------------- validators
+def check_resumable(
+    saved: Mapping[str, Any], now: Mapping[str, Any], may_differ: Iterable[str] = ()
+) -> None:
+    """Refuse to resume when a setting differs from the checkpoint's (except ``may_differ`` keys).
+
+    Both configs are nested; the error names the first differing dotted key and both values.
+    """
+    a, b = flatten(saved), flatten(now)
+    allowed = set(may_differ)
+    for key in sorted(set(a) | set(b)):
+        if key not in allowed and a.get(key) != b.get(key):
+            raise RunConfigError(
+                f"run-config key {key!r} = {b.get(key)!r} differs from the checkpoint's "
+                f"{a.get(key)!r}; a resumed run must use the same settings"
+            )
+
+
 def choices(*allowed: Any) -> Validator:
     """Value must be one of ``allowed``."""
 

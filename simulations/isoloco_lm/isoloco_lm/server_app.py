@@ -19,9 +19,15 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, MetricRecord
 from flwr.common.logger import log
 from flwr.serverapp import Grid, ServerApp
 
-from flwr_isoloco.checkpoint import load_checkpoint, rng_state, save_checkpoint, set_rng_state
+from flwr_isoloco.checkpoint import (
+    load_checkpoint,
+    rng_state,
+    save_checkpoint,
+    set_rng_state,
+    write_json_atomic,
+)
 from flwr_isoloco.models.llama import count_parameters
-from flwr_isoloco.runconfig import RunConfigError
+from flwr_isoloco.runconfig import RunConfigError, check_resumable
 
 from .task import (
     RESUME_DIR_KEY,
@@ -37,7 +43,6 @@ from .task import (
     text_data,
     train_config,
     validation_batches,
-    write_json_atomic,
 )
 
 app = ServerApp()
@@ -75,26 +80,6 @@ def wait_for_nodes(
                 f"only {n} nodes connected after {timeout_s:.0f} s; strategy.min-nodes is {min_nodes}"
             )
         time.sleep(0.25)
-
-
-def _flat(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in d.items():
-        if isinstance(v, dict):
-            out.update(_flat(v, f"{prefix}{k}."))
-        else:
-            out[prefix + k] = v
-    return out
-
-
-def _check_resumable(saved: dict[str, Any], now: dict[str, Any]) -> None:
-    a, b = _flat(saved), _flat(now)
-    for key in sorted(set(a) | set(b)):
-        if key not in RESUMABLE_DIFFERENCES and a.get(key) != b.get(key):
-            raise RunConfigError(
-                f"run-config key {key!r} = {b.get(key)!r} differs from the checkpoint's "
-                f"{a.get(key)!r}; a resumed run must use the same settings"
-            )
 
 
 def run_server(
@@ -137,7 +122,7 @@ def run_server(
     if cfg["resume-from"]:
         path = Path(cfg["resume-from"])
         tensors, meta = load_checkpoint(path)
-        _check_resumable(meta["config"], conf)
+        check_resumable(meta["config"], conf, RESUMABLE_DIFFERENCES)
         strategy.load_state_dict({"tensors": tensors["strategy"], "meta": meta["strategy"]})
         set_rng_state(meta["rng"])
         done, history, initial = int(meta["round"]), list(meta["history"]), meta["initial"]

@@ -6,7 +6,6 @@ Kept free of ServerApp/ClientApp objects so tests can drive them in-process.
 from __future__ import annotations
 
 import functools
-import json
 import os
 import re
 import time
@@ -363,15 +362,6 @@ def restore_node_state(state, folder: Path, partition_id: int, upto_round: int) 
 
 
 # ----------------------------------------------------------------------------- results
-def write_json_atomic(path: Path, obj: Any) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "w", encoding="utf-8") as fh:
-        json.dump(obj, fh, indent=2)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
-
-
 def plot_losses(rounds: list[dict[str, Any]], path: Path, title: str) -> None:
     import matplotlib
 

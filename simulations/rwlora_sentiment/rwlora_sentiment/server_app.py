@@ -22,10 +22,16 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord
 from flwr.common.logger import log
 from flwr.serverapp import Grid, ServerApp
 
-from flwr_isoloco.checkpoint import load_checkpoint, rng_state, save_checkpoint, set_rng_state
+from flwr_isoloco.checkpoint import (
+    load_checkpoint,
+    rng_state,
+    save_checkpoint,
+    set_rng_state,
+    write_json_atomic,
+)
 from flwr_isoloco.data import sentiment
 from flwr_isoloco.models import classifier
-from flwr_isoloco.runconfig import RunConfigError
+from flwr_isoloco.runconfig import RunConfigError, check_resumable
 
 from .plots import plot_results
 from .task import (
@@ -34,7 +40,6 @@ from .task import (
     load_config,
     lora_spec,
     output_dir,
-    write_json_atomic,
 )
 
 app = ServerApp()
@@ -148,26 +153,6 @@ def wait_for_nodes(grid: Grid, want: int, settle_s: float, timeout_s: float) -> 
         time.sleep(0.25)
 
 
-def _flat(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in d.items():
-        if isinstance(v, dict):
-            out.update(_flat(v, f"{prefix}{k}."))
-        else:
-            out[prefix + k] = v
-    return out
-
-
-def _check_resumable(saved: dict[str, Any], now: dict[str, Any]) -> None:
-    a, b = _flat(saved), _flat(now)
-    for key in sorted(set(a) | set(b)):
-        if key not in RESUMABLE_DIFFERENCES and a.get(key) != b.get(key):
-            raise RunConfigError(
-                f"run-config key {key!r} = {b.get(key)!r} differs from the checkpoint's "
-                f"{a.get(key)!r}; a resumed run must use the same settings"
-            )
-
-
 def data_sizes(cfg, n: int) -> list[int]:
     """Training rows per partition (same computation as the clients; Metropolis target)."""
     d = cfg.data
@@ -263,7 +248,7 @@ def run_server(grid: Grid, run_config: dict[str, Any], run_id: int = 0, *, settl
                 f"run-config key 'resume-from': {cfg['resume-from']!r} is not a "
                 f"rwlora_sentiment checkpoint (app {meta.get('app')!r})"
             )
-        _check_resumable(meta["config"], conf)
+        check_resumable(meta["config"], conf, RESUMABLE_DIFFERENCES)
         done, history = int(meta["round"]), list(meta["history"])
 
     rec = RecordingGrid(grid)

@@ -6,7 +6,6 @@ fixes its type) and documented in README.md. Server and clients read the same ru
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from pathlib import Path
@@ -169,12 +168,3 @@ def output_dir(cfg: DictConfig, run_id: int) -> Path:
         return Path(os.path.expanduser(cfg["output-dir"]))
     stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
     return Path.home() / "flwr_isoloco_runs" / "rwlora_sentiment" / f"{stamp}-run{run_id}"
-
-
-def write_json_atomic(path: Path, obj: Any) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "w", encoding="utf-8") as fh:
-        json.dump(obj, fh, indent=2)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
