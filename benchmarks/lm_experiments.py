@@ -8,7 +8,7 @@ name, so the script can be re-run for a subset), then draws ``docs/img/lm_val_lo
 rewrites the generated table in ``docs/results-lm.md``.
 
     nice -n 10 python benchmarks/lm_experiments.py [--workers 4 8] [--runs isoloco diloco]
-        [--extra]   # also iso_c vs mean without outer momentum (ALGORITHMS.md table values)
+        [--extra]   # also iso_c vs mean without outer momentum (docs/algorithms.md table values)
 """
 
 from __future__ import annotations

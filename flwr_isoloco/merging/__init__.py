@@ -1,4 +1,4 @@
-"""Merge rules for pseudo-gradients (ALGORITHMS.md section 2), pure torch, no Flower.
+"""Merge rules for pseudo-gradients (docs/algorithms.md section 2), pure torch, no Flower.
 
 Public API: :data:`MERGE_RULES`, :func:`merge`, :class:`StreamingMerger`, :func:`iso_c`,
 :func:`polar`, :class:`MergeRule`.

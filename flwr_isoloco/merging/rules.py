@@ -1,4 +1,4 @@
-"""The merge rules of ALGORITHMS.md section 2, per tensor, as pure torch.
+"""The merge rules of docs/algorithms.md section 2, per tensor, as pure torch.
 
 Conventions. ``deltas`` are M fp32 tensors of one parameter, ``weights`` are non-negative and sum
 to 1, so every rule is on the scale of the weighted mean (for M identical deltas, ``mean`` returns

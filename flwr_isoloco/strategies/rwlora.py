@@ -1,6 +1,6 @@
 """RW-LoRA: one LoRA adapter (the *token*) random-walks over a graph of clients.
 
-ALGORITHMS.md section 4. Each round the token (adapter arrays, plus the optimiser state when
+docs/algorithms.md section 4. Each round the token (adapter arrays, plus the optimiser state when
 ``carry_optimizer_state=True``) goes to exactly one node, the vertex ``v_t`` of the walk; that
 node takes K local steps and its reply becomes the new token; the walk then draws ``v_{t+1}``
 from ``P[v_t, :]``. Nothing is averaged, so there is no LoRA product-aggregation error.
