@@ -239,11 +239,17 @@ def test_resume_from_checkpoint_is_exact(tmp_path, kind):
     second.load_state_dict({"tensors": tensors, "meta": meta})
     assert second.server_round == 2
     rest, _ = run(
-        second, rounds=2, grid=grid, init={k: v for k, v in sd["tensors"]["theta"].items()}
+        second, rounds=4, grid=grid, init={k: v for k, v in sd["tensors"]["theta"].items()}
     )
     a, b = full.arrays.to_torch_state_dict(), rest.arrays.to_torch_state_dict()
     for k in a:
         assert torch.equal(a[k], b[k]), k
+    assert second.server_round == 4
+    # num_rounds is the total: a strategy that has done them all runs nothing more
+    done, _ = run(second, rounds=4, grid=grid, init=init_model())
+    assert second.server_round == 4
+    for k in a:
+        assert torch.equal(done.arrays.to_torch_state_dict()[k], a[k]), k
 
 
 def test_load_state_dict_rejects_other_merge_rule():

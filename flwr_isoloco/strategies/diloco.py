@@ -34,7 +34,7 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
 from flwr.common.logger import log
 from flwr.serverapp import Grid
-from flwr.serverapp.strategy import Strategy
+from flwr.serverapp.strategy import Result, Strategy
 from flwr.serverapp.strategy.strategy_utils import sample_nodes
 
 from flwr_isoloco.merging import MERGE_RULES, StreamingMerger, merge
@@ -360,11 +360,19 @@ class DiLoCo(Strategy):
         assert self.theta is not None
         return ArrayRecord({k: v.to(self._dtypes.get(k, v.dtype)) for k, v in self.theta.items()})
 
-    def start(self, grid: Grid, initial_arrays: ArrayRecord, *args: Any, **kwargs: Any):
-        """Run the rounds (Flower's ``Strategy.start``).
+    def start(
+        self,
+        grid: Grid,
+        initial_arrays: ArrayRecord,
+        num_rounds: int = 3,
+        *args: Any,
+        **kwargs: Any,
+    ) -> Result:
+        """Run rounds ``server_round + 1 .. num_rounds`` (Flower's ``Strategy.start``).
 
-        A strategy restored with :meth:`load_state_dict` continues from its own ``theta`` (its
-        keys must match ``initial_arrays``); otherwise ``initial_arrays`` is the start model.
+        ``num_rounds`` is the total, as for :class:`~flwr_isoloco.strategies.RWLoRA`: a fresh
+        strategy runs all of them, one restored with :meth:`load_state_dict` the remaining ones,
+        continuing from its own ``theta`` (its keys must match ``initial_arrays``).
         """
         if self.theta is None:
             self._adopt(initial_arrays)
@@ -373,7 +381,11 @@ class DiLoCo(Strategy):
                 "restored strategy state does not match initial_arrays: keys differ "
                 f"(e.g. {sorted(set(self.theta) ^ set(initial_arrays.keys()))[:3]})"
             )
-        return super().start(grid, self._model_record(), *args, **kwargs)
+        remaining = num_rounds - self.server_round
+        if remaining <= 0:
+            log(INFO, "DiLoCo: all %d rounds already done; nothing to run", num_rounds)
+            return Result(arrays=self._model_record())
+        return super().start(grid, self._model_record(), remaining, *args, **kwargs)
 
     # ------------------------------------------------------------------ Strategy API
     def summary(self) -> None:

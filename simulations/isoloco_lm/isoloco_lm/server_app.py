@@ -237,7 +237,7 @@ def run_server(
         strategy.start(
             grid=grid,
             initial_arrays=ArrayRecord(model.state_dict()),
-            num_rounds=remaining,
+            num_rounds=done + remaining,  # the total: the strategy runs rounds done+1 ..
             timeout=cfg["round-timeout"],
             train_config=ConfigRecord(tc),
             evaluate_fn=evaluate_fn,
