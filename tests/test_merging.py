@@ -460,3 +460,20 @@ def test_polar_and_iso_c_reject_bad_arguments():
         polar(torch.ones(3, 3), method="qr")
     with pytest.raises(ValueError, match="newton_schulz"):
         iso_c(torch.ones(3, 3), steps=3)
+
+
+def test_ns_steps_beyond_the_schedule_keep_converging():
+    # ns_steps longer than the schedule continues with classic (15, -10, 3)/8 steps: converged
+    # singular values stay at 1 and the error never grows (a restarted aggressive schedule
+    # would throw them to ~1.7 and the result off by O(1)).
+    from flwr_isoloco.merging.polar import NS_LOWER_SQUARE
+
+    g = torch.randn(48, 48, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    exact = iso_c(g)
+    n = len(ns_coefficients(NS_LOWER_SQUARE))
+    errs = [
+        float((merge("iso_c_ns", [{"w": g}], ns_steps=k)["w"] - exact).norm() / exact.norm())
+        for k in range(n, n + 5)
+    ]
+    assert all(b <= a * 1.01 + 1e-12 for a, b in zip(errs, errs[1:], strict=False)), errs
+    assert errs[-1] < 1e-2, errs

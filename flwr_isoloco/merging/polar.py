@@ -170,7 +170,8 @@ def newton_schulz_polar(
     are still unconverged, passes of the ``NS_LOWER_RECT`` schedule (values left below
     ``lower`` are >= 1e-2 after one pass if they started >= 1e-2 * lower), until the RMS of ``s_i - 1`` over the
     singular values is at most ``tol`` (checked for free from the Gram matrix each step), at
-    most ``max_steps`` steps. ``steps=k``: exactly k steps of the schedule, no early stop.
+    most ``max_steps`` steps (whole passes only). ``steps=k``: exactly k steps, no early stop:
+    the schedule, then classic ``(15, -10, 3) / 8`` steps if k is longer.
     The input is scaled by ``||(X X^T)^2||_F^(1/4) >= s_max`` (of ``X = g / ||g||_F``), a
     bound much tighter than the Frobenius norm, which saves one or two steps.
     """
@@ -227,13 +228,20 @@ def _newton_schulz(
                 if float(dev) <= 2 * tol:
                     break
                 if k >= len(first) and (k - len(first)) % len(again) == 0:
+                    if k + len(again) > limit:
+                        break  # a pass cut short leaves values anywhere in [1 - E_k, 1 + E_k]
                     # end of a pass: stop if it did not halve the deviation (e.g. exactly
                     # rank-deficient g, whose zero singular values never move)
                     if pass_dev is not None and float(dev) > 0.5 * pass_dev:
                         break
                     pass_dev = float(dev)
             gram2 = gram @ gram
-        a, b, c = first[k] if k < len(first) else again[(k - len(first)) % len(again)]
+        if k < len(first):
+            a, b, c = first[k]
+        elif steps is not None:  # beyond the schedule: classic steps keep converged values at 1
+            a, b, c = _CLASSIC
+        else:
+            a, b, c = again[(k - len(first)) % len(again)]
         poly = gram2 * c  # a I + b A + c A^2
         poly.add_(gram, alpha=b)
         poly.diagonal().add_(a)
@@ -241,6 +249,9 @@ def _newton_schulz(
         taken += 1
     return (x.T if transposed else x), taken
 
+
+#: The classic quintic ``(15, -10, 3) / 8``: ``p(1) = 1``, ``p'(1) = p''(1) = 0``.
+_CLASSIC = (15 / 8, -10 / 8, 3 / 8)
 
 #: Gaussian probes of the sketched convergence test (relative std of the estimate ~ 1/4).
 _PROBES = 32
