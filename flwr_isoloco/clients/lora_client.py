@@ -1,5 +1,11 @@
 """peft LoRA client: K local AdamW steps on the node's private sentence shard, adapter out.
 
+The node's rows: its partition (node-config ``partition-id`` of ``num-partitions``) of the
+configured data source or, when its node config has a non-empty ``data-path``, the site's own
+``.csv``/``.tsv`` file with ``text`` and ``label`` (0/1) columns
+(:func:`flwr_isoloco.data.sentiment.load_local_sentences`). ``partition-id`` is needed in both
+cases (graph vertex, batch-order seed). A bad file makes the handler raise, i.e. an error reply.
+
 Message conventions (shared with :mod:`flwr_isoloco.strategies.rwlora`, ``gossip`` and Flower's
 FedAvg):
 
@@ -65,6 +71,7 @@ class LoRAClientConfig:
     num_threads: int = 0  # torch threads per client process (0 = leave as is)
     partition_key: str = "partition-id"
     num_partitions_key: str = "num-partitions"
+    data_path_key: str = "data-path"  # node-config key of the site's own file ("" = none)
 
     def __post_init__(self):
         for name in ("batch_size", "local_steps", "max_length"):
@@ -103,22 +110,43 @@ def node_partition(context: Context, cfg: LoRAClientConfig) -> tuple[int, int]:
     return pid, n
 
 
-def load_node_data(cfg: LoRAClientConfig, pid: int, n: int) -> NodeData:
-    """The shard of partition ``pid``, split into training rows and a validation tail."""
-    shard = sentiment.load_partition(
-        pid,
-        n,
-        cfg.data_source,
-        cfg.partitioner,
-        cfg.dirichlet_alpha,
-        cfg.test_size,
-        cfg.data_seed,
-        cfg.max_examples,
-    )
+def node_data_path(context: Context, cfg: LoRAClientConfig) -> str:
+    """The site's own data file (node-config ``data-path``), or "" to use its partition."""
+    if not cfg.data_path_key:
+        return ""
+    value = context.node_config.get(cfg.data_path_key, "")
+    return "" if value is None else str(value)
+
+
+def load_node_data(cfg: LoRAClientConfig, pid: int, n: int, data_path: str = "") -> NodeData:
+    """The node's rows, split into training rows and a validation tail.
+
+    Without ``data_path``: the shard of partition ``pid``. With it: the site's own file
+    (:func:`sentiment.load_local_sentences`), shuffled once with ``cfg.data_seed`` so that the
+    validation tail does not depend on the file's row order, then capped at ``max_examples``.
+    """
+    if data_path:
+        shard = sentiment.load_local_sentences(data_path)
+        shard = shard.select(np.random.default_rng(cfg.data_seed).permutation(len(shard)))
+        if cfg.max_examples and len(shard) > cfg.max_examples:
+            shard = shard.select(range(cfg.max_examples))
+        what = f"data path {data_path!r}"
+    else:
+        shard = sentiment.load_partition(
+            pid,
+            n,
+            cfg.data_source,
+            cfg.partitioner,
+            cfg.dirichlet_alpha,
+            cfg.test_size,
+            cfg.data_seed,
+            cfg.max_examples,
+        )
+        what = f"partition {pid}"
     texts, labels = list(shard["text"]), [int(y) for y in shard["label"]]
     n_val = int(len(texts) * cfg.val_fraction)
     if len(texts) - n_val < 1:
-        raise ValueError(f"partition {pid} has {len(texts)} rows: too few to train on")
+        raise ValueError(f"{what} has {len(texts)} rows: too few to train on")
     cut = len(texts) - n_val
     return NodeData(texts[:cut], labels[:cut], texts[cut:], labels[cut:])
 
@@ -299,7 +327,7 @@ class LoRAClient:
                 msg.content.array_records[self.optimizer_key].to_torch_state_dict(),
                 int(oc["step"]) if oc is not None and "step" in oc else 0,
             )
-        data = load_node_data(cfg, pid, n)
+        data = load_node_data(cfg, pid, n, node_data_path(context, cfg))
         cursor = _get_cursor(context, mc, pid)
         seed = _node_seed(cfg, pid)
         loss, cursor, new_opt = train_steps(
@@ -336,7 +364,7 @@ class LoRAClient:
 
     def evaluate(self, msg: Message, context: Context) -> Message:
         cfg, pid, n, model = self._setup(msg, context)
-        data = load_node_data(cfg, pid, n)
+        data = load_node_data(cfg, pid, n, node_data_path(context, cfg))
         texts, labels = data.val_texts, data.val_labels
         if not texts:  # no validation slice: fall back to the training rows
             texts, labels = data.train_texts, data.train_labels
@@ -363,7 +391,8 @@ class LoRAClient:
             pid, n = node_partition(context, cfg)
             metrics = {cfg.partition_key: pid, cfg.num_partitions_key: n}
             try:
-                metrics["num-examples"] = len(load_node_data(cfg, pid, n).train_texts)
+                data = load_node_data(cfg, pid, n, node_data_path(context, cfg))
+                metrics["num-examples"] = len(data.train_texts)
             except (ValueError, FileNotFoundError):
                 pass  # still answer who we are; training will report the data problem
         content = RecordDict({"config": ConfigRecord({key: value})})

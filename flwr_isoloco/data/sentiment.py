@@ -7,6 +7,9 @@ never imported. Other sources: a local ``.csv``/``.tsv``/``.jsonl`` file with ``
 ``label`` columns, or a Hugging Face Hub name (``stanfordnlp/sst2``, ``nyu-mll/glue:sst2``) when
 the network is there.
 
+A site's own file (the ClientApp's node-config key ``data-path``) is read, unsplit, by
+:func:`load_local_sentences`, which checks it row by row.
+
 Splitting: the whole set is shuffled once with ``seed``; the first ``test_size`` rows are the
 held-out server test set (independent of the number of clients), the rest is partitioned over
 clients with flwr-datasets: ``IidPartitioner`` or ``DirichletPartitioner(partition_by="label")``.
@@ -76,12 +79,18 @@ def _load_file(path: str) -> datasets.Dataset:
     if not os.path.isfile(path):
         raise FileNotFoundError(f"data path {path!r} does not exist or is not a file")
     ext = os.path.splitext(path)[1].lower()
-    if ext in (".csv", ".tsv"):
-        ds = datasets.Dataset.from_csv(path, sep="\t" if ext == ".tsv" else ",")
-    elif ext in (".jsonl", ".json"):
-        ds = datasets.Dataset.from_json(path)
-    else:
+    if ext not in _FILE_EXTS:
         raise ValueError(f"data path {path!r}: unsupported extension {ext!r} (csv, tsv, jsonl)")
+    try:
+        if ext in (".csv", ".tsv"):
+            ds = datasets.Dataset.from_csv(path, sep="\t" if ext == ".tsv" else ",")
+        else:
+            ds = datasets.Dataset.from_json(path)
+    except Exception as exc:  # parse error, bad encoding, no permission, ...
+        cause = exc.__cause__ or exc  # datasets wraps the reader's error
+        raise ValueError(
+            f"data path {path!r}: cannot be read as {ext[1:]} ({type(cause).__name__}: {cause})"
+        ) from exc
     missing = {"text", "label"} - set(ds.column_names)
     if missing:
         raise ValueError(f"data path {path!r}: missing column(s) {sorted(missing)}")
@@ -112,6 +121,68 @@ def load_sentences(source: str = DEFAULT_SOURCE) -> datasets.Dataset:
     ):
         return _load_file(source)
     return _load_hub(source)
+
+
+def load_local_sentences(path: str) -> datasets.Dataset:
+    """A site's own labelled sentences (the node-config key ``data-path``).
+
+    ``path``: absolute path of a ``.csv`` or ``.tsv`` (or ``.jsonl``) file with columns ``text``
+    and ``label`` (0 or 1; other columns are ignored). Returns the kind of object
+    :func:`load_partition` returns: a Dataset with ``text`` (str) and ``label`` (int), the rows
+    in file order. Raises ``FileNotFoundError`` / ``ValueError`` naming the path and the problem
+    (not absolute, missing, unreadable, no ``text``/``label`` column, empty, a row without text,
+    a label other than 0/1). Cached per (path, modification time, size).
+    """
+    if not isinstance(path, str) or not path:
+        raise ValueError(f"data path must be a non-empty string, got {path!r}")
+    if not os.path.isabs(path):
+        raise ValueError(f"data path {path!r} is not an absolute path")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"data path {path!r} does not exist or is not a file")
+    st = os.stat(path)
+    if st.st_size == 0:
+        raise ValueError(f"data path {path!r}: the file is empty")
+    return _load_local(path, st.st_mtime_ns, st.st_size)
+
+
+def _label01(y) -> int | None:
+    if isinstance(y, bool) or y is None:
+        return None
+    if isinstance(y, str):
+        y = y.strip()
+        return int(y) if y in ("0", "1") else None
+    if isinstance(y, (int, float, np.integer, np.floating)) and y in (0, 1):
+        return int(y)
+    return None
+
+
+@functools.lru_cache(maxsize=4)
+def _load_local(path: str, _mtime_ns: int, _size: int) -> datasets.Dataset:
+    try:
+        with open(path, "rb") as fh:
+            lines = sum(1 for line in fh if line.strip())
+    except OSError as exc:
+        raise ValueError(f"data path {path!r}: cannot be read ({exc})") from exc
+    header = 1 if path.lower().endswith((".csv", ".tsv")) else 0
+    if lines <= header:
+        raise ValueError(f"data path {path!r}: no rows" + (" (a header only)" if lines else ""))
+    ds = _load_file(path)  # names an unreadable file or a missing column
+    texts, labels, bad = [], [], []
+    for row, (text, y) in enumerate(zip(ds["text"], ds["label"], strict=True), start=1):
+        if text is None or (isinstance(text, float) and text != text) or not str(text).strip():
+            raise ValueError(f"data path {path!r}: data row {row} has no text")
+        texts.append(str(text))
+        label = _label01(y)
+        if label is None:
+            bad.append((row, y))
+        labels.append(label)
+    if bad:
+        row, y = bad[0]
+        raise ValueError(
+            f"data path {path!r}: labels must be 0 or 1; {len(bad)} row(s) are not, "
+            f"first data row {row} with label {y!r}"
+        )
+    return datasets.Dataset.from_dict({"text": texts, "label": labels})
 
 
 @dataclass(frozen=True)

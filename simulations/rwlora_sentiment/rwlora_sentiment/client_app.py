@@ -1,7 +1,9 @@
 """ClientApp: the peft LoRA client of :mod:`flwr_isoloco.clients.lora_client`.
 
 Settings come from the same validated run config as the server (``task.load_config``); the
-node's shard is ``partition-id`` of ``num-partitions`` from its ``node_config``.
+node's shard is ``partition-id`` of ``num-partitions`` from its ``node_config``, or, when the
+node config has a non-empty ``data-path``, the site's own absolute ``.csv``/``.tsv`` file with
+``text`` and ``label`` (0/1) columns (``partition-id`` still names the node's graph vertex).
 """
 
 from __future__ import annotations
