@@ -218,6 +218,112 @@ def test_bad_replies_dropped_run_goes_on(tiny, tmp_path):
     assert res["rounds"][-1]["val-loss"] < res["initial"]["val-loss"]
 
 
+# ----------------------------------------------------------------------------- node data-path
+def _own_text(folder):
+    """A site's own text: two files of words that are not in the Shakespeare corpus."""
+    folder.mkdir()
+    for f in range(2):
+        lines = [f"zebra {f} counts {i} quantum xylophones near the harbour" for i in range(150)]
+        (folder / f"notes{f}.txt").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    (folder / "ignored.csv").write_text("not,text\n")
+    return folder
+
+
+def _windows_in(row, tokens):
+    """Is ``row`` a contiguous window of ``tokens``?"""
+    import numpy as np
+
+    wins = np.lib.stride_tricks.sliding_window_view(tokens, len(row))
+    return bool((wins == row.numpy()).all(axis=1).any())
+
+
+def test_node_data_path_trains_on_own_text(tiny, tmp_path, monkeypatch, caplog):
+    """Node 0 trains on its own folder (all of it, run's tokenizer); node 1's data-path does not
+    exist: it logs why and its error reply is dropped; node 2 keeps its corpus shard."""
+    from tokenizers import Tokenizer
+
+    from flwr_isoloco.data.text import load_corpus
+
+    site, missing = _own_text(tmp_path / "site"), tmp_path / "no-such-site"
+    seen: dict[int, list[torch.Tensor]] = {0: [], 1: [], 2: []}
+
+    def spy(real):
+        def wrapped(cfg, *args):
+            fn = real(cfg, *args)
+            pid = args[1] if real is task.local_batches else args[0]
+
+            def batch(i):
+                b = fn(i)
+                seen[pid].append(b)
+                return b
+
+            return batch
+
+        return wrapped
+
+    monkeypatch.setattr(client_app, "local_batches", spy(task.local_batches))
+    monkeypatch.setattr(client_app, "node_batches", spy(task.node_batches))
+    paths = {0: str(site), 1: str(missing)}
+    rc = {**tiny, "output-dir": str(tmp_path / "out"), "num-server-rounds": 2}
+    grid = FakeGrid(
+        {"train": client_app.train},
+        num_nodes=3,
+        run_config=rc,
+        node_config_fn=lambda i: {"data-path": paths[i]} if i in paths else {},
+    )
+    with caplog.at_level("ERROR", logger="flwr"):
+        out = server_app.run_server(grid, rc, settle_s=0.0)
+    res = json.loads((out / "results.json").read_text())
+    assert res["status"] == "completed"
+    assert [(r["replies-used"], r["replies-rejected"]) for r in res["rounds"]] == [(2, 1)] * 2
+    assert [e.outcome for e in grid.log if e.node_id == grid.node_ids[1]] == ["raised"] * 2
+    errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    assert any("partition-id 1" in m and str(missing) in m for m in errors), errors
+
+    cfg = task.load_config(rc)
+    data = task.text_data(cfg)
+    tok = Tokenizer.from_file(str(data.tokenizer_path))
+    own = "\n".join(load_corpus(str(site)))
+    own_tokens = task.local_tokens(cfg, str(site), 0)
+    assert not seen[1] and len(seen[0]) == len(seen[2]) == 2 * tiny["train.local-steps"]
+    for b in seen[0]:  # node 0: windows of its own text, tokenised with the run's tokenizer
+        for row in b:
+            assert tok.decode(row.tolist()) in own
+            assert _windows_in(row, own_tokens)
+    # all of the folder is used, not a 1/3 shard: both files show up in node 0's batches
+    drawn = " ".join(tok.decode(row.tolist()) for b in seen[0] for row in b)
+    assert "zebra 0 " in drawn and "zebra 1 " in drawn
+    shard = task.shard_tokens(data.train, 2, 3)
+    for b in seen[2]:  # node 2: unchanged, windows of its shard of the corpus
+        for row in b:
+            assert _windows_in(row, shard)
+            assert "zebra" not in tok.decode(row.tolist())
+
+
+@pytest.mark.parametrize(
+    "make,pattern",
+    [
+        (lambda d: "relative/site", r"must be an absolute path"),
+        (lambda d: str(d / "nope"), r"no such file or directory"),
+        (lambda d: (d / "empty").mkdir() or str(d / "empty"), r"holds no \.txt or \.md files"),
+        (
+            lambda d: (d / "blank.txt").write_text("  \n\n") and str(d / "blank.txt"),
+            r"holds no text",
+        ),
+        (
+            lambda d: (d / "short.md").write_text("A few words.\n") and str(d / "short.md"),
+            r"tokens are too few for train\.seq-len 32",
+        ),
+    ],
+)
+def test_node_data_path_errors_name_node_and_path(tiny, tmp_path, make, pattern):
+    path = make(tmp_path)
+    cfg = task.load_config(tiny)
+    with pytest.raises(task.NodeDataError, match=pattern) as err:
+        task.local_batches(cfg, path, 4)
+    assert f"node partition-id 4: node-config data-path={path!r}" in str(err.value)
+
+
 # ----------------------------------------------------------------------------- real flwr run
 def _run_app(out, *overrides, timeout=420):
     env = {**os.environ, "NUM_SUPERNODES": "3", "CPUS_PER_CLIENT": "1"}
@@ -259,7 +365,9 @@ def test_run_app_names_unknown_key_before_starting(tmp_path):
     """Flower only says "[code: 15] Invalid run configuration."; run_app.sh names the key."""
     proc = _run_app(tmp_path / "unknown", "strategy.outer_lr=1.0", timeout=120)
     assert proc.returncode == 2
-    assert "unknown run-config key 'strategy.outer_lr' (did you mean strategy.outer-lr" in proc.stderr
+    assert (
+        "unknown run-config key 'strategy.outer_lr' (did you mean strategy.outer-lr" in proc.stderr
+    )
     assert not (tmp_path / "unknown" / "flwr-run.log").exists()  # nothing was started
 
 

@@ -1,14 +1,18 @@
-"""ClientApp: a DiLoCo worker (H inner AdamW steps on the node's contiguous text shard).
+"""ClientApp: a DiLoCo worker (H inner AdamW steps on the node's contiguous text shard, or on
+its own text).
 
 The training loop is :func:`flwr_isoloco.clients.make_diloco_train_handler`; this module only
 supplies the model, the node's batches, and the node-state files that make ``resume-from``
 exact (see ``task.py``). The node's shard is ``partition-id`` of ``num-partitions`` from its
-``node_config`` (set by the simulation engine, or ``--node-config`` in deployment).
+``node_config`` (set by the simulation engine, or ``--node-config`` in deployment). A node whose
+``node_config`` has a non-empty ``data-path`` (absolute path to a .txt/.md file or a folder of
+them) trains on all of that text instead, encoded with the run's tokenizer; if the path cannot
+be used the node logs why and replies with an error (the server drops it, the run goes on).
 """
 
 from __future__ import annotations
 
-from logging import WARNING
+from logging import ERROR, WARNING
 from pathlib import Path
 
 import torch
@@ -19,11 +23,14 @@ from flwr.common.logger import log
 from flwr_isoloco.clients.diloco_worker import ADAMW_STATE_KEY, make_diloco_train_handler
 
 from .task import (
+    DATA_PATH_KEY,
     RESUME_DIR_KEY,
     RESUME_ROUND_KEY,
     STATE_DIR_KEY,
+    NodeDataError,
     build_model,
     load_config,
+    local_batches,
     node_batches,
     restore_node_state,
     save_node_state,
@@ -78,11 +85,22 @@ def train(msg: Message, context: Context) -> Message:
                 folder,
                 exc,
             )
-    handler = make_diloco_train_handler(
-        lambda ctx: build_model(cfg),
-        lambda ctx: node_batches(cfg, pid, parts),
-        seed=cfg.seed,
-    )
+    data_path = str(context.node_config.get(DATA_PATH_KEY, "") or "")
+    if data_path:
+        try:
+            own = local_batches(cfg, data_path, pid)
+        except NodeDataError as exc:
+            log(ERROR, "isoloco-lm: %s", exc)  # the error reply's reason says it to the server
+            raise
+
+        def data_fn(ctx):
+            return own
+    else:
+
+        def data_fn(ctx):
+            return node_batches(cfg, pid, parts)
+
+    handler = make_diloco_train_handler(lambda ctx: build_model(cfg), data_fn, seed=cfg.seed)
     reply = handler(msg, context)
     folder = _state_folder(context, conf, STATE_DIR_KEY) if STATE_DIR_KEY in conf else None
     if folder is not None:
