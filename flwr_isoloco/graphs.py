@@ -22,7 +22,7 @@ import itertools
 import os
 import re
 import warnings
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -146,26 +146,32 @@ def _named_graph(spec: str, n: int | None, seed: int | None) -> nx.Graph:
         d = params["d"]
         if not 1 <= d < n or (n * d) % 2:
             raise ValueError(f"graph spec {spec!r}: need 1 <= d < n and n*d even (n={n}, d={d})")
-        rng = np.random.default_rng(seed)
-        for _ in range(_MAX_CONNECT_TRIES):
-            G = nx.random_regular_graph(d, n, seed=int(rng.integers(2**31)))
-            if nx.is_connected(G):
-                return G
-        raise ValueError(f"graph spec {spec!r}: no connected draw in {_MAX_CONNECT_TRIES} tries")
+        return _first_connected(
+            lambda s: nx.random_regular_graph(d, n, seed=s),
+            seed,
+            f"graph spec {spec!r}: no connected draw in {_MAX_CONNECT_TRIES} tries",
+        )
     # erdos_renyi
     n = _need_n(spec, n, 1)
     p = params["p"]
     if not 0.0 < p <= 1.0:
         raise ValueError(f"graph spec {spec!r}: need 0 < p <= 1, got p={p}")
+    return _first_connected(
+        lambda s: nx.gnp_random_graph(n, p, seed=s),
+        seed,
+        f"graph spec {spec!r}: G({n}, {p}) was disconnected in {_MAX_CONNECT_TRIES} seeded draws; "
+        "raise p",
+    )
+
+
+def _first_connected(draw: Callable[[int], nx.Graph], seed: int | None, error: str) -> nx.Graph:
+    """First connected graph among ``draw(s)`` for seeds ``s`` from one seeded generator."""
     rng = np.random.default_rng(seed)
     for _ in range(_MAX_CONNECT_TRIES):
-        G = nx.gnp_random_graph(n, p, seed=int(rng.integers(2**31)))
+        G = draw(int(rng.integers(2**31)))
         if nx.is_connected(G):
             return G
-    raise ValueError(
-        f"graph spec {spec!r}: G({n}, {p}) was disconnected in {_MAX_CONNECT_TRIES} seeded draws; "
-        "raise p"
-    )
+    raise ValueError(error)
 
 
 def _edges_graph(edges: Iterable[tuple[Any, Any]], where: str) -> nx.Graph:
