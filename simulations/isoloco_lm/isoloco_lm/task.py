@@ -62,6 +62,12 @@ DEFAULTS: dict[str, Any] = {
         "fraction-train": 1.0,
         "max-update-norm": 0.0,
         "max-norm-ratio": 0.0,
+        "upload-codec": "none",
+        "codec-block-size": 256,
+        "codec-fraction": 0.01,
+        "codec-values": "fp32",
+        "codec-min-dims": 2,
+        "error-feedback": True,
     },
     "train": {
         "local-steps": 20,
@@ -129,6 +135,11 @@ VALIDATORS = {
     "strategy.fraction-train": in_range(0.0, 1.0, lo_open=True),
     "strategy.max-update-norm": non_negative,
     "strategy.max-norm-ratio": non_negative,
+    "strategy.upload-codec": choices("none", "int8", "fp8", "topk"),
+    "strategy.codec-block-size": in_range(1, 1 << 20),
+    "strategy.codec-fraction": in_range(0.0, 1.0, lo_open=True),
+    "strategy.codec-values": choices("fp32", "int8"),
+    "strategy.codec-min-dims": in_range(0, 8),
     "train.local-steps": positive,
     "train.lr": positive,
     "train.warmup-steps": non_negative,
@@ -346,6 +357,12 @@ def build_strategy(cfg: DictConfig):
         "strategy.max-update-norm": s["max-update-norm"],
         "strategy.max-norm-ratio": s["max-norm-ratio"],
         "strategy.seed": cfg.seed,
+        "strategy.upload-codec": s["upload-codec"],
+        "strategy.codec-block-size": s["codec-block-size"],
+        "strategy.codec-fraction": s["codec-fraction"],
+        "strategy.codec-values": s["codec-values"],
+        "strategy.codec-min-dims": s["codec-min-dims"],
+        "strategy.error-feedback": s["error-feedback"],
     }
     if s.name == "fedavg":
         flat.update(
