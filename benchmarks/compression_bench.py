@@ -184,6 +184,49 @@ def loss_table() -> str:
     return "\n".join(lines)
 
 
+def roundtrip_table() -> str:
+    d = json.loads((RESULTS / "compression_roundtrip.json").read_text())
+    lines = [
+        f"{d['entries']:,} entries in {d['model-tensors']} tensors, fp32 record {d['fp32-bytes']:,} bytes.",
+        "",
+        "| codec | bytes | ratio vs fp32 | rel. Frobenius error (all 2-D) | worst tensor | max element error | per-entry bound holds |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for cell, r in d["codecs"].items():
+        ok = {True: "yes", False: "NO", None: "—"}[r["bound-holds"]]
+        lines.append(
+            f"| {cell} | {r['bytes']:,} | {r['ratio-vs-fp32']:.4f} | "
+            f"{r['rel-frobenius-error (all 2-D tensors)']:.4f} | {r['max-rel-frobenius-error (per tensor)']:.4f} | "
+            f"{r['max-element-error']:.3g} | {ok} |"
+        )
+    return "\n".join(lines)
+
+
+def bytes_table() -> str:
+    d = json.loads((RESULTS / "compression_bytes.json").read_text())
+    lines = [
+        "| codec | bytes-up per round (2 nodes) | ratio vs fp32 | bytes-down per round | final val loss (2 rounds) |",
+        "|---|---|---|---|---|",
+    ]
+    for cell, r in d["runs"].items():
+        lines.append(
+            f"| {cell} | {r['bytes-up-per-round']:,.0f} | {r['ratio-vs-fp32']:.4f} | "
+            f"{sum(r['bytes-down']) / len(r['bytes-down']):,.0f} | {r['final-val-loss']:.4f} |"
+        )
+    return "\n".join(lines)
+
+
+def write_doc() -> None:
+    doc = REPO / "docs" / "compression.md"
+    text = doc.read_text()
+    for name, fn in (("ROUNDTRIP", roundtrip_table), ("BYTES", bytes_table), ("LOSS", loss_table)):
+        begin, end = f"<!-- BEGIN {name} -->", f"<!-- END {name} -->"
+        head, rest = text.split(begin)
+        _, tail = rest.split(end)
+        text = f"{head}{begin}\n{fn()}\n{end}{tail}"
+    doc.write_text(text)
+
+
 def _ms(xs: list[float], fmt: str = ".4f") -> str:
     if not xs:
         return "n/a"
@@ -312,6 +355,7 @@ def main() -> None:
     elif a.part == "loss":
         loss_study(a.seeds, a.strategies, a.cells)
     else:
+        write_doc()
         print(loss_table())
 
 
