@@ -93,10 +93,9 @@ def _strategy(name: str, codec: str, options: dict, ef: bool, seed: int, m: int)
 
 def loss_run(strategy_name: str, cell: str, ef: bool, seed: int, m: int = 8) -> dict:
     """One in-process federated run; final validation loss and per-round metrics."""
+    from fakegrid import FakeGrid
     from flwr.app import ArrayRecord, ConfigRecord
     from isoloco_lm import client_app, task
-
-    from fakegrid import FakeGrid
 
     rc = {**LOSS_CONFIG, "seed": seed, "data.cache-dir": str(CACHE), "strategy.min-nodes": m}
     cfg = task.load_config(rc)
@@ -173,7 +172,9 @@ def loss_table() -> str:
         "| strategy | codec | error feedback | final val loss (mean ± std, seeds) | Δ vs none (paired mean ± std) |",
         "|---|---|---|---|---|",
     ]
-    for (s, cell, ef), by_seed in sorted(cells.items(), key=lambda kv: (kv[0][0], list(CODEC_CELLS).index(kv[0][1]), not kv[0][2])):
+    for (s, cell, ef), by_seed in sorted(
+        cells.items(), key=lambda kv: (kv[0][0], list(CODEC_CELLS).index(kv[0][1]), not kv[0][2])
+    ):
         vals = list(by_seed.values())
         base = cells.get((s, "none", False), {})
         diffs = [by_seed[k] - base[k] for k in by_seed if k in base]
@@ -238,10 +239,9 @@ def _ms(xs: list[float], fmt: str = ".4f") -> str:
 # ----------------------------------------------------------------------------- round trip
 def demo_deltas(seed: int = 0) -> dict[str, torch.Tensor]:
     """Pseudo-gradients of the app's default model: one worker, one round of H AdamW steps."""
+    from fakegrid import FakeGrid
     from flwr.app import ArrayRecord, ConfigRecord, Context, Message, RecordDict
     from isoloco_lm import client_app, task
-
-    from fakegrid import FakeGrid
 
     rc = {"data.cache-dir": str(CACHE), "checkpoint": False, "seed": seed}
     cfg = task.load_config(rc)
@@ -250,7 +250,11 @@ def demo_deltas(seed: int = 0) -> dict[str, torch.Tensor]:
     theta = {k: v.detach().clone() for k, v in model.state_dict().items()}
     ctx = Context(1, 1, {"partition-id": 0, "num-partitions": 4}, RecordDict(), rc)
     conf = ConfigRecord({**task.train_config(cfg), "server-round": 1, "payload": "delta"})
-    msg = Message(RecordDict({"arrays": ArrayRecord(theta), "config": conf}), dst_node_id=1, message_type="train")
+    msg = Message(
+        RecordDict({"arrays": ArrayRecord(theta), "config": conf}),
+        dst_node_id=1,
+        message_type="train",
+    )
     reply = client_app.train(msg, ctx)
     new = reply.content["arrays"].to_torch_state_dict()
     return {k: theta[k] - new[k] for k in theta if theta[k].is_floating_point()}
@@ -263,7 +267,12 @@ def roundtrip() -> None:
     deltas = demo_deltas()
     mats = {k: v for k, v in deltas.items() if v.dim() >= 2}
     fp32 = payload_nbytes(compress(deltas, "none"))
-    out = {"model-tensors": len(deltas), "entries": sum(v.numel() for v in deltas.values()), "fp32-bytes": fp32, "codecs": {}}
+    out = {
+        "model-tensors": len(deltas),
+        "entries": sum(v.numel() for v in deltas.values()),
+        "fp32-bytes": fp32,
+        "codecs": {},
+    }
     cells = {**CODEC_CELLS, "topk-1%-int8": ("topk", {"fraction": 0.01, "values": "int8"})}
     for cell, (codec, opts) in cells.items():
         rec = compress(deltas, codec, **opts)
@@ -275,13 +284,22 @@ def roundtrip() -> None:
             worst = max(worst, float(err.max()))
             flat, e = x.reshape(-1), err.reshape(-1)
             b = 256
-            amax = torch.nn.functional.pad(flat.abs(), (0, C.n_blocks(flat.numel(), b) * b - flat.numel())).view(-1, b).amax(1)
+            amax = (
+                torch.nn.functional.pad(
+                    flat.abs(), (0, C.n_blocks(flat.numel(), b) * b - flat.numel())
+                )
+                .view(-1, b)
+                .amax(1)
+            )
             per = amax.repeat_interleave(b)[: flat.numel()]
             if codec == "int8":
                 bound_ok &= bool((e <= per / 254 * (1 + 1e-5) + 1e-12).all())
             elif codec == "fp8":
                 bound_ok &= bool((e <= C.fp8_bound(flat, per / 448) * (1 + 1e-5) + 1e-12).all())
-        tot = math.sqrt(sum(float((dec[k] - x).pow(2).sum()) for k, x in mats.items()) / sum(float(x.pow(2).sum()) for x in mats.values()))
+        tot = math.sqrt(
+            sum(float((dec[k] - x).pow(2).sum()) for k, x in mats.items())
+            / sum(float(x.pow(2).sum()) for x in mats.values())
+        )
         out["codecs"][cell] = {
             "codec": codec,
             "options": opts,

@@ -123,8 +123,13 @@ def test_vectors_and_integers_travel_exactly_unless_asked():
 def test_bytes_on_the_wire_match_the_formulas():
     x = pseudo_grads()
     head = lambda r: r[HEADER_KEY].shape[0]  # noqa: E731
-    for codec, opts in [("none", {}), ("int8", {}), ("fp8", {}), ("topk", {"fraction": 0.01}),
-                        ("topk", {"fraction": 0.1, "values": "int8"})]:
+    for codec, opts in [
+        ("none", {}),
+        ("int8", {}),
+        ("fp8", {}),
+        ("topk", {"fraction": 0.01}),
+        ("topk", {"fraction": 0.1, "values": "int8"}),
+    ]:
         rec = compress(x, codec, **opts)
         o = normalize_options(codec, opts)
         want = head(rec)
@@ -190,22 +195,52 @@ def _set(arr, idx, v):
 
 
 HOSTILE = {
-    "unknown codec": (lambda: _with_header(_base(), lambda h: h.update(codec="zip")), "unknown codec"),
+    "unknown codec": (
+        lambda: _with_header(_base(), lambda h: h.update(codec="zip")),
+        "unknown codec",
+    ),
     "huge shape": (
         lambda: _with_header(_base(), lambda h: h["tensors"]["w"].update(shape=[10**6, 10**6])),
         "1000000000000 entries",
     ),
-    "negative dim": (lambda: _with_header(_base(), lambda h: h["tensors"]["w"].update(shape=[-1, 300])), "'w': bad shape"),
-    "bad enc": (lambda: _with_header(_base(), lambda h: h["tensors"]["w"].update(enc="fp8")), "'w': encoding"),
-    "bad dtype": (lambda: _with_header(_base(), lambda h: h["tensors"]["w"].update(dtype="object")), "'w': unsupported dtype"),
-    "bad options": (lambda: _with_header(_base(), lambda h: h["options"].update(block_size=0)), "block_size"),
+    "negative dim": (
+        lambda: _with_header(_base(), lambda h: h["tensors"]["w"].update(shape=[-1, 300])),
+        "'w': bad shape",
+    ),
+    "bad enc": (
+        lambda: _with_header(_base(), lambda h: h["tensors"]["w"].update(enc="fp8")),
+        "'w': encoding",
+    ),
+    "bad dtype": (
+        lambda: _with_header(_base(), lambda h: h["tensors"]["w"].update(dtype="object")),
+        "'w': unsupported dtype",
+    ),
+    "bad options": (
+        lambda: _with_header(_base(), lambda h: h["options"].update(block_size=0)),
+        "block_size",
+    ),
     "wrong q size": (lambda: _with(_base(), "w/q", np.zeros(299, np.int8)), "'w/q'"),
     "wrong q dtype": (lambda: _with(_base(), "w/q", np.zeros(300, np.int16)), "'w/q'"),
-    "nan scale": (lambda: _with(r := _base(), "w/s", _set(_part(r, "w/s"), 0, np.nan)), "'w': has 1 non-finite scales"),
-    "inf scale": (lambda: _with(r := _base(), "w/s", _set(_part(r, "w/s"), 1, np.inf)), "'w': has 1 non-finite"),
-    "negative scale": (lambda: _with(r := _base(), "w/s", _set(_part(r, "w/s"), 0, -1.0)), "'w': has negative"),
-    "overflowing scale": (lambda: _with(r := _base(), "w/s", _set(_part(r, "w/s"), 0, 3e38)), "'w': has scales above"),
-    "fp8 nan code": (lambda: _with(r := _base("fp8"), "w/q", _set(_part(r, "w/q"), 5, 0x7F)), "'w': has 1 fp8 NaN"),
+    "nan scale": (
+        lambda: _with(r := _base(), "w/s", _set(_part(r, "w/s"), 0, np.nan)),
+        "'w': has 1 non-finite scales",
+    ),
+    "inf scale": (
+        lambda: _with(r := _base(), "w/s", _set(_part(r, "w/s"), 1, np.inf)),
+        "'w': has 1 non-finite",
+    ),
+    "negative scale": (
+        lambda: _with(r := _base(), "w/s", _set(_part(r, "w/s"), 0, -1.0)),
+        "'w': has negative",
+    ),
+    "overflowing scale": (
+        lambda: _with(r := _base(), "w/s", _set(_part(r, "w/s"), 0, 3e38)),
+        "'w': has scales above",
+    ),
+    "fp8 nan code": (
+        lambda: _with(r := _base("fp8"), "w/q", _set(_part(r, "w/q"), 5, 0x7F)),
+        "'w': has 1 fp8 NaN",
+    ),
     "index out of range": (
         lambda: _with(r := _base("topk", fraction=0.1), "w/i", _set(_part(r, "w/i"), -1, 300)),
         "'w': has indices outside",
@@ -215,20 +250,36 @@ HOSTILE = {
         "'w': has indices outside",
     ),
     "duplicate index": (
-        lambda: _with(r := _base("topk", fraction=0.1), "w/i", _set(_part(r, "w/i"), 1, _part(r, "w/i")[0])),
+        lambda: _with(
+            r := _base("topk", fraction=0.1), "w/i", _set(_part(r, "w/i"), 1, _part(r, "w/i")[0])
+        ),
         "'w': has indices that are not strictly increasing",
     ),
-    "wrong k": (lambda: _with(_base("topk", fraction=0.1), "w/i", np.arange(29, dtype=np.int32)), "'w/i'"),
+    "wrong k": (
+        lambda: _with(_base("topk", fraction=0.1), "w/i", np.arange(29, dtype=np.int32)),
+        "'w/i'",
+    ),
     "missing part": (lambda: _with(_base(), "w/s", None), "missing ['w/s']"),
     "extra part": (lambda: _with(_base(), "x/v", np.zeros(3, np.float32)), "extra ['x/v']"),
-    "header not json": (lambda: _with(_base(), HEADER_KEY, np.frombuffer(b"{nope", np.uint8).copy()), "not UTF-8 JSON"),
+    "header not json": (
+        lambda: _with(_base(), HEADER_KEY, np.frombuffer(b"{nope", np.uint8).copy()),
+        "not UTF-8 JSON",
+    ),
     "nested json": (
-        lambda: _with(_base(), HEADER_KEY, np.frombuffer(b"[" * 100_000 + b"]" * 100_000, np.uint8).copy()),
+        lambda: _with(
+            _base(), HEADER_KEY, np.frombuffer(b"[" * 100_000 + b"]" * 100_000, np.uint8).copy()
+        ),
         HEADER_KEY,
     ),
     "header not uint8": (lambda: _with(_base(), HEADER_KEY, np.zeros(4, np.float32)), "1-D uint8"),
-    "header wrong format": (lambda: _with_header(_base(), lambda h: h.update(format="x")), "not a flwr-isoloco"),
-    "tensors not object": (lambda: _with_header(_base(), lambda h: h.update(tensors=[1])), "'tensors'"),
+    "header wrong format": (
+        lambda: _with_header(_base(), lambda h: h.update(format="x")),
+        "not a flwr-isoloco",
+    ),
+    "tensors not object": (
+        lambda: _with_header(_base(), lambda h: h.update(tensors=[1])),
+        "'tensors'",
+    ),
 }
 
 
@@ -308,7 +359,11 @@ def test_error_feedback_state_round_trip_gives_the_same_next_upload():
 def test_request_config_round_trip_and_bad_requests():
     cfg = request_config("topk", {"fraction": 0.1, "values": "int8"}, error_feedback=False)
     assert cfg["upload-codec"] == "topk" and cfg["codec-fraction"] == 0.1
-    assert parse_request(cfg) == ("topk", normalize_options("topk", {"fraction": 0.1, "values": "int8"}), False)
+    assert parse_request(cfg) == (
+        "topk",
+        normalize_options("topk", {"fraction": 0.1, "values": "int8"}),
+        False,
+    )
     assert request_config(None) == {} and request_config("none") == {}
     assert parse_request({}) is None and parse_request({"upload-codec": "none"}) is None
     with pytest.raises(ValueError, match="'upload-codec'='zip'"):

@@ -43,8 +43,9 @@ def _apps():
     @server.main()
     def main(grid: Grid, context: Context) -> None:
         torch.set_num_threads(1)
-        strategy = IsoLoCo(min_available_nodes=2, min_train_nodes=2, fraction_evaluate=0.0,
-                           upload_codec="int8")
+        strategy = IsoLoCo(
+            min_available_nodes=2, min_train_nodes=2, fraction_evaluate=0.0, upload_codec="int8"
+        )
         initial = {k: v.detach().clone() for k, v in _model().state_dict().items()}
         RESULT["initial"] = initial
         RESULT["result"] = strategy.start(
@@ -65,7 +66,9 @@ def test_int8_uploads_through_ray_cut_bytes_up():
     from flwr_isoloco.compression import payload_nbytes
 
     here = str(Path(__file__).parent)
-    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH", "")) if p)
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        p for p in (here, os.environ.get("PYTHONPATH", "")) if p
+    )
     server, client = _apps()
     run_simulation(
         server_app=server,

@@ -12,8 +12,8 @@ from flwr.common.serde import context_from_proto, context_to_proto
 
 from flwr_isoloco.clients import make_diloco_train_handler
 from flwr_isoloco.clients.diloco_worker import RESIDUAL_STATE_KEY
-from flwr_isoloco.compression import decompress, is_compressed, payload_nbytes
 from flwr_isoloco.compression import codecs as C
+from flwr_isoloco.compression import decompress, is_compressed, payload_nbytes
 from flwr_isoloco.models.llama import build_llama, llama_config
 from flwr_isoloco.strategies import DiLoCo, IsoLoCo
 
@@ -34,7 +34,9 @@ def data_fn(ctx):
 
 
 def worker(**kw):
-    return make_diloco_train_handler(model_fn, data_fn, lr=1e-2, local_steps=H, num_server_rounds=4, **kw)
+    return make_diloco_train_handler(
+        model_fn, data_fn, lr=1e-2, local_steps=H, num_server_rounds=4, **kw
+    )
 
 
 def theta0():
@@ -43,7 +45,9 @@ def theta0():
 
 def send(train, theta, rnd, ctx, **config):
     msg = Message(
-        RecordDict({"arrays": ArrayRecord(theta), "config": ConfigRecord({"server-round": rnd, **config})}),
+        RecordDict(
+            {"arrays": ArrayRecord(theta), "config": ConfigRecord({"server-round": rnd, **config})}
+        ),
         77,
         "train",
     )
@@ -86,14 +90,18 @@ def test_residual_survives_rounds_and_a_fresh_process_and_is_used():
     resumed = context_from_proto(context_to_proto(ctx))  # deployment: a new process per message
     r2 = send(worker(), theta, 2, resumed, **conf)
     r2_again = send(worker(), theta, 2, context_from_proto(context_to_proto(ctx)), **conf)
-    assert all(np.array_equal(r2.content["arrays"][k].numpy(), r2_again.content["arrays"][k].numpy())
-               for k in r2.content["arrays"].keys())
+    assert all(
+        np.array_equal(r2.content["arrays"][k].numpy(), r2_again.content["arrays"][k].numpy())
+        for k in r2.content["arrays"].keys()
+    )
     # Round 2 sent top-k of (delta_2 + e_1): a fresh node (no residual) sends something else.
     fresh = new_context()
     send(worker(), theta, 1, fresh, **{"upload-codec": "int8"})  # same cursor, other residual
     r2_other = send(worker(), theta, 2, fresh, **conf)
     k = next(iter(e1))
-    assert not torch.equal(decompress(r2.content["arrays"])[k], decompress(r2_other.content["arrays"])[k])
+    assert not torch.equal(
+        decompress(r2.content["arrays"])[k], decompress(r2_other.content["arrays"])[k]
+    )
     # Without error feedback the residual is dropped from the state.
     send(worker(), theta, 3, resumed, **conf, **{"upload-error-feedback": False})
     assert RESIDUAL_STATE_KEY not in resumed.state
@@ -119,18 +127,30 @@ def _mixed_app(plain_pid=0):
     return {"train": train}
 
 
-@pytest.mark.parametrize("cls,codec,opts", [
-    (DiLoCo, "int8", {}),
-    (IsoLoCo, "fp8", {}),
-    (DiLoCo, "topk", {"fraction": 0.1, "values": "int8"}),
-])
+@pytest.mark.parametrize(
+    "cls,codec,opts",
+    [
+        (DiLoCo, "int8", {}),
+        (IsoLoCo, "fp8", {}),
+        (DiLoCo, "topk", {"fraction": 0.1, "values": "int8"}),
+    ],
+)
 def test_strategy_accepts_compressed_and_plain_replies_in_the_same_round(cls, codec, opts):
     grid = FakeGrid(_mixed_app(), num_nodes=3)
-    s = cls(min_available_nodes=3, min_train_nodes=3, fraction_evaluate=0.0, upload_codec=codec,
-            codec_options=opts)
+    s = cls(
+        min_available_nodes=3,
+        min_train_nodes=3,
+        fraction_evaluate=0.0,
+        upload_codec=codec,
+        codec_options=opts,
+    )
     theta = theta0()
-    res = s.start(grid=grid, initial_arrays=ArrayRecord(theta), num_rounds=2,
-                  train_config=ConfigRecord({"num-server-rounds": 4}))
+    res = s.start(
+        grid=grid,
+        initial_arrays=ArrayRecord(theta),
+        num_rounds=2,
+        train_config=ConfigRecord({"num-server-rounds": 4}),
+    )
     fp32 = payload_nbytes(ArrayRecord(theta))
     for rnd in (1, 2):
         m = res.train_metrics_clientapp[rnd]
@@ -143,21 +163,36 @@ def test_strategy_accepts_compressed_and_plain_replies_in_the_same_round(cls, co
 
 def test_compressed_round_matches_the_uncompressed_one_within_the_codec_error():
     """Mean merge, outer lr 1, no momentum (FedAvg): theta_1 = theta - mean(decoded deltas)."""
-    kw = dict(min_available_nodes=2, min_train_nodes=2, fraction_evaluate=0.0, outer_lr=1.0,
-              outer_momentum=0.0)
+    kw = dict(
+        min_available_nodes=2,
+        min_train_nodes=2,
+        fraction_evaluate=0.0,
+        outer_lr=1.0,
+        outer_momentum=0.0,
+    )
     theta = theta0()
     tc = ConfigRecord({"num-server-rounds": 4})
-    plain = DiLoCo(**kw).start(grid=FakeGrid({"train": worker()}, num_nodes=2),
-                               initial_arrays=ArrayRecord(theta), num_rounds=1, train_config=tc)
+    plain = DiLoCo(**kw).start(
+        grid=FakeGrid({"train": worker()}, num_nodes=2),
+        initial_arrays=ArrayRecord(theta),
+        num_rounds=1,
+        train_config=tc,
+    )
     comp = DiLoCo(upload_codec="int8", **kw).start(
-        grid=FakeGrid({"train": worker()}, num_nodes=2), initial_arrays=ArrayRecord(theta),
-        num_rounds=1, train_config=ConfigRecord({"num-server-rounds": 4}))
+        grid=FakeGrid({"train": worker()}, num_nodes=2),
+        initial_arrays=ArrayRecord(theta),
+        num_rounds=1,
+        train_config=ConfigRecord({"num-server-rounds": 4}),
+    )
     a, b = plain.arrays.to_torch_state_dict(), comp.arrays.to_torch_state_dict()
     for k in a:
         d = a[k] - theta[k]
         tol = float(d.abs().max()) * 2 / 254 + 1e-7 if d.dim() >= 2 else 1e-7
         assert float((a[k] - b[k]).abs().max()) <= tol, k
-    assert comp.train_metrics_clientapp[1]["bytes-up"] < 0.3 * plain.train_metrics_clientapp[1]["bytes-up"]
+    assert (
+        comp.train_metrics_clientapp[1]["bytes-up"]
+        < 0.3 * plain.train_metrics_clientapp[1]["bytes-up"]
+    )
 
 
 def _break_scale(reply: Message) -> Message:
@@ -177,21 +212,30 @@ def _claim_huge_shape(reply: Message) -> Message:
     name = next(iter(h["tensors"]))
     h["tensors"][name]["shape"] = [10**6, 10**6]
     blob = np.frombuffer(json.dumps(h).encode(), np.uint8).copy()
-    reply.content["arrays"] = ArrayRecord({**{k: rec[k] for k in rec.keys()}, "__codec__": Array(blob)})
+    reply.content["arrays"] = ArrayRecord(
+        {**{k: rec[k] for k in rec.keys()}, "__codec__": Array(blob)}
+    )
     return reply
 
 
-@pytest.mark.parametrize("fault,needle", [
-    (_break_scale, "non-finite scales"),
-    (_claim_huge_shape, "shape (1000000, 1000000), expected"),
-])
+@pytest.mark.parametrize(
+    "fault,needle",
+    [
+        (_break_scale, "non-finite scales"),
+        (_claim_huge_shape, "shape (1000000, 1000000), expected"),
+    ],
+)
 def test_compressed_reply_that_does_not_decode_is_dropped_naming_the_key(fault, needle):
     grid = FakeGrid({"train": worker()}, num_nodes=3)
     grid.set_fault(1, fault, times=1)
     s = DiLoCo(min_available_nodes=3, min_train_nodes=3, fraction_evaluate=0.0, upload_codec="int8")
     theta = theta0()
-    s.start(grid=grid, initial_arrays=ArrayRecord(theta), num_rounds=1,
-            train_config=ConfigRecord({"num-server-rounds": 4}))
+    s.start(
+        grid=grid,
+        initial_arrays=ArrayRecord(theta),
+        num_rounds=1,
+        train_config=ConfigRecord({"num-server-rounds": 4}),
+    )
     # Validate the same kind of reply directly to read the reason.
     ctx = new_context()
     bad = fault(send(worker(), theta, 1, ctx, **{"upload-codec": "int8"}))
@@ -203,10 +247,18 @@ def test_compressed_reply_that_does_not_decode_is_dropped_naming_the_key(fault, 
 
 
 def test_run_config_keys_and_codec_request():
-    s = IsoLoCo.from_run_config({"strategy.upload-codec": "topk", "strategy.codec-fraction": 0.1,
-                                 "strategy.error-feedback": False})
+    s = IsoLoCo.from_run_config(
+        {
+            "strategy.upload-codec": "topk",
+            "strategy.codec-fraction": 0.1,
+            "strategy.error-feedback": False,
+        }
+    )
     assert s.codec_request["upload-codec"] == "topk"
-    assert s.codec_request["codec-fraction"] == 0.1 and s.codec_request["upload-error-feedback"] is False
+    assert (
+        s.codec_request["codec-fraction"] == 0.1
+        and s.codec_request["upload-error-feedback"] is False
+    )
     assert DiLoCo.from_run_config({}).codec_request == {}  # default: plain replies
     with pytest.raises(ValueError, match="strategy.upload-codec"):
         DiLoCo.from_run_config({"strategy.upload-codec": "gzip"})

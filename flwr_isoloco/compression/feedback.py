@@ -54,7 +54,9 @@ class ErrorFeedback:
         for k, t in tensors.items():
             e = self.residual.get(k)
             if e is not None and e.shape != t.shape:
-                raise ValueError(f"residual of {k!r} has shape {tuple(e.shape)}, delta {tuple(t.shape)}")
+                raise ValueError(
+                    f"residual of {k!r} has shape {tuple(e.shape)}, delta {tuple(t.shape)}"
+                )
             enc = encoding(t, self.codec, self.options)
             target[k] = t.detach().float() + e if e is not None and enc != "raw" else t.detach()
         record = compress(target, self.codec, **self.options)
@@ -112,7 +114,9 @@ def parse_request(cfg: Mapping[str, Any]) -> tuple[str, dict[str, Any], bool] | 
     if codec not in CODECS:
         raise ValueError(f"train config {CODEC_KEY!r}={codec!r}: expected one of {CODECS}")
     defaults = normalize_options(codec)
-    opts = {OPTION_KEYS[k]: v for k, v in cfg.items() if k in OPTION_KEYS and OPTION_KEYS[k] in defaults}
+    opts = {
+        OPTION_KEYS[k]: v for k, v in cfg.items() if k in OPTION_KEYS and OPTION_KEYS[k] in defaults
+    }
     try:
         opts = normalize_options(codec, opts)
     except ValueError as exc:

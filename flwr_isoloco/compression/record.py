@@ -274,7 +274,9 @@ def decompress(
         missing = sorted(set(shapes) - set(specs))
         extra = sorted(set(specs) - set(shapes))
         if missing or extra:
-            raise ValueError(f"tensor keys differ from the model: missing {missing[:5]}, extra {extra[:5]}")
+            raise ValueError(
+                f"tensor keys differ from the model: missing {missing[:5]}, extra {extra[:5]}"
+            )
         for name, (shape, *_rest) in specs.items():
             if shape != tuple(shapes[name]):
                 raise ValueError(f"tensor {name!r}: shape {shape}, expected {tuple(shapes[name])}")
@@ -286,7 +288,9 @@ def decompress(
     present = set(record.keys()) - {HEADER_KEY}
     if present != wanted:
         miss, extra = sorted(wanted - present), sorted(present - wanted)
-        raise ValueError(f"record parts differ from its header: missing {miss[:5]}, extra {extra[:5]}")
+        raise ValueError(
+            f"record parts differ from its header: missing {miss[:5]}, extra {extra[:5]}"
+        )
     out: dict[str, torch.Tensor] = {}
     for name, (shape, dtype, enc, n) in specs.items():
         parts = {p: _load_part(record, name, p, d, k) for p, (d, k) in layouts[name].items()}

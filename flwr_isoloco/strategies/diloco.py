@@ -315,7 +315,7 @@ class DiLoCo(Strategy):
         wrong type, an unknown merge rule or a negative lr raise ``ValueError`` naming it.
         ``overrides`` are constructor arguments applied last.
         """
-        from flwr_isoloco.runconfig import choices, in_range, non_negative, positive, read_run_config
+        from flwr_isoloco.runconfig import choices, in_range, non_negative, read_run_config
 
         skip = {prefix + k for k in ignore}
         mine = {k: v for k, v in run_config.items() if k.startswith(prefix) and k not in skip}
@@ -340,8 +340,8 @@ class DiLoCo(Strategy):
             "dtype-policy": choices("cast", "reject"),
             "upload-codec": choices(*CODECS),
             "codec-values": choices("fp32", "int8"),
-            "codec-block-size": positive,
-            "codec-min-dims": non_negative,
+            "codec-block-size": in_range(1, 1 << 20),
+            "codec-min-dims": in_range(0, 8),
             "codec-fraction": in_range(0, 1, lo_open=True),
         }
         cfg = read_run_config(mine, schema, {prefix + k: v for k, v in checks.items()})
@@ -496,9 +496,7 @@ class DiLoCo(Strategy):
             config[k] = v
         record = self._model_record()
         self._bytes_down = payload_nbytes(record) * len(nodes)
-        return self._train_ledger.remember(
-            self._messages(record, config, nodes, MessageType.TRAIN)
-        )
+        return self._train_ledger.remember(self._messages(record, config, nodes, MessageType.TRAIN))
 
     def configure_evaluate(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
