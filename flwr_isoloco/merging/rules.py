@@ -28,7 +28,14 @@ import torch
 
 from .polar import NS_LOWER, NS_MAX_STEPS, NS_TOL, iso_c, thin_svd
 
-__all__ = ["MergeRule", "MERGE_RULES", "resolve_rule", "check_options", "rule_applies"]
+__all__ = [
+    "MergeRule",
+    "MERGE_RULES",
+    "resolve_rule",
+    "check_options",
+    "rule_applies",
+    "scaled_apply",
+]
 
 Tensors = Sequence[torch.Tensor]
 
@@ -60,6 +67,35 @@ def weighted_mean(deltas: Tensors, weights: Sequence[float]) -> torch.Tensor:
     for d, w in zip(deltas[1:], weights[1:], strict=True):
         out.add_(d, alpha=w)
     return out
+
+
+def scaled_apply(
+    fn: Callable[..., torch.Tensor], xs: Sequence[torch.Tensor], *args, **kwargs
+) -> torch.Tensor:
+    """``fn(xs, *args, **kwargs)`` for a positively homogeneous ``fn`` (``fn(c xs) = c fn(xs)``
+    for c > 0; every rule is), computed on ``xs * 2**-e`` and scaled back by ``2**e`` when the
+    largest entry (about ``2**e``) is far from 1.
+
+    Why: a delta whose entries are finite but large (e.g. +-3e38 in fp32) has singular values and
+    a Frobenius norm beyond the dtype's range, so SVD and Newton-Schulz give nan/inf (or, for
+    entries below ~1e-19, Newton-Schulz's norm underflows to 0). Scaling by a power of two is
+    exact, so the result is the same as unscaled wherever both are finite; it is only done when
+    the largest entry is above ``2**(maxexp/4)`` or below ``2**-(maxexp/4)`` (fp32: 2**+-32),
+    which keeps ordinary inputs bit-identical. The result can still be non-finite where its true
+    value is beyond the dtype's range (e.g. DARE's ``d / (1 - p)``).
+    """
+    top = 0.0
+    for x in xs:
+        lo, hi = torch.aminmax(x)
+        top = max(top, -float(lo), float(hi))
+    limit = 2.0 ** (math.frexp(torch.finfo(xs[0].dtype).max)[1] // 4)
+    if top == 0 or (1 / limit <= top <= limit):
+        return fn(list(xs), *args, **kwargs)
+    exp = math.frexp(top)[1]  # top = m * 2**exp, m in [0.5, 1)
+    half = exp // 2  # two factors, each a normal number of the dtype
+    down, up = (2.0**-half, 2.0 ** -(exp - half)), (2.0**half, 2.0 ** (exp - half))
+    out = fn([x * down[0] * down[1] for x in xs], *args, **kwargs)
+    return out * up[0] * up[1]
 
 
 def _streaming(transform: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
