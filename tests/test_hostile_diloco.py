@@ -352,7 +352,6 @@ def test_weight_bound_clips_a_huge_num_examples(caplog):
         torch.testing.assert_close(v, own[k], rtol=1e-6, atol=1e-6)
 
 
-@pytest.mark.xfail(strict=True, reason="needs the merging weight normalisation fix (B1)")
 @pytest.mark.parametrize("w", [3.5e38, 1e300, 1.7e308])
 def test_weight_beyond_fp32_max_does_not_void_the_round(w):
     _, res, _ = one_round(_set_metric("num-examples", w), max_weight_ratio=0)
