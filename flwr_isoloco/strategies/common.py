@@ -87,7 +87,7 @@ class CheckedReply:
             return {}
         out = {}
         plain = decompress(rec) if is_compressed(rec) else None  # validated once already
-        for k, arr in (plain or rec).items():
+        for k, arr in (plain if plain is not None else rec).items():
             t = arr if plain is not None else torch.from_numpy(np.array(arr.numpy(), copy=True))
             want = self.dtypes.get(k)
             out[k] = t if want is None or t.dtype == want else t.to(want)
