@@ -194,6 +194,23 @@ def _set(arr, idx, v):
     return arr
 
 
+def _lying_blob(truncate: bool = False) -> ArrayRecord:
+    """Array metadata says int8(300,) but the npy blob's own header claims 1e12 entries (or
+    carries too few bytes): must be refused before np.load would allocate."""
+    import io
+
+    rec = _base()
+    good = rec["w/q"]
+    buf = io.BytesIO()
+    shape = (300,) if truncate else (10**12,)
+    np.lib.format.write_array_header_1_0(
+        buf, {"descr": "|i1", "fortran_order": False, "shape": shape}
+    )
+    blob = buf.getvalue() + bytes(100)
+    fake = Array(dtype=good.dtype, shape=good.shape, stype=good.stype, data=blob)
+    return ArrayRecord({**{k: rec[k] for k in rec.keys()}, "w/q": fake})
+
+
 HOSTILE = {
     "unknown codec": (
         lambda: _with_header(_base(), lambda h: h.update(codec="zip")),
@@ -261,6 +278,8 @@ HOSTILE = {
     ),
     "missing part": (lambda: _with(_base(), "w/s", None), "missing ['w/s']"),
     "extra part": (lambda: _with(_base(), "x/v", np.zeros(3, np.float32)), "extra ['x/v']"),
+    "npy blob claims a huge shape": (lambda: _lying_blob(), "'w/q' holds int8(1000000000000,)"),
+    "npy blob truncated": (lambda: _lying_blob(truncate=True), "'w/q' has 100 data bytes"),
     "header not json": (
         lambda: _with(_base(), HEADER_KEY, np.frombuffer(b"{nope", np.uint8).copy()),
         "not UTF-8 JSON",

@@ -16,13 +16,15 @@ travel raw. The header alone tells a server how to decode (no side information).
 
 Every record is treated as hostile: :func:`decompress` bounds the header's size, the number of
 tensors and their total entries (``max_entries``) and checks each part's dtype and length (from
-the Array's metadata, before it is deserialised) *before* allocating anything; unknown codecs,
+the Array's metadata, then from the npy blob's own header, which is parsed by hand instead of
+``np.load``) *before* allocating anything; unknown codecs,
 bad options, indices out of range or unsorted, non-finite / negative scales, fp8 NaN codes,
 missing or extra parts all raise ``ValueError`` naming the tensor.
 """
 
 from __future__ import annotations
 
+import io
 import json
 import math
 from collections.abc import Mapping
@@ -31,6 +33,7 @@ from typing import Any
 import numpy as np
 import torch
 from flwr.app import Array, ArrayRecord
+from numpy.lib import format as npy
 
 from flwr_isoloco.compression import codecs as C
 
@@ -164,10 +167,19 @@ def payload_nbytes(record: ArrayRecord) -> int:
 
 def _parse_header(record: ArrayRecord) -> dict[str, Any]:
     arr = record[HEADER_KEY]
-    if str(arr.dtype) != "uint8" or len(arr.shape) != 1 or len(arr.data) > MAX_HEADER_BYTES:
+    if (
+        str(arr.dtype) != "uint8"
+        or len(arr.shape) != 1
+        or not isinstance(arr.shape[0], int)
+        or len(arr.data) > MAX_HEADER_BYTES
+        or arr.shape[0] > MAX_HEADER_BYTES
+    ):
         raise ValueError(f"{HEADER_KEY!r}: header must be a 1-D uint8 array of <= 8 MiB")
+    blob = _npy_1d(arr.data, "uint8", arr.shape[0])
+    if isinstance(blob, str):
+        raise ValueError(f"{HEADER_KEY!r}: header {blob}")
     try:
-        head = json.loads(bytes(arr.numpy()).decode("utf-8"))
+        head = json.loads(blob.tobytes().decode("utf-8"))
     except (ValueError, RecursionError, UnicodeDecodeError) as exc:
         raise ValueError(f"{HEADER_KEY!r}: header is not UTF-8 JSON ({exc})") from None
     if not isinstance(head, dict) or head.get("format") != FORMAT:
@@ -219,18 +231,41 @@ def _part_layout(n: int, dtype: str, enc: str, o: Mapping[str, Any]) -> dict[str
     return {"i": ("int32", k), "v": ("float32", k)}
 
 
+def _npy_1d(data: bytes, dtype: str, n: int) -> np.ndarray | str:
+    """The 1-D array of an npy blob, checked against ``(dtype, n)`` from its header *before*
+    any allocation (``np.load`` would allocate whatever the blob's own header claims)."""
+    bio = io.BytesIO(data)
+    try:
+        version = npy.read_magic(bio)
+        read = npy.read_array_header_1_0 if version == (1, 0) else npy.read_array_header_2_0
+        shape, fortran, dt = read(bio, max_header_size=_NPY_SLACK)
+    except (ValueError, TypeError, OSError, SyntaxError) as exc:
+        return f"is not a valid npy blob ({type(exc).__name__})"
+    if dt != np.dtype(dtype) or tuple(shape) != (n,) or fortran:
+        return f"holds {dt}{tuple(shape)}, expected {dtype}({n},)"
+    offset = bio.tell()
+    if len(data) - offset != n * dt.itemsize:
+        return f"has {len(data) - offset} data bytes, expected {n * dt.itemsize}"
+    return np.frombuffer(data, dtype=dt, count=n, offset=offset).copy()
+
+
 def _load_part(record: ArrayRecord, name: str, part: str, dtype: str, n: int) -> torch.Tensor:
     key = f"{name}/{part}"
     arr = record[key]
     nbytes = n * np.dtype(dtype).itemsize
-    if str(arr.dtype) != dtype or tuple(arr.shape) != (n,) or len(arr.data) > nbytes + _NPY_SLACK:
+    if (
+        arr.stype != "numpy.ndarray"
+        or str(arr.dtype) != dtype
+        or tuple(arr.shape) != (n,)
+        or len(arr.data) > nbytes + _NPY_SLACK
+    ):
         raise ValueError(
             f"tensor {name!r}: part {key!r} is {arr.dtype}{tuple(arr.shape)}, expected {dtype}({n},)"
         )
-    nd = arr.numpy()
-    if nd.dtype != np.dtype(dtype) or nd.shape != (n,):
-        raise ValueError(f"tensor {name!r}: part {key!r} decodes to {nd.dtype}{nd.shape}")
-    return torch.from_numpy(np.array(nd, copy=True))
+    nd = _npy_1d(arr.data, dtype, n)
+    if isinstance(nd, str):
+        raise ValueError(f"tensor {name!r}: part {key!r} {nd}")
+    return torch.from_numpy(nd)
 
 
 def _decode_one(parts: dict[str, torch.Tensor], n: int, enc: str, o: Mapping[str, Any]):
