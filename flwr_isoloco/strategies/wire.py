@@ -20,6 +20,7 @@ from flwr.app import ArrayRecord, ConfigRecord, RecordDict
 __all__ = ["check_train_metrics", "record_nbytes"]
 
 CHECKED_METRICS = ("local-steps", "data-cursor", "partition-id")
+_INT64_MAX = 2**63 - 1  # what a Flower MetricRecord int can carry
 
 
 def record_nbytes(*records: ArrayRecord | None) -> int:
@@ -57,15 +58,16 @@ def _config_from_json(d: Mapping[str, Any]) -> ConfigRecord:
 
 
 def _count(value: Any) -> int | None:
-    """``value`` as an int if it is an int or an integral finite float (5.0), else ``None``
-    (bools, lists, strings, NaN, inf and 2.5 are not counts)."""
+    """``value`` as an int if it is an int or an integral finite float (5.0) within int64, else
+    ``None`` (bools, lists, strings, NaN, inf, 2.5 and 10**30 are not counts)."""
     if isinstance(value, bool):
         return None
+    n = None
     if isinstance(value, (int, np.integer)):
-        return int(value)
-    if isinstance(value, (float, np.floating)) and math.isfinite(value) and value == int(value):
-        return int(value)
-    return None
+        n = int(value)
+    elif isinstance(value, (float, np.floating)) and math.isfinite(value) and value == int(value):
+        n = int(value)
+    return n if n is not None and abs(n) <= _INT64_MAX else None
 
 
 def check_train_metrics(
@@ -86,7 +88,8 @@ def check_train_metrics(
       to is an int and ``vertex_key`` is ``partition-id`` (a node may not speak for another
       partition).
 
-    A count is an int or an integral finite float; bool, list, str, NaN, inf are refused.
+    A count is an int or an integral finite float within int64; bool, list, str, NaN, inf
+    are refused.
     Absent keys are fine (the strategy then assumes K steps).
     """
     for rec in content.metric_records.values():
