@@ -230,3 +230,12 @@ def test_query_answer_inf_or_nan_is_ignored_not_a_crash():
     s = RWLoRA(build_graph("complete", n=4), node_wait_s=0, query_attempts=1)
     run(s, grid, 2)
     assert s.missing_vertices == [0, 1] and set(s.trajectory) <= {2, 3}
+
+
+def test_bad_dead_vertex_and_guard_arguments():
+    with pytest.raises(ValueError, match="dead_backoff_max|backoff_max"):
+        RWLoRA("complete", num_vertices=3, dead_backoff=8, dead_backoff_max=4)
+    with pytest.raises(ValueError, match="max_empty_rounds"):
+        RWLoRA("complete", num_vertices=3, max_empty_rounds=-1)
+    with pytest.raises(ValueError, match="seed"):
+        RWLoRA("complete", num_vertices=3, seed=-1)

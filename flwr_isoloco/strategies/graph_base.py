@@ -250,6 +250,7 @@ class GraphStrategy(Strategy):
             metrics = self._run_round(grid, server_round, ConfigRecord(dict(train_config)), timeout)
             self.round = server_round
             self.history.append({"round": server_round, **metrics})
+            stop = self._record_progress(server_round, metrics)  # raised after the callbacks
             record = MetricRecord(
                 {
                     k: v
@@ -264,7 +265,6 @@ class GraphStrategy(Strategy):
                 log(INFO, "\t└──> server-side evaluation: %s", res)
                 if res is not None:
                     result.evaluate_metrics_serverapp[server_round] = res
-            stop = self._record_progress(server_round, metrics)
             if self.round_end_fn is not None:
                 self.round_end_fn(server_round, self)
             if stop is not None:

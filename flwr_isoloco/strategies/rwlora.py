@@ -157,6 +157,8 @@ class RWLoRA(GraphStrategy):
         self.transition = transition
         self.target = target
         self.lazy = bool(lazy)
+        if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
+            raise ValueError(f"seed must be an int >= 0, got {seed!r}")
         self.seed = int(seed)
         # validate the transition options now (clear error before any Flower call)
         transition_matrix(self.graph, transition, target=self._target_for(self.graph), lazy=lazy)
