@@ -448,12 +448,12 @@ class RWLoRA(GraphStrategy):
             if period is not None:
                 log(
                     WARNING,
-                    "%s: vertex %r (node %s) failed %d consecutive times: dead, skipped for %d "
-                    "rounds (until round %d); the walk moves on the live graph",
+                    "%s: vertex %r (node %s) is dead (death %d in a row): skipped for %d rounds "
+                    "(until round %d); the walk moves on the live graph",
                     self.what,
                     v,
                     node,
-                    self.health.dead_after,
+                    self.health.strikes[v],
                     period,
                     self.health.dead_until[v],
                 )
