@@ -249,7 +249,7 @@ class GraphStrategy(Strategy):
             self.refresh_nodes(grid, self.query_timeout or timeout)
             metrics = self._run_round(grid, server_round, ConfigRecord(dict(train_config)), timeout)
             self.round = server_round
-            self.history.append({"round": server_round, **metrics})
+            self.history.append({**metrics, "round": server_round})
             stop = self._record_progress(server_round, metrics)  # raised after the callbacks
             record = MetricRecord(
                 {
