@@ -198,7 +198,9 @@ def _remove_leftovers(path: Path) -> None:
     """Delete ``.<name>.<random>.tmp`` files that interrupted writes to ``path`` left behind.
 
     Only plain files whose whole name is that pattern (``mkstemp``'s 8-character random part
-    of ``[a-z0-9_]``) are removed; anything else in the folder is left alone.
+    of ``[a-z0-9_]``) are removed; anything else in the folder is left alone. Assumes one
+    writer per target at a time (as in the apps: one server, one file per node and round);
+    two concurrent writers of the same file could remove each other's temporary file.
     """
     pattern = re.compile(re.escape(f".{path.name}.") + r"[a-z0-9_]{8}" + re.escape(".tmp"))
     try:
