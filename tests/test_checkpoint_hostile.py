@@ -320,3 +320,49 @@ def test_leftovers_of_killed_writes_are_removed_by_the_next_write(tmp_path):
         [*unrelated, ".checkpoint.safetensors.dir12345.tmp", "checkpoint.safetensors"]
     )
     assert all((tmp_path / n).read_text() == "keep me" for n in unrelated)
+
+
+def test_graph_strategy_state_fields_are_checked():
+    from flwr_isoloco.strategies.rwlora import RWLoRA
+
+    token = {"a": torch.zeros(2, 3)}
+    meta = {
+        "kind": "rwlora",
+        "round": 1,
+        "vertices": [0, 1, 2],
+        "walk": {},
+        "trajectory": [0],
+        "excluded": [],
+        "failures": 0,
+        "failures_by_vertex": [],
+        "failure_log": [],
+        "local_updates": 1,
+        "bytes_relayed": 0,
+        "bytes_p2p": 0,
+        "update_norms": [],
+    }
+
+    def bad(tensors=None, reference=None, optimizer_reference=None, **m):
+        s = RWLoRA("ring", num_vertices=3)
+        with pytest.raises(CheckpointError) as e:
+            s.load_state_dict(
+                {"tensors": tensors or {"token": token}, "meta": {**meta, **m}},
+                reference=reference,
+                optimizer_reference=optimizer_reference,
+            )
+        return str(e.value)
+
+    RWLoRA("ring", num_vertices=3).load_state_dict({"tensors": {"token": token}, "meta": meta})
+    assert bad(round="abc") == "field 'round' must be an int >= 0, got 'abc'"
+    assert bad(failure_log=[["x", 1, "why"]]).startswith("field 'failure_log[0][0]' must be")
+    assert bad(failures_by_vertex=[[1, -2]]).startswith("field 'failures_by_vertex[0][1]' must")
+    assert bad(update_norms=[float("nan")]).startswith("field 'update_norms[0]' must be")
+    assert bad(reference={"a": torch.zeros(3, 2)}) == (
+        "tensor 'token/a' has shape [2, 3], expected [3, 2]"
+    )
+    opt = {"a.exp_avg": torch.zeros(2, 3), "a.exp_avg_sq": torch.zeros(2)}
+    ref = {"a.exp_avg": (2, 3), "a.exp_avg_sq": (2, 3)}
+    msg = bad({"token": token, "optimizer": opt}, optimizer_reference=ref)
+    assert msg == "tensor 'optimizer/a.exp_avg_sq' has shape [2], expected [2, 3]"
+    nan = {"token": {"a": torch.full((2, 3), float("nan"))}}
+    assert bad(nan) == "tensor 'token/a' has non-finite values (NaN or inf)"

@@ -518,8 +518,10 @@ class GraphStrategy(Strategy):
                 "bytes_p2p": count,
             },
         )
-        for i, (_, n) in enumerate(meta["failures_by_vertex"]):
-            check_fields({"n": n}, {"n": count}, f"failures_by_vertex[{i}].")
+        for name, at in (("failures_by_vertex", 1), ("failure_log", 0)):
+            for i, entry in enumerate(meta.get(name, [])):
+                key = f"{name}[{i}][{at}]"
+                check_fields({key: entry[at]}, {key: count})
         self._check_state_tensors(tensors, meta, reference, optimizer_reference)
         if self.live_graph is not None:
             self._apply_state(state)
