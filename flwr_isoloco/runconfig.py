@@ -17,13 +17,16 @@ from __future__ import annotations
 import difflib
 import math
 import os
+import tempfile
 from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
 __all__ = [
     "RunConfigError",
+    "prepare_output_dir",
     "read_run_config",
     "flatten",
     "unflatten",
@@ -175,6 +178,28 @@ def existing_path(*, allow_empty: bool = False) -> Validator:
             raise ValueError("no such file or directory")
 
     return check
+
+
+def prepare_output_dir(path: str | os.PathLike, key: str = "output-dir") -> Path:
+    """Create ``path`` (and parents) and prove it writable, before any work starts.
+
+    A path that is a file, lies below a file, or cannot be written raises
+    :class:`RunConfigError` naming ``key``, instead of an ``OSError`` rounds later.
+    """
+    out = Path(path)
+    try:
+        if out.exists() and not out.is_dir():
+            raise NotADirectoryError(f"{str(out)!r} is a file, not a folder")
+        out.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".write-probe-", dir=out)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        why = exc.strerror or str(exc)
+        raise RunConfigError(
+            f"run-config key {key!r} = {str(path)!r}: cannot write results there ({why})"
+        ) from None
+    return out
 
 
 # ----------------------------------------------------------------------------- reader

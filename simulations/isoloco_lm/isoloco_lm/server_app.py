@@ -32,7 +32,8 @@ from flwr_isoloco.checkpoint import (
     write_json_atomic,
 )
 from flwr_isoloco.models.llama import count_parameters
-from flwr_isoloco.runconfig import RunConfigError, check_resumable
+from flwr_isoloco.runconfig import RunConfigError, check_resumable, prepare_output_dir
+from flwr_isoloco.strategies.common import NoProgressError
 
 from .task import (
     RESUME_DIR_KEY,
@@ -133,8 +134,7 @@ def run_server(
         log(ERROR, "isoloco-lm: bad run config: %s", exc)
         raise
     torch.set_num_threads(cfg["torch-threads"])
-    out = output_dir(cfg, run_id)
-    out.mkdir(parents=True, exist_ok=True)
+    out = prepare_output_dir(output_dir(cfg, run_id))
     log(INFO, "isoloco-lm: results will be written to %s", out)
     conf = config_dict(cfg)
 
@@ -275,14 +275,21 @@ def run_server(
         log(INFO, "isoloco-lm: checkpoint already holds all %d rounds; nothing to run", total)
     else:
         wait_for_nodes(grid, cfg.strategy["min-nodes"], settle_s=settle_s)
-        strategy.start(
-            grid=grid,
-            initial_arrays=ArrayRecord(model.state_dict()),
-            num_rounds=done + remaining,  # the total: the strategy runs rounds done+1 ..
-            timeout=cfg["round-timeout"],
-            train_config=ConfigRecord(tc),
-            evaluate_fn=evaluate_fn,
-        )
+        try:
+            strategy.start(
+                grid=grid,
+                initial_arrays=ArrayRecord(model.state_dict()),
+                num_rounds=done + remaining,  # the total: the strategy runs rounds done+1 ..
+                timeout=cfg["round-timeout"],
+                train_config=ConfigRecord(tc),
+                evaluate_fn=evaluate_fn,
+            )
+        except NoProgressError as exc:  # the run trained nothing: say so, never "completed"
+            log(ERROR, "isoloco-lm: %s", exc)
+            results.update({"status": "failed", "error": str(exc)})
+            results["wall-time-s"] = time.perf_counter() - t0
+            write_json_atomic(results_path, results)
+            raise
     results["status"] = "completed" if len(history) == total else "partial"
     results["wall-time-s"] = time.perf_counter() - t0
     if strategy.theta is not None:

@@ -37,7 +37,7 @@ from flwr_isoloco.checkpoint import (
 )
 from flwr_isoloco.data import sentiment
 from flwr_isoloco.models import classifier
-from flwr_isoloco.runconfig import RunConfigError, check_resumable
+from flwr_isoloco.runconfig import RunConfigError, check_resumable, prepare_output_dir
 
 from .plots import plot_results
 from .task import (
@@ -270,8 +270,7 @@ def run_server(grid: Grid, run_config: dict[str, Any], run_id: int = 0, *, settl
         raise
     if cfg["torch-threads"]:
         torch.set_num_threads(cfg["torch-threads"])
-    out = output_dir(cfg, run_id)
-    out.mkdir(parents=True, exist_ok=True)
+    out = prepare_output_dir(output_dir(cfg, run_id))
     conf = config_dict(cfg)
     t0 = time.perf_counter()
     d = cfg.data
