@@ -10,14 +10,16 @@
 # - a fresh FLWR_HOME (under <repo>/.flwr/, gitignored) so no user or concurrent run is touched;
 # - its own `flower-superlink --simulation` on a free loopback port, started in its own process
 #   group with runtime dependency installation disabled (the app runs in this environment);
-# - `flwr run <app> <connection> --stream` with `output-dir='<output-dir>'` appended to the
-#   overrides (the app must have an `output-dir` key), logs tee'd to <output-dir>/flwr-run.log;
+# - `flwr run <app> <connection> --stream` with the overrides plus `output-dir` = <output-dir>
+#   (the app must have an `output-dir` key) in one TOML file, so any path survives (quotes,
+#   backslashes, tabs); logs tee'd to <output-dir>/flwr-run.log;
 # - `flwr run --stream` exits 0 even when the ServerApp crashed, so the run's status is read
 #   from `flwr ls --format json`; the script exits 0 only for `finished:completed`;
 # - the SuperLink's process group (it holds the simulation and Ray) is stopped on every exit.
 #
 # Environment: NUM_SUPERNODES (default 4), CPUS_PER_CLIENT (default 1), RUN_APP_KEEP_HOME=1
-# keeps the FLWR_HOME folder, FLWR_BIN_DIR (default <repo>/.venv/bin).
+# keeps the FLWR_HOME folder, FLWR_BIN_DIR (default <repo>/.venv/bin), RUN_APP_DRY_RUN=1 checks
+# the overrides, prints them as Flower will read them and exits 0 without starting anything.
 set -euo pipefail
 
 # Everything runs inside main(), so bash parses the whole file before executing any of it:
@@ -63,28 +65,61 @@ cleanup() {
 }
 trap cleanup EXIT INT TERM
 
-# Flower answers an override key that the app does not declare with a bare "[code: 15] Invalid
-# run configuration."; check the keys here first so the message names the bad key.
-"$BIN/python" - "$APP/pyproject.toml" "$* output-dir=''" <<'PY' || exit 2
-import difflib, sys, tomllib
-from flwr.common.config import flatten_dict, parse_config_args
-with open(sys.argv[1], "rb") as fh:
+# they go into the federation-config string below: plain positive integers only
+for var in NUM_SUPERNODES CPUS_PER_CLIENT; do
+  if [ -n "${!var:-}" ] && ! [[ ${!var} =~ ^[1-9][0-9]{0,5}$ ]]; then
+    echo "run_app: $var=${!var} must be a positive integer" >&2
+    exit 2
+  fi
+done
+
+mkdir -p "$REPO/.flwr"
+RUN_HOME=$(mktemp -d "$REPO/.flwr/home.XXXXXX")
+export FLWR_HOME=$RUN_HOME
+RUN_CONFIG="$RUN_HOME/run-config.toml"
+
+# The overrides go to Flower as one TOML file, written by tomli_w (a Flower dependency): a
+# `--run-config` string cannot carry every path (its parser takes '...' or "..." values
+# without escapes, so an output dir with a ' would end at that quote and the run would write
+# elsewhere). Checked here first: Flower answers an override key that the app does not
+# declare with a bare "[code: 15] Invalid run configuration.", so the message names the key;
+# and the file is read back with Flower's own parser and must give exactly the overrides.
+"$BIN/python" - "$APP/pyproject.toml" "$RUN_CONFIG" "$OUT" "$@" <<'PY' || exit 2
+import difflib, json, os, sys, tomllib
+import tomli_w
+from flwr.common.config import flatten_dict, parse_config_args, unflatten_dict
+pyproject, target, out, args = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4:]
+with open(pyproject, "rb") as fh:
     known = flatten_dict(tomllib.load(fh)["tool"]["flwr"]["app"].get("config", {}))
+joined = " ".join(args)  # as "$*": Flower's parser splits key=value pairs at spaces
 try:
-    given = parse_config_args([sys.argv[2]])
+    given = parse_config_args([joined]) if joined.strip() else {}
 except Exception as exc:  # noqa: BLE001
-    sys.exit(f"run_app: cannot parse the run-config overrides {sys.argv[2]!r}: {exc}")
+    sys.exit(f"run_app: cannot parse the run-config overrides {joined!r}: {exc}")
 bad = [k for k in given if k not in known]
 for k in bad:
     close = difflib.get_close_matches(k, list(known), n=3, cutoff=0.6)
     hint = f" (did you mean {', '.join(close)}?)" if close else ""
     print(f"run_app: unknown run-config key {k!r}{hint}; the app declares: {', '.join(sorted(known))}", file=sys.stderr)
-sys.exit(1 if bad else 0)
+if bad:
+    sys.exit(1)
+if "output-dir" in given:
+    sys.exit("run_app: output-dir is set by the second argument (<output-dir>); drop the override")
+try:
+    out.encode("utf-8")
+except UnicodeEncodeError:
+    sys.exit(f"run_app: output dir {out!r} is not valid UTF-8, so it cannot be passed to Flower")
+want = {**given, "output-dir": out}
+with open(target, "w", encoding="utf-8") as fh:
+    fh.write(tomli_w.dumps(unflatten_dict(want)))
+back = parse_config_args([target])
+if back != want:
+    sys.exit(f"run_app: the run-config overrides do not survive Flower's parser: {want!r} -> {back!r}")
+if os.environ.get("RUN_APP_DRY_RUN") == "1":
+    print("run_app: dry run, run-config overrides: " + json.dumps(back, sort_keys=True))
 PY
+if [ "${RUN_APP_DRY_RUN:-0}" = 1 ]; then exit 0; fi
 
-mkdir -p "$REPO/.flwr"
-RUN_HOME=$(mktemp -d "$REPO/.flwr/home.XXXXXX")
-export FLWR_HOME=$RUN_HOME
 PORT=$("$BIN/python" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
 LOG="$OUT/flwr-run.log"
 
@@ -114,15 +149,14 @@ PY
   sleep 0.5
 done
 
-# One --run-config string: Flower 1.42 parses each --run-config flag into a nested dict and
-# dict.update()s them, so a second flag with keys of the same section (train.a, then train.b)
-# silently drops the first. Within one string all keys survive.
-OVERRIDES="$* output-dir='$OUT'"
+# One --run-config file ($RUN_CONFIG, above): Flower 1.42 parses each --run-config flag into a
+# nested dict and dict.update()s them, so a second flag with keys of the same section (train.a,
+# then train.b) would silently drop the first. In one file all keys survive.
 FED="num-supernodes=${NUM_SUPERNODES:-4} client-resources-num-cpus=${CPUS_PER_CLIENT:-1}"
 
 echo "run_app: $APP -> $OUT (SuperLink pid $SL_PID, port $PORT, FLWR_HOME $FLWR_HOME)"
 T0=$(date +%s.%N)
-"$BIN/flwr" run "$APP" runapp --stream --federation-config "$FED" --run-config "$OVERRIDES" 2>&1 | tee "$LOG"
+"$BIN/flwr" run "$APP" runapp --stream --federation-config "$FED" --run-config "$RUN_CONFIG" 2>&1 | tee "$LOG"
 T1=$(date +%s.%N)
 
 "$BIN/flwr" ls runapp --format json > "$OUT/flwr-ls.json" 2>/dev/null || true

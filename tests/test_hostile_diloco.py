@@ -247,3 +247,177 @@ def test_bad_run_config_names_the_key(cfg, needle):
 def test_bad_constructor_argument_names_it(kwargs, needle):
     with pytest.raises(ValueError, match=needle.replace("(", r"\(").replace("'", "'")):
         DiLoCo(**kwargs)
+
+
+# --------------------------------------------------------------------------- one reply, one drop
+def _same_round_without_bad(strategy_cls, **kw):
+    """The model the good replies alone give: the bad node simply does not answer."""
+    return one_round_with(strategy_cls, "timeout", **kw)[1].arrays.to_torch_state_dict()
+
+
+def one_round_with(strategy_cls, fault, **kw):
+    grid = FakeGrid({"train": train}, num_nodes=N)
+    if fault is not None:
+        grid.set_fault(BAD, fault)
+    kw = {"min_train_nodes": 1, "min_available_nodes": 1, "fraction_evaluate": 0.0, **kw}
+    strat = strategy_cls(**kw)
+    res = strat.start(grid=grid, initial_arrays=ArrayRecord(init_model()), num_rounds=1)
+    return strat, res, grid
+
+
+def _alternating(value):
+    def fn(d):
+        w = np.full_like(d["w"], value)
+        w.reshape(-1)[1::2] *= -1  # +-value: the sum stays finite, squares overflow fp32
+        return {**d, "w": w}
+
+    return corrupt_arrays(fn)
+
+
+@pytest.mark.parametrize("merge_name", ["mean", "iso_c", "ties", "tsv_m"])
+def test_near_fp32_max_values_drop_only_that_reply(merge_name, caplog):
+    with caplog.at_level(logging.INFO):
+        strat, res, grid = one_round_with(DiLoCo, _alternating(3e38), merge=merge_name)
+    m = res.train_metrics_clientapp[1]
+    assert (m["replies-used"], m["replies-rejected"]) == (N - 1, 1)
+    bad = grid.node_ids[BAD]
+    assert any(f"node {bad}:" in r.message and "exceeds 1e+18" in r.message for r in caplog.records)
+    expected = _same_round_without_bad(DiLoCo, merge=merge_name)
+    for k, v in res.arrays.to_torch_state_dict().items():
+        torch.testing.assert_close(v, expected[k], rtol=1e-6, atol=1e-6)
+
+
+def test_failing_merge_drops_the_reply_that_fails_alone(monkeypatch, caplog):
+    """A merge that fails on one (finite, small) reply: that reply alone is dropped and named,
+    and the log line and the metrics agree on the count (B12)."""
+    import flwr_isoloco.strategies.diloco as diloco_mod
+
+    real = diloco_mod.merge
+
+    def picky(rule, deltas, weights=None, **opts):
+        if any(float(d["w"].abs().max()) > 50 for d in deltas):
+            raise RuntimeError("SVD did not converge")
+        return real(rule, deltas, weights, **opts)
+
+    monkeypatch.setattr(diloco_mod, "merge", picky)
+    big = corrupt_arrays(lambda d: {**d, "w": d["w"] * 1000})
+    with caplog.at_level(logging.INFO):
+        strat, res, grid = one_round_with(DiLoCo, big, merge="ties", max_weight_ratio=0)
+    m = res.train_metrics_clientapp[1]
+    assert (m["replies-used"], m["replies-rejected"]) == (N - 1, 1)
+    bad = grid.node_ids[BAD]
+    assert any(f"node {bad}:" in r.message and "merge fails" in r.message for r in caplog.records)
+    summary = [r.message for r in caplog.records if r.message.startswith("aggregate_train (")]
+    assert summary == [f"aggregate_train (round 1): {N - 1} replies used, 1 rejected, 0 missing"]
+
+
+def test_merge_failure_log_and_metrics_agree(monkeypatch, caplog):
+    import flwr_isoloco.strategies.diloco as diloco_mod
+
+    def broken(*a, **k):
+        raise RuntimeError("linalg error")
+
+    monkeypatch.setattr(diloco_mod, "merge", broken)
+    with caplog.at_level(logging.INFO):
+        _, res, _ = one_round_with(DiLoCo, None, merge="ties")
+    m = res.train_metrics_clientapp[1]
+    assert (m["replies-used"], m["replies-rejected"]) == (0, N)
+    summary = [r.message for r in caplog.records if r.message.startswith("aggregate_train (")]
+    assert summary == [f"aggregate_train (round 1): 0 replies used, {N} rejected, 0 missing"]
+
+
+# --------------------------------------------------------------------------- one site's weight
+def fedavg_with_weights(weights):
+    theta = init_model()
+    tot = sum(weights.values())
+    return {k: sum(w * trained(theta, p)[k] for p, w in weights.items()) / tot for k in theta}
+
+
+def test_weight_bound_clips_a_huge_num_examples(caplog):
+    huge = _set_metric("num-examples", 1e12)
+    with caplog.at_level(logging.WARNING):
+        strat, res, grid = one_round(huge)  # default max_weight_ratio = 5
+    assert strat.max_weight_ratio == 5.0
+    assert res.train_metrics_clientapp[1]["replies-used"] == N
+    bad = grid.node_ids[BAD]
+    assert any(f"node {bad}:" in r.message and "clipped" in r.message for r in caplog.records)
+    # median of (1, 2, 1e12, 4) is 3; the huge site counts as 5 x 3 = 15
+    expected = fedavg_with_weights({0: 1, 1: 2, 2: 15, 3: 4})
+    for k, v in res.arrays.to_torch_state_dict().items():
+        torch.testing.assert_close(v, expected[k], rtol=1e-6, atol=1e-6)
+    # off: the site owns the model
+    _, res, _ = one_round(huge, max_weight_ratio=0)
+    own = trained(init_model(), BAD)
+    for k, v in res.arrays.to_torch_state_dict().items():
+        torch.testing.assert_close(v, own[k], rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("w", [3.5e38, 1e300, 1.7e308])
+def test_weight_beyond_fp32_max_does_not_void_the_round(w):
+    _, res, _ = one_round(_set_metric("num-examples", w), max_weight_ratio=0)
+    assert res.train_metrics_clientapp[1]["replies-used"] == N
+    own = trained(init_model(), BAD)
+    for k, v in res.arrays.to_torch_state_dict().items():
+        torch.testing.assert_close(v, own[k], rtol=1e-5, atol=1e-6)
+
+
+def test_honest_tenfold_skew_is_not_clipped():
+    """8 sites, sizes spread geometrically over 10x: the default bound changes nothing."""
+    from flwr_isoloco.merging.weights import bounded_weights
+
+    sizes = [round(100 * 10 ** (i / 7)) for i in range(8)]  # 100 .. 1000
+    assert bounded_weights(sizes, 5.0) == ([float(s) for s in sizes], [])
+    assert bounded_weights([1, 1, 10], 5.0) == ([1.0, 1.0, 5.0], [2])
+    assert bounded_weights([1e308, 1e308], 5.0)[1] == []  # r * median overflows: nothing clipped
+
+
+def test_fedavg_equality_with_bound_off_and_skewed_weights():
+    from flwr.serverapp.strategy import FedAvg
+
+    skew = [1, 1, 1, 100]
+
+    def skewed(msg, ctx):
+        reply = train(msg, ctx)
+        reply.content["metrics"]["num-examples"] = skew[int(ctx.node_config["partition-id"])]
+        return reply
+
+    def run(strat):
+        grid = FakeGrid({"train": skewed}, num_nodes=N)
+        return strat.start(grid=grid, initial_arrays=ArrayRecord(init_model()), num_rounds=1)
+
+    kw = {"min_train_nodes": 1, "min_available_nodes": 1, "fraction_evaluate": 0.0}
+    fed = run(FedAvg(**kw)).arrays.to_torch_state_dict()
+    off = run(DiLoCo(outer_lr=1.0, outer_momentum=0.0, max_weight_ratio=0, **kw))
+    on = run(DiLoCo(outer_lr=1.0, outer_momentum=0.0, **kw))
+    for k, v in off.arrays.to_torch_state_dict().items():
+        torch.testing.assert_close(v, fed[k], rtol=1e-6, atol=1e-7)
+    assert not torch.allclose(on.arrays.to_torch_state_dict()["w"], fed["w"])
+
+
+# --------------------------------------------------------------------------- nothing trained
+def test_consecutive_empty_rounds_stop_the_run():
+    from flwr_isoloco.strategies.common import NoProgressError
+
+    grid = FakeGrid({"train": train}, num_nodes=N)
+    for p in range(N):
+        grid.set_fault(p, "raise")
+    strat = DiLoCo(min_train_nodes=1, min_available_nodes=1, fraction_evaluate=0.0)
+    with pytest.raises(NoProgressError, match="3 consecutive rounds .* used no reply"):
+        strat.start(grid=grid, initial_arrays=ArrayRecord(init_model()), num_rounds=5)
+    assert strat.server_round == 3
+    strat = DiLoCo(
+        min_train_nodes=1, min_available_nodes=1, fraction_evaluate=0.0, max_empty_rounds=0
+    )
+    strat.start(grid=grid, initial_arrays=ArrayRecord(init_model()), num_rounds=5)
+    assert strat.server_round == 5
+
+
+def test_a_used_round_resets_the_empty_streak():
+    grid = FakeGrid({"train": train}, num_nodes=N)
+    for p in range(N):
+        grid.set_fault(p, "raise", times=2)  # rounds 1-2 empty, then fine
+    strat = DiLoCo(
+        min_train_nodes=1, min_available_nodes=1, fraction_evaluate=0.0, max_empty_rounds=3
+    )
+    strat.start(grid=grid, initial_arrays=ArrayRecord(init_model()), num_rounds=4)
+    assert strat.server_round == 4

@@ -369,7 +369,7 @@ def test_streaming_holds_one_model_copy_and_survives_bad_adds():
     for d in ds[1:]:
         sm.add(d)
     model_bytes = sum(t.numel() * 4 for t in ds[0].values())
-    assert sum(t.numel() * t.element_size() for t in sm._sum.values()) == model_bytes
+    assert sum(t.numel() * t.element_size() for t in sm._mean.values()) == model_bytes
     ref = merge("mean", ds)
     for k in ref:
         torch.testing.assert_close(sm.result()[k], ref[k])

@@ -6,8 +6,14 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from .rules import MergeRule, check_options, resolve_rule, rule_applies, weighted_mean
-from .streaming import StreamingMerger
+from .rules import (
+    MergeRule,
+    check_options,
+    resolve_rule,
+    rule_applies,
+    scaled_apply,
+    weighted_mean,
+)
 from .validation import check_deltas, normalised_weights
 
 __all__ = ["merge"]
@@ -21,22 +27,22 @@ def merge(
 ) -> dict[str, torch.Tensor]:
     """Merge M workers' pseudo-gradients (dicts name -> tensor, same keys and shapes).
 
-    ``weights``: non-negative, not all zero, default uniform. Non-2-D tensors, and 2-D tensors
-    whose name does not match ``spectral_pattern``, take the weighted mean. Computes in fp32 (fp64
-    for fp64 input) and returns each tensor in worker 0's dtype. Raises ``ValueError`` naming
-    the worker and key on bad input, and naming the option on a bad option.
+    ``weights``: finite, non-negative, not all zero, default uniform; normalised in float64
+    without overflow (:func:`~flwr_isoloco.merging.validation.normalised_weights`). Non-2-D
+    tensors, and 2-D tensors whose name does not match ``spectral_pattern``, take the weighted
+    mean. Spectral rules run on a power-of-two rescaled copy where entries are huge or tiny
+    (:func:`~flwr_isoloco.merging.rules.scaled_apply`). Computes in fp32 (fp64 for fp64 input)
+    and returns each tensor in worker 0's dtype. Raises ``ValueError`` naming the worker and key
+    on bad input, and naming the option on a bad option.
     """
     rule = resolve_rule(rule)
     opts, pattern = check_options(rule, options)
     check_deltas(deltas)
     norm = normalised_weights(weights, len(deltas))
-    if rule.streaming:
-        merger = StreamingMerger(rule, **options)
-        for d, w in zip(deltas, norm, strict=True):
-            merger.add(d, w)
-        return merger.result()
-    # zero-weight workers take no part (their arbitrary singular vectors must not enter
-    # TSV-M / Iso-CTS, nor count in M)
+    # Streaming rules too: combine = transform(weighted mean), the mean computed here with the
+    # normalised weights (a convex combination: no overflow for finite deltas), one tensor at a
+    # time, bit-identical to the fallback below. Zero-weight workers take no part (their
+    # arbitrary singular vectors must not enter TSV-M / Iso-CTS, nor count in M).
     used = [i for i, w in enumerate(norm) if w > 0]
     deltas, norm = [deltas[i] for i in used], [norm[i] for i in used]
     out: dict[str, torch.Tensor] = {}
@@ -44,7 +50,7 @@ def merge(
         cdt = torch.float64 if t0.dtype == torch.float64 else torch.float32
         xs = [d[key].detach().to(device=t0.device, dtype=cdt) for d in deltas]
         if rule_applies(key, t0, pattern):
-            merged = rule.combine(xs, norm, key=key, **opts)
+            merged = scaled_apply(rule.combine, xs, norm, key=key, **opts)
         else:
             merged = weighted_mean(xs, norm)
         out[key] = merged.to(t0.dtype)

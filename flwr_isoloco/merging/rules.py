@@ -7,13 +7,20 @@ that delta). A rule only touches 2-D tensors whose name matches ``spectral_patte
 
 - ``mean``: ``sum_i w_i d_i``.
 - ``iso_c`` / ``iso_c_ns``: Iso-C of the weighted mean (exact SVD / Newton-Schulz polar factor).
-- ``iso_cts``: common subspace (top k of the mean) + each worker's top ``(r-k)/M`` directions
-  outside it; orthonormalised by polar factors; every singular value set to their mean.
+- ``iso_cts``: common subspace (top k of the mean) + each worker's top ``s = (r-k)/M`` directions
+  of ``w_i d_i`` outside it, with the authors' ``k = r - round((r - int(f r)) / M) * M``
+  (:func:`iso_cts_sizes`); orthonormalised by polar factors; every singular value set to their
+  mean.
 - ``tsv_m``: top ``max(1, r // M)`` triplets of each ``w_i d_i``, stacked, U and V orthonormalised
   by polar factors, singular values kept.
-- ``ties``: prune each worker's smallest entries, elect the sign of the weighted sum, weighted
-  mean of the kept entries that agree with it.
+- ``ties``: keep each worker's ``max(1, int((1 - p) n))`` largest entries
+  (:func:`ties_kept_count`), elect the sign of the weighted sum, weighted mean of the kept
+  entries that agree with it.
 - ``dare``: drop entries with probability p, rescale survivors by 1/(1-p), weighted mean.
+
+Scale: with weights summing to 1, ``iso_c``, ``iso_cts`` and ``tsv_m`` are on the mean scale;
+the TSV and Iso-C authors' code and the IsoLoCo code's TSV-M are on the sum scale (M times
+larger for uniform weights), see docs/merging.md.
 """
 
 from __future__ import annotations
@@ -28,7 +35,16 @@ import torch
 
 from .polar import NS_LOWER, NS_MAX_STEPS, NS_TOL, iso_c, thin_svd
 
-__all__ = ["MergeRule", "MERGE_RULES", "resolve_rule", "check_options", "rule_applies"]
+__all__ = [
+    "MergeRule",
+    "MERGE_RULES",
+    "resolve_rule",
+    "check_options",
+    "rule_applies",
+    "scaled_apply",
+    "iso_cts_sizes",
+    "ties_kept_count",
+]
 
 Tensors = Sequence[torch.Tensor]
 
@@ -60,6 +76,35 @@ def weighted_mean(deltas: Tensors, weights: Sequence[float]) -> torch.Tensor:
     for d, w in zip(deltas[1:], weights[1:], strict=True):
         out.add_(d, alpha=w)
     return out
+
+
+def scaled_apply(
+    fn: Callable[..., torch.Tensor], xs: Sequence[torch.Tensor], *args, **kwargs
+) -> torch.Tensor:
+    """``fn(xs, *args, **kwargs)`` for a positively homogeneous ``fn`` (``fn(c xs) = c fn(xs)``
+    for c > 0; every rule is), computed on ``xs * 2**-e`` and scaled back by ``2**e`` when the
+    largest entry (about ``2**e``) is far from 1.
+
+    Why: a delta whose entries are finite but large (e.g. +-3e38 in fp32) has singular values and
+    a Frobenius norm beyond the dtype's range, so SVD and Newton-Schulz give nan/inf (or, for
+    entries below ~1e-19, Newton-Schulz's norm underflows to 0). Scaling by a power of two is
+    exact, so the result is the same as unscaled wherever both are finite; it is only done when
+    the largest entry is above ``2**(maxexp/4)`` or below ``2**-(maxexp/4)`` (fp32: 2**+-32),
+    which keeps ordinary inputs bit-identical. The result can still be non-finite where its true
+    value is beyond the dtype's range (e.g. DARE's ``d / (1 - p)``).
+    """
+    top = 0.0
+    for x in xs:
+        lo, hi = torch.aminmax(x)
+        top = max(top, -float(lo), float(hi))
+    limit = 2.0 ** (math.frexp(torch.finfo(xs[0].dtype).max)[1] // 4)
+    if top == 0 or (1 / limit <= top <= limit):
+        return fn(list(xs), *args, **kwargs)
+    exp = math.frexp(top)[1]  # top = m * 2**exp, m in [0.5, 1)
+    half = exp // 2  # two factors, each a normal number of the dtype
+    down, up = (2.0**-half, 2.0 ** -(exp - half)), (2.0**half, 2.0 ** (exp - half))
+    out = fn([x * down[0] * down[1] for x in xs], *args, **kwargs)
+    return out * up[0] * up[1]
 
 
 def _streaming(transform: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
@@ -105,14 +150,27 @@ def _svd_polar(x: torch.Tensor) -> torch.Tensor:
     return u @ vh
 
 
+def iso_cts_sizes(r: int, num: int, common_fraction: float) -> tuple[int, int]:
+    """``(k, s)``: common directions and task-specific directions per worker for Iso-CTS.
+
+    The authors' rule (iso-merging ``src/utils/iso.py``; the IsoLoCo code's ``isoctsloco.py``):
+    ``k = r - round((r - int(f r)) / M) * M`` and ``s = (r - k) / M``, with Python's ``round``
+    on a float (round half to even: ``round(2.5) = 2``). E.g. r = 64, f = 0.8: k = 49 at M = 5,
+    48 at M = 8; r = 1024, M = 128: k = 768. One guard the references lack: where
+    ``round(...) * M`` exceeds r (small ``f r``, e.g. r = 3, f = 0.2, M = 2 gives k = -1 there)
+    it is lowered to the largest multiple of M not above r, so ``0 <= k <= r``.
+    """
+    specific = round((r - int(common_fraction * r)) / num) * num
+    specific = min(specific, (r // num) * num)
+    return r - specific, specific // num
+
+
 def _iso_cts(
     deltas: Tensors, weights: Sequence[float], key: str = "", common_fraction: float = 0.8
 ) -> torch.Tensor:
-    """Iso-CTS: k common + (r-k)/M per-worker directions, flattened spectrum."""
+    """Iso-CTS: k common + (r-k)/M per-worker directions (:func:`iso_cts_sizes`), flat spectrum."""
     m, n = deltas[0].shape
-    r, num = min(m, n), len(deltas)
-    per_worker = (r - math.floor(common_fraction * r)) // num
-    k = r - per_worker * num  # r - k divides evenly by M
+    k, per_worker = iso_cts_sizes(min(m, n), len(deltas), common_fraction)
     scaled = [d * w for d, w in zip(deltas, weights, strict=True)]
     total = weighted_mean(deltas, weights)
     u, s, vh = thin_svd(total)
@@ -143,10 +201,21 @@ def _tsv_m(deltas: Tensors, weights: Sequence[float], key: str = "") -> torch.Te
     return (_svd_polar(u_all) * s_all) @ _svd_polar(v_all)
 
 
+def ties_kept_count(numel: int, prune_fraction: float) -> int:
+    """Entries TIES keeps per worker and tensor: ``max(1, int((1 - p) * n))``.
+
+    As the IsoLoCo code (``mergeloco.py``); mergekit's ``sparsify.magnitude`` keeps
+    ``int(density * n)`` with ``density = 1 - p`` (and refuses 0). E.g. n = 6, p = 0.25: 4 kept
+    (``int(4.5)``), where zeroing ``floor(p n) = 1`` entry would keep 5.
+    """
+    return max(1, int((1 - prune_fraction) * numel))
+
+
 def prune_smallest(d: torch.Tensor, fraction: float) -> torch.Tensor:
-    """Zero the ``floor(fraction * numel)`` smallest-magnitude entries (ties: lower index first)."""
-    count = math.floor(fraction * d.numel())
-    if count == 0:
+    """Keep the :func:`ties_kept_count` largest-magnitude entries, zero the rest (equal
+    magnitudes: the lower index is zeroed first)."""
+    count = d.numel() - ties_kept_count(d.numel(), fraction)
+    if count <= 0:
         return d
     mag = d.abs().flatten()
     threshold = torch.kthvalue(mag, count).values  # O(n) selection, no full sort

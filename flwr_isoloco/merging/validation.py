@@ -74,7 +74,13 @@ def check_weight(weight: object, worker: int) -> float:
 
 
 def normalised_weights(weights: Sequence[float] | None, num: int) -> list[float]:
-    """Weights divided by their sum (uniform when ``None``)."""
+    """Weights divided by their sum (uniform when ``None``), in float64 without overflow.
+
+    ``w_i / sum_j w_j`` is computed as ``u_i / sum_j u_j`` with ``u_i = w_i / max_j w_j`` in
+    ``[0, 1]``, so the sum is at most ``num`` and finite for any finite weights (``[1e308,
+    1e308]`` gives ``[0.5, 0.5]``; a plain sum would be ``inf`` and every weight 0). A weight
+    below ``max * 2**-1074`` becomes 0 and that worker takes no part.
+    """
     if weights is None:
         return [1.0 / num] * num
     if isinstance(weights, torch.Tensor):
@@ -84,10 +90,12 @@ def normalised_weights(weights: Sequence[float] | None, num: int) -> list[float]
     if len(weights) != num:
         raise ValueError(f"got {len(weights)} weights for {num} workers")
     ws = [check_weight(w, i) for i, w in enumerate(weights)]
-    total = sum(ws)
-    if not total > 0:
+    top = max(ws)
+    if not top > 0:
         raise ValueError("weights are all zero")
-    return [w / total for w in ws]
+    rel = [w / top for w in ws]
+    total = math.fsum(rel)
+    return [u / total for u in rel]
 
 
 def check_deltas(deltas: Sequence[Mapping[str, torch.Tensor]]) -> None:

@@ -17,7 +17,10 @@ Checks, in order (the first failure drops the reply):
 7. the weight key (``num-examples``) missing from every MetricRecord, or not a finite number
    > 0 (bool and lists are rejected);
 8. the payload flag (ConfigRecord key ``"payload"``: ``"weights"`` or ``"delta"``) invalid;
-9. update norm bounds (see :class:`ReplyValidator`): ``||u_i|| > max_update_norm``, or
+9. an update too large to merge in fp32: ``||u_i||_2 > MAX_MERGEABLE_NORM`` (1e18; the merge
+   rules square entries in fp32, which overflows beyond sqrt(fp32 max) = 1.8e19), checked
+   whenever the reference model is known;
+10. update norm bounds (see :class:`ReplyValidator`): ``||u_i|| > max_update_norm``, or
    ``||u_i|| > max_norm_ratio * median_j ||u_j||`` (median over the other accepted replies;
    needs >= 2 others).
 
@@ -42,6 +45,8 @@ from flwr.common.logger import log
 PAYLOAD_KEY = "payload"
 """ConfigRecord key a reply may set to say what its arrays hold: ``"weights"`` or ``"delta"``."""
 PAYLOADS = ("weights", "delta")
+MAX_MERGEABLE_NORM = 1e18
+"""Largest update norm a reply may have: fp32 squares of larger entries overflow (1.8e19)."""
 DTYPE_POLICIES = ("cast", "reject")
 
 
@@ -61,6 +66,7 @@ class CheckedReply:
     content: RecordDict
     arrayrecord_key: str = "arrays"
     dtypes: dict[str, torch.dtype] = field(default_factory=dict)
+    update_norm: float = 0.0  # ||u_i||_2 (fp64), set when the reference model was known
     _cache: dict[str, torch.Tensor] | None = field(default=None, repr=False)
 
     def release(self) -> None:
@@ -123,6 +129,10 @@ class SentLedger:
         """Destination node of every remembered message."""
         return [m.metadata.dst_node_id for m in self._sent]
 
+    def sent_any(self) -> bool:
+        """Whether the last round sent any instruction."""
+        return bool(self._sent)
+
     def sender(self, reply: Message) -> int:
         """The node a reply answers for."""
         target = reply.metadata.reply_to_message_id
@@ -172,8 +182,13 @@ def weighted_mean_metrics(
 
 
 def tensor_norm(tensors: Mapping[str, torch.Tensor]) -> float:
-    """Global L2 norm of a dict of tensors (per-tensor norms in their dtype, summed in fp64)."""
-    return math.sqrt(sum(float(torch.linalg.vector_norm(t.float())) ** 2 for t in tensors.values()))
+    """Global L2 norm of a dict of tensors, accumulated in fp64 (finite for any finite fp32 input)."""
+    return math.sqrt(
+        sum(
+            float(torch.linalg.vector_norm(t, dtype=torch.float64)) ** 2
+            for t in tensors.values()
+        )
+    )
 
 
 @dataclass
@@ -233,25 +248,29 @@ class ReplyValidator:
         expected: Mapping[str, torch.Tensor] | None = None,
         ledger: SentLedger | None = None,
         report: ReplyReport | None = None,
+        log_summary: bool = True,
     ) -> Iterator[CheckedReply]:
         """Yield the usable replies one by one, in sender node-id order. Never raises.
 
         Each yielded reply still holds the tensors decoded while checking it (one decode per
         reply); call ``reply.release()`` once folded, so only one reply is decoded at a time.
         Norm bounds are not applied here (they need every norm first: use :meth:`validate`).
-        ``report`` (if given) is complete once the iterator is exhausted.
+        ``report`` (if given) is complete once the iterator is exhausted. ``log_summary=False``
+        leaves the "N replies used" line to the caller (who may still drop replies).
         """
         report = report if report is not None else ReplyReport()
         for reply in self._iter(replies, expected, ledger, report):
             report.used += 1
             yield reply
-        self._log_summary(report)
+        if log_summary:
+            self.log_summary(report)
 
     def validate(
         self,
         replies: Iterable[Message],
         expected: Mapping[str, torch.Tensor] | None = None,
         ledger: SentLedger | None = None,
+        log_summary: bool = True,
     ) -> tuple[list[CheckedReply], ReplyReport]:
         """Check every reply; return the usable ones (sender node-id order) and a report.
 
@@ -264,12 +283,16 @@ class ReplyValidator:
         bounds = self.require_arrays and bool(self.max_update_norm or self.max_norm_ratio)
         checked: list[tuple[CheckedReply, float]] = []
         for reply in self._iter(replies, expected, ledger, report):
-            norm = tensor_norm(reply.update(expected)) if bounds else 0.0
+            if expected is not None:
+                norm = reply.update_norm
+            else:
+                norm = tensor_norm(reply.update(None)) if bounds else 0.0
             reply.release()
             checked.append((reply, norm))
         kept = self._norm_filter(checked, report) if bounds else [r for r, _ in checked]
         report.used = len(kept)
-        self._log_summary(report)
+        if log_summary:
+            self.log_summary(report)
         return kept, report
 
     # ----------------------------------------------------------------- internals
@@ -297,8 +320,19 @@ class ReplyValidator:
             except Exception as exc:  # noqa: BLE001 - never let one reply kill the round
                 result = f"could not be read ({type(exc).__name__}: {exc})"
             if isinstance(result, str):
-                self._reject(report, node, result)
+                self.reject(report, node, result)
                 continue
+            if expected is not None and self.require_arrays:
+                result.update_norm = tensor_norm(result.update(expected))
+                if not result.update_norm <= MAX_MERGEABLE_NORM:
+                    result.release()
+                    self.reject(
+                        report,
+                        node,
+                        f"update norm {result.update_norm:.3g} exceeds {MAX_MERGEABLE_NORM:.0e}, "
+                        "the largest an fp32 merge can represent",
+                    )
+                    continue
             if spec is None and self.require_arrays:
                 spec = {k: (tuple(v.shape), v.dtype) for k, v in result.tensors().items()}
             yield result
@@ -307,17 +341,20 @@ class ReplyValidator:
                 report.missing += 1
                 log(WARNING, "%s: no reply from node %d (timeout)", self.what, node)
 
-    def _log_summary(self, report: ReplyReport) -> None:
+    def log_summary(self, report: ReplyReport, server_round: int | None = None) -> None:
+        """One line with the round's final counts (they agree with the round's metrics)."""
+        where = self.what if server_round is None else f"{self.what} (round {server_round})"
         log(
             INFO,
             "%s: %d replies used, %d rejected, %d missing",
-            self.what,
+            where,
             report.used,
             report.rejected,
             report.missing,
         )
 
-    def _reject(self, report: ReplyReport, node: int, reason: str) -> None:
+    def reject(self, report: ReplyReport, node: int, reason: str) -> None:
+        """Count ``node``'s reply as rejected and log why (also for callers that drop later)."""
         report.rejected += 1
         report.reasons.append((node, reason))
         log(WARNING, "%s: dropped reply from node %d: %s", self.what, node, reason)
@@ -421,7 +458,7 @@ class ReplyValidator:
         for i, (r, n) in enumerate(zip(replies, norms, strict=True)):
             if self.max_update_norm is not None and n > self.max_update_norm:
                 keep[i] = False
-                self._reject(
+                self.reject(
                     report,
                     r.node_id,
                     f"update norm {n:.4g} > max_update_norm {self.max_update_norm:.4g}",
@@ -438,7 +475,7 @@ class ReplyValidator:
                 med = statistics.median(others)
                 if n > self.max_norm_ratio * med:
                     keep[i] = False
-                    self._reject(
+                    self.reject(
                         report,
                         r.node_id,
                         f"update norm {n:.4g} > max_norm_ratio {self.max_norm_ratio:g} "

@@ -39,10 +39,13 @@ from flwr.serverapp.strategy.strategy_utils import sample_nodes
 
 from flwr_isoloco.merging import MERGE_RULES, StreamingMerger, merge
 from flwr_isoloco.merging.rules import check_options
+from flwr_isoloco.merging.validation import all_finite
+from flwr_isoloco.merging.weights import bounded_weights
 from flwr_isoloco.outer import OuterSGD
 from flwr_isoloco.strategies.common import (
     PAYLOADS,
     CheckedReply,
+    EmptyRoundGuard,
     ReplyReport,
     ReplyValidator,
     SentLedger,
@@ -56,6 +59,9 @@ __all__ = ["DiLoCo", "IsoLoCo", "DILOCO_RUN_CONFIG", "ISOLOCO_RUN_CONFIG"]
 ORTHOGONALIZE = ("gradient", "update")
 WEIGHTINGS = ("examples", "uniform")
 _SPECTRAL_FOR_UPDATE = ("iso_c", "iso_c_ns")
+
+DEFAULT_MAX_WEIGHT_RATIO = 5.0
+"""No reply's weight counts for more than 5 x the round's median weight (docs/strategies.md)."""
 
 # Run-config keys (flat Flower keys, prefix "strategy."), with their defaults. Merge options set
 # to -1 / "" mean "the merge rule's own default". 0 for the norm bounds means "off".
@@ -74,6 +80,8 @@ DILOCO_RUN_CONFIG: dict[str, Any] = {
     "min-available-nodes": 2,
     "max-update-norm": 0.0,
     "max-norm-ratio": 0.0,
+    "max-weight-ratio": DEFAULT_MAX_WEIGHT_RATIO,
+    "max-empty-rounds": 3,
     "dtype-policy": "cast",
     "seed": 0,
     "prune-fraction": -1.0,
@@ -99,6 +107,11 @@ _MERGE_OPTION_KEYS = {
 
 def _is_number(v: object) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _off_or_at_least_one(value: float) -> None:
+    if value != 0 and not value >= 1:
+        raise ValueError("must be >= 1, or 0 for off")
 
 
 def _split_state(tree: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -129,6 +142,14 @@ def _join_state(tensors: Mapping[str, Any], meta: Mapping[str, Any]) -> dict[str
     return out
 
 
+def _finite(g: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``g`` itself, or ``ValueError`` naming the first tensor with non-finite values."""
+    for k, t in g.items():
+        if not all_finite(t):
+            raise ValueError(f"merged tensor {k!r} has non-finite values")
+    return g
+
+
 class DiLoCo(Strategy):
     """DiLoCo: merge the nodes' pseudo-gradients, then an outer SGD/Nesterov step.
 
@@ -157,6 +178,12 @@ class DiLoCo(Strategy):
         What clients reply by default (a reply's ConfigRecord ``payload`` overrides it).
     max_update_norm, max_norm_ratio :
         Optional bounds on ``||delta_i||_2`` (absolute; relative to the median of the others).
+    max_weight_ratio : float
+        Each reply's weight is clipped to ``max_weight_ratio x`` the round's median weight
+        (default 5; ``0`` or ``None`` = off), so no one site owns the merge.
+    max_empty_rounds : int
+        Stop with :class:`~flwr_isoloco.strategies.common.NoProgressError` when this many
+        consecutive rounds used no reply (default 3; ``0`` = never).
     dtype_policy : "cast" | "reject"
         What to do with a reply array of another floating dtype.
     seed : int
@@ -186,6 +213,8 @@ class DiLoCo(Strategy):
         client_sends: str = "weights",
         max_update_norm: float | None = None,
         max_norm_ratio: float | None = None,
+        max_weight_ratio: float | None = DEFAULT_MAX_WEIGHT_RATIO,
+        max_empty_rounds: int = 3,
         dtype_policy: str = "cast",
         seed: int = 0,
     ) -> None:
@@ -210,6 +239,14 @@ class DiLoCo(Strategy):
             raise ValueError(f"client_sends must be one of {PAYLOADS}, got {client_sends!r}")
         if not isinstance(seed, int) or isinstance(seed, bool):
             raise ValueError(f"seed must be an int, got {seed!r}")
+        if max_weight_ratio is not None and not (
+            _is_number(max_weight_ratio) and (max_weight_ratio == 0 or max_weight_ratio >= 1)
+        ):
+            raise ValueError(
+                f"max_weight_ratio must be >= 1, or 0/None for off, got {max_weight_ratio!r}"
+            )
+        self.max_weight_ratio = float(max_weight_ratio or 0.0)
+        self._guard = EmptyRoundGuard(max_empty_rounds, "aggregate_train")
         self.rule, self.merge_name = self._resolve_rule(merge)
         if orthogonalize == "update" and self.merge_name not in _SPECTRAL_FOR_UPDATE:
             raise ValueError(
@@ -306,6 +343,8 @@ class DiLoCo(Strategy):
             "min-available-nodes": non_negative,
             "max-update-norm": non_negative,
             "max-norm-ratio": non_negative,
+            "max-weight-ratio": _off_or_at_least_one,
+            "max-empty-rounds": non_negative,
             "orthogonalize": choices(*ORTHOGONALIZE),
             "weighting": choices(*WEIGHTINGS),
             "client-sends": choices(*PAYLOADS),
@@ -336,6 +375,8 @@ class DiLoCo(Strategy):
             min_available_nodes=c["min-available-nodes"],
             max_update_norm=c["max-update-norm"] or None,
             max_norm_ratio=c["max-norm-ratio"] or None,
+            max_weight_ratio=c["max-weight-ratio"],
+            max_empty_rounds=c["max-empty-rounds"],
             dtype_policy=c["dtype-policy"],
             seed=c["seed"],
         )
@@ -420,11 +461,13 @@ class DiLoCo(Strategy):
         )
         log(
             INFO,
-            "\t├──> Replies: weighting %s | payload %s | max-update-norm %s | max-norm-ratio %s",
+            "\t├──> Replies: weighting %s | payload %s | max-update-norm %s | max-norm-ratio %s"
+            " | max-weight-ratio %s",
             self.weighting,
             self.client_sends,
             self.train_validator.max_update_norm,
             self.train_validator.max_norm_ratio,
+            self.max_weight_ratio or "off",
         )
         log(INFO, "\t└──> Keys in records:")
         log(INFO, "\t\t├── Weighted by: '%s'", self.weighted_by_key)
@@ -476,7 +519,12 @@ class DiLoCo(Strategy):
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        """Validate, merge the pseudo-gradients and take the outer step. Never raises."""
+        """Validate, bound the weights, merge and take the outer step.
+
+        A bad reply is dropped and named, never the round; the counts logged and returned
+        agree. Raises :class:`~flwr_isoloco.strategies.common.NoProgressError` only when
+        ``max_empty_rounds`` consecutive rounds used no reply.
+        """
         t0 = time.perf_counter()
         self.server_round += 1
         if self.theta is None:
@@ -484,35 +532,32 @@ class DiLoCo(Strategy):
             return None, None
         rule = self._rule_for_g()
         v = self.train_validator
-        checked: list[CheckedReply] = []
-        if getattr(rule, "streaming", False) and not (v.max_update_norm or v.max_norm_ratio):
+        needs_all = v.max_update_norm or v.max_norm_ratio or self.max_weight_ratio
+        if getattr(rule, "streaming", False) and not needs_all:
             report = ReplyReport()  # validate and fold one reply at a time: one decode each
             source: Iterable[CheckedReply] = v.stream(
-                replies, self.theta, self._train_ledger, report
+                replies, self.theta, self._train_ledger, report, log_summary=False
             )
+            weights: dict[int, float] | None = None
         else:
-            source, report = v.validate(replies, self.theta, self._train_ledger)
+            source, report = v.validate(replies, self.theta, self._train_ledger, log_summary=False)
+            weights = self._bounded_weights(source)
+        checked: list[CheckedReply] = []
+        g = self._merge_or_isolate(rule, source, checked, weights, report)
         new_arrays = None
         extra: dict[str, float] = {}
-        try:
-            g = self._merge(rule, source, checked)
-            if g is not None:
-                extra["pseudo-grad-norm"] = tensor_norm(g)
+        if g is not None:
+            extra["pseudo-grad-norm"] = tensor_norm(g)
+            try:
                 self._outer_step(g)
                 new_arrays = self._model_record()
-            else:
-                log(
-                    WARNING,
-                    "aggregate_train: no usable reply in round %d, model kept",
-                    server_round,
-                )
-        except (ValueError, RuntimeError) as exc:
-            log(WARNING, "aggregate_train: merge/outer step failed, model kept: %s", exc)
-            for _ in source:  # finish validation so the counts are complete
-                pass
-            report.rejected += report.used
-            report.used = 0
-            checked = []
+            except (ValueError, RuntimeError) as exc:
+                self._drop_all(checked, report, f"outer step failed, model kept: {exc}")
+                checked = []
+        report.used = len(checked)
+        v.log_summary(report, self.server_round)
+        if not checked:
+            log(WARNING, "aggregate_train: no usable reply in round %d, model kept", self.server_round)
         if self.train_metrics_aggr_fn is not None and checked:
             client = dict(
                 self.train_metrics_aggr_fn([r.content for r in checked], self.weighted_by_key)
@@ -525,7 +570,66 @@ class DiLoCo(Strategy):
             **extra,
             "aggregation-time-s": time.perf_counter() - t0,
         }
+        if self._train_ledger.sent_any():
+            self._guard.record(self.server_round, report.used, [why for _, why in report.reasons])
         return new_arrays, metric_record(metrics)
+
+    def _bounded_weights(self, replies: list[CheckedReply]) -> dict[int, float]:
+        """Merge weight per node: ``w_i`` clipped to ``max_weight_ratio x median`` (logged)."""
+        raw = [self._weight(r) for r in replies]
+        bounded, clipped = bounded_weights(raw, self.max_weight_ratio)
+        for i in clipped:
+            log(
+                WARNING,
+                "aggregate_train: node %d: weight %s=%.4g clipped to %.4g "
+                "(max-weight-ratio %g x the round's median)",
+                replies[i].node_id,
+                self.weighted_by_key,
+                raw[i],
+                bounded[i],
+                self.max_weight_ratio,
+            )
+        return {r.node_id: w for r, w in zip(replies, bounded, strict=True)}
+
+    def _drop_all(self, replies: list[CheckedReply], report: ReplyReport, reason: str) -> None:
+        for r in replies:
+            self.train_validator.reject(report, r.node_id, reason)
+
+    def _merge_or_isolate(
+        self,
+        rule: Any,
+        source: Iterable[CheckedReply],
+        used: list[CheckedReply],
+        weights: Mapping[int, float] | None,
+        report: ReplyReport,
+    ) -> dict[str, torch.Tensor] | None:
+        """``g`` over all usable replies; if that merge fails, drop the replies that fail alone.
+
+        A merge can fail on finite input (e.g. an SVD that does not converge); then each reply
+        is merged on its own, those that fail or give non-finite values are dropped and named,
+        and the rest are merged again. ``used`` ends up holding exactly the replies in ``g``.
+        """
+        try:
+            return self._merge(rule, source, used, weights)
+        except (ValueError, RuntimeError) as exc:
+            rest = [] if isinstance(source, list) else list(source)  # finish a streamed validation
+            log(WARNING, "aggregate_train: merge failed (%s); checking replies one by one", exc)
+        suspects, used[:] = used + rest, []
+        for r in suspects:
+            try:
+                self._merge(rule, [r], [], weights)
+                used.append(r)
+            except (ValueError, RuntimeError) as exc:
+                self.train_validator.reject(report, r.node_id, f"merge fails on this reply: {exc}")
+        if not used:
+            return None
+        kept, used[:] = list(used), []
+        try:
+            return self._merge(rule, kept, used, weights)
+        except (ValueError, RuntimeError) as exc:
+            self._drop_all(kept, report, f"merge of the round failed, model kept: {exc}")
+            used[:] = []
+            return None
 
     def aggregate_evaluate(
         self, server_round: int, replies: Iterable[Message]
@@ -557,13 +661,23 @@ class DiLoCo(Strategy):
         return MERGE_RULES["mean"] if self.orthogonalize == "update" else self.rule
 
     def _merge(
-        self, rule: Any, source: Iterable[CheckedReply], used: list[CheckedReply]
+        self,
+        rule: Any,
+        source: Iterable[CheckedReply],
+        used: list[CheckedReply],
+        weights: Mapping[int, float] | None = None,
     ) -> dict[str, torch.Tensor] | None:
         """``g`` over the float entries of the model (non-float entries are never updated).
 
         Streaming rules fold each reply as it comes (then release its tensors); the others
         collect the M deltas for ``merge()``. Appends the replies used to ``used``.
+        ``weights`` (node id -> weight) overrides :meth:`_weight`. Raises ``ValueError`` when
+        the rule fails or gives non-finite values.
         """
+
+        def weight(r: CheckedReply) -> float:
+            return self._weight(r) if weights is None else weights[r.node_id]
+
         assert self.theta is not None
         floats = [k for k, t in self.theta.items() if t.is_floating_point()]
         opts = {} if self.orthogonalize == "update" else self._round_options()
@@ -572,16 +686,18 @@ class DiLoCo(Strategy):
             for r in source:
                 d = r.update(self.theta)
                 r.release()
-                merger.add({k: d[k] for k in floats}, self._weight(r))
-                used.append(r)
-            return merger.result() if used else None
+                used.append(r)  # before add(): a reply that makes add() fail is a suspect
+                merger.add({k: d[k] for k in floats}, weight(r))
+            return _finite(merger.result()) if used else None
         deltas = []
         for r in source:
             d = r.update(self.theta)
             r.release()
             deltas.append({k: d[k] for k in floats})
             used.append(r)
-        return merge(rule, deltas, [self._weight(r) for r in used], **opts) if used else None
+        if not used:
+            return None
+        return _finite(merge(rule, deltas, [weight(r) for r in used], **opts))
 
     def _outer_step(self, g: Mapping[str, torch.Tensor]) -> None:
         assert self.theta is not None
@@ -621,31 +737,115 @@ class DiLoCo(Strategy):
             },
         }
 
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore :meth:`state_dict` output (tensors and meta may come from a checkpoint)."""
-        try:
-            tensors, meta = state["tensors"], state["meta"]
-            theta = tensors["theta"]
-            dtypes = {k: getattr(torch, v) for k, v in meta["dtypes"].items()}
-            version, internal, gauss = meta["rng"]
-            round_ = meta["server_round"]
-        except (KeyError, TypeError, ValueError, AttributeError) as exc:
-            raise ValueError(f"DiLoCo state is missing or malformed: {exc!r}") from None
-        if meta.get("merge") != self.merge_name:
-            raise ValueError(
+    @staticmethod
+    def _state_spec() -> dict[str, Any]:
+        """The fields :meth:`load_state_dict` needs in ``meta`` (types and ranges)."""
+        from flwr_isoloco.checkpoint_spec import Field
+
+        number = Field("float", min=0)
+        outer = {"lr": number, "momentum": number, "nesterov": Field("bool")}
+        return {
+            "server_round": Field("int", min=0),
+            "dtypes": Field("dict", values=Field("str")),
+            "outer": Field("dict", fields={**outer, "steps": Field("int", min=0)}),
+            "rng": Field("list", length=3),
+            "merge": Field("str"),
+            "merge_options": Field("dict", optional=True),
+            "orthogonalize": Field("str", optional=True),
+        }
+
+    def _check_settings(self, meta: Mapping[str, Any]) -> None:
+        """Saved merge rule/options, ``orthogonalize`` and outer hyper-parameters must be ours."""
+        import json
+
+        from flwr_isoloco.checkpoint_spec import CheckpointError
+
+        if meta["merge"] != self.merge_name:
+            raise CheckpointError(
                 f"checkpoint was written with merge {meta.get('merge')!r}, "
                 f"this strategy uses {self.merge_name!r}"
             )
-        if not isinstance(round_, int) or round_ < 0:
-            raise ValueError(f"DiLoCo state: server_round must be an int >= 0, got {round_!r}")
-        if set(dtypes) != set(theta):
-            raise ValueError("DiLoCo state: dtypes and theta keys differ")
-        self.outer.load_state_dict(_join_state(tensors.get("outer", {}), meta.get("outer", {})))
+        saved = {
+            "merge_options": meta.get("merge_options", {}),
+            "orthogonalize": meta.get("orthogonalize", self.orthogonalize),
+            **{f"outer.{k}": meta["outer"][k] for k in ("lr", "momentum", "nesterov")},
+        }
+        ours = {
+            "merge_options": json.loads(json.dumps(self.merge_options)),
+            "orthogonalize": self.orthogonalize,
+            "outer.lr": self.outer.lr,
+            "outer.momentum": self.outer.momentum,
+            "outer.nesterov": self.outer.nesterov,
+        }
+        for name, value in saved.items():
+            if value != ours[name]:
+                raise CheckpointError(
+                    f"field {name!r} = {value!r} differs from this strategy's {ours[name]!r}; "
+                    "a resumed run must use the same settings"
+                )
+
+    def load_state_dict(
+        self, state: Mapping[str, Any], reference: Mapping[str, Any] | None = None
+    ) -> None:
+        """Restore :meth:`state_dict` output (tensors and meta may come from a checkpoint).
+
+        Everything is checked before anything is set, and a failure is a
+        :class:`~flwr_isoloco.checkpoint.CheckpointError` (a ``ValueError``) naming the field or
+        tensor: meta types and ranges; ``theta`` and the outer momentum buffers finite, buffers
+        only for ``theta``'s names with ``theta``'s shapes; with ``reference`` (the model's
+        state dict, name -> tensor), ``theta`` has its names, shapes and dtypes. The saved merge
+        rule, merge options, ``orthogonalize`` and outer ``lr``/``momentum``/``nesterov`` must
+        equal this strategy's: a resumed run uses the settings it was built with, so a
+        checkpoint that disagrees is refused rather than silently overriding them.
+        """
+        from flwr_isoloco.checkpoint_spec import CheckpointError, check_fields, check_tensors
+
+        if not isinstance(state, Mapping) or "tensors" not in state or "meta" not in state:
+            raise CheckpointError("DiLoCo state must be a dict with 'tensors' and 'meta'")
+        tensors, meta = state["tensors"], state["meta"]
+        if not isinstance(tensors, Mapping):
+            raise CheckpointError("DiLoCo state: 'tensors' must be a dict")
+        check_fields(dict(meta) if isinstance(meta, Mapping) else meta, self._state_spec())
+        self._check_settings(meta)
+        dtypes = {}
+        for k, v in meta["dtypes"].items():
+            dt = getattr(torch, v, None)
+            if not isinstance(dt, torch.dtype):
+                raise CheckpointError(f"field 'dtypes.{k}' is {v!r}, not a torch dtype")
+            dtypes[k] = dt
+        theta = tensors.get("theta")
+        check_tensors(theta, None, "theta")  # a group of finite tensors
+        if set(theta) != set(dtypes):
+            odd = sorted(set(theta) ^ set(dtypes), key=str)[0]
+            raise CheckpointError(f"tensor 'theta/{odd}' and field 'dtypes' disagree on names")
+        if reference is not None:
+            check_tensors(theta, reference, "theta")
+            bad = [k for k, t in reference.items() if t.dtype != dtypes[k]]
+            if bad:
+                raise CheckpointError(
+                    f"field 'dtypes.{bad[0]}' is {meta['dtypes'][bad[0]]!r}, the model's is "
+                    f"{str(reference[bad[0]].dtype).replace('torch.', '')!r}"
+                )
+        if self.theta is not None:
+            check_tensors(theta, self.theta, "theta")
+        outer_t = tensors.get("outer", {})
+        buffers = outer_t.get("momentum_buffer", {}) if isinstance(outer_t, Mapping) else None
+        check_tensors(buffers, None, "outer/momentum_buffer")
+        check_tensors(
+            buffers, {k: theta[k] for k in buffers if k in theta}, "outer/momentum_buffer"
+        )
+        version, internal, gauss = meta["rng"]
+        try:
+            rng = random.Random()
+            rng.setstate((version, tuple(internal), gauss))
+        except (TypeError, ValueError) as exc:
+            raise CheckpointError(f"field 'rng' is not a valid generator state ({exc})") from None
+        self.outer.load_state_dict(_join_state(outer_t, meta["outer"]))
         # Keep the model's own key order (a checkpoint may sort keys; clients may care).
         self.theta = {k: theta[k].detach().clone() for k in dtypes}
         self._dtypes = dtypes
-        self._rng.setstate((version, tuple(internal), gauss))
-        self.server_round = round_
+        self._rng.setstate(rng.getstate())
+        self.server_round = meta["server_round"]
 
 
 class IsoLoCo(DiLoCo):

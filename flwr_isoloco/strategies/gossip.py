@@ -329,6 +329,25 @@ class GossipLoRA(GraphStrategy):
             },
         }
 
+    def _check_state_tensors(
+        self,
+        tensors: Mapping[str, Any],
+        meta: Mapping[str, Any],
+        reference: Any,
+        optimizer_reference: Any = None,
+    ) -> None:
+        """One finite adapter per vertex, each with the names and shapes of ``reference`` (the
+        model's adapter) when given, else of the first vertex's."""
+        from flwr_isoloco.checkpoint_spec import CheckpointError, check_tensors
+
+        adapters = tensors.get("adapters")
+        if not isinstance(adapters, Mapping) or not adapters:
+            raise CheckpointError("tensor group 'adapters' is missing or empty")
+        first = next(iter(adapters.values()))
+        for v, adapter in adapters.items():
+            check_tensors(adapter, reference, f"adapters/{v}")
+            check_tensors(adapter, first, f"adapters/{v}")
+
     def _preload_state(self, state: Mapping[str, Any]) -> None:
         adapters = state["tensors"].get("adapters") or {}
         if not adapters:

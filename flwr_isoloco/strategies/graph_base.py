@@ -295,20 +295,68 @@ class GraphStrategy(Strategy):
         return None
 
     # ----------------------------------------------------------------- state
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+    def load_state_dict(
+        self,
+        state: Mapping[str, Any],
+        reference: Mapping[str, Any] | None = None,
+        optimizer_reference: Mapping[str, Any] | None = None,
+    ) -> None:
         """Restore :meth:`state_dict` output. Applied now if the strategy is set up, else at
-        the start of :meth:`start` (after vertex discovery)."""
+        the start of :meth:`start` (after vertex discovery).
+
+        Checked here, before anything is kept: the kind, the counters' types and ranges, and
+        (:meth:`_check_state_tensors`) that every tensor is finite and has the shape of
+        ``reference`` (the model's adapter, name -> tensor) when given, and for RW-LoRA a
+        carried optimizer state that of ``optimizer_reference`` (name -> tensor or shape,
+        e.g. the client's ``<param>.exp_avg``/``.exp_avg_sq``). A failure is a
+        :class:`~flwr_isoloco.checkpoint.CheckpointError` (a ``ValueError``) naming the field
+        or tensor.
+        """
+        from flwr_isoloco.checkpoint_spec import CheckpointError, Field, check_fields
+
         if not isinstance(state, Mapping) or "tensors" not in state or "meta" not in state:
             raise ValueError(f"{self.what} state must be a dict with 'tensors' and 'meta'")
-        if state["meta"].get("kind") != self.what:
+        tensors, meta = state["tensors"], state["meta"]
+        if not isinstance(tensors, Mapping) or not isinstance(meta, Mapping):
+            raise CheckpointError(f"{self.what} state: 'tensors' and 'meta' must be dicts")
+        if meta.get("kind") != self.what:
             raise ValueError(
-                f"state is for {state['meta'].get('kind')!r}, not {self.what!r}: wrong checkpoint?"
+                f"state is for {meta.get('kind')!r}, not {self.what!r}: wrong checkpoint?"
             )
+        count = Field("int", min=0)
+        check_fields(
+            dict(meta),
+            {
+                "round": count,
+                "vertices": Field("list"),
+                "failures": count,
+                "failures_by_vertex": Field("list", items=Field("list", length=2)),
+                "failure_log": Field("list", items=Field("list", length=3), optional=True),
+                "local_updates": count,
+                "bytes_relayed": count,
+                "bytes_p2p": count,
+                "empty_streak": Field("int", min=0, optional=True),
+            },
+        )
+        for name, at in (("failures_by_vertex", 1), ("failure_log", 0)):
+            for i, entry in enumerate(meta.get(name, [])):
+                key = f"{name}[{i}][{at}]"
+                check_fields({key: entry[at]}, {key: count})
+        self._check_state_tensors(tensors, meta, reference, optimizer_reference)
         if self.live_graph is not None:
             self._apply_state(state)
         else:
             self._pending_state = dict(state)
             self._preload_state(state)
+
+    def _check_state_tensors(
+        self,
+        tensors: Mapping[str, Any],
+        meta: Mapping[str, Any],
+        reference: Any,
+        optimizer_reference: Any = None,
+    ) -> None:
+        """Subclasses check their tensors (and their own meta fields) here."""
 
     def _preload_state(self, state: Mapping[str, Any]) -> None:
         pass

@@ -578,6 +578,47 @@ class RWLoRA(GraphStrategy):
             },
         }
 
+    def _check_state_tensors(
+        self,
+        tensors: Mapping[str, Any],
+        meta: Mapping[str, Any],
+        reference: Any,
+        optimizer_reference: Any = None,
+    ) -> None:
+        """Token: finite, non-empty, the names and shapes of ``reference`` (the adapter) when
+        given. Optimizer state (opaque to the strategy): finite float or int tensors, with the
+        names and shapes of ``optimizer_reference`` when given and the state is not empty."""
+        from flwr_isoloco.checkpoint_spec import CheckpointError, Field, check_fields, check_tensors
+
+        check_fields(
+            dict(meta),
+            {
+                "walk": Field("dict"),
+                "trajectory": Field("list"),
+                "excluded": Field("list"),
+                "update_norms": Field("list", items=Field("float", min=0)),
+                "optimizer_config": Field("dict", nullable=True, optional=True),
+                "health": Field(
+                    "dict",
+                    optional=True,
+                    fields=dict.fromkeys(
+                        ("streak", "strikes", "dead_until"),
+                        Field("list", items=Field("list", length=2)),
+                    ),
+                ),
+                "relays": Field("int", min=0, optional=True),
+            },
+        )
+        token = tensors.get("token")
+        check_tensors(token, reference, "token")
+        if not token:
+            raise CheckpointError("tensor group 'token' is empty")
+        opt = tensors.get("optimizer") or {}
+        check_tensors(opt, optimizer_reference if opt else None, "optimizer")
+        for key, t in opt.items():
+            if not t.is_floating_point() and t.dtype not in (torch.int32, torch.int64):
+                raise CheckpointError(f"tensor 'optimizer/{key}' has dtype {t.dtype}")
+
     def _preload_state(self, state: Mapping[str, Any]) -> None:
         token = state["tensors"].get("token") or {}
         if not token:

@@ -20,14 +20,20 @@ from flwr.common.logger import log
 from flwr.serverapp import Grid, ServerApp
 
 from flwr_isoloco.checkpoint import (
+    RNG_FIELD,
+    CheckpointError,
+    Field,
+    checkpoint_error,
     load_checkpoint,
+    restoring,
     rng_state,
     save_checkpoint,
     set_rng_state,
     write_json_atomic,
 )
 from flwr_isoloco.models.llama import count_parameters
-from flwr_isoloco.runconfig import RunConfigError, check_resumable
+from flwr_isoloco.runconfig import RunConfigError, check_resumable, prepare_output_dir
+from flwr_isoloco.strategies.common import NoProgressError
 
 from .task import (
     RESUME_DIR_KEY,
@@ -82,6 +88,42 @@ def wait_for_nodes(
         time.sleep(0.25)
 
 
+# What ``resume-from`` must hold (checked before anything is restored; see load_checkpoint).
+CHECKPOINT_SPEC = {
+    "round": Field("int", min=0),
+    "config": Field("dict"),
+    "strategy": Field("dict"),
+    "history": Field("list", items=Field("dict", fields={"round": Field("int", min=1)})),
+    "initial": Field("dict", nullable=True),
+    "rng": RNG_FIELD,
+}
+
+
+def resume(path: Path, conf: dict[str, Any], strategy, model) -> tuple[int, list, Any]:
+    """Verify the checkpoint at ``path`` and restore ``strategy`` and the RNGs from it; returns
+    ``(rounds done, history, initial evaluation)``. Raises CheckpointError (naming the file
+    and the field or tensor) or RunConfigError (a changed setting) before anything runs."""
+    tensors, meta = load_checkpoint(path, kind="isoloco_lm", spec=CHECKPOINT_SPEC)
+    check_resumable(meta["config"], conf, RESUMABLE_DIFFERENCES, source=str(path))
+    done, history = meta["round"], meta["history"]
+    if [r["round"] for r in history] != list(range(1, done + 1)):
+        raise checkpoint_error(
+            path, f"field 'history' does not hold rounds 1..{done} (field 'round' = {done})"
+        )
+    with restoring(path, "strategy state: "):
+        strategy.load_state_dict(
+            {"tensors": tensors.get("strategy", {}), "meta": meta["strategy"]},
+            reference=model.state_dict(),
+        )
+        if strategy.server_round != done:
+            raise CheckpointError(
+                f"field 'server_round' = {strategy.server_round} but field 'round' = {done}"
+            )
+    with restoring(path):
+        set_rng_state(meta["rng"])
+    return done, history, meta["initial"]
+
+
 def run_server(
     grid: Grid, run_config: dict[str, Any], run_id: int = 0, *, settle_s: float = 2.0
 ) -> Path:
@@ -92,8 +134,7 @@ def run_server(
         log(ERROR, "isoloco-lm: bad run config: %s", exc)
         raise
     torch.set_num_threads(cfg["torch-threads"])
-    out = output_dir(cfg, run_id)
-    out.mkdir(parents=True, exist_ok=True)
+    out = prepare_output_dir(output_dir(cfg, run_id))
     log(INFO, "isoloco-lm: results will be written to %s", out)
     conf = config_dict(cfg)
 
@@ -121,11 +162,11 @@ def run_server(
         tc[STATE_DIR_KEY] = str(out / "node-state")
     if cfg["resume-from"]:
         path = Path(cfg["resume-from"])
-        tensors, meta = load_checkpoint(path)
-        check_resumable(meta["config"], conf, RESUMABLE_DIFFERENCES)
-        strategy.load_state_dict({"tensors": tensors["strategy"], "meta": meta["strategy"]})
-        set_rng_state(meta["rng"])
-        done, history, initial = int(meta["round"]), list(meta["history"]), meta["initial"]
+        try:
+            done, history, initial = resume(path, conf, strategy, model)
+        except (CheckpointError, RunConfigError) as exc:
+            log(ERROR, "isoloco-lm: cannot resume: %s", exc)
+            raise
         tc[RESUME_DIR_KEY] = str(path.parent / "node-state")
         tc[RESUME_ROUND_KEY] = done
         log(INFO, "isoloco-lm: resumed from %s at round %d", path, done)
@@ -234,14 +275,21 @@ def run_server(
         log(INFO, "isoloco-lm: checkpoint already holds all %d rounds; nothing to run", total)
     else:
         wait_for_nodes(grid, cfg.strategy["min-nodes"], settle_s=settle_s)
-        strategy.start(
-            grid=grid,
-            initial_arrays=ArrayRecord(model.state_dict()),
-            num_rounds=done + remaining,  # the total: the strategy runs rounds done+1 ..
-            timeout=cfg["round-timeout"],
-            train_config=ConfigRecord(tc),
-            evaluate_fn=evaluate_fn,
-        )
+        try:
+            strategy.start(
+                grid=grid,
+                initial_arrays=ArrayRecord(model.state_dict()),
+                num_rounds=done + remaining,  # the total: the strategy runs rounds done+1 ..
+                timeout=cfg["round-timeout"],
+                train_config=ConfigRecord(tc),
+                evaluate_fn=evaluate_fn,
+            )
+        except NoProgressError as exc:  # the run trained nothing: say so, never "completed"
+            log(ERROR, "isoloco-lm: %s", exc)
+            results.update({"status": "failed", "error": str(exc)})
+            results["wall-time-s"] = time.perf_counter() - t0
+            write_json_atomic(results_path, results)
+            raise
     results["status"] = "completed" if len(history) == total else "partial"
     results["wall-time-s"] = time.perf_counter() - t0
     if strategy.theta is not None:

@@ -18,8 +18,12 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from flwr_isoloco.checkpoint import (
+    RECORDS_FIELD,
+    Field,
+    checkpoint_error,
     load_checkpoint,
     recorddict_to_tree,
+    restoring,
     save_checkpoint,
     tree_to_recorddict,
 )
@@ -38,6 +42,8 @@ from flwr_isoloco.runconfig import (
 )
 
 STRATEGIES = ("isoloco", "diloco", "fedavg")
+SEED_MAX = 2**32 - 1  # seeds beyond this were silently unusable (per-batch seeds overflowed)
+THREADS_MAX = 512  # torch segfaults on absurd thread counts (100000); no node has more cores
 
 # The schema: every run-config key with its default (mirrors [tool.flwr.app.config]; a test
 # checks they agree). -1 / "" = "the chosen strategy's default".
@@ -62,6 +68,8 @@ DEFAULTS: dict[str, Any] = {
         "fraction-train": 1.0,
         "max-update-norm": 0.0,
         "max-norm-ratio": 0.0,
+        "max-weight-ratio": 5.0,
+        "max-empty-rounds": 3,
     },
     "train": {
         "local-steps": 20,
@@ -105,6 +113,11 @@ def _default_or_non_negative(value: float) -> None:
         raise ValueError("must be >= 0, or -1 for the strategy's default")
 
 
+def _off_or_at_least_one(value: float) -> None:
+    if value != 0 and not value >= 1:
+        raise ValueError("must be >= 1, or 0 for off")
+
+
 def _corpus(value: str) -> None:
     if not value:
         raise ValueError("must name a corpus ('shakespeare', a path, or a Hub data set)")
@@ -115,11 +128,11 @@ def _corpus(value: str) -> None:
 VALIDATORS = {
     "num-server-rounds": positive,
     "rounds-this-run": non_negative,
-    "seed": non_negative,
+    "seed": in_range(0, SEED_MAX),
     "output-dir": absolute_path(allow_empty=True),
     "resume-from": [absolute_path(allow_empty=True), existing_path(allow_empty=True)],
     "round-timeout": positive,
-    "torch-threads": positive,
+    "torch-threads": in_range(1, THREADS_MAX),
     "strategy.name": choices(*STRATEGIES),
     "strategy.merge": _merge_name,
     "strategy.outer-lr": _default_or_positive,
@@ -129,6 +142,8 @@ VALIDATORS = {
     "strategy.fraction-train": in_range(0.0, 1.0, lo_open=True),
     "strategy.max-update-norm": non_negative,
     "strategy.max-norm-ratio": non_negative,
+    "strategy.max-weight-ratio": _off_or_at_least_one,
+    "strategy.max-empty-rounds": non_negative,
     "train.local-steps": positive,
     "train.lr": positive,
     "train.warmup-steps": non_negative,
@@ -232,6 +247,14 @@ def text_data(cfg: DictConfig):
     return data
 
 
+def batch_generator(seed: int, partition_id: int, index: int) -> torch.Generator:
+    """The generator of batch ``index`` of a node: seeded by ``(seed, partition, index)``,
+    reduced mod 2**64 so that no seed overflows ``manual_seed`` (smaller seeds unchanged)."""
+    return torch.Generator().manual_seed(
+        ((seed * 1_000_003 + partition_id) * 1_000_033 + index) % 2**64
+    )
+
+
 def node_batches(cfg: DictConfig, partition_id: int, num_partitions: int):
     """``batch(i)``: the node's i-th training batch, random windows of its contiguous shard,
     seeded by (seed, partition, i) so a resumed node draws exactly the same batches."""
@@ -239,7 +262,7 @@ def node_batches(cfg: DictConfig, partition_id: int, num_partitions: int):
     bs, seq, seed = cfg.train["batch-size"], cfg.train["seq-len"], cfg.seed
 
     def batch(index: int) -> torch.Tensor:
-        g = torch.Generator().manual_seed((seed * 1_000_003 + partition_id) * 1_000_033 + index)
+        g = batch_generator(seed, partition_id, index)
         return sample_batch(shard, bs, seq, g)
 
     return batch
@@ -302,7 +325,7 @@ def local_batches(cfg: DictConfig, data_path: str, partition_id: int):
     bs, seq, seed = cfg.train["batch-size"], cfg.train["seq-len"], cfg.seed
 
     def batch(index: int) -> torch.Tensor:
-        g = torch.Generator().manual_seed((seed * 1_000_003 + partition_id) * 1_000_033 + index)
+        g = batch_generator(seed, partition_id, index)
         return sample_batch(tokens, bs, seq, g)
 
     return batch
@@ -345,6 +368,8 @@ def build_strategy(cfg: DictConfig):
         "strategy.fraction-evaluate": 0.0,
         "strategy.max-update-norm": s["max-update-norm"],
         "strategy.max-norm-ratio": s["max-norm-ratio"],
+        "strategy.max-weight-ratio": s["max-weight-ratio"],
+        "strategy.max-empty-rounds": s["max-empty-rounds"],
         "strategy.seed": cfg.seed,
     }
     if s.name == "fedavg":
@@ -402,25 +427,50 @@ def _state_files(folder: Path, partition_id: int) -> list[tuple[int, Path]]:
     return sorted(out)
 
 
+NODE_STATE = "node-state"  # the ``app`` (kind) of a node-state file
+NODE_STATE_SPEC = {
+    "partition-id": Field("int", min=0),
+    "round": Field("int", min=0),
+    "records": RECORDS_FIELD,
+}
+
+
 def save_node_state(
     state, folder: Path, partition_id: int, server_round: int, keep: int = 2
 ) -> None:
+    """Write ``state`` (a RecordDict) to this node's file for ``server_round``; keep the last
+    ``keep`` files. The meta names the kind, partition and round (checked on reading)."""
     tensors, meta = recorddict_to_tree(state)
     save_checkpoint(
-        folder / f"node-p{partition_id}-r{server_round}.safetensors", tensors, {"records": meta}
+        folder / f"node-p{partition_id}-r{server_round}.safetensors",
+        tensors,
+        {"app": NODE_STATE, "partition-id": partition_id, "round": server_round, "records": meta},
     )
     for _, old in _state_files(folder, partition_id)[:-keep]:
         old.unlink(missing_ok=True)
 
 
 def restore_node_state(state, folder: Path, partition_id: int, upto_round: int) -> int | None:
-    """Fill an empty ``state`` from the newest file of this node at round <= ``upto_round``."""
+    """Fill an empty ``state`` from the newest file of this node at round <= ``upto_round``.
+
+    The file is verified (:func:`~flwr_isoloco.checkpoint.load_checkpoint` with kind
+    ``node-state`` and :data:`NODE_STATE_SPEC`) and its partition and round must be those of
+    its name; any problem is a ``CheckpointError`` naming the file and field, and ``state`` is
+    left untouched.
+    """
     files = [(r, p) for r, p in _state_files(folder, partition_id) if r <= upto_round]
     if not files:
         return None
     rnd, path = files[-1]
-    tensors, meta = load_checkpoint(path)
-    for key, rec in tree_to_recorddict(tensors, meta["records"]).items():
+    tensors, meta = load_checkpoint(path, kind=NODE_STATE, spec=NODE_STATE_SPEC)
+    for field, want in (("partition-id", partition_id), ("round", rnd)):
+        if meta[field] != want:
+            raise checkpoint_error(
+                path, f"field {field!r} is {meta[field]!r}, the name says {want}"
+            )
+    with restoring(path):
+        records = tree_to_recorddict(tensors, meta["records"])
+    for key, rec in records.items():
         state[key] = rec
     return rnd
 

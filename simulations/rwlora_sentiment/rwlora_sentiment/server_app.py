@@ -26,7 +26,13 @@ from flwr.common.logger import log
 from flwr.serverapp import Grid, ServerApp
 
 from flwr_isoloco.checkpoint import (
+    RNG_FIELD,
+    CheckpointError,
+    Field,
+    check_tensors,
+    checkpoint_error,
     load_checkpoint,
+    restoring,
     rng_state,
     save_checkpoint,
     set_rng_state,
@@ -34,7 +40,7 @@ from flwr_isoloco.checkpoint import (
 )
 from flwr_isoloco.data import sentiment
 from flwr_isoloco.models import classifier
-from flwr_isoloco.runconfig import RunConfigError, check_resumable
+from flwr_isoloco.runconfig import RunConfigError, check_resumable, prepare_output_dir
 from flwr_isoloco.strategies.common import NoProgressError
 from flwr_isoloco.strategies.wire import check_train_metrics
 
@@ -265,6 +271,48 @@ def build_strategy(cfg, n: int, round_end_fn=None):
     return GossipLoRA(s.graph, **common)
 
 
+# ----------------------------------------------------------------------------- resume
+_COUNT = Field("int", min=0)
+# What ``resume-from`` must hold (checked before anything is restored; see load_checkpoint).
+CHECKPOINT_SPEC = {
+    "round": _COUNT,
+    "config": Field("dict"),
+    "strategy": Field("dict"),
+    "history": Field("list", items=Field("dict", fields={"round": _COUNT})),
+    "totals": Field(
+        "dict", fields=dict.fromkeys(("local-updates", "bytes-relayed", "bytes-p2p"), _COUNT)
+    ),
+    "cursors": Field("dict", keys=r"[0-9]{1,9}", values=_COUNT),
+    "rng": RNG_FIELD,
+}
+
+
+def read_checkpoint(path: str, conf: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Load and verify a ``resume-from`` checkpoint: kind, fields (:data:`CHECKPOINT_SPEC`), an
+    unchanged config and a history of rounds ``0..round``. Raises CheckpointError naming the
+    file and field, or RunConfigError for a changed setting."""
+    tensors, meta = load_checkpoint(path, kind="rwlora_sentiment", spec=CHECKPOINT_SPEC)
+    check_resumable(meta["config"], conf, RESUMABLE_DIFFERENCES, source=str(path))
+    done = meta["round"]
+    if [r["round"] for r in meta["history"]] != list(range(done + 1)):
+        raise checkpoint_error(
+            path, f"field 'history' does not hold rounds 0..{done} (field 'round' = {done})"
+        )
+    return tensors, meta
+
+
+def optimizer_shapes(model) -> dict[str, tuple[int, ...]]:
+    """Names and shapes of the AdamW state the LoRA client carries with the token:
+    ``<param>.exp_avg`` and ``<param>.exp_avg_sq`` per trainable parameter (as
+    :func:`flwr_isoloco.clients.lora_client.optimizer_to_arrays` writes them)."""
+    return {
+        f"{n}.{m}": tuple(p.shape)
+        for n, p in model.named_parameters()
+        if p.requires_grad
+        for m in ("exp_avg", "exp_avg_sq")
+    }
+
+
 # ----------------------------------------------------------------------------- server
 def run_server(grid: Grid, run_config: dict[str, Any], run_id: int = 0, *, settle_s: float = 3.0):
     """The whole server side; returns the output folder. Raises on a bad run config."""
@@ -275,8 +323,7 @@ def run_server(grid: Grid, run_config: dict[str, Any], run_id: int = 0, *, settl
         raise
     if cfg["torch-threads"]:
         torch.set_num_threads(cfg["torch-threads"])
-    out = output_dir(cfg, run_id)
-    out.mkdir(parents=True, exist_ok=True)
+    out = prepare_output_dir(output_dir(cfg, run_id))
     conf = config_dict(cfg)
     t0 = time.perf_counter()
     d = cfg.data
@@ -295,14 +342,12 @@ def run_server(grid: Grid, run_config: dict[str, Any], run_id: int = 0, *, settl
     meta: dict[str, Any] | None = None
     tensors: dict[str, Any] = {}
     if cfg["resume-from"]:
-        tensors, meta = load_checkpoint(cfg["resume-from"])
-        if meta.get("app") != "rwlora_sentiment":
-            raise RunConfigError(
-                f"run-config key 'resume-from': {cfg['resume-from']!r} is not a "
-                f"rwlora_sentiment checkpoint (app {meta.get('app')!r})"
-            )
-        check_resumable(meta["config"], conf, RESUMABLE_DIFFERENCES)
-        done, history = int(meta["round"]), list(meta["history"])
+        try:
+            tensors, meta = read_checkpoint(cfg["resume-from"], conf)
+        except (CheckpointError, RunConfigError) as exc:
+            log(ERROR, "rwlora-sentiment: cannot resume: %s", exc)
+            raise
+        done, history = meta["round"], meta["history"]
 
     rec = RecordingGrid(grid)
     n = wait_for_nodes(grid, cfg.strategy["num-clients"], settle_s, cfg.strategy["node-wait-s"])
@@ -329,14 +374,31 @@ def run_server(grid: Grid, run_config: dict[str, Any], run_id: int = 0, *, settl
     # (a resumed run restores the generator's state from the checkpoint below).
     random.seed(cfg.seed)
     if meta is not None:
-        base = {k: int(meta["totals"][k]) for k in base}
-        rec.cursors = {int(k): int(v) for k, v in meta["cursors"].items()}
+        path = cfg["resume-from"]
+        try:
+            with restoring(path, "strategy state: "):
+                if name == "fedavg":
+                    check_tensors(tensors.get("arrays"), initial_adapter, "arrays")
+                    initial = ArrayRecord(tensors["arrays"])
+                else:
+                    strategy.load_state_dict(
+                        {"tensors": tensors.get("strategy", {}), "meta": meta["strategy"]},
+                        reference=initial_adapter,
+                        optimizer_reference=optimizer_shapes(model),
+                    )
+                    if meta["strategy"]["round"] != done:
+                        raise CheckpointError(
+                            f"field 'round' = {meta['strategy']['round']}, the checkpoint's "
+                            f"is {done}"
+                        )
+            with restoring(path):
+                set_rng_state(meta["rng"])
+        except CheckpointError as exc:
+            log(ERROR, "rwlora-sentiment: cannot resume: %s", exc)
+            raise
+        base = {k: meta["totals"][k] for k in base}
+        rec.cursors = {int(k): v for k, v in meta["cursors"].items()}
         train_config[CURSORS_KEY] = json.dumps(rec.cursors)
-        if name == "fedavg":
-            initial = ArrayRecord(tensors["arrays"])
-        else:
-            strategy.load_state_dict({"tensors": tensors["strategy"], "meta": meta["strategy"]})
-        set_rng_state(meta["rng"])
         log(INFO, "rwlora-sentiment: resumed from %s at round %d", cfg["resume-from"], done)
 
     results: dict[str, Any] = {
