@@ -1,18 +1,38 @@
-"""Atomic checkpoints: tensors in safetensors, everything else as JSON; nothing is unpickled.
+"""Atomic, tamper-evident checkpoints: tensors in safetensors, everything else as JSON.
 
-One checkpoint is one ``.safetensors`` file. Nested tensor dicts (``{"model": {...},
-"strategy": {"momentum": {...}}}``) are flattened to ``"model/layer.weight"`` keys (``/`` joins
-levels, so keys themselves may not contain ``/``); the JSON-able ``meta`` (round, config, RNG
-state, strategy scalars) goes into the safetensors header metadata. Writing goes to a temporary
-file in the same directory, is fsynced, then ``os.replace``d over the target, so a crash leaves
-either the old or the new checkpoint, never a torn one.
+One checkpoint is one ``.safetensors`` file; nothing is unpickled. Nested tensor dicts
+(``{"model": {...}, "strategy": {"momentum": {...}}}``) are flattened to
+``"model/layer.weight"`` keys (``/`` joins levels, so keys themselves may not contain ``/``);
+the JSON-able ``meta`` (app, round, config, RNG state, strategy scalars) goes into the
+safetensors header metadata.
+
+Integrity (format ``/2``): the header carries a ``digest`` entry, JSON
+``{"algorithm": "sha256", "meta": h_m, "tensors": {key: h_k}}`` with
+
+    h_m = sha256(format || 0x00 || meta_json || 0x00 || empty_json)
+    h_k = sha256(dtype || ":" || shape || 0x00 || raw bytes of tensor k)
+
+:func:`load_checkpoint` recomputes every hash, so one flipped bit in a tensor, in the meta or
+in a tensor's dtype/shape is a :class:`CheckpointError` naming the file (and the tensor). The
+digest detects corruption and careless edits; it is not a signature (whoever can write the file
+can recompute it), so the loader also refuses non-finite tensors and, given a ``kind`` and a
+``spec`` (:class:`Field`), meta fields that are missing or of the wrong type or range.
+Files of format ``/1`` (no digest) are refused.
+
+Writing goes to a temporary file ``.<name>.<random>.tmp`` in the same directory, is fsynced,
+then ``os.replace``d over the target, so a crash leaves either the old or the new checkpoint,
+never a torn one; the next write to the same target removes such leftovers of earlier,
+interrupted writes (only names of exactly that pattern).
 """
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import json
 import os
 import random
+import re
 import tempfile
 from collections.abc import Mapping
 from pathlib import Path
@@ -23,8 +43,22 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save as st_save
 
+from .checkpoint_spec import (
+    CheckpointError,
+    Field,
+    check_fields,
+    check_tensors,
+    checkpoint_error,
+    restoring,
+)
+
 __all__ = [
     "CheckpointError",
+    "Field",
+    "check_fields",
+    "check_tensors",
+    "checkpoint_error",
+    "restoring",
     "save_checkpoint",
     "write_bytes_atomic",
     "write_json_atomic",
@@ -33,18 +67,26 @@ __all__ = [
     "unflatten_tensors",
     "rng_state",
     "set_rng_state",
+    "RNG_FIELD",
+    "RECORDS_FIELD",
+    "KINDS",
     "recorddict_to_tree",
     "tree_to_recorddict",
 ]
 
 SEP = "/"
-_FORMAT = "flwr-isoloco-checkpoint/1"
+_FORMAT = "flwr-isoloco-checkpoint/2"
+_OLD_FORMATS = ("flwr-isoloco-checkpoint/1",)
+_HEADER_FIELDS = ("meta", "empty", "digest")
+# What each ``meta["app"]`` value is, for the message when a file of another kind is given.
+KINDS = {
+    "isoloco_lm": "an isoloco_lm server checkpoint",
+    "rwlora_sentiment": "a rwlora_sentiment server checkpoint",
+    "node-state": "one node's state file (node-state/node-p<id>-r<round>.safetensors)",
+}
 
 
-class CheckpointError(ValueError):
-    """A checkpoint cannot be written or read (bad key, bad file, wrong format)."""
-
-
+# ----------------------------------------------------------------------------- tensor trees
 def flatten_tensors(
     tree: Mapping[str, Any], prefix: str = ""
 ) -> tuple[dict[str, torch.Tensor], list[str]]:
@@ -76,24 +118,61 @@ def flatten_tensors(
 def unflatten_tensors(
     flat: Mapping[str, torch.Tensor], empty: list[str] | tuple = ()
 ) -> dict[str, Any]:
-    """Inverse of :func:`flatten_tensors`."""
+    """Inverse of :func:`flatten_tensors`; a key that is both a tensor and a group (``a`` and
+    ``a/b``) or has an empty level (``a//b``) is a :class:`CheckpointError` naming it."""
     tree: dict[str, Any] = {}
     for path in list(empty) + list(flat):
         parts = path.split(SEP)
+        if not all(parts):
+            raise CheckpointError(f"tensor key {path!r:.80} has an empty level")
         node = tree
-        for part in parts[:-1]:
+        for i, part in enumerate(parts[:-1]):
             node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                clash = SEP.join(parts[: i + 1])
+                raise CheckpointError(
+                    f"tensor key {path!r} clashes with tensor {clash!r} (a key cannot be both "
+                    "a tensor and a group)"
+                )
+        leaf = parts[-1]
         if path in flat:
-            node[parts[-1]] = flat[path]
-        else:
-            node.setdefault(parts[-1], {})
+            if leaf in node:
+                raise CheckpointError(
+                    f"tensor key {path!r} clashes with the group {path!r} (a key cannot be both "
+                    "a tensor and a group)"
+                )
+            node[leaf] = flat[path]
+        elif not isinstance(node.setdefault(leaf, {}), dict):
+            raise CheckpointError(f"empty group {path!r} clashes with tensor {path!r}")
     return tree
 
 
+def _tensor_digest(t: torch.Tensor) -> str:
+    """sha256 over dtype, shape and the raw bytes (so a bit flip anywhere in them shows)."""
+    h = hashlib.sha256(f"{t.dtype}:{list(t.shape)}".encode() + b"\x00")
+    h.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
+    return h.hexdigest()
+
+
+def _meta_digest(fmt: str, meta_json: str, empty_json: str) -> str:
+    return hashlib.sha256("\x00".join((fmt, meta_json, empty_json)).encode("utf-8")).hexdigest()
+
+
+def _header(ready: Mapping[str, torch.Tensor], meta_json: str, empty_json: str) -> dict[str, str]:
+    digest = {
+        "algorithm": "sha256",
+        "meta": _meta_digest(_FORMAT, meta_json, empty_json),
+        "tensors": {k: _tensor_digest(t) for k, t in ready.items()},
+    }
+    return {"format": _FORMAT, "meta": meta_json, "empty": empty_json, "digest": json.dumps(digest)}
+
+
+# ----------------------------------------------------------------------------- writing
 def save_checkpoint(
     path: str | os.PathLike, tensors: Mapping[str, Any], meta: Mapping[str, Any]
 ) -> Path:
-    """Atomically write ``tensors`` (nested dict of tensors) and ``meta`` (JSON-able) to ``path``."""
+    """Atomically write ``tensors`` (nested dict of tensors) and ``meta`` (JSON-able) to ``path``,
+    with the sha256 digest of every tensor and of the meta in the header."""
     path = Path(path)
     flat, empty = flatten_tensors(tensors)
     try:
@@ -110,20 +189,40 @@ def save_checkpoint(
             t = t.clone().contiguous()
         seen.add((t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()))
         ready[key] = t
-    header = {"format": _FORMAT, "meta": meta_json, "empty": json.dumps(empty)}
-    blob = st_save(ready, metadata=header)
-
+    blob = st_save(ready, metadata=_header(ready, meta_json, json.dumps(empty)))
     write_bytes_atomic(path, blob)
     return path
+
+
+def _remove_leftovers(path: Path) -> None:
+    """Delete ``.<name>.<random>.tmp`` files that interrupted writes to ``path`` left behind.
+
+    Only plain files whose whole name is that pattern (``mkstemp``'s 8-character random part
+    of ``[a-z0-9_]``) are removed; anything else in the folder is left alone. Assumes one
+    writer per target at a time (as in the apps: one server, one file per node and round);
+    two concurrent writers of the same file could remove each other's temporary file.
+    """
+    pattern = re.compile(re.escape(f".{path.name}.") + r"[a-z0-9_]{8}" + re.escape(".tmp"))
+    try:
+        entries = list(os.scandir(path.parent))
+    except OSError:
+        return
+    for entry in entries:
+        if pattern.fullmatch(entry.name) and entry.is_file(follow_symlinks=False):
+            with contextlib.suppress(OSError):
+                os.unlink(entry.path)
 
 
 def write_bytes_atomic(path: str | os.PathLike, data: bytes) -> None:
     """Write ``data`` to ``path`` so a reader sees the old or the new file, never a torn one.
 
-    Temporary file in the same folder, fsync, ``os.replace``, then fsync the folder.
+    Removes earlier interrupted writes' temporary files for this target (see
+    :func:`_remove_leftovers`), then: temporary file in the same folder, fsync, ``os.replace``,
+    fsync the folder.
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    _remove_leftovers(path)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as fh:
@@ -150,30 +249,129 @@ def write_json_atomic(path: str | os.PathLike, obj: Any) -> None:
     write_bytes_atomic(path, json.dumps(obj, indent=2).encode("utf-8"))
 
 
-def load_checkpoint(path: str | os.PathLike) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Read a checkpoint written by :func:`save_checkpoint`: ``(nested tensors, meta)``."""
+# ----------------------------------------------------------------------------- reading
+def _read_header(path: Path, header: Mapping[str, str]) -> tuple[str, str, dict[str, Any]]:
+    """Check the format and header fields; return ``(meta_json, empty_json, digest)``."""
+    fmt = header.get("format")
+    if fmt in _OLD_FORMATS:
+        raise checkpoint_error(
+            path,
+            f"format {fmt!r} predates checksums; this version reads only {_FORMAT!r} "
+            "(old checkpoints are not supported: start the run again)",
+        )
+    if fmt != _FORMAT:
+        raise checkpoint_error(path, f"has format {fmt!r}, expected {_FORMAT!r}")
+    for name in _HEADER_FIELDS:
+        if not isinstance(header.get(name), str):
+            raise checkpoint_error(path, f"header field {name!r} is missing")
+    try:
+        digest = json.loads(header["digest"])
+    except ValueError:
+        raise checkpoint_error(path, "header field 'digest' is not valid JSON") from None
+    try:
+        check_fields(
+            digest,
+            {
+                "algorithm": Field("str", choices=("sha256",)),
+                "meta": Field("str"),
+                "tensors": Field("dict", values=Field("str")),
+            },
+            "digest.",
+        )
+    except CheckpointError as exc:
+        raise checkpoint_error(path, exc) from None
+    meta_json, empty_json = header["meta"], header["empty"]
+    if _meta_digest(fmt, meta_json, empty_json) != digest["meta"]:
+        raise checkpoint_error(
+            path, "header field 'meta' does not match its sha256 digest (file changed or corrupt)"
+        )
+    return meta_json, empty_json, digest
+
+
+def _parse_json(path: Path, name: str, text: str, kind: str) -> Any:
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise checkpoint_error(path, f"header field {name!r} is not valid JSON ({exc})") from None
+    if kind == "dict" and not isinstance(value, dict):
+        raise checkpoint_error(path, f"header field {name!r} must be a JSON object")
+    if kind == "list" and not (isinstance(value, list) and all(isinstance(x, str) for x in value)):
+        raise checkpoint_error(path, f"header field {name!r} must be a list of strings")
+    return value
+
+
+def load_checkpoint(
+    path: str | os.PathLike,
+    kind: str | None = None,
+    spec: Mapping[str, Field] | None = None,
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Read and verify a checkpoint written by :func:`save_checkpoint`: ``(tensors, meta)``.
+
+    Verifies the format, the sha256 digests of the meta and of every tensor, that floating
+    tensors are finite and that tensor keys form a tree; with ``kind``, that ``meta["app"]``
+    is ``kind``; with ``spec``, that meta has the fields of ``spec`` (:func:`check_fields`).
+    Every failure is a :class:`CheckpointError` naming the file and the field or tensor.
+    """
     path = Path(path)
     if not path.is_file():
         raise CheckpointError(f"checkpoint {str(path)!r} does not exist or is not a file")
     try:
         with safe_open(str(path), framework="pt") as fh:
             header = fh.metadata() or {}
-            flat = {key: fh.get_tensor(key) for key in fh.keys()}
+            meta_json, empty_json, digest = _read_header(path, header)
+            names = list(fh.keys())
+            missing = sorted(set(digest["tensors"]) - set(names))
+            if missing:
+                raise checkpoint_error(path, f"tensor {missing[0]!r} is missing")
+            flat = {}
+            for key in names:
+                if key not in digest["tensors"]:
+                    raise checkpoint_error(path, f"tensor {key!r} has no digest")
+                t = fh.get_tensor(key)
+                if _tensor_digest(t) != digest["tensors"][key]:
+                    raise checkpoint_error(
+                        path,
+                        f"tensor {key!r} does not match its sha256 digest (file changed or corrupt)",
+                    )
+                flat[key] = t
     except CheckpointError:
         raise
     except Exception as exc:  # safetensors raises its own error types on bad files
         raise CheckpointError(
             f"checkpoint {str(path)!r} is not a readable safetensors file: {exc}"
         ) from None
-    if header.get("format") != _FORMAT:
-        raise CheckpointError(
-            f"checkpoint {str(path)!r} has format {header.get('format')!r}, expected {_FORMAT!r}"
-        )
-    meta = json.loads(header["meta"])
-    return unflatten_tensors(flat, json.loads(header.get("empty", "[]"))), meta
+    meta = _parse_json(path, "meta", meta_json, "dict")
+    empty = _parse_json(path, "empty", empty_json, "list")
+    with restoring(path):
+        tensors = unflatten_tensors(flat, empty)
+        for key, t in flat.items():
+            if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+                raise CheckpointError(f"tensor {key!r} has non-finite values (NaN or inf)")
+        if kind is not None:
+            app = meta.get("app")
+            if app != kind:
+                what = KINDS.get(app, "not a known kind") if isinstance(app, str) else "no kind"
+                raise CheckpointError(
+                    f"field 'app' is {app!r} ({what}), expected {kind!r} "
+                    f"({KINDS.get(kind, kind)}): wrong file?"
+                )
+        if spec is not None:
+            check_fields(meta, spec)
+    return tensors, meta
 
 
 # ----------------------------------------------------------------------------- RNG state
+RNG_FIELD = Field(
+    "dict",
+    fields={
+        "python": Field("list", length=3),
+        "numpy": Field("list", length=5),
+        "torch": Field("list", items=Field("int", min=0)),
+    },
+)
+"""Spec of :func:`rng_state`'s output (for a checkpoint's ``rng`` field)."""
+
+
 def rng_state() -> dict[str, Any]:
     """JSON-able state of Python's, NumPy's and torch's (CPU) global generators."""
     version, internal, gauss = random.getstate()
@@ -192,12 +390,29 @@ def rng_state() -> dict[str, Any]:
 
 
 def set_rng_state(state: Mapping[str, Any]) -> None:
-    """Restore what :func:`rng_state` captured."""
-    version, internal, gauss = state["python"]
-    random.setstate((version, tuple(internal), gauss))
-    name, keys, pos, has_gauss, cached = state["numpy"]
-    np.random.set_state((name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
-    torch.set_rng_state(torch.tensor(state["torch"], dtype=torch.uint8))
+    """Restore what :func:`rng_state` captured; a malformed state is a :class:`CheckpointError`
+    naming the generator (nothing is restored then)."""
+    check_fields({"rng": state}, {"rng": RNG_FIELD})
+    try:
+        version, internal, gauss = state["python"]
+        py = (version, tuple(internal), gauss)
+        random.Random().setstate(py)  # validate on a scratch generator first
+    except (TypeError, ValueError) as exc:
+        raise CheckpointError(f"field 'rng.python' is not a valid state ({exc})") from None
+    try:
+        name, keys, pos, has_gauss, cached = state["numpy"]
+        np_state = (name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached)
+        np.random.RandomState().set_state(np_state)
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise CheckpointError(f"field 'rng.numpy' is not a valid state ({exc})") from None
+    try:
+        t_state = torch.tensor(state["torch"], dtype=torch.uint8)
+        torch.Generator().set_state(t_state)
+    except (TypeError, ValueError, RuntimeError, OverflowError) as exc:
+        raise CheckpointError(f"field 'rng.torch' is not a valid state ({exc})") from None
+    random.setstate(py)
+    np.random.set_state(np_state)
+    torch.set_rng_state(t_state)
 
 
 # ----------------------------------------------------------------------------- Flower records
@@ -227,14 +442,37 @@ def recorddict_to_tree(records: Any) -> tuple[dict[str, Any], dict[str, Any]]:
     return tensors, meta
 
 
+RECORDS_FIELD = Field(
+    "dict",
+    values=Field(
+        "dict",
+        fields={"kind": Field("str", choices=("config", "metric")), "values": Field("dict")},
+    ),
+)
+"""Spec of :func:`recorddict_to_tree`'s meta (for a node-state file's ``records`` field)."""
+
+
 def tree_to_recorddict(tensors: Mapping[str, Any], meta: Mapping[str, Any]) -> Any:
-    """Inverse of :func:`recorddict_to_tree`."""
+    """Inverse of :func:`recorddict_to_tree`; a malformed entry is a :class:`CheckpointError`
+    naming the record."""
     from flwr.app import ArrayRecord, ConfigRecord, MetricRecord, RecordDict
 
+    check_fields({"records": meta}, {"records": RECORDS_FIELD})
     out = RecordDict()
     for key, sd in tensors.items():
-        out[key] = ArrayRecord({k: v for k, v in sd.items()})
+        if key in meta:
+            raise CheckpointError(f"record {key!r} is both tensors and a config/metric record")
+        check_tensors(sd, None, key)
+        try:
+            out[key] = ArrayRecord({k: v for k, v in sd.items()})
+        except (TypeError, ValueError) as exc:
+            raise CheckpointError(f"record {key!r} is not a valid ArrayRecord ({exc})") from None
     for key, entry in meta.items():
         cls = ConfigRecord if entry["kind"] == "config" else MetricRecord
-        out[key] = cls(dict(entry["values"]))
+        try:
+            out[key] = cls(dict(entry["values"]))
+        except (TypeError, ValueError) as exc:
+            raise CheckpointError(
+                f"field 'records.{key}.values' is not a valid {cls.__name__} ({exc})"
+            ) from None
     return out

@@ -83,19 +83,40 @@ def unflatten(flat: Mapping[str, Any]) -> dict[str, Any]:
 
 # ----------------------------------------------------------------------------- validators
 def check_resumable(
-    saved: Mapping[str, Any], now: Mapping[str, Any], may_differ: Iterable[str] = ()
+    saved: Any, now: Mapping[str, Any], may_differ: Iterable[str] = (), source: str = ""
 ) -> None:
     """Refuse to resume when a setting differs from the checkpoint's (except ``may_differ`` keys).
 
-    Both configs are nested; the error names the first differing dotted key and both values.
+    Both configs are nested; the error names the first differing dotted key and both values
+    (and ``source``, the checkpoint file, when given). ``saved`` comes from a file, so a value
+    that is not a config (not a dict, or keys that are not setting names) is refused too.
     """
-    a, b = flatten(saved), flatten(now)
+    where = f" ({source})" if source else ""
+    if not isinstance(saved, Mapping):
+        raise RunConfigError(f"the checkpoint's config{where} is not a dict: {saved!r:.80}")
+    try:
+        a = flatten(saved)
+    except RunConfigError as exc:
+        raise RunConfigError(f"the checkpoint's config{where} is malformed: {exc}") from None
+    b = flatten(now)
     allowed = set(may_differ)
     for key in sorted(set(a) | set(b)):
-        if key not in allowed and a.get(key) != b.get(key):
+        if key in allowed:
+            continue
+        if key not in a:
+            raise RunConfigError(
+                f"run-config key {key!r} = {b[key]!r} is not in the checkpoint's config{where}; "
+                "a resumed run must use the same settings"
+            )
+        if key not in b:
+            raise RunConfigError(
+                f"the checkpoint's config{where} has key {key!r} = {a[key]!r}, which this run "
+                "does not know; a resumed run must use the same settings"
+            )
+        if a[key] != b[key] or isinstance(a[key], bool) != isinstance(b[key], bool):
             raise RunConfigError(
                 f"run-config key {key!r} = {b.get(key)!r} differs from the checkpoint's "
-                f"{a.get(key)!r}; a resumed run must use the same settings"
+                f"{a.get(key)!r}{where}; a resumed run must use the same settings"
             )
 
 

@@ -72,7 +72,7 @@ def _file_dir(tmp):
         (lambda tmp: Path("/proc/flwr-isoloco-out"), "cannot write results there"),
     ],
 )
-def test_bad_output_dir_is_a_config_error_before_any_work(tiny, tmp_path, make, why):
+def test_bad_output_dir_is_a_config_error_before_any_work(tiny, tmp_path, make, why):  # noqa: F811
     out = make(tmp_path)
     grid = FakeGrid({"train": client_app.train}, num_nodes=3, run_config=tiny)
     rc = {**tiny, "output-dir": str(out)}
@@ -81,7 +81,7 @@ def test_bad_output_dir_is_a_config_error_before_any_work(tiny, tmp_path, make, 
     assert grid.log == []  # nothing was sent to any node
 
 
-def test_run_that_trains_nothing_fails_instead_of_completing(tiny, tmp_path):
+def test_run_that_trains_nothing_fails_instead_of_completing(tiny, tmp_path):  # noqa: F811
     rc = {**tiny, "output-dir": str(tmp_path / "o"), "num-server-rounds": 5}
     grid = FakeGrid({"train": client_app.train}, num_nodes=3, run_config=rc)
     for n in grid.node_ids:

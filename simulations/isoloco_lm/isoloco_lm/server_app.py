@@ -20,7 +20,12 @@ from flwr.common.logger import log
 from flwr.serverapp import Grid, ServerApp
 
 from flwr_isoloco.checkpoint import (
+    RNG_FIELD,
+    CheckpointError,
+    Field,
+    checkpoint_error,
     load_checkpoint,
+    restoring,
     rng_state,
     save_checkpoint,
     set_rng_state,
@@ -83,6 +88,42 @@ def wait_for_nodes(
         time.sleep(0.25)
 
 
+# What ``resume-from`` must hold (checked before anything is restored; see load_checkpoint).
+CHECKPOINT_SPEC = {
+    "round": Field("int", min=0),
+    "config": Field("dict"),
+    "strategy": Field("dict"),
+    "history": Field("list", items=Field("dict", fields={"round": Field("int", min=1)})),
+    "initial": Field("dict", nullable=True),
+    "rng": RNG_FIELD,
+}
+
+
+def resume(path: Path, conf: dict[str, Any], strategy, model) -> tuple[int, list, Any]:
+    """Verify the checkpoint at ``path`` and restore ``strategy`` and the RNGs from it; returns
+    ``(rounds done, history, initial evaluation)``. Raises CheckpointError (naming the file
+    and the field or tensor) or RunConfigError (a changed setting) before anything runs."""
+    tensors, meta = load_checkpoint(path, kind="isoloco_lm", spec=CHECKPOINT_SPEC)
+    check_resumable(meta["config"], conf, RESUMABLE_DIFFERENCES, source=str(path))
+    done, history = meta["round"], meta["history"]
+    if [r["round"] for r in history] != list(range(1, done + 1)):
+        raise checkpoint_error(
+            path, f"field 'history' does not hold rounds 1..{done} (field 'round' = {done})"
+        )
+    with restoring(path, "strategy state: "):
+        strategy.load_state_dict(
+            {"tensors": tensors.get("strategy", {}), "meta": meta["strategy"]},
+            reference=model.state_dict(),
+        )
+        if strategy.server_round != done:
+            raise CheckpointError(
+                f"field 'server_round' = {strategy.server_round} but field 'round' = {done}"
+            )
+    with restoring(path):
+        set_rng_state(meta["rng"])
+    return done, history, meta["initial"]
+
+
 def run_server(
     grid: Grid, run_config: dict[str, Any], run_id: int = 0, *, settle_s: float = 2.0
 ) -> Path:
@@ -121,11 +162,11 @@ def run_server(
         tc[STATE_DIR_KEY] = str(out / "node-state")
     if cfg["resume-from"]:
         path = Path(cfg["resume-from"])
-        tensors, meta = load_checkpoint(path)
-        check_resumable(meta["config"], conf, RESUMABLE_DIFFERENCES)
-        strategy.load_state_dict({"tensors": tensors["strategy"], "meta": meta["strategy"]})
-        set_rng_state(meta["rng"])
-        done, history, initial = int(meta["round"]), list(meta["history"]), meta["initial"]
+        try:
+            done, history, initial = resume(path, conf, strategy, model)
+        except (CheckpointError, RunConfigError) as exc:
+            log(ERROR, "isoloco-lm: cannot resume: %s", exc)
+            raise
         tc[RESUME_DIR_KEY] = str(path.parent / "node-state")
         tc[RESUME_ROUND_KEY] = done
         log(INFO, "isoloco-lm: resumed from %s at round %d", path, done)

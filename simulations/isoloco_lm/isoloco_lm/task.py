@@ -18,8 +18,12 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from flwr_isoloco.checkpoint import (
+    RECORDS_FIELD,
+    Field,
+    checkpoint_error,
     load_checkpoint,
     recorddict_to_tree,
+    restoring,
     save_checkpoint,
     tree_to_recorddict,
 )
@@ -440,25 +444,50 @@ def _state_files(folder: Path, partition_id: int) -> list[tuple[int, Path]]:
     return sorted(out)
 
 
+NODE_STATE = "node-state"  # the ``app`` (kind) of a node-state file
+NODE_STATE_SPEC = {
+    "partition-id": Field("int", min=0),
+    "round": Field("int", min=0),
+    "records": RECORDS_FIELD,
+}
+
+
 def save_node_state(
     state, folder: Path, partition_id: int, server_round: int, keep: int = 2
 ) -> None:
+    """Write ``state`` (a RecordDict) to this node's file for ``server_round``; keep the last
+    ``keep`` files. The meta names the kind, partition and round (checked on reading)."""
     tensors, meta = recorddict_to_tree(state)
     save_checkpoint(
-        folder / f"node-p{partition_id}-r{server_round}.safetensors", tensors, {"records": meta}
+        folder / f"node-p{partition_id}-r{server_round}.safetensors",
+        tensors,
+        {"app": NODE_STATE, "partition-id": partition_id, "round": server_round, "records": meta},
     )
     for _, old in _state_files(folder, partition_id)[:-keep]:
         old.unlink(missing_ok=True)
 
 
 def restore_node_state(state, folder: Path, partition_id: int, upto_round: int) -> int | None:
-    """Fill an empty ``state`` from the newest file of this node at round <= ``upto_round``."""
+    """Fill an empty ``state`` from the newest file of this node at round <= ``upto_round``.
+
+    The file is verified (:func:`~flwr_isoloco.checkpoint.load_checkpoint` with kind
+    ``node-state`` and :data:`NODE_STATE_SPEC`) and its partition and round must be those of
+    its name; any problem is a ``CheckpointError`` naming the file and field, and ``state`` is
+    left untouched.
+    """
     files = [(r, p) for r, p in _state_files(folder, partition_id) if r <= upto_round]
     if not files:
         return None
     rnd, path = files[-1]
-    tensors, meta = load_checkpoint(path)
-    for key, rec in tree_to_recorddict(tensors, meta["records"]).items():
+    tensors, meta = load_checkpoint(path, kind=NODE_STATE, spec=NODE_STATE_SPEC)
+    for field, want in (("partition-id", partition_id), ("round", rnd)):
+        if meta[field] != want:
+            raise checkpoint_error(
+                path, f"field {field!r} is {meta[field]!r}, the name says {want}"
+            )
+    with restoring(path):
+        records = tree_to_recorddict(tensors, meta["records"])
+    for key, rec in records.items():
         state[key] = rec
     return rnd
 

@@ -1,0 +1,168 @@
+"""One malicious site vs the weight bound, and an honest size-skewed federation (issue 8, sec. 2).
+
+Real Flower runs (Ray simulation through ``flwr.simulation.run_simulation``) of the isoloco-lm
+app's ServerApp (``run_server``) and its DiLoCo worker, 8 nodes, a small LLaMA. Cases:
+
+- ``honest``: every node honest, equal ``num-examples``;
+- ``skew-on`` / ``skew-off``: node ``p`` reports ``num-examples x 10**(p/7)`` (a 10x spread),
+  default bound (``max-weight-ratio=5``) vs off: the bound must change nothing;
+- ``attack-off`` / ``attack-on``: node 3 sends the *reverse* of its honest update
+  (``theta + (theta - theta_i)``) with ``num-examples = 1e12``, bound off vs the default.
+
+Each case appends ``{case, strategy, val_loss per round, ...}`` to
+``benchmarks/results/weight_bound.json`` (cases already there are skipped: resumable); the
+table in ``docs/strategies.md`` is then regenerated from that file.
+
+    nice -n 10 python benchmarks/weight_bound_bench.py [--strategies isoloco diloco] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "simulations" / "isoloco_lm"))
+RESULTS = REPO / "benchmarks" / "results" / "weight_bound.json"
+DOC = REPO / "docs" / "strategies.md"
+BEGIN, END = "<!-- BEGIN WEIGHT BOUND TABLE -->", "<!-- END WEIGHT BOUND TABLE -->"
+NODES, BAD = 8, 3
+CASES = ("honest", "skew-on", "skew-off", "attack-off", "attack-on")
+RC: dict = {}  # the run config of the current case (read by the ClientApp wrapper in Ray workers)
+
+
+def run_config(strategy: str, case: str, out: Path, quick: bool) -> dict:
+    rc = {
+        "num-server-rounds": 3 if quick else 8,
+        "output-dir": str(out),
+        "checkpoint": False,
+        "strategy.name": strategy,
+        "strategy.min-nodes": NODES,
+        "train.local-steps": 3 if quick else 10,
+        "model.hidden": 64,
+        "model.heads": 2,
+        "data.val-tokens": 4096,
+        "strategy.max-weight-ratio": 0.0 if case.endswith("-off") else 5.0,
+    }
+    return rc
+
+
+def _client_app():
+    from flwr.app import ArrayRecord, Context
+    from flwr.clientapp import ClientApp
+    from isoloco_lm import client_app
+
+    app = ClientApp()
+
+    @app.train()
+    def train(msg, context):
+        cfg = json.loads(os.environ["WEIGHT_BOUND_RC"])
+        context = Context(  # run_config is read-only: a copy with this case's config
+            run_id=context.run_id,
+            node_id=context.node_id,
+            node_config=context.node_config,
+            state=context.state,  # the same RecordDict: the worker's AdamW state persists
+            run_config={**context.run_config, **cfg["rc"]},
+        )
+        theta = msg.content["arrays"].to_torch_state_dict()
+        reply = client_app.train(msg, context)
+        if reply.has_error():
+            return reply
+        pid = int(context.node_config["partition-id"])
+        metrics = reply.content["metrics"]
+        if cfg["case"].startswith("skew"):
+            metrics["num-examples"] = float(metrics["num-examples"]) * 10 ** (pid / 7)
+        if cfg["case"].startswith("attack") and pid == BAD:
+            mine = reply.content["arrays"].to_torch_state_dict()
+            reply.content["arrays"] = ArrayRecord({k: 2 * theta[k] - mine[k] for k in theta})
+            metrics["num-examples"] = 1e12
+        return reply
+
+    return app
+
+
+def run_case(strategy: str, case: str, quick: bool) -> dict:
+    from flwr.serverapp import ServerApp
+    from flwr.simulation import run_simulation
+    from isoloco_lm import server_app
+
+    out = Path(tempfile.mkdtemp(prefix=f"wb-{strategy}-{case}-"))
+    rc = run_config(strategy, case, out, quick)
+    os.environ["WEIGHT_BOUND_RC"] = json.dumps({"rc": rc, "case": case})
+    server = ServerApp()
+
+    @server.main()
+    def main(grid, context):
+        server_app.run_server(grid, rc, settle_s=2.0)
+
+    t0 = time.perf_counter()
+    run_simulation(
+        server_app=server,
+        client_app=_client_app(),
+        num_supernodes=NODES,
+        backend_config={
+            "client_resources": {"num_cpus": 1, "num_gpus": 0.0},
+            "init_args": {"num_cpus": 2, "include_dashboard": False},
+        },
+    )
+    res = json.loads((out / "results.json").read_text())
+    return {
+        "case": case,
+        "strategy": strategy,
+        "status": res["status"],
+        "initial_val_loss": res["initial"]["val-loss"],
+        "val_loss": [r["val-loss"] for r in res["rounds"]],
+        "replies_used": [r["replies-used"] for r in res["rounds"]],
+        "wall_s": time.perf_counter() - t0,
+        "quick": quick,
+    }
+
+
+def write_table(records: list[dict], doc: Path = DOC) -> None:
+    """The validation-loss table (one row per strategy, one column per case) into ``doc``."""
+    full = [r for r in records if not r["quick"]]
+    strategies = sorted({r["strategy"] for r in full}, reverse=True)
+    lines = ["| strategy | initial | " + " | ".join(CASES) + " |", "|---" * (len(CASES) + 2) + "|"]
+    for st in strategies:
+        by_case = {r["case"]: r for r in full if r["strategy"] == st}
+        init = next(iter(by_case.values()))["initial_val_loss"]
+        cells = [f"{by_case[c]['val_loss'][-1]:.4f}" if c in by_case else "" for c in CASES]
+        lines.append(f"| {st} | {init:.4f} | " + " | ".join(cells) + " |")
+    text = doc.read_text()
+    head, rest = text.split(BEGIN)
+    _, tail = rest.split(END)
+    doc.write_text(head + BEGIN + "\n" + "\n".join(lines) + "\n" + END + tail)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--strategies", nargs="+", default=["isoloco", "diloco"])
+    ap.add_argument("--cases", nargs="+", default=list(CASES), choices=CASES)
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--out", type=Path, default=RESULTS)
+    args = ap.parse_args()
+    here = str(Path(__file__).parent)
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        p for p in (here, str(REPO / "simulations" / "isoloco_lm"), os.environ.get("PYTHONPATH", "")) if p
+    )
+    done = json.loads(args.out.read_text()) if args.out.exists() else []
+    for strategy in args.strategies:
+        for case in args.cases:
+            if any(r["strategy"] == strategy and r["case"] == case and r["quick"] == args.quick for r in done):
+                continue
+            rec = run_case(strategy, case, args.quick)
+            print(json.dumps(rec), flush=True)
+            done.append(rec)
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(json.dumps(done, indent=1))
+    if args.out == RESULTS and any(not r["quick"] for r in done):
+        write_table(done)
+
+
+if __name__ == "__main__":
+    main()
