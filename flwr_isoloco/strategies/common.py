@@ -203,10 +203,7 @@ def weighted_mean_metrics(
 def tensor_norm(tensors: Mapping[str, torch.Tensor]) -> float:
     """Global L2 norm of a dict of tensors, accumulated in fp64 (finite for any finite fp32 input)."""
     return math.sqrt(
-        sum(
-            float(torch.linalg.vector_norm(t, dtype=torch.float64)) ** 2
-            for t in tensors.values()
-        )
+        sum(float(torch.linalg.vector_norm(t, dtype=torch.float64)) ** 2 for t in tensors.values())
     )
 
 

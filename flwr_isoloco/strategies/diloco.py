@@ -596,7 +596,11 @@ class DiLoCo(Strategy):
         report.used = len(checked)
         v.log_summary(report, self.server_round)
         if not checked:
-            log(WARNING, "aggregate_train: no usable reply in round %d, model kept", self.server_round)
+            log(
+                WARNING,
+                "aggregate_train: no usable reply in round %d, model kept",
+                self.server_round,
+            )
         if self.train_metrics_aggr_fn is not None and checked:
             client = dict(
                 self.train_metrics_aggr_fn([r.content for r in checked], self.weighted_by_key)
