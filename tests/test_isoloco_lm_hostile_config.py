@@ -27,7 +27,7 @@ from test_isoloco_lm_app import corpus, tiny  # noqa: E402,F401  (fixtures)
     [
         ({"seed": 2**32}, r"'seed' has bad value 4294967296: must be in \[0, 4294967295\]"),
         ({"seed": -1}, r"'seed' has bad value -1"),
-        ({"torch-threads": 100000}, r"'torch-threads' has bad value 100000: must be in \[1, 512\]"),
+        ({"torch-threads": 100000}, r"'torch-threads' has bad value 100000: must be in \[1, 256\]"),
         ({"torch-threads": 0}, r"'torch-threads' has bad value 0"),
         ({"strategy.max-weight-ratio": 0.5}, r"'strategy\.max-weight-ratio'.*>= 1, or 0"),
         ({"strategy.max-empty-rounds": -1}, r"'strategy\.max-empty-rounds'"),

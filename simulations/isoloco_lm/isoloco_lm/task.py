@@ -31,6 +31,8 @@ from flwr_isoloco.data.text import load_corpus, prepare_tokens, sample_batch, sh
 from flwr_isoloco.merging import MERGE_RULES
 from flwr_isoloco.models.llama import build_llama, llama_config
 from flwr_isoloco.runconfig import (
+    SEED_MAX,
+    THREADS_MAX,
     RunConfigError,
     absolute_path,
     choices,
@@ -42,8 +44,6 @@ from flwr_isoloco.runconfig import (
 )
 
 STRATEGIES = ("isoloco", "diloco", "fedavg")
-SEED_MAX = 2**32 - 1  # seeds beyond this were silently unusable (per-batch seeds overflowed)
-THREADS_MAX = 512  # torch segfaults on absurd thread counts (100000); no node has more cores
 
 # The schema: every run-config key with its default (mirrors [tool.flwr.app.config]; a test
 # checks they agree). -1 / "" = "the chosen strategy's default".

@@ -17,6 +17,8 @@ from flwr_isoloco.clients.lora_client import LoRAClientConfig
 from flwr_isoloco.data.sentiment import PARTITIONERS
 from flwr_isoloco.models.classifier import LoRASpec, parse_target_modules
 from flwr_isoloco.runconfig import (
+    SEED_MAX,
+    THREADS_MAX,
     RunConfigError,
     absolute_path,
     choices,
@@ -84,8 +86,6 @@ def _data_source_ok(value: Any) -> None:
         raise ValueError("no such data file")
 
 
-SEED_MAX = 2**32 - 1  # numpy / torch / PCG64 all take it; negative seeds are refused by numpy
-THREADS_MAX = 256  # torch.set_num_threads(100000) segfaults
 
 VALIDATORS = {
     "num-server-rounds": positive,
