@@ -31,6 +31,7 @@ from flwr_isoloco.checkpoint import (
     set_rng_state,
     write_json_atomic,
 )
+from flwr_isoloco.models.export import export_causal_lm
 from flwr_isoloco.models.llama import count_parameters
 from flwr_isoloco.runconfig import RunConfigError, check_resumable, prepare_output_dir
 from flwr_isoloco.strategies.common import NoProgressError
@@ -298,7 +299,7 @@ def run_server(
         model.load_state_dict(
             {k: v.to(model.state_dict()[k].dtype) for k, v in strategy.theta.items()}
         )
-        model.save_pretrained(str(out / "model"))
+        export_causal_lm(model, data.tokenizer_path, out / "model")  # model + its tokenizer
     write_json_atomic(results_path, results)
     last = history[-1] if history else None
     log(

@@ -40,6 +40,7 @@ from flwr_isoloco.checkpoint import (
 )
 from flwr_isoloco.data import sentiment
 from flwr_isoloco.models import classifier
+from flwr_isoloco.models.export import export_adapter
 from flwr_isoloco.runconfig import RunConfigError, check_resumable, prepare_output_dir
 from flwr_isoloco.strategies.common import NoProgressError
 from flwr_isoloco.strategies.wire import check_train_metrics
@@ -512,11 +513,12 @@ def run_server(grid: Grid, run_config: dict[str, Any], run_id: int = 0, *, settl
             log(WARNING, "rwlora-sentiment: plotting failed: %s", exc)
 
     remaining = total - done
+    result = None
     if remaining <= 0:
         log(INFO, "rwlora-sentiment: checkpoint already holds all %d rounds", total)
     else:
         try:
-            strategy.start(
+            result = strategy.start(
                 grid=rec,
                 initial_arrays=initial,
                 num_rounds=total if name != "fedavg" else remaining,
@@ -532,6 +534,9 @@ def run_server(grid: Grid, run_config: dict[str, Any], run_id: int = 0, *, settl
             write_json_atomic(out / "results.json", results)
             raise
     _plots()
+    if result is not None:  # the adapter whose accuracy was reported last; loads with peft
+        adapter = result.arrays.to_torch_state_dict()
+        export_adapter(model, adapter, out / "adapter", tokenizer=tokenizer)
     results["status"] = "completed"
     results["wall-time-s"] = time.perf_counter() - t0
     write_json_atomic(out / "results.json", results)
