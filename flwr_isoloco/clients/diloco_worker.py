@@ -84,7 +84,14 @@ def next_token_loss(model: torch.nn.Module, batch: Any) -> tuple[torch.Tensor, i
 
 
 def inner_lr(step: int, total: int, lr: float, warmup: int, min_ratio: float) -> float:
-    """Linear warm-up then cosine decay to ``min_ratio * lr`` at ``total`` (see module doc)."""
+    """Linear warm-up then cosine decay to ``min_ratio * lr`` at ``total`` (see module doc).
+
+    Why not transformers' ``get_cosine_with_min_lr_schedule_with_warmup``: its decay part is
+    bitwise this one (tested), but its warm-up is ``lr * s / W``, one step behind ours: the
+    first inner step of a run would get lr 0 (a wasted step) and every warm-up step a
+    different lr, so swapping would change every result (the LM demo's val loss included).
+    Past ``total`` it also rises again (``cos`` is not clamped); ours stays at the minimum.
+    """
     if warmup > 0 and step < warmup:
         return lr * (step + 1) / warmup
     span = max(total - warmup, 1)
