@@ -5,6 +5,8 @@ reproduce the metric the run reported for its last round."""
 from __future__ import annotations
 
 import json
+import logging
+import stat
 import sys
 from pathlib import Path
 
@@ -17,6 +19,7 @@ sys.path.insert(0, str(REPO / "simulations" / "rwlora_sentiment"))
 sys.path.insert(0, str(REPO / "tests"))
 
 from fakegrid import FakeGrid  # noqa: E402
+from flwr.common.logger import FLOWER_LOGGER  # noqa: E402
 
 from flwr_isoloco.models.export import quiet_hf  # noqa: E402
 
@@ -92,7 +95,17 @@ def test_sentiment_app_adapter_loads_with_peft_and_gives_the_reported_accuracy(t
         "strategy.node-wait-s": 5.0,
         "output-dir": str(tmp_path / "out"),
     }
-    out = run_server(FakeGrid(client_app, num_nodes=3, run_config=rc), rc, settle_s=0.05)
+    lines: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: lines.append(record.getMessage())
+    FLOWER_LOGGER.addHandler(handler)
+    try:
+        out = run_server(FakeGrid(client_app, num_nodes=3, run_config=rc), rc, settle_s=0.05)
+    finally:
+        FLOWER_LOGGER.removeHandler(handler)
+    (done,) = [line for line in lines if "rwlora-sentiment: done" in line]
+    assert done.startswith("rwlora-sentiment: done, 2 rounds in this run, 2 of 2 in total")
+    assert stat.S_IMODE((out / "accuracy.png").stat().st_mode) == 0o644
     last = json.loads((out / "results.json").read_text())["rounds"][-1]
     d = out / "adapter"
     with quiet_hf():

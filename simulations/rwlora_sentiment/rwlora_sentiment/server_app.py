@@ -45,7 +45,7 @@ from flwr_isoloco.runconfig import RunConfigError, check_resumable, prepare_outp
 from flwr_isoloco.strategies.common import NoProgressError
 from flwr_isoloco.strategies.wire import check_train_metrics
 
-from .plots import plot_results
+from .plots import plot_results, plot_title
 from .task import (
     CURSORS_KEY,
     config_dict,
@@ -508,7 +508,7 @@ def run_server(grid: Grid, run_config: dict[str, Any], run_id: int = 0, *, settl
             visits = {str(k): c // per_visit for k, c in sorted(rec.cursors.items())}
         results["visit-counts"] = visits
         try:
-            plot_results(history, visits, out, title=f"{name} on {cfg.strategy.graph}, n={n}")
+            plot_results(history, visits, out, title=plot_title(name, cfg.strategy.graph, n))
         except Exception as exc:  # plots must never stop a run
             log(WARNING, "rwlora-sentiment: plotting failed: %s", exc)
 
@@ -543,10 +543,14 @@ def run_server(grid: Grid, run_config: dict[str, Any], run_id: int = 0, *, settl
     last = next((r for r in reversed(history) if "test-accuracy" in r), None)
     log(
         INFO,
-        "rwlora-sentiment: done, %d rounds; final test accuracy %s; results in %s",
-        len(history),
+        "rwlora-sentiment: done, %d rounds in this run, %d of %d in total; final test accuracy "
+        "%s; results in %s, adapter in %s",
+        len(history) - 1 - done,  # history holds rounds 0..last
+        len(history) - 1,
+        total,
         "n/a" if last is None else f"{last['test-accuracy']:.4f}",
         out / "results.json",
+        out / "adapter",
     )
     return out
 
