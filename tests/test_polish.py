@@ -158,3 +158,13 @@ def test_lm_done_line_counts_this_run_and_the_total(tmp_path, monkeypatch):
         assert _mode(b / name) == 0o644
     assert _mode(b / "checkpoint.safetensors") == 0o600
     assert {_mode(p) for p in (b / "model").iterdir()} == {0o644}
+
+
+def test_requirements_data_names_docs_that_exist():
+    import re
+
+    text = (REPO / "requirements-data.txt").read_text(encoding="utf-8")
+    docs = re.findall(r"[\w./-]+\.md", text)
+    assert docs, "requirements-data.txt should point to the docs that describe the packages"
+    for doc in docs:
+        assert (REPO / doc).is_file(), doc
