@@ -130,7 +130,7 @@ def table(entries: dict) -> str:
     ]
     for e in sorted(entries.values(), key=lambda e: (e["workers"], e["name"])):
         rows.append(
-            f"| {e['name']} | {e['workers']} | {e['final-val-loss']:.4f} | {e['final-val-ppl']:.1f} | "
+            f"| {LABELS.get(e['name'], e['name'])} (`{e['name']}`) | {e['workers']} | {e['final-val-loss']:.4f} | {e['final-val-ppl']:.1f} | "
             f"{e['wall-time-s']:.0f} | {e['mean-round-wall-s']:.1f} | {e['mean-aggregation-s']:.3f} |"
         )
     return "\n".join(rows)
