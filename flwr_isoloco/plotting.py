@@ -37,12 +37,15 @@ MERGE_NAMES = {
 
 
 def run_label(
-    strategy: str | None = None, merge: str | None = None, momentum: float | None = None
+    strategy: str | None = None,
+    merge: str | None = None,
+    momentum: float | None = None,
+    nesterov: bool = False,
 ) -> str:
     """Readable name of a run: strategy, merge rule, outer momentum (each optional).
 
-    ``momentum`` 0 is said as "no momentum"; ``None`` (the strategy's default) is not said.
-    Unknown names are shown as given.
+    ``momentum`` 0 is said as "no momentum"; ``None`` (the strategy's default) is not said;
+    ``nesterov`` says "Nesterov momentum". Unknown names are shown as given.
     """
     parts = []
     if strategy:
@@ -50,7 +53,8 @@ def run_label(
     if merge:
         parts.append(f"{MERGE_NAMES.get(merge, merge)} merge")
     if momentum is not None:
-        parts.append("no momentum" if momentum == 0 else f"momentum {momentum:g}")
+        kind = "Nesterov momentum" if nesterov else "momentum"
+        parts.append("no momentum" if momentum == 0 else f"{kind} {momentum:g}")
     return ", ".join(parts) if parts else "run"
 
 

@@ -60,6 +60,7 @@ def test_results_0644_checkpoints_0600_figures_0644(tmp_path, strict_umask):
         (("diloco", "iso_c", 0.0), "DiLoCo, Iso-C merge, no momentum"),
         ((None, "iso_c", 0.0), "Iso-C merge, no momentum"),
         (("isoloco", "iso_c", 0.8), "IsoLoCo, Iso-C merge, momentum 0.8"),
+        (("isoloco", "iso_c", 0.8, True), "IsoLoCo, Iso-C merge, Nesterov momentum 0.8"),
         (("rwlora",), "RW-LoRA"),
         (("gossip",), "gossip LoRA"),
     ],
@@ -92,8 +93,8 @@ def test_plot_titles_are_readable():
     from rwlora_sentiment.plots import plot_title as rw_title
 
     assert (
-        lm_title("isoloco", "iso_c", 0.8, 920_000)
-        == "IsoLoCo, Iso-C merge, momentum 0.8, 0.92M params"
+        lm_title("isoloco", "iso_c", 0.8, 920_000, True)
+        == "IsoLoCo, Iso-C merge, Nesterov momentum 0.8, 0.92M params"
     )
     assert lm_title("fedavg", "mean", 0.0, 920_000) == "FedAvg, 0.92M params"
     assert rw_title("rwlora", "ring", 3) == "RW-LoRA on a ring graph, 3 clients"

@@ -8,11 +8,13 @@ from typing import Any
 from flwr_isoloco.plotting import run_label, save_figure
 
 
-def plot_title(name: str, merge: str, momentum: float, n_params: int) -> str:
-    """``"IsoLoCo, Iso-C merge, momentum 0.8, 0.92M params"``; FedAvg is named alone."""
+def plot_title(
+    name: str, merge: str, momentum: float, n_params: int, nesterov: bool = False
+) -> str:
+    """``"IsoLoCo, Iso-C merge, Nesterov momentum 0.8, 0.92M params"``; FedAvg is named alone."""
     if name == "fedavg":  # mean merge, outer lr 1, no momentum by definition
         return f"{run_label(name)}, {n_params / 1e6:.2f}M params"
-    return f"{run_label(name, merge, momentum)}, {n_params / 1e6:.2f}M params"
+    return f"{run_label(name, merge, momentum, nesterov)}, {n_params / 1e6:.2f}M params"
 
 
 def plot_losses(

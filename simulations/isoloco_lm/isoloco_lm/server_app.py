@@ -189,7 +189,10 @@ def run_server(
         "rounds": history,
     }
     results_path, plot_path = out / "results.json", out / "loss.png"
-    title = plot_title(cfg.strategy.name, strategy.merge_name, strategy.outer.momentum, n_params)
+    outer = strategy.outer
+    title = plot_title(
+        cfg.strategy.name, strategy.merge_name, outer.momentum, n_params, outer.nesterov
+    )
 
     pending: dict[str, Any] = {}
     inner = strategy.aggregate_train
