@@ -39,6 +39,13 @@ def _modes(folder):
     return {p.name: stat.S_IMODE(p.stat().st_mode) for p in folder.iterdir() if p.is_file()}
 
 
+def test_causal_lm_export_prints_no_progress_bar(tmp_path, capfd):
+    model = build_llama(llama_config(vocab_size=300, hidden=32, heads=2, layers=1), seed=3)
+    export_causal_lm(model, _tokenizer_file(tmp_path), tmp_path / "model")
+    captured = capfd.readouterr()
+    assert "Writing model shards" not in captured.err + captured.out
+
+
 def test_causal_lm_export_loads_offline_and_generates(tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
