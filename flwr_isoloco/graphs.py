@@ -208,6 +208,17 @@ def _looks_like_edge_list(spec: str) -> bool:
     return bool(items) and all(_EDGE_RE.match(s) for s in items)
 
 
+def deferred_graph(spec: Any, n: int | None) -> bool:
+    """Whether ``spec`` is a named family (``complete``, ``ring``...) given without ``n``: a
+    strategy then builds it on the connected nodes. The spec's syntax is checked now."""
+    if n is not None or not isinstance(spec, str) or _looks_like_edge_list(spec):
+        return False
+    if os.sep in spec or "." in spec.split(":")[0] or Path(spec).is_file():
+        return False
+    parse_spec(spec)  # unknown family / bad parameter -> ValueError now, not at setup
+    return True
+
+
 def build_graph(
     spec: str | os.PathLike | nx.Graph, n: int | None = None, seed: int | None = None
 ) -> nx.Graph:

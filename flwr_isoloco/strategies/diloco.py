@@ -34,8 +34,6 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
 from flwr.common.logger import log
 from flwr.serverapp import Grid
-from flwr.serverapp.strategy import Result, Strategy
-from flwr.serverapp.strategy.strategy_utils import sample_nodes
 
 from flwr_isoloco.compression import CODECS, payload_nbytes, request_config
 from flwr_isoloco.merging import MERGE_RULES, StreamingMerger, merge
@@ -54,6 +52,8 @@ from flwr_isoloco.strategies.common import (
     tensor_norm,
     weighted_mean_metrics,
 )
+from flwr_isoloco.strategies.lifecycle import ResumableStrategy
+from flwr_isoloco.strategies.nodes import wait_for_nodes
 
 __all__ = ["DiLoCo", "IsoLoCo", "DILOCO_RUN_CONFIG", "ISOLOCO_RUN_CONFIG"]
 
@@ -166,7 +166,7 @@ def _finite(g: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return g
 
 
-class DiLoCo(Strategy):
+class DiLoCo(ResumableStrategy):
     """DiLoCo: merge the nodes' pseudo-gradients, then an outer SGD/Nesterov step.
 
     Parameters (keyword-only; the first ten are FedAvg's)
@@ -437,20 +437,17 @@ class DiLoCo(Strategy):
         assert self.theta is not None
         return ArrayRecord({k: v.to(self._dtypes.get(k, v.dtype)) for k, v in self.theta.items()})
 
-    def start(
-        self,
-        grid: Grid,
-        initial_arrays: ArrayRecord,
-        num_rounds: int = 3,
-        *args: Any,
-        **kwargs: Any,
-    ) -> Result:
-        """Run rounds ``server_round + 1 .. num_rounds`` (Flower's ``Strategy.start``).
+    @property
+    def completed_rounds(self) -> int:
+        """Rounds aggregated so far (``server_round``; continues across a resume)."""
+        return self.server_round
 
-        ``num_rounds`` is the total, as for :class:`~flwr_isoloco.strategies.RWLoRA`: a fresh
-        strategy runs all of them, one restored with :meth:`load_state_dict` the remaining ones,
-        continuing from its own ``theta`` (its keys must match ``initial_arrays``).
-        """
+    def current_arrays(self) -> ArrayRecord:
+        """``theta`` in the model's own dtypes."""
+        return self._model_record()
+
+    def prepare(self, grid: Grid, initial_arrays: ArrayRecord, timeout: float) -> None:
+        """Adopt ``initial_arrays``; a restored strategy keeps its ``theta`` (same keys)."""
         if self.theta is None:
             self._adopt(initial_arrays)
         elif set(self.theta) != set(initial_arrays.keys()):
@@ -458,11 +455,6 @@ class DiLoCo(Strategy):
                 "restored strategy state does not match initial_arrays: keys differ "
                 f"(e.g. {sorted(set(self.theta) ^ set(initial_arrays.keys()))[:3]})"
             )
-        remaining = num_rounds - self.server_round
-        if remaining <= 0:
-            log(INFO, "DiLoCo: all %d rounds already done; nothing to run", num_rounds)
-            return Result(arrays=self._model_record())
-        return super().start(grid, self._model_record(), remaining, *args, **kwargs)
 
     # ------------------------------------------------------------------ Strategy API
     def summary(self) -> None:
@@ -514,9 +506,10 @@ class DiLoCo(Strategy):
     def _sample(self, grid: Grid, fraction: float, min_nodes: int) -> list[int]:
         connected = list(grid.get_node_ids())
         k = max(int(len(connected) * fraction), min_nodes)
-        _, all_nodes = sample_nodes(grid, self.min_available_nodes, k)  # waits for nodes
+        # As Flower's sample_nodes: wait (for ever) for max(min_available_nodes, k) nodes.
+        all_nodes = wait_for_nodes(grid, max(self.min_available_nodes, k), what="DiLoCo")
         k = min(k, len(all_nodes))
-        return self._rng.sample(sorted(all_nodes), k)
+        return self._rng.sample(all_nodes, k)
 
     def _messages(
         self, arrays: ArrayRecord, config: ConfigRecord, nodes: list[int], mtype: str

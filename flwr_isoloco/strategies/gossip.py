@@ -78,6 +78,11 @@ class GossipLoRA(GraphStrategy):
     """
 
     what = "gossip"
+    REFUSED_FEDAVG_ARGS = {
+        "fraction_train": "gossip trains every live vertex every round",
+        "min_train_nodes": "gossip trains every live vertex every round",
+        "train_metrics_aggr_fn": "gossip's train metrics are its own mixing and byte accounting",
+    }
 
     def __init__(
         self,
@@ -107,11 +112,12 @@ class GossipLoRA(GraphStrategy):
         self._sent_vertex: dict[int, Any] = {}
 
     def summary(self) -> None:
+        G = self.graph
         log(
             INFO,
-            "\t└──> gossip: graph %d vertices, %d edges; K=%d local steps; Metropolis mixing",
-            self.graph.number_of_nodes(),
-            self.graph.number_of_edges(),
+            "\t└──> gossip: graph %s vertices, %s edges; K=%d local steps; Metropolis mixing",
+            "n = connected nodes" if G is None else G.number_of_nodes(),
+            "?" if G is None else G.number_of_edges(),
             self.local_steps,
         )
 
@@ -243,7 +249,10 @@ class GossipLoRA(GraphStrategy):
                 continue
             reply = checked[0]
             bad = check_train_metrics(
-                reply.content, asked_steps=self.local_steps, vertex=v, vertex_key=self.vertex_key
+                reply.content,
+                asked_steps=self.local_steps,
+                vertex=v,
+                vertex_key=self.checked_vertex_key,
             )
             if bad is not None:
                 self._fail(v, bad)

@@ -130,6 +130,11 @@ class RWLoRA(GraphStrategy):
     """
 
     what = "rwlora"
+    REFUSED_FEDAVG_ARGS = {
+        "fraction_train": "RW-LoRA trains exactly one node per round (the walk's vertex)",
+        "min_train_nodes": "RW-LoRA trains exactly one node per round (the walk's vertex)",
+        "train_metrics_aggr_fn": "a round has one reply, whose metrics are the round's",
+    }
 
     def __init__(
         self,
@@ -160,11 +165,9 @@ class RWLoRA(GraphStrategy):
         if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
             raise ValueError(f"seed must be an int >= 0, got {seed!r}")
         self.seed = int(seed)
-        # validate the transition options now (clear error before any Flower call)
-        transition_matrix(self.graph, transition, target=self._target_for(self.graph), lazy=lazy)
-        if start_vertex is not None and start_vertex not in self.graph:
-            raise ValueError(f"start_vertex {start_vertex!r} is not a graph vertex")
         self.start_vertex = start_vertex
+        if self.graph is not None:  # clear error before any Flower call (else at setup)
+            self._check_graph_options()
         self.carry_optimizer_state = bool(carry_optimizer_state)
         self.optimizer_key = optimizer_key
         self.optimizer_config_key = optimizer_config_key
@@ -204,6 +207,13 @@ class RWLoRA(GraphStrategy):
         self._pending_round = 0
         self._ledger = SentLedger()
 
+    def _check_graph_options(self) -> None:
+        """Transition, target and start vertex must fit the graph (``ValueError`` naming them)."""
+        G = self.graph
+        transition_matrix(G, self.transition, target=self._target_for(G), lazy=self.lazy)
+        if self.start_vertex is not None and self.start_vertex not in G:
+            raise ValueError(f"start_vertex {self.start_vertex!r} is not a graph vertex")
+
     def _target_for(self, G: nx.Graph) -> Any:
         if self.target is None:
             return None
@@ -219,11 +229,12 @@ class RWLoRA(GraphStrategy):
         return {v: w[i] for i, v in enumerate(full) if v in G}
 
     def summary(self) -> None:
+        G = self.graph
         log(
             INFO,
-            "\t├──> graph: %d vertices, %d edges; transition %s%s",
-            self.graph.number_of_nodes(),
-            self.graph.number_of_edges(),
+            "\t├──> graph: %s vertices, %s edges; transition %s%s",
+            "n = connected nodes" if G is None else G.number_of_nodes(),
+            "?" if G is None else G.number_of_edges(),
             self.transition,
             " (lazy)" if self.lazy else "",
         )
@@ -407,7 +418,10 @@ class RWLoRA(GraphStrategy):
         if checked:
             reply: CheckedReply = checked[0]
             reason = check_train_metrics(
-                reply.content, asked_steps=self.local_steps, vertex=v, vertex_key=self.vertex_key
+                reply.content,
+                asked_steps=self.local_steps,
+                vertex=v,
+                vertex_key=self.checked_vertex_key,
             )
             update = reply.update(expected)
             norm = math.sqrt(sum(float(u.double().pow(2).sum()) for u in update.values()))

@@ -34,6 +34,7 @@ from flwr_isoloco.checkpoint import (
 from flwr_isoloco.models.llama import count_parameters
 from flwr_isoloco.runconfig import RunConfigError, check_resumable, prepare_output_dir
 from flwr_isoloco.strategies.common import NoProgressError
+from flwr_isoloco.strategies.nodes import wait_for_nodes
 
 from .task import (
     RESUME_DIR_KEY,
@@ -63,29 +64,6 @@ RESUMABLE_DIFFERENCES = {
     "checkpoint",
     "rounds-this-run",
 }
-
-
-def wait_for_nodes(
-    grid: Grid, min_nodes: int, settle_s: float = 2.0, timeout_s: float = 120.0
-) -> int:
-    """Wait until >= ``min_nodes`` are connected and their number is stable for ``settle_s``
-    (simulated nodes register after the ServerApp starts); returns how many there are."""
-    t0 = time.monotonic()
-    last, since = -1, time.monotonic()
-    while True:
-        n = len(list(grid.get_node_ids()))
-        now = time.monotonic()
-        if n != last:
-            last, since = n, now
-        if n >= min_nodes and now - since >= settle_s:
-            return n
-        if now - t0 > timeout_s:
-            if n >= min_nodes:
-                return n
-            raise RuntimeError(
-                f"only {n} nodes connected after {timeout_s:.0f} s; strategy.min-nodes is {min_nodes}"
-            )
-        time.sleep(0.25)
 
 
 # What ``resume-from`` must hold (checked before anything is restored; see load_checkpoint).
@@ -122,6 +100,44 @@ def resume(path: Path, conf: dict[str, Any], strategy, model) -> tuple[int, list
     with restoring(path):
         set_rng_state(meta["rng"])
     return done, history, meta["initial"]
+
+
+def results_row(server_round: int, tm: dict[str, Any], em: dict[str, Any]) -> dict[str, Any]:
+    """One ``results.json`` row from the round's train and evaluation metrics."""
+    return {
+        "round": server_round,
+        "val-loss": em.get("val-loss"),
+        "val-ppl": em.get("val-ppl"),
+        "train-loss": tm.get("train-loss"),
+        "replies-used": int(tm.get("replies-used", 0)),
+        "replies-rejected": int(tm.get("replies-rejected", 0)),
+        "replies-missing": int(tm.get("replies-missing", 0)),
+        "aggregation-time-s": tm.get("aggregation-time-s"),
+        "pseudo-grad-norm": tm.get("pseudo-grad-norm"),
+        "bytes-up": tm.get("bytes-up"),
+        "bytes-down": tm.get("bytes-down"),
+    }
+
+
+def log_row(row: dict[str, Any], total: int) -> None:
+    """The round's one-line summary (and a warning when no reply was used)."""
+    log(
+        INFO,
+        "isoloco-lm: round %d/%d val loss %.4f ppl %.1f | train loss %s | replies %d used, "
+        "%d rejected, %d missing | aggregation %.3f s | round %.1f s",
+        row["round"],
+        total,
+        row["val-loss"],
+        row["val-ppl"],
+        "n/a" if row["train-loss"] is None else f"{row['train-loss']:.4f}",
+        row["replies-used"],
+        row["replies-rejected"],
+        row["replies-missing"],
+        row["aggregation-time-s"] or 0.0,
+        row["round-wall-s"],
+    )
+    if row["replies-used"] == 0:
+        log(WARNING, "isoloco-lm: round %d had no usable reply; model kept", row["round"])
 
 
 def run_server(
@@ -190,79 +206,48 @@ def run_server(
     results_path, plot_path = out / "results.json", out / "loss.png"
     title = f"{cfg.strategy.name} ({strategy.merge_name}), {n_params / 1e6:.2f}M params"
 
-    pending: dict[str, Any] = {}
-    inner = strategy.aggregate_train
+    clock = {"last": time.perf_counter(), "start": time.perf_counter(), "eval": 0.0}
 
-    def aggregate_train(server_round, replies):  # record train metrics for this round
-        arrays, metrics = inner(server_round, replies)
-        pending["train"] = dict(metrics) if metrics is not None else {}
-        return arrays, metrics
-
-    strategy.aggregate_train = aggregate_train  # instance hook; the strategy is unchanged
-    clock = {"last": time.perf_counter(), "start": time.perf_counter()}
-
-    def evaluate_fn(server_round: int, arrays: ArrayRecord) -> MetricRecord | None:
+    def evaluate_fn(server_round: int, arrays: ArrayRecord) -> MetricRecord:
+        """Validation loss and perplexity of the global model (round 0: the initial one)."""
         nonlocal initial
-        global_round = done + server_round
-        if server_round == 0 and done > 0:
-            clock["last"] = time.perf_counter()
-            return None  # already evaluated before the checkpoint
         t_eval = time.perf_counter()
         model.load_state_dict(arrays.to_torch_state_dict())
         loss = evaluate_model(model, val)
         ppl = math.exp(min(loss, 50.0))
-        now = time.perf_counter()
+        clock["eval"] = time.perf_counter() - t_eval
         if server_round == 0:
             initial = {"round": 0, "val-loss": loss, "val-ppl": ppl}
             results["initial"] = initial
             log(INFO, "isoloco-lm: round 0/%d val loss %.4f ppl %.1f", total, loss, ppl)
-        else:
-            tm = pending.pop("train", {})
-            row = {
-                "round": global_round,
-                "val-loss": loss,
-                "val-ppl": ppl,
-                "train-loss": tm.get("train-loss"),
-                "replies-used": int(tm.get("replies-used", 0)),
-                "replies-rejected": int(tm.get("replies-rejected", 0)),
-                "replies-missing": int(tm.get("replies-missing", 0)),
-                "aggregation-time-s": tm.get("aggregation-time-s"),
-                "pseudo-grad-norm": tm.get("pseudo-grad-norm"),
-                "bytes-up": tm.get("bytes-up"),
-                "bytes-down": tm.get("bytes-down"),
-                "eval-time-s": now - t_eval,
+            write_json_atomic(results_path, results)
+            clock["last"] = time.perf_counter()
+        return MetricRecord({"val-loss": loss, "val-ppl": ppl})
+
+    def on_round_end(server_round: int, arrays, train_metrics, eval_metrics) -> None:
+        """The round's results row, results.json, the loss plot and the checkpoint."""
+        tm = dict(train_metrics) if train_metrics is not None else {}
+        now = time.perf_counter()
+        row = results_row(server_round, tm, dict(eval_metrics or {}))
+        row.update(
+            {
+                "eval-time-s": clock["eval"],
                 "round-wall-s": now - clock["last"],  # since the previous round ended
                 "elapsed-s": now - clock["start"],
             }
-            history.append(row)
-            log(
-                INFO,
-                "isoloco-lm: round %d/%d val loss %.4f ppl %.1f | train loss %s | replies %d used, "
-                "%d rejected, %d missing | aggregation %.3f s | round %.1f s",
-                global_round,
-                total,
-                loss,
-                ppl,
-                "n/a" if row["train-loss"] is None else f"{row['train-loss']:.4f}",
-                row["replies-used"],
-                row["replies-rejected"],
-                row["replies-missing"],
-                row["aggregation-time-s"] or 0.0,
-                row["round-wall-s"],
-            )
-            if row["replies-used"] == 0:
-                log(WARNING, "isoloco-lm: round %d had no usable reply; model kept", global_round)
+        )
+        history.append(row)
+        log_row(row, total)
         write_json_atomic(results_path, results)
-        if history:
-            plot_losses(history, plot_path, title)
-        if cfg["checkpoint"] and server_round > 0:
+        plot_losses(history, plot_path, title)
+        if cfg["checkpoint"]:
             sd = strategy.state_dict()
             save_checkpoint(
                 out / CHECKPOINT,
                 {"strategy": sd["tensors"]},
                 {
                     "app": "isoloco_lm",
-                    "round": global_round,
+                    "round": server_round,
                     "config": conf,
                     "strategy": sd["meta"],
                     "history": history,
@@ -271,12 +256,14 @@ def run_server(
                 },
             )
         clock["last"] = now
-        return MetricRecord({"val-loss": loss, "val-ppl": ppl})
 
     if remaining <= 0:
         log(INFO, "isoloco-lm: checkpoint already holds all %d rounds; nothing to run", total)
     else:
-        wait_for_nodes(grid, cfg.strategy["min-nodes"], settle_s=settle_s)
+        # simulated nodes register after the ServerApp starts: wait until their count is stable
+        wait_for_nodes(
+            grid, cfg.strategy["min-nodes"], settle_s=settle_s, timeout_s=120.0, what="isoloco-lm"
+        )
         try:
             strategy.start(
                 grid=grid,
@@ -285,6 +272,7 @@ def run_server(
                 timeout=cfg["round-timeout"],
                 train_config=ConfigRecord(tc),
                 evaluate_fn=evaluate_fn,
+                on_round_end=on_round_end,
             )
         except NoProgressError as exc:  # the run trained nothing: say so, never "completed"
             log(ERROR, "isoloco-lm: %s", exc)
