@@ -272,6 +272,7 @@ class GossipLoRA(GraphStrategy):
                     )
                     del trained[v]
             accepted = [(v, r) for v, r in accepted if v in trained]
+        self.round_replies = [(v, dict(r.metrics)) for v, r in accepted]
         for _, reply in accepted:  # local-steps checked in [0, K] by check_train_metrics
             steps_done += int(reply.metrics.get("local-steps", self.local_steps))
         before_mix = [trained.get(v, self.adapters[v]) for v in self.vertices]

@@ -125,6 +125,9 @@ class GraphStrategy(ResumableStrategy):
         self.missing_vertices: list[Any] = []
         self.round = 0  # rounds completed
         self.history: list[dict[str, float]] = []
+        # (vertex, scalar metrics) of every reply that entered the model this round, checked
+        # by check_train_metrics against its vertex: for apps (e.g. per-partition data cursors)
+        self.round_replies: list[tuple[Any, dict[str, float]]] = []
         self._pending_state: dict[str, Any] | None = None
 
     def _refuse(self, fedavg_args: Mapping[str, Any]) -> None:
@@ -313,6 +316,7 @@ class GraphStrategy(ResumableStrategy):
         empty-round guard (before the round-end hook, so the streak is in the checkpoint) and
         evaluate federatedly when ``fraction_evaluate > 0``."""
         self.refresh_nodes(grid, self.query_timeout or timeout)
+        self.round_replies = []
         metrics = self._run_round(grid, server_round, train_config, timeout)
         self.round = server_round
         self.history.append({**metrics, "round": server_round})

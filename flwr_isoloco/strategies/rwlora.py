@@ -491,6 +491,7 @@ class RWLoRA(GraphStrategy):
         self.relays += int(self._pending_relay)
         self.trajectory.append(v)
         self._visits[v] = self._visits.get(v, 0) + 1
+        self.round_replies.append((v, dict(reply.metrics)))
         self.excluded = []
         self.update_norms.append(norm)
         self.update_norms = self.update_norms[-self.norm_window :]
