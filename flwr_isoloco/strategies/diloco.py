@@ -35,7 +35,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricReco
 from flwr.common.logger import log
 from flwr.serverapp import Grid
 
-from flwr_isoloco.compression import CODECS, payload_nbytes, request_config
+from flwr_isoloco.compression import payload_nbytes, request_config
 from flwr_isoloco.merging import MERGE_RULES, StreamingMerger, merge
 from flwr_isoloco.merging.rules import check_options
 from flwr_isoloco.merging.validation import all_finite
@@ -52,110 +52,27 @@ from flwr_isoloco.strategies.common import (
     tensor_norm,
     weighted_mean_metrics,
 )
+from flwr_isoloco.strategies.diloco_config import (
+    APP_KEYS,
+    DEFAULT_MAX_WEIGHT_RATIO,
+    DILOCO_RUN_CONFIG,
+    ISOLOCO_RUN_CONFIG,
+    ORTHOGONALIZE,
+    WEIGHTINGS,
+    read_section,
+    section_kwargs,
+)
+from flwr_isoloco.strategies.diloco_state import DiLoCoState
 from flwr_isoloco.strategies.lifecycle import ResumableStrategy
 from flwr_isoloco.strategies.nodes import wait_for_nodes
 
 __all__ = ["DiLoCo", "IsoLoCo", "DILOCO_RUN_CONFIG", "ISOLOCO_RUN_CONFIG"]
 
-ORTHOGONALIZE = ("gradient", "update")
-WEIGHTINGS = ("examples", "uniform")
 _SPECTRAL_FOR_UPDATE = ("iso_c", "iso_c_ns")
-
-DEFAULT_MAX_WEIGHT_RATIO = 5.0
-"""No reply's weight counts for more than 5 x the round's median weight (docs/strategies.md)."""
-
-# Run-config keys (flat Flower keys, prefix "strategy."), with their defaults. Merge options set
-# to -1 / "" mean "the merge rule's own default". 0 for the norm bounds means "off".
-DILOCO_RUN_CONFIG: dict[str, Any] = {
-    "merge": "mean",
-    "outer-lr": 0.7,
-    "outer-momentum": 0.9,
-    "nesterov": True,
-    "orthogonalize": "gradient",
-    "weighting": "examples",
-    "client-sends": "weights",
-    "fraction-train": 1.0,
-    "fraction-evaluate": 1.0,
-    "min-train-nodes": 2,
-    "min-evaluate-nodes": 2,
-    "min-available-nodes": 2,
-    "max-update-norm": 0.0,
-    "max-norm-ratio": 0.0,
-    "max-weight-ratio": DEFAULT_MAX_WEIGHT_RATIO,
-    "max-empty-rounds": 3,
-    "dtype-policy": "cast",
-    "seed": 0,
-    "prune-fraction": -1.0,
-    "drop-rate": -1.0,
-    "common-fraction": -1.0,
-    "ns-steps": -1,
-    "spectral-pattern": "",
-    "upload-codec": "none",
-    "codec-block-size": 256,
-    "codec-fraction": 0.01,
-    "codec-values": "fp32",
-    "codec-min-dims": 2,
-    "error-feedback": True,
-}
-ISOLOCO_RUN_CONFIG: dict[str, Any] = {
-    **DILOCO_RUN_CONFIG,
-    "merge": "iso_c",
-    "outer-lr": 1.8,
-    "outer-momentum": 0.8,
-}
-_MERGE_OPTION_KEYS = {
-    "prune-fraction": "prune_fraction",
-    "drop-rate": "drop_rate",
-    "common-fraction": "common_fraction",
-    "ns-steps": "ns_steps",
-    "spectral-pattern": "spectral_pattern",
-}
 
 
 def _is_number(v: object) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-
-
-def _codec_options(c: Mapping[str, Any]) -> dict[str, Any]:
-    """The chosen codec's options from the flat ``codec-*`` run-config keys."""
-    from flwr_isoloco.compression import OPTION_KEYS, normalize_options
-
-    codec = c["upload-codec"]
-    allowed = normalize_options(codec)
-    return {o: c[k] for k, o in OPTION_KEYS.items() if o in allowed}
-
-
-def _off_or_at_least_one(value: float) -> None:
-    if value != 0 and not value >= 1:
-        raise ValueError("must be >= 1, or 0 for off")
-
-
-def _split_state(tree: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Split a nested dict into (tensors only, everything else) with the same nesting."""
-    tensors: dict[str, Any] = {}
-    meta: dict[str, Any] = {}
-    for k, v in tree.items():
-        if isinstance(v, torch.Tensor):
-            tensors[k] = v.detach().clone()
-        elif isinstance(v, Mapping):
-            t, m = _split_state(v)
-            if t or not m:
-                tensors[k] = t
-            if m:
-                meta[k] = m
-        else:
-            meta[k] = v
-    return tensors, meta
-
-
-def _join_state(tensors: Mapping[str, Any], meta: Mapping[str, Any]) -> dict[str, Any]:
-    out: dict[str, Any] = dict(meta)
-    for k, v in tensors.items():
-        if isinstance(v, Mapping) and isinstance(out.get(k), Mapping):
-            out[k] = _join_state(v, out[k])
-        else:
-            out[k] = v
-    return out
 
 
 def _finite(g: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -166,7 +83,7 @@ def _finite(g: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return g
 
 
-class DiLoCo(ResumableStrategy):
+class DiLoCo(DiLoCoState, ResumableStrategy):
     """DiLoCo: merge the nodes' pseudo-gradients, then an outer SGD/Nesterov step.
 
     Parameters (keyword-only; the first ten are FedAvg's)
@@ -342,7 +259,7 @@ class DiLoCo(ResumableStrategy):
         cls,
         run_config: Mapping[str, Any],
         prefix: str = "strategy.",
-        ignore: Iterable[str] = ("name", "timeout", "round-timeout"),
+        ignore: Iterable[str] = APP_KEYS,
         **overrides: Any,
     ) -> DiLoCo:
         """Build from Flower's flat run config (keys ``strategy.<key>``, see ``RUN_CONFIG_DEFAULTS``).
@@ -352,70 +269,16 @@ class DiLoCo(ResumableStrategy):
         wrong type, an unknown merge rule or a negative lr raise ``ValueError`` naming it.
         ``overrides`` are constructor arguments applied last.
         """
-        from flwr_isoloco.runconfig import choices, in_range, non_negative, read_run_config
+        section = read_section(run_config, cls.RUN_CONFIG_DEFAULTS, prefix, ignore)
+        return cls.from_section(section, **overrides)
 
-        skip = {prefix + k for k in ignore}
-        mine = {k: v for k, v in run_config.items() if k.startswith(prefix) and k not in skip}
-        # Nest the schema under the prefix so that errors name the full key (strategy.outer-lr).
-        schema: dict[str, Any] = dict(cls.RUN_CONFIG_DEFAULTS)
-        for part in reversed([p for p in prefix.split(".") if p]):
-            schema = {part: schema}
-        checks = {
-            "merge": choices(*MERGE_RULES),
-            "outer-lr": non_negative,
-            "outer-momentum": non_negative,
-            "fraction-train": in_range(0, 1),
-            "fraction-evaluate": in_range(0, 1),
-            "min-train-nodes": non_negative,
-            "min-evaluate-nodes": non_negative,
-            "min-available-nodes": non_negative,
-            "max-update-norm": non_negative,
-            "max-norm-ratio": non_negative,
-            "max-weight-ratio": _off_or_at_least_one,
-            "max-empty-rounds": non_negative,
-            "orthogonalize": choices(*ORTHOGONALIZE),
-            "weighting": choices(*WEIGHTINGS),
-            "client-sends": choices(*PAYLOADS),
-            "dtype-policy": choices("cast", "reject"),
-            "upload-codec": choices(*CODECS),
-            "codec-values": choices("fp32", "int8"),
-            "codec-block-size": in_range(1, 1 << 20),
-            "codec-min-dims": in_range(0, 8),
-            "codec-fraction": in_range(0, 1, lo_open=True),
-        }
-        cfg = read_run_config(mine, schema, {prefix + k: v for k, v in checks.items()})
-        for part in [p for p in prefix.split(".") if p]:
-            cfg = cfg[part]
-        c = {k: cfg[k] for k in cls.RUN_CONFIG_DEFAULTS}
-        options = {}
-        for key, opt in _MERGE_OPTION_KEYS.items():
-            v = c[key]
-            if (isinstance(v, str) and v != "") or (not isinstance(v, str) and v >= 0):
-                options[opt] = v
-        kwargs = dict(
-            merge=c["merge"],
-            merge_options=options,
-            outer_lr=c["outer-lr"],
-            outer_momentum=c["outer-momentum"],
-            nesterov=c["nesterov"],
-            orthogonalize=c["orthogonalize"],
-            weighting=c["weighting"],
-            client_sends=c["client-sends"],
-            fraction_train=c["fraction-train"],
-            fraction_evaluate=c["fraction-evaluate"],
-            min_train_nodes=c["min-train-nodes"],
-            min_evaluate_nodes=c["min-evaluate-nodes"],
-            min_available_nodes=c["min-available-nodes"],
-            max_update_norm=c["max-update-norm"] or None,
-            max_norm_ratio=c["max-norm-ratio"] or None,
-            max_weight_ratio=c["max-weight-ratio"],
-            max_empty_rounds=c["max-empty-rounds"],
-            dtype_policy=c["dtype-policy"],
-            seed=c["seed"],
-            upload_codec=c["upload-codec"],
-            codec_options=_codec_options(c),
-            error_feedback=c["error-feedback"],
-        )
+    @classmethod
+    def from_section(cls, section: Mapping[str, Any], **overrides: Any) -> DiLoCo:
+        """Build from an already validated section (keys of ``RUN_CONFIG_DEFAULTS`` without the
+        prefix; missing keys take their defaults), e.g. the ``strategy`` part of an app's
+        schema checked with :data:`~flwr_isoloco.strategies.diloco_config.RUN_CONFIG_CHECKS`."""
+        c = {**cls.RUN_CONFIG_DEFAULTS, **section}
+        kwargs = section_kwargs(c)
         kwargs.update(cls._extra_from_config(c))
         kwargs.update(overrides)
         return cls(**kwargs)
@@ -748,141 +611,6 @@ class DiLoCo(ResumableStrategy):
 
         new = self.outer.step(params, g, update_transform=transform)
         self.theta = {**self.theta, **{k: v.float() for k, v in new.items()}}
-
-    # ------------------------------------------------------------------ checkpointing
-    def state_dict(self) -> dict[str, Any]:
-        """``{"tensors": nested dict of tensors, "meta": JSON-able dict}`` (no pickle needed).
-
-        Holds ``theta`` (fp32 master), model dtypes, the outer optimiser (buffers, steps, hyper
-        parameters), ``server_round`` and the sampling RNG. Save with
-        ``flwr_isoloco.checkpoint.save_checkpoint(path, sd["tensors"], sd["meta"])``.
-        """
-        if self.theta is None:
-            raise ValueError("state_dict(): no global model yet (start() not called)")
-        outer_t, outer_m = _split_state(self.outer.state_dict())
-        version, internal, gauss = self._rng.getstate()
-        return {
-            "tensors": {"theta": {k: v.clone() for k, v in self.theta.items()}, "outer": outer_t},
-            "meta": {
-                "server_round": self.server_round,
-                "dtypes": {k: str(v).replace("torch.", "") for k, v in self._dtypes.items()},
-                "outer": outer_m,
-                "rng": [version, list(internal), gauss],
-                "merge": self.merge_name,
-                "merge_options": self.merge_options,
-                "orthogonalize": self.orthogonalize,
-            },
-        }
-
-    @staticmethod
-    def _state_spec() -> dict[str, Any]:
-        """The fields :meth:`load_state_dict` needs in ``meta`` (types and ranges)."""
-        from flwr_isoloco.checkpoint_spec import Field
-
-        number = Field("float", min=0)
-        outer = {"lr": number, "momentum": number, "nesterov": Field("bool")}
-        return {
-            "server_round": Field("int", min=0),
-            "dtypes": Field("dict", values=Field("str")),
-            "outer": Field("dict", fields={**outer, "steps": Field("int", min=0)}),
-            "rng": Field("list", length=3),
-            "merge": Field("str"),
-            "merge_options": Field("dict", optional=True),
-            "orthogonalize": Field("str", optional=True),
-        }
-
-    def _check_settings(self, meta: Mapping[str, Any]) -> None:
-        """Saved merge rule/options, ``orthogonalize`` and outer hyper-parameters must be ours."""
-        import json
-
-        from flwr_isoloco.checkpoint_spec import CheckpointError
-
-        if meta["merge"] != self.merge_name:
-            raise CheckpointError(
-                f"checkpoint was written with merge {meta.get('merge')!r}, "
-                f"this strategy uses {self.merge_name!r}"
-            )
-        saved = {
-            "merge_options": meta.get("merge_options", {}),
-            "orthogonalize": meta.get("orthogonalize", self.orthogonalize),
-            **{f"outer.{k}": meta["outer"][k] for k in ("lr", "momentum", "nesterov")},
-        }
-        ours = {
-            "merge_options": json.loads(json.dumps(self.merge_options)),
-            "orthogonalize": self.orthogonalize,
-            "outer.lr": self.outer.lr,
-            "outer.momentum": self.outer.momentum,
-            "outer.nesterov": self.outer.nesterov,
-        }
-        for name, value in saved.items():
-            if value != ours[name]:
-                raise CheckpointError(
-                    f"field {name!r} = {value!r} differs from this strategy's {ours[name]!r}; "
-                    "a resumed run must use the same settings"
-                )
-
-    def load_state_dict(
-        self, state: Mapping[str, Any], reference: Mapping[str, Any] | None = None
-    ) -> None:
-        """Restore :meth:`state_dict` output (tensors and meta may come from a checkpoint).
-
-        Everything is checked before anything is set, and a failure is a
-        :class:`~flwr_isoloco.checkpoint.CheckpointError` (a ``ValueError``) naming the field or
-        tensor: meta types and ranges; ``theta`` and the outer momentum buffers finite, buffers
-        only for ``theta``'s names with ``theta``'s shapes; with ``reference`` (the model's
-        state dict, name -> tensor), ``theta`` has its names, shapes and dtypes. The saved merge
-        rule, merge options, ``orthogonalize`` and outer ``lr``/``momentum``/``nesterov`` must
-        equal this strategy's: a resumed run uses the settings it was built with, so a
-        checkpoint that disagrees is refused rather than silently overriding them.
-        """
-        from flwr_isoloco.checkpoint_spec import CheckpointError, check_fields, check_tensors
-
-        if not isinstance(state, Mapping) or "tensors" not in state or "meta" not in state:
-            raise CheckpointError("DiLoCo state must be a dict with 'tensors' and 'meta'")
-        tensors, meta = state["tensors"], state["meta"]
-        if not isinstance(tensors, Mapping):
-            raise CheckpointError("DiLoCo state: 'tensors' must be a dict")
-        check_fields(dict(meta) if isinstance(meta, Mapping) else meta, self._state_spec())
-        self._check_settings(meta)
-        dtypes = {}
-        for k, v in meta["dtypes"].items():
-            dt = getattr(torch, v, None)
-            if not isinstance(dt, torch.dtype):
-                raise CheckpointError(f"field 'dtypes.{k}' is {v!r}, not a torch dtype")
-            dtypes[k] = dt
-        theta = tensors.get("theta")
-        check_tensors(theta, None, "theta")  # a group of finite tensors
-        if set(theta) != set(dtypes):
-            odd = sorted(set(theta) ^ set(dtypes), key=str)[0]
-            raise CheckpointError(f"tensor 'theta/{odd}' and field 'dtypes' disagree on names")
-        if reference is not None:
-            check_tensors(theta, reference, "theta")
-            bad = [k for k, t in reference.items() if t.dtype != dtypes[k]]
-            if bad:
-                raise CheckpointError(
-                    f"field 'dtypes.{bad[0]}' is {meta['dtypes'][bad[0]]!r}, the model's is "
-                    f"{str(reference[bad[0]].dtype).replace('torch.', '')!r}"
-                )
-        if self.theta is not None:
-            check_tensors(theta, self.theta, "theta")
-        outer_t = tensors.get("outer", {})
-        buffers = outer_t.get("momentum_buffer", {}) if isinstance(outer_t, Mapping) else None
-        check_tensors(buffers, None, "outer/momentum_buffer")
-        check_tensors(
-            buffers, {k: theta[k] for k in buffers if k in theta}, "outer/momentum_buffer"
-        )
-        version, internal, gauss = meta["rng"]
-        try:
-            rng = random.Random()
-            rng.setstate((version, tuple(internal), gauss))
-        except (TypeError, ValueError) as exc:
-            raise CheckpointError(f"field 'rng' is not a valid generator state ({exc})") from None
-        self.outer.load_state_dict(_join_state(outer_t, meta["outer"]))
-        # Keep the model's own key order (a checkpoint may sort keys; clients may care).
-        self.theta = {k: theta[k].detach().clone() for k in dtypes}
-        self._dtypes = dtypes
-        self._rng.setstate(rng.getstate())
-        self.server_round = meta["server_round"]
 
 
 class IsoLoCo(DiLoCo):
