@@ -224,11 +224,16 @@ class Recorder:
                 v = self.strategy.trajectory[-1]
                 row["walk-vertex"] = int(v) if isinstance(v, int) else str(v)
                 row["hop-failures-total"] = self.strategy.failures
+            if self.name == "rwlora":
+                row["dead-vertices"] = int(tm.get("dead-vertices", 0))
+                row["relays-total"] = int(tm.get("relays-total", 0))
         row.update(dict(eval_metrics or {}))
         now = time.perf_counter()
         row["round-wall-s"] = now - self.clock["last"]
         self.clock["last"] = now
         self.history.append(row)
+        if rnd == 0:  # as in every app's results.json: the initial evaluation on its own too
+            self.results["initial"] = row
         log(INFO, "rwlora-sentiment: %s", row)
         write_json_atomic(self.out / "results.json", self.results)
         if self.cfg["checkpoint"] and rnd > 0:
@@ -357,6 +362,7 @@ def run_server(grid: Grid, run_config: dict[str, Any], run_id: int = 0, *, settl
         "adapter-bytes": adapter_bytes,
         "test-examples": len(test_texts),
         "resumed-from": cfg["resume-from"] or None,
+        "initial": None if meta is None else meta["history"][0],
         "rounds": [] if meta is None else meta["history"],
     }
     rec = Recorder(cfg, out, conf, strategy, n, results)
