@@ -36,9 +36,9 @@ from flwr.common.logger import log
 from flwr.serverapp import Grid
 
 from flwr_isoloco.compression import payload_nbytes, request_config
-from flwr_isoloco.merging import MERGE_RULES, StreamingMerger, merge
+from flwr_isoloco.merging import MERGE_RULES
+from flwr_isoloco.merging.round import RoundMerge
 from flwr_isoloco.merging.rules import check_options
-from flwr_isoloco.merging.validation import all_finite
 from flwr_isoloco.merging.weights import bounded_weights
 from flwr_isoloco.outer import OuterSGD
 from flwr_isoloco.strategies.common import (
@@ -63,6 +63,7 @@ from flwr_isoloco.strategies.diloco_config import (
     section_kwargs,
 )
 from flwr_isoloco.strategies.diloco_state import DiLoCoState
+from flwr_isoloco.strategies.evaluation import aggregate_metrics, check_count, check_fraction
 from flwr_isoloco.strategies.lifecycle import ResumableStrategy
 from flwr_isoloco.strategies.nodes import wait_for_nodes
 
@@ -75,12 +76,24 @@ def _is_number(v: object) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
-def _finite(g: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """``g`` itself, or ``ValueError`` naming the first tensor with non-finite values."""
-    for k, t in g.items():
-        if not all_finite(t):
-            raise ValueError(f"merged tensor {k!r} has non-finite values")
-    return g
+def _check_arguments(**args: Any) -> None:
+    """``ValueError`` naming the first constructor argument out of its range or choices."""
+    for name in ("fraction_train", "fraction_evaluate"):
+        check_fraction(name, args[name])
+    for name in ("min_train_nodes", "min_evaluate_nodes", "min_available_nodes"):
+        check_count(name, args[name])
+    for name, allowed in (
+        ("orthogonalize", ORTHOGONALIZE),
+        ("weighting", WEIGHTINGS),
+        ("client_sends", PAYLOADS),
+    ):
+        if args[name] not in allowed:
+            raise ValueError(f"{name} must be one of {allowed}, got {args[name]!r}")
+    seed, ratio = args["seed"], args["max_weight_ratio"]
+    if not isinstance(seed, int) or isinstance(seed, bool):
+        raise ValueError(f"seed must be an int, got {seed!r}")
+    if ratio is not None and not (_is_number(ratio) and (ratio == 0 or ratio >= 1)):
+        raise ValueError(f"max_weight_ratio must be >= 1, or 0/None for off, got {ratio!r}")
 
 
 class DiLoCo(DiLoCoState, ResumableStrategy):
@@ -159,33 +172,18 @@ class DiLoCo(DiLoCoState, ResumableStrategy):
         codec_options: Mapping[str, Any] | None = None,
         error_feedback: bool = True,
     ) -> None:
-        for name, v in (
-            ("fraction_train", fraction_train),
-            ("fraction_evaluate", fraction_evaluate),
-        ):
-            if not _is_number(v) or not 0.0 <= v <= 1.0:
-                raise ValueError(f"{name} must be in [0, 1], got {v!r}")
-        for name, v in (
-            ("min_train_nodes", min_train_nodes),
-            ("min_evaluate_nodes", min_evaluate_nodes),
-            ("min_available_nodes", min_available_nodes),
-        ):
-            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
-                raise ValueError(f"{name} must be an int >= 0, got {v!r}")
-        if orthogonalize not in ORTHOGONALIZE:
-            raise ValueError(f"orthogonalize must be one of {ORTHOGONALIZE}, got {orthogonalize!r}")
-        if weighting not in WEIGHTINGS:
-            raise ValueError(f"weighting must be one of {WEIGHTINGS}, got {weighting!r}")
-        if client_sends not in PAYLOADS:
-            raise ValueError(f"client_sends must be one of {PAYLOADS}, got {client_sends!r}")
-        if not isinstance(seed, int) or isinstance(seed, bool):
-            raise ValueError(f"seed must be an int, got {seed!r}")
-        if max_weight_ratio is not None and not (
-            _is_number(max_weight_ratio) and (max_weight_ratio == 0 or max_weight_ratio >= 1)
-        ):
-            raise ValueError(
-                f"max_weight_ratio must be >= 1, or 0/None for off, got {max_weight_ratio!r}"
-            )
+        _check_arguments(
+            fraction_train=fraction_train,
+            fraction_evaluate=fraction_evaluate,
+            min_train_nodes=min_train_nodes,
+            min_evaluate_nodes=min_evaluate_nodes,
+            min_available_nodes=min_available_nodes,
+            orthogonalize=orthogonalize,
+            weighting=weighting,
+            client_sends=client_sends,
+            seed=seed,
+            max_weight_ratio=max_weight_ratio,
+        )
         self.max_weight_ratio = float(max_weight_ratio or 0.0)
         self._guard = EmptyRoundGuard(max_empty_rounds, "aggregate_train")
         self.rule, self.merge_name = self._resolve_rule(merge)
@@ -199,6 +197,9 @@ class DiLoCo(DiLoCoState, ResumableStrategy):
         self._bytes_down = 0
         self.merge_options = dict(merge_options or {})
         check_options(self.rule, self.merge_options)  # unknown option / bad value -> ValueError
+        self.merger = RoundMerge(
+            self.rule, self.merge_name, self.merge_options, orthogonalize, seed
+        )
         self.fraction_train = float(fraction_train)
         self.fraction_evaluate = float(fraction_evaluate)
         self.min_train_nodes = 0 if fraction_train == 0 else min_train_nodes
@@ -230,7 +231,7 @@ class DiLoCo(DiLoCoState, ResumableStrategy):
             weighted_by_key=weighted_by_key,
             require_arrays=False,
             what="aggregate_evaluate",
-        )
+        )  # aggregation as the graph strategies' federated evaluation (evaluation.py)
         self._train_ledger = SentLedger()
         self._eval_ledger = SentLedger()
         self._rng = random.Random(seed)
@@ -425,7 +426,7 @@ class DiLoCo(DiLoCoState, ResumableStrategy):
         if self.theta is None:
             log(WARNING, "aggregate_train: no global model yet (configure_train not called)")
             return None, None
-        rule = self._rule_for_g()
+        rule = self.merger.rule_for_g()
         v = self.train_validator
         needs_all = v.max_update_norm or v.max_norm_ratio or self.max_weight_ratio
         if getattr(rule, "streaming", False) and not needs_all:
@@ -438,7 +439,17 @@ class DiLoCo(DiLoCoState, ResumableStrategy):
             source, report = v.validate(replies, self.theta, self._train_ledger, log_summary=False)
             weights = self._bounded_weights(source)
         checked: list[CheckedReply] = []
-        g = self._merge_or_isolate(rule, source, checked, weights, report)
+        g = self.merger.merge_or_isolate(
+            self.theta,
+            source,
+            checked,
+            self._weights_fn(weights),
+            self.server_round,
+            reject=lambda r, why: v.reject(report, r.node_id, why),
+            on_failure=lambda exc: log(
+                WARNING, "aggregate_train: merge failed (%s); checking replies one by one", exc
+            ),
+        )
         new_arrays = None
         extra: dict[str, float] = {}
         if g is not None:
@@ -447,7 +458,8 @@ class DiLoCo(DiLoCoState, ResumableStrategy):
                 self._outer_step(g)
                 new_arrays = self._model_record()
             except (ValueError, RuntimeError) as exc:
-                self._drop_all(checked, report, f"outer step failed, model kept: {exc}")
+                for r in checked:
+                    v.reject(report, r.node_id, f"outer step failed, model kept: {exc}")
                 checked = []
         report.used = len(checked)
         v.log_summary(report, self.server_round)
@@ -491,124 +503,27 @@ class DiLoCo(DiLoCoState, ResumableStrategy):
             )
         return {r.node_id: w for r, w in zip(replies, bounded, strict=True)}
 
-    def _drop_all(self, replies: list[CheckedReply], report: ReplyReport, reason: str) -> None:
-        for r in replies:
-            self.train_validator.reject(report, r.node_id, reason)
-
-    def _merge_or_isolate(
-        self,
-        rule: Any,
-        source: Iterable[CheckedReply],
-        used: list[CheckedReply],
-        weights: Mapping[int, float] | None,
-        report: ReplyReport,
-    ) -> dict[str, torch.Tensor] | None:
-        """``g`` over all usable replies; if that merge fails, drop the replies that fail alone.
-
-        A merge can fail on finite input (e.g. an SVD that does not converge); then each reply
-        is merged on its own, those that fail or give non-finite values are dropped and named,
-        and the rest are merged again. ``used`` ends up holding exactly the replies in ``g``.
-        """
-        try:
-            return self._merge(rule, source, used, weights)
-        except (ValueError, RuntimeError) as exc:
-            rest = [] if isinstance(source, list) else list(source)  # finish a streamed validation
-            log(WARNING, "aggregate_train: merge failed (%s); checking replies one by one", exc)
-        suspects, used[:] = used + rest, []
-        for r in suspects:
-            try:
-                self._merge(rule, [r], [], weights)
-                used.append(r)
-            except (ValueError, RuntimeError) as exc:
-                self.train_validator.reject(report, r.node_id, f"merge fails on this reply: {exc}")
-        if not used:
-            return None
-        kept, used[:] = list(used), []
-        try:
-            return self._merge(rule, kept, used, weights)
-        except (ValueError, RuntimeError) as exc:
-            self._drop_all(kept, report, f"merge of the round failed, model kept: {exc}")
-            used[:] = []
-            return None
-
     def aggregate_evaluate(
         self, server_round: int, replies: Iterable[Message]
     ) -> MetricRecord | None:
         """Weighted mean of the valid replies' metrics (bad replies dropped, never raises)."""
-        checked, report = self.eval_validator.validate(replies, None, self._eval_ledger)
-        if not checked:
-            return None
-        if self.evaluate_metrics_aggr_fn is not None:
-            metrics = dict(
-                self.evaluate_metrics_aggr_fn([r.content for r in checked], self.weighted_by_key)
-            )
-        else:
-            metrics = weighted_mean_metrics(checked, exclude=[self.weighted_by_key])
-        metrics.update({"replies-used": report.used, "replies-rejected": report.rejected})
-        return metric_record(metrics)
+        return aggregate_metrics(
+            self.eval_validator, replies, self._eval_ledger, self.evaluate_metrics_aggr_fn
+        )
 
     # ------------------------------------------------------------------ maths glue
     def _weight(self, reply: CheckedReply) -> float:
         return 1.0 if self.weighting == "uniform" else reply.weight
 
-    def _round_options(self) -> dict[str, Any]:
-        opts = dict(self.merge_options)
-        if self.merge_name == "dare" and "seed" not in opts:
-            opts["seed"] = self.seed * 1_000_003 + self.server_round
-        return opts
-
-    def _rule_for_g(self) -> Any:
-        return MERGE_RULES["mean"] if self.orthogonalize == "update" else self.rule
-
-    def _merge(
-        self,
-        rule: Any,
-        source: Iterable[CheckedReply],
-        used: list[CheckedReply],
-        weights: Mapping[int, float] | None = None,
-    ) -> dict[str, torch.Tensor] | None:
-        """``g`` over the float entries of the model (non-float entries are never updated).
-
-        Streaming rules fold each reply as it comes (then release its tensors); the others
-        collect the M deltas for ``merge()``. Appends the replies used to ``used``.
-        ``weights`` (node id -> weight) overrides :meth:`_weight`. Raises ``ValueError`` when
-        the rule fails or gives non-finite values.
-        """
-
-        def weight(r: CheckedReply) -> float:
-            return self._weight(r) if weights is None else weights[r.node_id]
-
-        assert self.theta is not None
-        floats = [k for k, t in self.theta.items() if t.is_floating_point()]
-        opts = {} if self.orthogonalize == "update" else self._round_options()
-        if getattr(rule, "streaming", False):
-            merger = StreamingMerger(rule, **opts)
-            for r in source:
-                d = r.update(self.theta)
-                r.release()
-                used.append(r)  # before add(): a reply that makes add() fail is a suspect
-                merger.add({k: d[k] for k in floats}, weight(r))
-            return _finite(merger.result()) if used else None
-        deltas = []
-        for r in source:
-            d = r.update(self.theta)
-            r.release()
-            deltas.append({k: d[k] for k in floats})
-            used.append(r)
-        if not used:
-            return None
-        return _finite(merge(rule, deltas, [weight(r) for r in used], **opts))
+    def _weights_fn(self, weights: Mapping[int, float] | None):
+        """Merge weight of a reply: ``weights[node]`` when bounded, else :meth:`_weight`."""
+        return self._weight if weights is None else (lambda r: weights[r.node_id])
 
     def _outer_step(self, g: Mapping[str, torch.Tensor]) -> None:
+        """``theta <- theta - lr u`` (OuterSGD; ``u`` orthogonalised with "update")."""
         assert self.theta is not None
         params = {k: self.theta[k] for k in g}
-        transform = None
-        if self.orthogonalize == "update":
-            opts = self._round_options()
-
-            def transform(u: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-                return merge(self.rule, [u], None, **opts)
-
+        transform = self.merger.update_transform(self.server_round)
         new = self.outer.step(params, g, update_transform=transform)
         self.theta = {**self.theta, **{k: v.float() for k, v in new.items()}}
 
