@@ -231,47 +231,8 @@ class GossipLoRA(GraphStrategy):
                 )
                 continue
             by_vertex.setdefault(v, []).append(r)
-        trained: dict[Any, dict[str, torch.Tensor]] = {}
-        norms: dict[Any, float] = {}
-        accepted = []
+        trained, accepted = self._trained(by_vertex, sent)
         steps_done = 0
-        for v in self.vertices:
-            got = by_vertex.get(v, [])
-            if v not in sent:
-                self._fail(v, "node offline (not listed by the grid); nothing sent")
-                continue
-            if not got:
-                self._fail(v, "no reply (timeout)")
-                continue
-            checked, report = self.validator.validate(got[:1], self.adapters[v], None)
-            if not checked:
-                self._fail(v, report.reasons[0][1] if report.reasons else "reply rejected")
-                continue
-            reply = checked[0]
-            bad = check_train_metrics(
-                reply.content,
-                asked_steps=self.local_steps,
-                vertex=v,
-                vertex_key=self.checked_vertex_key,
-            )
-            if bad is not None:
-                self._fail(v, bad)
-                continue
-            update = reply.update(self.adapters[v])
-            trained[v] = {k: self.adapters[v][k].float() - update[k] for k in self.adapters[v]}
-            norms[v] = math.sqrt(sum(float(u.double().pow(2).sum()) for u in update.values()))
-            accepted.append((v, reply))
-        if self.max_norm_ratio is not None:
-            for v in list(trained):
-                others = [n for u, n in norms.items() if u != v and u in trained]
-                if len(others) >= 2 and norms[v] > self.max_norm_ratio * statistics.median(others):
-                    self._fail(
-                        v,
-                        f"update norm {norms[v]:.4g} > max_norm_ratio {self.max_norm_ratio:g} x "
-                        f"median of the others {statistics.median(others):.4g}",
-                    )
-                    del trained[v]
-            accepted = [(v, r) for v, r in accepted if v in trained]
         self.round_replies = [(v, dict(r.metrics)) for v, r in accepted]
         for _, reply in accepted:  # local-steps checked in [0, K] by check_train_metrics
             steps_done += int(reply.metrics.get("local-steps", self.local_steps))
@@ -301,6 +262,56 @@ class GossipLoRA(GraphStrategy):
         return self.current_arrays(), MetricRecord(
             {k: v for k, v in metrics.items() if math.isfinite(v)}
         )
+
+    def _trained(
+        self, by_vertex: Mapping[Any, list[Message]], sent: set[Any]
+    ) -> tuple[dict[Any, dict[str, torch.Tensor]], list[tuple[Any, Any]]]:
+        """Each vertex's new adapter from its valid reply, and the accepted ``(vertex, reply)``.
+
+        A vertex not sent to, without a reply, with a reply the validator or
+        check_train_metrics refuses, or whose ``||update|| > max_norm_ratio x`` the median of
+        the others' (needs 2 others) keeps its adapter (:meth:`_fail`)."""
+        trained: dict[Any, dict[str, torch.Tensor]] = {}
+        norms: dict[Any, float] = {}
+        accepted = []
+        for v in self.vertices:
+            got = by_vertex.get(v, [])
+            if v not in sent:
+                self._fail(v, "node offline (not listed by the grid); nothing sent")
+                continue
+            if not got:
+                self._fail(v, "no reply (timeout)")
+                continue
+            checked, report = self.validator.validate(got[:1], self.adapters[v], None)
+            if not checked:
+                self._fail(v, report.reasons[0][1] if report.reasons else "reply rejected")
+                continue
+            reply = checked[0]
+            bad = check_train_metrics(
+                reply.content,
+                asked_steps=self.local_steps,
+                vertex=v,
+                vertex_key=self.checked_vertex_key,
+            )
+            if bad is not None:
+                self._fail(v, bad)
+                continue
+            update = reply.update(self.adapters[v])
+            trained[v] = {k: self.adapters[v][k].float() - update[k] for k in self.adapters[v]}
+            norms[v] = reply.update_norm  # tensor_norm(update), fp64, set by the validator
+            accepted.append((v, reply))
+        if self.max_norm_ratio is not None:
+            for v in list(trained):
+                others = [n for u, n in norms.items() if u != v and u in trained]
+                if len(others) >= 2 and norms[v] > self.max_norm_ratio * statistics.median(others):
+                    self._fail(
+                        v,
+                        f"update norm {norms[v]:.4g} > max_norm_ratio {self.max_norm_ratio:g} x "
+                        f"median of the others {statistics.median(others):.4g}",
+                    )
+                    del trained[v]
+            accepted = [(v, r) for v, r in accepted if v in trained]
+        return trained, accepted
 
     def _used(self, metrics: Mapping[str, float]) -> int:
         return int(metrics.get("trained", 0))

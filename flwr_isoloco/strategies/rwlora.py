@@ -395,10 +395,21 @@ class RWLoRA(GraphStrategy):
         )
 
     def _accept(self, replies: list[Message]) -> tuple[bool, dict[str, float]]:
+        """Count the hop's bytes, check its reply; take it as the token or fail the hop."""
         v = self._pending_vertex
         self._pending_vertex = None
         if v is None:
             return False, {}
+        self._count_hop_bytes(v, replies)
+        expected = _tensors_of(self.token)
+        reason, hop = self._check_hop(v, replies, expected)
+        if reason is not None:
+            self._fail_hop(v, reason)
+            return False, {"hop-ok": 0}
+        return True, self._take_token(v, expected, *hop)
+
+    def _count_hop_bytes(self, v: Any, replies: list[Message]) -> None:
+        """Relayed: the instruction down and every reply up; P2P: the token if it moved."""
         sent = record_nbytes(self.token)
         if self.carry_optimizer_state:
             sent += record_nbytes(self.optimizer_state)
@@ -408,71 +419,87 @@ class RWLoRA(GraphStrategy):
         for r in replies:
             if r.has_content():
                 self.bytes_relayed += record_nbytes(*r.content.array_records.values())
-        expected = _tensors_of(self.token)
-        checked, report = self.validator.validate(replies[:1], expected, self._ledger)
-        reason = None
+
+    def _check_hop(
+        self, v: Any, replies: list[Message], expected: Mapping[str, torch.Tensor]
+    ) -> tuple[str | None, tuple]:
+        """``(reason to refuse, None)`` or ``(None, (reply, update, norm, optimizer record))``.
+
+        Checks in order: a reply came; the validator (keys, shapes, dtype, NaN/inf, norm);
+        the metrics against the vertex; ``||update|| <= max_norm_ratio x`` the median of the
+        last ``norm_window`` accepted norms (needs 3); the carried optimizer state."""
         if not replies:
-            reason = "no reply (timeout)"
-        elif len(replies) > 1:
+            return "no reply (timeout)", ()
+        if len(replies) > 1:
             log(WARNING, "%s: %d replies for one hop; using the first", self.what, len(replies))
-        if checked:
-            reply: CheckedReply = checked[0]
-            reason = check_train_metrics(
-                reply.content,
-                asked_steps=self.local_steps,
-                vertex=v,
-                vertex_key=self.checked_vertex_key,
+        checked, report = self.validator.validate(replies[:1], expected, self._ledger)
+        if not checked:
+            return (report.reasons[0][1] if report.reasons else "reply rejected"), ()
+        reply: CheckedReply = checked[0]
+        reason = check_train_metrics(
+            reply.content,
+            asked_steps=self.local_steps,
+            vertex=v,
+            vertex_key=self.checked_vertex_key,
+        )
+        update = reply.update(expected)
+        norm = reply.update_norm  # tensor_norm(update), fp64, set by the validator
+        recent = self.update_norms[-self.norm_window :]
+        if (
+            reason is None
+            and self.max_norm_ratio is not None
+            and len(recent) >= 3
+            and norm > self.max_norm_ratio * statistics.median(recent)
+        ):
+            reason = (
+                f"update norm {norm:.4g} > max_norm_ratio {self.max_norm_ratio:g} x median "
+                f"of the last {len(recent)} accepted updates {statistics.median(recent):.4g}"
             )
-            update = reply.update(expected)
-            norm = math.sqrt(sum(float(u.double().pow(2).sum()) for u in update.values()))
-            recent = self.update_norms[-self.norm_window :]
-            if (
-                reason is None
-                and self.max_norm_ratio is not None
-                and len(recent) >= 3
-                and norm > self.max_norm_ratio * statistics.median(recent)
-            ):
-                reason = (
-                    f"update norm {norm:.4g} > max_norm_ratio {self.max_norm_ratio:g} x median "
-                    f"of the last {len(recent)} accepted updates {statistics.median(recent):.4g}"
-                )
-            opt_rec, opt_err = (None, None)
-            if reason is None and self.carry_optimizer_state:
-                opt_rec, opt_err = self._check_optimizer(reply.content)
-                if opt_err is not None:
-                    reason = opt_err
-        elif reason is None:
-            reason = report.reasons[0][1] if report.reasons else "reply rejected"
+        opt_rec = None
+        if reason is None and self.carry_optimizer_state:
+            opt_rec, reason = self._check_optimizer(reply.content)
+        return reason, (reply, update, norm, opt_rec)
+
+    def _fail_hop(self, v: Any, reason: str) -> None:
+        """Count the failure, exclude ``v`` for this round's re-routes, maybe mark it dead."""
         node = self.vmap.node_of.get(v)
-        if reason is not None:
-            self.failures += 1
-            self.failures_by_vertex[v] = self.failures_by_vertex.get(v, 0) + 1
-            self.excluded.append(v)
-            self.failure_log = [*self.failure_log[-999:], (self._pending_round, v, reason)]
+        self.failures += 1
+        self.failures_by_vertex[v] = self.failures_by_vertex.get(v, 0) + 1
+        self.excluded.append(v)
+        self.failure_log = [*self.failure_log[-999:], (self._pending_round, v, reason)]
+        log(
+            WARNING,
+            "%s: round %s: hop to vertex %r (node %s) failed: %s; token kept, re-routing",
+            self.what,
+            self._pending_round,
+            v,
+            node,
+            reason,
+        )
+        period = self.health.record_failure(v, self._pending_round)
+        if period is not None:
             log(
                 WARNING,
-                "%s: round %s: hop to vertex %r (node %s) failed: %s; token kept, re-routing",
+                "%s: vertex %r (node %s) is dead (death %d in a row): skipped for %d rounds "
+                "(until round %d); the walk moves on the live graph",
                 self.what,
-                self._pending_round,
                 v,
                 node,
-                reason,
+                self.health.strikes[v],
+                period,
+                self.health.dead_until[v],
             )
-            period = self.health.record_failure(v, self._pending_round)
-            if period is not None:
-                log(
-                    WARNING,
-                    "%s: vertex %r (node %s) is dead (death %d in a row): skipped for %d rounds "
-                    "(until round %d); the walk moves on the live graph",
-                    self.what,
-                    v,
-                    node,
-                    self.health.strikes[v],
-                    period,
-                    self.health.dead_until[v],
-                )
-            return False, {"hop-ok": 0}
-        # success: the reply is the new token
+
+    def _take_token(
+        self,
+        v: Any,
+        expected: Mapping[str, torch.Tensor],
+        reply: CheckedReply,
+        update: Mapping[str, torch.Tensor],
+        norm: float,
+        opt_rec: ArrayRecord | None,
+    ) -> dict[str, float]:
+        """The reply becomes the token (and optimizer state); the walk moves to ``v``."""
         if reply.payload == "delta":
             new = {k: expected[k].float() - update[k] for k in expected}
         else:
@@ -499,7 +526,7 @@ class RWLoRA(GraphStrategy):
         client = {
             k: float(x) for k, x in reply.metrics.items() if k not in ("local-steps", "walk-vertex")
         }
-        return True, {**client, "hop-ok": 1, "update-norm": norm, "relay": int(self._pending_relay)}
+        return {**client, "hop-ok": 1, "update-norm": norm, "relay": int(self._pending_relay)}
 
     # ----------------------------------------------------------------- round
     def _run_round(
