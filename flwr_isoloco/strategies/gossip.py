@@ -38,27 +38,12 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricReco
 from flwr.common.logger import log
 from flwr.serverapp import Grid
 
-from ..graphs import metropolis_mixing_weights, spectral_gap
+from ..graphs import consensus_distance, metropolis_mixing_weights, mix, spectral_gap
 from .common import SentLedger, weighted_mean_metrics
 from .graph_base import GraphStrategy
 from .wire import _record_of, _tensors_of, check_train_metrics, record_nbytes
 
 __all__ = ["GossipLoRA", "mix"]
-
-
-def mix(W: np.ndarray, adapters: list[Mapping[str, torch.Tensor]]) -> list[dict[str, torch.Tensor]]:
-    """``x_i <- sum_j W_ij x_j`` for every tensor name (fp64 accumulation, fp32 result)."""
-    n = len(adapters)
-    if W.shape != (n, n):
-        raise ValueError(f"mixing matrix {W.shape} for {n} adapters")
-    Wt = torch.as_tensor(W, dtype=torch.float64)
-    out: list[dict[str, torch.Tensor]] = [{} for _ in range(n)]
-    for k in adapters[0]:
-        stack = torch.stack([a[k].double().reshape(-1) for a in adapters])  # (n, size)
-        mixed = (Wt @ stack).float()
-        for i in range(n):
-            out[i][k] = mixed[i].reshape(adapters[0][k].shape).clone()
-    return out
 
 
 class GossipLoRA(GraphStrategy):
@@ -160,12 +145,7 @@ class GossipLoRA(GraphStrategy):
 
     def consensus_distance(self) -> float:
         """``sqrt(mean_i ||x_i - xbar||^2)``: how far the vertices are from agreeing."""
-        avg = self.average()
-        sq = [
-            sum(float((x[k].double() - avg[k].double()).pow(2).sum()) for k in avg)
-            for x in (self.adapters[v] for v in self.vertices)
-        ]
-        return math.sqrt(sum(sq) / len(sq))
+        return consensus_distance([self.adapters[v] for v in self.vertices])
 
     # ----------------------------------------------------------------- Flower API
     def configure_train(
