@@ -13,12 +13,9 @@ and applies the outer optimiser (``torch.optim.SGD`` convention, dampening 0)::
     u <- iso_c(u)   (only with orthogonalize="update")
     theta <- theta - lr*u
 
-``DiLoCo(merge="mean", outer_lr=1.0, outer_momentum=0.0)`` is FedAvg. IsoLoCo is DiLoCo with
-``merge="iso_c"`` (mean on non-2-D tensors), ``outer_lr=1.8``, ``outer_momentum=0.8``.
-
-Bad replies are dropped with a logged reason (see :mod:`flwr_isoloco.strategies.common`); if no
-reply is usable the model is kept. Replies are merged in node-id order, so the result does not
-depend on arrival order. All random choices (node sampling, DARE masks) come from ``seed``.
+``DiLoCo(merge="mean", outer_lr=1.0, outer_momentum=0.0)`` is FedAvg. Bad replies are dropped
+with a logged reason (:mod:`~flwr_isoloco.strategies.common`); replies are merged in node-id
+order; node sampling and DARE masks come from ``seed``. Round merge: :mod:`flwr_isoloco.merging.round`.
 """
 
 from __future__ import annotations
@@ -53,16 +50,14 @@ from flwr_isoloco.strategies.common import (
     weighted_mean_metrics,
 )
 from flwr_isoloco.strategies.diloco_config import (
-    APP_KEYS,
     DEFAULT_MAX_WEIGHT_RATIO,
     DILOCO_RUN_CONFIG,
     ISOLOCO_RUN_CONFIG,
     ORTHOGONALIZE,
     WEIGHTINGS,
-    read_section,
-    section_kwargs,
+    FromRunConfig,
 )
-from flwr_isoloco.strategies.diloco_state import DiLoCoState
+from flwr_isoloco.strategies.diloco_state import DiLoCoState, log_summary
 from flwr_isoloco.strategies.evaluation import aggregate_metrics, check_count, check_fraction
 from flwr_isoloco.strategies.lifecycle import ResumableStrategy
 from flwr_isoloco.strategies.nodes import wait_for_nodes
@@ -96,7 +91,34 @@ def _check_arguments(**args: Any) -> None:
         raise ValueError(f"max_weight_ratio must be >= 1, or 0/None for off, got {ratio!r}")
 
 
-class DiLoCo(DiLoCoState, ResumableStrategy):
+def _validators(
+    arrayrecord_key: str,
+    weighted_by_key: str,
+    dtype_policy: str,
+    max_update_norm: float | None,
+    max_norm_ratio: float | None,
+    client_sends: str,
+) -> tuple[ReplyValidator, ReplyValidator]:
+    """The train validator (arrays, dtype policy, norm bounds) and the evaluate one."""
+    train = ReplyValidator(
+        arrayrecord_key=arrayrecord_key,
+        weighted_by_key=weighted_by_key,
+        dtype_policy=dtype_policy,
+        max_update_norm=max_update_norm,
+        max_norm_ratio=max_norm_ratio,
+        default_payload=client_sends,
+        what="aggregate_train",
+    )
+    evaluate = ReplyValidator(
+        arrayrecord_key=arrayrecord_key,
+        weighted_by_key=weighted_by_key,
+        require_arrays=False,
+        what="aggregate_evaluate",
+    )  # aggregation as the graph strategies' federated evaluation (evaluation.py)
+    return train, evaluate
+
+
+class DiLoCo(FromRunConfig, DiLoCoState, ResumableStrategy):
     """DiLoCo: merge the nodes' pseudo-gradients, then an outer SGD/Nesterov step.
 
     Parameters (keyword-only; the first ten are FedAvg's)
@@ -217,21 +239,14 @@ class DiLoCo(DiLoCoState, ResumableStrategy):
         # OuterSGD validates lr / momentum (ValueError naming them).
         mu = float(outer_momentum) if _is_number(outer_momentum) else outer_momentum
         self.outer = OuterSGD(outer_lr, mu, bool(nesterov) and _is_number(mu) and mu > 0)
-        self.train_validator = ReplyValidator(
-            arrayrecord_key=arrayrecord_key,
-            weighted_by_key=weighted_by_key,
-            dtype_policy=dtype_policy,
-            max_update_norm=max_update_norm or None,
-            max_norm_ratio=max_norm_ratio or None,
-            default_payload=client_sends,
-            what="aggregate_train",
+        self.train_validator, self.eval_validator = _validators(
+            arrayrecord_key,
+            weighted_by_key,
+            dtype_policy,
+            max_update_norm or None,
+            max_norm_ratio or None,
+            client_sends,
         )
-        self.eval_validator = ReplyValidator(
-            arrayrecord_key=arrayrecord_key,
-            weighted_by_key=weighted_by_key,
-            require_arrays=False,
-            what="aggregate_evaluate",
-        )  # aggregation as the graph strategies' federated evaluation (evaluation.py)
         self._train_ledger = SentLedger()
         self._eval_ledger = SentLedger()
         self._rng = random.Random(seed)
@@ -252,41 +267,6 @@ class DiLoCo(DiLoCoState, ResumableStrategy):
         if name is None or not hasattr(merge_rule, "streaming"):
             raise ValueError(f"merge must be a rule name or a MergeRule, got {merge_rule!r}")
         return merge_rule, str(name)
-
-    RUN_CONFIG_DEFAULTS = DILOCO_RUN_CONFIG
-
-    @classmethod
-    def from_run_config(
-        cls,
-        run_config: Mapping[str, Any],
-        prefix: str = "strategy.",
-        ignore: Iterable[str] = APP_KEYS,
-        **overrides: Any,
-    ) -> DiLoCo:
-        """Build from Flower's flat run config (keys ``strategy.<key>``, see ``RUN_CONFIG_DEFAULTS``).
-
-        Keys outside ``prefix`` are ignored, as are ``prefix + k`` for ``k`` in ``ignore`` (the
-        app's own keys such as ``strategy.name``). An unknown ``strategy.*`` key, a value of the
-        wrong type, an unknown merge rule or a negative lr raise ``ValueError`` naming it.
-        ``overrides`` are constructor arguments applied last.
-        """
-        section = read_section(run_config, cls.RUN_CONFIG_DEFAULTS, prefix, ignore)
-        return cls.from_section(section, **overrides)
-
-    @classmethod
-    def from_section(cls, section: Mapping[str, Any], **overrides: Any) -> DiLoCo:
-        """Build from an already validated section (keys of ``RUN_CONFIG_DEFAULTS`` without the
-        prefix; missing keys take their defaults), e.g. the ``strategy`` part of an app's
-        schema checked with :data:`~flwr_isoloco.strategies.diloco_config.RUN_CONFIG_CHECKS`."""
-        c = {**cls.RUN_CONFIG_DEFAULTS, **section}
-        kwargs = section_kwargs(c)
-        kwargs.update(cls._extra_from_config(c))
-        kwargs.update(overrides)
-        return cls(**kwargs)
-
-    @classmethod
-    def _extra_from_config(cls, c: Mapping[str, Any]) -> dict[str, Any]:
-        return {}
 
     # ------------------------------------------------------------------ model bookkeeping
     def _adopt(self, arrays: ArrayRecord) -> None:
@@ -323,49 +303,7 @@ class DiLoCo(DiLoCoState, ResumableStrategy):
     # ------------------------------------------------------------------ Strategy API
     def summary(self) -> None:
         """Log the configuration, Flower-style."""
-        log(INFO, "\t├──> Sampling:")
-        log(
-            INFO,
-            "\t│\t├──Fraction: train (%.2f) | evaluate ( %.2f)",
-            self.fraction_train,
-            self.fraction_evaluate,
-        )
-        log(
-            INFO,
-            "\t│\t├──Minimum nodes: train (%d) | evaluate (%d)",
-            self.min_train_nodes,
-            self.min_evaluate_nodes,
-        )
-        log(INFO, "\t│\t└──Minimum available nodes: %d", self.min_available_nodes)
-        log(
-            INFO,
-            "\t├──> Merge: %s %s (%s)",
-            self.merge_name,
-            self.merge_options,
-            self.orthogonalize,
-        )
-        log(
-            INFO,
-            "\t├──> Outer SGD: lr %g | momentum %g | nesterov %s",
-            self.outer.lr,
-            self.outer.momentum,
-            self.outer.nesterov,
-        )
-        log(
-            INFO,
-            "\t├──> Replies: weighting %s | payload %s | max-update-norm %s | max-norm-ratio %s"
-            " | max-weight-ratio %s",
-            self.weighting,
-            self.client_sends,
-            self.train_validator.max_update_norm,
-            self.train_validator.max_norm_ratio,
-            self.max_weight_ratio or "off",
-        )
-        log(INFO, "\t├──> Uploads: codec %s %s", self.upload_codec, self.codec_request)
-        log(INFO, "\t└──> Keys in records:")
-        log(INFO, "\t\t├── Weighted by: '%s'", self.weighted_by_key)
-        log(INFO, "\t\t├── ArrayRecord key: '%s'", self.arrayrecord_key)
-        log(INFO, "\t\t└── ConfigRecord key: '%s'", self.configrecord_key)
+        log_summary(self)
 
     def _sample(self, grid: Grid, fraction: float, min_nodes: int) -> list[int]:
         connected = list(grid.get_node_ids())

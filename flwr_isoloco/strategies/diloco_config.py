@@ -22,6 +22,7 @@ __all__ = [
     "DILOCO_RUN_CONFIG",
     "ISOLOCO_RUN_CONFIG",
     "RUN_CONFIG_CHECKS",
+    "FromRunConfig",
     "read_section",
     "section_kwargs",
 ]
@@ -177,3 +178,42 @@ def section_kwargs(c: Mapping[str, Any]) -> dict[str, Any]:
         codec_options=codec_options(c),
         error_feedback=c["error-feedback"],
     )
+
+
+class FromRunConfig:
+    """Mixin of :class:`~flwr_isoloco.strategies.DiLoCo`: construction from a run config."""
+
+    RUN_CONFIG_DEFAULTS = DILOCO_RUN_CONFIG
+
+    @classmethod
+    def from_run_config(
+        cls,
+        run_config: Mapping[str, Any],
+        prefix: str = "strategy.",
+        ignore: Iterable[str] = APP_KEYS,
+        **overrides: Any,
+    ) -> Any:
+        """Build from Flower's flat run config (keys ``strategy.<key>``, see ``RUN_CONFIG_DEFAULTS``).
+
+        Keys outside ``prefix`` are ignored, as are ``prefix + k`` for ``k`` in ``ignore`` (the
+        app's own keys such as ``strategy.name``). An unknown ``strategy.*`` key, a value of the
+        wrong type, an unknown merge rule or a negative lr raise ``ValueError`` naming it.
+        ``overrides`` are constructor arguments applied last.
+        """
+        section = read_section(run_config, cls.RUN_CONFIG_DEFAULTS, prefix, ignore)
+        return cls.from_section(section, **overrides)
+
+    @classmethod
+    def from_section(cls, section: Mapping[str, Any], **overrides: Any) -> Any:
+        """Build from an already validated section (keys of ``RUN_CONFIG_DEFAULTS`` without the
+        prefix; missing keys take their defaults), e.g. the ``strategy`` part of an app's
+        schema checked with :data:`~flwr_isoloco.strategies.diloco_config.RUN_CONFIG_CHECKS`."""
+        c = {**cls.RUN_CONFIG_DEFAULTS, **section}
+        kwargs = section_kwargs(c)
+        kwargs.update(cls._extra_from_config(c))
+        kwargs.update(overrides)
+        return cls(**kwargs)
+
+    @classmethod
+    def _extra_from_config(cls, c: Mapping[str, Any]) -> dict[str, Any]:
+        return {}

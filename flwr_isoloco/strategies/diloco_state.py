@@ -1,4 +1,4 @@
-"""DiLoCo's checkpoint state: ``state_dict`` / ``load_state_dict`` (no pickle).
+"""DiLoCo's checkpoint state (``state_dict`` / ``load_state_dict``, no pickle) and summary.
 
 ``{"tensors": {"theta": fp32 master, "outer": momentum buffers}, "meta": JSON-able}``; meta
 holds ``server_round``, the model dtypes, the outer optimiser's scalars, the sampling RNG and
@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import random
 from collections.abc import Mapping
+from logging import INFO
 from typing import Any
 
 import torch
+from flwr.common.logger import log
 
-__all__ = ["DiLoCoState"]
+__all__ = ["DiLoCoState", "log_summary"]
 
 
 def _split_state(tree: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -42,6 +44,53 @@ def _join_state(tensors: Mapping[str, Any], meta: Mapping[str, Any]) -> dict[str
         else:
             out[k] = v
     return out
+
+
+def log_summary(s: Any) -> None:
+    """Log a DiLoCo strategy's configuration, Flower-style (``Strategy.summary``)."""
+    log(INFO, "\t├──> Sampling:")
+    log(
+        INFO,
+        "\t│\t├──Fraction: train (%.2f) | evaluate ( %.2f)",
+        s.fraction_train,
+        s.fraction_evaluate,
+    )
+    log(
+        INFO,
+        "\t│\t├──Minimum nodes: train (%d) | evaluate (%d)",
+        s.min_train_nodes,
+        s.min_evaluate_nodes,
+    )
+    log(INFO, "\t│\t└──Minimum available nodes: %d", s.min_available_nodes)
+    log(
+        INFO,
+        "\t├──> Merge: %s %s (%s)",
+        s.merge_name,
+        s.merge_options,
+        s.orthogonalize,
+    )
+    log(
+        INFO,
+        "\t├──> Outer SGD: lr %g | momentum %g | nesterov %s",
+        s.outer.lr,
+        s.outer.momentum,
+        s.outer.nesterov,
+    )
+    log(
+        INFO,
+        "\t├──> Replies: weighting %s | payload %s | max-update-norm %s | max-norm-ratio %s"
+        " | max-weight-ratio %s",
+        s.weighting,
+        s.client_sends,
+        s.train_validator.max_update_norm,
+        s.train_validator.max_norm_ratio,
+        s.max_weight_ratio or "off",
+    )
+    log(INFO, "\t├──> Uploads: codec %s %s", s.upload_codec, s.codec_request)
+    log(INFO, "\t└──> Keys in records:")
+    log(INFO, "\t\t├── Weighted by: '%s'", s.weighted_by_key)
+    log(INFO, "\t\t├── ArrayRecord key: '%s'", s.arrayrecord_key)
+    log(INFO, "\t\t└── ConfigRecord key: '%s'", s.configrecord_key)
 
 
 class DiLoCoState:
