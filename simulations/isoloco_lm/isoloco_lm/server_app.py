@@ -140,6 +140,107 @@ def log_row(row: dict[str, Any], total: int) -> None:
         log(WARNING, "isoloco-lm: round %d had no usable reply; model kept", row["round"])
 
 
+class Recorder:
+    """Server-side evaluation (``evaluate_fn``) and the round-end hook (``on_round_end``):
+    the results rows, ``results.json``, ``loss.png`` and the checkpoint."""
+
+    def __init__(self, cfg, out: Path, conf, strategy, model, val, results) -> None:
+        self.cfg, self.out, self.conf, self.strategy = cfg, out, conf, strategy
+        self.model, self.val, self.results = model, val, results
+        self.history: list[dict[str, Any]] = results["rounds"]
+        self.results_path, self.plot_path = out / "results.json", out / "loss.png"
+        n_params = results["model-parameters"]
+        self.title = f"{cfg.strategy.name} ({strategy.merge_name}), {n_params / 1e6:.2f}M params"
+        self.clock = {"last": time.perf_counter(), "start": time.perf_counter(), "eval": 0.0}
+
+    def evaluate_fn(self, server_round: int, arrays: ArrayRecord) -> MetricRecord:
+        """Validation loss and perplexity of the global model (round 0: the initial one)."""
+        t_eval = time.perf_counter()
+        self.model.load_state_dict(arrays.to_torch_state_dict())
+        loss = evaluate_model(self.model, self.val)
+        ppl = math.exp(min(loss, 50.0))
+        self.clock["eval"] = time.perf_counter() - t_eval
+        if server_round == 0:
+            self.results["initial"] = {"round": 0, "val-loss": loss, "val-ppl": ppl}
+            total = self.cfg["num-server-rounds"]
+            log(INFO, "isoloco-lm: round 0/%d val loss %.4f ppl %.1f", total, loss, ppl)
+            write_json_atomic(self.results_path, self.results)
+            self.clock["last"] = time.perf_counter()
+        return MetricRecord({"val-loss": loss, "val-ppl": ppl})
+
+    def on_round_end(self, server_round: int, arrays, train_metrics, eval_metrics) -> None:
+        """The round's results row, results.json, the loss plot and the checkpoint."""
+        tm = dict(train_metrics) if train_metrics is not None else {}
+        now, clock = time.perf_counter(), self.clock
+        row = results_row(server_round, tm, dict(eval_metrics or {}))
+        row.update(
+            {
+                "eval-time-s": clock["eval"],
+                "round-wall-s": now - clock["last"],  # since the previous round ended
+                "elapsed-s": now - clock["start"],
+            }
+        )
+        self.history.append(row)
+        log_row(row, self.cfg["num-server-rounds"])
+        write_json_atomic(self.results_path, self.results)
+        plot_losses(self.history, self.plot_path, self.title)
+        if self.cfg["checkpoint"]:
+            sd = self.strategy.state_dict()
+            meta = {
+                "app": "isoloco_lm",
+                "round": server_round,
+                "config": self.conf,
+                "strategy": sd["meta"],
+                "history": self.history,
+                "initial": self.results["initial"],
+                "rng": rng_state(),
+            }
+            save_checkpoint(self.out / CHECKPOINT, {"strategy": sd["tensors"]}, meta)
+        clock["last"] = now
+
+
+def load_data(cfg):
+    """The token data (training the BPE tokenizer once, before any node needs it) and the
+    validation batches; logs their sizes."""
+    t0 = time.perf_counter()
+    data = text_data(cfg)
+    val = validation_batches(cfg)
+    log(
+        INFO,
+        "isoloco-lm: corpus %r: %d train / %d validation tokens (BPE vocab %d) in %.1f s",
+        cfg.data.corpus,
+        len(data.train),
+        len(data.val),
+        data.vocab_size,
+        time.perf_counter() - t0,
+    )
+    return data, val
+
+
+def finish(rec: Recorder, model, t0: float) -> None:
+    """Final status, the trained model under ``model/`` and the closing log line."""
+    history, results, strategy, out = rec.history, rec.results, rec.strategy, rec.out
+    total = rec.cfg["num-server-rounds"]
+    results["status"] = "completed" if len(history) == total else "partial"
+    results["wall-time-s"] = time.perf_counter() - t0
+    if strategy.theta is not None:
+        model.load_state_dict(
+            {k: v.to(model.state_dict()[k].dtype) for k, v in strategy.theta.items()}
+        )
+        model.save_pretrained(str(out / "model"))
+    write_json_atomic(rec.results_path, results)
+    last = history[-1] if history else None
+    log(
+        INFO,
+        "isoloco-lm: done: %d rounds, final val loss %s. Results: %s (loss curve %s, model %s)",
+        len(history),
+        "n/a" if last is None else f"{last['val-loss']:.4f}",
+        rec.results_path,
+        rec.plot_path,
+        out / "model",
+    )
+
+
 def run_server(
     grid: Grid, run_config: dict[str, Any], run_id: int = 0, *, settle_s: float = 2.0
 ) -> Path:
@@ -155,17 +256,7 @@ def run_server(
     conf = config_dict(cfg)
 
     t0 = time.perf_counter()
-    data = text_data(cfg)  # trains/caches the tokenizer before any node needs it
-    val = validation_batches(cfg)
-    log(
-        INFO,
-        "isoloco-lm: corpus %r: %d train / %d validation tokens (BPE vocab %d) in %.1f s",
-        cfg.data.corpus,
-        len(data.train),
-        len(data.val),
-        data.vocab_size,
-        time.perf_counter() - t0,
-    )
+    data, val = load_data(cfg)
     model = build_model(cfg)
     n_params = count_parameters(model)
     strategy = build_strategy(cfg)
@@ -203,60 +294,7 @@ def run_server(
         "initial": initial,
         "rounds": history,
     }
-    results_path, plot_path = out / "results.json", out / "loss.png"
-    title = f"{cfg.strategy.name} ({strategy.merge_name}), {n_params / 1e6:.2f}M params"
-
-    clock = {"last": time.perf_counter(), "start": time.perf_counter(), "eval": 0.0}
-
-    def evaluate_fn(server_round: int, arrays: ArrayRecord) -> MetricRecord:
-        """Validation loss and perplexity of the global model (round 0: the initial one)."""
-        nonlocal initial
-        t_eval = time.perf_counter()
-        model.load_state_dict(arrays.to_torch_state_dict())
-        loss = evaluate_model(model, val)
-        ppl = math.exp(min(loss, 50.0))
-        clock["eval"] = time.perf_counter() - t_eval
-        if server_round == 0:
-            initial = {"round": 0, "val-loss": loss, "val-ppl": ppl}
-            results["initial"] = initial
-            log(INFO, "isoloco-lm: round 0/%d val loss %.4f ppl %.1f", total, loss, ppl)
-            write_json_atomic(results_path, results)
-            clock["last"] = time.perf_counter()
-        return MetricRecord({"val-loss": loss, "val-ppl": ppl})
-
-    def on_round_end(server_round: int, arrays, train_metrics, eval_metrics) -> None:
-        """The round's results row, results.json, the loss plot and the checkpoint."""
-        tm = dict(train_metrics) if train_metrics is not None else {}
-        now = time.perf_counter()
-        row = results_row(server_round, tm, dict(eval_metrics or {}))
-        row.update(
-            {
-                "eval-time-s": clock["eval"],
-                "round-wall-s": now - clock["last"],  # since the previous round ended
-                "elapsed-s": now - clock["start"],
-            }
-        )
-        history.append(row)
-        log_row(row, total)
-        write_json_atomic(results_path, results)
-        plot_losses(history, plot_path, title)
-        if cfg["checkpoint"]:
-            sd = strategy.state_dict()
-            save_checkpoint(
-                out / CHECKPOINT,
-                {"strategy": sd["tensors"]},
-                {
-                    "app": "isoloco_lm",
-                    "round": server_round,
-                    "config": conf,
-                    "strategy": sd["meta"],
-                    "history": history,
-                    "initial": initial,
-                    "rng": rng_state(),
-                },
-            )
-        clock["last"] = now
-
+    rec = Recorder(cfg, out, conf, strategy, model, val, results)
     if remaining <= 0:
         log(INFO, "isoloco-lm: checkpoint already holds all %d rounds; nothing to run", total)
     else:
@@ -271,33 +309,16 @@ def run_server(
                 num_rounds=done + remaining,  # the total: the strategy runs rounds done+1 ..
                 timeout=cfg["round-timeout"],
                 train_config=ConfigRecord(tc),
-                evaluate_fn=evaluate_fn,
-                on_round_end=on_round_end,
+                evaluate_fn=rec.evaluate_fn,
+                on_round_end=rec.on_round_end,
             )
         except NoProgressError as exc:  # the run trained nothing: say so, never "completed"
             log(ERROR, "isoloco-lm: %s", exc)
             results.update({"status": "failed", "error": str(exc)})
             results["wall-time-s"] = time.perf_counter() - t0
-            write_json_atomic(results_path, results)
+            write_json_atomic(rec.results_path, results)
             raise
-    results["status"] = "completed" if len(history) == total else "partial"
-    results["wall-time-s"] = time.perf_counter() - t0
-    if strategy.theta is not None:
-        model.load_state_dict(
-            {k: v.to(model.state_dict()[k].dtype) for k, v in strategy.theta.items()}
-        )
-        model.save_pretrained(str(out / "model"))
-    write_json_atomic(results_path, results)
-    last = history[-1] if history else None
-    log(
-        INFO,
-        "isoloco-lm: done: %d rounds, final val loss %s. Results: %s (loss curve %s, model %s)",
-        len(history),
-        "n/a" if last is None else f"{last['val-loss']:.4f}",
-        results_path,
-        plot_path,
-        out / "model",
-    )
+    finish(rec, model, t0)
     return out
 
 

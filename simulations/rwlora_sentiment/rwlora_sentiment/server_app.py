@@ -190,6 +190,7 @@ class Recorder:
         self.base = {"local-updates": 0, "bytes-relayed": 0, "bytes-p2p": 0}
         self.cursors: dict[int, int] = {}
         self.clock = {"start": time.perf_counter(), "last": time.perf_counter()}
+        self.evaluator: tuple = ()  # (model, tokenizer, test texts, test labels)
 
     def totals(self) -> dict[str, int]:
         """Run totals; FedAvg's start from the checkpoint's (its ledger counts this run)."""
@@ -200,6 +201,30 @@ class Recorder:
         else:
             relayed, lu, bp = s.bytes_relayed, s.local_updates, s.bytes_p2p
         return {"local-updates": int(lu), "bytes-relayed": int(relayed), "bytes-p2p": int(bp)}
+
+    def evaluate(self, arrays: ArrayRecord) -> dict[str, float]:
+        """Accuracy and loss of ``arrays`` (an adapter) on the fixed test subset."""
+        model, tokenizer, texts, labels = self.evaluator
+        classifier.load_adapter_state_dict(model, arrays.to_torch_state_dict())
+        return classifier.evaluate(
+            model, tokenizer, texts, labels, max_length=self.cfg.model["max-length"]
+        )
+
+    def evaluate_fn(self, server_round: int, arrays: ArrayRecord) -> MetricRecord | None:
+        """Test accuracy/loss every ``eval-every`` rounds (gossip: also each vertex's own)."""
+        if not self.wants_eval(server_round):
+            return None
+        tw = time.perf_counter()
+        res = self.evaluate(arrays)
+        m = {"test-accuracy": res["accuracy"], "test-loss": res["loss"]}
+        if self.name == "gossip":  # each vertex's own adapter, not the A/B average
+            own = [self.evaluate(a) for a in self.strategy.vertex_adapters().values()]
+            m["test-accuracy-vertex-mean"] = sum(r["accuracy"] for r in own) / len(own)
+            m["test-loss-vertex-mean"] = sum(r["loss"] for r in own) / len(own)
+        m["eval-time-s"] = time.perf_counter() - tw
+        if server_round == 0:
+            self.add_row(0, None, m)
+        return MetricRecord(m)
 
     def wants_eval(self, rnd: int) -> bool:
         return rnd == 0 or rnd % self.cfg["eval-every"] == 0 or rnd == self.cfg["num-server-rounds"]
@@ -241,6 +266,21 @@ class Recorder:
         if rnd and (self.wants_eval(rnd) or rnd == self.cfg["num-server-rounds"]):
             self.plots()
 
+    def finish(self, t0: float) -> None:
+        """Final plots, status ``completed`` and the closing log line."""
+        self.plots()
+        self.results["status"] = "completed"
+        self.results["wall-time-s"] = time.perf_counter() - t0
+        write_json_atomic(self.out / "results.json", self.results)
+        last = next((r for r in reversed(self.history) if "test-accuracy" in r), None)
+        log(
+            INFO,
+            "rwlora-sentiment: done, %d rounds; final test accuracy %s; results in %s",
+            len(self.history) - 1,
+            "n/a" if last is None else f"{last['test-accuracy']:.4f}",
+            self.out / "results.json",
+        )
+
     def checkpoint(self, rnd: int) -> None:
         if self.name == "fedavg":
             ts: dict[str, Any] = {"arrays": self.strategy.current_arrays().to_torch_state_dict()}
@@ -273,6 +313,36 @@ class Recorder:
             plot_results(self.history, visits, self.out, title=title)
         except Exception as exc:  # plots must never stop a run
             log(WARNING, "rwlora-sentiment: plotting failed: %s", exc)
+
+
+def new_results(cfg, out, conf, n, adapter_bytes, n_test, meta) -> dict[str, Any]:
+    """The ``results.json`` envelope (docs/user-guide.md) before the first row; a resumed run
+    continues the checkpoint's history."""
+    return {
+        "app": "rwlora_sentiment",
+        "status": "running",
+        "output-dir": str(out),
+        "config": conf,
+        "num-clients": n,
+        "adapter-bytes": adapter_bytes,
+        "test-examples": n_test,
+        "resumed-from": cfg["resume-from"] or None,
+        "initial": None if meta is None else meta["history"][0],
+        "rounds": [] if meta is None else meta["history"],
+    }
+
+
+def load_evaluator(cfg):
+    """``(model, tokenizer, test texts, test labels, initial adapter)`` for server-side tests:
+    the server's own model copy, and the adapter as initialised (not the cached model's)."""
+    d = cfg.data
+    test = sentiment.load_test(d.source, d["test-size"], cfg.seed, d["eval-examples"])
+    spec = lora_spec(cfg)
+    model = classifier.get_model(spec, slot="server")  # not the clients' copy
+    tokenizer = classifier.load_tokenizer(spec.model)
+    initial_adapter = classifier.initial_adapter(spec)
+    texts, labels = list(test["text"]), [int(y) for y in test["label"]]
+    return model, tokenizer, texts, labels, initial_adapter
 
 
 def restore(cfg, strategy, model, initial_adapter, tensors, meta) -> ArrayRecord:
@@ -325,16 +395,10 @@ def run_server(grid: Grid, run_config: dict[str, Any], run_id: int = 0, *, settl
     out = prepare_output_dir(output_dir(cfg, run_id))
     conf = config_dict(cfg)
     t0 = time.perf_counter()
-    d = cfg.data
-    test = sentiment.load_test(d.source, d["test-size"], cfg.seed, d["eval-examples"])
-    test_texts, test_labels = list(test["text"]), [int(y) for y in test["label"]]
-    spec = lora_spec(cfg)
-    model = classifier.get_model(spec, slot="server")  # not the clients' copy
-    tokenizer = classifier.load_tokenizer(spec.model)
-    initial_adapter = classifier.initial_adapter(spec)  # not the cached model's current state
+    model, tokenizer, test_texts, test_labels, initial_adapter = load_evaluator(cfg)
     adapter_bytes = sum(t.numel() * 4 for t in initial_adapter.values())
     log(INFO, "rwlora-sentiment: output %s; adapter %d bytes", out, adapter_bytes)
-    total, name = cfg["num-server-rounds"], cfg.strategy.name
+    total = cfg["num-server-rounds"]
     tensors, meta = {}, None
     if cfg["resume-from"]:
         try:
@@ -353,19 +417,9 @@ def run_server(grid: Grid, run_config: dict[str, Any], run_id: int = 0, *, settl
         )
     )
     strategy = _strategy_for(cfg, n)
-    results: dict[str, Any] = {
-        "app": "rwlora_sentiment",
-        "status": "running",
-        "output-dir": str(out),
-        "config": conf,
-        "num-clients": n,
-        "adapter-bytes": adapter_bytes,
-        "test-examples": len(test_texts),
-        "resumed-from": cfg["resume-from"] or None,
-        "initial": None if meta is None else meta["history"][0],
-        "rounds": [] if meta is None else meta["history"],
-    }
+    results = new_results(cfg, out, conf, n, adapter_bytes, len(test_texts), meta)
     rec = Recorder(cfg, out, conf, strategy, n, results)
+    rec.evaluator = (model, tokenizer, test_texts, test_labels)
     train_config: dict[str, Any] = {}
     initial = ArrayRecord(initial_adapter)
     # FedAvg samples nodes with Python's global ``random``: seed it so runs repeat exactly
@@ -384,28 +438,6 @@ def run_server(grid: Grid, run_config: dict[str, Any], run_id: int = 0, *, settl
             INFO, "rwlora-sentiment: resumed from %s at round %d", cfg["resume-from"], meta["round"]
         )
 
-    def evaluate(arrays: ArrayRecord) -> dict[str, float]:
-        classifier.load_adapter_state_dict(model, arrays.to_torch_state_dict())
-        return classifier.evaluate(
-            model, tokenizer, test_texts, test_labels, max_length=cfg.model["max-length"]
-        )
-
-    def evaluate_fn(server_round: int, arrays: ArrayRecord) -> MetricRecord | None:
-        """Test accuracy/loss every ``eval-every`` rounds (gossip: also each vertex's own)."""
-        if not rec.wants_eval(server_round):
-            return None
-        tw = time.perf_counter()
-        res = evaluate(arrays)
-        m = {"test-accuracy": res["accuracy"], "test-loss": res["loss"]}
-        if name == "gossip":  # each vertex's own adapter, not the A/B average
-            own = [evaluate(a) for a in strategy.vertex_adapters().values()]
-            m["test-accuracy-vertex-mean"] = sum(r["accuracy"] for r in own) / len(own)
-            m["test-loss-vertex-mean"] = sum(r["loss"] for r in own) / len(own)
-        m["eval-time-s"] = time.perf_counter() - tw
-        if server_round == 0:
-            rec.add_row(0, None, m)
-        return MetricRecord(m)
-
     try:
         strategy.start(
             grid=grid,
@@ -413,7 +445,7 @@ def run_server(grid: Grid, run_config: dict[str, Any], run_id: int = 0, *, settl
             num_rounds=total,
             timeout=cfg["round-timeout"],
             train_config=ConfigRecord(train_config),
-            evaluate_fn=evaluate_fn,
+            evaluate_fn=rec.evaluate_fn,
             on_round_end=lambda rnd, _arrays, tm, em: rec.add_row(rnd, tm, em),
         )
     except NoProgressError as exc:
@@ -421,18 +453,7 @@ def run_server(grid: Grid, run_config: dict[str, Any], run_id: int = 0, *, settl
         results.update(status="failed", error=str(exc), **{"wall-time-s": time.perf_counter() - t0})
         write_json_atomic(out / "results.json", results)
         raise
-    rec.plots()
-    results["status"] = "completed"
-    results["wall-time-s"] = time.perf_counter() - t0
-    write_json_atomic(out / "results.json", results)
-    last = next((r for r in reversed(rec.history) if "test-accuracy" in r), None)
-    log(
-        INFO,
-        "rwlora-sentiment: done, %d rounds; final test accuracy %s; results in %s",
-        len(rec.history) - 1,
-        "n/a" if last is None else f"{last['test-accuracy']:.4f}",
-        out / "results.json",
-    )
+    rec.finish(t0)
     return out
 
 
