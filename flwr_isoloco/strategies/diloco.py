@@ -39,7 +39,6 @@ from flwr_isoloco.merging.rules import check_options
 from flwr_isoloco.merging.weights import bounded_weights
 from flwr_isoloco.outer import OuterSGD
 from flwr_isoloco.strategies.common import (
-    PAYLOADS,
     CheckedReply,
     EmptyRoundGuard,
     ReplyReport,
@@ -53,12 +52,11 @@ from flwr_isoloco.strategies.diloco_config import (
     DEFAULT_MAX_WEIGHT_RATIO,
     DILOCO_RUN_CONFIG,
     ISOLOCO_RUN_CONFIG,
-    ORTHOGONALIZE,
-    WEIGHTINGS,
     FromRunConfig,
+    check_arguments,
 )
 from flwr_isoloco.strategies.diloco_state import DiLoCoState, log_summary
-from flwr_isoloco.strategies.evaluation import aggregate_metrics, check_count, check_fraction
+from flwr_isoloco.strategies.evaluation import aggregate_metrics
 from flwr_isoloco.strategies.lifecycle import ResumableStrategy
 from flwr_isoloco.strategies.nodes import wait_for_nodes
 
@@ -69,26 +67,6 @@ _SPECTRAL_FOR_UPDATE = ("iso_c", "iso_c_ns")
 
 def _is_number(v: object) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-
-
-def _check_arguments(**args: Any) -> None:
-    """``ValueError`` naming the first constructor argument out of its range or choices."""
-    for name in ("fraction_train", "fraction_evaluate"):
-        check_fraction(name, args[name])
-    for name in ("min_train_nodes", "min_evaluate_nodes", "min_available_nodes"):
-        check_count(name, args[name])
-    for name, allowed in (
-        ("orthogonalize", ORTHOGONALIZE),
-        ("weighting", WEIGHTINGS),
-        ("client_sends", PAYLOADS),
-    ):
-        if args[name] not in allowed:
-            raise ValueError(f"{name} must be one of {allowed}, got {args[name]!r}")
-    seed, ratio = args["seed"], args["max_weight_ratio"]
-    if not isinstance(seed, int) or isinstance(seed, bool):
-        raise ValueError(f"seed must be an int, got {seed!r}")
-    if ratio is not None and not (_is_number(ratio) and (ratio == 0 or ratio >= 1)):
-        raise ValueError(f"max_weight_ratio must be >= 1, or 0/None for off, got {ratio!r}")
 
 
 def _validators(
@@ -194,7 +172,7 @@ class DiLoCo(FromRunConfig, DiLoCoState, ResumableStrategy):
         codec_options: Mapping[str, Any] | None = None,
         error_feedback: bool = True,
     ) -> None:
-        _check_arguments(
+        check_arguments(
             fraction_train=fraction_train,
             fraction_evaluate=fraction_evaluate,
             min_train_nodes=min_train_nodes,
@@ -208,20 +186,10 @@ class DiLoCo(FromRunConfig, DiLoCoState, ResumableStrategy):
         )
         self.max_weight_ratio = float(max_weight_ratio or 0.0)
         self._guard = EmptyRoundGuard(max_empty_rounds, "aggregate_train")
-        self.rule, self.merge_name = self._resolve_rule(merge)
-        if orthogonalize == "update" and self.merge_name not in _SPECTRAL_FOR_UPDATE:
-            raise ValueError(
-                f"orthogonalize='update' needs merge in {_SPECTRAL_FOR_UPDATE}, got {self.merge_name!r}"
-            )
-        # Unknown codec / option -> ValueError naming it.
-        self.codec_request = request_config(upload_codec, codec_options, error_feedback)
+        self._setup_merge(merge, merge_options, orthogonalize, seed)
+        self.codec_request = request_config(upload_codec, codec_options, error_feedback)  # checks
         self.upload_codec = upload_codec or "none"
         self._bytes_down = 0
-        self.merge_options = dict(merge_options or {})
-        check_options(self.rule, self.merge_options)  # unknown option / bad value -> ValueError
-        self.merger = RoundMerge(
-            self.rule, self.merge_name, self.merge_options, orthogonalize, seed
-        )
         self.fraction_train = float(fraction_train)
         self.fraction_evaluate = float(fraction_evaluate)
         self.min_train_nodes = 0 if fraction_train == 0 else min_train_nodes
@@ -247,14 +215,28 @@ class DiLoCo(FromRunConfig, DiLoCoState, ResumableStrategy):
             max_norm_ratio or None,
             client_sends,
         )
-        self._train_ledger = SentLedger()
-        self._eval_ledger = SentLedger()
+        self._train_ledger, self._eval_ledger = SentLedger(), SentLedger()
         self._rng = random.Random(seed)
         self.theta: dict[str, torch.Tensor] | None = None  # fp32 master copy
         self._dtypes: dict[str, torch.dtype] = {}
         self.server_round = 0  # rounds aggregated so far (continues across resume)
 
     # ------------------------------------------------------------------ construction helpers
+    def _setup_merge(
+        self, merge: Any, merge_options: Mapping[str, Any] | None, orthogonalize: str, seed: int
+    ) -> None:
+        """The rule, its checked options and the round merge (``ValueError`` naming a problem)."""
+        self.rule, self.merge_name = self._resolve_rule(merge)
+        if orthogonalize == "update" and self.merge_name not in _SPECTRAL_FOR_UPDATE:
+            raise ValueError(
+                f"orthogonalize='update' needs merge in {_SPECTRAL_FOR_UPDATE}, got {self.merge_name!r}"
+            )
+        self.merge_options = dict(merge_options or {})
+        check_options(self.rule, self.merge_options)  # unknown option / bad value -> ValueError
+        self.merger = RoundMerge(
+            self.rule, self.merge_name, self.merge_options, orthogonalize, seed
+        )
+
     @staticmethod
     def _resolve_rule(merge_rule: Any) -> tuple[Any, str]:
         if isinstance(merge_rule, str):

@@ -10,6 +10,7 @@ validated section with :meth:`DiLoCo.from_section <flwr_isoloco.strategies.DiLoC
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -17,6 +18,7 @@ from flwr_isoloco.compression import CODECS
 from flwr_isoloco.merging import MERGE_RULES
 from flwr_isoloco.runconfig import choices, in_range, non_negative, read_run_config
 from flwr_isoloco.strategies.common import PAYLOADS
+from flwr_isoloco.strategies.evaluation import check_count, check_fraction
 
 __all__ = [
     "DILOCO_RUN_CONFIG",
@@ -178,6 +180,30 @@ def section_kwargs(c: Mapping[str, Any]) -> dict[str, Any]:
         codec_options=codec_options(c),
         error_feedback=c["error-feedback"],
     )
+
+
+def _is_number(v: object) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def check_arguments(**args: Any) -> None:
+    """``ValueError`` naming the first constructor argument out of its range or choices."""
+    for name in ("fraction_train", "fraction_evaluate"):
+        check_fraction(name, args[name])
+    for name in ("min_train_nodes", "min_evaluate_nodes", "min_available_nodes"):
+        check_count(name, args[name])
+    for name, allowed in (
+        ("orthogonalize", ORTHOGONALIZE),
+        ("weighting", WEIGHTINGS),
+        ("client_sends", PAYLOADS),
+    ):
+        if args[name] not in allowed:
+            raise ValueError(f"{name} must be one of {allowed}, got {args[name]!r}")
+    seed, ratio = args["seed"], args["max_weight_ratio"]
+    if not isinstance(seed, int) or isinstance(seed, bool):
+        raise ValueError(f"seed must be an int, got {seed!r}")
+    if ratio is not None and not (_is_number(ratio) and (ratio == 0 or ratio >= 1)):
+        raise ValueError(f"max_weight_ratio must be >= 1, or 0/None for off, got {ratio!r}")
 
 
 class FromRunConfig:

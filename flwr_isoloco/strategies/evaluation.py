@@ -34,10 +34,10 @@ def check_fraction(name: str, value: object) -> float:
     return float(value)
 
 
-def check_count(name: str, value: object) -> int:
-    """``value`` as an int >= 0, or ``ValueError`` naming ``name``."""
-    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-        raise ValueError(f"{name} must be an int >= 0, got {value!r}")
+def check_count(name: str, value: object, minimum: int = 0) -> int:
+    """``value`` as an int >= ``minimum``, or ``ValueError`` naming ``name``."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
     return value
 
 

@@ -88,12 +88,7 @@ class GraphStrategy(ResumableStrategy):
         self.local_steps = local_steps
         self.node_wait_s = float(node_wait_s)
         self.query_timeout = query_timeout
-        if (
-            isinstance(query_attempts, bool)
-            or not isinstance(query_attempts, int)
-            or query_attempts < 1
-        ):
-            raise ValueError(f"query_attempts must be an int >= 1, got {query_attempts!r}")
+        check_count("query_attempts", query_attempts, minimum=1)
         self.query_attempts = query_attempts
         self.min_available_nodes = check_count("min_available_nodes", min_available_nodes)
         self.evaluation = FederatedEvaluation(

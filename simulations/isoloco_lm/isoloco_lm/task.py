@@ -67,11 +67,7 @@ NOT_IN_APP = {
 _OPTION_KEYS = ("prune-fraction", "drop-rate", "common-fraction", "ns-steps", "spectral-pattern")
 STRATEGY_SECTION: dict[str, Any] = {
     **APP_STRATEGY_KEYS,
-    **{
-        k: v
-        for k, v in DILOCO_RUN_CONFIG.items()
-        if k not in APP_STRATEGY_KEYS and k not in NOT_IN_APP
-    },
+    **{k: v for k, v in DILOCO_RUN_CONFIG.items() if k not in {**APP_STRATEGY_KEYS, **NOT_IN_APP}},
 }
 
 # The schema: every run-config key with its default (mirrors [tool.flwr.app.config]; a test
