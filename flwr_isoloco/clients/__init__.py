@@ -2,9 +2,13 @@
 
 - ``diloco_worker.py``: DiLoCo worker (H inner AdamW steps, optimiser state in ``context.state``).
 - ``lora_client.py``: peft LoRA client that sends only the adapter.
+- ``query.py``: :func:`partition_id_query`, an ``@app.query()`` handler for the graph
+  strategies' vertex query.
 """
 
 from importlib import import_module
+
+from .query import partition_id_query  # plain import: light (no torch)
 
 _EXPORTS = {
     "make_diloco_train_handler": "diloco_worker",
@@ -13,7 +17,8 @@ _EXPORTS = {
     "LoRAClientConfig": "lora_client",
 }
 
-__all__ = sorted(_EXPORTS)
+
+__all__ = ["partition_id_query", *sorted(_EXPORTS)]
 
 
 def __getattr__(name: str):

@@ -1,17 +1,20 @@
 """Merge rules for pseudo-gradients (docs/algorithms.md section 2), pure torch, no Flower.
 
 Public API: :data:`MERGE_RULES`, :func:`merge`, :class:`StreamingMerger`, :func:`iso_c`,
-:func:`polar`, :class:`MergeRule`.
+:func:`polar`, :class:`MergeRule`, and :class:`RoundMerge` (a strategy round's merge: every
+rule, streaming or not, the DARE seed per round and the orthogonalised-update transform).
 """
 
 from .merge import merge
 from .polar import iso_c, newton_schulz_polar, ns_coefficients, polar
+from .round import RoundMerge
 from .rules import MERGE_RULES, MergeRule
 from .streaming import StreamingMerger
 
 __all__ = [
     "MERGE_RULES",
     "MergeRule",
+    "RoundMerge",
     "StreamingMerger",
     "iso_c",
     "merge",

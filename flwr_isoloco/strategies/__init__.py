@@ -1,24 +1,26 @@
-"""Server-side Flower strategies (Message API).
+"""Server-side Flower strategies (Message API), all with one lifecycle
+(:class:`~flwr_isoloco.strategies.lifecycle.ResumableStrategy`: resumable ``start`` with global
+round numbers and an ``on_round_end`` hook).
 
 - :class:`DiLoCo`, :class:`IsoLoCo` (``diloco.py``): merge pseudo-gradients + outer optimiser.
 - :class:`RWLoRA` (``rwlora.py``): one adapter walks the client graph, one node per round.
 - :class:`GossipLoRA` (``gossip.py``): decentralised-SGD baseline with Metropolis mixing.
+- :func:`wait_for_nodes` (``nodes.py``): the one node-waiting helper.
 """
 
-from importlib import import_module
+from .diloco import DiLoCo, IsoLoCo
+from .gossip import GossipLoRA
+from .lifecycle import ResumableStrategy, RoundOutcome
+from .nodes import NodeWaitError, wait_for_nodes
+from .rwlora import RWLoRA
 
-_EXPORTS = {
-    "DiLoCo": "diloco",
-    "IsoLoCo": "diloco",
-    "RWLoRA": "rwlora",
-    "GossipLoRA": "gossip",
-}
-
-__all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name: str):
-    # Lazy so that importing one strategy does not import the others (and Flower) needlessly.
-    if name in _EXPORTS:
-        return getattr(import_module(f"{__name__}.{_EXPORTS[name]}"), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__all__ = [
+    "DiLoCo",
+    "GossipLoRA",
+    "IsoLoCo",
+    "NodeWaitError",
+    "RWLoRA",
+    "ResumableStrategy",
+    "RoundOutcome",
+    "wait_for_nodes",
+]

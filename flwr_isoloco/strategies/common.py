@@ -4,28 +4,13 @@ Flower's FedAvg raises ``InconsistentMessageReplies`` on one malformed reply and
 Here each reply is checked on its own; a bad one is dropped with a logged reason naming the node,
 counted, and the round goes on with the rest. Nothing in this module raises on bad replies.
 
-Checks, in order (the first failure drops the reply):
-
-1. error reply (``msg.has_error()``), e.g. a ClientApp that raised or a dead node;
-2. no ArrayRecord under ``arrayrecord_key`` (when arrays are required); a compressed record
-   (header ``__codec__``, see :mod:`flwr_isoloco.compression`) is decoded to fp32 tensors here,
-   checked against the model's keys and shapes before anything is allocated, and dropped
-   with the decoder's ValueError message (naming the key) if it does not decode;
-3. keys differ from the expected model (missing or extra keys are both rejected);
-4. an array that cannot be decoded, has the wrong shape, or a non-floating dtype;
-5. a floating dtype different from the expected one: **cast** to the expected dtype by default
-   (clients may legitimately send fp16 to halve traffic; bf16 cannot travel in an ArrayRecord),
-   or **rejected** with ``dtype_policy="reject"``;
-6. non-finite values (NaN / inf);
-7. the weight key (``num-examples``) missing from every MetricRecord, or not a finite number
-   > 0 (bool and lists are rejected);
-8. the payload flag (ConfigRecord key ``"payload"``: ``"weights"`` or ``"delta"``) invalid;
-9. an update too large to merge in fp32: ``||u_i||_2 > MAX_MERGEABLE_NORM`` (1e18; the merge
-   rules square entries in fp32, which overflows beyond sqrt(fp32 max) = 1.8e19), checked
-   whenever the reference model is known;
-10. update norm bounds (see :class:`ReplyValidator`): ``||u_i|| > max_update_norm``, or
-   ``||u_i|| > max_norm_ratio * median_j ||u_j||`` (median over the other accepted replies;
-   needs >= 2 others).
+The checks, in order (the first failure drops the reply): error reply; no ArrayRecord under
+``arrayrecord_key`` (a compressed record is decoded here, against the model's keys and shapes
+first); keys that differ from the model; an array that does not decode, has the wrong shape or
+a non-floating dtype; another floating dtype (cast, or refused with ``dtype_policy="reject"``);
+NaN / inf; a missing or invalid weight (``num-examples``: a finite number > 0); an invalid
+``payload`` flag; ``||u_i||_2 > MAX_MERGEABLE_NORM`` (1e18, beyond which fp32 squares
+overflow); the optional norm bounds. docs/strategies.md, "What is rejected", gives the reasons.
 
 Who sent a reply: the node we *sent* the instruction to, found by matching
 ``reply.metadata.reply_to_message_id`` with the sent message's id (a killed SuperNode's error
@@ -43,10 +28,34 @@ from logging import INFO, WARNING
 
 import numpy as np
 import torch
-from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, Message, RecordDict
 from flwr.common.logger import log
 
-from flwr_isoloco.compression import decompress, is_compressed, payload_nbytes
+from flwr_isoloco.compression import decompress, is_compressed
+from flwr_isoloco.strategies.guard import EmptyRoundGuard, NoProgressError
+from flwr_isoloco.strategies.metrics import (
+    metric_record,
+    reply_metrics,
+    reply_nbytes,
+    tensor_norm,
+    weighted_mean_metrics,
+)
+
+__all__ = [
+    "CheckedReply",
+    "MAX_MERGEABLE_NORM",
+    "PAYLOADS",
+    "PAYLOAD_KEY",
+    "EmptyRoundGuard",  # re-exported from guard.py (older imports from this module)
+    "NoProgressError",
+    "ReplyReport",
+    "ReplyValidator",
+    "SentLedger",
+    "metric_record",
+    "reply_metrics",
+    "tensor_norm",
+    "weighted_mean_metrics",
+]
 
 PAYLOAD_KEY = "payload"
 """ConfigRecord key a reply may set to say what its arrays hold: ``"weights"`` or ``"delta"``."""
@@ -133,11 +142,6 @@ class SentLedger:
         self._sent = list(messages)
         return self._sent
 
-    @property
-    def node_ids(self) -> list[int]:
-        """Destination node of every remembered message."""
-        return [m.metadata.dst_node_id for m in self._sent]
-
     def sent_any(self) -> bool:
         """Whether the last round sent any instruction."""
         return bool(self._sent)
@@ -183,46 +187,6 @@ def _is_number(v: object) -> bool:
 
 def _np(t: torch.Tensor) -> np.ndarray:
     return (t.float() if t.dtype == torch.bfloat16 else t).numpy()
-
-
-def reply_nbytes(msg: Message) -> int:
-    """Array bytes a reply carried (:func:`~flwr_isoloco.compression.payload_nbytes`), 0 if none."""
-    if msg.has_error() or not msg.has_content():
-        return 0
-    return sum(payload_nbytes(r) for r in msg.content.array_records.values())
-
-
-def reply_metrics(content: RecordDict) -> dict[str, float]:
-    """Scalar numeric metrics of every MetricRecord in a reply (lists skipped)."""
-    out: dict[str, float] = {}
-    for rec in content.metric_records.values():
-        for k, v in rec.items():
-            if _is_number(v) and math.isfinite(float(v)):
-                out[k] = float(v)
-    return out
-
-
-def weighted_mean_metrics(
-    replies: Iterable[CheckedReply], exclude: Iterable[str] = ()
-) -> dict[str, float]:
-    """Weighted mean of each scalar client metric, over the replies that report it."""
-    sums: dict[str, float] = {}
-    totals: dict[str, float] = {}
-    skip = set(exclude)
-    for r in replies:
-        for k, v in r.metrics.items():
-            if k in skip:
-                continue
-            sums[k] = sums.get(k, 0.0) + r.weight * v
-            totals[k] = totals.get(k, 0.0) + r.weight
-    return {k: sums[k] / totals[k] for k in sums if totals[k] > 0}
-
-
-def tensor_norm(tensors: Mapping[str, torch.Tensor]) -> float:
-    """Global L2 norm of a dict of tensors, accumulated in fp64 (finite for any finite fp32 input)."""
-    return math.sqrt(
-        sum(float(torch.linalg.vector_norm(t, dtype=torch.float64)) ** 2 for t in tensors.values())
-    )
 
 
 @dataclass
@@ -523,40 +487,3 @@ class ReplyValidator:
                         f"x median of the others {med:.4g}",
                     )
         return [r for r, k in zip(replies, keep, strict=True) if k]
-
-
-class NoProgressError(RuntimeError):
-    """A run stopped because too many consecutive rounds used no reply (nothing was trained)."""
-
-
-class EmptyRoundGuard:
-    """Stop a run that trains nothing: ``limit`` consecutive rounds that used no reply raise.
-
-    A round "uses" a reply when at least one client's update entered the model (DiLoCo: a
-    merged reply; RW-LoRA: an accepted hop; gossip: a vertex that trained). Without this a run
-    whose every reply is dropped (bad seed, all nodes failing) would end and report success.
-    ``limit=0`` turns the guard off.
-    """
-
-    def __init__(self, limit: int = 3, what: str = "strategy") -> None:
-        if not isinstance(limit, int) or isinstance(limit, bool) or limit < 0:
-            raise ValueError(f"max_empty_rounds must be an int >= 0, got {limit!r}")
-        self.limit = limit
-        self.what = what
-        self.streak = 0
-
-    def record(self, server_round: int, used: int, reasons: Iterable[str] = ()) -> None:
-        """Count round ``server_round`` (``used`` replies); raise :class:`NoProgressError`."""
-        self.streak = 0 if used > 0 else self.streak + 1
-        if self.limit and self.streak >= self.limit:
-            why = "; ".join(list(reasons)[:3]) or "no reply arrived or every reply was dropped"
-            raise NoProgressError(
-                f"{self.what}: {self.streak} consecutive rounds (up to round {server_round}) "
-                f"used no reply, so nothing was trained; stopping (max-empty-rounds="
-                f"{self.limit}). Last reasons: {why}"
-            )
-
-
-def metric_record(values: Mapping[str, float | int]) -> MetricRecord:
-    """A MetricRecord from plain numbers (drops non-finite values, which Flower would print)."""
-    return MetricRecord({k: v for k, v in values.items() if math.isfinite(float(v))})

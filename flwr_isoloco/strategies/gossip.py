@@ -38,27 +38,12 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricReco
 from flwr.common.logger import log
 from flwr.serverapp import Grid
 
-from ..graphs import metropolis_mixing_weights, spectral_gap
+from ..graphs import consensus_distance, metropolis_mixing_weights, mix, spectral_gap
 from .common import SentLedger, weighted_mean_metrics
 from .graph_base import GraphStrategy
 from .wire import _record_of, _tensors_of, check_train_metrics, record_nbytes
 
 __all__ = ["GossipLoRA", "mix"]
-
-
-def mix(W: np.ndarray, adapters: list[Mapping[str, torch.Tensor]]) -> list[dict[str, torch.Tensor]]:
-    """``x_i <- sum_j W_ij x_j`` for every tensor name (fp64 accumulation, fp32 result)."""
-    n = len(adapters)
-    if W.shape != (n, n):
-        raise ValueError(f"mixing matrix {W.shape} for {n} adapters")
-    Wt = torch.as_tensor(W, dtype=torch.float64)
-    out: list[dict[str, torch.Tensor]] = [{} for _ in range(n)]
-    for k in adapters[0]:
-        stack = torch.stack([a[k].double().reshape(-1) for a in adapters])  # (n, size)
-        mixed = (Wt @ stack).float()
-        for i in range(n):
-            out[i][k] = mixed[i].reshape(adapters[0][k].shape).clone()
-    return out
 
 
 class GossipLoRA(GraphStrategy):
@@ -78,6 +63,11 @@ class GossipLoRA(GraphStrategy):
     """
 
     what = "gossip"
+    REFUSED_FEDAVG_ARGS = {
+        "fraction_train": "gossip trains every live vertex every round",
+        "min_train_nodes": "gossip trains every live vertex every round",
+        "train_metrics_aggr_fn": "gossip's train metrics are its own mixing and byte accounting",
+    }
 
     def __init__(
         self,
@@ -107,11 +97,12 @@ class GossipLoRA(GraphStrategy):
         self._sent_vertex: dict[int, Any] = {}
 
     def summary(self) -> None:
+        G = self.graph
         log(
             INFO,
-            "\t└──> gossip: graph %d vertices, %d edges; K=%d local steps; Metropolis mixing",
-            self.graph.number_of_nodes(),
-            self.graph.number_of_edges(),
+            "\t└──> gossip: graph %s vertices, %s edges; K=%d local steps; Metropolis mixing",
+            "n = connected nodes" if G is None else G.number_of_nodes(),
+            "?" if G is None else G.number_of_edges(),
             self.local_steps,
         )
 
@@ -154,12 +145,7 @@ class GossipLoRA(GraphStrategy):
 
     def consensus_distance(self) -> float:
         """``sqrt(mean_i ||x_i - xbar||^2)``: how far the vertices are from agreeing."""
-        avg = self.average()
-        sq = [
-            sum(float((x[k].double() - avg[k].double()).pow(2).sum()) for k in avg)
-            for x in (self.adapters[v] for v in self.vertices)
-        ]
-        return math.sqrt(sum(sq) / len(sq))
+        return consensus_distance([self.adapters[v] for v in self.vertices])
 
     # ----------------------------------------------------------------- Flower API
     def configure_train(
@@ -225,44 +211,9 @@ class GossipLoRA(GraphStrategy):
                 )
                 continue
             by_vertex.setdefault(v, []).append(r)
-        trained: dict[Any, dict[str, torch.Tensor]] = {}
-        norms: dict[Any, float] = {}
-        accepted = []
+        trained, accepted = self._trained(by_vertex, sent)
         steps_done = 0
-        for v in self.vertices:
-            got = by_vertex.get(v, [])
-            if v not in sent:
-                self._fail(v, "node offline (not listed by the grid); nothing sent")
-                continue
-            if not got:
-                self._fail(v, "no reply (timeout)")
-                continue
-            checked, report = self.validator.validate(got[:1], self.adapters[v], None)
-            if not checked:
-                self._fail(v, report.reasons[0][1] if report.reasons else "reply rejected")
-                continue
-            reply = checked[0]
-            bad = check_train_metrics(
-                reply.content, asked_steps=self.local_steps, vertex=v, vertex_key=self.vertex_key
-            )
-            if bad is not None:
-                self._fail(v, bad)
-                continue
-            update = reply.update(self.adapters[v])
-            trained[v] = {k: self.adapters[v][k].float() - update[k] for k in self.adapters[v]}
-            norms[v] = math.sqrt(sum(float(u.double().pow(2).sum()) for u in update.values()))
-            accepted.append((v, reply))
-        if self.max_norm_ratio is not None:
-            for v in list(trained):
-                others = [n for u, n in norms.items() if u != v and u in trained]
-                if len(others) >= 2 and norms[v] > self.max_norm_ratio * statistics.median(others):
-                    self._fail(
-                        v,
-                        f"update norm {norms[v]:.4g} > max_norm_ratio {self.max_norm_ratio:g} x "
-                        f"median of the others {statistics.median(others):.4g}",
-                    )
-                    del trained[v]
-            accepted = [(v, r) for v, r in accepted if v in trained]
+        self.round_replies = [(v, dict(r.metrics)) for v, r in accepted]
         for _, reply in accepted:  # local-steps checked in [0, K] by check_train_metrics
             steps_done += int(reply.metrics.get("local-steps", self.local_steps))
         before_mix = [trained.get(v, self.adapters[v]) for v in self.vertices]
@@ -291,6 +242,56 @@ class GossipLoRA(GraphStrategy):
         return self.current_arrays(), MetricRecord(
             {k: v for k, v in metrics.items() if math.isfinite(v)}
         )
+
+    def _trained(
+        self, by_vertex: Mapping[Any, list[Message]], sent: set[Any]
+    ) -> tuple[dict[Any, dict[str, torch.Tensor]], list[tuple[Any, Any]]]:
+        """Each vertex's new adapter from its valid reply, and the accepted ``(vertex, reply)``.
+
+        A vertex not sent to, without a reply, with a reply the validator or
+        check_train_metrics refuses, or whose ``||update|| > max_norm_ratio x`` the median of
+        the others' (needs 2 others) keeps its adapter (:meth:`_fail`)."""
+        trained: dict[Any, dict[str, torch.Tensor]] = {}
+        norms: dict[Any, float] = {}
+        accepted = []
+        for v in self.vertices:
+            got = by_vertex.get(v, [])
+            if v not in sent:
+                self._fail(v, "node offline (not listed by the grid); nothing sent")
+                continue
+            if not got:
+                self._fail(v, "no reply (timeout)")
+                continue
+            checked, report = self.validator.validate(got[:1], self.adapters[v], None)
+            if not checked:
+                self._fail(v, report.reasons[0][1] if report.reasons else "reply rejected")
+                continue
+            reply = checked[0]
+            bad = check_train_metrics(
+                reply.content,
+                asked_steps=self.local_steps,
+                vertex=v,
+                vertex_key=self.checked_vertex_key,
+            )
+            if bad is not None:
+                self._fail(v, bad)
+                continue
+            update = reply.update(self.adapters[v])
+            trained[v] = {k: self.adapters[v][k].float() - update[k] for k in self.adapters[v]}
+            norms[v] = reply.update_norm  # tensor_norm(update), fp64, set by the validator
+            accepted.append((v, reply))
+        if self.max_norm_ratio is not None:
+            for v in list(trained):
+                others = [n for u, n in norms.items() if u != v and u in trained]
+                if len(others) >= 2 and norms[v] > self.max_norm_ratio * statistics.median(others):
+                    self._fail(
+                        v,
+                        f"update norm {norms[v]:.4g} > max_norm_ratio {self.max_norm_ratio:g} x "
+                        f"median of the others {statistics.median(others):.4g}",
+                    )
+                    del trained[v]
+            accepted = [(v, r) for v, r in accepted if v in trained]
+        return trained, accepted
 
     def _used(self, metrics: Mapping[str, float]) -> int:
         return int(metrics.get("trained", 0))

@@ -4,25 +4,29 @@ loop with resume, server-side evaluation, a per-round callback and the empty-rou
 from __future__ import annotations
 
 import math
-import time
 from collections.abc import Callable, Iterable, Mapping
-from logging import ERROR, INFO, WARNING
+from logging import INFO, WARNING
 from typing import Any
 
 import networkx as nx
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
 from flwr.common.logger import log
 from flwr.serverapp import Grid
-from flwr.serverapp.strategy import Result, Strategy
 
-from ..graphs import build_graph, vertex_list
+from ..graphs import build_graph, deferred_graph, vertex_list
 from .common import EmptyRoundGuard, NoProgressError, ReplyValidator
-from .vertices import VertexMap, discover_vertices, wait_for_nodes
+from .evaluation import FederatedEvaluation, check_count
+from .lifecycle import ResumableStrategy, RoundOutcome
+from .nodes import wait_for_nodes
+from .vertices import VertexMap, assign_new_nodes, discover_vertices, map_vertices
 
 __all__ = ["GraphStrategy"]
 
+SETTLE_S = 2.0
+"""Seconds the node count must stay unchanged before a deferred graph is built on it."""
 
-class GraphStrategy(Strategy):
+
+class GraphStrategy(ResumableStrategy):
     """Shared plumbing of the graph strategies (RW-LoRA, gossip): graph, vertex discovery,
     the round loop with resume (``start`` runs rounds ``self.round + 1 .. num_rounds``),
     server-side evaluation and a per-round callback (for checkpoints).
@@ -40,10 +44,12 @@ class GraphStrategy(Strategy):
     """
 
     what = "graph-strategy"
+    REFUSED_FEDAVG_ARGS: dict[str, str] = {}
+    """FedAvg keyword arguments that have no meaning for this strategy, with the reason."""
 
     def __init__(
         self,
-        graph: str | nx.Graph,
+        graph: str | nx.Graph = "complete",
         *,
         num_vertices: int | None = None,
         graph_seed: int | None = 0,
@@ -52,6 +58,10 @@ class GraphStrategy(Strategy):
         node_wait_s: float = 60.0,
         query_timeout: float | None = None,
         query_attempts: int = 3,
+        fraction_evaluate: float = 0.0,
+        min_evaluate_nodes: int = 1,
+        min_available_nodes: int = 0,
+        evaluate_metrics_aggr_fn: Callable[..., MetricRecord] | None = None,
         arrayrecord_key: str = "arrays",
         configrecord_key: str = "config",
         weighted_by_key: str = "num-examples",
@@ -60,23 +70,38 @@ class GraphStrategy(Strategy):
         max_update_norm: float | None = None,
         round_end_fn: Callable[[int, GraphStrategy], None] | None = None,
         max_empty_rounds: int = 3,
+        **fedavg_args: Any,
     ) -> None:
+        self._refuse(fedavg_args)
         if isinstance(local_steps, bool) or not isinstance(local_steps, int) or local_steps < 1:
             raise ValueError(f"local_steps must be an int >= 1, got {local_steps!r}")
         if not vertex_key or not isinstance(vertex_key, str):
             raise ValueError(f"vertex_key must be a non-empty str, got {vertex_key!r}")
-        self.graph = build_graph(graph, n=num_vertices, seed=graph_seed)
+        self._graph_spec, self._graph_seed = graph, graph_seed
+        # A named family without n ("complete", "ring", ...) gets n = the connected nodes.
+        self.graph: nx.Graph | None = (
+            None
+            if deferred_graph(graph, num_vertices)
+            else build_graph(graph, num_vertices, graph_seed)
+        )
         self.vertex_key = vertex_key
         self.local_steps = local_steps
         self.node_wait_s = float(node_wait_s)
         self.query_timeout = query_timeout
-        if (
-            isinstance(query_attempts, bool)
-            or not isinstance(query_attempts, int)
-            or query_attempts < 1
-        ):
-            raise ValueError(f"query_attempts must be an int >= 1, got {query_attempts!r}")
+        check_count("query_attempts", query_attempts, minimum=1)
         self.query_attempts = query_attempts
+        self.min_available_nodes = check_count("min_available_nodes", min_available_nodes)
+        self.evaluation = FederatedEvaluation(
+            fraction_evaluate,
+            min_evaluate_nodes,
+            seed=int(graph_seed or 0),
+            arrayrecord_key=arrayrecord_key,
+            configrecord_key=configrecord_key,
+            weighted_by_key=weighted_by_key,
+            aggr_fn=evaluate_metrics_aggr_fn,
+            what=f"{self.what} evaluate",
+        )
+        self.fraction_evaluate = self.evaluation.fraction
         self.arrayrecord_key = arrayrecord_key
         self.configrecord_key = configrecord_key
         self.weighted_by_key = weighted_by_key
@@ -95,45 +120,70 @@ class GraphStrategy(Strategy):
         self.missing_vertices: list[Any] = []
         self.round = 0  # rounds completed
         self.history: list[dict[str, float]] = []
+        # (vertex, scalar metrics) of every reply that entered the model this round, checked
+        # by check_train_metrics against its vertex: for apps (e.g. per-partition data cursors)
+        self.round_replies: list[tuple[Any, dict[str, float]]] = []
         self._pending_state: dict[str, Any] | None = None
+
+    def _refuse(self, fedavg_args: Mapping[str, Any]) -> None:
+        """``TypeError`` for a keyword this strategy does not take, saying why for FedAvg's."""
+        for name in fedavg_args:
+            cls = type(self).__name__
+            why = self.REFUSED_FEDAVG_ARGS.get(name)
+            if why is not None:
+                raise TypeError(f"{cls}: FedAvg's {name}= has no meaning here: {why}")
+            raise TypeError(f"{cls}() got an unexpected keyword argument {name!r}")
 
     # ----------------------------------------------------------------- vertices
     @property
     def vertices(self) -> list[Any]:
-        """Live vertices (after discovery), else all graph vertices."""
-        return vertex_list(self.live_graph if self.live_graph is not None else self.graph)
+        """Live vertices (after discovery), else all graph vertices ([] before a deferred
+        graph is built)."""
+        G = self.live_graph if self.live_graph is not None else self.graph
+        return [] if G is None else vertex_list(G)
+
+    @property
+    def checked_vertex_key(self) -> str:
+        """The node_config key a reply's ``partition-id`` metric must match ("" when vertices
+        were assigned in node-id order: then a partition id says nothing about the vertex)."""
+        return "" if self.vmap is not None and self.vmap.by_node_order else self.vertex_key
 
     def setup(self, grid: Grid, timeout: float | None = None) -> None:
         """Wait for nodes, map vertices to node ids, drop vertices with no live node.
 
-        Raises ``ValueError`` if no vertex has a node or the live graph is disconnected.
+        A deferred graph (a named family without ``num_vertices``) is built on the nodes
+        connected once their number is stable. Raises ``ValueError`` if no vertex has a node
+        or the live graph is disconnected.
         """
-        all_vertices = vertex_list(self.graph)
-        wait_for_nodes(grid, len(all_vertices), self.node_wait_s, self.what)
-        qt = self.query_timeout if self.query_timeout is not None else timeout
-        self.vmap = discover_vertices(
-            grid, all_vertices, vertex_key=self.vertex_key, timeout=qt, what=self.what
-        )
-        for attempt in range(2, self.query_attempts + 1):
-            silent = set(grid.get_node_ids()) - self.vmap.known_nodes()
-            if not silent or len(self.vmap.node_of) == len(all_vertices):
-                break
-            log(
-                INFO,
-                "%s: vertex query attempt %d for %d silent node(s)",
-                self.what,
-                attempt,
-                len(silent),
-            )
-            discover_vertices(
+        if self.graph is None:
+            nodes = wait_for_nodes(
                 grid,
-                all_vertices,
-                vertex_key=self.vertex_key,
-                timeout=qt,
-                node_ids=silent,
-                vmap=self.vmap,
+                max(self.min_available_nodes, 1),
+                settle_s=SETTLE_S,
+                timeout_s=self.node_wait_s,
                 what=self.what,
             )
+            self.graph = build_graph(self._graph_spec, len(nodes), self._graph_seed)
+            self._check_graph_options()
+            log(
+                INFO,
+                "%s: graph %r on the %d connected nodes",
+                self.what,
+                self._graph_spec,
+                len(nodes),
+            )
+        all_vertices = vertex_list(self.graph)
+        want = max(len(all_vertices), self.min_available_nodes)
+        wait_for_nodes(grid, want, timeout_s=self.node_wait_s, strict=False, what=self.what)
+        qt = self.query_timeout if self.query_timeout is not None else timeout
+        self.vmap = map_vertices(
+            grid,
+            all_vertices,
+            vertex_key=self.vertex_key,
+            timeout=qt,
+            attempts=self.query_attempts,
+            what=self.what,
+        )
         # nodes that never answered are not re-queried every round (refresh_nodes)
         self.vmap.unmapped_nodes |= set(grid.get_node_ids()) - self.vmap.known_nodes()
         self.missing_vertices = [v for v in all_vertices if v not in self.vmap.node_of]
@@ -167,12 +217,21 @@ class GraphStrategy(Strategy):
         )
         self._on_setup()
 
+    def _check_graph_options(self) -> None:
+        """Subclasses check their graph-dependent options once a deferred graph exists."""
+
     def refresh_nodes(self, grid: Grid, timeout: float | None) -> None:
-        """Query node ids never seen before (restarted / late SuperNodes) and remap vertices."""
+        """Query node ids never seen before (restarted / late SuperNodes) and remap vertices
+        (in node-id-order mode: give vertices whose node is gone the new node ids)."""
         if self.vmap is None:
             return
-        new = set(grid.get_node_ids()) - self.vmap.known_nodes()
-        if new:
+        listed = set(grid.get_node_ids())
+        new = listed - self.vmap.known_nodes()
+        if new and self.vmap.by_node_order:
+            moved = assign_new_nodes(self.vmap, self.vertices, listed)
+            if moved:
+                log(INFO, "%s: vertices %s moved to new nodes (node-id order)", self.what, moved)
+        elif new:
             log(INFO, "%s: querying %d new node(s): %s", self.what, len(new), sorted(new))
             discover_vertices(
                 grid,
@@ -198,81 +257,81 @@ class GraphStrategy(Strategy):
     def configure_evaluate(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
-        """No federated evaluation: the app evaluates the token server-side (evaluate_fn)."""
-        return []
+        """Federated evaluation of :meth:`current_arrays` on ``fraction_evaluate`` of the live
+        vertices' nodes (default 0: the app evaluates server-side with ``evaluate_fn``)."""
+        if self.fraction_evaluate == 0.0 or self.vmap is None:
+            return []
+        listed = set(grid.get_node_ids())
+        live = set(self.vertices)
+        nodes = sorted(n for v, n in self.vmap.node_of.items() if n in listed and v in live)
+        record = self.current_arrays() if self.live_graph is not None else arrays
+        return self.evaluation.configure(server_round, record, config, nodes)
 
-    def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> None:
-        return None
+    def aggregate_evaluate(
+        self, server_round: int, replies: Iterable[Message]
+    ) -> MetricRecord | None:
+        """Weighted mean of the valid evaluation replies' metrics (bad replies dropped)."""
+        return self.evaluation.aggregate(replies)
 
     def _run_round(
         self, grid: Grid, server_round: int, config: ConfigRecord, timeout: float
     ) -> dict[str, float]:
         raise NotImplementedError
 
-    def current_arrays(self) -> ArrayRecord:
-        raise NotImplementedError
-
     def _init_arrays(self, initial_arrays: ArrayRecord) -> None:
         raise NotImplementedError
 
-    def start(
-        self,
-        grid: Grid,
-        initial_arrays: ArrayRecord,
-        num_rounds: int = 3,
-        timeout: float = 3600,
-        train_config: ConfigRecord | None = None,
-        evaluate_config: ConfigRecord | None = None,
-        evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None = None,
-    ) -> Result:
-        """Run rounds ``self.round + 1 .. num_rounds`` (all of them for a fresh strategy; the
-        rest after ``load_state_dict``). ``timeout`` bounds each hop's wait for its reply."""
-        log(INFO, "Starting %s strategy:", self.__class__.__name__)
-        self.summary()
-        train_config = ConfigRecord() if train_config is None else train_config
-        result = Result()
-        t0 = time.time()
+    # ----------------------------------------------------------------- lifecycle
+    @property
+    def completed_rounds(self) -> int:
+        """Rounds completed (``self.round``, or the round of a state restored by
+        :meth:`load_state_dict` that waits for vertex discovery to be applied)."""
+        if self._pending_state is not None:
+            return int(self._pending_state["meta"]["round"])
+        return self.round
+
+    def prepare(self, grid: Grid, initial_arrays: ArrayRecord, timeout: float) -> None:
+        """Adopt ``initial_arrays`` (unless restored), discover vertices, apply a pending state."""
         self._init_arrays(initial_arrays)
         if self.live_graph is None:  # a second start() on the same object keeps the mapping
             self.setup(grid, timeout)
         if self._pending_state is not None:
             self._apply_state(self._pending_state)
             self._pending_state = None
-        if evaluate_fn is not None and self.round == 0:
-            res = evaluate_fn(0, self.current_arrays())
-            log(INFO, "Initial global evaluation results: %s", res)
-            if res is not None:
-                result.evaluate_metrics_serverapp[0] = res
-        for server_round in range(self.round + 1, num_rounds + 1):
-            log(INFO, "")
-            log(INFO, "[ROUND %s/%s]", server_round, num_rounds)
-            self.refresh_nodes(grid, self.query_timeout or timeout)
-            metrics = self._run_round(grid, server_round, ConfigRecord(dict(train_config)), timeout)
-            self.round = server_round
-            self.history.append({**metrics, "round": server_round})
-            stop = self._record_progress(server_round, metrics)  # raised after the callbacks
-            record = MetricRecord(
-                {
-                    k: v
-                    for k, v in metrics.items()
-                    if isinstance(v, (int, float)) and math.isfinite(v)
-                }
+
+    def run_round(
+        self,
+        grid: Grid,
+        server_round: int,
+        train_config: ConfigRecord,
+        evaluate_config: ConfigRecord,
+        timeout: float,
+    ) -> RoundOutcome:
+        """Query new nodes, run the strategy's round (:meth:`_run_round`), count it in the
+        empty-round guard (before the round-end hook, so the streak is in the checkpoint) and
+        evaluate federatedly when ``fraction_evaluate > 0``."""
+        self.refresh_nodes(grid, self.query_timeout or timeout)
+        self.round_replies = []
+        metrics = self._run_round(grid, server_round, train_config, timeout)
+        self.round = server_round
+        self.history.append({**metrics, "round": server_round})
+        stop = self._record_progress(server_round, metrics)
+        record = MetricRecord(
+            {k: v for k, v in metrics.items() if isinstance(v, (int, float)) and math.isfinite(v)}
+        )
+        evaluated = None
+        if self.fraction_evaluate > 0.0:
+            msgs = self.configure_evaluate(
+                server_round, self.current_arrays(), evaluate_config, grid
             )
-            result.train_metrics_clientapp[server_round] = record
-            log(INFO, "\t└──> %s metrics: %s", self.what, dict(record))
-            if evaluate_fn is not None:
-                res = evaluate_fn(server_round, self.current_arrays())
-                log(INFO, "\t└──> server-side evaluation: %s", res)
-                if res is not None:
-                    result.evaluate_metrics_serverapp[server_round] = res
-            if self.round_end_fn is not None:
-                self.round_end_fn(server_round, self)
-            if stop is not None:
-                log(ERROR, "%s", stop)
-                raise stop
-        result.arrays = self.current_arrays()
-        log(INFO, "%s finished in %.2fs", self.__class__.__name__, time.time() - t0)
-        return result
+            evaluated = self.aggregate_evaluate(
+                server_round, grid.send_and_receive(list(msgs), timeout=timeout)
+            )
+        return RoundOutcome(self.current_arrays(), record, evaluated, stop)
+
+    def _after_round(self, server_round: int) -> None:
+        if self.round_end_fn is not None:
+            self.round_end_fn(server_round, self)
 
     def _used(self, metrics: Mapping[str, float]) -> int:
         """Replies that entered the model this round (RW-LoRA: the hop; gossip: trained)."""

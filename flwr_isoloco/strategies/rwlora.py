@@ -5,26 +5,8 @@ docs/algorithms.md section 4. Each round the token (adapter arrays, plus the opt
 node takes K local steps and its reply becomes the new token; the walk then draws ``v_{t+1}``
 from ``P[v_t, :]``. Nothing is averaged, so there is no LoRA product-aggregation error.
 
-Message conventions (what a client must implement; engineer E's LoRA client does):
-
-- **QUERY** (once at start, and for node ids never seen before): the server sends
-  ``RecordDict({"config": ConfigRecord({"vertex-key": "partition-id"})})``; the client replies
-  with a ConfigRecord (or MetricRecord) under any key holding ``{<vertex-key>:
-  context.node_config[<vertex-key>]}`` (an int, or a str site name). That maps graph vertices
-  to Flower node ids (which are random and new every run).
-- **TRAIN** instruction: ``"arrays"``: the adapter, ``name -> fp32 array`` (peft keys);
-  ``"config"``: ConfigRecord with ``server-round``, ``local-steps`` (K), ``walk-vertex``,
-  ``carry-optimizer-state`` (bool) and the app's ``train_config`` entries (lr, batch size...).
-  When carrying optimiser state and the token has one: ``"optimizer"``: ArrayRecord of the
-  optimiser tensors and ``"optimizer-config"``: ConfigRecord of its scalars. Suggested layout
-  for AdamW: arrays ``"<param>.exp_avg"``, ``"<param>.exp_avg_sq"`` and config ``"step"``
-  (int), but the strategy treats both records as opaque and hands them back next hop.
-- **TRAIN** reply (FedAvg-style, so FedAvg runs the same client): ``"arrays"``: the updated
-  adapter, same keys/shapes (other float dtypes are cast to fp32; ConfigRecord
-  ``payload="delta"`` means the arrays are ``old - new`` instead); a MetricRecord with
-  ``num-examples`` (optional here) and e.g. ``train_loss``, ``local-steps`` (steps actually
-  taken; defaults to K); and, when ``carry-optimizer-state`` was set, the new ``"optimizer"``
-  ArrayRecord (+ ``"optimizer-config"``). Missing optimiser state resets it (fresh optimiser).
+Message conventions (QUERY, TRAIN instruction and reply, the optimiser-state records) are
+specified in docs/rwlora.md, "Message conventions".
 
 The token is never lost: an error reply, a timeout or a bad update (validated by
 :class:`~flwr_isoloco.strategies.common.ReplyValidator`: keys, shapes, dtype, NaN/inf, update
@@ -46,14 +28,12 @@ self-loop stays on the node and costs 0; the first placement costs one token).
 from __future__ import annotations
 
 import math
-import statistics
 from collections.abc import Iterable, Mapping
 from logging import INFO, WARNING
 from typing import Any
 
 import networkx as nx
 import numpy as np
-import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
 from flwr.common.logger import log
 from flwr.serverapp import Grid
@@ -66,15 +46,14 @@ from ..graphs import (
     vertex_list,
 )
 from ..walk import LiveMatrix, LiveTransitions, VertexHealth, reroute_exclusions
-from .common import CheckedReply, SentLedger
+from .common import SentLedger
 from .graph_base import GraphStrategy
+from .rwlora_hops import RWLoRAHops
+from .rwlora_state import RWLoRAState
 from .vertices import QUERY_VERTEX_KEY, VertexMap, discover_vertices
 from .wire import (
-    _config_from_json,
-    _config_to_json,
     _record_of,
     _tensors_of,
-    check_train_metrics,
     record_nbytes,
 )
 
@@ -85,7 +64,7 @@ _REEXPORTED = (QUERY_VERTEX_KEY, _record_of, _tensors_of)  # older imports from 
 # ----------------------------------------------------------------------------- RW-LoRA
 
 
-class RWLoRA(GraphStrategy):
+class RWLoRA(RWLoRAHops, RWLoRAState, GraphStrategy):
     """Random-walk LoRA: the token visits one vertex per round (Message API strategy).
 
     Parameters
@@ -130,6 +109,11 @@ class RWLoRA(GraphStrategy):
     """
 
     what = "rwlora"
+    REFUSED_FEDAVG_ARGS = {
+        "fraction_train": "RW-LoRA trains exactly one node per round (the walk's vertex)",
+        "min_train_nodes": "RW-LoRA trains exactly one node per round (the walk's vertex)",
+        "train_metrics_aggr_fn": "a round has one reply, whose metrics are the round's",
+    }
 
     def __init__(
         self,
@@ -160,11 +144,9 @@ class RWLoRA(GraphStrategy):
         if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
             raise ValueError(f"seed must be an int >= 0, got {seed!r}")
         self.seed = int(seed)
-        # validate the transition options now (clear error before any Flower call)
-        transition_matrix(self.graph, transition, target=self._target_for(self.graph), lazy=lazy)
-        if start_vertex is not None and start_vertex not in self.graph:
-            raise ValueError(f"start_vertex {start_vertex!r} is not a graph vertex")
         self.start_vertex = start_vertex
+        if self.graph is not None:  # clear error before any Flower call (else at setup)
+            self._check_graph_options()
         self.carry_optimizer_state = bool(carry_optimizer_state)
         self.optimizer_key = optimizer_key
         self.optimizer_config_key = optimizer_config_key
@@ -204,6 +186,13 @@ class RWLoRA(GraphStrategy):
         self._pending_round = 0
         self._ledger = SentLedger()
 
+    def _check_graph_options(self) -> None:
+        """Transition, target and start vertex must fit the graph (``ValueError`` naming them)."""
+        G = self.graph
+        transition_matrix(G, self.transition, target=self._target_for(G), lazy=self.lazy)
+        if self.start_vertex is not None and self.start_vertex not in G:
+            raise ValueError(f"start_vertex {self.start_vertex!r} is not a graph vertex")
+
     def _target_for(self, G: nx.Graph) -> Any:
         if self.target is None:
             return None
@@ -219,11 +208,12 @@ class RWLoRA(GraphStrategy):
         return {v: w[i] for i, v in enumerate(full) if v in G}
 
     def summary(self) -> None:
+        G = self.graph
         log(
             INFO,
-            "\t├──> graph: %d vertices, %d edges; transition %s%s",
-            self.graph.number_of_nodes(),
-            self.graph.number_of_edges(),
+            "\t├──> graph: %s vertices, %s edges; transition %s%s",
+            "n = connected nodes" if G is None else G.number_of_nodes(),
+            "?" if G is None else G.number_of_edges(),
             self.transition,
             " (lazy)" if self.lazy else "",
         )
@@ -357,23 +347,6 @@ class RWLoRA(GraphStrategy):
             v = pos  # no other live neighbour left: the token trains again where it is
         return v
 
-    def _check_optimizer(self, content: RecordDict) -> tuple[ArrayRecord | None, str | None]:
-        rec = content.array_records.get(self.optimizer_key)
-        if rec is None:
-            return None, None
-        prev = _tensors_of(self.optimizer_state) if self.optimizer_state is not None else None
-        tensors = _tensors_of(rec)
-        if prev is not None and set(prev) != set(tensors):
-            return None, "optimizer state keys differ from the previous hop's"
-        for k, t in tensors.items():
-            if not t.is_floating_point() and t.dtype not in (torch.int32, torch.int64):
-                return None, f"optimizer array {k!r} has dtype {t.dtype}"
-            if t.is_floating_point() and not bool(torch.isfinite(t).all()):
-                return None, f"optimizer array {k!r} has non-finite values"
-            if prev is not None and tuple(prev[k].shape) != tuple(t.shape):
-                return None, f"optimizer array {k!r} has shape {tuple(t.shape)}"
-        return rec, None
-
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
@@ -384,107 +357,18 @@ class RWLoRA(GraphStrategy):
         )
 
     def _accept(self, replies: list[Message]) -> tuple[bool, dict[str, float]]:
+        """Count the hop's bytes, check its reply; take it as the token or fail the hop."""
         v = self._pending_vertex
         self._pending_vertex = None
         if v is None:
             return False, {}
-        sent = record_nbytes(self.token)
-        if self.carry_optimizer_state:
-            sent += record_nbytes(self.optimizer_state)
-        moved = self.walk.position != v  # a lazy self-loop stays on the node in P2P
-        self.bytes_relayed += sent
-        self.bytes_p2p += sent if moved else 0
-        for r in replies:
-            if r.has_content():
-                self.bytes_relayed += record_nbytes(*r.content.array_records.values())
+        self._count_hop_bytes(v, replies)
         expected = _tensors_of(self.token)
-        checked, report = self.validator.validate(replies[:1], expected, self._ledger)
-        reason = None
-        if not replies:
-            reason = "no reply (timeout)"
-        elif len(replies) > 1:
-            log(WARNING, "%s: %d replies for one hop; using the first", self.what, len(replies))
-        if checked:
-            reply: CheckedReply = checked[0]
-            reason = check_train_metrics(
-                reply.content, asked_steps=self.local_steps, vertex=v, vertex_key=self.vertex_key
-            )
-            update = reply.update(expected)
-            norm = math.sqrt(sum(float(u.double().pow(2).sum()) for u in update.values()))
-            recent = self.update_norms[-self.norm_window :]
-            if (
-                reason is None
-                and self.max_norm_ratio is not None
-                and len(recent) >= 3
-                and norm > self.max_norm_ratio * statistics.median(recent)
-            ):
-                reason = (
-                    f"update norm {norm:.4g} > max_norm_ratio {self.max_norm_ratio:g} x median "
-                    f"of the last {len(recent)} accepted updates {statistics.median(recent):.4g}"
-                )
-            opt_rec, opt_err = (None, None)
-            if reason is None and self.carry_optimizer_state:
-                opt_rec, opt_err = self._check_optimizer(reply.content)
-                if opt_err is not None:
-                    reason = opt_err
-        elif reason is None:
-            reason = report.reasons[0][1] if report.reasons else "reply rejected"
-        node = self.vmap.node_of.get(v)
+        reason, hop = self._check_hop(v, replies, expected)
         if reason is not None:
-            self.failures += 1
-            self.failures_by_vertex[v] = self.failures_by_vertex.get(v, 0) + 1
-            self.excluded.append(v)
-            self.failure_log = [*self.failure_log[-999:], (self._pending_round, v, reason)]
-            log(
-                WARNING,
-                "%s: round %s: hop to vertex %r (node %s) failed: %s; token kept, re-routing",
-                self.what,
-                self._pending_round,
-                v,
-                node,
-                reason,
-            )
-            period = self.health.record_failure(v, self._pending_round)
-            if period is not None:
-                log(
-                    WARNING,
-                    "%s: vertex %r (node %s) is dead (death %d in a row): skipped for %d rounds "
-                    "(until round %d); the walk moves on the live graph",
-                    self.what,
-                    v,
-                    node,
-                    self.health.strikes[v],
-                    period,
-                    self.health.dead_until[v],
-                )
+            self._fail_hop(v, reason)
             return False, {"hop-ok": 0}
-        # success: the reply is the new token
-        if reply.payload == "delta":
-            new = {k: expected[k].float() - update[k] for k in expected}
-        else:
-            new = {k: t.float() for k, t in reply.tensors().items()}
-        self.token = _record_of({k: new[k] for k in expected})
-        if self.carry_optimizer_state:
-            if opt_rec is None:
-                log(WARNING, "%s: vertex %r sent no optimizer state; it is reset", self.what, v)
-                self.optimizer_state, self.optimizer_config = None, None
-            else:
-                self.optimizer_state = opt_rec
-                cfg = reply.content.config_records.get(self.optimizer_config_key)
-                self.optimizer_config = ConfigRecord(dict(cfg)) if cfg is not None else None
-        self.walk.move_to(v)
-        self.health.record_success(v)
-        self.relays += int(self._pending_relay)
-        self.trajectory.append(v)
-        self._visits[v] = self._visits.get(v, 0) + 1
-        self.excluded = []
-        self.update_norms.append(norm)
-        self.update_norms = self.update_norms[-self.norm_window :]
-        self.local_updates += int(reply.metrics.get("local-steps", self.local_steps))  # checked
-        client = {
-            k: float(x) for k, x in reply.metrics.items() if k not in ("local-steps", "walk-vertex")
-        }
-        return True, {**client, "hop-ok": 1, "update-norm": norm, "relay": int(self._pending_relay)}
+        return True, self._take_token(v, expected, *hop)
 
     # ----------------------------------------------------------------- round
     def _run_round(
@@ -541,117 +425,3 @@ class RWLoRA(GraphStrategy):
 
     def _used(self, metrics: Mapping[str, float]) -> int:
         return int(metrics.get("hop-ok", 0))
-
-    # ----------------------------------------------------------------- state
-    def state_dict(self) -> dict[str, Any]:
-        """``{"tensors": {"token", "optimizer"}, "meta": JSON-able}``: pass ``tensors`` and
-        ``meta`` to :func:`flwr_isoloco.checkpoint.save_checkpoint` as they are."""
-        if self.walk is None:
-            raise ValueError("rwlora: state_dict() before the walk was set up (call start first)")
-        return {
-            "tensors": {
-                "token": _tensors_of(self.token),
-                "optimizer": _tensors_of(self.optimizer_state),
-            },
-            "meta": {
-                "kind": self.what,
-                "round": self.round,
-                "vertices": self.vertices,
-                "walk": self.walk.state_dict(),
-                "trajectory": list(self.trajectory),
-                "excluded": list(self.excluded),
-                "failures": self.failures,
-                "failures_by_vertex": [[v, n] for v, n in self.failures_by_vertex.items()],
-                "failure_log": [list(x) for x in self.failure_log],
-                "local_updates": self.local_updates,
-                "bytes_relayed": self.bytes_relayed,
-                "bytes_p2p": self.bytes_p2p,
-                "update_norms": list(self.update_norms),
-                "health": self.health.state_dict(),
-                "relays": self.relays,
-                "empty_streak": self.guard.streak,
-                "optimizer_config": (
-                    None
-                    if self.optimizer_config is None
-                    else _config_to_json(self.optimizer_config)
-                ),
-            },
-        }
-
-    def _check_state_tensors(
-        self,
-        tensors: Mapping[str, Any],
-        meta: Mapping[str, Any],
-        reference: Any,
-        optimizer_reference: Any = None,
-    ) -> None:
-        """Token: finite, non-empty, the names and shapes of ``reference`` (the adapter) when
-        given. Optimizer state (opaque to the strategy): finite float or int tensors, with the
-        names and shapes of ``optimizer_reference`` when given and the state is not empty."""
-        from flwr_isoloco.checkpoint_spec import CheckpointError, Field, check_fields, check_tensors
-
-        check_fields(
-            dict(meta),
-            {
-                "walk": Field("dict"),
-                "trajectory": Field("list"),
-                "excluded": Field("list"),
-                "update_norms": Field("list", items=Field("float", min=0)),
-                "optimizer_config": Field("dict", nullable=True, optional=True),
-                "health": Field(
-                    "dict",
-                    optional=True,
-                    fields=dict.fromkeys(
-                        ("streak", "strikes", "dead_until"),
-                        Field("list", items=Field("list", length=2)),
-                    ),
-                ),
-                "relays": Field("int", min=0, optional=True),
-            },
-        )
-        token = tensors.get("token")
-        check_tensors(token, reference, "token")
-        if not token:
-            raise CheckpointError("tensor group 'token' is empty")
-        opt = tensors.get("optimizer") or {}
-        check_tensors(opt, optimizer_reference if opt else None, "optimizer")
-        for key, t in opt.items():
-            if not t.is_floating_point() and t.dtype not in (torch.int32, torch.int64):
-                raise CheckpointError(f"tensor 'optimizer/{key}' has dtype {t.dtype}")
-
-    def _preload_state(self, state: Mapping[str, Any]) -> None:
-        token = state["tensors"].get("token") or {}
-        if not token:
-            raise ValueError("rwlora state has no token tensors")
-        self.token = _record_of(token)
-
-    def _apply_state(self, state: Mapping[str, Any]) -> None:
-        meta, tensors = state["meta"], state["tensors"]
-        if list(meta["vertices"]) != self.vertices:
-            raise ValueError(
-                f"rwlora: checkpoint walked vertices {meta['vertices']} but the live vertices are "
-                f"{self.vertices}; cannot resume the same walk"
-            )
-        self._preload_state(state)
-        opt = tensors.get("optimizer") or {}
-        self.optimizer_state = _record_of(opt) if opt else None
-        oc = meta.get("optimizer_config")
-        self.optimizer_config = None if oc is None else _config_from_json(oc)
-        self.walk.load_state_dict(meta["walk"])
-        self.round = int(meta["round"])
-        self.trajectory = list(meta["trajectory"])
-        self._visits = {}
-        for v in self.trajectory:
-            self._visits[v] = self._visits.get(v, 0) + 1
-        self.excluded = list(meta["excluded"])
-        self.failures = int(meta["failures"])
-        self.failures_by_vertex = {v: int(n) for v, n in meta["failures_by_vertex"]}
-        self.failure_log = [(int(r), v, str(why)) for r, v, why in meta.get("failure_log", [])]
-        self.local_updates = int(meta["local_updates"])
-        self.bytes_relayed = int(meta["bytes_relayed"])
-        self.bytes_p2p = int(meta["bytes_p2p"])
-        self.update_norms = [float(x) for x in meta["update_norms"]]
-        if "health" in meta:  # absent in checkpoints written before dead-vertex handling
-            self.health.load_state_dict(meta["health"], self.vertices)
-        self.relays = int(meta.get("relays", 0))
-        self.guard.streak = int(meta.get("empty_streak", 0))

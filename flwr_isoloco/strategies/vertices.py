@@ -8,7 +8,6 @@ silence leave the node unmapped (logged), never raise.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterable
 from logging import INFO, WARNING
 from typing import Any
@@ -19,9 +18,11 @@ from flwr.serverapp import Grid
 
 from .common import SentLedger
 
-__all__ = ["QUERY_VERTEX_KEY", "VertexMap", "discover_vertices", "wait_for_nodes"]
+__all__ = ["QUERY_VERTEX_KEY", "VertexMap", "discover_vertices", "map_vertices"]
 
 QUERY_VERTEX_KEY = "vertex-key"
+NO_QUERY_HANDLER = "No query function registered"
+"""What Flower's ClientApp raises for a QUERY message when it has no ``@app.query()``."""
 
 
 def _vertex_from_value(value: Any, vertices: Iterable[Any]) -> Any:
@@ -46,6 +47,9 @@ class VertexMap:
     def __init__(self) -> None:
         self.node_of: dict[Any, int] = {}
         self.unmapped_nodes: set[int] = set()  # answered with no/unknown vertex, or failed
+        self.no_handler: set[int] = set()  # their ClientApp has no @app.query() function
+        self.by_node_order = False  # vertices were assigned in node-id order (no answers)
+        self.bad_answers = 0  # replies whose value is not a graph vertex
 
     def known_nodes(self) -> set[int]:
         return set(self.node_of.values()) | self.unmapped_nodes
@@ -81,7 +85,10 @@ def discover_vertices(
         node = ledger.sender(reply)
         answered.add(node)
         if reply.has_error():
-            log(WARNING, "%s: query to node %d failed: %s", what, node, reply.error.reason)
+            if NO_QUERY_HANDLER in str(reply.error.reason):
+                vmap.no_handler.add(node)  # explained once by the caller, not per node
+            else:
+                log(WARNING, "%s: query to node %d failed: %s", what, node, reply.error.reason)
             vmap.unmapped_nodes.add(node)
             continue
         value = None
@@ -102,6 +109,7 @@ def discover_vertices(
                 value,
             )
             vmap.unmapped_nodes.add(node)
+            vmap.bad_answers += 1
             continue
         old = vmap.node_of.get(v)
         if old is not None and old != node and old in grid.get_node_ids():
@@ -124,20 +132,74 @@ def discover_vertices(
     return vmap
 
 
-def wait_for_nodes(grid: Grid, want: int, wait_s: float, what: str) -> None:
-    deadline = time.monotonic() + wait_s
-    while True:
-        have = len(list(grid.get_node_ids()))
-        if have >= want or time.monotonic() >= deadline:
-            if have < want:
-                log(
-                    WARNING,
-                    "%s: only %d of %d nodes connected after %.0fs",
-                    what,
-                    have,
-                    want,
-                    wait_s,
-                )
-            return
-        log(INFO, "%s: waiting for nodes: %d of %d connected", what, have, want)
-        time.sleep(1.0)
+def map_vertices(
+    grid: Grid,
+    vertices: list[Any],
+    *,
+    vertex_key: str,
+    timeout: float | None,
+    attempts: int,
+    what: str,
+) -> VertexMap:
+    """Map graph vertices to node ids: QUERY every node, then re-ask the silent ones up to
+    ``attempts`` times in all. When no node answers with a vertex (e.g. a plain ClientApp with
+    only ``@app.train``/``@app.evaluate``), vertex ``i`` (in :func:`vertex_list` order) is
+    the ``i``-th connected node in node-id order, logged once (``vmap.by_node_order``). Nodes
+    that answered a value that is no vertex are never remapped that way (the run is refused)."""
+    vmap = discover_vertices(grid, vertices, vertex_key=vertex_key, timeout=timeout, what=what)
+    for attempt in range(2, attempts + 1):
+        silent = set(grid.get_node_ids()) - vmap.known_nodes()
+        if not silent or len(vmap.node_of) == len(vertices):
+            break
+        log(INFO, "%s: vertex query attempt %d for %d silent node(s)", what, attempt, len(silent))
+        discover_vertices(
+            grid,
+            vertices,
+            vertex_key=vertex_key,
+            timeout=timeout,
+            node_ids=silent,
+            vmap=vmap,
+            what=what,
+        )
+    if vmap.node_of or vmap.bad_answers:  # answers that name no vertex: the caller refuses
+        if vmap.no_handler:
+            log(
+                WARNING,
+                "%s: node(s) %s have no @app.query() handler; left out",
+                what,
+                sorted(vmap.no_handler),
+            )
+        return vmap
+    nodes = sorted(grid.get_node_ids())
+    why = (
+        'the ClientApp has no @app.query() handler ("No query function registered")'
+        if vmap.no_handler
+        else f"no node answered the vertex query with a {vertex_key!r}"
+    )
+    log(
+        WARNING,
+        "%s: %s, so vertices are the connected nodes in node-id order; register "
+        "flwr_isoloco.clients.partition_id_query as @app.query() to map vertices to partitions",
+        what,
+        why,
+    )
+    fallback = VertexMap()
+    fallback.by_node_order = True
+    fallback.no_handler = set(vmap.no_handler)
+    fallback.node_of = dict(zip(vertices, nodes, strict=False))
+    fallback.unmapped_nodes = set(nodes[len(vertices) :])
+    return fallback
+
+
+def assign_new_nodes(vmap: VertexMap, vertices: list[Any], listed: set[int]) -> list[Any]:
+    """Node-id-order mapping (``by_node_order``): give each vertex whose node is gone the next
+    new node id (restarted SuperNodes get new ids); returns the vertices reassigned."""
+    new = sorted(listed - vmap.known_nodes())
+    moved = []
+    for v in vertices:
+        if not new:
+            break
+        if vmap.node_of.get(v) not in listed:
+            vmap.node_of[v] = new.pop(0)
+            moved.append(v)
+    return moved

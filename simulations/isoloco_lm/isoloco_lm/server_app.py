@@ -35,6 +35,7 @@ from flwr_isoloco.models.export import export_causal_lm
 from flwr_isoloco.models.llama import count_parameters
 from flwr_isoloco.runconfig import RunConfigError, check_resumable, prepare_output_dir
 from flwr_isoloco.strategies.common import NoProgressError
+from flwr_isoloco.strategies.nodes import wait_for_nodes
 
 from .plots import plot_losses, plot_title
 from .task import (
@@ -64,29 +65,6 @@ RESUMABLE_DIFFERENCES = {
     "checkpoint",
     "rounds-this-run",
 }
-
-
-def wait_for_nodes(
-    grid: Grid, min_nodes: int, settle_s: float = 2.0, timeout_s: float = 120.0
-) -> int:
-    """Wait until >= ``min_nodes`` are connected and their number is stable for ``settle_s``
-    (simulated nodes register after the ServerApp starts); returns how many there are."""
-    t0 = time.monotonic()
-    last, since = -1, time.monotonic()
-    while True:
-        n = len(list(grid.get_node_ids()))
-        now = time.monotonic()
-        if n != last:
-            last, since = n, now
-        if n >= min_nodes and now - since >= settle_s:
-            return n
-        if now - t0 > timeout_s:
-            if n >= min_nodes:
-                return n
-            raise RuntimeError(
-                f"only {n} nodes connected after {timeout_s:.0f} s; strategy.min-nodes is {min_nodes}"
-            )
-        time.sleep(0.25)
 
 
 # What ``resume-from`` must hold (checked before anything is restored; see load_checkpoint).
@@ -125,6 +103,152 @@ def resume(path: Path, conf: dict[str, Any], strategy, model) -> tuple[int, list
     return done, history, meta["initial"]
 
 
+def results_row(server_round: int, tm: dict[str, Any], em: dict[str, Any]) -> dict[str, Any]:
+    """One ``results.json`` row from the round's train and evaluation metrics."""
+    return {
+        "round": server_round,
+        "val-loss": em.get("val-loss"),
+        "val-ppl": em.get("val-ppl"),
+        "train-loss": tm.get("train-loss"),
+        "replies-used": int(tm.get("replies-used", 0)),
+        "replies-rejected": int(tm.get("replies-rejected", 0)),
+        "replies-missing": int(tm.get("replies-missing", 0)),
+        "aggregation-time-s": tm.get("aggregation-time-s"),
+        "pseudo-grad-norm": tm.get("pseudo-grad-norm"),
+        "bytes-up": tm.get("bytes-up"),
+        "bytes-down": tm.get("bytes-down"),
+    }
+
+
+def log_row(row: dict[str, Any], total: int) -> None:
+    """The round's one-line summary (and a warning when no reply was used)."""
+    log(
+        INFO,
+        "isoloco-lm: round %d/%d val loss %.4f ppl %.1f | train loss %s | replies %d used, "
+        "%d rejected, %d missing | aggregation %.3f s | round %.1f s",
+        row["round"],
+        total,
+        row["val-loss"],
+        row["val-ppl"],
+        "n/a" if row["train-loss"] is None else f"{row['train-loss']:.4f}",
+        row["replies-used"],
+        row["replies-rejected"],
+        row["replies-missing"],
+        row["aggregation-time-s"] or 0.0,
+        row["round-wall-s"],
+    )
+    if row["replies-used"] == 0:
+        log(WARNING, "isoloco-lm: round %d had no usable reply; model kept", row["round"])
+
+
+class Recorder:
+    """Server-side evaluation (``evaluate_fn``) and the round-end hook (``on_round_end``):
+    the results rows, ``results.json``, ``loss.png`` and the checkpoint."""
+
+    def __init__(self, cfg, out: Path, conf, strategy, model, val, results) -> None:
+        self.cfg, self.out, self.conf, self.strategy = cfg, out, conf, strategy
+        self.model, self.val, self.results = model, val, results
+        self.history: list[dict[str, Any]] = results["rounds"]
+        self.results_path, self.plot_path = out / "results.json", out / "loss.png"
+        n_params = results["model-parameters"]
+        outer = strategy.outer
+        self.title = plot_title(
+            cfg.strategy.name, strategy.merge_name, outer.momentum, n_params, outer.nesterov
+        )
+        self.clock = {"last": time.perf_counter(), "start": time.perf_counter(), "eval": 0.0}
+
+    def evaluate_fn(self, server_round: int, arrays: ArrayRecord) -> MetricRecord:
+        """Validation loss and perplexity of the global model (round 0: the initial one)."""
+        t_eval = time.perf_counter()
+        self.model.load_state_dict(arrays.to_torch_state_dict())
+        loss = evaluate_model(self.model, self.val)
+        ppl = math.exp(min(loss, 50.0))
+        self.clock["eval"] = time.perf_counter() - t_eval
+        if server_round == 0:
+            self.results["initial"] = {"round": 0, "val-loss": loss, "val-ppl": ppl}
+            total = self.cfg["num-server-rounds"]
+            log(INFO, "isoloco-lm: round 0/%d val loss %.4f ppl %.1f", total, loss, ppl)
+            write_json_atomic(self.results_path, self.results)
+            self.clock["last"] = time.perf_counter()
+        return MetricRecord({"val-loss": loss, "val-ppl": ppl})
+
+    def on_round_end(self, server_round: int, arrays, train_metrics, eval_metrics) -> None:
+        """The round's results row, results.json, the loss plot and the checkpoint."""
+        tm = dict(train_metrics) if train_metrics is not None else {}
+        now, clock = time.perf_counter(), self.clock
+        row = results_row(server_round, tm, dict(eval_metrics or {}))
+        row.update(
+            {
+                "eval-time-s": clock["eval"],
+                "round-wall-s": now - clock["last"],  # since the previous round ended
+                "elapsed-s": now - clock["start"],
+            }
+        )
+        self.history.append(row)
+        log_row(row, self.cfg["num-server-rounds"])
+        write_json_atomic(self.results_path, self.results)
+        plot_losses(self.history, self.plot_path, self.title, initial=self.results["initial"])
+        if self.cfg["checkpoint"]:
+            sd = self.strategy.state_dict()
+            meta = {
+                "app": "isoloco_lm",
+                "round": server_round,
+                "config": self.conf,
+                "strategy": sd["meta"],
+                "history": self.history,
+                "initial": self.results["initial"],
+                "rng": rng_state(),
+            }
+            save_checkpoint(self.out / CHECKPOINT, {"strategy": sd["tensors"]}, meta)
+        clock["last"] = now
+
+
+def load_data(cfg):
+    """The token data (training the BPE tokenizer once, before any node needs it) and the
+    validation batches; logs their sizes."""
+    t0 = time.perf_counter()
+    data = text_data(cfg)
+    val = validation_batches(cfg)
+    log(
+        INFO,
+        "isoloco-lm: corpus %r: %d train / %d validation tokens (BPE vocab %d) in %.1f s",
+        cfg.data.corpus,
+        len(data.train),
+        len(data.val),
+        data.vocab_size,
+        time.perf_counter() - t0,
+    )
+    return data, val
+
+
+def finish(rec: Recorder, model, tokenizer_path: Path, done: int, t0: float) -> None:
+    """Final status, the trained model and its tokenizer under ``model/``, the closing log line
+    (``done``: rounds restored from the checkpoint)."""
+    history, results, strategy, out = rec.history, rec.results, rec.strategy, rec.out
+    total = rec.cfg["num-server-rounds"]
+    results["status"] = "completed" if len(history) == total else "partial"
+    results["wall-time-s"] = time.perf_counter() - t0
+    if strategy.theta is not None:
+        model.load_state_dict(
+            {k: v.to(model.state_dict()[k].dtype) for k, v in strategy.theta.items()}
+        )
+        export_causal_lm(model, tokenizer_path, out / "model")  # model + its tokenizer
+    write_json_atomic(rec.results_path, results)
+    last = history[-1] if history else None
+    log(
+        INFO,
+        "isoloco-lm: done: %d rounds in this run, %d of %d in total; final val loss %s. "
+        "Results: %s (loss curve %s, model and tokenizer %s)",
+        len(history) - done,
+        len(history),
+        total,
+        "n/a" if last is None else f"{last['val-loss']:.4f}",
+        rec.results_path,
+        rec.plot_path,
+        out / "model",
+    )
+
+
 def run_server(
     grid: Grid, run_config: dict[str, Any], run_id: int = 0, *, settle_s: float = 2.0
 ) -> Path:
@@ -140,17 +264,7 @@ def run_server(
     conf = config_dict(cfg)
 
     t0 = time.perf_counter()
-    data = text_data(cfg)  # trains/caches the tokenizer before any node needs it
-    val = validation_batches(cfg)
-    log(
-        INFO,
-        "isoloco-lm: corpus %r: %d train / %d validation tokens (BPE vocab %d) in %.1f s",
-        cfg.data.corpus,
-        len(data.train),
-        len(data.val),
-        data.vocab_size,
-        time.perf_counter() - t0,
-    )
+    data, val = load_data(cfg)
     model = build_model(cfg)
     n_params = count_parameters(model)
     strategy = build_strategy(cfg)
@@ -188,99 +302,14 @@ def run_server(
         "initial": initial,
         "rounds": history,
     }
-    results_path, plot_path = out / "results.json", out / "loss.png"
-    outer = strategy.outer
-    title = plot_title(
-        cfg.strategy.name, strategy.merge_name, outer.momentum, n_params, outer.nesterov
-    )
-
-    pending: dict[str, Any] = {}
-    inner = strategy.aggregate_train
-
-    def aggregate_train(server_round, replies):  # record train metrics for this round
-        arrays, metrics = inner(server_round, replies)
-        pending["train"] = dict(metrics) if metrics is not None else {}
-        return arrays, metrics
-
-    strategy.aggregate_train = aggregate_train  # instance hook; the strategy is unchanged
-    clock = {"last": time.perf_counter(), "start": time.perf_counter()}
-
-    def evaluate_fn(server_round: int, arrays: ArrayRecord) -> MetricRecord | None:
-        nonlocal initial
-        global_round = done + server_round
-        if server_round == 0 and done > 0:
-            clock["last"] = time.perf_counter()
-            return None  # already evaluated before the checkpoint
-        t_eval = time.perf_counter()
-        model.load_state_dict(arrays.to_torch_state_dict())
-        loss = evaluate_model(model, val)
-        ppl = math.exp(min(loss, 50.0))
-        now = time.perf_counter()
-        if server_round == 0:
-            initial = {"round": 0, "val-loss": loss, "val-ppl": ppl}
-            results["initial"] = initial
-            log(INFO, "isoloco-lm: round 0/%d val loss %.4f ppl %.1f", total, loss, ppl)
-        else:
-            tm = pending.pop("train", {})
-            row = {
-                "round": global_round,
-                "val-loss": loss,
-                "val-ppl": ppl,
-                "train-loss": tm.get("train-loss"),
-                "replies-used": int(tm.get("replies-used", 0)),
-                "replies-rejected": int(tm.get("replies-rejected", 0)),
-                "replies-missing": int(tm.get("replies-missing", 0)),
-                "aggregation-time-s": tm.get("aggregation-time-s"),
-                "pseudo-grad-norm": tm.get("pseudo-grad-norm"),
-                "bytes-up": tm.get("bytes-up"),
-                "bytes-down": tm.get("bytes-down"),
-                "eval-time-s": now - t_eval,
-                "round-wall-s": now - clock["last"],  # since the previous round ended
-                "elapsed-s": now - clock["start"],
-            }
-            history.append(row)
-            log(
-                INFO,
-                "isoloco-lm: round %d/%d val loss %.4f ppl %.1f | train loss %s | replies %d used, "
-                "%d rejected, %d missing | aggregation %.3f s | round %.1f s",
-                global_round,
-                total,
-                loss,
-                ppl,
-                "n/a" if row["train-loss"] is None else f"{row['train-loss']:.4f}",
-                row["replies-used"],
-                row["replies-rejected"],
-                row["replies-missing"],
-                row["aggregation-time-s"] or 0.0,
-                row["round-wall-s"],
-            )
-            if row["replies-used"] == 0:
-                log(WARNING, "isoloco-lm: round %d had no usable reply; model kept", global_round)
-        write_json_atomic(results_path, results)
-        if history:
-            plot_losses(history, plot_path, title, initial=initial)
-        if cfg["checkpoint"] and server_round > 0:
-            sd = strategy.state_dict()
-            save_checkpoint(
-                out / CHECKPOINT,
-                {"strategy": sd["tensors"]},
-                {
-                    "app": "isoloco_lm",
-                    "round": global_round,
-                    "config": conf,
-                    "strategy": sd["meta"],
-                    "history": history,
-                    "initial": initial,
-                    "rng": rng_state(),
-                },
-            )
-        clock["last"] = now
-        return MetricRecord({"val-loss": loss, "val-ppl": ppl})
-
+    rec = Recorder(cfg, out, conf, strategy, model, val, results)
     if remaining <= 0:
         log(INFO, "isoloco-lm: checkpoint already holds all %d rounds; nothing to run", total)
     else:
-        wait_for_nodes(grid, cfg.strategy["min-nodes"], settle_s=settle_s)
+        # simulated nodes register after the ServerApp starts: wait until their count is stable
+        wait_for_nodes(
+            grid, cfg.strategy["min-nodes"], settle_s=settle_s, timeout_s=120.0, what="isoloco-lm"
+        )
         try:
             strategy.start(
                 grid=grid,
@@ -288,35 +317,16 @@ def run_server(
                 num_rounds=done + remaining,  # the total: the strategy runs rounds done+1 ..
                 timeout=cfg["round-timeout"],
                 train_config=ConfigRecord(tc),
-                evaluate_fn=evaluate_fn,
+                evaluate_fn=rec.evaluate_fn,
+                on_round_end=rec.on_round_end,
             )
         except NoProgressError as exc:  # the run trained nothing: say so, never "completed"
             log(ERROR, "isoloco-lm: %s", exc)
             results.update({"status": "failed", "error": str(exc)})
             results["wall-time-s"] = time.perf_counter() - t0
-            write_json_atomic(results_path, results)
+            write_json_atomic(rec.results_path, results)
             raise
-    results["status"] = "completed" if len(history) == total else "partial"
-    results["wall-time-s"] = time.perf_counter() - t0
-    if strategy.theta is not None:
-        model.load_state_dict(
-            {k: v.to(model.state_dict()[k].dtype) for k, v in strategy.theta.items()}
-        )
-        export_causal_lm(model, data.tokenizer_path, out / "model")  # model + its tokenizer
-    write_json_atomic(results_path, results)
-    last = history[-1] if history else None
-    log(
-        INFO,
-        "isoloco-lm: done: %d rounds in this run, %d of %d in total; final val loss %s. "
-        "Results: %s (loss curve %s, model and tokenizer %s)",
-        len(history) - done,
-        len(history),
-        total,
-        "n/a" if last is None else f"{last['val-loss']:.4f}",
-        results_path,
-        plot_path,
-        out / "model",
-    )
+    finish(rec, model, data.tokenizer_path, done, t0)
     return out
 
 

@@ -42,8 +42,33 @@ from flwr_isoloco.runconfig import (
     positive,
     read_run_config,
 )
+from flwr_isoloco.strategies.diloco_config import DILOCO_RUN_CONFIG, RUN_CONFIG_CHECKS
 
 STRATEGIES = ("isoloco", "diloco", "fedavg")
+
+# The strategy section: the app's own keys, then the DiLoCo/IsoLoCo keys that mean something
+# here, with the strategy's own defaults (flwr_isoloco.strategies.diloco_config, written once).
+# -1 / "" = "the chosen strategy's default" (min-train-/min-available-nodes: strategy.min-nodes).
+APP_STRATEGY_KEYS: dict[str, Any] = {
+    "name": "isoloco",
+    "merge": "",
+    "outer-lr": -1.0,
+    "outer-momentum": -1.0,
+    "fast": False,
+    "min-nodes": 2,
+    "min-train-nodes": -1,
+    "min-available-nodes": -1,
+}
+NOT_IN_APP = {
+    "fraction-evaluate": "the app evaluates server-side only",
+    "min-evaluate-nodes": "the app evaluates server-side only",
+    "seed": "the app's top-level seed seeds the strategy",
+}
+_OPTION_KEYS = ("prune-fraction", "drop-rate", "common-fraction", "ns-steps", "spectral-pattern")
+STRATEGY_SECTION: dict[str, Any] = {
+    **APP_STRATEGY_KEYS,
+    **{k: v for k, v in DILOCO_RUN_CONFIG.items() if k not in {**APP_STRATEGY_KEYS, **NOT_IN_APP}},
+}
 
 # The schema: every run-config key with its default (mirrors [tool.flwr.app.config]; a test
 # checks they agree). -1 / "" = "the chosen strategy's default".
@@ -56,27 +81,7 @@ DEFAULTS: dict[str, Any] = {
     "round-timeout": 600.0,
     "checkpoint": True,
     "torch-threads": 1,
-    "strategy": {
-        "name": "isoloco",
-        "merge": "",
-        "outer-lr": -1.0,
-        "outer-momentum": -1.0,
-        "nesterov": True,
-        "fast": False,
-        "orthogonalize": "gradient",
-        "min-nodes": 2,
-        "fraction-train": 1.0,
-        "max-update-norm": 0.0,
-        "max-norm-ratio": 0.0,
-        "max-weight-ratio": 5.0,
-        "max-empty-rounds": 3,
-        "upload-codec": "none",
-        "codec-block-size": 256,
-        "codec-fraction": 0.01,
-        "codec-values": "fp32",
-        "codec-min-dims": 2,
-        "error-feedback": True,
-    },
+    "strategy": STRATEGY_SECTION,
     "train": {
         "local-steps": 20,
         "lr": 3e-3,
@@ -119,11 +124,6 @@ def _default_or_non_negative(value: float) -> None:
         raise ValueError("must be >= 0, or -1 for the strategy's default")
 
 
-def _off_or_at_least_one(value: float) -> None:
-    if value != 0 and not value >= 1:
-        raise ValueError("must be >= 1, or 0 for off")
-
-
 def _corpus(value: str) -> None:
     if not value:
         raise ValueError("must name a corpus ('shakespeare', a path, or a Hub data set)")
@@ -139,22 +139,16 @@ VALIDATORS = {
     "resume-from": [absolute_path(allow_empty=True), existing_path(allow_empty=True)],
     "round-timeout": positive,
     "torch-threads": in_range(1, THREADS_MAX),
+    # the strategy's own checks for its keys, then the app's (stricter or sentinel) ones
+    **{f"strategy.{k}": v for k, v in RUN_CONFIG_CHECKS.items() if k in STRATEGY_SECTION},
     "strategy.name": choices(*STRATEGIES),
     "strategy.merge": _merge_name,
     "strategy.outer-lr": _default_or_positive,
     "strategy.outer-momentum": _default_or_non_negative,
-    "strategy.orthogonalize": choices("gradient", "update"),
     "strategy.min-nodes": positive,
+    "strategy.min-train-nodes": _default_or_non_negative,
+    "strategy.min-available-nodes": _default_or_non_negative,
     "strategy.fraction-train": in_range(0.0, 1.0, lo_open=True),
-    "strategy.max-update-norm": non_negative,
-    "strategy.max-norm-ratio": non_negative,
-    "strategy.max-weight-ratio": _off_or_at_least_one,
-    "strategy.max-empty-rounds": non_negative,
-    "strategy.upload-codec": choices("none", "int8", "fp8", "topk"),
-    "strategy.codec-block-size": in_range(1, 1 << 20),
-    "strategy.codec-fraction": in_range(0.0, 1.0, lo_open=True),
-    "strategy.codec-values": choices("fp32", "int8"),
-    "strategy.codec-min-dims": in_range(0, 8),
     "train.local-steps": positive,
     "train.lr": positive,
     "train.warmup-steps": non_negative,
@@ -178,6 +172,9 @@ VALIDATORS = {
 
 def load_config(run_config: Mapping[str, Any]) -> DictConfig:
     """Validated app config (raises :class:`RunConfigError` naming the bad key)."""
+    for key, why in NOT_IN_APP.items():
+        if f"strategy.{key}" in run_config:
+            raise RunConfigError(f"run-config key 'strategy.{key}' has no meaning here: {why}")
     cfg = read_run_config(run_config, DEFAULTS, VALIDATORS)
     s = cfg.strategy
     if s.name == "fedavg":
@@ -195,6 +192,13 @@ def load_config(run_config: Mapping[str, Any]) -> DictConfig:
         raise RunConfigError(
             f"run-config key 'strategy.fast' = true conflicts with strategy.merge {s.merge!r}"
         )
+    try:  # merge options (prune-fraction, drop-rate, ...) are checked by the merge rule
+        build_strategy(cfg)
+    except ValueError as exc:
+        opts = [k for k in _OPTION_KEYS if k.replace("-", "_") in str(exc)] or ["merge"]
+        raise RunConfigError(
+            f"run-config key 'strategy.{opts[0]}' (strategy.merge {s.merge or 'default'!r}): {exc}"
+        ) from None
     try:
         llama_config(**model_kwargs(cfg))
     except ValueError as exc:
@@ -364,48 +368,25 @@ def evaluate_model(model: torch.nn.Module, batches: list[torch.Tensor]) -> float
 
 # ----------------------------------------------------------------------------- strategy
 def build_strategy(cfg: DictConfig):
-    """DiLoCo / IsoLoCo / FedAvg (= DiLoCo(mean, lr 1, momentum 0)) from the app config via
-    the strategies' own ``from_run_config``; server-side evaluation only."""
+    """DiLoCo / IsoLoCo / FedAvg (= DiLoCo(mean, lr 1, momentum 0)) from the validated app
+    config (no second validation: :meth:`DiLoCo.from_section`); server-side evaluation only."""
     from flwr_isoloco.strategies import DiLoCo, IsoLoCo
 
     s = cfg.strategy
-    flat: dict[str, Any] = {
-        "strategy.nesterov": s.nesterov,
-        "strategy.orthogonalize": s.orthogonalize,
-        "strategy.min-train-nodes": s["min-nodes"],
-        "strategy.min-available-nodes": s["min-nodes"],
-        "strategy.min-evaluate-nodes": 0,
-        "strategy.fraction-train": s["fraction-train"],
-        "strategy.fraction-evaluate": 0.0,
-        "strategy.max-update-norm": s["max-update-norm"],
-        "strategy.max-norm-ratio": s["max-norm-ratio"],
-        "strategy.max-weight-ratio": s["max-weight-ratio"],
-        "strategy.max-empty-rounds": s["max-empty-rounds"],
-        "strategy.seed": cfg.seed,
-        "strategy.upload-codec": s["upload-codec"],
-        "strategy.codec-block-size": s["codec-block-size"],
-        "strategy.codec-fraction": s["codec-fraction"],
-        "strategy.codec-values": s["codec-values"],
-        "strategy.codec-min-dims": s["codec-min-dims"],
-        "strategy.error-feedback": s["error-feedback"],
-    }
+    section = {k: s[k] for k in STRATEGY_SECTION if k not in APP_STRATEGY_KEYS}
+    for key in ("min-train-nodes", "min-available-nodes"):
+        section[key] = s["min-nodes"] if s[key] == -1 else s[key]
+    section.update({"fraction-evaluate": 0.0, "min-evaluate-nodes": 0, "seed": cfg.seed})
     if s.name == "fedavg":
-        flat.update(
-            {"strategy.merge": "mean", "strategy.outer-lr": 1.0, "strategy.outer-momentum": 0.0}
-        )
-        return DiLoCo.from_run_config(flat)
-    if s.merge:
-        flat["strategy.merge"] = s.merge
-    if s["outer-lr"] != -1.0:
-        flat["strategy.outer-lr"] = s["outer-lr"]
-    if s["outer-momentum"] != -1.0:
-        flat["strategy.outer-momentum"] = s["outer-momentum"]
-    if s.name == "isoloco":
-        if s.fast:
-            flat["strategy.fast"] = True
-            flat.pop("strategy.merge", None)
-        return IsoLoCo.from_run_config(flat)
-    return DiLoCo.from_run_config(flat)
+        section.update({"merge": "mean", "outer-lr": 1.0, "outer-momentum": 0.0})
+        return DiLoCo.from_section(section)
+    cls = IsoLoCo if s.name == "isoloco" else DiLoCo
+    section["merge"] = s.merge or cls.RUN_CONFIG_DEFAULTS["merge"]
+    for key in ("outer-lr", "outer-momentum"):
+        section[key] = cls.RUN_CONFIG_DEFAULTS[key] if s[key] == -1.0 else s[key]
+    if s.name == "isoloco" and s.fast:
+        section["fast"] = True
+    return cls.from_section(section)
 
 
 def train_config(cfg: DictConfig) -> dict[str, Any]:

@@ -16,12 +16,11 @@ import json
 import math
 import random
 import time
-from collections.abc import Callable, Iterable
 from logging import ERROR, INFO, WARNING
 from typing import Any
 
 import torch
-from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord
+from flwr.app import ArrayRecord, ConfigRecord, Context, MetricRecord
 from flwr.common.logger import log
 from flwr.serverapp import Grid, ServerApp
 
@@ -43,8 +42,9 @@ from flwr_isoloco.models import classifier
 from flwr_isoloco.models.export import export_adapter
 from flwr_isoloco.runconfig import RunConfigError, check_resumable, prepare_output_dir
 from flwr_isoloco.strategies.common import NoProgressError
-from flwr_isoloco.strategies.wire import check_train_metrics
+from flwr_isoloco.strategies.nodes import wait_for_nodes
 
+from .fedavg import FedAvgBaseline
 from .plots import plot_results, plot_title
 from .task import (
     CURSORS_KEY,
@@ -68,145 +68,6 @@ RESUMABLE_DIFFERENCES = {
     "strategy.node-wait-s",
     "strategy.max-empty-rounds",
 }
-
-
-# ----------------------------------------------------------------------------- grid recorder
-def _array_bytes(msg: Message) -> int:
-    if not msg.has_content():
-        return 0
-    return sum(len(a.data) for rec in msg.content.array_records.values() for a in rec.values())
-
-
-class RecordingGrid(Grid):
-    """Wraps a Grid; counts array bytes each way and keeps every node's latest train metrics
-    (``partition-id``, ``data-cursor``, ``local-steps``, ``train_loss``) per round.
-
-    Client metrics are untrusted: a train reply whose metrics fail
-    :func:`~flwr_isoloco.strategies.wire.check_train_metrics` (against the ``local-steps`` its
-    instruction asked for, default ``default_steps``, and the vertex of the node it was sent
-    to, via ``vertex_of``) is logged with the node and not recorded; the strategy drops it too.
-    """
-
-    def __init__(
-        self,
-        grid: Grid,
-        default_steps: int | None = None,
-        vertex_of: Callable[[int], Any] | None = None,
-    ) -> None:
-        self._grid = grid
-        self.default_steps = default_steps
-        self.vertex_of = vertex_of
-        self._sent: dict[str, Message] = {}
-        self.bytes_down = 0
-        self.bytes_up = 0
-        self.local_updates = 0
-        self.cursors: dict[int, int] = {}
-        self.round_losses: list[float] = []
-        self.round_failures = 0
-
-    # delegate the Grid interface
-    def set_run(self, run_id: int) -> None:
-        self._grid.set_run(run_id)
-
-    @property
-    def run(self):
-        return self._grid.run
-
-    def create_message(self, *args, **kwargs) -> Message:
-        return self._grid.create_message(*args, **kwargs)
-
-    def get_node_ids(self) -> Iterable[int]:
-        return self._grid.get_node_ids()
-
-    def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
-        messages = list(messages)
-        self.bytes_down += sum(_array_bytes(m) for m in messages)
-        ids = list(self._grid.push_messages(messages))
-        self._remember(messages)
-        return ids
-
-    def _remember(self, messages: list[Message]) -> None:
-        self._sent = {m.metadata.message_id: m for m in messages if m.metadata.message_id}
-
-    def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:
-        replies = list(self._grid.pull_messages(message_ids))
-        self._observe(replies)
-        return replies
-
-    def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None):
-        messages = list(messages)
-        self.bytes_down += sum(_array_bytes(m) for m in messages)
-        replies = list(self._grid.send_and_receive(messages, timeout=timeout))
-        self._remember(messages)
-        self._observe(replies)
-        return replies
-
-    def _bad_metrics(self, reply: Message) -> str | None:
-        sent = self._sent.get(reply.metadata.reply_to_message_id)
-        node = sent.metadata.dst_node_id if sent is not None else reply.metadata.src_node_id
-        asked = self.default_steps
-        if sent is not None and "config" in sent.content.config_records:
-            k = sent.content.config_records["config"].get("local-steps", asked)
-            asked = k if isinstance(k, int) else asked
-        vertex = self.vertex_of(node) if self.vertex_of is not None else None
-        why = check_train_metrics(reply.content, asked_steps=asked, vertex=vertex)
-        return None if why is None else f"node {node}: {why}"
-
-    def _observe(self, replies: list[Message]) -> None:
-        for r in replies:
-            self.bytes_up += _array_bytes(r)
-            if r.has_error():
-                self.round_failures += 1
-                continue
-            if r.metadata.message_type != "train":
-                continue
-            m = r.content.metric_records.get("metrics")
-            if m is None:
-                continue
-            bad = self._bad_metrics(r)
-            if bad is not None:
-                log(WARNING, "rwlora-sentiment: %s; reply metrics not recorded", bad)
-                continue
-            if "partition-id" in m and "data-cursor" in m:
-                self.cursors[int(m["partition-id"])] = int(m["data-cursor"])
-            self.local_updates += int(m.get("local-steps", 0))
-            loss = m.get("train_loss")
-            if isinstance(loss, (int, float)) and math.isfinite(loss):
-                self.round_losses.append(float(loss))
-
-    def take_round(self) -> tuple[float | None, int]:
-        losses, fails = self.round_losses, self.round_failures
-        self.round_losses, self.round_failures = [], 0
-        return (sum(losses) / len(losses) if losses else None), fails
-
-
-# ----------------------------------------------------------------------------- helpers
-def wait_for_nodes(grid: Grid, want: int, settle_s: float, timeout_s: float) -> int:
-    """Wait for ``want`` nodes (``0``: until the count is stable for ``settle_s``)."""
-    t0 = time.monotonic()
-    last, since = -1, time.monotonic()
-    while True:
-        n = len(list(grid.get_node_ids()))
-        now = time.monotonic()
-        if n != last:
-            last, since = n, now
-        if want and n >= want:
-            return n
-        if not want and n >= 1 and now - since >= settle_s:
-            return n
-        if now - t0 > timeout_s:
-            if n >= max(want, 1):
-                return n
-            raise RuntimeError(f"only {n} nodes connected after {timeout_s:.0f} s (want {want})")
-        time.sleep(0.25)
-
-
-def _vertex_of(strategy, node: int) -> Any:
-    """The graph vertex a node id holds (None before discovery or for unmapped nodes)."""
-    vmap = getattr(strategy, "vmap", None)
-    if vmap is None:
-        return None
-    return next((v for v, nid in vmap.node_of.items() if nid == node), None)
 
 
 def data_sizes(cfg, n: int) -> list[int]:
@@ -233,9 +94,8 @@ def build_strategy(cfg, n: int, round_end_fn=None):
     s = cfg.strategy
     max_norm = s["max-update-norm"] or None
     if s.name == "fedavg":
-        from flwr.serverapp.strategy import FedAvg
-
-        return FedAvg(
+        return FedAvgBaseline(
+            local_steps=s["local-steps"],
             fraction_train=s["fraction-train"],
             fraction_evaluate=0.0,
             min_train_nodes=max(1, math.ceil(s["fraction-train"] * n)),
@@ -315,6 +175,220 @@ def optimizer_shapes(model) -> dict[str, tuple[int, ...]]:
 
 
 # ----------------------------------------------------------------------------- server
+class Recorder:
+    """``results.json``, the plots and the checkpoint of one run, fed by the round-end hook.
+
+    Rows: round 0 (the initial adapter's test accuracy), then one per round with the totals
+    so far (local updates, bytes relayed / peer-to-peer), the train loss (mean over the
+    replies that entered the model), failed replies, the walk vertex and, every
+    ``eval-every`` rounds and at the last, the test accuracy and loss.
+    """
+
+    def __init__(self, cfg, out, conf, strategy, n: int, results: dict[str, Any]) -> None:
+        self.cfg, self.out, self.conf, self.strategy = cfg, out, conf, strategy
+        self.name, self.n, self.results = cfg.strategy.name, n, results
+        self.history: list[dict[str, Any]] = results["rounds"]
+        self.base = {"local-updates": 0, "bytes-relayed": 0, "bytes-p2p": 0}
+        self.cursors: dict[int, int] = {}
+        self.clock = {"start": time.perf_counter(), "last": time.perf_counter()}
+        self.evaluator: tuple = ()  # (model, tokenizer, test texts, test labels)
+
+    def totals(self) -> dict[str, int]:
+        """Run totals; FedAvg's start from the checkpoint's (its ledger counts this run)."""
+        s = self.strategy
+        if self.name == "fedavg":
+            relayed = self.base["bytes-relayed"] + s.bytes_relayed
+            lu, bp = self.base["local-updates"] + s.local_updates, relayed
+        else:
+            relayed, lu, bp = s.bytes_relayed, s.local_updates, s.bytes_p2p
+        return {"local-updates": int(lu), "bytes-relayed": int(relayed), "bytes-p2p": int(bp)}
+
+    def evaluate(self, arrays: ArrayRecord) -> dict[str, float]:
+        """Accuracy and loss of ``arrays`` (an adapter) on the fixed test subset."""
+        model, tokenizer, texts, labels = self.evaluator
+        classifier.load_adapter_state_dict(model, arrays.to_torch_state_dict())
+        return classifier.evaluate(
+            model, tokenizer, texts, labels, max_length=self.cfg.model["max-length"]
+        )
+
+    def evaluate_fn(self, server_round: int, arrays: ArrayRecord) -> MetricRecord | None:
+        """Test accuracy/loss every ``eval-every`` rounds (gossip: also each vertex's own)."""
+        if not self.wants_eval(server_round):
+            return None
+        tw = time.perf_counter()
+        res = self.evaluate(arrays)
+        m = {"test-accuracy": res["accuracy"], "test-loss": res["loss"]}
+        if self.name == "gossip":  # each vertex's own adapter, not the A/B average
+            own = [self.evaluate(a) for a in self.strategy.vertex_adapters().values()]
+            m["test-accuracy-vertex-mean"] = sum(r["accuracy"] for r in own) / len(own)
+            m["test-loss-vertex-mean"] = sum(r["loss"] for r in own) / len(own)
+        m["eval-time-s"] = time.perf_counter() - tw
+        if server_round == 0:
+            self.add_row(0, None, m)
+        return MetricRecord(m)
+
+    def wants_eval(self, rnd: int) -> bool:
+        return rnd == 0 or rnd % self.cfg["eval-every"] == 0 or rnd == self.cfg["num-server-rounds"]
+
+    def add_row(self, rnd: int, train_metrics, eval_metrics) -> None:
+        """Append round ``rnd``'s row, write results.json, the checkpoint and the plots."""
+        row: dict[str, Any] = {
+            "round": rnd,
+            **(self.totals() if rnd else dict.fromkeys(self.base, 0)),
+        }
+        if rnd:
+            replies = self.strategy.round_replies
+            for _, m in replies:
+                if "partition-id" in m and "data-cursor" in m:
+                    self.cursors[int(m["partition-id"])] = int(m["data-cursor"])
+            losses = [m["train_loss"] for _, m in replies if "train_loss" in m]
+            row["train-loss"] = sum(losses) / len(losses) if losses else None
+            tm = dict(train_metrics or {})
+            fails = self.strategy.round_failures if self.name == "fedavg" else tm.get("failures", 0)
+            row["failed-replies"] = int(fails)
+            if self.name == "rwlora" and self.strategy.trajectory:
+                v = self.strategy.trajectory[-1]
+                row["walk-vertex"] = int(v) if isinstance(v, int) else str(v)
+                row["hop-failures-total"] = self.strategy.failures
+            if self.name == "rwlora":
+                row["dead-vertices"] = int(tm.get("dead-vertices", 0))
+                row["relays-total"] = int(tm.get("relays-total", 0))
+        row.update(dict(eval_metrics or {}))
+        now = time.perf_counter()
+        row["round-wall-s"] = now - self.clock["last"]
+        self.clock["last"] = now
+        self.history.append(row)
+        if rnd == 0:  # as in every app's results.json: the initial evaluation on its own too
+            self.results["initial"] = row
+        log(INFO, "rwlora-sentiment: %s", row)
+        write_json_atomic(self.out / "results.json", self.results)
+        if self.cfg["checkpoint"] and rnd > 0:
+            self.checkpoint(rnd)
+        if rnd and (self.wants_eval(rnd) or rnd == self.cfg["num-server-rounds"]):
+            self.plots()
+
+    def finish(self, t0: float, done: int) -> None:
+        """Final plots, status ``completed`` and the closing log line (``done``: rounds
+        restored from the checkpoint)."""
+        self.plots()
+        self.results["status"] = "completed"
+        self.results["wall-time-s"] = time.perf_counter() - t0
+        write_json_atomic(self.out / "results.json", self.results)
+        last = next((r for r in reversed(self.history) if "test-accuracy" in r), None)
+        log(
+            INFO,
+            "rwlora-sentiment: done, %d rounds in this run, %d of %d in total; final test "
+            "accuracy %s; results in %s, adapter in %s",
+            len(self.history) - 1 - done,  # history holds rounds 0..last
+            len(self.history) - 1,
+            self.cfg["num-server-rounds"],
+            "n/a" if last is None else f"{last['test-accuracy']:.4f}",
+            self.out / "results.json",
+            self.out / "adapter",
+        )
+
+    def checkpoint(self, rnd: int) -> None:
+        if self.name == "fedavg":
+            ts: dict[str, Any] = {"arrays": self.strategy.current_arrays().to_torch_state_dict()}
+            smeta: dict[str, Any] = {}
+        else:
+            sd = self.strategy.state_dict()
+            ts, smeta = {"strategy": sd["tensors"]}, sd["meta"]
+        meta = {
+            "app": "rwlora_sentiment",
+            "round": rnd,
+            "config": self.conf,
+            "strategy": smeta,
+            "history": self.history,
+            "totals": self.totals(),
+            "cursors": {str(k): v for k, v in self.cursors.items()},
+            "rng": rng_state(),
+        }
+        save_checkpoint(self.out / CHECKPOINT, ts, meta)
+
+    def plots(self) -> None:
+        visits = None
+        if self.name == "rwlora":
+            visits = {str(k): int(v) for k, v in self.strategy.visit_counts().items()}
+        elif self.cursors:
+            per_visit = self.cfg.strategy["local-steps"] * self.cfg.train["batch-size"]
+            visits = {str(k): c // per_visit for k, c in sorted(self.cursors.items())}
+        self.results["visit-counts"] = visits
+        title = plot_title(self.name, self.cfg.strategy.graph, self.n)
+        try:
+            plot_results(self.history, visits, self.out, title=title)
+        except Exception as exc:  # plots must never stop a run
+            log(WARNING, "rwlora-sentiment: plotting failed: %s", exc)
+
+
+def new_results(cfg, out, conf, n, adapter_bytes, n_test, meta) -> dict[str, Any]:
+    """The ``results.json`` envelope (docs/user-guide.md) before the first row; a resumed run
+    continues the checkpoint's history."""
+    return {
+        "app": "rwlora_sentiment",
+        "status": "running",
+        "output-dir": str(out),
+        "config": conf,
+        "num-clients": n,
+        "adapter-bytes": adapter_bytes,
+        "test-examples": n_test,
+        "resumed-from": cfg["resume-from"] or None,
+        "initial": None if meta is None else meta["history"][0],
+        "rounds": [] if meta is None else meta["history"],
+    }
+
+
+def load_evaluator(cfg):
+    """``(model, tokenizer, test texts, test labels, initial adapter)`` for server-side tests:
+    the server's own model copy, and the adapter as initialised (not the cached model's)."""
+    d = cfg.data
+    test = sentiment.load_test(d.source, d["test-size"], cfg.seed, d["eval-examples"])
+    spec = lora_spec(cfg)
+    model = classifier.get_model(spec, slot="server")  # not the clients' copy
+    tokenizer = classifier.load_tokenizer(spec.model)
+    initial_adapter = classifier.initial_adapter(spec)
+    texts, labels = list(test["text"]), [int(y) for y in test["label"]]
+    return model, tokenizer, texts, labels, initial_adapter
+
+
+def restore(cfg, strategy, model, initial_adapter, tensors, meta) -> ArrayRecord:
+    """Restore the strategy (FedAvg: its arrays and round) and the RNGs from a verified
+    checkpoint; returns the initial arrays for ``start``. Raises CheckpointError."""
+    path, done = cfg["resume-from"], meta["round"]
+    initial = ArrayRecord(initial_adapter)
+    with restoring(path, "strategy state: "):
+        if cfg.strategy.name == "fedavg":
+            check_tensors(tensors.get("arrays"), initial_adapter, "arrays")
+            initial = ArrayRecord(tensors["arrays"])
+            strategy.round = done
+        else:
+            strategy.load_state_dict(
+                {"tensors": tensors.get("strategy", {}), "meta": meta["strategy"]},
+                reference=initial_adapter,
+                optimizer_reference=optimizer_shapes(model),
+            )
+            if meta["strategy"]["round"] != done:
+                raise CheckpointError(
+                    f"field 'round' = {meta['strategy']['round']}, the checkpoint's is {done}"
+                )
+    with restoring(path):
+        set_rng_state(meta["rng"])
+    return initial
+
+
+def _strategy_for(cfg, n: int):
+    try:
+        return build_strategy(cfg, n)
+    except ValueError as exc:
+        s = cfg.strategy
+        msg = (
+            f"run-config keys strategy.graph={s.graph!r}, strategy.transition={s.transition!r}, "
+            f"strategy.target={s.target!r} with {n} clients: {exc}"
+        )
+        log(ERROR, "rwlora-sentiment: bad run config: %s", msg)
+        raise RunConfigError(msg) from None
+
+
 def run_server(grid: Grid, run_config: dict[str, Any], run_id: int = 0, *, settle_s: float = 3.0):
     """The whole server side; returns the output folder. Raises on a bad run config."""
     try:
@@ -327,231 +401,69 @@ def run_server(grid: Grid, run_config: dict[str, Any], run_id: int = 0, *, settl
     out = prepare_output_dir(output_dir(cfg, run_id))
     conf = config_dict(cfg)
     t0 = time.perf_counter()
-    d = cfg.data
-    test = sentiment.load_test(d.source, d["test-size"], cfg.seed, d["eval-examples"])
-    test_texts, test_labels = list(test["text"]), [int(y) for y in test["label"]]
-    spec = lora_spec(cfg)
-    model = classifier.get_model(spec, slot="server")  # not the clients' copy
-    tokenizer = classifier.load_tokenizer(spec.model)
-    initial_adapter = classifier.initial_adapter(spec)  # not the cached model's current state
+    model, tokenizer, test_texts, test_labels, initial_adapter = load_evaluator(cfg)
     adapter_bytes = sum(t.numel() * 4 for t in initial_adapter.values())
     log(INFO, "rwlora-sentiment: output %s; adapter %d bytes", out, adapter_bytes)
-
     total = cfg["num-server-rounds"]
-    history: list[dict[str, Any]] = []
-    done = 0
-    meta: dict[str, Any] | None = None
-    tensors: dict[str, Any] = {}
+    tensors, meta = {}, None
     if cfg["resume-from"]:
         try:
             tensors, meta = read_checkpoint(cfg["resume-from"], conf)
         except (CheckpointError, RunConfigError) as exc:
             log(ERROR, "rwlora-sentiment: cannot resume: %s", exc)
             raise
-        done, history = meta["round"], meta["history"]
-
-    rec = RecordingGrid(grid)
-    n = wait_for_nodes(grid, cfg.strategy["num-clients"], settle_s, cfg.strategy["node-wait-s"])
-    state: dict[str, Any] = {"strategy": None}
-    try:
-        strategy = build_strategy(cfg, n)
-    except ValueError as exc:
-        s = cfg.strategy
-        msg = (
-            f"run-config keys strategy.graph={s.graph!r}, strategy.transition={s.transition!r}, "
-            f"strategy.target={s.target!r} with {n} clients: {exc}"
+    want = cfg.strategy["num-clients"]  # 0: as many as connect (count stable for settle_s)
+    n = len(
+        wait_for_nodes(
+            grid,
+            max(want, 1),
+            settle_s=0.0 if want else settle_s,
+            timeout_s=cfg.strategy["node-wait-s"],
+            what="rwlora-sentiment",
         )
-        log(ERROR, "rwlora-sentiment: bad run config: %s", msg)
-        raise RunConfigError(msg) from None
-    state["strategy"] = strategy
-    name = cfg.strategy.name
-    rec.default_steps = cfg.strategy["local-steps"]
-    if name != "fedavg":
-        rec.vertex_of = lambda node: _vertex_of(strategy, node)
-    base = {"local-updates": 0, "bytes-relayed": 0, "bytes-p2p": 0}
+    )
+    strategy = _strategy_for(cfg, n)
+    results = new_results(cfg, out, conf, n, adapter_bytes, len(test_texts), meta)
+    rec = Recorder(cfg, out, conf, strategy, n, results)
+    rec.evaluator = (model, tokenizer, test_texts, test_labels)
     train_config: dict[str, Any] = {}
     initial = ArrayRecord(initial_adapter)
     # FedAvg samples nodes with Python's global ``random``: seed it so runs repeat exactly
-    # (a resumed run restores the generator's state from the checkpoint below).
+    # (a resumed run restores the generator's state from the checkpoint).
     random.seed(cfg.seed)
     if meta is not None:
-        path = cfg["resume-from"]
         try:
-            with restoring(path, "strategy state: "):
-                if name == "fedavg":
-                    check_tensors(tensors.get("arrays"), initial_adapter, "arrays")
-                    initial = ArrayRecord(tensors["arrays"])
-                else:
-                    strategy.load_state_dict(
-                        {"tensors": tensors.get("strategy", {}), "meta": meta["strategy"]},
-                        reference=initial_adapter,
-                        optimizer_reference=optimizer_shapes(model),
-                    )
-                    if meta["strategy"]["round"] != done:
-                        raise CheckpointError(
-                            f"field 'round' = {meta['strategy']['round']}, the checkpoint's "
-                            f"is {done}"
-                        )
-            with restoring(path):
-                set_rng_state(meta["rng"])
+            initial = restore(cfg, strategy, model, initial_adapter, tensors, meta)
         except CheckpointError as exc:
             log(ERROR, "rwlora-sentiment: cannot resume: %s", exc)
             raise
-        base = {k: meta["totals"][k] for k in base}
+        rec.base = {k: meta["totals"][k] for k in rec.base}
         rec.cursors = {int(k): v for k, v in meta["cursors"].items()}
         train_config[CURSORS_KEY] = json.dumps(rec.cursors)
-        log(INFO, "rwlora-sentiment: resumed from %s at round %d", cfg["resume-from"], done)
+        log(
+            INFO, "rwlora-sentiment: resumed from %s at round %d", cfg["resume-from"], meta["round"]
+        )
 
-    results: dict[str, Any] = {
-        "app": "rwlora_sentiment",
-        "status": "running",
-        "output-dir": str(out),
-        "config": conf,
-        "num-clients": n,
-        "adapter-bytes": adapter_bytes,
-        "test-examples": len(test_texts),
-        "resumed-from": cfg["resume-from"] or None,
-        "rounds": history,
-    }
-    offset = done if name == "fedavg" else 0  # FedAvg numbers resumed rounds from 1
-    clock = {"start": time.perf_counter(), "last": time.perf_counter()}
-
-    def totals() -> dict[str, int]:
-        s = strategy
-        lu = getattr(s, "local_updates", None)
-        br = getattr(s, "bytes_relayed", None)
-        bp = getattr(s, "bytes_p2p", None)
-        if name == "fedavg":
-            lu, br = base["local-updates"] + rec.local_updates, None
-        relayed = base["bytes-relayed"] + rec.bytes_down + rec.bytes_up if br is None else br
-        return {
-            "local-updates": int(
-                lu if lu is not None else base["local-updates"] + rec.local_updates
-            ),
-            "bytes-relayed": int(relayed),
-            "bytes-p2p": int(bp if bp is not None else relayed),
-        }
-
-    def evaluate_fn(server_round: int, arrays: ArrayRecord) -> MetricRecord | None:
-        rnd = server_round + offset
-        if server_round == 0 and done > 0:
-            return None
-        want_eval = rnd == 0 or rnd % cfg["eval-every"] == 0 or rnd == total
-        row: dict[str, Any] = {"round": rnd, **(totals() if rnd else dict.fromkeys(base, 0))}
-        loss, fails = rec.take_round()
-        if rnd:
-            row["train-loss"] = loss
-            row["failed-replies"] = fails
-            if name == "rwlora" and strategy.trajectory:
-                v = strategy.trajectory[-1]
-                row["walk-vertex"] = int(v) if isinstance(v, int) else str(v)
-                row["hop-failures-total"] = strategy.failures
-        if want_eval:
-            tw = time.perf_counter()
-            res = _evaluate(arrays)
-            row.update({"test-accuracy": res["accuracy"], "test-loss": res["loss"]})
-            if name == "gossip":  # each vertex's own adapter, not the A/B average
-                own = [_evaluate(a) for a in strategy.vertex_adapters().values()]
-                row["test-accuracy-vertex-mean"] = sum(r["accuracy"] for r in own) / len(own)
-                row["test-loss-vertex-mean"] = sum(r["loss"] for r in own) / len(own)
-            row["eval-time-s"] = time.perf_counter() - tw
-        now = time.perf_counter()
-        row["round-wall-s"] = now - clock["last"]
-        clock["last"] = now
-        history.append(row)
-        log(INFO, "rwlora-sentiment: %s", row)
+    try:
+        result = strategy.start(
+            grid=grid,
+            initial_arrays=initial,
+            num_rounds=total,
+            timeout=cfg["round-timeout"],
+            train_config=ConfigRecord(train_config),
+            evaluate_fn=rec.evaluate_fn,
+            on_round_end=lambda rnd, _arrays, tm, em: rec.add_row(rnd, tm, em),
+        )
+    except NoProgressError as exc:
+        rec.plots()
+        results.update(status="failed", error=str(exc), **{"wall-time-s": time.perf_counter() - t0})
         write_json_atomic(out / "results.json", results)
-        if cfg["checkpoint"] and rnd > 0:
-            _checkpoint(rnd, arrays)
-        if rnd and (want_eval or rnd == total):
-            _plots()
-        if "test-accuracy" in row:
-            return MetricRecord(
-                {"test-accuracy": row["test-accuracy"], "test-loss": row["test-loss"]}
-            )
-        return None
-
-    def _evaluate(arrays: ArrayRecord) -> dict[str, float]:
-        classifier.load_adapter_state_dict(model, arrays.to_torch_state_dict())
-        return classifier.evaluate(
-            model, tokenizer, test_texts, test_labels, max_length=cfg.model["max-length"]
+        raise
+    if len(result.arrays):  # the adapter whose accuracy was reported last; loads with peft
+        export_adapter(
+            model, result.arrays.to_torch_state_dict(), out / "adapter", tokenizer=tokenizer
         )
-
-    def _checkpoint(rnd: int, arrays: ArrayRecord) -> None:
-        if name == "fedavg":
-            ts: dict[str, Any] = {"arrays": arrays.to_torch_state_dict()}
-            smeta: dict[str, Any] = {}
-        else:
-            sd = strategy.state_dict()
-            ts, smeta = {"strategy": sd["tensors"]}, sd["meta"]
-        save_checkpoint(
-            out / CHECKPOINT,
-            ts,
-            {
-                "app": "rwlora_sentiment",
-                "round": rnd,
-                "config": conf,
-                "strategy": smeta,
-                "history": history,
-                "totals": totals(),
-                "cursors": {str(k): v for k, v in rec.cursors.items()},
-                "rng": rng_state(),
-            },
-        )
-
-    def _plots() -> None:
-        visits = None
-        if name == "rwlora":
-            visits = {str(k): int(v) for k, v in strategy.visit_counts().items()}
-        elif rec.cursors:
-            per_visit = cfg.strategy["local-steps"] * cfg.train["batch-size"]
-            visits = {str(k): c // per_visit for k, c in sorted(rec.cursors.items())}
-        results["visit-counts"] = visits
-        try:
-            plot_results(history, visits, out, title=plot_title(name, cfg.strategy.graph, n))
-        except Exception as exc:  # plots must never stop a run
-            log(WARNING, "rwlora-sentiment: plotting failed: %s", exc)
-
-    remaining = total - done
-    result = None
-    if remaining <= 0:
-        log(INFO, "rwlora-sentiment: checkpoint already holds all %d rounds", total)
-    else:
-        try:
-            result = strategy.start(
-                grid=rec,
-                initial_arrays=initial,
-                num_rounds=total if name != "fedavg" else remaining,
-                timeout=cfg["round-timeout"],
-                train_config=ConfigRecord(train_config),
-                evaluate_fn=evaluate_fn,
-            )
-        except NoProgressError as exc:
-            _plots()
-            results.update(
-                status="failed", error=str(exc), **{"wall-time-s": time.perf_counter() - t0}
-            )
-            write_json_atomic(out / "results.json", results)
-            raise
-    _plots()
-    if result is not None:  # the adapter whose accuracy was reported last; loads with peft
-        adapter = result.arrays.to_torch_state_dict()
-        export_adapter(model, adapter, out / "adapter", tokenizer=tokenizer)
-    results["status"] = "completed"
-    results["wall-time-s"] = time.perf_counter() - t0
-    write_json_atomic(out / "results.json", results)
-    last = next((r for r in reversed(history) if "test-accuracy" in r), None)
-    log(
-        INFO,
-        "rwlora-sentiment: done, %d rounds in this run, %d of %d in total; final test accuracy "
-        "%s; results in %s, adapter in %s",
-        len(history) - 1 - done,  # history holds rounds 0..last
-        len(history) - 1,
-        total,
-        "n/a" if last is None else f"{last['test-accuracy']:.4f}",
-        out / "results.json",
-        out / "adapter",
-    )
+    rec.finish(t0, 0 if meta is None else meta["round"])
     return out
 
 

@@ -1,0 +1,1 @@
+"""A quickstart-style Flower app (``@app.train`` / ``@app.evaluate`` only)."""

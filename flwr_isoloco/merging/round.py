@@ -1,0 +1,155 @@
+"""One merging object for a server round, for every rule (streaming or not).
+
+:class:`RoundMerge` computes the round's merged pseudo-gradient
+
+    g = rule(delta_1..delta_M; w)           (orthogonalize="gradient")
+    g = mean(delta_1..delta_M; w)           (orthogonalize="update": the rule acts on u later)
+
+over the float entries of the model, folding streaming rules one reply at a time (each reply's
+tensors are released once folded) and collecting the ``M`` deltas for the others. It also
+owns the two rule-dependent pieces of the outer step: the DARE seed of a round,
+``seed * 1_000_003 + round`` (so every round draws new, reproducible masks), and the
+orthogonalised-update transform ``u -> rule([u])`` used with ``orthogonalize="update"``.
+
+A reply is any object with ``node_id``, ``update(theta) -> dict`` (its ``delta_i``) and
+``release()`` (e.g. :class:`flwr_isoloco.strategies.common.CheckedReply`); this module imports
+no Flower.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import torch
+
+from .merge import merge
+from .rules import MERGE_RULES
+from .streaming import StreamingMerger
+from .validation import all_finite
+
+__all__ = ["DARE_SEED_STRIDE", "RoundMerge", "finite_or_raise"]
+
+DARE_SEED_STRIDE = 1_000_003
+"""DARE's seed in round ``r`` is ``seed * DARE_SEED_STRIDE + r`` (a prime stride: no overlap)."""
+
+Tensors = dict[str, torch.Tensor]
+
+
+def finite_or_raise(g: Tensors) -> Tensors:
+    """``g`` itself, or ``ValueError`` naming the first tensor with non-finite values."""
+    for k, t in g.items():
+        if not all_finite(t):
+            raise ValueError(f"merged tensor {k!r} has non-finite values")
+    return g
+
+
+class RoundMerge:
+    """The merge of one strategy: rule, options, ``orthogonalize`` and seed (module docstring)."""
+
+    def __init__(
+        self,
+        rule: Any,
+        name: str,
+        options: Mapping[str, Any],
+        orthogonalize: str = "gradient",
+        seed: int = 0,
+    ) -> None:
+        self.rule, self.name = rule, name
+        self.options = dict(options)
+        self.orthogonalize = orthogonalize
+        self.seed = seed
+
+    def round_options(self, server_round: int) -> dict[str, Any]:
+        """The rule's options for ``server_round`` (DARE: a per-round seed unless given)."""
+        opts = dict(self.options)
+        if self.name == "dare" and "seed" not in opts:
+            opts["seed"] = self.seed * DARE_SEED_STRIDE + server_round
+        return opts
+
+    def rule_for_g(self) -> Any:
+        """The rule that forms ``g``: the mean when the rule orthogonalises the update."""
+        return MERGE_RULES["mean"] if self.orthogonalize == "update" else self.rule
+
+    def update_transform(self, server_round: int) -> Callable[[Tensors], Tensors] | None:
+        """``u -> rule([u])`` for ``orthogonalize="update"``, else None."""
+        if self.orthogonalize != "update":
+            return None
+        opts = self.round_options(server_round)
+        return lambda u: merge(self.rule, [u], None, **opts)
+
+    def merge(
+        self,
+        theta: Mapping[str, torch.Tensor],
+        source: Iterable[Any],
+        used: list[Any],
+        weight: Callable[[Any], float],
+        server_round: int,
+        rule: Any = None,
+    ) -> Tensors | None:
+        """``g`` over ``source`` (float entries of ``theta`` only); appends the replies used.
+
+        ``rule`` defaults to :meth:`rule_for_g`. None when ``source`` is empty. Raises
+        ``ValueError`` when the rule fails or gives non-finite values.
+        """
+        rule = self.rule_for_g() if rule is None else rule
+        floats = [k for k, t in theta.items() if t.is_floating_point()]
+        opts = {} if self.orthogonalize == "update" else self.round_options(server_round)
+        if getattr(rule, "streaming", False):
+            merger = StreamingMerger(rule, **opts)
+            for r in source:
+                d = r.update(theta)
+                r.release()
+                used.append(r)  # before add(): a reply that makes add() fail is a suspect
+                merger.add({k: d[k] for k in floats}, weight(r))
+            return finite_or_raise(merger.result()) if used else None
+        deltas = []
+        for r in source:
+            d = r.update(theta)
+            r.release()
+            deltas.append({k: d[k] for k in floats})
+            used.append(r)
+        if not used:
+            return None
+        return finite_or_raise(merge(rule, deltas, [weight(r) for r in used], **opts))
+
+    def merge_or_isolate(
+        self,
+        theta: Mapping[str, torch.Tensor],
+        source: Iterable[Any],
+        used: list[Any],
+        weight: Callable[[Any], float],
+        server_round: int,
+        reject: Callable[[Any, str], None],
+        on_failure: Callable[[Exception], None] | None = None,
+    ) -> Tensors | None:
+        """``g`` over all replies; if that merge fails, drop the replies that fail alone.
+
+        A merge can fail on finite input (e.g. an SVD that does not converge): then each reply
+        is merged on its own, those that fail or give non-finite values are passed to
+        ``reject(reply, reason)``, and the rest are merged again. ``used`` ends up holding
+        exactly the replies in ``g``.
+        """
+        try:
+            return self.merge(theta, source, used, weight, server_round)
+        except (ValueError, RuntimeError) as exc:
+            rest = [] if isinstance(source, list) else list(source)  # finish a streamed source
+            if on_failure is not None:
+                on_failure(exc)
+        suspects, used[:] = used + rest, []
+        for r in suspects:
+            try:
+                self.merge(theta, [r], [], weight, server_round)
+                used.append(r)
+            except (ValueError, RuntimeError) as exc:
+                reject(r, f"merge fails on this reply: {exc}")
+        if not used:
+            return None
+        kept, used[:] = list(used), []
+        try:
+            return self.merge(theta, kept, used, weight, server_round)
+        except (ValueError, RuntimeError) as exc:
+            for r in kept:
+                reject(r, f"merge of the round failed, model kept: {exc}")
+            used[:] = []
+            return None

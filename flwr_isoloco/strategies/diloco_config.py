@@ -1,0 +1,245 @@
+"""DiLoCo's and IsoLoCo's run-config section: keys, defaults, checks, constructor arguments.
+
+The strategy owns its section (flat Flower keys ``strategy.<key>``): :data:`DILOCO_RUN_CONFIG`
+and :data:`ISOLOCO_RUN_CONFIG` are the defaults (written once, here), :data:`RUN_CONFIG_CHECKS`
+the value checks. An app composes the section into its own schema and validates its run config
+once (:func:`flwr_isoloco.runconfig.read_run_config`), then builds the strategy from the
+validated section with :meth:`DiLoCo.from_section <flwr_isoloco.strategies.DiLoCo.from_section>`;
+:meth:`~flwr_isoloco.strategies.DiLoCo.from_run_config` does both for a plain Flower app.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from flwr_isoloco.compression import CODECS
+from flwr_isoloco.merging import MERGE_RULES
+from flwr_isoloco.runconfig import choices, in_range, non_negative, read_run_config
+from flwr_isoloco.strategies.common import PAYLOADS
+from flwr_isoloco.strategies.evaluation import check_count, check_fraction
+
+__all__ = [
+    "DILOCO_RUN_CONFIG",
+    "ISOLOCO_RUN_CONFIG",
+    "RUN_CONFIG_CHECKS",
+    "FromRunConfig",
+    "read_section",
+    "section_kwargs",
+]
+
+ORTHOGONALIZE = ("gradient", "update")
+WEIGHTINGS = ("examples", "uniform")
+DEFAULT_MAX_WEIGHT_RATIO = 5.0
+"""No reply's weight counts for more than 5 x the round's median weight (docs/strategies.md)."""
+APP_KEYS = ("name", "timeout", "round-timeout")
+"""``strategy.*`` keys that belong to the app, not to the strategy (ignored here)."""
+
+# Run-config keys (flat Flower keys, prefix "strategy."), with their defaults. Merge options set
+# to -1 / "" mean "the merge rule's own default". 0 for the norm bounds means "off".
+DILOCO_RUN_CONFIG: dict[str, Any] = {
+    "merge": "mean",
+    "outer-lr": 0.7,
+    "outer-momentum": 0.9,
+    "nesterov": True,
+    "orthogonalize": "gradient",
+    "weighting": "examples",
+    "client-sends": "weights",
+    "fraction-train": 1.0,
+    "fraction-evaluate": 1.0,
+    "min-train-nodes": 2,
+    "min-evaluate-nodes": 2,
+    "min-available-nodes": 2,
+    "max-update-norm": 0.0,
+    "max-norm-ratio": 0.0,
+    "max-weight-ratio": DEFAULT_MAX_WEIGHT_RATIO,
+    "max-empty-rounds": 3,
+    "dtype-policy": "cast",
+    "seed": 0,
+    "prune-fraction": -1.0,
+    "drop-rate": -1.0,
+    "common-fraction": -1.0,
+    "ns-steps": -1,
+    "spectral-pattern": "",
+    "upload-codec": "none",
+    "codec-block-size": 256,
+    "codec-fraction": 0.01,
+    "codec-values": "fp32",
+    "codec-min-dims": 2,
+    "error-feedback": True,
+}
+ISOLOCO_RUN_CONFIG: dict[str, Any] = {
+    **DILOCO_RUN_CONFIG,
+    "merge": "iso_c",
+    "outer-lr": 1.8,
+    "outer-momentum": 0.8,
+}
+_MERGE_OPTION_KEYS = {
+    "prune-fraction": "prune_fraction",
+    "drop-rate": "drop_rate",
+    "common-fraction": "common_fraction",
+    "ns-steps": "ns_steps",
+    "spectral-pattern": "spectral_pattern",
+}
+
+
+def _off_or_at_least_one(value: float) -> None:
+    if value != 0 and not value >= 1:
+        raise ValueError("must be >= 1, or 0 for off")
+
+
+RUN_CONFIG_CHECKS: dict[str, Any] = {
+    "merge": choices(*MERGE_RULES),
+    "outer-lr": non_negative,
+    "outer-momentum": non_negative,
+    "fraction-train": in_range(0, 1),
+    "fraction-evaluate": in_range(0, 1),
+    "min-train-nodes": non_negative,
+    "min-evaluate-nodes": non_negative,
+    "min-available-nodes": non_negative,
+    "max-update-norm": non_negative,
+    "max-norm-ratio": non_negative,
+    "max-weight-ratio": _off_or_at_least_one,
+    "max-empty-rounds": non_negative,
+    "orthogonalize": choices(*ORTHOGONALIZE),
+    "weighting": choices(*WEIGHTINGS),
+    "client-sends": choices(*PAYLOADS),
+    "dtype-policy": choices("cast", "reject"),
+    "upload-codec": choices(*CODECS),
+    "codec-values": choices("fp32", "int8"),
+    "codec-block-size": in_range(1, 1 << 20),
+    "codec-min-dims": in_range(0, 8),
+    "codec-fraction": in_range(0, 1, lo_open=True),
+}
+"""Value checks per key (types come from the defaults); merge options are checked by the rule."""
+
+
+def codec_options(c: Mapping[str, Any]) -> dict[str, Any]:
+    """The chosen codec's options from the flat ``codec-*`` keys."""
+    from flwr_isoloco.compression import OPTION_KEYS, normalize_options
+
+    allowed = normalize_options(c["upload-codec"])
+    return {o: c[k] for k, o in OPTION_KEYS.items() if o in allowed}
+
+
+def read_section(
+    run_config: Mapping[str, Any],
+    defaults: Mapping[str, Any],
+    prefix: str = "strategy.",
+    ignore: Iterable[str] = APP_KEYS,
+) -> dict[str, Any]:
+    """The validated section (keys without ``prefix``, defaults filled in) of a flat run config.
+
+    Keys outside ``prefix`` and ``prefix + k`` for ``k`` in ``ignore`` are skipped. An unknown
+    key, a value of the wrong type or out of range raises ``ValueError`` naming the full key.
+    """
+    skip = {prefix + k for k in ignore}
+    mine = {k: v for k, v in run_config.items() if k.startswith(prefix) and k not in skip}
+    parts = [p for p in prefix.split(".") if p]
+    schema: dict[str, Any] = dict(defaults)  # nested under the prefix: errors name the full key
+    for part in reversed(parts):
+        schema = {part: schema}
+    cfg = read_run_config(mine, schema, {prefix + k: v for k, v in RUN_CONFIG_CHECKS.items()})
+    for part in parts:
+        cfg = cfg[part]
+    return {k: cfg[k] for k in defaults}
+
+
+def section_kwargs(c: Mapping[str, Any]) -> dict[str, Any]:
+    """DiLoCo constructor arguments from a validated section ``c`` (every key present).
+
+    Merge options at -1 / "" are left to the rule; norm bounds at 0 are off (None).
+    """
+    options = {}
+    for key, opt in _MERGE_OPTION_KEYS.items():
+        v = c[key]
+        if (isinstance(v, str) and v != "") or (not isinstance(v, str) and v >= 0):
+            options[opt] = v
+    return dict(
+        merge=c["merge"],
+        merge_options=options,
+        outer_lr=c["outer-lr"],
+        outer_momentum=c["outer-momentum"],
+        nesterov=c["nesterov"],
+        orthogonalize=c["orthogonalize"],
+        weighting=c["weighting"],
+        client_sends=c["client-sends"],
+        fraction_train=c["fraction-train"],
+        fraction_evaluate=c["fraction-evaluate"],
+        min_train_nodes=c["min-train-nodes"],
+        min_evaluate_nodes=c["min-evaluate-nodes"],
+        min_available_nodes=c["min-available-nodes"],
+        max_update_norm=c["max-update-norm"] or None,
+        max_norm_ratio=c["max-norm-ratio"] or None,
+        max_weight_ratio=c["max-weight-ratio"],
+        max_empty_rounds=c["max-empty-rounds"],
+        dtype_policy=c["dtype-policy"],
+        seed=c["seed"],
+        upload_codec=c["upload-codec"],
+        codec_options=codec_options(c),
+        error_feedback=c["error-feedback"],
+    )
+
+
+def _is_number(v: object) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def check_arguments(**args: Any) -> None:
+    """``ValueError`` naming the first constructor argument out of its range or choices."""
+    for name in ("fraction_train", "fraction_evaluate"):
+        check_fraction(name, args[name])
+    for name in ("min_train_nodes", "min_evaluate_nodes", "min_available_nodes"):
+        check_count(name, args[name])
+    for name, allowed in (
+        ("orthogonalize", ORTHOGONALIZE),
+        ("weighting", WEIGHTINGS),
+        ("client_sends", PAYLOADS),
+    ):
+        if args[name] not in allowed:
+            raise ValueError(f"{name} must be one of {allowed}, got {args[name]!r}")
+    seed, ratio = args["seed"], args["max_weight_ratio"]
+    if not isinstance(seed, int) or isinstance(seed, bool):
+        raise ValueError(f"seed must be an int, got {seed!r}")
+    if ratio is not None and not (_is_number(ratio) and (ratio == 0 or ratio >= 1)):
+        raise ValueError(f"max_weight_ratio must be >= 1, or 0/None for off, got {ratio!r}")
+
+
+class FromRunConfig:
+    """Mixin of :class:`~flwr_isoloco.strategies.DiLoCo`: construction from a run config."""
+
+    RUN_CONFIG_DEFAULTS = DILOCO_RUN_CONFIG
+
+    @classmethod
+    def from_run_config(
+        cls,
+        run_config: Mapping[str, Any],
+        prefix: str = "strategy.",
+        ignore: Iterable[str] = APP_KEYS,
+        **overrides: Any,
+    ) -> Any:
+        """Build from Flower's flat run config (keys ``strategy.<key>``, see ``RUN_CONFIG_DEFAULTS``).
+
+        Keys outside ``prefix`` are ignored, as are ``prefix + k`` for ``k`` in ``ignore`` (the
+        app's own keys such as ``strategy.name``). An unknown ``strategy.*`` key, a value of the
+        wrong type, an unknown merge rule or a negative lr raise ``ValueError`` naming it.
+        ``overrides`` are constructor arguments applied last.
+        """
+        section = read_section(run_config, cls.RUN_CONFIG_DEFAULTS, prefix, ignore)
+        return cls.from_section(section, **overrides)
+
+    @classmethod
+    def from_section(cls, section: Mapping[str, Any], **overrides: Any) -> Any:
+        """Build from an already validated section (keys of ``RUN_CONFIG_DEFAULTS`` without the
+        prefix; missing keys take their defaults), e.g. the ``strategy`` part of an app's
+        schema checked with :data:`~flwr_isoloco.strategies.diloco_config.RUN_CONFIG_CHECKS`."""
+        c = {**cls.RUN_CONFIG_DEFAULTS, **section}
+        kwargs = section_kwargs(c)
+        kwargs.update(cls._extra_from_config(c))
+        kwargs.update(overrides)
+        return cls(**kwargs)
+
+    @classmethod
+    def _extra_from_config(cls, c: Mapping[str, Any]) -> dict[str, Any]:
+        return {}

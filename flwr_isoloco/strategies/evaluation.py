@@ -1,0 +1,114 @@
+"""Federated (client-side) evaluation, shared by the strategies.
+
+Each evaluation round sends the current model to ``k = max(floor(fraction * N), min_nodes)``
+of the ``N`` candidate nodes (capped at ``N``; drawn with the strategy's seeded generator, in
+node-id order, so a run repeats) and aggregates the replies' scalar metrics as
+
+    m = sum_i w_i m_i / sum_i w_i,   w_i = num-examples_i
+
+over the replies that pass :class:`~flwr_isoloco.strategies.common.ReplyValidator` (error
+replies, missing or invalid weights are dropped and named), or with the app's
+``evaluate_metrics_aggr_fn(list[RecordDict], weighted_by_key)`` as in FedAvg.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Callable, Iterable
+
+from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
+
+from .common import ReplyValidator, SentLedger, metric_record, weighted_mean_metrics
+
+__all__ = ["FederatedEvaluation", "check_fraction", "check_count"]
+
+AggrFn = Callable[[list[RecordDict], str], MetricRecord]
+
+
+def check_fraction(name: str, value: object) -> float:
+    """``value`` as a float in [0, 1], or ``ValueError`` naming ``name``."""
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if not ok or not math.isfinite(value) or not 0.0 <= value <= 1.0:
+        raise ValueError(f"{name} must be in [0, 1], got {value!r}")
+    return float(value)
+
+
+def check_count(name: str, value: object, minimum: int = 0) -> int:
+    """``value`` as an int >= ``minimum``, or ``ValueError`` naming ``name``."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+    return value
+
+
+class FederatedEvaluation:
+    """Sample nodes, send the model, aggregate the metrics (module docstring)."""
+
+    def __init__(
+        self,
+        fraction: float,
+        min_nodes: int,
+        *,
+        seed: int = 0,
+        arrayrecord_key: str = "arrays",
+        configrecord_key: str = "config",
+        weighted_by_key: str = "num-examples",
+        aggr_fn: AggrFn | None = None,
+        what: str = "aggregate_evaluate",
+    ) -> None:
+        self.fraction = check_fraction("fraction_evaluate", fraction)
+        self.min_nodes = 0 if self.fraction == 0 else check_count("min_evaluate_nodes", min_nodes)
+        self.arrayrecord_key = arrayrecord_key
+        self.configrecord_key = configrecord_key
+        self.weighted_by_key = weighted_by_key
+        self.aggr_fn = aggr_fn
+        self.validator = ReplyValidator(
+            arrayrecord_key=arrayrecord_key,
+            weighted_by_key=weighted_by_key,
+            require_arrays=False,
+            what=what,
+        )
+        self.ledger = SentLedger()
+        self._rng = random.Random(seed)
+
+    def sample_size(self, available: int) -> int:
+        """``min(max(floor(fraction * available), min_nodes), available)``."""
+        return min(max(int(available * self.fraction), self.min_nodes), available)
+
+    def configure(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, nodes: list[int]
+    ) -> list[Message]:
+        """EVALUATE messages with ``arrays`` for a seeded sample of ``nodes``."""
+        if self.fraction == 0.0 or not nodes:
+            return []
+        chosen = self._rng.sample(sorted(nodes), self.sample_size(len(nodes)))
+        config["server-round"] = server_round
+        record = RecordDict({self.arrayrecord_key: arrays, self.configrecord_key: config})
+        msgs = [
+            Message(content=record, message_type=MessageType.EVALUATE, dst_node_id=n)
+            for n in chosen
+        ]
+        return self.ledger.remember(msgs)
+
+    def aggregate(self, replies: Iterable[Message]) -> MetricRecord | None:
+        """Weighted mean of the valid replies' metrics (never raises on a bad reply)."""
+        return aggregate_metrics(self.validator, replies, self.ledger, self.aggr_fn)
+
+
+def aggregate_metrics(
+    validator: ReplyValidator,
+    replies: Iterable[Message],
+    ledger: SentLedger,
+    aggr_fn: AggrFn | None,
+) -> MetricRecord | None:
+    """Evaluation metrics of the valid replies, plus ``replies-used`` / ``replies-rejected``."""
+    checked, report = validator.validate(replies, None, ledger)
+    if not checked:
+        return None
+    key = validator.weighted_by_key
+    if aggr_fn is not None:
+        metrics = dict(aggr_fn([r.content for r in checked], key))
+    else:
+        metrics = weighted_mean_metrics(checked, exclude=[key])
+    metrics.update({"replies-used": report.used, "replies-rejected": report.rejected})
+    return metric_record(metrics)

@@ -1,0 +1,210 @@
+"""The one server lifecycle of every flwr-isoloco strategy (DiLoCo, IsoLoCo, RW-LoRA, gossip).
+
+:meth:`ResumableStrategy.start` has Flower's ``Strategy.start`` signature and runs rounds
+``completed_rounds + 1 .. num_rounds``: all of them for a fresh strategy, the rest for one
+restored with ``load_state_dict``. Round numbers are *global* everywhere: in ``evaluate_fn``,
+in the ``Result`` keys, in the ``[ROUND k/N]`` log lines and in the ``server-round`` the
+clients receive. ``evaluate_fn(0, arrays)`` runs only for a fresh strategy (a resumed run was
+evaluated at round 0 before its checkpoint).
+
+Each round is :meth:`ResumableStrategy.run_round` (overridable: DiLoCo's is Flower's
+train + evaluate round, RW-LoRA's re-routes a failed hop), then the server-side
+``evaluate_fn``, then the round-end hook::
+
+    on_round_end(server_round, arrays, train_metrics, evaluate_metrics)
+
+given to :meth:`~ResumableStrategy.start` or set as ``strategy.on_round_end``. ``arrays`` is
+the global model (RW-LoRA: the token; gossip: the vertex average), ``train_metrics`` the
+round's aggregated train MetricRecord (or None), ``evaluate_metrics`` the client-side
+evaluation merged with ``evaluate_fn``'s result (server-side keys win; None when neither ran).
+Apps write results rows and checkpoints there; ``strategy.state_dict()`` then holds the round.
+"""
+
+from __future__ import annotations
+
+import io
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from logging import ERROR, INFO
+from typing import Any
+
+from flwr.app import ArrayRecord, ConfigRecord, MetricRecord
+from flwr.common.logger import log
+from flwr.serverapp import Grid
+from flwr.serverapp.strategy import Result, Strategy
+from flwr.serverapp.strategy.strategy_utils import log_strategy_start_info
+
+__all__ = ["ResumableStrategy", "RoundEndFn", "RoundOutcome"]
+
+RoundEndFn = Callable[[int, ArrayRecord, MetricRecord | None, MetricRecord | None], None]
+"""``fn(server_round, arrays, train_metrics, evaluate_metrics)``, called after every round."""
+
+
+@dataclass
+class RoundOutcome:
+    """What one round produced (:meth:`ResumableStrategy.run_round`).
+
+    ``arrays``: the new global model, or None when the round kept the old one (then, as in
+    Flower, ``Result.arrays`` is not updated). ``stop``: an exception to raise once the round's evaluation and round-end hook ran (e.g.
+    :class:`~flwr_isoloco.strategies.common.NoProgressError`, so the last checkpoint holds the
+    round that stopped the run).
+    """
+
+    arrays: ArrayRecord | None = None
+    train_metrics: MetricRecord | None = None
+    evaluate_metrics: MetricRecord | None = None
+    stop: Exception | None = None
+
+
+class ResumableStrategy(Strategy):
+    """A Flower ``Strategy`` whose :meth:`start` resumes and numbers rounds globally.
+
+    Subclasses provide :attr:`completed_rounds`, :meth:`current_arrays`, :meth:`prepare`
+    and (unless Flower's configure/aggregate round fits) :meth:`run_round`.
+    """
+
+    on_round_end: RoundEndFn | None = None
+
+    # ----------------------------------------------------------------- subclass interface
+    @property
+    def completed_rounds(self) -> int:
+        """Rounds already run (0 for a fresh strategy; the checkpoint's round once restored)."""
+        raise NotImplementedError
+
+    def current_arrays(self) -> ArrayRecord:
+        """The global model as it is now."""
+        raise NotImplementedError
+
+    def prepare(self, grid: Grid, initial_arrays: ArrayRecord, timeout: float) -> None:
+        """Adopt ``initial_arrays`` (unless restored) and set up before the first round."""
+
+    def run_round(
+        self,
+        grid: Grid,
+        server_round: int,
+        train_config: ConfigRecord,
+        evaluate_config: ConfigRecord,
+        timeout: float,
+    ) -> RoundOutcome:
+        """One round as Flower runs it: configure/send/aggregate train, then evaluate."""
+        arrays = self.current_arrays()
+        replies = grid.send_and_receive(
+            messages=self.configure_train(server_round, arrays, train_config, grid),
+            timeout=timeout,
+        )
+        new_arrays, train_metrics = self.aggregate_train(server_round, replies)
+        replies = grid.send_and_receive(
+            messages=self.configure_evaluate(
+                server_round, self.current_arrays(), evaluate_config, grid
+            ),
+            timeout=timeout,
+        )
+        evaluate_metrics = self.aggregate_evaluate(server_round, replies)
+        return RoundOutcome(new_arrays, train_metrics, evaluate_metrics)
+
+    # ----------------------------------------------------------------- the loop
+    def start(
+        self,
+        grid: Grid,
+        initial_arrays: ArrayRecord,
+        num_rounds: int = 3,
+        timeout: float = 3600,
+        train_config: ConfigRecord | None = None,
+        evaluate_config: ConfigRecord | None = None,
+        evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None = None,
+        on_round_end: RoundEndFn | None = None,
+    ) -> Result:
+        """Run rounds ``completed_rounds + 1 .. num_rounds`` (module docstring).
+
+        ``num_rounds`` is the run's total, so a resumed strategy given the same number
+        finishes the same run. ``on_round_end`` (default: ``self.on_round_end``) is called
+        after every round with global round numbers.
+        """
+        log(INFO, "Starting %s strategy:", self.__class__.__name__)
+        log_strategy_start_info(num_rounds, initial_arrays, train_config, evaluate_config)
+        self.summary()
+        log(INFO, "")
+        train_config = ConfigRecord() if train_config is None else train_config
+        evaluate_config = ConfigRecord() if evaluate_config is None else evaluate_config
+        hook = on_round_end if on_round_end is not None else self.on_round_end
+        result = Result()
+        t0 = time.time()
+        self.prepare(grid, initial_arrays, timeout)
+        done = self.completed_rounds
+        if done >= num_rounds:
+            log(INFO, "%s: all %d rounds already done", self.__class__.__name__, num_rounds)
+            result.arrays = self.current_arrays()
+        elif done:
+            log(
+                INFO,
+                "%s: resuming at round %d of %d",
+                self.__class__.__name__,
+                done + 1,
+                num_rounds,
+            )
+        if evaluate_fn is not None and done == 0:
+            res = evaluate_fn(0, self.current_arrays())
+            log(INFO, "Initial global evaluation results: %s", res)
+            if res is not None:
+                result.evaluate_metrics_serverapp[0] = res
+        for server_round in range(done + 1, num_rounds + 1):
+            log(INFO, "")
+            log(INFO, "[ROUND %s/%s]", server_round, num_rounds)
+            out = self.run_round(
+                grid,
+                server_round,
+                ConfigRecord(dict(train_config)),
+                ConfigRecord(dict(evaluate_config)),
+                timeout,
+            )
+            self._finish_round(server_round, out, result, evaluate_fn, hook)
+        self._log_result(result, t0)
+        return result
+
+    def _finish_round(
+        self,
+        server_round: int,
+        out: RoundOutcome,
+        result: Result,
+        evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None,
+        hook: RoundEndFn | None,
+    ) -> None:
+        """Record the round in ``result``, run ``evaluate_fn`` and the hook, then ``out.stop``."""
+        if out.arrays is not None:
+            result.arrays = out.arrays
+        if out.train_metrics is not None:
+            log(INFO, "\t└──> Aggregated MetricRecord: %s", out.train_metrics)
+            result.train_metrics_clientapp[server_round] = out.train_metrics
+        if out.evaluate_metrics is not None:
+            log(INFO, "\t└──> Aggregated MetricRecord: %s", out.evaluate_metrics)
+            result.evaluate_metrics_clientapp[server_round] = out.evaluate_metrics
+        arrays = self.current_arrays()
+        res = None
+        if evaluate_fn is not None:
+            log(INFO, "Global evaluation")
+            res = evaluate_fn(server_round, arrays)
+            log(INFO, "\t└──> MetricRecord: %s", res)
+            if res is not None:
+                result.evaluate_metrics_serverapp[server_round] = res
+        if hook is not None:
+            merged: dict[str, Any] = {**(out.evaluate_metrics or {}), **(res or {})}
+            hook(server_round, arrays, out.train_metrics, MetricRecord(merged) if merged else None)
+        self._after_round(server_round)
+        if out.stop is not None:
+            log(ERROR, "%s", out.stop)
+            raise out.stop
+
+    def _after_round(self, server_round: int) -> None:
+        """Subclass hook after the round-end hook (the graph strategies' ``round_end_fn``)."""
+
+    @staticmethod
+    def _log_result(result: Result, t0: float) -> None:
+        log(INFO, "")
+        log(INFO, "Strategy execution finished in %.2fs", time.time() - t0)
+        log(INFO, "")
+        log(INFO, "Final results:")
+        log(INFO, "")
+        for line in io.StringIO(str(result)):
+            log(INFO, "\t%s", line.strip("\n"))
+        log(INFO, "")
