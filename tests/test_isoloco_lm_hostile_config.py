@@ -31,6 +31,10 @@ from test_isoloco_lm_app import corpus, tiny  # noqa: E402,F401  (fixtures)
         ({"torch-threads": 0}, r"'torch-threads' has bad value 0"),
         ({"strategy.max-weight-ratio": 0.5}, r"'strategy\.max-weight-ratio'.*>= 1, or 0"),
         ({"strategy.max-empty-rounds": -1}, r"'strategy\.max-empty-rounds'"),
+        (
+            {"num-server-rounds": 2, "train.local-steps": 5, "train.warmup-steps": 11},
+            r"'train\.warmup-steps' = 11 is longer than the run \(2 rounds x 5 local steps = 10\)",
+        ),
     ],
 )
 def test_out_of_range_values_are_refused(override, pattern):

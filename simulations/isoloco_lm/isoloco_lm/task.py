@@ -184,6 +184,12 @@ def load_config(run_config: Mapping[str, Any]) -> DictConfig:
                     f"run-config key 'strategy.{key}' = {s[key]!r} conflicts with strategy.name "
                     "'fedavg' (FedAvg is mean merge, outer lr 1, no momentum); use 'diloco'"
                 )
+    t, steps = cfg.train, cfg["num-server-rounds"] * cfg.train["local-steps"]
+    if t["warmup-steps"] > steps:
+        raise RunConfigError(
+            f"run-config key 'train.warmup-steps' = {t['warmup-steps']} is longer than the run "
+            f"({cfg['num-server-rounds']} rounds x {t['local-steps']} local steps = {steps})"
+        )
     if s.fast and s.name != "isoloco":
         raise RunConfigError(
             f"run-config key 'strategy.fast' = true needs strategy.name 'isoloco', got {s.name!r}"
