@@ -84,6 +84,27 @@ def find_cell(records: list[dict[str, Any]], key: tuple) -> dict[str, Any] | Non
     return next((r for r in records if cell_key(r) == key), None)
 
 
+def same_run_methods(method: str, outer_momentum: float | None) -> list[str]:
+    """Methods that run the identical computation as ``method`` at this momentum: with
+    ``mu = 0`` the Nesterov switch is off, so only the merge rule matters (FedAvg is DiLoCo at
+    lr 1, mu 0; Iso-C SGD is IsoLoCo at mu 0)."""
+    if method == "dp-adamw" or outer_momentum != 0.0:
+        return [method]
+    rule = lib.METHODS[method][0]
+    return [m for m, (r, _, _) in lib.METHODS.items() if r == rule]
+
+
+def find_twin(key: tuple, paths: list[Path]) -> dict[str, Any] | None:
+    """A finished record of the same computation under another method name (or file)."""
+    fields = dict(zip(KEY_FIELDS, key))
+    for path in paths:
+        for m in same_run_methods(fields["method"], fields["outer_momentum"]):
+            rec = find_cell(load_records(path), (m, *key[1:]))
+            if rec is not None:
+                return rec
+    return None
+
+
 # ----------------------------------------------------------------------------- tuned values
 def grid_records(tuning: list[dict[str, Any]], method: str, workers: int, quick: bool) -> list[dict]:
     return [r for r in tuning if r["method"] == method and r["workers"] == workers
@@ -168,6 +189,16 @@ def ensure_cell(method, workers, seed, hp, args, path: Path, protocol="main", **
     if done is not None:
         print(f"[lm_sweep] skip (done): {dict(zip(KEY_FIELDS, key))}", flush=True)
         return done
+    twin = find_twin(key, [args.tuning_file, args.out])
+    if twin is not None:  # the same computation already ran (e.g. a grid point): reuse it
+        rec = {**{k: v for k, v in twin.items() if k not in ("grid", "note", "copied_from")},
+               "method": method, "protocol": protocol, **extra,
+               "copied_from": {k: twin.get(k) for k in ("method", "hp_source", "started_utc")}}
+        rec.update({k: v for k, v in hp.items() if k not in ("outer_lr", "outer_momentum")})
+        append_record(path, rec)
+        print(f"[lm_sweep] {method} M={workers} seed={seed}: reused the identical run "
+              f"{rec['copied_from']}", flush=True)
+        return rec
     rec = {**run_cell(method, workers, seed, hp, args, protocol), **extra}
     append_record(path, rec)
     print(f"[lm_sweep] {method} M={workers} seed={seed} lr={hp['outer_lr']} "

@@ -110,3 +110,10 @@ def test_quick_sweep_records_resumes_and_repeats(tmp_path):
     assert abs(again["val_loss"] - iso["val_loss"]) < 1e-5
     assert abs(again["test_loss"] - iso["test_loss"]) < 1e-5
     assert again["model_cache"] is False and iso["model_cache"] is True
+
+
+def test_identical_runs_are_recognised_across_method_names():
+    assert set(lm_sweep.same_run_methods("fedavg", 0.0)) == {"fedavg", "diloco", "diloco-sgd"}
+    assert set(lm_sweep.same_run_methods("iso_c-sgd", 0.0)) == {"iso_c-sgd", "isoloco"}
+    assert lm_sweep.same_run_methods("diloco", 0.9) == ["diloco"]  # Nesterov on: a different run
+    assert lm_sweep.same_run_methods("dp-adamw", None) == ["dp-adamw"]
