@@ -37,7 +37,6 @@ import lm_sweep_lib as lib  # noqa: E402
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results" / "lm_sweep.json"
 TUNING = REPO / "benchmarks" / "results" / "lm_tuning.json"
-PROTOCOLS = ("main",)
 KEY_FIELDS = ("method", "protocol", "workers", "seed", "outer_lr", "outer_momentum",
               "inner_steps", "rounds", "quick")
 RATIO = math.sqrt(2.0)  # grid spacing, and the step of each automatic extension
@@ -149,14 +148,14 @@ def tuned_hp(method: str, workers: int, tuning: list[dict[str, Any]], quick: boo
 
 # ----------------------------------------------------------------------------- one cell
 def run_cell(method: str, workers: int, seed: int, hp: dict[str, Any], args, protocol: str) -> dict:
-    size = lib.SIZES["quick" if args.quick else "main"]
+    size = lib.protocol_size(protocol, workers, args.quick, args.inner_steps)
     load0 = os.getloadavg()
     t0 = time.time()
     if method == "dp-adamw":
         out = lib.run_dp_adamw(workers, seed, size)
     else:
         out = lib.run_flower(method, workers, seed, hp["outer_lr"], hp["outer_momentum"], size,
-                             ray_address=args.ray_address, num_cpus=args.num_cpus,
+                             protocol=protocol, ray_address=args.ray_address, num_cpus=args.num_cpus,
                              model_cache=not args.no_model_cache)
     merge_rule, momentum, _ = lib.METHODS[method]
     return {
@@ -182,9 +181,9 @@ def run_cell(method: str, workers: int, seed: int, hp: dict[str, Any], args, pro
 
 def ensure_cell(method, workers, seed, hp, args, path: Path, protocol="main", **extra) -> dict:
     """Run the cell unless it is in ``path`` (then return that record); append it at once."""
+    size = lib.protocol_size(protocol, workers, args.quick, args.inner_steps)
     key = (method, protocol, workers, seed, hp["outer_lr"], hp["outer_momentum"],
-           lib.SIZES["quick" if args.quick else "main"]["inner_steps"],
-           lib.SIZES["quick" if args.quick else "main"]["rounds"], bool(args.quick))
+           size["inner_steps"], size["rounds"], bool(args.quick))
     done = find_cell(load_records(path), key)
     if done is not None:
         print(f"[lm_sweep] skip (done): {dict(zip(KEY_FIELDS, key))}", flush=True)
@@ -263,7 +262,8 @@ def parse_args(argv=None):
     ap.add_argument("--tuning-file", type=Path, default=TUNING)
     ap.add_argument("--outer-lr", type=float, default=None)
     ap.add_argument("--outer-momentum", type=float, default=None)
-    ap.add_argument("--protocol", default="main", choices=PROTOCOLS)
+    ap.add_argument("--protocol", default="main", choices=lib.PROTOCOLS)
+    ap.add_argument("--inner-steps", type=int, default=None, help="H (only with --protocol h-sweep)")
     ap.add_argument("--tune", action="store_true", help="run the tuning grid (seed 0)")
     ap.add_argument("--quick", action="store_true", help="tiny sizing (tests)")
     ap.add_argument("--ray-address", default=None, help="existing Ray cluster (e.g. auto, host:6379)")
@@ -273,9 +273,13 @@ def parse_args(argv=None):
     args = ap.parse_args(argv)
     if args.workers is None:
         args.workers = [TUNE_WORKERS] if args.tune else [1, 8, 32, 128]
+    if args.tune and args.protocol != "main":
+        raise SystemExit("--tune runs on the main protocol")
     for m in args.workers:
-        if m < 1 or 128 % m:
-            raise SystemExit(f"M = {m} does not divide the global batch of 128")
+        try:
+            lib.protocol_size(args.protocol, m, args.quick, args.inner_steps)
+        except ValueError as exc:
+            raise SystemExit(f"M = {m}: {exc}") from None
     return args
 
 

@@ -49,6 +49,42 @@ SIZES: dict[str, dict[str, Any]] = {
         "curve_tokens": 2048, "eval_tokens": 4096,
     },
 }
+PROTOCOLS = ("main", "per-worker-batch", "h-sweep", "large-model", "iso_c-no-embed")
+PER_WORKER_BATCH = 8  # per-worker-batch protocol: G = 8 M, rounds = N / (H G) = 320 / M (main N)
+NO_EMBED_PATTERN = r"layers\."  # iso_c-no-embed: Iso-C on the blocks, mean on embedding / head
+
+
+def protocol_size(protocol: str, workers: int, quick: bool = False,
+                  inner_steps: int | None = None) -> dict[str, Any]:
+    """Sizing of one cell (see docs/results-lm.md, "Sweep protocol"); ValueError if M does
+    not fit the protocol. Every protocol keeps the main run's N = rounds * H * G sequences
+    (``h-sweep``: rounds = round(main steps / H), so N changes by < 5% at H = 30)."""
+    base = dict(SIZES["quick" if quick else "main"])
+    steps = base["rounds"] * base["inner_steps"]
+    if protocol in ("main", "iso_c-no-embed"):
+        size = base
+    elif protocol == "large-model":  # ~4x the parameters (2.16M vs 0.53M)
+        size = {**base, "hidden": base["hidden"] * 2, "layers": base["layers"] + 1,
+                "heads": base["heads"] * 2}
+    elif protocol == "per-worker-batch":
+        n = num_rows(base)
+        g = PER_WORKER_BATCH * workers
+        if n % (g * base["inner_steps"]):
+            raise ValueError(f"per-worker-batch: {n} sequences do not make whole rounds at M = {workers}")
+        size = {**base, "global_batch": g, "rounds": n // (g * base["inner_steps"])}
+    elif protocol == "h-sweep":
+        if not inner_steps or inner_steps < 1:
+            raise ValueError("h-sweep needs --inner-steps H")
+        size = {**base, "inner_steps": inner_steps, "rounds": max(1, round(steps / inner_steps))}
+    else:
+        raise ValueError(f"unknown protocol {protocol!r}; known: {PROTOCOLS}")
+    if inner_steps and protocol != "h-sweep":
+        raise ValueError("--inner-steps is for --protocol h-sweep")
+    if size["global_batch"] % workers:
+        raise ValueError(f"global batch {size['global_batch']} is not divisible by M = {workers}")
+    return size
+
+
 DATA = {"corpora": None, "chunk_chars": 8192, "period": 20}  # None: every installed corpus
 
 # method -> (merge rule, Nesterov momentum?, fallback (outer lr, outer momentum) when untuned)
@@ -232,20 +268,28 @@ def client_train(msg, context):
     return handler(msg, context)
 
 
-def make_strategy(method: str, workers: int, outer_lr: float, outer_momentum: float, seed: int):
-    """DiLoCo-family strategy of ``method`` (:data:`METHODS`); server-side evaluation only."""
+def make_strategy(method: str, workers: int, outer_lr: float, outer_momentum: float, seed: int,
+                  protocol: str = "main"):
+    """DiLoCo-family strategy of ``method`` (:data:`METHODS`); server-side evaluation only.
+    ``iso_c-no-embed``: Iso-C only on tensors matching :data:`NO_EMBED_PATTERN`."""
     from flwr_isoloco.strategies import DiLoCo
 
     merge_rule = METHODS[method][0]
+    options = {}
+    if protocol == "iso_c-no-embed":
+        if merge_rule not in ("iso_c", "iso_cts", "tsv_m"):
+            raise ValueError(f"iso_c-no-embed needs a spectral method, got {method!r}")
+        options = {"spectral_pattern": NO_EMBED_PATTERN}
     return DiLoCo(
-        merge=merge_rule, outer_lr=outer_lr, outer_momentum=outer_momentum, nesterov=True,
+        merge=merge_rule, merge_options=options, outer_lr=outer_lr,
+        outer_momentum=outer_momentum, nesterov=True,
         min_train_nodes=workers, min_available_nodes=workers, fraction_evaluate=0.0,
         min_evaluate_nodes=0, seed=seed,
     )
 
 
 def run_flower(method: str, workers: int, seed: int, outer_lr: float, outer_momentum: float,
-               size: dict[str, Any], *, ray_address: str | None = None,
+               size: dict[str, Any], *, protocol: str = "main", ray_address: str | None = None,
                num_cpus: int | None = None, model_cache: bool = True) -> dict[str, Any]:
     """One real Flower simulation (Ray) of ``method`` at M = ``workers``; returns the losses."""
     from flwr.app import ArrayRecord, ConfigRecord
@@ -266,7 +310,7 @@ def run_flower(method: str, workers: int, seed: int, outer_lr: float, outer_mome
     @server.main()
     def main(grid, context) -> None:
         torch.set_num_threads(1)
-        strategy = make_strategy(method, workers, outer_lr, outer_momentum, seed)
+        strategy = make_strategy(method, workers, outer_lr, outer_momentum, seed, protocol)
         ev = ServerEval(size, seed, size["rounds"])
         initial = ArrayRecord(build_model(size, seed).state_dict())
         config = ConfigRecord({"num-server-rounds": size["rounds"], "sweep.spec": json.dumps(spec)})

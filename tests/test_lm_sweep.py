@@ -117,3 +117,29 @@ def test_identical_runs_are_recognised_across_method_names():
     assert set(lm_sweep.same_run_methods("iso_c-sgd", 0.0)) == {"iso_c-sgd", "isoloco"}
     assert lm_sweep.same_run_methods("diloco", 0.9) == ["diloco"]  # Nesterov on: a different run
     assert lm_sweep.same_run_methods("dp-adamw", None) == ["dp-adamw"]
+
+
+def test_secondary_protocols_keep_the_token_budget():
+    main = lib.protocol_size("main", 8)
+    n = lib.num_rows(main)
+    for m, rounds in ((4, 80), (16, 20), (64, 5)):  # per-worker-batch: 8 sequences per worker
+        s = lib.protocol_size("per-worker-batch", m)
+        assert (s["global_batch"], s["rounds"], lib.num_rows(s)) == (8 * m, rounds, n)
+    with pytest.raises(ValueError):
+        lib.protocol_size("per-worker-batch", 128)  # 25,600 sequences make no whole rounds
+    assert [lib.protocol_size("h-sweep", 8, inner_steps=h)["rounds"] for h in (10, 30, 100)] == [20, 7, 2]
+    with pytest.raises(ValueError):
+        lib.protocol_size("main", 8, inner_steps=30)
+    with pytest.raises(ValueError):
+        lib.protocol_size("main", 3)  # 128 is not divisible by 3
+    big = sum(p.numel() for p in lib.build_model(lib.protocol_size("large-model", 8), 0).parameters())
+    small = sum(p.numel() for p in lib.build_model(main, 0).parameters())
+    assert small == 529_056 and 3.5 < big / small < 4.5
+
+
+def test_iso_c_no_embed_leaves_embedding_and_head_to_the_mean():
+    strat = lib.make_strategy("isoloco", 8, 1.8, 0.8, 0, protocol="iso_c-no-embed")
+    assert strat.merge_name == "iso_c" and strat.merge_options == {"spectral_pattern": r"layers\."}
+    assert lib.make_strategy("isoloco", 8, 1.8, 0.8, 0).merge_options == {}
+    with pytest.raises(ValueError):
+        lib.make_strategy("diloco", 8, 0.7, 0.9, 0, protocol="iso_c-no-embed")
