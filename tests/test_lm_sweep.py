@@ -143,3 +143,15 @@ def test_iso_c_no_embed_leaves_embedding_and_head_to_the_mean():
     assert lib.make_strategy("isoloco", 8, 1.8, 0.8, 0).merge_options == {}
     with pytest.raises(ValueError):
         lib.make_strategy("diloco", 8, 0.7, 0.9, 0, protocol="iso_c-no-embed")
+
+
+def test_report_tables_mark_the_optimum_and_average_seeds():
+    import lm_sweep_report as rep
+
+    grid = [_rec("isoloco", lr, mu, v) for lr, mu, v in ((1.3, 0.8, 3.9), (1.8, 0.8, 3.8), (1.8, 0.9, 3.85))]
+    table = rep.tuning_table(grid)
+    assert "| 0.8 | 3.9000 | 3.8000* |" in table and "| 0.9 |  | 3.8500 |" in table
+    cells = [{**_rec("diloco", 0.5, 0.9, 4.0 + s), "seed": s, "test_loss": 4.0 + 0.1 * s, "hp_source": "tuned-M8"}
+             for s in range(3)]
+    row = rep.main_table(cells, "main").splitlines()[-1]
+    assert row.startswith("| diloco | 8 | 3 | 4.1000 | 0.1000 | 5.0000 |")
