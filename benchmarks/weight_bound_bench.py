@@ -148,12 +148,17 @@ def main() -> None:
     args = ap.parse_args()
     here = str(Path(__file__).parent)
     os.environ["PYTHONPATH"] = os.pathsep.join(
-        p for p in (here, str(REPO / "simulations" / "isoloco_lm"), os.environ.get("PYTHONPATH", "")) if p
+        p
+        for p in (here, str(REPO / "simulations" / "isoloco_lm"), os.environ.get("PYTHONPATH", ""))
+        if p
     )
     done = json.loads(args.out.read_text()) if args.out.exists() else []
     for strategy in args.strategies:
         for case in args.cases:
-            if any(r["strategy"] == strategy and r["case"] == case and r["quick"] == args.quick for r in done):
+            if any(
+                r["strategy"] == strategy and r["case"] == case and r["quick"] == args.quick
+                for r in done
+            ):
                 continue
             rec = run_case(strategy, case, args.quick)
             print(json.dumps(rec), flush=True)

@@ -12,7 +12,7 @@ matrix and vector here is indexed by :func:`vertex_list` (ints ascending, then s
 - :func:`stationary_distribution`, :func:`spectral_gap`, :func:`total_variation`.
 - :func:`metropolis_mixing_weights`: gossip weights ``W_ij = 1/(1 + max(d_i, d_j))``.
 - :class:`RandomWalk`: a seeded walk with re-routing around failed vertices and a plain
-  (JSON-able) ``state_dict``.
+  (JSON-able) ``state_dict``. Dead vertices and the live-graph walk: :mod:`flwr_isoloco.walk`.
 """
 
 from __future__ import annotations
@@ -434,8 +434,8 @@ class RandomWalk:
     from ``initial`` (default: the stationary distribution of ``P``) unless ``start`` is given.
     ``draw(exclude)`` samples the next vertex from the current row restricted to vertices not in
     ``exclude`` (renormalised; ``None`` when nothing is left) without moving; ``move_to(v)``
-    moves (``v`` must have ``P[pos, v] > 0``); ``step(exclude)`` = draw + move. RNG: numpy PCG64;
-    ``state_dict()`` is plain ints/lists/strs (JSON, no pickle).
+    moves (``v`` must have ``P[pos, v] > 0`` or be the current vertex); ``step(exclude)`` =
+    draw + move. RNG: numpy PCG64; ``state_dict()`` is plain ints/lists/strs (JSON, no pickle).
     """
 
     def __init__(
@@ -501,9 +501,18 @@ class RandomWalk:
             i -= 1
         return self.vertices[i]
 
+    def set_transition(self, P: np.ndarray) -> None:
+        """Swap the transition matrix (same vertices; position and RNG unchanged), e.g. for the
+        live graph while some vertices are dead (:mod:`flwr_isoloco.walk`)."""
+        P = _check_stochastic(P)
+        if P.shape != self.P.shape:
+            raise ValueError(f"RandomWalk.set_transition: shape {P.shape}, expected {self.P.shape}")
+        self.P = P
+
     def move_to(self, v: Any) -> None:
+        """Move to ``v``: an edge of ``P`` (``P[pos, v] > 0``), or stay where the walk is."""
         j = self._check_vertex(v)
-        if self.position is not None:
+        if self.position is not None and v != self.position:
             i = self._check_vertex(self.position)
             if self.P[i, j] <= 0:
                 raise ValueError(f"cannot move from vertex {self.position!r} to {v!r}: not an edge")

@@ -27,6 +27,8 @@ from omegaconf import DictConfig, OmegaConf
 __all__ = [
     "RunConfigError",
     "prepare_output_dir",
+    "SEED_MAX",
+    "THREADS_MAX",
     "read_run_config",
     "flatten",
     "unflatten",
@@ -38,6 +40,12 @@ __all__ = [
     "absolute_path",
     "existing_path",
 ]
+
+SEED_MAX = 2**32 - 1
+"""Largest ``seed`` an app accepts: numpy, torch and PCG64 all take it (and derived seeds stay
+within ``manual_seed``'s range); larger values used to overflow per-node generators."""
+THREADS_MAX = 256
+"""Largest ``torch-threads`` an app accepts (``torch.set_num_threads(100000)`` segfaults)."""
 
 Validator = Callable[[Any], None]
 """A validator takes the (type-checked) value and raises ``ValueError(reason)`` if it is bad."""

@@ -11,6 +11,7 @@ from test_rwlora_strategy import HANDLERS, NBYTES, SHAPES, arm, client_update, i
 from flwr_isoloco.checkpoint import load_checkpoint, save_checkpoint
 from flwr_isoloco.graphs import build_graph, metropolis_mixing_weights
 from flwr_isoloco.strategies import GossipLoRA
+from flwr_isoloco.strategies.common import NoProgressError
 from flwr_isoloco.strategies.gossip import mix
 
 torch.set_num_threads(1)
@@ -209,3 +210,34 @@ def test_offline_node_keeps_its_adapter():
     m = res.train_metrics_clientapp[3]
     assert m["bytes-relayed"] == 2 * 3 * NBYTES and m["trained"] == 3
     assert all("offline" in why for _, _, why in s.failure_log)
+
+
+def test_run_where_no_vertex_trains_stops_with_no_progress_error():
+    grid = FakeGrid(HANDLERS, num_nodes=3)
+    s = GossipLoRA("complete", num_vertices=3)
+    s.setup(grid, timeout=5)
+    for node in range(3):
+        grid.set_fault(node, "raise")
+    with pytest.raises(NoProgressError, match=r"3 consecutive rounds \(up to round 3\)"):
+        run(s, grid, 10)
+    assert s.round == 3 and s.failures == 9
+    assert "ClientApp raised" in str(s.failure_log[-1])
+    off = GossipLoRA("complete", num_vertices=3, max_empty_rounds=0)
+    grid.clear_faults()
+    off.setup(grid, timeout=5)
+    for node in range(3):
+        grid.set_fault(node, "timeout")
+    run(off, grid, 5)
+    assert off.round == 5 and off.failures == 15
+
+
+def test_vertex_adapters_are_each_vertex_own_and_average_is_their_mean():
+    grid = FakeGrid(HANDLERS, num_nodes=4)
+    s = GossipLoRA("ring", num_vertices=4)
+    res = run(s, grid, 2)
+    own = {v: a.to_torch_state_dict() for v, a in s.vertex_adapters().items()}
+    assert sorted(own) == [0, 1, 2, 3]
+    assert len({value(a) for a in own.values()}) > 1  # the ring has not reached consensus
+    avg = res.arrays.to_torch_state_dict()
+    for k in avg:
+        torch.testing.assert_close(avg[k], torch.stack([own[v][k] for v in own]).mean(0))

@@ -76,6 +76,7 @@ def test_n_rounds_equal_half_resume_half_exactly(tmp_path, strategy, extra):
     assert m_full["round"] == m_rest["round"] == 4
     assert m_full["totals"] == m_rest["totals"]
     keys = ("round", "local-updates", "bytes-relayed", "bytes-p2p", "test-accuracy", "walk-vertex")
+    keys += ("test-accuracy-vertex-mean", "test-loss-vertex-mean")
     rows = lambda res: [{k: r.get(k) for k in keys} for r in res["rounds"]]  # noqa: E731
     assert rows(res_full) == rows(res_rest)
     assert res_rest["status"] == "completed" and len(res_rest["rounds"]) == 5  # rounds 0..4
@@ -90,6 +91,13 @@ def test_n_rounds_equal_half_resume_half_exactly(tmp_path, strategy, extra):
         assert last["local-updates"] == 4
     if strategy == "fedavg":
         assert res_full["rounds"][-1]["local-updates"] == 4 * 3
+    evals = [r for r in res_full["rounds"] if "test-accuracy" in r]
+    assert [r["round"] for r in evals] == [0, 2, 4]
+    # gossip reports both the A/B-averaged adapter and the mean of each vertex's own adapter
+    assert all(("test-accuracy-vertex-mean" in r) == (strategy == "gossip") for r in evals)
+    if strategy == "gossip":
+        assert all(0 <= r["test-accuracy-vertex-mean"] <= 1 for r in evals)
+        assert evals[0]["test-accuracy-vertex-mean"] == evals[0]["test-accuracy"]  # same init
 
 
 @pytest.mark.parametrize(
@@ -104,6 +112,15 @@ def test_n_rounds_equal_half_resume_half_exactly(tmp_path, strategy, extra):
         ({"strategy.transition": "greedy"}, "strategy.transition"),
         ({"lora.r": 0}, "lora.r"),
         ({"strategy.carry-optimizer-state": True, "strategy.name": "gossip"}, "carry-optimizer"),
+        ({"seed": 2**32}, "seed"),
+        ({"seed": -1}, "seed"),
+        ({"seed": 1.5}, "seed"),
+        ({"torch-threads": 100000}, "torch-threads"),
+        ({"torch-threads": 0}, "torch-threads"),
+        ({"strategy.max-empty-rounds": -1}, "strategy.max-empty-rounds"),
+        ({"strategy.dead-after": -2}, "strategy.dead-after"),
+        ({"strategy.dead-backoff": 0}, "strategy.dead-backoff"),
+        ({"strategy.dead-backoff-max": 4}, "strategy.dead-backoff-max"),
     ],
 )
 def test_bad_run_config_is_named(override, key):
@@ -177,3 +194,56 @@ def test_pyproject_config_matches_schema_defaults():
     readme = (APP / "README.md").read_text()
     missing = [k for k in flatten(DEFAULTS) if f"`{k}`" not in readme]
     assert not missing, f"README.md does not document {missing}"
+
+
+def _set_train_metric(key, value):
+    def corrupt(reply):
+        rec = reply.content.metric_records.get("metrics") if reply.has_content() else None
+        if rec is not None and reply.metadata.message_type == "train":
+            rec[key] = value
+        return reply
+
+    return corrupt
+
+
+@pytest.mark.parametrize(
+    "key, value",
+    [("local-steps", float("nan")), ("data-cursor", [1, 2]), ("partition-id", float("inf"))],
+)
+def test_hostile_client_metric_drops_the_reply_not_the_server(tmp_path, key, value):
+    """B3: NaN / inf / a list in a metric the server reads crashed the ServerApp."""
+    rc = {**TINY, "output-dir": str(tmp_path / "run"), "num-server-rounds": 4, "eval-every": 4}
+    grid = FakeGrid(client_app, num_nodes=3, run_config=rc)
+    grid.set_fault(1, _set_train_metric(key, value))
+    out = run_server(grid, rc, settle_s=0.05)
+    res = json.loads((out / "results.json").read_text())
+    assert res["status"] == "completed"
+    last = res["rounds"][-1]
+    assert last["hop-failures-total"] >= 1  # vertex 1's hops were refused ...
+    assert last["local-updates"] == 4  # ... and re-routed: every round trained elsewhere
+    assert all(r.get("walk-vertex") != 1 for r in res["rounds"][1:])
+    _, meta = load_checkpoint(out / CHECKPOINT)
+    assert "1" not in meta["cursors"]  # the bad reply's cursor was not recorded
+
+
+def test_seed_at_the_top_of_its_range_trains(tmp_path):
+    """B5: a large seed must not overflow a generator; the run must train, not just finish."""
+    out, res = _run(tmp_path, "big", **{"seed": 2**32 - 1, "num-server-rounds": 2})
+    assert res["status"] == "completed"
+    assert res["rounds"][-1]["local-updates"] == 2 and res["rounds"][-1]["hop-failures-total"] == 0
+
+
+def test_run_that_uses_no_reply_stops_with_an_error(tmp_path):
+    """B5: every reply dropped -> NoProgressError after strategy.max-empty-rounds, status failed."""
+    from flwr_isoloco.strategies.common import NoProgressError
+
+    rc = {**TINY, "output-dir": str(tmp_path / "run"), "num-server-rounds": 6, "eval-every": 6}
+    grid = FakeGrid(client_app, num_nodes=3, run_config=rc)
+    for node in range(3):
+        grid.set_fault(node, _set_train_metric("local-steps", -5))
+    with pytest.raises(NoProgressError, match="3 consecutive rounds"):
+        run_server(grid, rc, settle_s=0.05)
+    res = json.loads((tmp_path / "run" / "results.json").read_text())
+    assert res["status"] == "failed" and "max-empty-rounds=3" in res["error"]
+    assert [r["round"] for r in res["rounds"]] == [0, 1, 2, 3]
+    assert res["rounds"][-1]["local-updates"] == 0

@@ -14,6 +14,7 @@ from flwr.serverapp.strategy import Strategy
 from flwr_isoloco.checkpoint import load_checkpoint, save_checkpoint
 from flwr_isoloco.graphs import build_graph
 from flwr_isoloco.strategies import RWLoRA
+from flwr_isoloco.strategies.common import NoProgressError
 
 torch.set_num_threads(1)
 
@@ -175,7 +176,7 @@ def test_token_survives_a_failing_node_and_the_walk_reroutes(fault):
 
 
 @pytest.mark.filterwarnings("ignore::flwr_isoloco.graphs.PeriodicWalkWarning")  # path graphs
-def test_all_neighbours_fail_token_stays_and_run_goes_on():
+def test_no_other_neighbour_left_token_trains_again_then_run_stops_when_all_fail():
     grid = FakeGrid(HANDLERS, num_nodes=2)
     s = RWLoRA("0-1", seed=0, start_vertex=0)
     res = run(s, grid, 1)
@@ -183,13 +184,35 @@ def test_all_neighbours_fail_token_stays_and_run_goes_on():
     s2 = RWLoRA("0-1", seed=0, start_vertex=0, max_reroutes=3)
     arm(s2, grid, 1, "raise")
     s2.load_state_dict(json_roundtrip(s.state_dict()))
-    res = run(s2, grid, 4)  # vertex 0's only neighbour (and the only move) is dead
-    for r in (2, 3, 4):
-        m = res.train_metrics_clientapp[r]
-        assert m["hop-ok"] == 0 and m["walk-vertex"] == -1 and m["attempts"] == 1
-    assert s2.trajectory == [0]
-    assert s2.walk.position == 0
-    assert_token(res, replay([0], 1))
+    res = run(s2, grid, 4)
+    # rounds 2, 3: vertex 1 fails and vertex 0 has no other neighbour, so the token trains
+    # again at 0 (2 attempts); round 3 is vertex 1's 2nd consecutive failure: dead; round 4
+    # walks on the live graph {0} (1 attempt, no retry of the dead vertex)
+    m = res.train_metrics_clientapp
+    assert [m[r]["attempts"] for r in (2, 3, 4)] == [2, 2, 1]
+    assert [m[r]["hop-ok"] for r in (2, 3, 4)] == [1, 1, 1]
+    assert [m[r]["dead-vertices"] for r in (2, 3, 4)] == [0, 1, 1]
+    assert s2.trajectory == [0, 0, 0, 0] and s2.failures_by_vertex == {1: 2}
+    assert_token(res, replay([0, 0, 0, 0], 1))
+    # now every node fails: no update, the token stays, and after max_empty_rounds (3)
+    # consecutive empty rounds the run stops instead of reporting success
+    grid.set_fault(0, "raise")
+    with pytest.raises(NoProgressError, match=r"3 consecutive rounds \(up to round 7\)"):
+        run(s2, grid, 20)
+    assert s2.round == 7 and s2.trajectory == [0, 0, 0, 0]
+    assert [(h["hop-ok"], h["walk-vertex"]) for h in s2.history[-3:]] == [(0, -1)] * 3
+    assert_token_close_to(s2.current_arrays(), replay([0, 0, 0, 0], 1))
+    off = RWLoRA("0-1", seed=0, start_vertex=0, max_empty_rounds=0)
+    grid = FakeGrid(HANDLERS, num_nodes=2)
+    arm(off, grid, 0, "raise")
+    grid.set_fault(1, "raise")
+    run(off, grid, 5)  # guard off: the old behaviour, the run just ends
+    assert off.round == 5 and off.trajectory == []
+
+
+def assert_token_close_to(arrays, expected):
+    got = arrays.to_torch_state_dict()
+    assert all(torch.equal(got[k], expected[k]) for k in expected)
 
 
 @pytest.mark.parametrize(
@@ -276,7 +299,9 @@ def test_norm_bounds_reject_a_huge_update():
     assert 3 not in s.trajectory and s.failures > 0
     assert_token(res, replay(s.trajectory, 1))
     grid = FakeGrid(HANDLERS, num_nodes=4)
-    s = RWLoRA("complete", num_vertices=4, seed=4, max_norm_ratio=100.0)
+    # the early blown-up hops poison the token, after which every update is refused: with
+    # the empty-round guard off the run goes on (with it, it would stop; see the 0-1 test)
+    s = RWLoRA("complete", num_vertices=4, seed=4, max_norm_ratio=100.0, max_empty_rounds=0)
     arm(s, grid, 3, corrupt_arrays(blow_up))
     run(s, grid, 20)
     # until 3 updates are accepted the ratio has no baseline; afterwards vertex 3 is refused

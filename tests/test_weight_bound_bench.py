@@ -15,8 +15,18 @@ REPO = Path(__file__).resolve().parents[1]
 
 def test_quick_attack_bound_off_vs_on(tmp_path):
     out = tmp_path / "wb.json"
-    cmd = [sys.executable, str(REPO / "benchmarks" / "weight_bound_bench.py"), "--quick",
-           "--strategies", "isoloco", "--cases", "attack-off", "attack-on", "--out", str(out)]
+    cmd = [
+        sys.executable,
+        str(REPO / "benchmarks" / "weight_bound_bench.py"),
+        "--quick",
+        "--strategies",
+        "isoloco",
+        "--cases",
+        "attack-off",
+        "attack-on",
+        "--out",
+        str(out),
+    ]
     subprocess.run(cmd, check=True, timeout=600, capture_output=True)
     recs = {r["case"]: r for r in json.loads(out.read_text())}
     off, on = recs["attack-off"], recs["attack-on"]

@@ -16,15 +16,21 @@ Train handler (``make_diloco_train_handler``), per message:
    ``theta - theta_i`` with ``payload="delta"``) plus a MetricRecord ``num-examples`` (number
    of *predicted tokens* trained on this round: the weight of this reply), ``train-loss``
    (mean over the H steps), ``lr`` (last), ``inner-steps``.
+5. if the config asks for a codec (``upload-codec``, see :mod:`flwr_isoloco.compression`), the
+   reply is the delta ``theta - theta_i`` compressed with that codec (payload ``"delta"``), with
+   error feedback unless ``upload-error-feedback`` is false: the residual ``e`` (what earlier
+   uploads lost) is added before encoding and kept in ``context.state``.
 
 AdamW state in ``context.state`` (survives deployment mode, where each message is a fresh
 process; no pickle): ArrayRecord ``diloco.adamw`` (``<param>.exp_avg``, ``<param>.exp_avg_sq``,
 ``<param>.step``; fp32) and ConfigRecord ``diloco.worker`` (``data-cursor``: inner steps taken
-by this node so far, which picks the next batch; ``last-round``).
+by this node so far, which picks the next batch; ``last-round``); with error feedback also
+ArrayRecord ``diloco.residual`` (fp32, one tensor per encoded model tensor).
 
 Message config keys (ConfigRecord ``config``; the factory's keyword arguments are defaults):
 ``server-round`` (required), ``num-server-rounds``, ``local-steps``, ``lr``, ``warmup-steps``,
-``min-lr-ratio``, ``weight-decay``, ``clip-norm``.
+``min-lr-ratio``, ``weight-decay``, ``clip-norm``; ``upload-codec``, ``upload-error-feedback``
+and ``codec-*`` options (:func:`flwr_isoloco.compression.parse_request`).
 
 ``data_fn(context)`` returns the node's training batches: a sequence (visited cyclically, in a
 seeded random order per epoch) or a callable ``batch(step_index)``. ``loss_fn(model, batch) ->
@@ -43,6 +49,8 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.common.logger import log
 
+from flwr_isoloco.compression import ErrorFeedback, compress, parse_request
+
 __all__ = [
     "make_diloco_train_handler",
     "make_lm_evaluate_handler",
@@ -50,10 +58,12 @@ __all__ = [
     "inner_lr",
     "ADAMW_STATE_KEY",
     "WORKER_STATE_KEY",
+    "RESIDUAL_STATE_KEY",
 ]
 
 ADAMW_STATE_KEY = "diloco.adamw"
 WORKER_STATE_KEY = "diloco.worker"
+RESIDUAL_STATE_KEY = "diloco.residual"
 
 ModelFn = Callable[[Context], torch.nn.Module]
 DataFn = Callable[[Context], Any]
@@ -180,6 +190,33 @@ def _fp32_record(sd: Mapping[str, torch.Tensor]) -> ArrayRecord:
     )
 
 
+def _compressed_delta(
+    delta: dict[str, torch.Tensor], request: tuple[str, dict, bool], state: RecordDict
+) -> ArrayRecord:
+    """``delta`` encoded as asked; with error feedback the residual round-trips ``state``.
+
+    A stored residual whose keys or shapes do not match the delta is discarded (warning), as a
+    mismatched AdamW state is; without error feedback any stored residual is removed.
+    """
+    codec, options, use_ef = request
+    if not use_ef:
+        if RESIDUAL_STATE_KEY in state:
+            del state[RESIDUAL_STATE_KEY]
+        return compress(delta, codec, **options)
+    ef = ErrorFeedback(codec, **options)
+    rec = state.get(RESIDUAL_STATE_KEY)
+    if isinstance(rec, ArrayRecord):
+        saved = rec.to_torch_state_dict()
+        bad = [k for k, v in saved.items() if k not in delta or v.shape != delta[k].shape]
+        if bad:
+            log(WARNING, "DiLoCo worker: residual for %r does not match the model; dropped", bad[0])
+        else:
+            ef.load_state_dict({"residual": saved})
+    out = ef.compress(delta)
+    state[RESIDUAL_STATE_KEY] = ArrayRecord(ef.state_dict()["residual"])
+    return out
+
+
 def make_diloco_train_handler(
     model_fn: ModelFn,
     data_fn: DataFn,
@@ -221,6 +258,7 @@ def make_diloco_train_handler(
             raise ValueError(
                 f"server-round, local-steps and num-server-rounds must be >= 1, got {rnd}, {h}, {rounds}"
             )
+        request = parse_request(cfg)  # bad codec config -> ValueError before training
         if arrayrecord_key not in msg.content.array_records:
             raise ValueError(f"train message has no ArrayRecord {arrayrecord_key!r}")
         theta = msg.content.array_records[arrayrecord_key].to_torch_state_dict()
@@ -266,7 +304,11 @@ def make_diloco_train_handler(
         context.state[WORKER_STATE_KEY] = ConfigRecord({"data-cursor": cursor, "last-round": rnd})
         new = {k: v.detach().cpu() for k, v in model.state_dict().items()}
         content = RecordDict()
-        if payload == "delta":
+        if request is not None:
+            delta = {k: theta[k].to(new[k].dtype) - new[k] for k in new}
+            content[arrayrecord_key] = _compressed_delta(delta, request, context.state)
+            content["config"] = ConfigRecord({"payload": "delta"})
+        elif payload == "delta":
             content[arrayrecord_key] = _fp32_record(
                 {k: theta[k].to(new[k].dtype) - new[k] for k in new}
             )

@@ -7,7 +7,10 @@ counted, and the round goes on with the rest. Nothing in this module raises on b
 Checks, in order (the first failure drops the reply):
 
 1. error reply (``msg.has_error()``), e.g. a ClientApp that raised or a dead node;
-2. no ArrayRecord under ``arrayrecord_key`` (when arrays are required);
+2. no ArrayRecord under ``arrayrecord_key`` (when arrays are required); a compressed record
+   (header ``__codec__``, see :mod:`flwr_isoloco.compression`) is decoded to fp32 tensors here,
+   checked against the model's keys and shapes before anything is allocated, and dropped
+   with the decoder's ValueError message (naming the key) if it does not decode;
 3. keys differ from the expected model (missing or extra keys are both rejected);
 4. an array that cannot be decoded, has the wrong shape, or a non-floating dtype;
 5. a floating dtype different from the expected one: **cast** to the expected dtype by default
@@ -41,6 +44,8 @@ import numpy as np
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 from flwr.common.logger import log
+
+from flwr_isoloco.compression import decompress, is_compressed, payload_nbytes
 
 PAYLOAD_KEY = "payload"
 """ConfigRecord key a reply may set to say what its arrays hold: ``"weights"`` or ``"delta"``."""
@@ -81,8 +86,9 @@ class CheckedReply:
         if rec is None:
             return {}
         out = {}
-        for k, arr in rec.items():
-            t = torch.from_numpy(np.array(arr.numpy(), copy=True))
+        plain = decompress(rec) if is_compressed(rec) else None  # validated once already
+        for k, arr in (plain if plain is not None else rec).items():
+            t = arr if plain is not None else torch.from_numpy(np.array(arr.numpy(), copy=True))
             want = self.dtypes.get(k)
             out[k] = t if want is None or t.dtype == want else t.to(want)
         return out
@@ -103,6 +109,7 @@ class ReplyReport:
     rejected: int = 0
     missing: int = 0  # sent but no reply came back (timeout)
     reasons: list[tuple[int, str]] = field(default_factory=list)  # (node id, reason)
+    bytes_up: int = 0  # array bytes of every reply received (payload_nbytes, dropped ones too)
 
     def as_metrics(self) -> dict[str, int]:
         """Counts for a MetricRecord."""
@@ -110,6 +117,7 @@ class ReplyReport:
             "replies-used": self.used,
             "replies-rejected": self.rejected,
             "replies-missing": self.missing,
+            "bytes-up": self.bytes_up,
         }
 
 
@@ -155,6 +163,17 @@ def _is_number(v: object) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
+def _np(t: torch.Tensor) -> np.ndarray:
+    return (t.float() if t.dtype == torch.bfloat16 else t).numpy()
+
+
+def reply_nbytes(msg: Message) -> int:
+    """Array bytes a reply carried (:func:`~flwr_isoloco.compression.payload_nbytes`), 0 if none."""
+    if msg.has_error() or not msg.has_content():
+        return 0
+    return sum(payload_nbytes(r) for r in msg.content.array_records.values())
+
+
 def reply_metrics(content: RecordDict) -> dict[str, float]:
     """Scalar numeric metrics of every MetricRecord in a reply (lists skipped)."""
     out: dict[str, float] = {}
@@ -184,10 +203,7 @@ def weighted_mean_metrics(
 def tensor_norm(tensors: Mapping[str, torch.Tensor]) -> float:
     """Global L2 norm of a dict of tensors, accumulated in fp64 (finite for any finite fp32 input)."""
     return math.sqrt(
-        sum(
-            float(torch.linalg.vector_norm(t, dtype=torch.float64)) ** 2
-            for t in tensors.values()
-        )
+        sum(float(torch.linalg.vector_norm(t, dtype=torch.float64)) ** 2 for t in tensors.values())
     )
 
 
@@ -315,6 +331,7 @@ class ReplyValidator:
 
         for msg in sorted(replies, key=sender):
             node = sender(msg)
+            report.bytes_up += reply_nbytes(msg)
             try:
                 result = self._check_one(msg, node, spec)
             except Exception as exc:  # noqa: BLE001 - never let one reply kill the round
@@ -378,6 +395,12 @@ class ReplyValidator:
             if not isinstance(rec, ArrayRecord):
                 found = sorted(content.array_records.keys())
                 return f"no ArrayRecord under key {self.arrayrecord_key!r} (found {found})"
+            if is_compressed(rec):
+                try:
+                    shapes = None if spec is None else {k: v[0] for k, v in spec.items()}
+                    rec = {k: _np(t) for k, t in decompress(rec, shapes=shapes).items()}
+                except ValueError as exc:
+                    return f"compressed record does not decode: {exc}"
             if spec is not None:
                 missing = sorted(set(spec) - set(rec.keys()))
                 extra = sorted(set(rec.keys()) - set(spec))
@@ -422,7 +445,7 @@ class ReplyValidator:
         )
 
     def _decode(self, key: str, arr, spec, casts: list[str]) -> torch.Tensor | str:
-        nd = arr.numpy()
+        nd = arr if isinstance(arr, np.ndarray) else arr.numpy()
         if not isinstance(nd, np.ndarray):
             return f"array {key!r} did not decode to an ndarray"
         want = None if spec is None else spec.get(key)

@@ -37,6 +37,7 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result, Strategy
 from flwr.serverapp.strategy.strategy_utils import sample_nodes
 
+from flwr_isoloco.compression import CODECS, payload_nbytes, request_config
 from flwr_isoloco.merging import MERGE_RULES, StreamingMerger, merge
 from flwr_isoloco.merging.rules import check_options
 from flwr_isoloco.merging.validation import all_finite
@@ -89,6 +90,12 @@ DILOCO_RUN_CONFIG: dict[str, Any] = {
     "common-fraction": -1.0,
     "ns-steps": -1,
     "spectral-pattern": "",
+    "upload-codec": "none",
+    "codec-block-size": 256,
+    "codec-fraction": 0.01,
+    "codec-values": "fp32",
+    "codec-min-dims": 2,
+    "error-feedback": True,
 }
 ISOLOCO_RUN_CONFIG: dict[str, Any] = {
     **DILOCO_RUN_CONFIG,
@@ -107,6 +114,15 @@ _MERGE_OPTION_KEYS = {
 
 def _is_number(v: object) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _codec_options(c: Mapping[str, Any]) -> dict[str, Any]:
+    """The chosen codec's options from the flat ``codec-*`` run-config keys."""
+    from flwr_isoloco.compression import OPTION_KEYS, normalize_options
+
+    codec = c["upload-codec"]
+    allowed = normalize_options(codec)
+    return {o: c[k] for k, o in OPTION_KEYS.items() if o in allowed}
 
 
 def _off_or_at_least_one(value: float) -> None:
@@ -188,6 +204,11 @@ class DiLoCo(Strategy):
         What to do with a reply array of another floating dtype.
     seed : int
         Seed for node sampling and DARE masks.
+    upload_codec, codec_options, error_feedback :
+        Ask workers to upload their delta compressed (``"int8"``, ``"fp8"``, ``"topk"``; None or
+        ``"none"``: plain replies) with these options (``block_size``, ``fraction``, ``values``,
+        ``min_dims``) and error feedback; see :mod:`flwr_isoloco.compression`. Compressed
+        replies are decoded before validation; plain fp32 replies stay accepted.
     """
 
     def __init__(
@@ -217,6 +238,9 @@ class DiLoCo(Strategy):
         max_empty_rounds: int = 3,
         dtype_policy: str = "cast",
         seed: int = 0,
+        upload_codec: str | None = None,
+        codec_options: Mapping[str, Any] | None = None,
+        error_feedback: bool = True,
     ) -> None:
         for name, v in (
             ("fraction_train", fraction_train),
@@ -252,6 +276,10 @@ class DiLoCo(Strategy):
             raise ValueError(
                 f"orthogonalize='update' needs merge in {_SPECTRAL_FOR_UPDATE}, got {self.merge_name!r}"
             )
+        # Unknown codec / option -> ValueError naming it.
+        self.codec_request = request_config(upload_codec, codec_options, error_feedback)
+        self.upload_codec = upload_codec or "none"
+        self._bytes_down = 0
         self.merge_options = dict(merge_options or {})
         check_options(self.rule, self.merge_options)  # unknown option / bad value -> ValueError
         self.fraction_train = float(fraction_train)
@@ -349,6 +377,11 @@ class DiLoCo(Strategy):
             "weighting": choices(*WEIGHTINGS),
             "client-sends": choices(*PAYLOADS),
             "dtype-policy": choices("cast", "reject"),
+            "upload-codec": choices(*CODECS),
+            "codec-values": choices("fp32", "int8"),
+            "codec-block-size": in_range(1, 1 << 20),
+            "codec-min-dims": in_range(0, 8),
+            "codec-fraction": in_range(0, 1, lo_open=True),
         }
         cfg = read_run_config(mine, schema, {prefix + k: v for k, v in checks.items()})
         for part in [p for p in prefix.split(".") if p]:
@@ -379,6 +412,9 @@ class DiLoCo(Strategy):
             max_empty_rounds=c["max-empty-rounds"],
             dtype_policy=c["dtype-policy"],
             seed=c["seed"],
+            upload_codec=c["upload-codec"],
+            codec_options=_codec_options(c),
+            error_feedback=c["error-feedback"],
         )
         kwargs.update(cls._extra_from_config(c))
         kwargs.update(overrides)
@@ -469,6 +505,7 @@ class DiLoCo(Strategy):
             self.train_validator.max_norm_ratio,
             self.max_weight_ratio or "off",
         )
+        log(INFO, "\t├──> Uploads: codec %s %s", self.upload_codec, self.codec_request)
         log(INFO, "\t└──> Keys in records:")
         log(INFO, "\t\t├── Weighted by: '%s'", self.weighted_by_key)
         log(INFO, "\t\t├── ArrayRecord key: '%s'", self.arrayrecord_key)
@@ -498,9 +535,11 @@ class DiLoCo(Strategy):
         nodes = self._sample(grid, self.fraction_train, self.min_train_nodes)
         log(INFO, "configure_train: sampled %d nodes", len(nodes))
         config["server-round"] = self.server_round + 1
-        return self._train_ledger.remember(
-            self._messages(self._model_record(), config, nodes, MessageType.TRAIN)
-        )
+        for k, v in self.codec_request.items():
+            config[k] = v
+        record = self._model_record()
+        self._bytes_down = payload_nbytes(record) * len(nodes)
+        return self._train_ledger.remember(self._messages(record, config, nodes, MessageType.TRAIN))
 
     def configure_evaluate(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
@@ -557,7 +596,11 @@ class DiLoCo(Strategy):
         report.used = len(checked)
         v.log_summary(report, self.server_round)
         if not checked:
-            log(WARNING, "aggregate_train: no usable reply in round %d, model kept", self.server_round)
+            log(
+                WARNING,
+                "aggregate_train: no usable reply in round %d, model kept",
+                self.server_round,
+            )
         if self.train_metrics_aggr_fn is not None and checked:
             client = dict(
                 self.train_metrics_aggr_fn([r.content for r in checked], self.weighted_by_key)
@@ -568,6 +611,7 @@ class DiLoCo(Strategy):
             **client,
             **report.as_metrics(),
             **extra,
+            "bytes-down": self._bytes_down,
             "aggregation-time-s": time.perf_counter() - t0,
         }
         if self._train_ledger.sent_any():

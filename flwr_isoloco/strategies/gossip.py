@@ -4,7 +4,11 @@ Every vertex keeps its own adapter ``x_i`` (held by the server, sent to the vert
 round). Each round every node takes K local steps from its ``x_i``; then each adapter becomes
 the Metropolis-weighted mix of its neighbours' (``x_i <- sum_j W_ij x_j``, ``W_ij = 1/(1 +
 max(d_i, d_j))`` on edges, ``W_ii = 1 - sum_j W_ij``; symmetric, doubly stochastic).
-Evaluation uses the vertex average ``mean_i x_i`` (what ``current_arrays`` returns).
+Evaluation: ``current_arrays`` returns the vertex average ``mean_i x_i``, which averages the A
+and B factors separately (``mean_i B_i A_i`` is not ``mean_i B_i mean_i A_i``: the LoRA
+product-aggregation error RW-LoRA avoids, and a handicap for gossip);
+:meth:`GossipLoRA.vertex_adapters` gives each vertex's own adapter, so an app can also report
+the mean of the per-vertex accuracies (the rwlora_sentiment app reports both).
 
 Messages are those of :mod:`flwr_isoloco.strategies.rwlora` (QUERY round to map vertices to
 nodes; TRAIN with ``arrays`` + ``config`` holding ``local-steps`` and ``walk-vertex`` = the
@@ -36,7 +40,8 @@ from flwr.serverapp import Grid
 
 from ..graphs import metropolis_mixing_weights, spectral_gap
 from .common import SentLedger, weighted_mean_metrics
-from .rwlora import GraphStrategy, _record_of, _tensors_of, record_nbytes
+from .graph_base import GraphStrategy
+from .wire import _record_of, _tensors_of, check_train_metrics, record_nbytes
 
 __all__ = ["GossipLoRA", "mix"]
 
@@ -191,9 +196,10 @@ class GossipLoRA(GraphStrategy):
         self.failure_log = [*self.failure_log[-999:], (self._round, v, reason)]
         log(
             WARNING,
-            "gossip: round %d: vertex %r keeps its previous adapter: %s",
+            "gossip: round %d: vertex %r (node %s) keeps its previous adapter: %s",
             self._round,
             v,
+            self.vmap.node_of.get(v) if self.vmap is not None else None,
             reason,
         )
 
@@ -236,6 +242,12 @@ class GossipLoRA(GraphStrategy):
                 self._fail(v, report.reasons[0][1] if report.reasons else "reply rejected")
                 continue
             reply = checked[0]
+            bad = check_train_metrics(
+                reply.content, asked_steps=self.local_steps, vertex=v, vertex_key=self.vertex_key
+            )
+            if bad is not None:
+                self._fail(v, bad)
+                continue
             update = reply.update(self.adapters[v])
             trained[v] = {k: self.adapters[v][k].float() - update[k] for k in self.adapters[v]}
             norms[v] = math.sqrt(sum(float(u.double().pow(2).sum()) for u in update.values()))
@@ -251,9 +263,8 @@ class GossipLoRA(GraphStrategy):
                     )
                     del trained[v]
             accepted = [(v, r) for v, r in accepted if v in trained]
-        for _, reply in accepted:
-            steps = reply.metrics.get("local-steps", self.local_steps)
-            steps_done += int(steps) if steps >= 0 else self.local_steps
+        for _, reply in accepted:  # local-steps checked in [0, K] by check_train_metrics
+            steps_done += int(reply.metrics.get("local-steps", self.local_steps))
         before_mix = [trained.get(v, self.adapters[v]) for v in self.vertices]
         mixed = mix(self.W, before_mix)
         self.adapters = dict(zip(self.vertices, mixed, strict=True))
@@ -281,6 +292,14 @@ class GossipLoRA(GraphStrategy):
             {k: v for k, v in metrics.items() if math.isfinite(v)}
         )
 
+    def _used(self, metrics: Mapping[str, float]) -> int:
+        return int(metrics.get("trained", 0))
+
+    def vertex_adapters(self) -> dict[Any, ArrayRecord]:
+        """Each live vertex's own adapter ``x_i`` (after the last mixing step)."""
+        self._ensure_adapters()
+        return {v: _record_of(self.adapters[v]) for v in self.vertices}
+
     def _run_round(
         self, grid: Grid, server_round: int, config: ConfigRecord, timeout: float
     ) -> dict[str, float]:
@@ -306,6 +325,7 @@ class GossipLoRA(GraphStrategy):
                 "local_updates": self.local_updates,
                 "bytes_relayed": self.bytes_relayed,
                 "bytes_p2p": self.bytes_p2p,
+                "empty_streak": self.guard.streak,
             },
         }
 
@@ -355,3 +375,4 @@ class GossipLoRA(GraphStrategy):
         self.local_updates = int(meta["local_updates"])
         self.bytes_relayed = int(meta["bytes_relayed"])
         self.bytes_p2p = int(meta["bytes_p2p"])
+        self.guard.streak = int(meta.get("empty_streak", 0))

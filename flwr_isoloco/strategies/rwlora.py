@@ -28,23 +28,26 @@ Message conventions (what a client must implement; engineer E's LoRA client does
 
 The token is never lost: an error reply, a timeout or a bad update (validated by
 :class:`~flwr_isoloco.strategies.common.ReplyValidator`: keys, shapes, dtype, NaN/inf, update
-norm) leaves the last good token in place, the failure is counted, and the walk re-routes: it
-redraws from the current vertex's row with the failed vertices removed (renormalised), up to
-``max_reroutes`` times per round. This biases the walk away from unreliable vertices; see
-docs/rwlora.md.
+norm; and :func:`~flwr_isoloco.strategies.wire.check_train_metrics`: ``local-steps``,
+``data-cursor``, ``partition-id``) leaves the last good token in place, the failure is counted,
+and the walk re-routes: it redraws among the *other* neighbours (the current row without the
+self-loop and without the vertices that failed this round, renormalised; the token stays and
+trains again only when no other candidate is left), up to ``max_reroutes`` times per round.
+A vertex that fails ``dead_after`` consecutive times is dead for a back-off that doubles on
+repeated deaths; meanwhile the walk moves on the live graph (same target, relays across dead
+vertices where the live graph is disconnected): :mod:`flwr_isoloco.walk`, docs/rwlora.md.
 
 Bytes: ``bytes-relayed`` counts what crossed the wire through the server (instruction down +
 reply up, also for failed attempts), ``bytes-p2p`` what a peer-to-peer deployment would send
-(one token per hop to a *different* vertex, including failed attempts; a lazy self-loop stays on
-the node and costs 0; the first placement costs one token).
+(one token per hop to a *different* vertex, including failed attempts and relays; a lazy
+self-loop stays on the node and costs 0; the first placement costs one token).
 """
 
 from __future__ import annotations
 
 import math
 import statistics
-import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from logging import INFO, WARNING
 from typing import Any
 
@@ -54,495 +57,29 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
 from flwr.common.logger import log
 from flwr.serverapp import Grid
-from flwr.serverapp.strategy import Result, Strategy
 
 from ..graphs import (
     RandomWalk,
-    build_graph,
     spectral_gap,
-    stationary_distribution,
     total_variation,
     transition_matrix,
     vertex_list,
 )
-from .common import CheckedReply, ReplyValidator, SentLedger
+from ..walk import LiveMatrix, LiveTransitions, VertexHealth, reroute_exclusions
+from .common import CheckedReply, SentLedger
+from .graph_base import GraphStrategy
+from .vertices import QUERY_VERTEX_KEY, VertexMap, discover_vertices
+from .wire import (
+    _config_from_json,
+    _config_to_json,
+    _record_of,
+    _tensors_of,
+    check_train_metrics,
+    record_nbytes,
+)
 
-__all__ = ["RWLoRA", "VertexMap", "discover_vertices", "record_nbytes"]
-
-QUERY_VERTEX_KEY = "vertex-key"
-
-
-# ----------------------------------------------------------------------------- helpers
-
-
-def record_nbytes(*records: ArrayRecord | None) -> int:
-    """Serialised payload bytes of ArrayRecords (what goes on the wire, headers aside)."""
-    return sum(len(a.data) for r in records if r is not None for a in r.values())
-
-
-def _vertex_from_value(value: Any, vertices: Iterable[Any]) -> Any:
-    verts = set(vertices)
-    if value in verts and not isinstance(value, bool):
-        return value
-    if isinstance(value, (str, float)):
-        try:
-            as_int = int(value)
-            if as_int in verts and float(value) == as_int:
-                return as_int
-        except ValueError:
-            pass
-    if str(value) in verts:
-        return str(value)
-    return None
-
-
-class VertexMap:
-    """Which Flower node holds which graph vertex (learned by a QUERY round)."""
-
-    def __init__(self) -> None:
-        self.node_of: dict[Any, int] = {}
-        self.unmapped_nodes: set[int] = set()  # answered with no/unknown vertex, or failed
-
-    def known_nodes(self) -> set[int]:
-        return set(self.node_of.values()) | self.unmapped_nodes
-
-
-def discover_vertices(
-    grid: Grid,
-    vertices: list[Any],
-    *,
-    vertex_key: str = "partition-id",
-    timeout: float | None = 60.0,
-    node_ids: Iterable[int] | None = None,
-    vmap: VertexMap | None = None,
-    what: str = "rwlora",
-) -> VertexMap:
-    """QUERY ``node_ids`` (default: all) for ``context.node_config[vertex_key]``; map vertices.
-
-    A duplicate vertex keeps the smallest node id; unknown values and error replies are logged
-    and the node is left unmapped. Never raises on a bad reply.
-    """
-    vmap = vmap or VertexMap()
-    nodes = sorted(set(grid.get_node_ids()) if node_ids is None else set(node_ids))
-    if not nodes:
-        return vmap
-    content = RecordDict({"config": ConfigRecord({QUERY_VERTEX_KEY: vertex_key})})
-    ledger = SentLedger()
-    msgs = ledger.remember(
-        [Message(content=content, message_type=MessageType.QUERY, dst_node_id=n) for n in nodes]
-    )
-    replies = list(grid.send_and_receive(msgs, timeout=timeout))
-    answered: set[int] = set()
-    for reply in replies:
-        node = ledger.sender(reply)
-        answered.add(node)
-        if reply.has_error():
-            log(WARNING, "%s: query to node %d failed: %s", what, node, reply.error.reason)
-            vmap.unmapped_nodes.add(node)
-            continue
-        value = None
-        for rec in list(reply.content.config_records.values()) + list(
-            reply.content.metric_records.values()
-        ):
-            if vertex_key in rec:
-                value = rec[vertex_key]
-                break
-        v = _vertex_from_value(value, vertices) if value is not None else None
-        if v is None:
-            log(
-                WARNING,
-                "%s: node %d answered %s=%r, which is not a graph vertex; node ignored",
-                what,
-                node,
-                vertex_key,
-                value,
-            )
-            vmap.unmapped_nodes.add(node)
-            continue
-        old = vmap.node_of.get(v)
-        if old is not None and old != node and old in grid.get_node_ids():
-            keep = min(old, node)
-            log(
-                WARNING,
-                "%s: vertex %r claimed by nodes %d and %d; using node %d",
-                what,
-                v,
-                old,
-                node,
-                keep,
-            )
-            vmap.unmapped_nodes.add(max(old, node))
-            vmap.node_of[v] = keep
-        else:
-            vmap.node_of[v] = node
-    for node in set(nodes) - answered:
-        log(WARNING, "%s: no answer to the vertex query from node %d (timeout)", what, node)
-    return vmap
-
-
-def _wait_for_nodes(grid: Grid, want: int, wait_s: float, what: str) -> None:
-    deadline = time.monotonic() + wait_s
-    while True:
-        have = len(list(grid.get_node_ids()))
-        if have >= want or time.monotonic() >= deadline:
-            if have < want:
-                log(
-                    WARNING,
-                    "%s: only %d of %d nodes connected after %.0fs",
-                    what,
-                    have,
-                    want,
-                    wait_s,
-                )
-            return
-        log(INFO, "%s: waiting for nodes: %d of %d connected", what, have, want)
-        time.sleep(1.0)
-
-
-def _tensors_of(rec: ArrayRecord | None) -> dict[str, torch.Tensor]:
-    if rec is None:
-        return {}
-    return {k: torch.from_numpy(np.array(a.numpy(), copy=True)) for k, a in rec.items()}
-
-
-def _record_of(tensors: Mapping[str, torch.Tensor]) -> ArrayRecord:
-    return ArrayRecord({k: v.detach().cpu().contiguous() for k, v in tensors.items()})
-
-
-def _config_to_json(cfg: ConfigRecord | None) -> dict[str, Any]:
-    if cfg is None:
-        return {}
-    out = {}
-    for k, v in cfg.items():
-        if isinstance(v, bytes):
-            out[k] = {"__bytes__": v.hex()}
-        else:
-            out[k] = v
-    return out
-
-
-def _config_from_json(d: Mapping[str, Any]) -> ConfigRecord:
-    out = {}
-    for k, v in d.items():
-        out[k] = bytes.fromhex(v["__bytes__"]) if isinstance(v, Mapping) else v
-    return ConfigRecord(out)
-
-
-# ----------------------------------------------------------------------------- base
-
-
-class GraphStrategy(Strategy):
-    """Shared plumbing of the graph strategies (RW-LoRA, gossip): graph, vertex discovery,
-    the round loop with resume (``start`` runs rounds ``self.round + 1 .. num_rounds``),
-    server-side evaluation and a per-round callback (for checkpoints).
-
-    Keyword arguments shared by both: ``num_vertices`` / ``graph_seed`` (for
-    :func:`~flwr_isoloco.graphs.build_graph`), ``vertex_key`` (node_config key the clients
-    answer, default ``partition-id``), ``local_steps`` (K), ``node_wait_s`` (how long to wait
-    for one node per vertex before the QUERY round, default 60 s), ``query_timeout`` (default:
-    the ``timeout`` given to ``start``), ``query_attempts`` (QUERY retries for silent nodes,
-    default 3; nodes that never answer are left out), ``arrayrecord_key`` /
-    ``configrecord_key`` / ``weighted_by_key`` (as FedAvg), ``require_weight`` (default False),
-    ``dtype_policy`` (``cast`` | ``reject``), ``max_update_norm``, ``round_end_fn``.
-    """
-
-    what = "graph-strategy"
-
-    def __init__(
-        self,
-        graph: str | nx.Graph,
-        *,
-        num_vertices: int | None = None,
-        graph_seed: int | None = 0,
-        vertex_key: str = "partition-id",
-        local_steps: int = 1,
-        node_wait_s: float = 60.0,
-        query_timeout: float | None = None,
-        query_attempts: int = 3,
-        arrayrecord_key: str = "arrays",
-        configrecord_key: str = "config",
-        weighted_by_key: str = "num-examples",
-        require_weight: bool = False,
-        dtype_policy: str = "cast",
-        max_update_norm: float | None = None,
-        round_end_fn: Callable[[int, GraphStrategy], None] | None = None,
-    ) -> None:
-        if isinstance(local_steps, bool) or not isinstance(local_steps, int) or local_steps < 1:
-            raise ValueError(f"local_steps must be an int >= 1, got {local_steps!r}")
-        if not vertex_key or not isinstance(vertex_key, str):
-            raise ValueError(f"vertex_key must be a non-empty str, got {vertex_key!r}")
-        self.graph = build_graph(graph, n=num_vertices, seed=graph_seed)
-        self.vertex_key = vertex_key
-        self.local_steps = local_steps
-        self.node_wait_s = float(node_wait_s)
-        self.query_timeout = query_timeout
-        if (
-            isinstance(query_attempts, bool)
-            or not isinstance(query_attempts, int)
-            or query_attempts < 1
-        ):
-            raise ValueError(f"query_attempts must be an int >= 1, got {query_attempts!r}")
-        self.query_attempts = query_attempts
-        self.arrayrecord_key = arrayrecord_key
-        self.configrecord_key = configrecord_key
-        self.weighted_by_key = weighted_by_key
-        self.round_end_fn = round_end_fn
-        self.validator = ReplyValidator(
-            arrayrecord_key=arrayrecord_key,
-            weighted_by_key=weighted_by_key,
-            require_weight=require_weight,
-            dtype_policy=dtype_policy,
-            max_update_norm=max_update_norm,
-            what=self.what,
-        )
-        self.vmap: VertexMap | None = None
-        self.live_graph: nx.Graph | None = None
-        self.missing_vertices: list[Any] = []
-        self.round = 0  # rounds completed
-        self.history: list[dict[str, float]] = []
-        self._pending_state: dict[str, Any] | None = None
-
-    # ----------------------------------------------------------------- vertices
-    @property
-    def vertices(self) -> list[Any]:
-        """Live vertices (after discovery), else all graph vertices."""
-        return vertex_list(self.live_graph if self.live_graph is not None else self.graph)
-
-    def setup(self, grid: Grid, timeout: float | None = None) -> None:
-        """Wait for nodes, map vertices to node ids, drop vertices with no live node.
-
-        Raises ``ValueError`` if no vertex has a node or the live graph is disconnected.
-        """
-        all_vertices = vertex_list(self.graph)
-        _wait_for_nodes(grid, len(all_vertices), self.node_wait_s, self.what)
-        qt = self.query_timeout if self.query_timeout is not None else timeout
-        self.vmap = discover_vertices(
-            grid, all_vertices, vertex_key=self.vertex_key, timeout=qt, what=self.what
-        )
-        for attempt in range(2, self.query_attempts + 1):
-            silent = set(grid.get_node_ids()) - self.vmap.known_nodes()
-            if not silent or len(self.vmap.node_of) == len(all_vertices):
-                break
-            log(
-                INFO,
-                "%s: vertex query attempt %d for %d silent node(s)",
-                self.what,
-                attempt,
-                len(silent),
-            )
-            discover_vertices(
-                grid,
-                all_vertices,
-                vertex_key=self.vertex_key,
-                timeout=qt,
-                node_ids=silent,
-                vmap=self.vmap,
-                what=self.what,
-            )
-        # nodes that never answered are not re-queried every round (refresh_nodes)
-        self.vmap.unmapped_nodes |= set(grid.get_node_ids()) - self.vmap.known_nodes()
-        self.missing_vertices = [v for v in all_vertices if v not in self.vmap.node_of]
-        live = [v for v in all_vertices if v in self.vmap.node_of]
-        if not live:
-            raise ValueError(
-                f"{self.what}: no node answered with a graph vertex ({self.vertex_key!r} in "
-                f"node_config); graph vertices are {all_vertices[:10]}"
-            )
-        if self.missing_vertices:
-            log(
-                WARNING,
-                "%s: vertices with no live node (excluded from the walk): %s",
-                self.what,
-                self.missing_vertices,
-            )
-        G = self.graph.subgraph(live).copy()
-        if not nx.is_connected(G):
-            comps = [sorted(c) for c in nx.connected_components(G)]
-            raise ValueError(
-                f"{self.what}: without the vertices that have no node "
-                f"({self.missing_vertices}) the graph is disconnected: components {comps}"
-            )
-        self.live_graph = G
-        log(
-            INFO,
-            "%s: %d vertices mapped to nodes: %s",
-            self.what,
-            len(live),
-            {v: self.vmap.node_of[v] for v in live},
-        )
-        self._on_setup()
-
-    def refresh_nodes(self, grid: Grid, timeout: float | None) -> None:
-        """Query node ids never seen before (restarted / late SuperNodes) and remap vertices."""
-        if self.vmap is None:
-            return
-        new = set(grid.get_node_ids()) - self.vmap.known_nodes()
-        if new:
-            log(INFO, "%s: querying %d new node(s): %s", self.what, len(new), sorted(new))
-            discover_vertices(
-                grid,
-                self.vertices,
-                vertex_key=self.vertex_key,
-                timeout=timeout,
-                node_ids=new,
-                vmap=self.vmap,
-                what=self.what,
-            )
-
-    def offline_vertices(self, grid: Grid) -> list[Any]:
-        """Live-graph vertices whose node is not listed by the grid right now (skipped)."""
-        if self.vmap is None:
-            return []
-        listed = set(grid.get_node_ids())
-        return [v for v in self.vertices if self.vmap.node_of.get(v) not in listed]
-
-    def _on_setup(self) -> None:  # pragma: no cover - overridden
-        pass
-
-    # ----------------------------------------------------------------- Flower API
-    def configure_evaluate(
-        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
-    ) -> Iterable[Message]:
-        """No federated evaluation: the app evaluates the token server-side (evaluate_fn)."""
-        return []
-
-    def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> None:
-        return None
-
-    def _run_round(
-        self, grid: Grid, server_round: int, config: ConfigRecord, timeout: float
-    ) -> dict[str, float]:
-        raise NotImplementedError
-
-    def current_arrays(self) -> ArrayRecord:
-        raise NotImplementedError
-
-    def _init_arrays(self, initial_arrays: ArrayRecord) -> None:
-        raise NotImplementedError
-
-    def start(
-        self,
-        grid: Grid,
-        initial_arrays: ArrayRecord,
-        num_rounds: int = 3,
-        timeout: float = 3600,
-        train_config: ConfigRecord | None = None,
-        evaluate_config: ConfigRecord | None = None,
-        evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None = None,
-    ) -> Result:
-        """Run rounds ``self.round + 1 .. num_rounds`` (all of them for a fresh strategy; the
-        rest after ``load_state_dict``). ``timeout`` bounds each hop's wait for its reply."""
-        log(INFO, "Starting %s strategy:", self.__class__.__name__)
-        self.summary()
-        train_config = ConfigRecord() if train_config is None else train_config
-        result = Result()
-        t0 = time.time()
-        self._init_arrays(initial_arrays)
-        if self.live_graph is None:  # a second start() on the same object keeps the mapping
-            self.setup(grid, timeout)
-        if self._pending_state is not None:
-            self._apply_state(self._pending_state)
-            self._pending_state = None
-        if evaluate_fn is not None and self.round == 0:
-            res = evaluate_fn(0, self.current_arrays())
-            log(INFO, "Initial global evaluation results: %s", res)
-            if res is not None:
-                result.evaluate_metrics_serverapp[0] = res
-        for server_round in range(self.round + 1, num_rounds + 1):
-            log(INFO, "")
-            log(INFO, "[ROUND %s/%s]", server_round, num_rounds)
-            self.refresh_nodes(grid, self.query_timeout or timeout)
-            metrics = self._run_round(grid, server_round, ConfigRecord(dict(train_config)), timeout)
-            self.round = server_round
-            self.history.append({"round": server_round, **metrics})
-            record = MetricRecord(
-                {
-                    k: v
-                    for k, v in metrics.items()
-                    if isinstance(v, (int, float)) and math.isfinite(v)
-                }
-            )
-            result.train_metrics_clientapp[server_round] = record
-            log(INFO, "\t└──> %s metrics: %s", self.what, dict(record))
-            if evaluate_fn is not None:
-                res = evaluate_fn(server_round, self.current_arrays())
-                log(INFO, "\t└──> server-side evaluation: %s", res)
-                if res is not None:
-                    result.evaluate_metrics_serverapp[server_round] = res
-            if self.round_end_fn is not None:
-                self.round_end_fn(server_round, self)
-        result.arrays = self.current_arrays()
-        log(INFO, "%s finished in %.2fs", self.__class__.__name__, time.time() - t0)
-        return result
-
-    # ----------------------------------------------------------------- state
-    def load_state_dict(
-        self,
-        state: Mapping[str, Any],
-        reference: Mapping[str, Any] | None = None,
-        optimizer_reference: Mapping[str, Any] | None = None,
-    ) -> None:
-        """Restore :meth:`state_dict` output. Applied now if the strategy is set up, else at
-        the start of :meth:`start` (after vertex discovery).
-
-        Checked here, before anything is kept: the kind, the counters' types and ranges, and
-        (:meth:`_check_state_tensors`) that every tensor is finite and has the shape of
-        ``reference`` (the model's adapter, name -> tensor) when given, and for RW-LoRA a
-        carried optimizer state that of ``optimizer_reference`` (name -> tensor or shape,
-        e.g. the client's ``<param>.exp_avg``/``.exp_avg_sq``). A failure is a
-        :class:`~flwr_isoloco.checkpoint.CheckpointError` (a ``ValueError``) naming the field
-        or tensor.
-        """
-        from flwr_isoloco.checkpoint_spec import CheckpointError, Field, check_fields
-
-        if not isinstance(state, Mapping) or "tensors" not in state or "meta" not in state:
-            raise ValueError(f"{self.what} state must be a dict with 'tensors' and 'meta'")
-        tensors, meta = state["tensors"], state["meta"]
-        if not isinstance(tensors, Mapping) or not isinstance(meta, Mapping):
-            raise CheckpointError(f"{self.what} state: 'tensors' and 'meta' must be dicts")
-        if meta.get("kind") != self.what:
-            raise ValueError(
-                f"state is for {meta.get('kind')!r}, not {self.what!r}: wrong checkpoint?"
-            )
-        count = Field("int", min=0)
-        check_fields(
-            dict(meta),
-            {
-                "round": count,
-                "vertices": Field("list"),
-                "failures": count,
-                "failures_by_vertex": Field("list", items=Field("list", length=2)),
-                "failure_log": Field("list", items=Field("list", length=3), optional=True),
-                "local_updates": count,
-                "bytes_relayed": count,
-                "bytes_p2p": count,
-            },
-        )
-        for name, at in (("failures_by_vertex", 1), ("failure_log", 0)):
-            for i, entry in enumerate(meta.get(name, [])):
-                key = f"{name}[{i}][{at}]"
-                check_fields({key: entry[at]}, {key: count})
-        self._check_state_tensors(tensors, meta, reference, optimizer_reference)
-        if self.live_graph is not None:
-            self._apply_state(state)
-        else:
-            self._pending_state = dict(state)
-            self._preload_state(state)
-
-    def _check_state_tensors(
-        self,
-        tensors: Mapping[str, Any],
-        meta: Mapping[str, Any],
-        reference: Any,
-        optimizer_reference: Any = None,
-    ) -> None:
-        """Subclasses check their tensors (and their own meta fields) here."""
-
-    def _preload_state(self, state: Mapping[str, Any]) -> None:
-        pass
-
-    def _apply_state(self, state: Mapping[str, Any]) -> None:
-        raise NotImplementedError
+__all__ = ["GraphStrategy", "RWLoRA", "VertexMap", "discover_vertices", "record_nbytes"]
+_REEXPORTED = (QUERY_VERTEX_KEY, _record_of, _tensors_of)  # older imports from this module
 
 
 # ----------------------------------------------------------------------------- RW-LoRA
@@ -559,8 +96,9 @@ class RWLoRA(GraphStrategy):
         ``node_config[vertex_key]`` values.
     num_vertices : int, optional
         ``n`` for named specs (in simulation: the number of SuperNodes).
-    transition : ``"simple"`` | ``"metropolis"``
-        Transition matrix (:func:`flwr_isoloco.graphs.transition_matrix`).
+    transition : ``"metropolis"`` (default) | ``"simple"``
+        Transition matrix (:func:`flwr_isoloco.graphs.transition_matrix`): Metropolis-Hastings
+        toward ``target`` (the paper's walk), or the simple walk (visits ∝ degree).
     target : sequence or dict, optional
         Metropolis target weights per vertex (e.g. data sizes); uniform if None.
     lazy : bool
@@ -579,6 +117,13 @@ class RWLoRA(GraphStrategy):
     max_update_norm, max_norm_ratio : float, optional
         Reject an update ``||token - reply||`` above this bound, or above ``max_norm_ratio``
         times the median of the last ``norm_window`` accepted updates (needs 3 of them).
+    dead_after : int
+        Consecutive failed hops after which a vertex is dead (default 2; 0 = never dead).
+    dead_backoff, dead_backoff_max : int
+        Rounds a dead vertex is skipped (default 8), doubling on each new death up to
+        ``dead_backoff_max`` (default 128) (:class:`flwr_isoloco.walk.VertexHealth`).
+    max_empty_rounds : int
+        Consecutive rounds without an accepted hop that stop the run (default 3; 0 = off).
     round_end_fn : callable, optional
         ``fn(server_round, strategy)`` after each round (checkpointing).
     Other keyword arguments as in :class:`GraphStrategy` / Flower's FedAvg.
@@ -591,7 +136,7 @@ class RWLoRA(GraphStrategy):
         graph: str | nx.Graph = "complete",
         *,
         num_vertices: int | None = None,
-        transition: str = "simple",
+        transition: str = "metropolis",
         target: Any = None,
         lazy: bool = False,
         seed: int = 0,
@@ -603,12 +148,17 @@ class RWLoRA(GraphStrategy):
         max_reroutes: int | None = None,
         max_norm_ratio: float | None = None,
         norm_window: int = 8,
+        dead_after: int = 2,
+        dead_backoff: int = 8,
+        dead_backoff_max: int = 128,
         **kwargs: Any,
     ) -> None:
         super().__init__(graph, num_vertices=num_vertices, local_steps=local_steps, **kwargs)
         self.transition = transition
         self.target = target
         self.lazy = bool(lazy)
+        if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
+            raise ValueError(f"seed must be an int >= 0, got {seed!r}")
         self.seed = int(seed)
         # validate the transition options now (clear error before any Flower call)
         transition_matrix(self.graph, transition, target=self._target_for(self.graph), lazy=lazy)
@@ -627,6 +177,11 @@ class RWLoRA(GraphStrategy):
             raise ValueError(f"max_norm_ratio must be a finite number > 0, got {max_norm_ratio!r}")
         self.max_norm_ratio = max_norm_ratio
         self.norm_window = int(norm_window)
+        self.health = VertexHealth(dead_after, dead_backoff, dead_backoff_max)
+        self.transitions: LiveTransitions | None = None
+        self._live: LiveMatrix | None = None  # the walk's current matrix (dead set)
+        self.relays = 0  # hops the server relayed across a dead vertex
+        self._pending_relay = False
         # token and walk state
         self.token: ArrayRecord | None = None
         self.optimizer_state: ArrayRecord | None = None
@@ -684,7 +239,9 @@ class RWLoRA(GraphStrategy):
     def _on_setup(self) -> None:
         G = self.live_graph
         self.P = transition_matrix(G, self.transition, target=self._target_for(G), lazy=self.lazy)
-        self.pi = stationary_distribution(self.P)
+        self.transitions = LiveTransitions(G, self.transition, self._target_for(G), self.lazy)
+        self._live = self.transitions.get(())
+        self.pi = self._live.pi.copy()
         self.gap = spectral_gap(self.P)
         start = self.start_vertex if self.start_vertex in G else None
         self.walk = RandomWalk(self.P, vertex_list(G), seed=self.seed, start=None)
@@ -729,16 +286,25 @@ class RWLoRA(GraphStrategy):
     def configure_train(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
-        """Draw the next vertex (excluding vertices that failed since the last good hop) and
-        address the token to its node. Empty if no candidate is left."""
+        """Draw the next vertex on the live graph and address the token to its node.
+
+        First attempt of a round: the current row of the live matrix (dead and offline vertices
+        removed, :meth:`_sync_live`). Re-route (``self.excluded`` holds this round's failures):
+        the row without the self-loop and the failed vertices, renormalised; only when nothing
+        is left does the token train again where it is. Empty if no candidate is left."""
         if self.walk is None:
             self._init_arrays(arrays)
             self.setup(grid)
         if self.token is None:
             self._init_arrays(arrays)
-        offline = self.offline_vertices(grid)
-        v = self.walk.draw(exclude=set(self.excluded) | set(offline))
-        if v is None and self.walk.position is None and self.start_vertex is not None:
+        lm = self._sync_live(server_round, self.offline_vertices(grid))
+        v = None if lm is None else self._draw(lm)
+        if (
+            v is None
+            and lm is not None
+            and self.walk.position is None
+            and self.start_vertex is not None
+        ):
             log(
                 WARNING,
                 "%s: start vertex %r unavailable; first vertex drawn from pi",
@@ -746,8 +312,9 @@ class RWLoRA(GraphStrategy):
                 self.start_vertex,
             )
             self.walk.initial = self.pi.copy()
-            v = self.walk.draw(exclude=set(self.excluded) | set(offline))
+            v = self._draw(lm)
         self._pending_vertex, self._pending_round = v, server_round
+        self._pending_relay = v is not None and lm.is_relay(self.walk.position, v)
         if v is None:
             self.excluded = []  # every candidate failed: the next call starts afresh
             return []
@@ -764,6 +331,31 @@ class RWLoRA(GraphStrategy):
         return self._ledger.remember(
             [Message(content=content, message_type=MessageType.TRAIN, dst_node_id=node)]
         )
+
+    def _sync_live(self, server_round: int, offline: Iterable[Any]) -> LiveMatrix | None:
+        """Point the walk at the matrix of the current dead set (dead by back-off, or offline).
+        If that would leave no vertex, the back-off is ignored (retry rather than stall);
+        ``None`` when every vertex is offline."""
+        offline = set(offline)
+        dead = self.health.dead(server_round) | offline
+        if set(self.vertices) <= dead:
+            dead = offline
+            if set(self.vertices) <= dead:
+                return None
+        lm = self.transitions.get(dead)
+        if lm is not self._live:
+            self.walk.set_transition(lm.P)
+            self._live = lm
+        return lm
+
+    def _draw(self, lm: LiveMatrix) -> Any:
+        pos = self.walk.position
+        if not self.excluded:
+            return self.walk.draw(exclude=lm.dead)
+        v = self.walk.draw(exclude=reroute_exclusions(pos, self.excluded, lm.dead))
+        if v is None and pos is not None and pos not in self.excluded and pos not in lm.dead:
+            v = pos  # no other live neighbour left: the token trains again where it is
+        return v
 
     def _check_optimizer(self, content: RecordDict) -> tuple[ArrayRecord | None, str | None]:
         rec = content.array_records.get(self.optimizer_key)
@@ -814,11 +406,15 @@ class RWLoRA(GraphStrategy):
             log(WARNING, "%s: %d replies for one hop; using the first", self.what, len(replies))
         if checked:
             reply: CheckedReply = checked[0]
+            reason = check_train_metrics(
+                reply.content, asked_steps=self.local_steps, vertex=v, vertex_key=self.vertex_key
+            )
             update = reply.update(expected)
             norm = math.sqrt(sum(float(u.double().pow(2).sum()) for u in update.values()))
             recent = self.update_norms[-self.norm_window :]
             if (
-                self.max_norm_ratio is not None
+                reason is None
+                and self.max_norm_ratio is not None
                 and len(recent) >= 3
                 and norm > self.max_norm_ratio * statistics.median(recent)
             ):
@@ -848,6 +444,19 @@ class RWLoRA(GraphStrategy):
                 node,
                 reason,
             )
+            period = self.health.record_failure(v, self._pending_round)
+            if period is not None:
+                log(
+                    WARNING,
+                    "%s: vertex %r (node %s) is dead (death %d in a row): skipped for %d rounds "
+                    "(until round %d); the walk moves on the live graph",
+                    self.what,
+                    v,
+                    node,
+                    self.health.strikes[v],
+                    period,
+                    self.health.dead_until[v],
+                )
             return False, {"hop-ok": 0}
         # success: the reply is the new token
         if reply.payload == "delta":
@@ -864,17 +473,18 @@ class RWLoRA(GraphStrategy):
                 cfg = reply.content.config_records.get(self.optimizer_config_key)
                 self.optimizer_config = ConfigRecord(dict(cfg)) if cfg is not None else None
         self.walk.move_to(v)
+        self.health.record_success(v)
+        self.relays += int(self._pending_relay)
         self.trajectory.append(v)
         self._visits[v] = self._visits.get(v, 0) + 1
         self.excluded = []
         self.update_norms.append(norm)
         self.update_norms = self.update_norms[-self.norm_window :]
-        steps = reply.metrics.get("local-steps", self.local_steps)
-        self.local_updates += int(steps) if steps >= 0 else self.local_steps
+        self.local_updates += int(reply.metrics.get("local-steps", self.local_steps))  # checked
         client = {
             k: float(x) for k, x in reply.metrics.items() if k not in ("local-steps", "walk-vertex")
         }
-        return True, {"hop-ok": 1, "update-norm": norm, **client}
+        return True, {**client, "hop-ok": 1, "update-norm": norm, "relay": int(self._pending_relay)}
 
     # ----------------------------------------------------------------- round
     def _run_round(
@@ -888,6 +498,7 @@ class RWLoRA(GraphStrategy):
             else 0
         )
         relayed0, p2p0, fail0 = self.bytes_relayed, self.bytes_p2p, self.failures
+        relays0 = self.relays
         ok, hop_metrics, attempts = False, {}, 0
         self.excluded = []  # each round starts from the full row of the current vertex
         for _ in range(max_tries):
@@ -923,7 +534,13 @@ class RWLoRA(GraphStrategy):
             "bytes-p2p-total": self.bytes_p2p,
             "tv-distance": self.tv_distance(),
             "offline-vertices": len(self.offline_vertices(grid)),
+            "dead-vertices": len(self.health.dead(server_round)),
+            "relays": self.relays - relays0,
+            "relays-total": self.relays,
         }
+
+    def _used(self, metrics: Mapping[str, float]) -> int:
+        return int(metrics.get("hop-ok", 0))
 
     # ----------------------------------------------------------------- state
     def state_dict(self) -> dict[str, Any]:
@@ -950,6 +567,9 @@ class RWLoRA(GraphStrategy):
                 "bytes_relayed": self.bytes_relayed,
                 "bytes_p2p": self.bytes_p2p,
                 "update_norms": list(self.update_norms),
+                "health": self.health.state_dict(),
+                "relays": self.relays,
+                "empty_streak": self.guard.streak,
                 "optimizer_config": (
                     None
                     if self.optimizer_config is None
@@ -978,6 +598,15 @@ class RWLoRA(GraphStrategy):
                 "excluded": Field("list"),
                 "update_norms": Field("list", items=Field("float", min=0)),
                 "optimizer_config": Field("dict", nullable=True, optional=True),
+                "health": Field(
+                    "dict",
+                    optional=True,
+                    fields=dict.fromkeys(
+                        ("streak", "strikes", "dead_until"),
+                        Field("list", items=Field("list", length=2)),
+                    ),
+                ),
+                "relays": Field("int", min=0, optional=True),
             },
         )
         token = tensors.get("token")
@@ -1022,3 +651,7 @@ class RWLoRA(GraphStrategy):
         self.bytes_relayed = int(meta["bytes_relayed"])
         self.bytes_p2p = int(meta["bytes_p2p"])
         self.update_norms = [float(x) for x in meta["update_norms"]]
+        if "health" in meta:  # absent in checkpoints written before dead-vertex handling
+            self.health.load_state_dict(meta["health"], self.vertices)
+        self.relays = int(meta.get("relays", 0))
+        self.guard.streak = int(meta.get("empty_streak", 0))

@@ -228,6 +228,8 @@ def run_server(
                 "replies-missing": int(tm.get("replies-missing", 0)),
                 "aggregation-time-s": tm.get("aggregation-time-s"),
                 "pseudo-grad-norm": tm.get("pseudo-grad-norm"),
+                "bytes-up": tm.get("bytes-up"),
+                "bytes-down": tm.get("bytes-down"),
                 "eval-time-s": now - t_eval,
                 "round-wall-s": now - clock["last"],  # since the previous round ended
                 "elapsed-s": now - clock["start"],

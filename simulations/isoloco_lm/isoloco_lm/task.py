@@ -31,6 +31,8 @@ from flwr_isoloco.data.text import load_corpus, prepare_tokens, sample_batch, sh
 from flwr_isoloco.merging import MERGE_RULES
 from flwr_isoloco.models.llama import build_llama, llama_config
 from flwr_isoloco.runconfig import (
+    SEED_MAX,
+    THREADS_MAX,
     RunConfigError,
     absolute_path,
     choices,
@@ -42,8 +44,6 @@ from flwr_isoloco.runconfig import (
 )
 
 STRATEGIES = ("isoloco", "diloco", "fedavg")
-SEED_MAX = 2**32 - 1  # seeds beyond this were silently unusable (per-batch seeds overflowed)
-THREADS_MAX = 512  # torch segfaults on absurd thread counts (100000); no node has more cores
 
 # The schema: every run-config key with its default (mirrors [tool.flwr.app.config]; a test
 # checks they agree). -1 / "" = "the chosen strategy's default".
@@ -70,6 +70,12 @@ DEFAULTS: dict[str, Any] = {
         "max-norm-ratio": 0.0,
         "max-weight-ratio": 5.0,
         "max-empty-rounds": 3,
+        "upload-codec": "none",
+        "codec-block-size": 256,
+        "codec-fraction": 0.01,
+        "codec-values": "fp32",
+        "codec-min-dims": 2,
+        "error-feedback": True,
     },
     "train": {
         "local-steps": 20,
@@ -144,6 +150,11 @@ VALIDATORS = {
     "strategy.max-norm-ratio": non_negative,
     "strategy.max-weight-ratio": _off_or_at_least_one,
     "strategy.max-empty-rounds": non_negative,
+    "strategy.upload-codec": choices("none", "int8", "fp8", "topk"),
+    "strategy.codec-block-size": in_range(1, 1 << 20),
+    "strategy.codec-fraction": in_range(0.0, 1.0, lo_open=True),
+    "strategy.codec-values": choices("fp32", "int8"),
+    "strategy.codec-min-dims": in_range(0, 8),
     "train.local-steps": positive,
     "train.lr": positive,
     "train.warmup-steps": non_negative,
@@ -371,6 +382,12 @@ def build_strategy(cfg: DictConfig):
         "strategy.max-weight-ratio": s["max-weight-ratio"],
         "strategy.max-empty-rounds": s["max-empty-rounds"],
         "strategy.seed": cfg.seed,
+        "strategy.upload-codec": s["upload-codec"],
+        "strategy.codec-block-size": s["codec-block-size"],
+        "strategy.codec-fraction": s["codec-fraction"],
+        "strategy.codec-values": s["codec-values"],
+        "strategy.codec-min-dims": s["codec-min-dims"],
+        "strategy.error-feedback": s["error-feedback"],
     }
     if s.name == "fedavg":
         flat.update(

@@ -3,8 +3,11 @@
 After every round the server appends a row to ``results.json`` (local updates so far, bytes
 relayed through the server and as a peer-to-peer deployment would send them, the walk vertex,
 train loss, and every ``eval-every`` rounds the test accuracy of the token / vertex average /
-global adapter on a fixed held-out subset), redraws the plots and writes an atomic checkpoint
+global adapter on a fixed held-out subset; for gossip also the mean of each vertex's own
+adapter's accuracy), redraws the plots and writes an atomic checkpoint
 (``checkpoint.safetensors``); ``resume-from=<checkpoint>`` continues the same run exactly.
+A run in which ``strategy.max-empty-rounds`` consecutive rounds used no reply stops with
+``NoProgressError`` and ``status: failed``.
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ import json
 import math
 import random
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from logging import ERROR, INFO, WARNING
 from typing import Any
 
@@ -38,6 +41,8 @@ from flwr_isoloco.checkpoint import (
 from flwr_isoloco.data import sentiment
 from flwr_isoloco.models import classifier
 from flwr_isoloco.runconfig import RunConfigError, check_resumable, prepare_output_dir
+from flwr_isoloco.strategies.common import NoProgressError
+from flwr_isoloco.strategies.wire import check_train_metrics
 
 from .plots import plot_results
 from .task import (
@@ -60,6 +65,7 @@ RESUMABLE_DIFFERENCES = {
     "checkpoint",
     "num-server-rounds",
     "strategy.node-wait-s",
+    "strategy.max-empty-rounds",
 }
 
 
@@ -72,10 +78,24 @@ def _array_bytes(msg: Message) -> int:
 
 class RecordingGrid(Grid):
     """Wraps a Grid; counts array bytes each way and keeps every node's latest train metrics
-    (``partition-id``, ``data-cursor``, ``local-steps``, ``train_loss``) per round."""
+    (``partition-id``, ``data-cursor``, ``local-steps``, ``train_loss``) per round.
 
-    def __init__(self, grid: Grid) -> None:
+    Client metrics are untrusted: a train reply whose metrics fail
+    :func:`~flwr_isoloco.strategies.wire.check_train_metrics` (against the ``local-steps`` its
+    instruction asked for, default ``default_steps``, and the vertex of the node it was sent
+    to, via ``vertex_of``) is logged with the node and not recorded; the strategy drops it too.
+    """
+
+    def __init__(
+        self,
+        grid: Grid,
+        default_steps: int | None = None,
+        vertex_of: Callable[[int], Any] | None = None,
+    ) -> None:
         self._grid = grid
+        self.default_steps = default_steps
+        self.vertex_of = vertex_of
+        self._sent: dict[str, Message] = {}
         self.bytes_down = 0
         self.bytes_up = 0
         self.local_updates = 0
@@ -100,7 +120,12 @@ class RecordingGrid(Grid):
     def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
         messages = list(messages)
         self.bytes_down += sum(_array_bytes(m) for m in messages)
-        return self._grid.push_messages(messages)
+        ids = list(self._grid.push_messages(messages))
+        self._remember(messages)
+        return ids
+
+    def _remember(self, messages: list[Message]) -> None:
+        self._sent = {m.metadata.message_id: m for m in messages if m.metadata.message_id}
 
     def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:
         replies = list(self._grid.pull_messages(message_ids))
@@ -111,8 +136,20 @@ class RecordingGrid(Grid):
         messages = list(messages)
         self.bytes_down += sum(_array_bytes(m) for m in messages)
         replies = list(self._grid.send_and_receive(messages, timeout=timeout))
+        self._remember(messages)
         self._observe(replies)
         return replies
+
+    def _bad_metrics(self, reply: Message) -> str | None:
+        sent = self._sent.get(reply.metadata.reply_to_message_id)
+        node = sent.metadata.dst_node_id if sent is not None else reply.metadata.src_node_id
+        asked = self.default_steps
+        if sent is not None and "config" in sent.content.config_records:
+            k = sent.content.config_records["config"].get("local-steps", asked)
+            asked = k if isinstance(k, int) else asked
+        vertex = self.vertex_of(node) if self.vertex_of is not None else None
+        why = check_train_metrics(reply.content, asked_steps=asked, vertex=vertex)
+        return None if why is None else f"node {node}: {why}"
 
     def _observe(self, replies: list[Message]) -> None:
         for r in replies:
@@ -124,6 +161,10 @@ class RecordingGrid(Grid):
                 continue
             m = r.content.metric_records.get("metrics")
             if m is None:
+                continue
+            bad = self._bad_metrics(r)
+            if bad is not None:
+                log(WARNING, "rwlora-sentiment: %s; reply metrics not recorded", bad)
                 continue
             if "partition-id" in m and "data-cursor" in m:
                 self.cursors[int(m["partition-id"])] = int(m["data-cursor"])
@@ -157,6 +198,14 @@ def wait_for_nodes(grid: Grid, want: int, settle_s: float, timeout_s: float) -> 
                 return n
             raise RuntimeError(f"only {n} nodes connected after {timeout_s:.0f} s (want {want})")
         time.sleep(0.25)
+
+
+def _vertex_of(strategy, node: int) -> Any:
+    """The graph vertex a node id holds (None before discovery or for unmapped nodes)."""
+    vmap = getattr(strategy, "vmap", None)
+    if vmap is None:
+        return None
+    return next((v for v, nid in vmap.node_of.items() if nid == node), None)
 
 
 def data_sizes(cfg, n: int) -> list[int]:
@@ -199,6 +248,7 @@ def build_strategy(cfg, n: int, round_end_fn=None):
         node_wait_s=s["node-wait-s"],
         max_update_norm=max_norm,
         round_end_fn=round_end_fn,
+        max_empty_rounds=s["max-empty-rounds"],
     )
     if s.name == "rwlora":
         from flwr_isoloco.strategies.rwlora import RWLoRA
@@ -211,6 +261,9 @@ def build_strategy(cfg, n: int, round_end_fn=None):
             seed=cfg.seed,
             carry_optimizer_state=s["carry-optimizer-state"],
             max_norm_ratio=s["max-norm-ratio"] or None,
+            dead_after=s["dead-after"],
+            dead_backoff=s["dead-backoff"],
+            dead_backoff_max=s["dead-backoff-max"],
             **common,
         )
     from flwr_isoloco.strategies.gossip import GossipLoRA
@@ -311,6 +364,9 @@ def run_server(grid: Grid, run_config: dict[str, Any], run_id: int = 0, *, settl
         raise RunConfigError(msg) from None
     state["strategy"] = strategy
     name = cfg.strategy.name
+    rec.default_steps = cfg.strategy["local-steps"]
+    if name != "fedavg":
+        rec.vertex_of = lambda node: _vertex_of(strategy, node)
     base = {"local-updates": 0, "bytes-relayed": 0, "bytes-p2p": 0}
     train_config: dict[str, Any] = {}
     initial = ArrayRecord(initial_adapter)
@@ -391,11 +447,12 @@ def run_server(grid: Grid, run_config: dict[str, Any], run_id: int = 0, *, settl
                 row["hop-failures-total"] = strategy.failures
         if want_eval:
             tw = time.perf_counter()
-            classifier.load_adapter_state_dict(model, arrays.to_torch_state_dict())
-            res = classifier.evaluate(
-                model, tokenizer, test_texts, test_labels, max_length=cfg.model["max-length"]
-            )
+            res = _evaluate(arrays)
             row.update({"test-accuracy": res["accuracy"], "test-loss": res["loss"]})
+            if name == "gossip":  # each vertex's own adapter, not the A/B average
+                own = [_evaluate(a) for a in strategy.vertex_adapters().values()]
+                row["test-accuracy-vertex-mean"] = sum(r["accuracy"] for r in own) / len(own)
+                row["test-loss-vertex-mean"] = sum(r["loss"] for r in own) / len(own)
             row["eval-time-s"] = time.perf_counter() - tw
         now = time.perf_counter()
         row["round-wall-s"] = now - clock["last"]
@@ -412,6 +469,12 @@ def run_server(grid: Grid, run_config: dict[str, Any], run_id: int = 0, *, settl
                 {"test-accuracy": row["test-accuracy"], "test-loss": row["test-loss"]}
             )
         return None
+
+    def _evaluate(arrays: ArrayRecord) -> dict[str, float]:
+        classifier.load_adapter_state_dict(model, arrays.to_torch_state_dict())
+        return classifier.evaluate(
+            model, tokenizer, test_texts, test_labels, max_length=cfg.model["max-length"]
+        )
 
     def _checkpoint(rnd: int, arrays: ArrayRecord) -> None:
         if name == "fedavg":
@@ -452,14 +515,22 @@ def run_server(grid: Grid, run_config: dict[str, Any], run_id: int = 0, *, settl
     if remaining <= 0:
         log(INFO, "rwlora-sentiment: checkpoint already holds all %d rounds", total)
     else:
-        strategy.start(
-            grid=rec,
-            initial_arrays=initial,
-            num_rounds=total if name != "fedavg" else remaining,
-            timeout=cfg["round-timeout"],
-            train_config=ConfigRecord(train_config),
-            evaluate_fn=evaluate_fn,
-        )
+        try:
+            strategy.start(
+                grid=rec,
+                initial_arrays=initial,
+                num_rounds=total if name != "fedavg" else remaining,
+                timeout=cfg["round-timeout"],
+                train_config=ConfigRecord(train_config),
+                evaluate_fn=evaluate_fn,
+            )
+        except NoProgressError as exc:
+            _plots()
+            results.update(
+                status="failed", error=str(exc), **{"wall-time-s": time.perf_counter() - t0}
+            )
+            write_json_atomic(out / "results.json", results)
+            raise
     _plots()
     results["status"] = "completed"
     results["wall-time-s"] = time.perf_counter() - t0

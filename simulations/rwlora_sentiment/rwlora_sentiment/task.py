@@ -17,6 +17,8 @@ from flwr_isoloco.clients.lora_client import LoRAClientConfig
 from flwr_isoloco.data.sentiment import PARTITIONERS
 from flwr_isoloco.models.classifier import LoRASpec, parse_target_modules
 from flwr_isoloco.runconfig import (
+    SEED_MAX,
+    THREADS_MAX,
     RunConfigError,
     absolute_path,
     choices,
@@ -42,7 +44,7 @@ DEFAULTS: dict[str, Any] = {
         "name": "rwlora",
         "num-clients": 0,
         "graph": "complete",
-        "transition": "simple",
+        "transition": "metropolis",
         "lazy": False,
         "target": "uniform",
         "local-steps": 5,
@@ -51,6 +53,10 @@ DEFAULTS: dict[str, Any] = {
         "max-update-norm": 0.0,
         "max-norm-ratio": 0.0,
         "node-wait-s": 120.0,
+        "max-empty-rounds": 3,
+        "dead-after": 2,
+        "dead-backoff": 8,
+        "dead-backoff-max": 128,
     },
     "lora": {
         "r": 8,
@@ -80,11 +86,13 @@ def _data_source_ok(value: Any) -> None:
         raise ValueError("no such data file")
 
 
+
 VALIDATORS = {
     "num-server-rounds": positive,
+    "seed": in_range(0, SEED_MAX),
     "output-dir": absolute_path(allow_empty=True),
     "round-timeout": positive,
-    "torch-threads": non_negative,
+    "torch-threads": in_range(1, THREADS_MAX),
     "eval-every": positive,
     "strategy.name": choices(*STRATEGIES),
     "strategy.num-clients": non_negative,
@@ -95,6 +103,10 @@ VALIDATORS = {
     "strategy.max-update-norm": non_negative,
     "strategy.max-norm-ratio": non_negative,
     "strategy.node-wait-s": positive,
+    "strategy.max-empty-rounds": non_negative,
+    "strategy.dead-after": non_negative,
+    "strategy.dead-backoff": positive,
+    "strategy.dead-backoff-max": positive,
     "lora.r": positive,
     "lora.alpha": positive,
     "lora.dropout": in_range(0.0, 1.0, hi_open=True),
@@ -119,6 +131,12 @@ def load_config(run_config: dict[str, Any]) -> DictConfig:
         parse_target_modules(cfg.lora["target-modules"])
     except ValueError as exc:
         raise RunConfigError(f"run-config key 'lora.target-modules': {exc}") from None
+    s = cfg.strategy
+    if s["dead-backoff-max"] < s["dead-backoff"]:
+        raise RunConfigError(
+            f"run-config key 'strategy.dead-backoff-max' = {s['dead-backoff-max']} must be >= "
+            f"'strategy.dead-backoff' = {s['dead-backoff']}"
+        )
     if cfg.strategy.name != "rwlora" and cfg.strategy["carry-optimizer-state"]:
         raise RunConfigError(
             "run-config key 'strategy.carry-optimizer-state' is only supported by 'rwlora'"
