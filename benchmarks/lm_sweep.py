@@ -25,6 +25,7 @@ import math
 import os
 import sys
 import time
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -293,8 +294,9 @@ def main(argv=None) -> None:
             for m in args.workers:
                 tune(method, m, args)
         return
-    for method in args.methods:
-        for m in args.workers:
+    failed = []
+    for m in args.workers:  # M-major: a comparison of the methods at each M comes early
+        for method in args.methods:
             for seed in args.seeds:
                 hp = tuned_hp(method, m, load_records(args.tuning_file), args.quick)
                 if method not in ("dp-adamw", *lib.FIXED_HP):
@@ -302,7 +304,13 @@ def main(argv=None) -> None:
                         hp.update(outer_lr=args.outer_lr, tuned=False, hp_source="cli")
                     if args.outer_momentum is not None:
                         hp.update(outer_momentum=args.outer_momentum, tuned=False, hp_source="cli")
-                ensure_cell(method, m, seed, hp, args, args.out, protocol=args.protocol)
+                try:
+                    ensure_cell(method, m, seed, hp, args, args.out, protocol=args.protocol)
+                except Exception:  # one broken cell must not stop the sweep; nothing recorded
+                    traceback.print_exc()
+                    failed.append((method, m, seed))
+    if failed:
+        raise SystemExit(f"[lm_sweep] cells failed (not recorded; rerun to retry): {failed}")
 
 
 if __name__ == "__main__":
