@@ -27,6 +27,14 @@ RESULTS = REPO / "benchmarks" / "results" / "lm_experiments.json"
 PLOT = REPO / "docs" / "img" / "lm_val_loss.png"
 DOC = REPO / "docs" / "results-lm.md"
 COLORS = {"isoloco": "C3", "diloco": "C0", "fedavg": "C1", "iso_c-nomom": "C2", "mean-nomom": "C4"}
+# legend text: what each run is (the app's defaults; the outer values of RUNS below)
+LABELS = {
+    "isoloco": "IsoLoCo (Iso-C merge, outer lr 1.8, Nesterov 0.8)",
+    "diloco": "DiLoCo (mean merge, outer lr 0.7, Nesterov 0.9)",
+    "fedavg": "FedAvg (mean, outer lr 1, no momentum)",
+    "iso_c-nomom": "Iso-C merge, outer lr 2.1, no momentum",
+    "mean-nomom": "mean merge, outer lr 1.6, no momentum",
+}
 BEGIN, END = "<!-- BEGIN GENERATED TABLE -->", "<!-- END GENERATED TABLE -->"
 
 # name -> run-config overrides (besides the worker count); tuned outer values from the paper
@@ -91,6 +99,8 @@ def plot(entries: dict) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from flwr_isoloco.plotting import save_figure
+
     ms = sorted({e["workers"] for e in entries.values()})
     fig, axes = plt.subplots(1, len(ms), figsize=(5.5 * len(ms), 4), squeeze=False)
     for ax, m in zip(axes[0], ms, strict=True):
@@ -99,15 +109,17 @@ def plot(entries: dict) -> None:
         ):
             xs = list(range(0, len(e["val-loss"]) + 1))
             color = COLORS.get(e["name"])
-            ax.plot(xs, [e["initial-val-loss"], *e["val-loss"]], "o-", ms=3, label=e["name"], color=color)
+            label = LABELS.get(e["name"], e["name"])
+            ax.plot(
+                xs, [e["initial-val-loss"], *e["val-loss"]], "o-", ms=3, label=label, color=color
+            )
         ax.set_title(f"M = {m} workers")
         ax.set_xlabel("outer round")
         ax.set_ylabel("validation loss (nats/token)")
         ax.grid(alpha=0.3)
         ax.legend()
     fig.tight_layout()
-    PLOT.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(PLOT, dpi=100)
+    save_figure(fig, PLOT)  # atomic, 0644
     plt.close(fig)
 
 
@@ -118,7 +130,7 @@ def table(entries: dict) -> str:
     ]
     for e in sorted(entries.values(), key=lambda e: (e["workers"], e["name"])):
         rows.append(
-            f"| {e['name']} | {e['workers']} | {e['final-val-loss']:.4f} | {e['final-val-ppl']:.1f} | "
+            f"| {LABELS.get(e['name'], e['name'])} (`{e['name']}`) | {e['workers']} | {e['final-val-loss']:.4f} | {e['final-val-ppl']:.1f} | "
             f"{e['wall-time-s']:.0f} | {e['mean-round-wall-s']:.1f} | {e['mean-aggregation-s']:.3f} |"
         )
     return "\n".join(rows)

@@ -130,6 +130,8 @@ def plot(summary: dict, path_prefix: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from flwr_isoloco.plotting import run_label, save_figure
+
     graphs = summary["graphs"]
     for xkey, xlabel, fname in (
         ("local-updates", "local updates (optimiser steps, all clients)", "updates"),
@@ -143,9 +145,10 @@ def plot(summary: dict, path_prefix: Path) -> None:
                     continue
                 rows = [r for r in run["rounds"] if "test-accuracy" in r]
                 xs = [r[xkey] / (1e6 if xkey != "local-updates" else 1) for r in rows]
-                ax.plot(
-                    xs, [r["test-accuracy"] for r in rows], marker="o", ms=3, label=run["method"]
-                )
+                label = run_label(run["method"])  # "RW-LoRA", not the config name "rwlora"
+                if run["method"] == "fedavg":
+                    label += "-LoRA (server average)"
+                ax.plot(xs, [r["test-accuracy"] for r in rows], marker="o", ms=3, label=label)
             ax.axhline(summary["target"], ls="--", c="gray", lw=0.8)
             ax.set_title(f"{g} graph, {summary['clients']} clients")
             ax.set_xlabel(xlabel)
@@ -153,7 +156,7 @@ def plot(summary: dict, path_prefix: Path) -> None:
             ax.grid(alpha=0.3)
             ax.legend()
         fig.tight_layout()
-        fig.savefig(f"{path_prefix}_{fname}.png", dpi=100)
+        save_figure(fig, f"{path_prefix}_{fname}.png")  # atomic, 0644
         plt.close(fig)
 
 

@@ -213,18 +213,21 @@ def _remove_leftovers(path: Path) -> None:
                 os.unlink(entry.path)
 
 
-def write_bytes_atomic(path: str | os.PathLike, data: bytes) -> None:
+def write_bytes_atomic(path: str | os.PathLike, data: bytes, mode: int | None = None) -> None:
     """Write ``data`` to ``path`` so a reader sees the old or the new file, never a torn one.
 
     Removes earlier interrupted writes' temporary files for this target (see
     :func:`_remove_leftovers`), then: temporary file in the same folder, fsync, ``os.replace``,
-    fsync the folder.
+    fsync the folder. The file mode is ``mkstemp``'s 0600 (checkpoints: owner only) unless
+    ``mode`` is given (results: ``0o644``).
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     _remove_leftovers(path)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
+        if mode is not None:
+            os.fchmod(fd, mode)
         with os.fdopen(fd, "wb") as fh:
             fh.write(data)
             fh.flush()
@@ -244,9 +247,10 @@ def write_bytes_atomic(path: str | os.PathLike, data: bytes) -> None:
         pass
 
 
-def write_json_atomic(path: str | os.PathLike, obj: Any) -> None:
-    """``json.dump(obj)`` (indented) to ``path`` atomically (see :func:`write_bytes_atomic`)."""
-    write_bytes_atomic(path, json.dumps(obj, indent=2).encode("utf-8"))
+def write_json_atomic(path: str | os.PathLike, obj: Any, mode: int = 0o644) -> None:
+    """``json.dump(obj)`` (indented) to ``path`` atomically (see :func:`write_bytes_atomic`);
+    mode 0644 by default: results are for reading, by other users too."""
+    write_bytes_atomic(path, json.dumps(obj, indent=2).encode("utf-8"), mode=mode)
 
 
 # ----------------------------------------------------------------------------- reading

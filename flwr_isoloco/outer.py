@@ -12,6 +12,16 @@ with ``g`` the pseudo-gradient and ``b`` a zero-initialised buffer::
     theta <- theta - lr * u
 
 With ``mu = 0`` and ``lr = 1``, ``theta - g`` with ``g`` the mean pseudo-gradient is FedAvg.
+
+Why not ``torch.optim.SGD`` itself: it gives bitwise the same numbers (tested step by step in
+fp32 and fp64, all three modes; on the 0.92M-parameter LM too), but it applies the direction to
+the parameters in the same call that computes it (``param.add_(d_p, alpha=-lr)``), so there is
+no place for ``update_transform`` (IsoLoCo's ``orthogonalize="update"`` orthogonalises the
+momentum direction ``u`` before the step); it mutates parameters and buffers in place, while
+this step leaves its inputs untouched and changes no buffer unless the whole step succeeds (a
+bad transform output changes nothing); and its state is keyed by parameter position, while
+checkpoints of existing runs hold the buffers by tensor name. Cost measured on that LM (one
+CPU thread, per outer step): 25-146 ms here, 6-99 ms for ``torch.optim.SGD``, once per round.
 """
 
 from __future__ import annotations

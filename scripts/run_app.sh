@@ -6,15 +6,20 @@
 #   e.g. scripts/run_app.sh simulations/isoloco_lm /tmp/out num-server-rounds=3 "strategy.name='diloco'"
 #   (each override is key=value, TOML value syntax; no spaces inside a value)
 #
-# What it does, and why (see docs/user-guide.md):
-# - a fresh FLWR_HOME (under <repo>/.flwr/, gitignored) so no user or concurrent run is touched;
-# - its own `flower-superlink --simulation` on a free loopback port, started in its own process
-#   group with runtime dependency installation disabled (the app runs in this environment);
-# - `flwr run <app> <connection> --stream` with the overrides plus `output-dir` = <output-dir>
-#   (the app must have an `output-dir` key) in one TOML file, so any path survives (quotes,
-#   backslashes, tabs); logs tee'd to <output-dir>/flwr-run.log;
-# - `flwr run --stream` exits 0 even when the ServerApp crashed, so the run's status is read
-#   from `flwr ls --format json`; the script exits 0 only for `finished:completed`;
+# Flower 1.42 does the run itself (`flwr run <app> <connection> --stream --federation-config
+# ... --run-config <file>`: simulation, Ray, logs). This script adds only what Flower cannot do
+# (see docs/user-guide.md), each piece with its reason:
+# - a private FLWR_HOME (under <repo>/.flwr/, gitignored), so no user or concurrent run is
+#   touched: Flower has no per-run home;
+# - its own `flower-superlink --simulation` on a free loopback port, PID kept: the SuperLink
+#   that `flwr run` starts itself (connection address ":local:") listens on one fixed port
+#   (39091) for every run on the machine, so concurrent runs would share it (and the
+#   environment it froze at its first start); it is detached, no PID is recorded anywhere and
+#   no `flwr` command stops it, so it outlives the run (and holds Ray) after Ctrl-C too;
+# - the overrides checked and written as one TOML file (reasons at that step below);
+# - the real exit status: `flwr run --stream` exits 0 even when the ServerApp crashed, so the
+#   run's status is read from `flwr ls --format json`; the script exits 0 only for
+#   `finished:completed`;
 # - the SuperLink's process group (it holds the simulation and Ray) is stopped on every exit.
 #
 # Environment: NUM_SUPERNODES (default 4), CPUS_PER_CLIENT (default 1), RUN_APP_KEEP_HOME=1
@@ -138,13 +143,10 @@ setsid "$BIN/flower-superlink" --insecure --simulation --isolation subprocess \
   --log-file "$FLWR_HOME/superlink.log" --disable-runtime-dependency-installation \
   >"$FLWR_HOME/superlink.out" 2>&1 &
 SL_PID=$!
+# Wait until it accepts connections (bash's /dev/tcp: no interpreter start per probe), 60 s at
+# most: Flower's own start-up wait is 15 s, too short for a loaded 2-core machine.
 for _ in $(seq 1 120); do
-  "$BIN/python" - "$PORT" <<'PY' && break
-import socket, sys
-s = socket.socket()
-s.settimeout(0.5)
-sys.exit(0 if s.connect_ex(("127.0.0.1", int(sys.argv[1]))) == 0 else 1)
-PY
+  (exec 3<>"/dev/tcp/127.0.0.1/$PORT") 2>/dev/null && break
   kill -0 "$SL_PID" 2>/dev/null || { echo "SuperLink exited; see $FLWR_HOME/superlink.out" >&2; cat "$FLWR_HOME/superlink.out" >&2; exit 1; }
   sleep 0.5
 done
@@ -160,18 +162,15 @@ T0=$(date +%s.%N)
 T1=$(date +%s.%N)
 
 "$BIN/flwr" ls runapp --format json > "$OUT/flwr-ls.json" 2>/dev/null || true
-STATUS=$("$BIN/python" - "$OUT/flwr-ls.json" <<'PY'
+# this private SuperLink ran one run: the last listed is ours
+STATUS=$("$BIN/python" -c '
 import json, sys
 try:
-    data = json.load(open(sys.argv[1]))
+    runs = json.load(open(sys.argv[1])).get("runs") or []
 except Exception as exc:  # noqa: BLE001
-    print(f"unknown (flwr ls unreadable: {exc})")
-    sys.exit(0)
-runs = data.get("runs") or []
-print(runs[-1].get("status", "unknown") if runs else "unknown (no run listed)")
-PY
-)
-WALL=$("$BIN/python" -c "print(f'{$T1 - $T0:.1f}')")
+    runs = [{"status": f"unknown (flwr ls unreadable: {exc})"}]
+print(runs[-1].get("status", "unknown") if runs else "unknown (no run listed)")' "$OUT/flwr-ls.json")
+WALL=$(awk "BEGIN {printf \"%.1f\", $T1 - $T0}")
 echo "run_app: status $STATUS, wall time ${WALL}s, log $LOG"
 echo "{\"status\": \"$STATUS\", \"wall-time-s\": $WALL}" > "$OUT/run_app.json"
 if [ "$STATUS" != "finished:completed" ]; then

@@ -205,3 +205,14 @@ def test_worker_under_diloco_on_fake_grid_lowers_eval_loss():
     before = res.evaluate_metrics_clientapp[1]["eval-loss"]
     after = res.evaluate_metrics_clientapp[ROUNDS]["eval-loss"]
     assert after < before < math.log(32) + 0.5
+
+
+def test_warmup_longer_than_the_run_is_refused_before_training():
+    """issue 9, item 8: warm-up W > num-server-rounds * local-steps would never reach the peak."""
+    ctx = new_context()
+    theta = model_fn().state_dict()
+    with pytest.raises(ValueError, match=r"warmup-steps 7 is longer than the run: .* = 6 inner"):
+        send(handler(), theta, 1, ctx, **{"warmup-steps": 7})
+    assert ADAMW_STATE_KEY not in ctx.state and WORKER_STATE_KEY not in ctx.state
+    send(handler(), theta, 1, ctx, **{"warmup-steps": ROUNDS * H})  # exactly the run: allowed
+    assert ctx.state[WORKER_STATE_KEY]["data-cursor"] == H

@@ -73,16 +73,15 @@ def test_prepare_tokens_val_is_held_out(small_corpus, tmp_path):
     assert np.array_equal(again.train, data.train) and np.array_equal(again.val, data.val)
 
 
-@pytest.mark.parametrize("rows,parts", [(10, 3), (12, 4), (7, 7), (1000, 8)])
-def test_shard_rows_match_flwr_datasets(rows, parts):
-    import datasets
-    from flwr_datasets.partitioner import IidPartitioner
-
-    part = IidPartitioner(num_partitions=parts)
-    part.dataset = datasets.Dataset.from_dict({"row": list(range(rows))})
+@pytest.mark.parametrize("rows,parts", [(10, 3), (12, 4), (7, 7), (1000, 8), (5078, 4)])
+def test_shard_rows_from_flwr_datasets_keep_the_old_split(rows, parts):
+    """The flwr-datasets partition equals the closed form the LM shards used before
+    (``div*p + min(p, mod)``, one extra row for the first ``mod`` partitions): same shards,
+    same demo numbers."""
+    div, mod = divmod(rows, parts)
     for p in range(parts):
-        start, stop = shard_rows(rows, p, parts)
-        assert part.load_partition(p)["row"] == list(range(start, stop))
+        start = div * p + min(p, mod)
+        assert shard_rows(rows, p, parts) == (start, start + div + (p < mod))
 
 
 def test_shards_contiguous_disjoint_cover():

@@ -6,7 +6,8 @@ Train handler (``make_diloco_train_handler``), per message:
 2. restore this node's AdamW state from ``context.state`` (it never travels);
 3. run H = ``local-steps`` AdamW steps (betas (0.9, 0.95), weight decay 0.1, gradient clip 1.0)
    with the learning rate of a schedule over the whole run (total ``T = num-server-rounds * H``
-   steps, global step ``s = (server-round - 1) * H + h``, warm-up ``W`` steps)::
+   steps, global step ``s = (server-round - 1) * H + h``, warm-up ``W <= T`` steps; a longer
+   warm-up is refused before training)::
 
        lr(s) = lr * (s + 1) / W                                     if s < W
        lr(s) = lr * (r + (1 - r) * (1 + cos(pi * (s - W) / (T - W))) / 2)   otherwise
@@ -42,6 +43,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from logging import WARNING
 from typing import Any
 
@@ -84,7 +86,14 @@ def next_token_loss(model: torch.nn.Module, batch: Any) -> tuple[torch.Tensor, i
 
 
 def inner_lr(step: int, total: int, lr: float, warmup: int, min_ratio: float) -> float:
-    """Linear warm-up then cosine decay to ``min_ratio * lr`` at ``total`` (see module doc)."""
+    """Linear warm-up then cosine decay to ``min_ratio * lr`` at ``total`` (see module doc).
+
+    Why not transformers' ``get_cosine_with_min_lr_schedule_with_warmup``: its decay part is
+    bitwise this one (tested), but its warm-up is ``lr * s / W``, one step behind ours: the
+    first inner step of a run would get lr 0 (a wasted step) and every warm-up step a
+    different lr, so swapping would change every result (the LM demo's val loss included).
+    Past ``total`` it also rises again (``cos`` is not clamped); ours stays at the minimum.
+    """
     if warmup > 0 and step < warmup:
         return lr * (step + 1) / warmup
     span = max(total - warmup, 1)
@@ -217,6 +226,91 @@ def _compressed_delta(
     return out
 
 
+@dataclass(frozen=True)
+class _Round:
+    """One train message's settings: the factory's defaults overridden by its config."""
+
+    rnd: int
+    h: int
+    rounds: int
+    lr: float
+    warm: int
+    min_ratio: float
+    wd: float
+    clip: float
+    request: tuple[str, dict, bool] | None
+
+
+def _round_settings(cfg: Mapping[str, Any], d: Mapping[str, Any]) -> _Round:
+    """Read and check the message config (``d``: the factory's keyword defaults).
+
+    Raises ValueError for a missing or ill-typed key, a count below 1, a warm-up longer than
+    the run (``warmup-steps > num-server-rounds * local-steps``: the lr would never reach its
+    peak and no decay step would exist) or a bad codec request, all before any training.
+    """
+    c = _Round(
+        rnd=_get(cfg, "server-round", None, int),
+        h=_get(cfg, "local-steps", d["local_steps"], int),
+        rounds=_get(cfg, "num-server-rounds", d["num_server_rounds"], int),
+        lr=_get(cfg, "lr", d["lr"], float),
+        warm=_get(cfg, "warmup-steps", d["warmup_steps"], int),
+        min_ratio=_get(cfg, "min-lr-ratio", d["min_lr_ratio"], float),
+        wd=_get(cfg, "weight-decay", d["weight_decay"], float),
+        clip=_get(cfg, "clip-norm", d["clip_norm"], float),
+        request=parse_request(cfg),  # bad codec config -> ValueError
+    )
+    if c.rnd < 1 or c.h < 1 or c.rounds < 1:
+        raise ValueError(
+            "server-round, local-steps and num-server-rounds must be >= 1, "
+            f"got {c.rnd}, {c.h}, {c.rounds}"
+        )
+    if c.warm > c.rounds * c.h:
+        raise ValueError(
+            f"warmup-steps {c.warm} is longer than the run: num-server-rounds {c.rounds} x "
+            f"local-steps {c.h} = {c.rounds * c.h} inner steps"
+        )
+    return c
+
+
+def _inner_steps(model, opt, named, data, cursor, node_seed, c: _Round, loss_fn, device):
+    """Run ``c.h`` AdamW steps from batch ``cursor``; returns (losses, tokens, last lr, cursor)."""
+    losses, tokens, step_lr = [], 0, c.lr
+    for i in range(c.h):
+        step_lr = inner_lr((c.rnd - 1) * c.h + i, c.rounds * c.h, c.lr, c.warm, c.min_ratio)
+        for group in opt.param_groups:
+            group["lr"] = step_lr
+        batch = _batch_at(data, cursor, node_seed)
+        if isinstance(batch, torch.Tensor):
+            batch = batch.to(device)
+        cursor += 1
+        opt.zero_grad(set_to_none=True)
+        loss, n = loss_fn(model, batch)
+        if not torch.isfinite(loss):
+            raise FloatingPointError(f"non-finite training loss at inner step {i} of round {c.rnd}")
+        loss.backward()
+        if c.clip > 0:
+            torch.nn.utils.clip_grad_norm_([p for _, p in named], c.clip)
+        opt.step()
+        losses.append(float(loss.detach()))
+        tokens += int(n)
+    return losses, tokens, step_lr, cursor
+
+
+def _reply_content(theta, new, request, payload: str, state: RecordDict, key: str) -> RecordDict:
+    """The model part of the reply: ``theta_i``, or ``theta - theta_i`` (compressed if asked)."""
+    content = RecordDict()
+    if request is None and payload == "weights":
+        content[key] = _fp32_record(new)
+        return content
+    delta = {k: theta[k].to(new[k].dtype) - new[k] for k in new}
+    if request is not None:
+        content[key] = _compressed_delta(delta, request, state)
+    else:
+        content[key] = _fp32_record(delta)
+    content["config"] = ConfigRecord({"payload": "delta"})
+    return content
+
+
 def make_diloco_train_handler(
     model_fn: ModelFn,
     data_fn: DataFn,
@@ -243,84 +337,47 @@ def make_diloco_train_handler(
     """
     if payload not in ("weights", "delta"):
         raise ValueError(f"payload must be 'weights' or 'delta', got {payload!r}")
+    defaults = dict(
+        local_steps=local_steps,
+        num_server_rounds=num_server_rounds,
+        lr=lr,
+        warmup_steps=warmup_steps,
+        min_lr_ratio=min_lr_ratio,
+        weight_decay=weight_decay,
+        clip_norm=clip_norm,
+    )
 
     def train(msg: Message, context: Context) -> Message:
-        cfg = _config(msg, configrecord_key)
-        rnd = _get(cfg, "server-round", None, int)
-        h = _get(cfg, "local-steps", local_steps, int)
-        rounds = _get(cfg, "num-server-rounds", num_server_rounds, int)
-        base_lr = _get(cfg, "lr", lr, float)
-        warm = _get(cfg, "warmup-steps", warmup_steps, int)
-        min_ratio = _get(cfg, "min-lr-ratio", min_lr_ratio, float)
-        wd = _get(cfg, "weight-decay", weight_decay, float)
-        clip = _get(cfg, "clip-norm", clip_norm, float)
-        if rnd < 1 or h < 1 or rounds < 1:
-            raise ValueError(
-                f"server-round, local-steps and num-server-rounds must be >= 1, got {rnd}, {h}, {rounds}"
-            )
-        request = parse_request(cfg)  # bad codec config -> ValueError before training
+        c = _round_settings(_config(msg, configrecord_key), defaults)
         if arrayrecord_key not in msg.content.array_records:
             raise ValueError(f"train message has no ArrayRecord {arrayrecord_key!r}")
         theta = msg.content.array_records[arrayrecord_key].to_torch_state_dict()
-
         model = model_fn(context).to(device)
         model.load_state_dict(theta, strict=True)
         model.train()
         named = _trainable(model)
         opt = torch.optim.AdamW(
-            [p for _, p in named], lr=base_lr, betas=betas, weight_decay=wd, eps=1e-8
+            [p for _, p in named], lr=c.lr, betas=betas, weight_decay=c.wd, eps=1e-8
         )
         _load_adamw(opt, named, context.state)
         wstate = context.state.get(WORKER_STATE_KEY)
         cursor = int(wstate["data-cursor"]) if isinstance(wstate, ConfigRecord) else 0
         node_seed = seed * 1_000_003 + int(context.node_config.get("partition-id", context.node_id))
         data = data_fn(context)
-        total = rounds * h
-        torch.manual_seed(node_seed * 7919 + rnd)  # dropout etc., reproducible per round
-
-        losses, tokens, step_lr = [], 0, base_lr
-        for i in range(h):
-            step_lr = inner_lr((rnd - 1) * h + i, total, base_lr, warm, min_ratio)
-            for group in opt.param_groups:
-                group["lr"] = step_lr
-            batch = _batch_at(data, cursor, node_seed)
-            if isinstance(batch, torch.Tensor):
-                batch = batch.to(device)
-            cursor += 1
-            opt.zero_grad(set_to_none=True)
-            loss, n = loss_fn(model, batch)
-            if not torch.isfinite(loss):
-                raise FloatingPointError(
-                    f"non-finite training loss at inner step {i} of round {rnd}"
-                )
-            loss.backward()
-            if clip > 0:
-                torch.nn.utils.clip_grad_norm_([p for _, p in named], clip)
-            opt.step()
-            losses.append(float(loss.detach()))
-            tokens += int(n)
-
+        torch.manual_seed(node_seed * 7919 + c.rnd)  # dropout etc., reproducible per round
+        losses, tokens, step_lr, cursor = _inner_steps(
+            model, opt, named, data, cursor, node_seed, c, loss_fn, device
+        )
         _save_adamw(opt, named, context.state)
-        context.state[WORKER_STATE_KEY] = ConfigRecord({"data-cursor": cursor, "last-round": rnd})
+        context.state[WORKER_STATE_KEY] = ConfigRecord({"data-cursor": cursor, "last-round": c.rnd})
         new = {k: v.detach().cpu() for k, v in model.state_dict().items()}
-        content = RecordDict()
-        if request is not None:
-            delta = {k: theta[k].to(new[k].dtype) - new[k] for k in new}
-            content[arrayrecord_key] = _compressed_delta(delta, request, context.state)
-            content["config"] = ConfigRecord({"payload": "delta"})
-        elif payload == "delta":
-            content[arrayrecord_key] = _fp32_record(
-                {k: theta[k].to(new[k].dtype) - new[k] for k in new}
-            )
-            content["config"] = ConfigRecord({"payload": "delta"})
-        else:
-            content[arrayrecord_key] = _fp32_record(new)
+        content = _reply_content(theta, new, c.request, payload, context.state, arrayrecord_key)
         content["metrics"] = MetricRecord(
             {
                 "num-examples": tokens,
                 "train-loss": sum(losses) / len(losses),
                 "lr": step_lr,
-                "inner-steps": h,
+                "inner-steps": c.h,
             }
         )
         return Message(content, reply_to=msg)

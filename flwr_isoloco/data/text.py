@@ -14,13 +14,14 @@ Pipeline (all deterministic, cached by content hash):
 4. :func:`prepare_tokens`: both splits encoded to int32 token arrays, cached as ``.npy``
    (loaded with ``allow_pickle=False``).
 5. :func:`shard_tokens`: the training tokens are cut into rows of ``block`` tokens and split
-   into contiguous, disjoint, near-equal shards exactly as flwr-datasets' ``IidPartitioner``
-   splits an unshuffled ``datasets.Dataset`` (``Dataset.shard(contiguous=True)``), so each node
+   into contiguous, disjoint, near-equal shards by flwr-datasets' ``IidPartitioner`` over an
+   unshuffled ``datasets.Dataset`` (``Dataset.shard(contiguous=True)``), so each node
    trains on one contiguous stretch of text (non-IID across nodes: different plays).
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.util
 import os
@@ -186,18 +187,31 @@ def prepare_tokens(
     return TextData(arrays["train"], arrays["val"], tok.get_vocab_size(), tok_path, key)
 
 
+@functools.lru_cache(maxsize=64)
 def shard_rows(num_rows: int, partition_id: int, num_partitions: int) -> tuple[int, int]:
-    """Row range ``[start, stop)`` of contiguous partition ``partition_id``: the first
-    ``num_rows % num_partitions`` partitions get one extra row. This is exactly what
-    flwr-datasets' ``IidPartitioner`` (``Dataset.shard(contiguous=True)``) returns on unshuffled
-    rows (checked in tests), computed without building a ``datasets.Dataset``."""
+    """Row range ``[start, stop)`` of partition ``partition_id``: flwr-datasets'
+    ``IidPartitioner`` over an unshuffled ``datasets.Dataset`` of the row numbers (it splits with
+    ``Dataset.shard(contiguous=True)``: the first ``num_rows % num_partitions`` partitions get
+    one extra row). A Dataset of row numbers, not of the tokens themselves, so that no copy of
+    the token stream is made; the result is cached per process (one simulated node asks every
+    round). Cost measured on the demo's 6,656 rows: importing ``datasets`` once per process
+    (~2.7 s on a loaded 2-core machine), then ~60 ms per new partition."""
     if num_partitions < 1 or not 0 <= partition_id < num_partitions:
         raise ValueError(
             f"partition_id {partition_id} out of range for num_partitions {num_partitions}"
         )
-    div, mod = divmod(num_rows, num_partitions)
-    start = div * partition_id + min(partition_id, mod)
-    return start, start + div + (1 if partition_id < mod else 0)
+    from datasets import Dataset
+    from flwr_datasets.partitioner import IidPartitioner
+
+    partitioner = IidPartitioner(num_partitions=num_partitions)
+    partitioner.dataset = Dataset.from_dict({"row": np.arange(num_rows, dtype=np.int64)})
+    rows = np.asarray(partitioner.load_partition(partition_id)["row"], dtype=np.int64)
+    if len(rows) == 0:
+        return 0, 0
+    start, stop = int(rows[0]), int(rows[-1]) + 1
+    if stop - start != len(rows):  # IidPartitioner's contract; shard_tokens relies on it
+        raise RuntimeError(f"IidPartitioner returned non-contiguous rows for {partition_id}")
+    return start, stop
 
 
 def shard_tokens(

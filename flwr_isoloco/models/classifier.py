@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .export import quiet_hf
+
 DEFAULT_TARGET_MODULES = ("query", "value")
 HEAD_MODULES = ("classifier",)
 
@@ -85,41 +87,37 @@ def parse_target_modules(spec: str | Sequence[str]) -> tuple[str, ...]:
 def load_tokenizer(model: str = ""):
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(resolve_model_path(model))
+    with quiet_hf():
+        return AutoTokenizer.from_pretrained(resolve_model_path(model))
 
 
 def build_model(spec: LoRASpec):
     """Fresh peft model: seeded head and LoRA init; base weights frozen."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForSequenceClassification
-    from transformers.utils import logging as hf_logging
 
     path = resolve_model_path(spec.model)
-    verbosity = hf_logging.get_verbosity()
-    hf_logging.set_verbosity_error()  # "newly initialised head" notice is expected
-    try:
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(spec.seed)
-            base = AutoModelForSequenceClassification.from_pretrained(
-                path, num_labels=spec.num_labels, dtype=torch.float32
-            )
-            gen = torch.Generator().manual_seed(spec.seed)
-            head = base.classifier
-            std = getattr(base.config, "initializer_range", 0.02)
-            with torch.no_grad():
-                head.weight.copy_(torch.randn(head.weight.shape, generator=gen) * std)
-                head.bias.zero_()
-            cfg = LoraConfig(
-                r=spec.r,
-                lora_alpha=spec.alpha,
-                lora_dropout=spec.dropout,
-                target_modules=list(spec.target_modules),
-                modules_to_save=list(HEAD_MODULES) if spec.train_head else None,
-                bias="none",
-            )
-            model = get_peft_model(base, cfg)
-    finally:
-        hf_logging.set_verbosity(verbosity)
+    # quiet: the "newly initialised head" notice is expected; no per-client progress bars
+    with quiet_hf(), torch.random.fork_rng(devices=[]):
+        torch.manual_seed(spec.seed)
+        base = AutoModelForSequenceClassification.from_pretrained(
+            path, num_labels=spec.num_labels, dtype=torch.float32
+        )
+        gen = torch.Generator().manual_seed(spec.seed)
+        head = base.classifier
+        std = getattr(base.config, "initializer_range", 0.02)
+        with torch.no_grad():
+            head.weight.copy_(torch.randn(head.weight.shape, generator=gen) * std)
+            head.bias.zero_()
+        cfg = LoraConfig(
+            r=spec.r,
+            lora_alpha=spec.alpha,
+            lora_dropout=spec.dropout,
+            target_modules=list(spec.target_modules),
+            modules_to_save=list(HEAD_MODULES) if spec.train_head else None,
+            bias="none",
+        )
+        model = get_peft_model(base, cfg)
     missing = [
         m for m in spec.target_modules if not any(n.endswith(m) for n, _ in base.named_modules())
     ]

@@ -34,6 +34,7 @@ reply comes from the SuperLink, ``src_node_id == 1``); ``src_node_id`` otherwise
 
 from __future__ import annotations
 
+import hashlib
 import math
 import statistics
 from collections.abc import Iterable, Iterator, Mapping
@@ -159,6 +160,23 @@ class SentLedger:
         ]
 
 
+def content_digest(msg: Message) -> str:
+    """sha256 over a reply's array records (names, dtypes, shapes, bytes); ``""`` without any.
+
+    Replies are processed in this order: it depends only on what the replies hold, not on when
+    they arrived nor on the node ids (which a simulation draws at random each run), so the
+    floating-point summation order of a merge, and thus its last bits, repeat run after run.
+    """
+    if msg.has_error() or not msg.has_content():
+        return ""
+    h = hashlib.sha256()
+    for rkey in sorted(msg.content.array_records):
+        for key, arr in msg.content.array_records[rkey].items():
+            h.update(f"{rkey}/{key}:{arr.dtype}:{tuple(arr.shape)}".encode())
+            h.update(arr.data if isinstance(arr.data, bytes) else bytes(arr.data))
+    return h.hexdigest()
+
+
 def _is_number(v: object) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
@@ -266,7 +284,7 @@ class ReplyValidator:
         report: ReplyReport | None = None,
         log_summary: bool = True,
     ) -> Iterator[CheckedReply]:
-        """Yield the usable replies one by one, in sender node-id order. Never raises.
+        """Yield the usable replies one by one, in :func:`content_digest` order. Never raises.
 
         Each yielded reply still holds the tensors decoded while checking it (one decode per
         reply); call ``reply.release()`` once folded, so only one reply is decoded at a time.
@@ -288,7 +306,7 @@ class ReplyValidator:
         ledger: SentLedger | None = None,
         log_summary: bool = True,
     ) -> tuple[list[CheckedReply], ReplyReport]:
-        """Check every reply; return the usable ones (sender node-id order) and a report.
+        """Check every reply; return the usable ones (:func:`content_digest` order) and a report.
 
         ``expected`` is the model the replies must match (keys, shapes, dtypes) and the
         reference for ``u_i = theta - theta_i``. Without it only the structure is checked
@@ -329,7 +347,7 @@ class ReplyValidator:
         def sender(msg: Message) -> int:
             return ledger.sender(msg) if ledger is not None else msg.metadata.src_node_id
 
-        for msg in sorted(replies, key=sender):
+        for msg in sorted(replies, key=lambda m: (content_digest(m), sender(m))):
             node = sender(msg)
             report.bytes_up += reply_nbytes(msg)
             try:

@@ -17,8 +17,8 @@ and applies the outer optimiser (``torch.optim.SGD`` convention, dampening 0)::
 ``merge="iso_c"`` (mean on non-2-D tensors), ``outer_lr=1.8``, ``outer_momentum=0.8``.
 
 Bad replies are dropped with a logged reason (see :mod:`flwr_isoloco.strategies.common`); if no
-reply is usable the model is kept. Replies are merged in node-id order, so the result does not
-depend on arrival order. All random choices (node sampling, DARE masks) come from ``seed``.
+reply is usable the model is kept. Replies are merged in the order of their content digests, so the result depends neither on
+arrival order nor on node ids. All random choices (node sampling, DARE masks) come from ``seed``.
 """
 
 from __future__ import annotations

@@ -31,10 +31,12 @@ from flwr_isoloco.checkpoint import (
     set_rng_state,
     write_json_atomic,
 )
+from flwr_isoloco.models.export import export_causal_lm
 from flwr_isoloco.models.llama import count_parameters
 from flwr_isoloco.runconfig import RunConfigError, check_resumable, prepare_output_dir
 from flwr_isoloco.strategies.common import NoProgressError
 
+from .plots import plot_losses, plot_title
 from .task import (
     RESUME_DIR_KEY,
     RESUME_ROUND_KEY,
@@ -45,7 +47,6 @@ from .task import (
     evaluate_model,
     load_config,
     output_dir,
-    plot_losses,
     text_data,
     train_config,
     validation_batches,
@@ -188,7 +189,10 @@ def run_server(
         "rounds": history,
     }
     results_path, plot_path = out / "results.json", out / "loss.png"
-    title = f"{cfg.strategy.name} ({strategy.merge_name}), {n_params / 1e6:.2f}M params"
+    outer = strategy.outer
+    title = plot_title(
+        cfg.strategy.name, strategy.merge_name, outer.momentum, n_params, outer.nesterov
+    )
 
     pending: dict[str, Any] = {}
     inner = strategy.aggregate_train
@@ -254,7 +258,7 @@ def run_server(
                 log(WARNING, "isoloco-lm: round %d had no usable reply; model kept", global_round)
         write_json_atomic(results_path, results)
         if history:
-            plot_losses(history, plot_path, title)
+            plot_losses(history, plot_path, title, initial=initial)
         if cfg["checkpoint"] and server_round > 0:
             sd = strategy.state_dict()
             save_checkpoint(
@@ -298,13 +302,16 @@ def run_server(
         model.load_state_dict(
             {k: v.to(model.state_dict()[k].dtype) for k, v in strategy.theta.items()}
         )
-        model.save_pretrained(str(out / "model"))
+        export_causal_lm(model, data.tokenizer_path, out / "model")  # model + its tokenizer
     write_json_atomic(results_path, results)
     last = history[-1] if history else None
     log(
         INFO,
-        "isoloco-lm: done: %d rounds, final val loss %s. Results: %s (loss curve %s, model %s)",
+        "isoloco-lm: done: %d rounds in this run, %d of %d in total; final val loss %s. "
+        "Results: %s (loss curve %s, model and tokenizer %s)",
+        len(history) - done,
         len(history),
+        total,
         "n/a" if last is None else f"{last['val-loss']:.4f}",
         results_path,
         plot_path,

@@ -490,28 +490,3 @@ def restore_node_state(state, folder: Path, partition_id: int, upto_round: int) 
     for key, rec in records.items():
         state[key] = rec
     return rnd
-
-
-# ----------------------------------------------------------------------------- results
-def plot_losses(rounds: list[dict[str, Any]], path: Path, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 4))
-    xs = [r["round"] for r in rounds]
-    ax.plot(xs, [r["val-loss"] for r in rounds], "o-", label="validation (server)")
-    tr = [(r["round"], r["train-loss"]) for r in rounds if r.get("train-loss") is not None]
-    if tr:
-        ax.plot(*zip(*tr, strict=True), "s--", label="train (mean of workers' inner steps)")
-    ax.set_xlabel("round")
-    ax.set_ylabel("cross-entropy (nats/token)")
-    ax.set_title(title)
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    tmp = path.with_name(f".{path.stem}.{os.getpid()}.tmp.png")
-    fig.savefig(tmp, dpi=100)
-    plt.close(fig)
-    os.replace(tmp, path)

@@ -5,11 +5,21 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from flwr_isoloco.plotting import run_label, save_figure
+
+
+def plot_title(name: str, graph: str, num_clients: int) -> str:
+    """``"RW-LoRA on a ring graph, 3 clients"`` (FedAvg has no graph: ``"FedAvg, 3 clients"``)."""
+    if name == "fedavg":
+        return f"{run_label(name)}-LoRA, {num_clients} clients"
+    return f"{run_label(name)} on a {graph} graph, {num_clients} clients"
+
 
 def plot_results(
     history: list[dict[str, Any]], visits: dict[str, int] | None, out: Path, title: str
 ) -> None:
-    """Write ``accuracy.png`` (vs local updates, vs bytes) and ``visits.png``."""
+    """Write ``accuracy.png`` (vs local updates, vs bytes; from round 0) and ``visits.png``
+    (PNG, 0644, atomic)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -22,15 +32,25 @@ def plot_results(
         axes[0].plot([r["local-updates"] for r in rows], acc, marker="o")
         axes[0].set_xlabel("local updates (optimiser steps, all clients)")
         axes[0].set_ylabel("test accuracy")
-        axes[1].plot([r["bytes-relayed"] / 1e6 for r in rows], acc, marker="o", label="relayed")
-        axes[1].plot([r["bytes-p2p"] / 1e6 for r in rows], acc, marker="x", label="peer-to-peer")
+        axes[1].plot(
+            [r["bytes-relayed"] / 1e6 for r in rows],
+            acc,
+            marker="o",
+            label="relayed through the server",
+        )
+        axes[1].plot(
+            [r["bytes-p2p"] / 1e6 for r in rows],
+            acc,
+            marker="x",
+            label="as peer-to-peer would send",
+        )
         axes[1].set_xlabel("MB sent")
         axes[1].legend()
         for ax in axes:
             ax.grid(alpha=0.3)
         fig.suptitle(title)
         fig.tight_layout()
-        fig.savefig(out / "accuracy.png", dpi=100)
+        save_figure(fig, out / "accuracy.png")
         plt.close(fig)
     if visits:
         fig, ax = plt.subplots(figsize=(5, 3.2))
@@ -39,5 +59,5 @@ def plot_results(
         ax.set_ylabel("visits")
         ax.set_title(title)
         fig.tight_layout()
-        fig.savefig(out / "visits.png", dpi=100)
+        save_figure(fig, out / "visits.png")
         plt.close(fig)

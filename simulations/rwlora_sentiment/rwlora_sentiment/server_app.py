@@ -40,11 +40,12 @@ from flwr_isoloco.checkpoint import (
 )
 from flwr_isoloco.data import sentiment
 from flwr_isoloco.models import classifier
+from flwr_isoloco.models.export import export_adapter
 from flwr_isoloco.runconfig import RunConfigError, check_resumable, prepare_output_dir
 from flwr_isoloco.strategies.common import NoProgressError
 from flwr_isoloco.strategies.wire import check_train_metrics
 
-from .plots import plot_results
+from .plots import plot_results, plot_title
 from .task import (
     CURSORS_KEY,
     config_dict,
@@ -507,16 +508,17 @@ def run_server(grid: Grid, run_config: dict[str, Any], run_id: int = 0, *, settl
             visits = {str(k): c // per_visit for k, c in sorted(rec.cursors.items())}
         results["visit-counts"] = visits
         try:
-            plot_results(history, visits, out, title=f"{name} on {cfg.strategy.graph}, n={n}")
+            plot_results(history, visits, out, title=plot_title(name, cfg.strategy.graph, n))
         except Exception as exc:  # plots must never stop a run
             log(WARNING, "rwlora-sentiment: plotting failed: %s", exc)
 
     remaining = total - done
+    result = None
     if remaining <= 0:
         log(INFO, "rwlora-sentiment: checkpoint already holds all %d rounds", total)
     else:
         try:
-            strategy.start(
+            result = strategy.start(
                 grid=rec,
                 initial_arrays=initial,
                 num_rounds=total if name != "fedavg" else remaining,
@@ -532,16 +534,23 @@ def run_server(grid: Grid, run_config: dict[str, Any], run_id: int = 0, *, settl
             write_json_atomic(out / "results.json", results)
             raise
     _plots()
+    if result is not None:  # the adapter whose accuracy was reported last; loads with peft
+        adapter = result.arrays.to_torch_state_dict()
+        export_adapter(model, adapter, out / "adapter", tokenizer=tokenizer)
     results["status"] = "completed"
     results["wall-time-s"] = time.perf_counter() - t0
     write_json_atomic(out / "results.json", results)
     last = next((r for r in reversed(history) if "test-accuracy" in r), None)
     log(
         INFO,
-        "rwlora-sentiment: done, %d rounds; final test accuracy %s; results in %s",
-        len(history),
+        "rwlora-sentiment: done, %d rounds in this run, %d of %d in total; final test accuracy "
+        "%s; results in %s, adapter in %s",
+        len(history) - 1 - done,  # history holds rounds 0..last
+        len(history) - 1,
+        total,
         "n/a" if last is None else f"{last['test-accuracy']:.4f}",
         out / "results.json",
+        out / "adapter",
     )
     return out
 
