@@ -1,0 +1,157 @@
+"""benchmarks/lm_sweep.py (issue 11): protocol, tuning-grid logic, resumability, determinism.
+
+The pure tests run in milliseconds; ``test_quick_sweep_*`` does two real ``--quick`` Flower
+simulations (Ray) and one dp-adamw loop (~40 s on 2 cores), so it is marked slow.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+import lm_sweep  # noqa: E402
+import lm_sweep_lib as lib  # noqa: E402
+
+from flwr_isoloco.data.corpora import three_way_split  # noqa: E402
+
+
+def _rec(method, lr, mu, val, workers=8, quick=False):
+    return {"method": method, "workers": workers, "protocol": "main", "quick": quick, "seed": 0,
+            "outer_lr": lr, "outer_momentum": mu, "val_loss": val}
+
+
+def test_three_way_split_is_disjoint_interleaved_and_complete():
+    docs = ["".join(f"doc {d} line {i}\n" for i in range(4)) for d in range(50)]  # unique lines
+    train, val, test = three_way_split(docs, chunk_chars=40, period=5)
+    assert len(train) + len(val) + len(test) == len("\n".join(docs))
+    assert len(val) > 0 and len(test) > 0 and len(train) > len(val) + len(test)
+    # held-out text comes from the start, middle and end of the corpus, not one block
+    held = {int(line.split()[1]) for line in (val + test).splitlines() if line}
+    assert min(held) < 10 and max(held) >= 40 and held & set(range(20, 30))
+    tr, va, te = (set(x.splitlines()) - {""} for x in (train, val, test))
+    assert not (tr & va or tr & te or va & te)  # chunks are cut at line breaks: no line shared
+
+
+@pytest.mark.parametrize("workers", [1, 8, 128])
+def test_every_m_trains_on_the_same_rows_once(workers):
+    size = {"rounds": 3, "inner_steps": 2, "global_batch": 128}
+    n = lib.num_rows(size)
+    rows = np.arange(n * 3, dtype=np.int32).reshape(n, 3)  # row id in column 0 (times 3)
+    per = 128 // workers
+    seen = [int(lib.worker_batch(rows, m, workers, s, per)[i, 0]) // 3
+            for m in range(workers) for s in range(6) for i in range(per)]
+    assert sorted(seen) == list(range(n))  # every row exactly once, whatever M
+    with pytest.raises(IndexError):
+        lib.worker_batch(rows, workers - 1, workers, 6, per)  # past the worker's slice
+
+
+def test_tuned_hp_falls_back_to_documented_defaults_then_reads_the_grid():
+    hp = lm_sweep.tuned_hp("isoloco", 8, [], quick=False)
+    assert (hp["outer_lr"], hp["outer_momentum"], hp["tuned"], hp["hp_source"]) == (1.8, 0.8, False, "default")
+    assert lm_sweep.tuned_hp("fedavg", 32, [], False)["outer_lr"] == 1.0
+    grid = [_rec("isoloco", 1.3, 0.8, 4.0), _rec("isoloco", 1.8, 0.8, 3.9), _rec("isoloco", 2.5, 0.8, 3.95),
+            _rec("isoloco", 1.8, 0.9, 3.91), _rec("isoloco", 0.9, 0.8, 3.0, quick=True)]
+    hp = lm_sweep.tuned_hp("isoloco", 16, grid, quick=False)
+    assert (hp["outer_lr"], hp["outer_momentum"], hp["hp_source"], hp["tuned_on_edge"]) == (1.8, 0.8, "tuned-M8", None)
+    grid.append(_rec("isoloco", 1.27, 0.8, 3.5, workers=64))
+    assert lm_sweep.tuned_hp("isoloco", 32, grid, False)["hp_source"] == "tuned-M64"
+    assert lm_sweep.tuned_hp("isoloco", 16, grid, False)["outer_lr"] == 1.8  # M <= 16: the M = 8 optimum
+
+
+def test_grid_extends_until_the_optimum_is_interior():
+    # loss falls with lr: the optimum sits on the high edge, so the grid grows by sqrt(2)
+    recs = [_rec("diloco", lr, 0.9, 5.0 - lr) for lr in (0.25, 0.35, 0.5, 0.7, 1.0)]
+    assert lm_sweep.extension(recs) == (1.41, 0.9)
+    recs.append(_rec("diloco", 1.41, 0.9, 4.5))  # now 1.0 is best and interior
+    assert lm_sweep.extension(recs) is None
+    low = [_rec("x", lr, 0.0, lr) for lr in (0.7, 1.0, 1.4, 2.0)]
+    assert lm_sweep.extension(low) == (0.495, 0.0)
+    # DiLoCo's grid holds FedAvg (lr 1, mu 0) and >= 5 lrs x 2 momenta
+    pts = lm_sweep.initial_grid("diloco", 8, [], False)
+    assert (1.0, 0.0) in pts and len({p[0] for p in pts}) >= 5 and len({p[1] for p in pts if p[1]}) == 2
+    m64 = lm_sweep.initial_grid("isoloco", 64, [_rec("isoloco", 1.8, 0.8, 3.9)], False)
+    assert m64 == [(1.27, 0.8), (1.8, 0.8), (2.55, 0.8)]
+
+
+def test_budget_larger_than_the_corpus_is_refused():
+    size = {**lib.SIZES["main"], "rounds": 10_000}
+    with pytest.raises(ValueError, match="repeat data"):
+        lib.run_rows(size, 0)
+
+
+@pytest.mark.slow
+def test_quick_sweep_records_resumes_and_repeats(tmp_path):
+    a, b, t = tmp_path / "a.json", tmp_path / "b.json", tmp_path / "tuning.json"
+    common = ["--quick", "--workers", "4", "--seeds", "0", "--tuning-file", str(t), "--num-cpus", "2"]
+    lm_sweep.main([*common, "--methods", "isoloco", "dp-adamw", "--out", str(a)])
+    recs = json.loads(a.read_text())
+    assert [r["method"] for r in recs] == ["isoloco", "dp-adamw"]
+    for r in recs:
+        for k in ("method", "protocol", "workers", "seed", "outer_lr", "outer_momentum", "inner_steps",
+                  "rounds", "tokens", "val_loss", "test_loss", "wall_s"):
+            assert k in r, k
+        assert r["protocol"] == "main" and r["workers"] == 4 and r["tokens"] == 2 * 2 * 128 * 16
+        assert math.isfinite(r["test_loss"]) and r["test_loss"] < math.log(1024)  # learnt something
+        assert len(r["val_curve"]) == r["rounds"]
+    iso = recs[0]
+    assert (iso["outer_lr"], iso["outer_momentum"], iso["tuned"], iso["flower"]) == (1.8, 0.8, False, True)
+    lm_sweep.main([*common, "--methods", "isoloco", "dp-adamw", "--out", str(a)])
+    assert len(json.loads(a.read_text())) == 2  # both cells were already there: skipped
+    # same cell again from scratch, models rebuilt per message: same losses (spec: to 1e-3)
+    lm_sweep.main([*common, "--methods", "isoloco", "--out", str(b), "--no-model-cache"])
+    again = json.loads(b.read_text())[0]
+    assert abs(again["val_loss"] - iso["val_loss"]) < 1e-5
+    assert abs(again["test_loss"] - iso["test_loss"]) < 1e-5
+    assert again["model_cache"] is False and iso["model_cache"] is True
+
+
+def test_identical_runs_are_recognised_across_method_names():
+    assert set(lm_sweep.same_run_methods("fedavg", 0.0)) == {"fedavg", "diloco", "diloco-sgd"}
+    assert set(lm_sweep.same_run_methods("iso_c-sgd", 0.0)) == {"iso_c-sgd", "isoloco"}
+    assert lm_sweep.same_run_methods("diloco", 0.9) == ["diloco"]  # Nesterov on: a different run
+    assert lm_sweep.same_run_methods("dp-adamw", None) == ["dp-adamw"]
+
+
+def test_secondary_protocols_keep_the_token_budget():
+    main = lib.protocol_size("main", 8)
+    n = lib.num_rows(main)
+    for m, rounds in ((4, 80), (16, 20), (64, 5)):  # per-worker-batch: 8 sequences per worker
+        s = lib.protocol_size("per-worker-batch", m)
+        assert (s["global_batch"], s["rounds"], lib.num_rows(s)) == (8 * m, rounds, n)
+    with pytest.raises(ValueError):
+        lib.protocol_size("per-worker-batch", 128)  # 25,600 sequences make no whole rounds
+    assert [lib.protocol_size("h-sweep", 8, inner_steps=h)["rounds"] for h in (10, 30, 100)] == [20, 7, 2]
+    with pytest.raises(ValueError):
+        lib.protocol_size("main", 8, inner_steps=30)
+    with pytest.raises(ValueError):
+        lib.protocol_size("main", 3)  # 128 is not divisible by 3
+    big = sum(p.numel() for p in lib.build_model(lib.protocol_size("large-model", 8), 0).parameters())
+    small = sum(p.numel() for p in lib.build_model(main, 0).parameters())
+    assert small == 529_056 and 3.5 < big / small < 4.5
+
+
+def test_iso_c_no_embed_leaves_embedding_and_head_to_the_mean():
+    strat = lib.make_strategy("isoloco", 8, 1.8, 0.8, 0, protocol="iso_c-no-embed")
+    assert strat.merge_name == "iso_c" and strat.merge_options == {"spectral_pattern": r"layers\."}
+    assert lib.make_strategy("isoloco", 8, 1.8, 0.8, 0).merge_options == {}
+    with pytest.raises(ValueError):
+        lib.make_strategy("diloco", 8, 0.7, 0.9, 0, protocol="iso_c-no-embed")
+
+
+def test_report_tables_mark_the_optimum_and_average_seeds():
+    import lm_sweep_report as rep
+
+    grid = [_rec("isoloco", lr, mu, v) for lr, mu, v in ((1.3, 0.8, 3.9), (1.8, 0.8, 3.8), (1.8, 0.9, 3.85))]
+    table = rep.tuning_table(grid)
+    assert "| 0.8 | 3.9000 | 3.8000* |" in table and "| 0.9 |  | 3.8500 |" in table
+    cells = [{**_rec("diloco", 0.5, 0.9, 4.0 + s), "seed": s, "test_loss": 4.0 + 0.1 * s, "hp_source": "tuned-M8"}
+             for s in range(3)]
+    row = rep.main_table(cells, "main").splitlines()[-1]
+    assert row.startswith("| diloco | 8 | 3 | 4.1000 | 0.1000 | 5.0000 |")
