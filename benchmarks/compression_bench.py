@@ -324,6 +324,7 @@ def bytes_runs(rounds: int = 2, nodes: int = 2) -> None:
             f"num-server-rounds={rounds}",
             f"strategy.min-nodes={nodes}",
             "train.local-steps=5",
+            "train.warmup-steps=2",  # the warm-up must fit in the run (2 rounds x 5 steps)
             "checkpoint=false",
             f"strategy.upload-codec='{codec}'",
             f"data.cache-dir='{CACHE}'",

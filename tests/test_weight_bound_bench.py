@@ -27,7 +27,8 @@ def test_quick_attack_bound_off_vs_on(tmp_path):
         "--out",
         str(out),
     ]
-    subprocess.run(cmd, check=True, timeout=600, capture_output=True)
+    proc = subprocess.run(cmd, timeout=600, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
     recs = {r["case"]: r for r in json.loads(out.read_text())}
     off, on = recs["attack-off"], recs["attack-on"]
     assert off["status"] == on["status"] == "completed"
