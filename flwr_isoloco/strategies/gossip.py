@@ -320,12 +320,7 @@ class GossipLoRA(GraphStrategy):
                 "kind": self.what,
                 "round": self.round,
                 "vertices": self.vertices,
-                "failures": self.failures,
-                "failures_by_vertex": [[v, n] for v, n in self.failures_by_vertex.items()],
-                "failure_log": [list(x) for x in self.failure_log],
-                "local_updates": self.local_updates,
-                "bytes_relayed": self.bytes_relayed,
-                "bytes_p2p": self.bytes_p2p,
+                **self._ledger_meta(),
                 "empty_streak": self.guard.streak,
             },
         }
@@ -370,10 +365,5 @@ class GossipLoRA(GraphStrategy):
             v: {k: t.float().clone() for k, t in adapters[str(v)].items()} for v in self.vertices
         }
         self.round = int(meta["round"])
-        self.failures = int(meta["failures"])
-        self.failures_by_vertex = {v: int(n) for v, n in meta["failures_by_vertex"]}
-        self.failure_log = [(int(r), v, str(why)) for r, v, why in meta.get("failure_log", [])]
-        self.local_updates = int(meta["local_updates"])
-        self.bytes_relayed = int(meta["bytes_relayed"])
-        self.bytes_p2p = int(meta["bytes_p2p"])
+        self._load_ledger(meta)
         self.guard.streak = int(meta.get("empty_streak", 0))

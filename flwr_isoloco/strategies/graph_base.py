@@ -417,6 +417,26 @@ class GraphStrategy(ResumableStrategy):
     ) -> None:
         """Subclasses check their tensors (and their own meta fields) here."""
 
+    def _ledger_meta(self) -> dict[str, Any]:
+        """The hop ledger (failures, local updates, bytes) as JSON-able checkpoint meta."""
+        return {
+            "failures": self.failures,
+            "failures_by_vertex": [[v, n] for v, n in self.failures_by_vertex.items()],
+            "failure_log": [list(x) for x in self.failure_log],
+            "local_updates": self.local_updates,
+            "bytes_relayed": self.bytes_relayed,
+            "bytes_p2p": self.bytes_p2p,
+        }
+
+    def _load_ledger(self, meta: Mapping[str, Any]) -> None:
+        """Inverse of :meth:`_ledger_meta` (fields already checked by the state spec)."""
+        self.failures = int(meta["failures"])
+        self.failures_by_vertex = {v: int(n) for v, n in meta["failures_by_vertex"]}
+        self.failure_log = [(int(r), v, str(why)) for r, v, why in meta.get("failure_log", [])]
+        self.local_updates = int(meta["local_updates"])
+        self.bytes_relayed = int(meta["bytes_relayed"])
+        self.bytes_p2p = int(meta["bytes_p2p"])
+
     def _preload_state(self, state: Mapping[str, Any]) -> None:
         pass
 

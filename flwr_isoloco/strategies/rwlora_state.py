@@ -39,12 +39,7 @@ class RWLoRAState:
                 "walk": self.walk.state_dict(),
                 "trajectory": list(self.trajectory),
                 "excluded": list(self.excluded),
-                "failures": self.failures,
-                "failures_by_vertex": [[v, n] for v, n in self.failures_by_vertex.items()],
-                "failure_log": [list(x) for x in self.failure_log],
-                "local_updates": self.local_updates,
-                "bytes_relayed": self.bytes_relayed,
-                "bytes_p2p": self.bytes_p2p,
+                **self._ledger_meta(),
                 "update_norms": list(self.update_norms),
                 "health": self.health.state_dict(),
                 "relays": self.relays,
@@ -123,12 +118,7 @@ class RWLoRAState:
         for v in self.trajectory:
             self._visits[v] = self._visits.get(v, 0) + 1
         self.excluded = list(meta["excluded"])
-        self.failures = int(meta["failures"])
-        self.failures_by_vertex = {v: int(n) for v, n in meta["failures_by_vertex"]}
-        self.failure_log = [(int(r), v, str(why)) for r, v, why in meta.get("failure_log", [])]
-        self.local_updates = int(meta["local_updates"])
-        self.bytes_relayed = int(meta["bytes_relayed"])
-        self.bytes_p2p = int(meta["bytes_p2p"])
+        self._load_ledger(meta)
         self.update_norms = [float(x) for x in meta["update_norms"]]
         if "health" in meta:  # absent in checkpoints written before dead-vertex handling
             self.health.load_state_dict(meta["health"], self.vertices)
