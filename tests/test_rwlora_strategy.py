@@ -3,6 +3,7 @@
 import io
 import json
 import math
+import re
 
 import numpy as np
 import pytest
@@ -307,6 +308,8 @@ def test_norm_bounds_reject_a_huge_update():
     # until 3 updates are accepted the ratio has no baseline; afterwards vertex 3 is refused
     late = s.trajectory[3:]
     assert 3 not in late and s.failures > 0
+    ratio = [why for _, v, why in s.failure_log if "max_norm_ratio 100 x median" in why]
+    assert ratio and all(re.search(r" of the last [3-8] accepted updates \S+$", w) for w in ratio)
 
 
 def test_error_and_missing_weight_replies_with_require_weight():

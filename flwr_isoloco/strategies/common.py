@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import hashlib
 import math
-import statistics
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from logging import INFO, WARNING
@@ -32,6 +31,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, RecordDict
 from flwr.common.logger import log
 
 from flwr_isoloco.compression import decompress, is_compressed
+from flwr_isoloco.merging.weights import norm_outlier
 from flwr_isoloco.strategies.guard import EmptyRoundGuard, NoProgressError
 from flwr_isoloco.strategies.metrics import (
     metric_record,
@@ -475,15 +475,8 @@ class ReplyValidator:
                     continue
                 others = list(base)
                 others.remove(n)
-                if len(others) < 2:
-                    continue
-                med = statistics.median(others)
-                if n > self.max_norm_ratio * med:
+                reason = norm_outlier(n, others, self.max_norm_ratio, min_reference=2)
+                if reason is not None:
                     keep[i] = False
-                    self.reject(
-                        report,
-                        r.node_id,
-                        f"update norm {n:.4g} > max_norm_ratio {self.max_norm_ratio:g} "
-                        f"x median of the others {med:.4g}",
-                    )
+                    self.reject(report, r.node_id, reason)
         return [r for r, k in zip(replies, keep, strict=True) if k]

@@ -11,7 +11,6 @@ Bytes: relayed = instruction down + every reply up; P2P = the token when it move
 
 from __future__ import annotations
 
-import statistics
 from collections.abc import Mapping
 from logging import WARNING
 from typing import Any
@@ -19,6 +18,8 @@ from typing import Any
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, RecordDict
 from flwr.common.logger import log
+
+from flwr_isoloco.merging.weights import norm_outlier
 
 from .common import CheckedReply
 from .wire import _record_of, _tensors_of, check_train_metrics, record_nbytes
@@ -66,15 +67,13 @@ class RWLoRAHops:
         update = reply.update(expected)
         norm = reply.update_norm  # tensor_norm(update), fp64, set by the validator
         recent = self.update_norms[-self.norm_window :]
-        if (
-            reason is None
-            and self.max_norm_ratio is not None
-            and len(recent) >= 3
-            and norm > self.max_norm_ratio * statistics.median(recent)
-        ):
-            reason = (
-                f"update norm {norm:.4g} > max_norm_ratio {self.max_norm_ratio:g} x median "
-                f"of the last {len(recent)} accepted updates {statistics.median(recent):.4g}"
+        if reason is None:
+            reason = norm_outlier(
+                norm,
+                recent,
+                self.max_norm_ratio,
+                min_reference=3,
+                reference=f"the last {len(recent)} accepted updates",
             )
         opt_rec = None
         if reason is None and self.carry_optimizer_state:
