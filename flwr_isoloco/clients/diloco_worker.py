@@ -24,8 +24,8 @@ Train handler (``make_diloco_train_handler``), per message:
 
 AdamW state in ``context.state`` (survives deployment mode, where each message is a fresh
 process; no pickle): ArrayRecord ``diloco.adamw`` (``<param>.exp_avg``, ``<param>.exp_avg_sq``,
-``<param>.step``; fp32) and ConfigRecord ``diloco.worker`` (``data-cursor``: inner steps taken
-by this node so far, which picks the next batch; ``last-round``); with error feedback also
+``<param>.step``; fp32; :mod:`flwr_isoloco.clients.adamw_state`) and ConfigRecord
+``diloco.worker`` (``data-cursor``: inner steps taken by this node so far, which picks the next batch; ``last-round``); with error feedback also
 ArrayRecord ``diloco.residual`` (fp32, one tensor per encoded model tensor).
 
 Message config keys (ConfigRecord ``config``; the factory's keyword arguments are defaults):
@@ -52,6 +52,8 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, 
 from flwr.common.logger import log
 
 from flwr_isoloco.compression import ErrorFeedback, compress, parse_request
+
+from .adamw_state import adamw_to_arrays, arrays_to_adamw
 
 __all__ = [
     "make_diloco_train_handler",
@@ -130,47 +132,23 @@ def _trainable(model: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:
 def _load_adamw(
     opt: torch.optim.AdamW, named: list[tuple[str, torch.nn.Parameter]], state: RecordDict
 ) -> bool:
-    """Restore AdamW moments from ``state``; False (fresh optimiser) if absent or mismatched."""
+    """Restore AdamW from ``state`` (:mod:`.adamw_state`); False (fresh optimiser) if absent
+    or unusable (a warning says why)."""
     rec = state.get(ADAMW_STATE_KEY)
     if not isinstance(rec, ArrayRecord):
         return False
-    saved = rec.to_torch_state_dict()
-    restored = {}
-    for name, p in named:
-        keys = (f"{name}.exp_avg", f"{name}.exp_avg_sq", f"{name}.step")
-        if any(k not in saved for k in keys):
-            log(WARNING, "DiLoCo worker: AdamW state lacks %r; starting a fresh optimiser", name)
-            return False
-        m, v, step = (saved[k] for k in keys)
-        if m.shape != p.shape or v.shape != p.shape:
-            log(
-                WARNING,
-                "DiLoCo worker: AdamW state for %r has the wrong shape; fresh optimiser",
-                name,
-            )
-            return False
-        restored[p] = {
-            "step": step.reshape(()).to(torch.float32),
-            "exp_avg": m.to(p.dtype).clone(),
-            "exp_avg_sq": v.to(p.dtype).clone(),
-        }
-    for p, st in restored.items():
-        opt.state[p] = st
+    try:
+        arrays_to_adamw(opt, named, rec.to_torch_state_dict(), allow_extra=True)
+    except ValueError as exc:
+        log(WARNING, "DiLoCo worker: AdamW state unusable (%s); starting a fresh optimiser", exc)
+        return False
     return True
 
 
 def _save_adamw(
     opt: torch.optim.AdamW, named: list[tuple[str, torch.nn.Parameter]], state: RecordDict
 ) -> None:
-    out: dict[str, torch.Tensor] = {}
-    for name, p in named:
-        st = opt.state.get(p)
-        if not st:
-            continue
-        out[f"{name}.exp_avg"] = st["exp_avg"].detach().float()
-        out[f"{name}.exp_avg_sq"] = st["exp_avg_sq"].detach().float()
-        out[f"{name}.step"] = torch.as_tensor(st["step"], dtype=torch.float32).reshape(1)
-    state[ADAMW_STATE_KEY] = ArrayRecord(out)
+    state[ADAMW_STATE_KEY] = ArrayRecord(adamw_to_arrays(opt, named, step_arrays=True)[0])
 
 
 def _batch_at(data: Any, index: int, seed: int) -> Any:

@@ -12,7 +12,8 @@ FedAvg):
 - TRAIN in: ArrayRecord ``arrays`` = the adapter (peft keys, fp32; the classification head too
   when ``train_head``); ConfigRecord ``config`` with optional ``local-steps`` (K), ``lr`` and
   ``carry-optimizer-state`` (bool); when carrying, optional ArrayRecord ``optimizer`` (AdamW
-  ``<param>.exp_avg`` / ``<param>.exp_avg_sq`` per trainable tensor) and ConfigRecord
+  ``<param>.exp_avg`` / ``<param>.exp_avg_sq`` per trainable tensor,
+  :mod:`flwr_isoloco.clients.adamw_state`) and ConfigRecord
   ``optimizer-config`` (``step``); none on the first hop = fresh AdamW.
 - TRAIN out: ``arrays`` = the adapter after K steps, MetricRecord ``metrics`` with
   ``num-examples`` (shard size, FedAvg's weight), ``train_loss`` (mean over the K steps),
@@ -43,12 +44,13 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, 
 from flwr_isoloco.data import sentiment
 from flwr_isoloco.models import classifier
 
+from .adamw_state import adamw_to_arrays, arrays_to_adamw
+
 OPTIMIZER_KEY = "optimizer"
 OPTIMIZER_CONFIG_KEY = "optimizer-config"
 CARRY_KEY = "carry-optimizer-state"
 CURSORS_KEY = "data-cursors"
 STATE_KEY = "lora-client"
-_MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
 @dataclass(frozen=True)
@@ -181,52 +183,6 @@ def _trainable(model) -> list[tuple[str, torch.nn.Parameter]]:
     return [(n, p) for n, p in model.named_parameters() if p.requires_grad]
 
 
-def optimizer_to_arrays(
-    opt: torch.optim.AdamW, named: list[tuple[str, torch.nn.Parameter]]
-) -> tuple[dict[str, torch.Tensor], int]:
-    """AdamW state as (``{f"{param}.{moment}": fp32 tensor}``, step count)."""
-    out: dict[str, torch.Tensor] = {}
-    steps = set()
-    for name, p in named:
-        st = opt.state.get(p, {})
-        for m in _MOMENTS:
-            if m in st:
-                out[f"{name}.{m}"] = st[m].detach().to(torch.float32).clone()
-        if "step" in st:
-            steps.add(int(torch.as_tensor(st["step"]).item()))
-    if len(steps) > 1:
-        raise ValueError(f"AdamW step counts differ across parameters: {sorted(steps)}")
-    return out, (steps.pop() if steps else 0)
-
-
-def arrays_to_optimizer(
-    opt: torch.optim.AdamW,
-    named: list[tuple[str, torch.nn.Parameter]],
-    arrays: Mapping[str, torch.Tensor],
-    step: int,
-) -> None:
-    """Inverse of :func:`optimizer_to_arrays`; keys and shapes are checked."""
-    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
-        raise ValueError(f"optimizer-config step must be an int >= 0, got {step!r}")
-    expected = {f"{n}.{m}" for n, _ in named for m in _MOMENTS}
-    if set(arrays) != expected:
-        missing, extra = sorted(expected - set(arrays)), sorted(set(arrays) - expected)
-        raise ValueError(
-            f"optimizer state keys differ: missing {missing[:3]}, unexpected {extra[:3]}"
-        )
-    for name, p in named:
-        ea, eas = (torch.as_tensor(arrays[f"{name}.{m}"]).float() for m in _MOMENTS)
-        if ea.shape != p.shape or eas.shape != p.shape:
-            raise ValueError(
-                f"optimizer state for {name!r}: shape {tuple(ea.shape)} != {tuple(p.shape)}"
-            )
-        opt.state[p] = {
-            "step": torch.tensor(float(step)),
-            "exp_avg": ea.clone(),
-            "exp_avg_sq": eas.clone(),
-        }
-
-
 def train_steps(
     model,
     tokenizer,
@@ -244,7 +200,7 @@ def train_steps(
     named = _trainable(model)
     opt = torch.optim.AdamW([p for _, p in named], lr=lr, weight_decay=cfg.weight_decay)
     if opt_state is not None:
-        arrays_to_optimizer(opt, named, *opt_state)
+        arrays_to_adamw(opt, named, *opt_state)
     n = len(data.train_texts)
     model.train()
     losses = []
@@ -264,7 +220,7 @@ def train_steps(
     return (
         float(np.mean(losses)) if losses else float("nan"),
         cursor,
-        optimizer_to_arrays(opt, named),
+        adamw_to_arrays(opt, named),
     )
 
 
