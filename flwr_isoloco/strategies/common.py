@@ -40,6 +40,7 @@ from flwr_isoloco.strategies.metrics import (
     tensor_norm,
     weighted_mean_metrics,
 )
+from flwr_isoloco.strategies.wire import decode_array, nonfinite_reason, record_tensors
 
 __all__ = [
     "CheckedReply",
@@ -95,13 +96,12 @@ class CheckedReply:
         rec = self.content.array_records.get(self.arrayrecord_key)
         if rec is None:
             return {}
-        out = {}
-        plain = decompress(rec) if is_compressed(rec) else None  # validated once already
-        for k, arr in (plain if plain is not None else rec).items():
-            t = arr if plain is not None else torch.from_numpy(np.array(arr.numpy(), copy=True))
-            want = self.dtypes.get(k)
-            out[k] = t if want is None or t.dtype == want else t.to(want)
-        return out
+        # validated once already: decode without the checks
+        src = decompress(rec) if is_compressed(rec) else record_tensors(rec)
+        return {
+            k: t if (want := self.dtypes.get(k)) is None or t.dtype == want else t.to(want)
+            for k, t in src.items()
+        }
 
     def update(self, reference: Mapping[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
         """The pseudo-gradient ``delta_i = theta - theta_i`` (fp32), or the delta as sent."""
@@ -427,15 +427,12 @@ class ReplyValidator:
         )
 
     def _decode(self, key: str, arr, spec, casts: list[str]) -> torch.Tensor | str:
-        nd = arr if isinstance(arr, np.ndarray) else arr.numpy()
-        if not isinstance(nd, np.ndarray):
-            return f"array {key!r} did not decode to an ndarray"
+        """:func:`~.wire.decode_array`, the dtype policy, then :func:`~.wire.nonfinite_reason`
+        (after a cast: fp64 values may overflow fp32)."""
         want = None if spec is None else spec.get(key)
-        if want is not None and tuple(nd.shape) != want[0]:
-            return f"array {key!r} has shape {tuple(nd.shape)}, expected {want[0]}"
-        if nd.dtype.kind not in "fiu" or nd.dtype.kind == "b":
-            return f"array {key!r} has unsupported dtype {nd.dtype}"
-        t = torch.from_numpy(np.ascontiguousarray(nd))
+        t = decode_array(key, arr, None if want is None else want[0])
+        if isinstance(t, str):
+            return t
         if want is not None and t.dtype != want[1]:
             if not (t.dtype.is_floating_point and want[1].is_floating_point):
                 return f"array {key!r} has dtype {t.dtype}, expected {want[1]}"
@@ -445,14 +442,7 @@ class ReplyValidator:
                 )
             casts.append(f"{key}: {t.dtype}->{want[1]}")
             t = t.to(want[1])
-        # One pass, no allocation: NaN/inf anywhere make the sum non-finite (so does an overflow
-        # of huge finite values, which is rejected too).
-        if t.is_floating_point() and t.numel() and not math.isfinite(float(t.sum())):
-            if bool(torch.isfinite(t).all()):
-                return f"array {key!r} has values so large that their sum overflows"
-            n_bad = int((~torch.isfinite(t)).sum())
-            return f"array {key!r} has {n_bad} non-finite values (NaN/inf)"
-        return t
+        return nonfinite_reason(key, t) or t
 
     def _norm_filter(
         self, checked: list[tuple[CheckedReply, float]], report: ReplyReport

@@ -41,7 +41,7 @@ from ..graphs import consensus_distance, metropolis_mixing_weights, mix, spectra
 from ..merging.weights import norm_outlier
 from .common import SentLedger, weighted_mean_metrics
 from .graph_base import GraphStrategy
-from .wire import _record_of, _tensors_of, check_train_metrics, record_nbytes
+from .wire import _record_of, check_train_metrics, record_nbytes, record_tensors
 
 __all__ = ["GossipLoRA", "mix"]
 
@@ -111,7 +111,7 @@ class GossipLoRA(GraphStrategy):
         if self.initial is None:
             self.initial = {
                 k: (v.float() if v.is_floating_point() else v)
-                for k, v in _tensors_of(initial_arrays).items()
+                for k, v in record_tensors(initial_arrays).items()
             }
 
     def _on_setup(self) -> None:

@@ -53,12 +53,12 @@ from .rwlora_state import RWLoRAState
 from .vertices import QUERY_VERTEX_KEY, VertexMap, discover_vertices
 from .wire import (
     _record_of,
-    _tensors_of,
     record_nbytes,
+    record_tensors,
 )
 
 __all__ = ["GraphStrategy", "RWLoRA", "VertexMap", "discover_vertices", "record_nbytes"]
-_REEXPORTED = (QUERY_VERTEX_KEY, _record_of, _tensors_of)  # older imports from this module
+_REEXPORTED = (QUERY_VERTEX_KEY, _record_of)  # older imports from this module
 
 
 # ----------------------------------------------------------------------------- RW-LoRA
@@ -251,7 +251,7 @@ class RWLoRA(RWLoRAHops, RWLoRAState, GraphStrategy):
             self.token = _record_of(
                 {
                     k: v.float() if v.is_floating_point() else v
-                    for k, v in _tensors_of(initial_arrays).items()
+                    for k, v in record_tensors(initial_arrays).items()
                 }
             )
 
@@ -363,7 +363,7 @@ class RWLoRA(RWLoRAHops, RWLoRAState, GraphStrategy):
         if v is None:
             return False, {}
         self._count_hop_bytes(v, replies)
-        expected = _tensors_of(self.token)
+        expected = record_tensors(self.token)
         reason, hop = self._check_hop(v, replies, expected)
         if reason is not None:
             self._fail_hop(v, reason)
