@@ -1,33 +1,9 @@
 """peft LoRA client: K local AdamW steps on the node's private sentence shard, adapter out.
 
-The node's rows: its partition (node-config ``partition-id`` of ``num-partitions``) of the
-configured data source or, when its node config has a non-empty ``data-path``, the site's own
-``.csv``/``.tsv`` file with ``text`` and ``label`` (0/1) columns
-(:func:`flwr_isoloco.data.sentiment.load_local_sentences`). ``partition-id`` is needed in both
-cases (graph vertex, batch-order seed). A bad file makes the handler raise, i.e. an error reply.
-
-Message conventions (shared with :mod:`flwr_isoloco.strategies.rwlora`, ``gossip`` and Flower's
-FedAvg):
-
-- TRAIN in: ArrayRecord ``arrays`` = the adapter (peft keys, fp32; the classification head too
-  when ``train_head``); ConfigRecord ``config`` with optional ``local-steps`` (K), ``lr`` and
-  ``carry-optimizer-state`` (bool); when carrying, optional ArrayRecord ``optimizer`` (AdamW
-  ``<param>.exp_avg`` / ``<param>.exp_avg_sq`` per trainable tensor,
-  :mod:`flwr_isoloco.clients.adamw_state`) and ConfigRecord
-  ``optimizer-config`` (``step``); none on the first hop = fresh AdamW.
-- TRAIN out: ``arrays`` = the adapter after K steps, MetricRecord ``metrics`` with
-  ``num-examples`` (shard size, FedAvg's weight), ``train_loss`` (mean over the K steps),
-  ``local-steps``, ``examples-seen``, ``partition-id`` and ``data-cursor``; the new ``optimizer`` + ``optimizer-config`` iff
-  carrying.
-- EVALUATE: loss/accuracy of the received adapter on the node's validation slice.
-- QUERY: ``{vertex-key: context.node_config[vertex-key]}`` (vertex-key from the query's
-  ``config``, default ``partition-id``) as a ConfigRecord ``config``, plus a MetricRecord
-  ``metrics`` with the partition id (if an int) and ``num-examples``.
-
-Batch order: the shard is visited in seeded epoch permutations; the stream position (cursor)
-is kept in ``context.state`` so consecutive visits continue where the last one stopped. Dropout
-is seeded from (seed, partition, cursor). The model is cached per process for speed only: every
-message loads the full trainable state, so a fresh process gives the same result.
+:class:`LoRAClient` gives the train / evaluate / query handlers; the node's data, the message
+layout (``arrays``, ``config``, ``optimizer``, ``optimizer-config``, the reply metrics) and the
+seeded batch order are specified in docs/rwlora.md, "The LoRA client". The AdamW state travels
+through :mod:`flwr_isoloco.clients.adamw_state`.
 """
 
 from __future__ import annotations

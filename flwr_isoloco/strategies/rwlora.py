@@ -90,7 +90,8 @@ class RWLoRA(RWLoRAHops, RWLoRAState, GraphStrategy):
     local_steps : int
         K, sent as ``local-steps`` in the ConfigRecord.
     carry_optimizer_state : bool
-        Ship the optimiser state with the token (module docstring for the record keys).
+        Ship the optimiser state with the token (record keys: docs/rwlora.md, "Message
+        conventions").
     max_reroutes : int, optional
         Re-routes per round after a failed hop (default: the maximum degree, i.e. try every
         neighbour); when exhausted the round ends with the token kept where it was.
