@@ -41,6 +41,7 @@ from flwr_isoloco.checkpoint import (
     RNG_FIELD,
     CheckpointError,
     Field,
+    check_fields,
     checkpoint_error,
     load_checkpoint,
     restoring,
@@ -107,8 +108,9 @@ class AppRun:
         ``plot(results, out)``: redraw the app's plots (failures are logged, never fatal).
     export
         ``export(arrays, out) -> path``: write the trained model for users; returns the folder.
-    app_state, load_app_state
-        App-side state kept in the checkpoint (JSON; e.g. per-vertex counts for plots).
+    app_state, load_app_state, app_state_spec
+        App-side state kept in the checkpoint (JSON; e.g. per-vertex counts for plots) and
+        the :class:`~flwr_isoloco.checkpoint.Field` spec it is checked against on resume.
     """
 
     strategy: Any
@@ -123,6 +125,7 @@ class AppRun:
     export: Callable[[ArrayRecord, Path], Path | None] | None = None
     app_state: Callable[[], dict[str, Any]] = dict
     load_app_state: Callable[[dict[str, Any]], None] = lambda state: None
+    app_state_spec: Mapping[str, Field] = field(default_factory=dict)
 
 
 @dataclass
@@ -188,7 +191,8 @@ def restore(run: AppRun, path: Path, tensors: dict, meta: dict) -> None:
             raise CheckpointError(
                 f"the strategy holds {run.strategy.completed_rounds} rounds, field 'round' = {done}"
             )
-    with restoring(path, "field 'app-state': "):
+    with restoring(path):
+        check_fields(meta["app-state"], run.app_state_spec, prefix="app-state.")
         run.load_app_state(meta["app-state"])
     with restoring(path):
         set_rng_state(meta["rng"])

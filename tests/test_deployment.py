@@ -173,7 +173,8 @@ def deployment(tmp_path_factory):
     root = tmp_path_factory.mktemp("realapps")
     # As at a real site: each SuperNode keeps the app's node state on its own disk.
     node_configs = [
-        f"partition-id={i} num-partitions=3 state-dir='{root / f'node-{i}-state'}'" for i in range(3)
+        f"partition-id={i} num-partitions=3 state-dir='{root / f'node-{i}-state'}'"
+        for i in range(3)
     ]
     with loopback_deployment(root, num_supernodes=3, node_configs=node_configs) as dep:
         yield dep
