@@ -49,8 +49,10 @@ __all__ = [
     "metropolis_mixing_weights",
     "mix",
     "parse_spec",
+    "restrict_target",
     "spectral_gap",
     "stationary_distribution",
+    "subgraph_transition",
     "total_variation",
     "transition_matrix",
     "vertex_index",
@@ -145,6 +147,44 @@ def transition_matrix(
             stacklevel=2,
         )
     return P
+
+
+def restrict_target(
+    G: nx.Graph,
+    target: Sequence[float] | Mapping[Any, float] | None,
+    vertices: Iterable[Any],
+) -> dict[Any, float] | None:
+    """``target`` (over every vertex of ``G``) restricted to ``vertices``: ``{v: w_v}``.
+
+    The weights are kept as given; :func:`transition_matrix` on the sub-graph renormalises
+    them, so its stationary law is ``pi_S = pi|_S / pi(S)``. ``None`` (uniform) stays None.
+    The whole target is checked against ``G`` first (``ValueError`` naming the bad vertex).
+    """
+    if target is None:
+        return None
+    _target_vector(G, target)
+    keep = set(vertices)
+    if isinstance(target, Mapping):
+        return {v: target[v] for v in vertex_list(G) if v in keep}
+    w = np.asarray(target, dtype=float).reshape(-1)
+    return {v: float(w[i]) for i, v in enumerate(vertex_list(G)) if v in keep}
+
+
+def subgraph_transition(
+    G: nx.Graph,
+    vertices: Iterable[Any],
+    kind: str = "metropolis",
+    target: Sequence[float] | Mapping[Any, float] | None = None,
+    lazy: bool = False,
+) -> np.ndarray:
+    """:func:`transition_matrix` of the sub-graph ``S = G[vertices]`` for ``target`` (given over
+    all of ``G``) restricted to ``S`` and renormalised (:func:`restrict_target`).
+
+    Rows and columns in ``vertex_list(S)`` order. Metropolis: ``pi(P) = pi|_S / pi(S)``. Raises
+    ``ValueError`` if ``S`` is empty or disconnected.
+    """
+    S = G.subgraph(list(vertices)).copy()
+    return transition_matrix(S, kind, target=restrict_target(G, target, S.nodes), lazy=lazy)
 
 
 def _check_stochastic(P: np.ndarray) -> np.ndarray:

@@ -38,6 +38,7 @@ import numpy as np
 from .graphs import (
     PeriodicWalkWarning,
     _target_vector,
+    restrict_target,
     stationary_distribution,
     transition_matrix,
     vertex_list,
@@ -121,10 +122,9 @@ def live_transition(
     idx = {v: i for i, v in enumerate(verts)}
     dead_set = frozenset(v for v in dead if v in idx)
     H, relays = relay_graph(G, dead_set)
-    sub_target = None
-    if target is not None:
-        full = _target_vector(G, target)
-        sub_target = {v: full[idx[v]] for v in H.nodes}
+    # the target normalised over G first, then restricted (renormalised by transition_matrix)
+    full = None if target is None else _target_vector(G, target)
+    sub_target = restrict_target(G, full, H.nodes)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", PeriodicWalkWarning)
         Q = transition_matrix(H, kind, target=sub_target, lazy=lazy)

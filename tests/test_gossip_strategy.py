@@ -144,6 +144,10 @@ def test_norm_ratio_rejects_an_outlier():
     want = reference(W, 2, fail=lambda r, v: v == 4)
     np.testing.assert_allclose([value(s.adapters[v]) for v in range(5)], want, rtol=1e-6)
     assert s.failures_by_vertex == {4: 2}
+    assert all(
+        v == 4 and why.startswith("update norm ") and " x median of the others " in why
+        for _, v, why in s.failure_log
+    )
 
 
 def test_resume_is_exact_through_a_checkpoint(tmp_path):

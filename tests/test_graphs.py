@@ -12,8 +12,10 @@ from flwr_isoloco.graphs import (
     RandomWalk,
     build_graph,
     metropolis_mixing_weights,
+    restrict_target,
     spectral_gap,
     stationary_distribution,
+    subgraph_transition,
     total_variation,
     transition_matrix,
     vertex_list,
@@ -332,3 +334,55 @@ def test_rerouting_around_a_dead_vertex_follows_the_renormalised_chain():
     assert total_variation(np.delete(counts, 3), exact) < 0.05
     f = counts / counts.sum()
     assert (f[2] + f[4]) / 2 < 0.13 < 0.145 < np.delete(f, [2, 3, 4]).mean()
+
+
+# ------------------------------------------------------------------ sub-graph transition
+
+
+@pytest.mark.parametrize("as_mapping", [False, True])
+@pytest.mark.parametrize("lazy", [False, True])
+@pytest.mark.parametrize("drop", [(), (0,), (2, 5), (1, 3, 6)])
+def test_subgraph_transition_has_the_restricted_target_as_stationary_law(drop, lazy, as_mapping):
+    """Rows sum to 1, entries >= 0, zero off the sub-graph's edges; pi(P) = target|_S / target(S)."""
+    G = build_graph("complete", n=8)
+    G.remove_edges_from([(0, 1), (2, 3), (4, 7), (5, 6)])  # not regular: Metropolis matters
+    w = np.random.default_rng(7).uniform(0.5, 5.0, size=8)
+    target = {v: float(w[v]) for v in G.nodes} if as_mapping else list(w)
+    keep = [v for v in vertex_list(G) if v not in drop]
+    P = subgraph_transition(G, keep, "metropolis", target, lazy=lazy)
+    assert P.shape == (len(keep), len(keep)) and (P >= 0).all()
+    np.testing.assert_allclose(P.sum(axis=1), 1.0, rtol=0, atol=1e-12)
+    S = G.subgraph(keep)
+    for i, u in enumerate(keep):
+        for j, v in enumerate(keep):
+            if i != j and not S.has_edge(u, v):
+                assert P[i, j] == 0.0
+    want = w[keep] / w[keep].sum()
+    np.testing.assert_allclose(stationary_distribution(P), want, rtol=1e-9, atol=0)
+    assert not np.allclose(want, 1 / len(keep))  # the test can tell a uniform law apart
+
+
+def test_subgraph_transition_of_the_whole_graph_is_transition_matrix():
+    G = build_graph("erdos_renyi:p=0.5", n=7, seed=3)
+    t = [1, 2, 3, 4, 5, 6, 7]
+    assert np.array_equal(
+        subgraph_transition(G, G.nodes, "metropolis", t), transition_matrix(G, "metropolis", t)
+    )
+    P = subgraph_transition(G, [0, 1, 2, 3, 4, 5, 6], "simple")  # pi ∝ degree
+    deg = np.array([G.degree(v) for v in vertex_list(G)], float)
+    np.testing.assert_allclose(stationary_distribution(P), deg / deg.sum(), rtol=1e-9)
+
+
+def test_restrict_target_keeps_weights_and_checks_the_whole_target():
+    G = build_graph("ring", n=4)
+    assert restrict_target(G, None, [0, 1]) is None
+    assert restrict_target(G, [1, 2, 3, 4], [3, 1]) == {1: 2.0, 3: 4.0}
+    assert restrict_target(G, {0: 1, 1: 2, 2: 3, 3: 4}, [2]) == {2: 3}
+    with pytest.raises(ValueError, match="3 values for 4 vertices"):
+        restrict_target(G, [1, 2, 3], [0])
+    with pytest.raises(ValueError, match="unknown vertex 9"):
+        restrict_target(G, {0: 1, 1: 1, 2: 1, 3: 1, 9: 1}, [0])
+    with pytest.raises(ValueError, match="vertex 3 has weight 0"):
+        restrict_target(G, [1, 1, 1, 0], [0, 1])  # a dropped vertex's weight is checked too
+    with pytest.raises(ValueError, match="disconnected"):
+        subgraph_transition(G, [0, 2])

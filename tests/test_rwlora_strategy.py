@@ -3,12 +3,13 @@
 import io
 import json
 import math
+import re
 
 import numpy as np
 import pytest
 import torch
 from fakegrid import FakeGrid, corrupt_arrays
-from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
+from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 from flwr.serverapp.strategy import Strategy
 
 from flwr_isoloco.checkpoint import load_checkpoint, save_checkpoint
@@ -307,6 +308,8 @@ def test_norm_bounds_reject_a_huge_update():
     # until 3 updates are accepted the ratio has no baseline; afterwards vertex 3 is refused
     late = s.trajectory[3:]
     assert 3 not in late and s.failures > 0
+    ratio = [why for _, v, why in s.failure_log if "max_norm_ratio 100 x median" in why]
+    assert ratio and all(re.search(r" of the last [3-8] accepted updates \S+$", w) for w in ratio)
 
 
 def test_error_and_missing_weight_replies_with_require_weight():
@@ -451,6 +454,38 @@ def test_optimizer_state_travels_with_the_token():
     arm(s, grid, 1, nan_opt)
     run(s, grid, 12)
     assert 1 not in s.trajectory and s.failures > 0
+    assert s.optimizer_state.to_torch_state_dict()["visits"].item() == 12
+
+
+JUNK_NPY = Array(dtype="float32", shape=(1,), stype="numpy.ndarray", data=b"junk")
+
+
+@pytest.mark.parametrize(
+    ("bad", "why"),
+    [
+        (JUNK_NPY, "optimizer array 'visits' could not be read (ValueError: "),
+        (Array(np.ones(1, dtype=">f4")), "optimizer array 'visits' could not be read ("),
+        (Array(np.ones(2, np.float32)), "optimizer array 'visits' has shape (2,), expected (1,)"),
+        (Array(np.ones(1, bool)), "optimizer array 'visits' has unsupported dtype bool"),
+        (Array(np.ones(1, np.uint8)), "optimizer array 'visits' has dtype torch.uint8"),
+        (Array(np.full(1, np.inf, np.float32)), "optimizer array 'visits' has 1 non-finite"),
+    ],
+)
+def test_undecodable_optimizer_state_fails_the_hop_not_the_server(bad, why):
+    """Hostile optimizer arrays (bytes that need pickle, big-endian, wrong shape or dtype, inf)
+    fail that hop with a reason; the walk goes on and the carried state is the honest one."""
+
+    def junk_opt(reply):
+        reply.content["optimizer"] = ArrayRecord({"visits": bad})
+        return reply
+
+    grid = FakeGrid(HANDLERS, num_nodes=4)
+    s = RWLoRA("complete", num_vertices=4, seed=0, carry_optimizer_state=True)
+    arm(s, grid, 1, junk_opt)
+    run(s, grid, 12)
+    assert 1 not in s.trajectory and s.failures > 0
+    failed = [reason for _, v, reason in s.failure_log if v == 1]
+    assert failed and all(r.startswith(why) for r in failed), failed
     assert s.optimizer_state.to_torch_state_dict()["visits"].item() == 12
 
 

@@ -2,26 +2,19 @@
 
 - ``diloco_worker.py``: DiLoCo worker (H inner AdamW steps, optimiser state in ``context.state``).
 - ``lora_client.py``: peft LoRA client that sends only the adapter.
+- ``adamw_state.py``: the AdamW state codec both use (named fp32 tensors, no pickle).
 - ``query.py``: :func:`partition_id_query`, an ``@app.query()`` handler for the graph
   strategies' vertex query.
 """
 
-from importlib import import_module
+from .diloco_worker import make_diloco_train_handler, make_lm_evaluate_handler
+from .lora_client import LoRAClient, LoRAClientConfig
+from .query import partition_id_query
 
-from .query import partition_id_query  # plain import: light (no torch)
-
-_EXPORTS = {
-    "make_diloco_train_handler": "diloco_worker",
-    "make_lm_evaluate_handler": "diloco_worker",
-    "LoRAClient": "lora_client",
-    "LoRAClientConfig": "lora_client",
-}
-
-
-__all__ = ["partition_id_query", *sorted(_EXPORTS)]
-
-
-def __getattr__(name: str):
-    if name in _EXPORTS:
-        return getattr(import_module(f"{__name__}.{_EXPORTS[name]}"), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__all__ = [
+    "LoRAClient",
+    "LoRAClientConfig",
+    "make_diloco_train_handler",
+    "make_lm_evaluate_handler",
+    "partition_id_query",
+]

@@ -1,42 +1,12 @@
 """DiLoCo worker: ClientApp handlers that run H inner AdamW steps and reply FedAvg-style.
 
-Train handler (``make_diloco_train_handler``), per message:
-
-1. load the received global model ``theta`` (ArrayRecord ``arrays``) into ``model_fn(context)``;
-2. restore this node's AdamW state from ``context.state`` (it never travels);
-3. run H = ``local-steps`` AdamW steps (betas (0.9, 0.95), weight decay 0.1, gradient clip 1.0)
-   with the learning rate of a schedule over the whole run (total ``T = num-server-rounds * H``
-   steps, global step ``s = (server-round - 1) * H + h``, warm-up ``W <= T`` steps; a longer
-   warm-up is refused before training)::
-
-       lr(s) = lr * (s + 1) / W                                     if s < W
-       lr(s) = lr * (r + (1 - r) * (1 + cos(pi * (s - W) / (T - W))) / 2)   otherwise
-
-   with ``r = min-lr-ratio`` (default 0.1);
-4. save the AdamW state back to ``context.state`` and reply ``theta_i`` under ``arrays`` (or
-   ``theta - theta_i`` with ``payload="delta"``) plus a MetricRecord ``num-examples`` (number
-   of *predicted tokens* trained on this round: the weight of this reply), ``train-loss``
-   (mean over the H steps), ``lr`` (last), ``inner-steps``.
-5. if the config asks for a codec (``upload-codec``, see :mod:`flwr_isoloco.compression`), the
-   reply is the delta ``theta - theta_i`` compressed with that codec (payload ``"delta"``), with
-   error feedback unless ``upload-error-feedback`` is false: the residual ``e`` (what earlier
-   uploads lost) is added before encoding and kept in ``context.state``.
-
-AdamW state in ``context.state`` (survives deployment mode, where each message is a fresh
-process; no pickle): ArrayRecord ``diloco.adamw`` (``<param>.exp_avg``, ``<param>.exp_avg_sq``,
-``<param>.step``; fp32) and ConfigRecord ``diloco.worker`` (``data-cursor``: inner steps taken
-by this node so far, which picks the next batch; ``last-round``); with error feedback also
-ArrayRecord ``diloco.residual`` (fp32, one tensor per encoded model tensor).
-
-Message config keys (ConfigRecord ``config``; the factory's keyword arguments are defaults):
-``server-round`` (required), ``num-server-rounds``, ``local-steps``, ``lr``, ``warmup-steps``,
-``min-lr-ratio``, ``weight-decay``, ``clip-norm``; ``upload-codec``, ``upload-error-feedback``
-and ``codec-*`` options (:func:`flwr_isoloco.compression.parse_request`).
-
-``data_fn(context)`` returns the node's training batches: a sequence (visited cyclically, in a
-seeded random order per epoch) or a callable ``batch(step_index)``. ``loss_fn(model, batch) ->
-(mean loss, number of predicted tokens)``; the default is next-token cross-entropy on an int
-tensor ``(B, T+1)`` (inputs ``[:, :-1]``, targets ``[:, 1:]``).
+``make_diloco_train_handler`` loads the received model, restores the node's AdamW state from
+``context.state`` (:mod:`flwr_isoloco.clients.adamw_state`; it never travels), runs H steps
+with the learning rate of :func:`inner_lr` (warm-up, then cosine to ``min-lr-ratio`` over the
+whole run), saves the state and replies ``theta_i`` (or the delta, compressed on request with
+error feedback) with ``num-examples`` = predicted tokens. ``make_lm_evaluate_handler`` gives
+the token-weighted validation loss. The message config keys, the state records and the reply
+are specified in docs/strategies.md, "The DiLoCo worker".
 """
 
 from __future__ import annotations
@@ -52,6 +22,8 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, 
 from flwr.common.logger import log
 
 from flwr_isoloco.compression import ErrorFeedback, compress, parse_request
+
+from .adamw_state import adamw_to_arrays, arrays_to_adamw
 
 __all__ = [
     "make_diloco_train_handler",
@@ -86,7 +58,13 @@ def next_token_loss(model: torch.nn.Module, batch: Any) -> tuple[torch.Tensor, i
 
 
 def inner_lr(step: int, total: int, lr: float, warmup: int, min_ratio: float) -> float:
-    """Linear warm-up then cosine decay to ``min_ratio * lr`` at ``total`` (see module doc).
+    """Learning rate of global inner step ``s`` (0-based) of ``T = total``, warm-up ``W``::
+
+        lr(s) = lr * (s + 1) / W                                          if s < W
+        lr(s) = lr * (r + (1 - r) * (1 + cos(pi * min((s - W) / (T - W), 1))) / 2)   otherwise
+
+    with ``r = min_ratio``. The worker's step is ``s = (server-round - 1) * H + h``,
+    ``T = num-server-rounds * H``.
 
     Why not transformers' ``get_cosine_with_min_lr_schedule_with_warmup``: its decay part is
     bitwise this one (tested), but its warm-up is ``lr * s / W``, one step behind ours: the
@@ -130,47 +108,23 @@ def _trainable(model: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:
 def _load_adamw(
     opt: torch.optim.AdamW, named: list[tuple[str, torch.nn.Parameter]], state: RecordDict
 ) -> bool:
-    """Restore AdamW moments from ``state``; False (fresh optimiser) if absent or mismatched."""
+    """Restore AdamW from ``state`` (:mod:`.adamw_state`); False (fresh optimiser) if absent
+    or unusable (a warning says why)."""
     rec = state.get(ADAMW_STATE_KEY)
     if not isinstance(rec, ArrayRecord):
         return False
-    saved = rec.to_torch_state_dict()
-    restored = {}
-    for name, p in named:
-        keys = (f"{name}.exp_avg", f"{name}.exp_avg_sq", f"{name}.step")
-        if any(k not in saved for k in keys):
-            log(WARNING, "DiLoCo worker: AdamW state lacks %r; starting a fresh optimiser", name)
-            return False
-        m, v, step = (saved[k] for k in keys)
-        if m.shape != p.shape or v.shape != p.shape:
-            log(
-                WARNING,
-                "DiLoCo worker: AdamW state for %r has the wrong shape; fresh optimiser",
-                name,
-            )
-            return False
-        restored[p] = {
-            "step": step.reshape(()).to(torch.float32),
-            "exp_avg": m.to(p.dtype).clone(),
-            "exp_avg_sq": v.to(p.dtype).clone(),
-        }
-    for p, st in restored.items():
-        opt.state[p] = st
+    try:
+        arrays_to_adamw(opt, named, rec.to_torch_state_dict(), allow_extra=True)
+    except ValueError as exc:
+        log(WARNING, "DiLoCo worker: AdamW state unusable (%s); starting a fresh optimiser", exc)
+        return False
     return True
 
 
 def _save_adamw(
     opt: torch.optim.AdamW, named: list[tuple[str, torch.nn.Parameter]], state: RecordDict
 ) -> None:
-    out: dict[str, torch.Tensor] = {}
-    for name, p in named:
-        st = opt.state.get(p)
-        if not st:
-            continue
-        out[f"{name}.exp_avg"] = st["exp_avg"].detach().float()
-        out[f"{name}.exp_avg_sq"] = st["exp_avg_sq"].detach().float()
-        out[f"{name}.step"] = torch.as_tensor(st["step"], dtype=torch.float32).reshape(1)
-    state[ADAMW_STATE_KEY] = ArrayRecord(out)
+    state[ADAMW_STATE_KEY] = ArrayRecord(adamw_to_arrays(opt, named, step_arrays=True)[0])
 
 
 def _batch_at(data: Any, index: int, seed: int) -> Any:
@@ -330,22 +284,25 @@ def make_diloco_train_handler(
     configrecord_key: str = "config",
     device: str | torch.device = "cpu",
 ) -> Callable[[Message, Context], Message]:
-    """A ClientApp ``@app.train()`` handler running H inner AdamW steps (see module doc).
+    """A ClientApp ``@app.train()`` handler running H inner AdamW steps (docs/strategies.md).
 
-    ``payload``: reply ``"weights"`` (FedAvg-compatible, default) or ``"delta"``. ``seed`` plus
-    the node's ``partition-id`` (or node id) seeds the batch order and dropout.
+    Parameters
+    ----------
+    model_fn, data_fn, loss_fn :
+        ``(context) -> Module`` the received ``arrays`` load into (strict); ``(context) ->`` the
+        node's batches (a sequence, seeded order per epoch, or ``batch(step)``); ``(model,
+        batch) -> (mean loss, predicted tokens)``.
+    lr, local_steps, num_server_rounds, warmup_steps, min_lr_ratio, weight_decay, clip_norm :
+        Defaults of the message config keys of the same names (:func:`inner_lr`).
+    betas, payload, seed, arrayrecord_key, configrecord_key, device :
+        AdamW betas; reply ``"weights"`` (FedAvg-style) or ``"delta"``; with the node's
+        ``partition-id`` seeds batch order and dropout; record names; training device.
     """
     if payload not in ("weights", "delta"):
         raise ValueError(f"payload must be 'weights' or 'delta', got {payload!r}")
-    defaults = dict(
-        local_steps=local_steps,
-        num_server_rounds=num_server_rounds,
-        lr=lr,
-        warmup_steps=warmup_steps,
-        min_lr_ratio=min_lr_ratio,
-        weight_decay=weight_decay,
-        clip_norm=clip_norm,
-    )
+    defaults = dict(local_steps=local_steps, num_server_rounds=num_server_rounds, lr=lr)
+    defaults |= dict(warmup_steps=warmup_steps, min_lr_ratio=min_lr_ratio)
+    defaults |= dict(weight_decay=weight_decay, clip_norm=clip_norm)
 
     def train(msg: Message, context: Context) -> Message:
         c = _round_settings(_config(msg, configrecord_key), defaults)

@@ -1,32 +1,9 @@
 """peft LoRA client: K local AdamW steps on the node's private sentence shard, adapter out.
 
-The node's rows: its partition (node-config ``partition-id`` of ``num-partitions``) of the
-configured data source or, when its node config has a non-empty ``data-path``, the site's own
-``.csv``/``.tsv`` file with ``text`` and ``label`` (0/1) columns
-(:func:`flwr_isoloco.data.sentiment.load_local_sentences`). ``partition-id`` is needed in both
-cases (graph vertex, batch-order seed). A bad file makes the handler raise, i.e. an error reply.
-
-Message conventions (shared with :mod:`flwr_isoloco.strategies.rwlora`, ``gossip`` and Flower's
-FedAvg):
-
-- TRAIN in: ArrayRecord ``arrays`` = the adapter (peft keys, fp32; the classification head too
-  when ``train_head``); ConfigRecord ``config`` with optional ``local-steps`` (K), ``lr`` and
-  ``carry-optimizer-state`` (bool); when carrying, optional ArrayRecord ``optimizer`` (AdamW
-  ``<param>.exp_avg`` / ``<param>.exp_avg_sq`` per trainable tensor) and ConfigRecord
-  ``optimizer-config`` (``step``); none on the first hop = fresh AdamW.
-- TRAIN out: ``arrays`` = the adapter after K steps, MetricRecord ``metrics`` with
-  ``num-examples`` (shard size, FedAvg's weight), ``train_loss`` (mean over the K steps),
-  ``local-steps``, ``examples-seen``, ``partition-id`` and ``data-cursor``; the new ``optimizer`` + ``optimizer-config`` iff
-  carrying.
-- EVALUATE: loss/accuracy of the received adapter on the node's validation slice.
-- QUERY: ``{vertex-key: context.node_config[vertex-key]}`` (vertex-key from the query's
-  ``config``, default ``partition-id``) as a ConfigRecord ``config``, plus a MetricRecord
-  ``metrics`` with the partition id (if an int) and ``num-examples``.
-
-Batch order: the shard is visited in seeded epoch permutations; the stream position (cursor)
-is kept in ``context.state`` so consecutive visits continue where the last one stopped. Dropout
-is seeded from (seed, partition, cursor). The model is cached per process for speed only: every
-message loads the full trainable state, so a fresh process gives the same result.
+:class:`LoRAClient` gives the train / evaluate / query handlers; the node's data, the message
+layout (``arrays``, ``config``, ``optimizer``, ``optimizer-config``, the reply metrics) and the
+seeded batch order are specified in docs/rwlora.md, "The LoRA client". The AdamW state travels
+through :mod:`flwr_isoloco.clients.adamw_state`.
 """
 
 from __future__ import annotations
@@ -43,11 +20,12 @@ from flwr_isoloco.clients.node_state import with_node_state
 from flwr_isoloco.data import sentiment
 from flwr_isoloco.models import classifier
 
+from .adamw_state import adamw_to_arrays, arrays_to_adamw
+
 OPTIMIZER_KEY = "optimizer"
 OPTIMIZER_CONFIG_KEY = "optimizer-config"
 CARRY_KEY = "carry-optimizer-state"
 STATE_KEY = "lora-client"
-_MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
 @dataclass(frozen=True)
@@ -180,52 +158,6 @@ def _trainable(model) -> list[tuple[str, torch.nn.Parameter]]:
     return [(n, p) for n, p in model.named_parameters() if p.requires_grad]
 
 
-def optimizer_to_arrays(
-    opt: torch.optim.AdamW, named: list[tuple[str, torch.nn.Parameter]]
-) -> tuple[dict[str, torch.Tensor], int]:
-    """AdamW state as (``{f"{param}.{moment}": fp32 tensor}``, step count)."""
-    out: dict[str, torch.Tensor] = {}
-    steps = set()
-    for name, p in named:
-        st = opt.state.get(p, {})
-        for m in _MOMENTS:
-            if m in st:
-                out[f"{name}.{m}"] = st[m].detach().to(torch.float32).clone()
-        if "step" in st:
-            steps.add(int(torch.as_tensor(st["step"]).item()))
-    if len(steps) > 1:
-        raise ValueError(f"AdamW step counts differ across parameters: {sorted(steps)}")
-    return out, (steps.pop() if steps else 0)
-
-
-def arrays_to_optimizer(
-    opt: torch.optim.AdamW,
-    named: list[tuple[str, torch.nn.Parameter]],
-    arrays: Mapping[str, torch.Tensor],
-    step: int,
-) -> None:
-    """Inverse of :func:`optimizer_to_arrays`; keys and shapes are checked."""
-    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
-        raise ValueError(f"optimizer-config step must be an int >= 0, got {step!r}")
-    expected = {f"{n}.{m}" for n, _ in named for m in _MOMENTS}
-    if set(arrays) != expected:
-        missing, extra = sorted(expected - set(arrays)), sorted(set(arrays) - expected)
-        raise ValueError(
-            f"optimizer state keys differ: missing {missing[:3]}, unexpected {extra[:3]}"
-        )
-    for name, p in named:
-        ea, eas = (torch.as_tensor(arrays[f"{name}.{m}"]).float() for m in _MOMENTS)
-        if ea.shape != p.shape or eas.shape != p.shape:
-            raise ValueError(
-                f"optimizer state for {name!r}: shape {tuple(ea.shape)} != {tuple(p.shape)}"
-            )
-        opt.state[p] = {
-            "step": torch.tensor(float(step)),
-            "exp_avg": ea.clone(),
-            "exp_avg_sq": eas.clone(),
-        }
-
-
 def train_steps(
     model,
     tokenizer,
@@ -243,7 +175,7 @@ def train_steps(
     named = _trainable(model)
     opt = torch.optim.AdamW([p for _, p in named], lr=lr, weight_decay=cfg.weight_decay)
     if opt_state is not None:
-        arrays_to_optimizer(opt, named, *opt_state)
+        arrays_to_adamw(opt, named, *opt_state)
     n = len(data.train_texts)
     model.train()
     losses = []
@@ -263,7 +195,7 @@ def train_steps(
     return (
         float(np.mean(losses)) if losses else float("nan"),
         cursor,
-        optimizer_to_arrays(opt, named),
+        adamw_to_arrays(opt, named),
     )
 
 

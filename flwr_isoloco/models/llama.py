@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-__all__ = ["llama_config", "build_llama", "lm_loss", "count_parameters"]
+__all__ = ["llama_config", "build_llama", "count_parameters"]
 
 
 def llama_config(
@@ -69,13 +69,6 @@ def build_llama(config: LlamaConfig, seed: int = 0) -> LlamaForCausalLM:
     return model.float()
 
 
-def lm_loss(model: LlamaForCausalLM, batch: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross-entropy of ``batch`` (B, T+1): inputs ``[:, :-1]``, labels ``[:, 1:]``."""
-    logits = model(input_ids=batch[:, :-1]).logits
-    return torch.nn.functional.cross_entropy(
-        logits.reshape(-1, logits.size(-1)).float(), batch[:, 1:].reshape(-1)
-    )
-
-
 def count_parameters(model: torch.nn.Module) -> int:
+    """Number of parameters (trainable or not)."""
     return sum(p.numel() for p in model.parameters())

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import hashlib
 import math
-import statistics
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from logging import INFO, WARNING
@@ -32,6 +31,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, RecordDict
 from flwr.common.logger import log
 
 from flwr_isoloco.compression import decompress, is_compressed
+from flwr_isoloco.merging.weights import norm_outlier
 from flwr_isoloco.strategies.guard import EmptyRoundGuard, NoProgressError
 from flwr_isoloco.strategies.metrics import (
     metric_record,
@@ -40,6 +40,7 @@ from flwr_isoloco.strategies.metrics import (
     tensor_norm,
     weighted_mean_metrics,
 )
+from flwr_isoloco.strategies.wire import decode_array, nonfinite_reason, record_tensors
 
 __all__ = [
     "CheckedReply",
@@ -95,13 +96,12 @@ class CheckedReply:
         rec = self.content.array_records.get(self.arrayrecord_key)
         if rec is None:
             return {}
-        out = {}
-        plain = decompress(rec) if is_compressed(rec) else None  # validated once already
-        for k, arr in (plain if plain is not None else rec).items():
-            t = arr if plain is not None else torch.from_numpy(np.array(arr.numpy(), copy=True))
-            want = self.dtypes.get(k)
-            out[k] = t if want is None or t.dtype == want else t.to(want)
-        return out
+        # validated once already: decode without the checks
+        src = decompress(rec) if is_compressed(rec) else record_tensors(rec)
+        return {
+            k: t if (want := self.dtypes.get(k)) is None or t.dtype == want else t.to(want)
+            for k, t in src.items()
+        }
 
     def update(self, reference: Mapping[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
         """The pseudo-gradient ``delta_i = theta - theta_i`` (fp32), or the delta as sent."""
@@ -427,15 +427,12 @@ class ReplyValidator:
         )
 
     def _decode(self, key: str, arr, spec, casts: list[str]) -> torch.Tensor | str:
-        nd = arr if isinstance(arr, np.ndarray) else arr.numpy()
-        if not isinstance(nd, np.ndarray):
-            return f"array {key!r} did not decode to an ndarray"
+        """:func:`~.wire.decode_array`, the dtype policy, then :func:`~.wire.nonfinite_reason`
+        (after a cast: fp64 values may overflow fp32)."""
         want = None if spec is None else spec.get(key)
-        if want is not None and tuple(nd.shape) != want[0]:
-            return f"array {key!r} has shape {tuple(nd.shape)}, expected {want[0]}"
-        if nd.dtype.kind not in "fiu" or nd.dtype.kind == "b":
-            return f"array {key!r} has unsupported dtype {nd.dtype}"
-        t = torch.from_numpy(np.ascontiguousarray(nd))
+        t = decode_array(key, arr, None if want is None else want[0])
+        if isinstance(t, str):
+            return t
         if want is not None and t.dtype != want[1]:
             if not (t.dtype.is_floating_point and want[1].is_floating_point):
                 return f"array {key!r} has dtype {t.dtype}, expected {want[1]}"
@@ -445,14 +442,7 @@ class ReplyValidator:
                 )
             casts.append(f"{key}: {t.dtype}->{want[1]}")
             t = t.to(want[1])
-        # One pass, no allocation: NaN/inf anywhere make the sum non-finite (so does an overflow
-        # of huge finite values, which is rejected too).
-        if t.is_floating_point() and t.numel() and not math.isfinite(float(t.sum())):
-            if bool(torch.isfinite(t).all()):
-                return f"array {key!r} has values so large that their sum overflows"
-            n_bad = int((~torch.isfinite(t)).sum())
-            return f"array {key!r} has {n_bad} non-finite values (NaN/inf)"
-        return t
+        return nonfinite_reason(key, t) or t
 
     def _norm_filter(
         self, checked: list[tuple[CheckedReply, float]], report: ReplyReport
@@ -475,15 +465,8 @@ class ReplyValidator:
                     continue
                 others = list(base)
                 others.remove(n)
-                if len(others) < 2:
-                    continue
-                med = statistics.median(others)
-                if n > self.max_norm_ratio * med:
+                reason = norm_outlier(n, others, self.max_norm_ratio, min_reference=2)
+                if reason is not None:
                     keep[i] = False
-                    self.reject(
-                        report,
-                        r.node_id,
-                        f"update norm {n:.4g} > max_norm_ratio {self.max_norm_ratio:g} "
-                        f"x median of the others {med:.4g}",
-                    )
+                    self.reject(report, r.node_id, reason)
         return [r for r, k in zip(replies, keep, strict=True) if k]

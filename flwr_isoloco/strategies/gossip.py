@@ -26,7 +26,6 @@ do); ``bytes-relayed`` what crossed the wire via the server (n adapters down + t
 from __future__ import annotations
 
 import math
-import statistics
 from collections.abc import Iterable, Mapping
 from logging import INFO, WARNING
 from typing import Any
@@ -39,9 +38,10 @@ from flwr.common.logger import log
 from flwr.serverapp import Grid
 
 from ..graphs import consensus_distance, metropolis_mixing_weights, mix, spectral_gap
+from ..merging.weights import norm_outlier
 from .common import SentLedger, weighted_mean_metrics
 from .graph_base import GraphStrategy
-from .wire import _record_of, _tensors_of, check_train_metrics, record_nbytes
+from .wire import _record_of, check_train_metrics, record_nbytes, record_tensors
 
 __all__ = ["GossipLoRA", "mix"]
 
@@ -111,7 +111,7 @@ class GossipLoRA(GraphStrategy):
         if self.initial is None:
             self.initial = {
                 k: (v.float() if v.is_floating_point() else v)
-                for k, v in _tensors_of(initial_arrays).items()
+                for k, v in record_tensors(initial_arrays).items()
             }
 
     def _on_setup(self) -> None:
@@ -283,12 +283,9 @@ class GossipLoRA(GraphStrategy):
         if self.max_norm_ratio is not None:
             for v in list(trained):
                 others = [n for u, n in norms.items() if u != v and u in trained]
-                if len(others) >= 2 and norms[v] > self.max_norm_ratio * statistics.median(others):
-                    self._fail(
-                        v,
-                        f"update norm {norms[v]:.4g} > max_norm_ratio {self.max_norm_ratio:g} x "
-                        f"median of the others {statistics.median(others):.4g}",
-                    )
+                reason = norm_outlier(norms[v], others, self.max_norm_ratio, min_reference=2)
+                if reason is not None:
+                    self._fail(v, reason)
                     del trained[v]
             accepted = [(v, r) for v, r in accepted if v in trained]
         return trained, accepted

@@ -40,9 +40,10 @@ from flwr.serverapp import Grid
 
 from ..graphs import (
     RandomWalk,
+    restrict_target,
     spectral_gap,
+    subgraph_transition,
     total_variation,
-    transition_matrix,
     vertex_list,
 )
 from ..walk import LiveMatrix, LiveTransitions, VertexHealth, reroute_exclusions
@@ -53,12 +54,12 @@ from .rwlora_state import RWLoRAState
 from .vertices import QUERY_VERTEX_KEY, VertexMap, discover_vertices
 from .wire import (
     _record_of,
-    _tensors_of,
     record_nbytes,
+    record_tensors,
 )
 
 __all__ = ["GraphStrategy", "RWLoRA", "VertexMap", "discover_vertices", "record_nbytes"]
-_REEXPORTED = (QUERY_VERTEX_KEY, _record_of, _tensors_of)  # older imports from this module
+_REEXPORTED = (QUERY_VERTEX_KEY, _record_of)  # older imports from this module
 
 
 # ----------------------------------------------------------------------------- RW-LoRA
@@ -89,7 +90,8 @@ class RWLoRA(RWLoRAHops, RWLoRAState, GraphStrategy):
     local_steps : int
         K, sent as ``local-steps`` in the ConfigRecord.
     carry_optimizer_state : bool
-        Ship the optimiser state with the token (module docstring for the record keys).
+        Ship the optimiser state with the token (record keys: docs/rwlora.md, "Message
+        conventions").
     max_reroutes : int, optional
         Re-routes per round after a failed hop (default: the maximum degree, i.e. try every
         neighbour); when exhausted the round ends with the token kept where it was.
@@ -189,23 +191,9 @@ class RWLoRA(RWLoRAHops, RWLoRAState, GraphStrategy):
     def _check_graph_options(self) -> None:
         """Transition, target and start vertex must fit the graph (``ValueError`` naming them)."""
         G = self.graph
-        transition_matrix(G, self.transition, target=self._target_for(G), lazy=self.lazy)
+        subgraph_transition(G, G.nodes, self.transition, target=self.target, lazy=self.lazy)
         if self.start_vertex is not None and self.start_vertex not in G:
             raise ValueError(f"start_vertex {self.start_vertex!r} is not a graph vertex")
-
-    def _target_for(self, G: nx.Graph) -> Any:
-        if self.target is None:
-            return None
-        if isinstance(self.target, Mapping):
-            unknown = [v for v in self.target if v not in self.graph]
-            if unknown:
-                raise ValueError(f"target weights: unknown vertex {unknown[0]!r}")
-            return {v: w for v, w in self.target.items() if v in G}
-        w = list(self.target)
-        full = vertex_list(self.graph)
-        if len(w) != len(full):
-            raise ValueError(f"target weights: {len(w)} values for {len(full)} vertices")
-        return {v: w[i] for i, v in enumerate(full) if v in G}
 
     def summary(self) -> None:
         G = self.graph
@@ -227,9 +215,10 @@ class RWLoRA(RWLoRAHops, RWLoRAState, GraphStrategy):
 
     # ----------------------------------------------------------------- setup
     def _on_setup(self) -> None:
-        G = self.live_graph
-        self.P = transition_matrix(G, self.transition, target=self._target_for(G), lazy=self.lazy)
-        self.transitions = LiveTransitions(G, self.transition, self._target_for(G), self.lazy)
+        G = self.live_graph  # the graph's vertices that have a node
+        self.P = subgraph_transition(self.graph, G.nodes, self.transition, self.target, self.lazy)
+        target = restrict_target(self.graph, self.target, G.nodes)
+        self.transitions = LiveTransitions(G, self.transition, target, self.lazy)
         self._live = self.transitions.get(())
         self.pi = self._live.pi.copy()
         self.gap = spectral_gap(self.P)
@@ -251,7 +240,7 @@ class RWLoRA(RWLoRAHops, RWLoRAState, GraphStrategy):
             self.token = _record_of(
                 {
                     k: v.float() if v.is_floating_point() else v
-                    for k, v in _tensors_of(initial_arrays).items()
+                    for k, v in record_tensors(initial_arrays).items()
                 }
             )
 
@@ -363,7 +352,7 @@ class RWLoRA(RWLoRAHops, RWLoRAState, GraphStrategy):
         if v is None:
             return False, {}
         self._count_hop_bytes(v, replies)
-        expected = _tensors_of(self.token)
+        expected = record_tensors(self.token)
         reason, hop = self._check_hop(v, replies, expected)
         if reason is not None:
             self._fail_hop(v, reason)

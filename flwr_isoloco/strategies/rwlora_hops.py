@@ -11,7 +11,6 @@ Bytes: relayed = instruction down + every reply up; P2P = the token when it move
 
 from __future__ import annotations
 
-import statistics
 from collections.abc import Mapping
 from logging import WARNING
 from typing import Any
@@ -20,8 +19,17 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, RecordDict
 from flwr.common.logger import log
 
+from flwr_isoloco.merging.weights import norm_outlier
+
 from .common import CheckedReply
-from .wire import _record_of, _tensors_of, check_train_metrics, record_nbytes
+from .wire import (
+    _record_of,
+    check_train_metrics,
+    decode_array,
+    nonfinite_reason,
+    record_nbytes,
+    record_tensors,
+)
 
 __all__ = ["RWLoRAHops"]
 
@@ -66,15 +74,13 @@ class RWLoRAHops:
         update = reply.update(expected)
         norm = reply.update_norm  # tensor_norm(update), fp64, set by the validator
         recent = self.update_norms[-self.norm_window :]
-        if (
-            reason is None
-            and self.max_norm_ratio is not None
-            and len(recent) >= 3
-            and norm > self.max_norm_ratio * statistics.median(recent)
-        ):
-            reason = (
-                f"update norm {norm:.4g} > max_norm_ratio {self.max_norm_ratio:g} x median "
-                f"of the last {len(recent)} accepted updates {statistics.median(recent):.4g}"
+        if reason is None:
+            reason = norm_outlier(
+                norm,
+                recent,
+                self.max_norm_ratio,
+                min_reference=3,
+                reference=f"the last {len(recent)} accepted updates",
             )
         opt_rec = None
         if reason is None and self.carry_optimizer_state:
@@ -150,18 +156,22 @@ class RWLoRAHops:
         return {**client, "hop-ok": 1, "update-norm": norm, "relay": int(self._pending_relay)}
 
     def _check_optimizer(self, content: RecordDict) -> tuple[ArrayRecord | None, str | None]:
+        """``(record, None)``, ``(None, None)`` without one, or ``(None, reason)``.
+
+        Every array must decode (:func:`~.wire.decode_array`), be floating or int32/int64 and
+        finite, and match the previous hop's keys and shapes."""
         rec = content.array_records.get(self.optimizer_key)
         if rec is None:
             return None, None
-        prev = _tensors_of(self.optimizer_state) if self.optimizer_state is not None else None
-        tensors = _tensors_of(rec)
-        if prev is not None and set(prev) != set(tensors):
+        prev = record_tensors(self.optimizer_state) if self.optimizer_state is not None else None
+        if prev is not None and set(prev) != set(rec.keys()):
             return None, "optimizer state keys differ from the previous hop's"
-        for k, t in tensors.items():
+        for k, arr in rec.items():
+            t = decode_array(k, arr, None if prev is None else tuple(prev[k].shape))
+            if isinstance(t, str):
+                return None, f"optimizer {t}"
             if not t.is_floating_point() and t.dtype not in (torch.int32, torch.int64):
                 return None, f"optimizer array {k!r} has dtype {t.dtype}"
-            if t.is_floating_point() and not bool(torch.isfinite(t).all()):
-                return None, f"optimizer array {k!r} has non-finite values"
-            if prev is not None and tuple(prev[k].shape) != tuple(t.shape):
-                return None, f"optimizer array {k!r} has shape {tuple(t.shape)}"
+            if (why := nonfinite_reason(k, t)) is not None:
+                return None, f"optimizer {why}"
         return rec, None

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from .wire import _config_from_json, _config_to_json, _record_of, _tensors_of
+from .wire import _config_from_json, _config_to_json, _record_of, record_tensors
 
 __all__ = ["RWLoRAState"]
 
@@ -29,8 +29,8 @@ class RWLoRAState:
             raise ValueError("rwlora: state_dict() before the walk was set up (call start first)")
         return {
             "tensors": {
-                "token": _tensors_of(self.token),
-                "optimizer": _tensors_of(self.optimizer_state),
+                "token": record_tensors(self.token),
+                "optimizer": record_tensors(self.optimizer_state),
             },
             "meta": {
                 "kind": self.what,

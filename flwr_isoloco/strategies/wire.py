@@ -15,9 +15,15 @@ from typing import Any
 
 import numpy as np
 import torch
-from flwr.app import ArrayRecord, ConfigRecord, RecordDict
+from flwr.app import Array, ArrayRecord, ConfigRecord, RecordDict
 
-__all__ = ["check_train_metrics", "record_nbytes"]
+__all__ = [
+    "check_train_metrics",
+    "decode_array",
+    "nonfinite_reason",
+    "record_nbytes",
+    "record_tensors",
+]
 
 CHECKED_METRICS = ("local-steps", "data-cursor", "partition-id")
 _INT64_MAX = 2**63 - 1  # what a Flower MetricRecord int can carry
@@ -28,10 +34,48 @@ def record_nbytes(*records: ArrayRecord | None) -> int:
     return sum(len(a.data) for r in records if r is not None for a in r.values())
 
 
-def _tensors_of(rec: ArrayRecord | None) -> dict[str, torch.Tensor]:
+def record_tensors(rec: ArrayRecord | None) -> dict[str, torch.Tensor]:
+    """A trusted ArrayRecord (our own token, a checked reply) as ``{key: tensor}`` copies.
+
+    Client-sent arrays go through :func:`decode_array` first (it names what is wrong)."""
     if rec is None:
         return {}
     return {k: torch.from_numpy(np.array(a.numpy(), copy=True)) for k, a in rec.items()}
+
+
+def decode_array(
+    key: str, arr: Array | np.ndarray, shape: tuple[int, ...] | None = None
+) -> torch.Tensor | str:
+    """A client-sent array as a torch tensor, or why it is unusable. Never raises.
+
+    Refused: bytes that do not decode as a pickle-free ``.npy`` (or a byte order torch cannot
+    take), a shape other than ``shape`` (when given), a dtype that is not a number (bool,
+    complex, strings). Values are not checked here: see :func:`nonfinite_reason`.
+    """
+    try:
+        nd = arr if isinstance(arr, np.ndarray) else arr.numpy()
+        if not isinstance(nd, np.ndarray):
+            return f"array {key!r} did not decode to an ndarray"
+        if shape is not None and tuple(nd.shape) != tuple(shape):
+            return f"array {key!r} has shape {tuple(nd.shape)}, expected {tuple(shape)}"
+        if nd.dtype.kind not in "fiu":
+            return f"array {key!r} has unsupported dtype {nd.dtype}"
+        return torch.from_numpy(np.ascontiguousarray(nd))
+    except Exception as exc:  # noqa: BLE001 - hostile bytes: any failure is a reason
+        return f"array {key!r} could not be read ({type(exc).__name__}: {str(exc)[:200]})"
+
+
+def nonfinite_reason(key: str, t: torch.Tensor) -> str | None:
+    """Why the floating tensor ``t`` is unusable (NaN/inf, or a sum that overflows), or None.
+
+    One pass without allocation in the common case: NaN/inf anywhere make ``sum`` non-finite,
+    and so does an overflow of huge finite values (refused too: no merge could hold them)."""
+    if not (t.is_floating_point() and t.numel()) or math.isfinite(float(t.sum())):
+        return None
+    if bool(torch.isfinite(t).all()):
+        return f"array {key!r} has values so large that their sum overflows"
+    n_bad = int((~torch.isfinite(t)).sum())
+    return f"array {key!r} has {n_bad} non-finite values (NaN/inf)"
 
 
 def _record_of(tensors: Mapping[str, torch.Tensor]) -> ArrayRecord:

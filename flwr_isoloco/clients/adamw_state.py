@@ -1,0 +1,114 @@
+"""AdamW state as plain named tensors (no pickle): the one codec both clients use.
+
+Names, per trainable parameter ``<param>`` (its ``named_parameters`` name):
+
+- ``<param>.exp_avg``, ``<param>.exp_avg_sq``: the first and second moments, fp32;
+- ``<param>.step`` (fp32, shape ``(1,)``), only with ``step_arrays=True``: the step count per
+  parameter. Without it the step is one int next to the arrays (all parameters step together).
+
+The DiLoCo worker keeps ``<param>.exp_avg`` / ``.exp_avg_sq`` / ``.step`` in ``context.state``
+(ArrayRecord ``diloco.adamw``); the LoRA client carries the moments with the RW-LoRA token
+(ArrayRecord ``optimizer``) and the step in ConfigRecord ``optimizer-config``. Restoring puts
+every moment on its parameter's device and dtype, so a save/restore round-trip continues
+exactly where the optimiser stopped (tests/test_lora_client.py: K + K steps == 2K steps).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import torch
+
+__all__ = ["MOMENTS", "adamw_to_arrays", "arrays_to_adamw"]
+
+MOMENTS = ("exp_avg", "exp_avg_sq")
+"""The AdamW state entries stored per parameter (besides its step)."""
+
+Named = Sequence[tuple[str, torch.nn.Parameter]]
+
+
+def adamw_to_arrays(
+    opt: torch.optim.Optimizer, named: Named, *, step_arrays: bool = False
+) -> tuple[dict[str, torch.Tensor], int]:
+    """The state of ``opt`` for ``named`` as ``({f"{param}.{entry}": fp32 tensor}, step)``.
+
+    Parameters without state (never stepped) are left out. ``step`` is the common step count
+    (0 without state). Without ``step_arrays`` the step counts must agree across parameters
+    (ValueError otherwise: one int cannot hold them); with it each is kept as
+    ``<param>.step`` and ``step`` is the largest.
+    """
+    out: dict[str, torch.Tensor] = {}
+    steps: set[int] = set()
+    for name, p in named:
+        st = opt.state.get(p)
+        if not st:
+            continue
+        for m in MOMENTS:
+            if m in st:
+                out[f"{name}.{m}"] = st[m].detach().to(torch.float32).clone()
+        if "step" in st:
+            step = torch.as_tensor(st["step"])
+            steps.add(int(step.item()))
+            if step_arrays:
+                out[f"{name}.step"] = step.detach().to(torch.float32).reshape(1).clone()
+    if len(steps) > 1 and not step_arrays:
+        raise ValueError(f"AdamW step counts differ across parameters: {sorted(steps)}")
+    return out, (max(steps) if steps else 0)
+
+
+def arrays_to_adamw(
+    opt: torch.optim.Optimizer,
+    named: Named,
+    arrays: Mapping[str, torch.Tensor],
+    step: int | None = None,
+    *,
+    allow_extra: bool = False,
+) -> None:
+    """Inverse of :func:`adamw_to_arrays`: set ``opt.state`` of every parameter in ``named``.
+
+    Parameters
+    ----------
+    arrays :
+        ``<param>.exp_avg`` and ``<param>.exp_avg_sq`` for every parameter, plus
+        ``<param>.step`` (one entry) when ``step`` is None.
+    step :
+        The common step count (an int >= 0), or None to read ``<param>.step``.
+    allow_extra :
+        Ignore names that belong to no parameter in ``named`` (otherwise refused).
+
+    Raises
+    ------
+    ValueError
+        On missing (or, unless ``allow_extra``, unexpected) names, a moment whose shape is not
+        its parameter's, a bad step. Nothing is changed in ``opt`` then.
+    """
+    if step is not None and (not isinstance(step, int) or isinstance(step, bool) or step < 0):
+        raise ValueError(f"optimizer-config step must be an int >= 0, got {step!r}")
+    entries = MOMENTS if step is not None else (*MOMENTS, "step")
+    expected = {f"{n}.{m}" for n, _ in named for m in entries}
+    missing, extra = sorted(expected - set(arrays)), sorted(set(arrays) - expected)
+    if missing or (extra and not allow_extra):
+        raise ValueError(
+            f"optimizer state keys differ: missing {missing[:3]}, unexpected {extra[:3]}"
+        )
+    restored = {}
+    for name, p in named:
+        ea, eas = (torch.as_tensor(arrays[f"{name}.{m}"]) for m in MOMENTS)
+        if ea.shape != p.shape or eas.shape != p.shape:
+            raise ValueError(
+                f"optimizer state for {name!r}: shape {tuple(ea.shape)} != {tuple(p.shape)}"
+            )
+        if step is None:
+            s = torch.as_tensor(arrays[f"{name}.step"])
+            if s.numel() != 1:
+                raise ValueError(f"optimizer state for {name!r}: step has shape {tuple(s.shape)}")
+            s = float(s.reshape(()))
+        else:
+            s = float(step)
+        restored[p] = {
+            "step": torch.tensor(s, dtype=torch.float32),
+            "exp_avg": ea.to(device=p.device, dtype=p.dtype).clone(),
+            "exp_avg_sq": eas.to(device=p.device, dtype=p.dtype).clone(),
+        }
+    for p, st in restored.items():
+        opt.state[p] = st

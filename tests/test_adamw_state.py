@@ -1,0 +1,107 @@
+"""The one AdamW state codec (flwr_isoloco.clients.adamw_state) of the DiLoCo and LoRA clients."""
+
+import pytest
+import torch
+
+from flwr_isoloco.clients.adamw_state import MOMENTS, adamw_to_arrays, arrays_to_adamw
+
+torch.set_num_threads(1)
+
+
+def _model(seed=0):
+    torch.manual_seed(seed)
+    m = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Tanh(), torch.nn.Linear(3, 2))
+    return m, list(m.named_parameters())
+
+
+def _steps(model, opt, n, start=0):
+    for i in range(start, start + n):
+        g = torch.Generator().manual_seed(100 + i)
+        x, y = torch.randn(8, 4, generator=g), torch.randn(8, 2, generator=g)
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+
+def _opt(named):
+    return torch.optim.AdamW([p for _, p in named], lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1)
+
+
+@pytest.mark.parametrize("step_arrays", [False, True])
+def test_save_restore_continues_bitwise(step_arrays):
+    """3 steps, save, a fresh model + optimiser restored from the arrays, 2 more == 5 steps."""
+    ref, ref_named = _model()
+    ref_opt = _opt(ref_named)
+    _steps(ref, ref_opt, 5)
+
+    a, a_named = _model()
+    a_opt = _opt(a_named)
+    _steps(a, a_opt, 3)
+    arrays, step = adamw_to_arrays(a_opt, a_named, step_arrays=step_arrays)
+    b, b_named = _model()
+    b.load_state_dict(a.state_dict())
+    b_opt = _opt(b_named)
+    arrays_to_adamw(b_opt, b_named, arrays, None if step_arrays else step)
+    _steps(b, b_opt, 2, start=3)
+    for (_, p), (_, q) in zip(ref_named, b_named, strict=True):
+        assert torch.equal(p, q)
+    assert step == 3
+
+
+def test_names_dtypes_and_step():
+    m, named = _model()
+    opt = _opt(named)
+    _steps(m, opt, 2)
+    arrays, step = adamw_to_arrays(opt, named)
+    assert step == 2
+    assert sorted(arrays) == sorted(f"{n}.{e}" for n, _ in named for e in MOMENTS)
+    assert all(t.dtype == torch.float32 for t in arrays.values())
+    with_steps, _ = adamw_to_arrays(opt, named, step_arrays=True)
+    assert set(with_steps) - set(arrays) == {f"{n}.step" for n, _ in named}
+    assert all(with_steps[f"{n}.step"].tolist() == [2.0] for n, _ in named)
+    # copies: stepping on does not change what was saved
+    before = arrays["0.weight.exp_avg"].clone()
+    _steps(m, opt, 1, start=2)
+    assert torch.equal(arrays["0.weight.exp_avg"], before)
+
+
+def test_no_state_gives_nothing():
+    _, named = _model()
+    assert adamw_to_arrays(_opt(named), named) == ({}, 0)
+
+
+def test_bad_arrays_are_refused_and_leave_the_optimiser_alone():
+    m, named = _model()
+    opt = _opt(named)
+    _steps(m, opt, 1)
+    arrays, step = adamw_to_arrays(opt, named)
+    fresh = _opt(named)
+
+    missing = {k: v for k, v in arrays.items() if k != "2.bias.exp_avg_sq"}
+    with pytest.raises(ValueError, match=r"missing \['2.bias.exp_avg_sq'\], unexpected \[\]"):
+        arrays_to_adamw(fresh, named, missing, step)
+    extra = {**arrays, "ghost.exp_avg": torch.zeros(1)}
+    with pytest.raises(ValueError, match=r"unexpected \['ghost.exp_avg'\]"):
+        arrays_to_adamw(fresh, named, extra, step)
+    arrays_to_adamw(_opt(named), named, extra, step, allow_extra=True)  # e.g. node-local state
+    shape = {**arrays, "2.weight.exp_avg": torch.zeros(3, 2)}
+    with pytest.raises(ValueError, match=r"state for '2.weight': shape \(3, 2\) != \(2, 3\)"):
+        arrays_to_adamw(fresh, named, shape, step)
+    for bad in (-1, 2.5, True):
+        with pytest.raises(ValueError, match="step must be an int >= 0"):
+            arrays_to_adamw(fresh, named, arrays, bad)
+    with pytest.raises(ValueError, match="missing .*step"):
+        arrays_to_adamw(fresh, named, arrays, None)  # per-parameter steps asked, none stored
+    assert not fresh.state
+
+
+def test_step_counts_that_differ_need_step_arrays():
+    m, named = _model()
+    opt = _opt(named)
+    _steps(m, opt, 1)
+    named[0][1].grad = torch.zeros_like(named[0][1])  # only the first parameter steps again
+    opt.step()
+    with pytest.raises(ValueError, match=r"step counts differ across parameters: \[1, 2\]"):
+        adamw_to_arrays(opt, named)
+    arrays, step = adamw_to_arrays(opt, named, step_arrays=True)
+    assert step == 2 and arrays["0.weight.step"].item() == 2 and arrays["0.bias.step"].item() == 1
