@@ -286,15 +286,8 @@ def _fail(spec: AppSpec, what: str, exc: Exception) -> None:
     log(ERROR, "%s: %s: %s", spec.label, what, exc)
 
 
-def run_app(
-    spec: AppSpec,
-    grid: Grid,
-    run_config: Mapping[str, Any],
-    run_id: int = 0,
-    *,
-    settle_s: float = 2.0,
-) -> Path:
-    """The whole server side of ``spec`` (module docstring); returns the output folder."""
+def _setup(spec: AppSpec, run_config: Mapping[str, Any], run_id: int):
+    """Validated config, output folder, config dict and the verified checkpoint (or None)."""
     try:
         cfg = spec.load_config(run_config)
     except RunConfigError as exc:
@@ -315,23 +308,39 @@ def run_app(
         except (CheckpointError, RunConfigError) as exc:
             _fail(spec, "cannot resume", exc)
             raise
-    done = meta["round"] if meta is not None else 0
-    total = cfg["num-server-rounds"]
-    stop_at = total
-    if cfg.get("rounds-this-run"):
-        stop_at = min(total, done + cfg["rounds-this-run"])
+    return cfg, out, conf, resume, (tensors, meta)
+
+
+def _nodes(spec: AppSpec, cfg, grid: Grid, settle_s: float, run_anything: bool) -> list[int]:
+    """The connected nodes; simulated nodes register after the ServerApp starts, so unless
+    nothing is to run, wait until enough are there (and, unless exact, their count settles)."""
+    if not run_anything:
+        return sorted(grid.get_node_ids())
     wanted, exact, timeout_s = spec.nodes(cfg)
-    if stop_at > done:  # simulated nodes register after the ServerApp starts: wait for them
-        nodes = wait_for_nodes(
-            grid,
-            max(wanted, 1),
-            settle_s=0.0 if exact else settle_s,
-            timeout_s=timeout_s,
-            what=spec.label,
-        )
-    else:
-        nodes = sorted(grid.get_node_ids())
-    run = spec.build(cfg, nodes)
+    return wait_for_nodes(
+        grid,
+        max(wanted, 1),
+        settle_s=0.0 if exact else settle_s,
+        timeout_s=timeout_s,
+        what=spec.label,
+    )
+
+
+def run_app(
+    spec: AppSpec,
+    grid: Grid,
+    run_config: Mapping[str, Any],
+    run_id: int = 0,
+    *,
+    settle_s: float = 2.0,
+) -> Path:
+    """The whole server side of ``spec`` (module docstring); returns the output folder."""
+    cfg, out, conf, resume, (tensors, meta) = _setup(spec, run_config, run_id)
+    done = meta["round"] if meta is not None else 0
+    stop_at = cfg["num-server-rounds"]
+    if cfg.get("rounds-this-run"):
+        stop_at = min(stop_at, done + cfg["rounds-this-run"])
+    run = spec.build(cfg, _nodes(spec, cfg, grid, settle_s, stop_at > done))
     if meta is not None:
         try:
             restore(run, resume, tensors, meta)

@@ -55,6 +55,27 @@ def _walk_columns(strategy, tm: dict[str, Any]) -> dict[str, Any]:
     return cols
 
 
+def _plotter(cfg, strategy, cursors: dict[str, int], n: int):
+    """``plot(results, out)``: accuracy.png and visits.png, redrawn on evaluated rounds."""
+    name = cfg.strategy.name
+    title = plot_title(name, cfg.strategy.graph, n)
+
+    def plot(results: dict[str, Any], out: Path) -> None:
+        if results["rounds"] and "test-accuracy" not in results["rounds"][-1]:
+            return
+        if name == "rwlora":
+            visits = {str(k): int(v) for k, v in strategy.visit_counts().items()}
+        else:
+            per_visit = cfg.strategy["local-steps"] * cfg.train["batch-size"]
+            visits = {k: c // per_visit for k, c in sorted(cursors.items())} or None
+        results["visit-counts"] = visits
+        start = dict.fromkeys(("local-updates", "bytes-relayed", "bytes-p2p"), 0)
+        rows = ([{**start, **results["initial"]}] if results["initial"] else []) + results["rounds"]
+        plot_results(rows, visits, out, title=title)
+
+    return plot
+
+
 def build(cfg, nodes: list[int]) -> AppRun:
     """Evaluator, strategy for the connected clients, and the app's row, plots and export."""
     name, n = cfg.strategy.name, len(nodes)
@@ -101,18 +122,7 @@ def build(cfg, nodes: list[int]) -> AppRun:
             **em,
         }
 
-    def plot(results: dict[str, Any], out: Path) -> None:
-        if results["rounds"] and "test-accuracy" not in results["rounds"][-1]:
-            return  # redrawn on evaluated rounds only
-        if name == "rwlora":
-            visits = {str(k): int(v) for k, v in strategy.visit_counts().items()}
-        else:
-            per_visit = cfg.strategy["local-steps"] * cfg.train["batch-size"]
-            visits = {k: c // per_visit for k, c in sorted(cursors.items())} or None
-        results["visit-counts"] = visits
-        start = dict.fromkeys(("local-updates", "bytes-relayed", "bytes-p2p"), 0)
-        rows = ([{**start, **results["initial"]}] if results["initial"] else []) + results["rounds"]
-        plot_results(rows, visits, out, title=plot_title(name, cfg.strategy.graph, n))
+    plot = _plotter(cfg, strategy, cursors, n)
 
     def export(arrays: ArrayRecord, out: Path) -> Path:  # loads with peft, head included
         export_adapter(model, arrays.to_torch_state_dict(), out / "adapter", tokenizer=tokenizer)

@@ -13,6 +13,7 @@ from typing import Any
 
 from omegaconf import DictConfig
 
+from flwr_isoloco.clients.adamw_state import MOMENTS
 from flwr_isoloco.clients.lora_client import LoRAClientConfig
 from flwr_isoloco.data import sentiment
 from flwr_isoloco.data.sentiment import PARTITIONERS
@@ -247,12 +248,12 @@ def build_strategy(cfg: DictConfig, n: int):
 def optimizer_shapes(model) -> dict[str, tuple[int, ...]]:
     """Names and shapes of the AdamW state the LoRA client carries with the token:
     ``<param>.exp_avg`` and ``<param>.exp_avg_sq`` per trainable parameter (as
-    :func:`flwr_isoloco.clients.lora_client.optimizer_to_arrays` writes them)."""
+    :func:`flwr_isoloco.clients.adamw_state.adamw_to_arrays` writes them)."""
     return {
         f"{n}.{m}": tuple(p.shape)
         for n, p in model.named_parameters()
         if p.requires_grad
-        for m in ("exp_avg", "exp_avg_sq")
+        for m in MOMENTS
     }
 
 
