@@ -50,7 +50,7 @@ import torch  # noqa: E402
 
 from flwr_isoloco.merging import MERGE_RULES, StreamingMerger, iso_c, merge  # noqa: E402
 from flwr_isoloco.merging.polar import _newton_schulz  # noqa: E402
-from flwr_isoloco.merging.synthetic import (  # noqa: E402
+from flwr_isoloco.testing.synthetic import (  # noqa: E402
     adam_pseudo_gradient,
     llama_delta,
     llama_shapes,

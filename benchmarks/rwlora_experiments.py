@@ -256,7 +256,8 @@ def main() -> None:
             print(f"[rwlora-exp] {key}: {rc['num-server-rounds']} rounds ...", flush=True)
             res = run_one(args, rc)
             wall = time.perf_counter() - t0
-            rows = res["rounds"]
+            start = dict.fromkeys(("local-updates", "bytes-relayed", "bytes-p2p"), 0)
+            rows = [{**start, **res["initial"]}, *res["rounds"]]  # from round 0
             if not args.quick:
                 (out_dir / f"rwlora_{key}.json").write_text(json.dumps(res, indent=1))
             summary["runs"][key] = {

@@ -318,7 +318,9 @@ class LoopbackDeployment:
             except (RuntimeError, subprocess.TimeoutExpired):
                 return False
 
-        self._wait_for("the SuperLink's Control API", control_api_answers, timeout, [self.superlink])
+        self._wait_for(
+            "the SuperLink's Control API", control_api_answers, timeout, [self.superlink]
+        )
 
     def add_supernode(self, node_config: str) -> SuperNodeInfo:
         """Create the node's key pair and register its public key (coordinating site's step)."""

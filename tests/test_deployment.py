@@ -173,7 +173,8 @@ def deployment(tmp_path_factory):
     root = tmp_path_factory.mktemp("realapps")
     # As at a real site: each SuperNode keeps the app's node state on its own disk.
     node_configs = [
-        f"partition-id={i} num-partitions=3 state-dir='{root / f'node-{i}-state'}'" for i in range(3)
+        f"partition-id={i} num-partitions=3 state-dir='{root / f'node-{i}-state'}'"
+        for i in range(3)
     ]
     with loopback_deployment(root, num_supernodes=3, node_configs=node_configs) as dep:
         yield dep
@@ -284,7 +285,7 @@ def test_rwlora_run_over_tls(deployment, tmp_path):
     results = json.loads((out / "results.json").read_text())
     assert results["status"] == "completed"
     n = RWLORA_CONFIG["num-server-rounds"]
-    assert [r["round"] for r in results["rounds"]] == list(range(0, n + 1))
+    assert [r["round"] for r in results["rounds"]] == list(range(1, n + 1))
     summary = _rwlora_summary(results)
     # One vertex per hop, each a partition-id of a SuperNode; simple walk: no self-loops.
     assert all(v in (0, 1, 2) for v in summary["walk"]), summary
@@ -307,7 +308,7 @@ def test_rwlora_token_survives_a_supernode_sigkill(deployment, tmp_path):
     config = {**RWLORA_CONFIG, "round-timeout": KILL_ROUND_TIMEOUT, "output-dir": str(out)}
     try:
         run = deployment.start_app(RWLORA_APP, config, 900)
-        _wait_for_rounds(out / "results.json", 2, run)  # round 0 (initial eval) and hop 1
+        _wait_for_rounds(out / "results.json", 1, run)  # hop 1 done
         deployment.kill_supernode(victim)
         outcome = run.wait()
         assert outcome.status == "finished:completed", (
@@ -316,7 +317,7 @@ def test_rwlora_token_survives_a_supernode_sigkill(deployment, tmp_path):
         results = json.loads((out / "results.json").read_text())
         assert results["status"] == "completed"
         n = RWLORA_CONFIG["num-server-rounds"]
-        assert [r["round"] for r in results["rounds"]] == list(range(0, n + 1))
+        assert [r["round"] for r in results["rounds"]] == list(range(1, n + 1))
         summary = _rwlora_summary(results)
         assert summary["hop-failures-total"] >= 1, summary
         assert summary["failed-replies"] >= 1, summary

@@ -23,8 +23,16 @@ from flwr_isoloco.data.corpora import three_way_split  # noqa: E402
 
 
 def _rec(method, lr, mu, val, workers=8, quick=False):
-    return {"method": method, "workers": workers, "protocol": "main", "quick": quick, "seed": 0,
-            "outer_lr": lr, "outer_momentum": mu, "val_loss": val}
+    return {
+        "method": method,
+        "workers": workers,
+        "protocol": "main",
+        "quick": quick,
+        "seed": 0,
+        "outer_lr": lr,
+        "outer_momentum": mu,
+        "val_loss": val,
+    }
 
 
 def test_three_way_split_is_disjoint_interleaved_and_complete():
@@ -45,8 +53,12 @@ def test_every_m_trains_on_the_same_rows_once(workers):
     n = lib.num_rows(size)
     rows = np.arange(n * 3, dtype=np.int32).reshape(n, 3)  # row id in column 0 (times 3)
     per = 128 // workers
-    seen = [int(lib.worker_batch(rows, m, workers, s, per)[i, 0]) // 3
-            for m in range(workers) for s in range(6) for i in range(per)]
+    seen = [
+        int(lib.worker_batch(rows, m, workers, s, per)[i, 0]) // 3
+        for m in range(workers)
+        for s in range(6)
+        for i in range(per)
+    ]
     assert sorted(seen) == list(range(n))  # every row exactly once, whatever M
     with pytest.raises(IndexError):
         lib.worker_batch(rows, workers - 1, workers, 6, per)  # past the worker's slice
@@ -54,15 +66,32 @@ def test_every_m_trains_on_the_same_rows_once(workers):
 
 def test_tuned_hp_falls_back_to_documented_defaults_then_reads_the_grid():
     hp = lm_sweep.tuned_hp("isoloco", 8, [], quick=False)
-    assert (hp["outer_lr"], hp["outer_momentum"], hp["tuned"], hp["hp_source"]) == (1.8, 0.8, False, "default")
+    assert (hp["outer_lr"], hp["outer_momentum"], hp["tuned"], hp["hp_source"]) == (
+        1.8,
+        0.8,
+        False,
+        "default",
+    )
     assert lm_sweep.tuned_hp("fedavg", 32, [], False)["outer_lr"] == 1.0
-    grid = [_rec("isoloco", 1.3, 0.8, 4.0), _rec("isoloco", 1.8, 0.8, 3.9), _rec("isoloco", 2.5, 0.8, 3.95),
-            _rec("isoloco", 1.8, 0.9, 3.91), _rec("isoloco", 0.9, 0.8, 3.0, quick=True)]
+    grid = [
+        _rec("isoloco", 1.3, 0.8, 4.0),
+        _rec("isoloco", 1.8, 0.8, 3.9),
+        _rec("isoloco", 2.5, 0.8, 3.95),
+        _rec("isoloco", 1.8, 0.9, 3.91),
+        _rec("isoloco", 0.9, 0.8, 3.0, quick=True),
+    ]
     hp = lm_sweep.tuned_hp("isoloco", 16, grid, quick=False)
-    assert (hp["outer_lr"], hp["outer_momentum"], hp["hp_source"], hp["tuned_on_edge"]) == (1.8, 0.8, "tuned-M8", None)
+    assert (hp["outer_lr"], hp["outer_momentum"], hp["hp_source"], hp["tuned_on_edge"]) == (
+        1.8,
+        0.8,
+        "tuned-M8",
+        None,
+    )
     grid.append(_rec("isoloco", 1.27, 0.8, 3.5, workers=64))
     assert lm_sweep.tuned_hp("isoloco", 32, grid, False)["hp_source"] == "tuned-M64"
-    assert lm_sweep.tuned_hp("isoloco", 16, grid, False)["outer_lr"] == 1.8  # M <= 16: the M = 8 optimum
+    assert (
+        lm_sweep.tuned_hp("isoloco", 16, grid, False)["outer_lr"] == 1.8
+    )  # M <= 16: the M = 8 optimum
 
 
 def test_grid_extends_until_the_optimum_is_interior():
@@ -75,7 +104,11 @@ def test_grid_extends_until_the_optimum_is_interior():
     assert lm_sweep.extension(low) == (0.495, 0.0)
     # DiLoCo's grid holds FedAvg (lr 1, mu 0) and >= 5 lrs x 2 momenta
     pts = lm_sweep.initial_grid("diloco", 8, [], False)
-    assert (1.0, 0.0) in pts and len({p[0] for p in pts}) >= 5 and len({p[1] for p in pts if p[1]}) == 2
+    assert (
+        (1.0, 0.0) in pts
+        and len({p[0] for p in pts}) >= 5
+        and len({p[1] for p in pts if p[1]}) == 2
+    )
     m64 = lm_sweep.initial_grid("isoloco", 64, [_rec("isoloco", 1.8, 0.8, 3.9)], False)
     assert m64 == [(1.27, 0.8), (1.8, 0.8), (2.55, 0.8)]
 
@@ -89,19 +122,46 @@ def test_budget_larger_than_the_corpus_is_refused():
 @pytest.mark.slow
 def test_quick_sweep_records_resumes_and_repeats(tmp_path):
     a, b, t = tmp_path / "a.json", tmp_path / "b.json", tmp_path / "tuning.json"
-    common = ["--quick", "--workers", "4", "--seeds", "0", "--tuning-file", str(t), "--num-cpus", "2"]
+    common = [
+        "--quick",
+        "--workers",
+        "4",
+        "--seeds",
+        "0",
+        "--tuning-file",
+        str(t),
+        "--num-cpus",
+        "2",
+    ]
     lm_sweep.main([*common, "--methods", "isoloco", "dp-adamw", "--out", str(a)])
     recs = json.loads(a.read_text())
     assert [r["method"] for r in recs] == ["isoloco", "dp-adamw"]
     for r in recs:
-        for k in ("method", "protocol", "workers", "seed", "outer_lr", "outer_momentum", "inner_steps",
-                  "rounds", "tokens", "val_loss", "test_loss", "wall_s"):
+        for k in (
+            "method",
+            "protocol",
+            "workers",
+            "seed",
+            "outer_lr",
+            "outer_momentum",
+            "inner_steps",
+            "rounds",
+            "tokens",
+            "val_loss",
+            "test_loss",
+            "wall_s",
+        ):
             assert k in r, k
         assert r["protocol"] == "main" and r["workers"] == 4 and r["tokens"] == 2 * 2 * 128 * 16
         assert math.isfinite(r["test_loss"]) and r["test_loss"] < math.log(1024)  # learnt something
         assert len(r["val_curve"]) == r["rounds"]
     iso = recs[0]
-    assert (iso["outer_lr"], iso["outer_momentum"], iso["tuned"], iso["flower"]) == (1.8, 0.8, False, True)
+    assert (iso["outer_lr"], iso["outer_momentum"], iso["tuned"], iso["flower"]) == (
+        1.8,
+        0.8,
+        False,
+        True,
+    )
     lm_sweep.main([*common, "--methods", "isoloco", "dp-adamw", "--out", str(a)])
     assert len(json.loads(a.read_text())) == 2  # both cells were already there: skipped
     # same cell again from scratch, models rebuilt per message: same losses (spec: to 1e-3)
@@ -127,12 +187,18 @@ def test_secondary_protocols_keep_the_token_budget():
         assert (s["global_batch"], s["rounds"], lib.num_rows(s)) == (8 * m, rounds, n)
     with pytest.raises(ValueError):
         lib.protocol_size("per-worker-batch", 128)  # 25,600 sequences make no whole rounds
-    assert [lib.protocol_size("h-sweep", 8, inner_steps=h)["rounds"] for h in (10, 30, 100)] == [20, 7, 2]
+    assert [lib.protocol_size("h-sweep", 8, inner_steps=h)["rounds"] for h in (10, 30, 100)] == [
+        20,
+        7,
+        2,
+    ]
     with pytest.raises(ValueError):
         lib.protocol_size("main", 8, inner_steps=30)
     with pytest.raises(ValueError):
         lib.protocol_size("main", 3)  # 128 is not divisible by 3
-    big = sum(p.numel() for p in lib.build_model(lib.protocol_size("large-model", 8), 0).parameters())
+    big = sum(
+        p.numel() for p in lib.build_model(lib.protocol_size("large-model", 8), 0).parameters()
+    )
     small = sum(p.numel() for p in lib.build_model(main, 0).parameters())
     assert small == 529_056 and 3.5 < big / small < 4.5
 
@@ -148,10 +214,20 @@ def test_iso_c_no_embed_leaves_embedding_and_head_to_the_mean():
 def test_report_tables_mark_the_optimum_and_average_seeds():
     import lm_sweep_report as rep
 
-    grid = [_rec("isoloco", lr, mu, v) for lr, mu, v in ((1.3, 0.8, 3.9), (1.8, 0.8, 3.8), (1.8, 0.9, 3.85))]
+    grid = [
+        _rec("isoloco", lr, mu, v)
+        for lr, mu, v in ((1.3, 0.8, 3.9), (1.8, 0.8, 3.8), (1.8, 0.9, 3.85))
+    ]
     table = rep.tuning_table(grid)
     assert "| 0.8 | 3.9000 | 3.8000* |" in table and "| 0.9 |  | 3.8500 |" in table
-    cells = [{**_rec("diloco", 0.5, 0.9, 4.0 + s), "seed": s, "test_loss": 4.0 + 0.1 * s, "hp_source": "tuned-M8"}
-             for s in range(3)]
+    cells = [
+        {
+            **_rec("diloco", 0.5, 0.9, 4.0 + s),
+            "seed": s,
+            "test_loss": 4.0 + 0.1 * s,
+            "hp_source": "tuned-M8",
+        }
+        for s in range(3)
+    ]
     row = rep.main_table(cells, "main").splitlines()[-1]
     assert row.startswith("| diloco | 8 | 3 | 4.1000 | 0.1000 | 5.0000 |")

@@ -153,8 +153,8 @@ def test_lm_done_line_counts_this_run_and_the_total(tmp_path, monkeypatch):
     finally:
         FLOWER_LOGGER.removeHandler(handler)
     done = [line for line in handler.lines if "isoloco-lm: done" in line]
-    assert done[0].startswith("isoloco-lm: done: 2 rounds in this run, 2 of 3 in total")
-    assert done[1].startswith("isoloco-lm: done: 1 rounds in this run, 3 of 3 in total")
+    assert done[0].startswith("isoloco-lm: done, 2 rounds in this run, 2 of 3 in total")
+    assert done[1].startswith("isoloco-lm: done, 1 rounds in this run, 3 of 3 in total")
     for name in ("results.json", "loss.png"):
         assert _mode(b / name) == 0o644
     assert _mode(b / "checkpoint.safetensors") == 0o600

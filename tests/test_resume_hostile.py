@@ -113,7 +113,7 @@ def test_node_state_file_as_resume_from(lm):
 def test_rwlora_checkpoint_given_to_isoloco_lm(lm, tmp_path):
     def edit(t, m):
         m.clear()
-        m.update({"app": "rwlora_sentiment", "round": 1, "totals": {}, "cursors": {}})
+        m.update({"app": "rwlora_sentiment", "round": 1, "app-state": {"cursors": {}}})
 
     path = _rewrite(lm, tmp_path, edit)
     _refused(lm, path, r"field 'app' is 'rwlora_sentiment' \(a rwlora_sentiment server")
@@ -179,7 +179,10 @@ def test_flipped_bit_in_the_real_checkpoint(lm, tmp_path):
         (lambda t, m: m.update(config=[]), r"field 'config' must be a JSON object"),
         (lambda t, m: m.pop("rng"), r"field 'rng' is missing"),
         (lambda t, m: m["rng"].update(torch=[1, 2]), r"field 'rng.torch' is not a valid state"),
-        (lambda t, m: m["strategy"].update(server_round=5), r"'server_round' = 5 but field"),
+        (
+            lambda t, m: m["strategy"].update(server_round=5),
+            r"the strategy holds 5 rounds, field 'round' = 1",
+        ),
         (lambda t, m: m["strategy"].pop("dtypes"), r"strategy state: field 'dtypes' is missing"),
         (lambda t, m: t.pop("strategy"), r"tensor group 'theta' is missing"),
     ],
@@ -259,15 +262,24 @@ def _reshape_first(group):
 @pytest.mark.parametrize(
     "edit, pattern",
     [
-        (lambda t, m: m.pop("totals"), r"field 'totals' is missing"),
-        (lambda t, m: m["totals"].pop("bytes-p2p"), r"field 'totals.bytes-p2p' is missing"),
-        (lambda t, m: m["totals"].update({"local-updates": 1.5}), r"'totals.local-updates' must"),
-        (lambda t, m: m.update(cursors={"x": 1}), r"field 'cursors' has a bad key 'x'"),
+        (lambda t, m: m.pop("app-state"), r"field 'app-state' is missing"),
+        (lambda t, m: m["app-state"].pop("cursors"), r"field 'app-state.cursors' is missing"),
+        (
+            lambda t, m: m["app-state"].update(cursors={"0": 1.5}),
+            r"'app-state.cursors.0' must be an int",
+        ),
+        (
+            lambda t, m: m["app-state"].update(cursors={"x": 1}),
+            r"field 'app-state.cursors' has a bad key 'x'",
+        ),
         (lambda t, m: m.update(round="abc"), r"field 'round' must be an int >= 0, got 'abc'"),
         (lambda t, m: m.update(round=-3), r"field 'round' must be an int >= 0, got -3"),
         (lambda t, m: m.update(app="isoloco_lm"), r"field 'app' is 'isoloco_lm'"),
         (lambda t, m: m.pop("config"), r"field 'config' is missing"),
-        (lambda t, m: m["strategy"].update(round=7), r"strategy state: field 'round' = 7"),
+        (
+            lambda t, m: m["strategy"].update(round=7),
+            r"strategy state: the strategy holds 7 rounds, field 'round' = 1",
+        ),
         (lambda t, m: m["strategy"].update(failures=-1), r"field 'failures' must be an int >= 0"),
         (_reshape_first("token"), r"strategy state: tensor 'token/.*' has shape \[\d+\], expected"),
         (
@@ -284,10 +296,10 @@ def test_rwlora_fedavg_arrays_of_the_wrong_shape(rw, tmp_path):
     def edit(t, m):
         token = t.pop("strategy")["token"]
         k = sorted(token)[0]
-        t["arrays"] = {**token, k: torch.zeros(3)}
+        t["strategy"] = {"arrays": {**token, k: torch.zeros(3)}}
         m["config"]["strategy"]["name"] = "fedavg"
         m["config"]["strategy"]["carry-optimizer-state"] = False
-        m["strategy"] = {}
+        m["strategy"] = {"round": 1, "bytes-relayed": 0, "local-updates": 0}
 
     over = {"strategy.name": "fedavg", "strategy.carry-optimizer-state": False}
     _rw_refused(rw, tmp_path, edit, r"tensor 'arrays/.*' has shape \[3\], expected", **over)

@@ -74,24 +74,25 @@ def test_n_rounds_equal_half_resume_half_exactly(tmp_path, strategy, extra):
     for k in a:
         assert torch.equal(a[k], b[k]), k
     assert m_full["round"] == m_rest["round"] == 4
-    assert m_full["totals"] == m_rest["totals"]
+    assert m_full["app-state"] == m_rest["app-state"]
     keys = ("round", "local-updates", "bytes-relayed", "bytes-p2p", "test-accuracy", "walk-vertex")
     keys += ("test-accuracy-vertex-mean", "test-loss-vertex-mean")
-    rows = lambda res: [{k: r.get(k) for k in keys} for r in res["rounds"]]  # noqa: E731
+    rows = lambda res: [{k: r.get(k) for k in keys} for r in [res["initial"], *res["rounds"]]]  # noqa: E731
     assert rows(res_full) == rows(res_rest)
-    assert res_rest["status"] == "completed" and len(res_rest["rounds"]) == 5  # rounds 0..4
+    assert res_rest["status"] == "completed" and len(res_rest["rounds"]) == 4  # rounds 1..4
+    assert res_rest["initial"]["round"] == 0
     # byte accounting with the optimiser state carried (2 AdamW moments per adapter tensor, so
     # the state is 2 tokens T): hop 1 sends T down (no state yet) and 3T up; later hops 3T each
     # way. Relayed after 4 hops = 4T + 3 * 6T = 22T; peer-to-peer = T + 3 * 3T = 10T.
     if strategy == "rwlora":
-        first, last = res_full["rounds"][1], res_full["rounds"][-1]
+        first, last = res_full["rounds"][0], res_full["rounds"][-1]
         token = first["bytes-p2p"]
         assert first["bytes-relayed"] == 4 * token
         assert last["bytes-relayed"] == 22 * token and last["bytes-p2p"] == 10 * token
         assert last["local-updates"] == 4
     if strategy == "fedavg":
         assert res_full["rounds"][-1]["local-updates"] == 4 * 3
-    evals = [r for r in res_full["rounds"] if "test-accuracy" in r]
+    evals = [r for r in [res_full["initial"], *res_full["rounds"]] if "test-accuracy" in r]
     assert [r["round"] for r in evals] == [0, 2, 4]
     # gossip reports both the A/B-averaged adapter and the mean of each vertex's own adapter
     assert all(("test-accuracy-vertex-mean" in r) == (strategy == "gossip") for r in evals)
@@ -173,10 +174,10 @@ def test_real_flwr_run_simulation_completes(tmp_path):
     res = json.loads((out / "results.json").read_text())
     assert res["status"] == "completed" and res["num-clients"] == 3
     rows = res["rounds"]
-    assert [r["round"] for r in rows] == [0, 1, 2, 3]
+    assert res["initial"]["round"] == 0 and [r["round"] for r in rows] == [1, 2, 3]
     assert rows[-1]["local-updates"] == 3 * 2
     assert 0.0 <= rows[-1]["test-accuracy"] <= 1.0
-    assert all(r["walk-vertex"] in (0, 1, 2) for r in rows[1:])
+    assert all(r["walk-vertex"] in (0, 1, 2) for r in rows)
     assert (out / "accuracy.png").stat().st_size > 0 and (out / "visits.png").exists()
     assert (out / CHECKPOINT).exists()
 
@@ -221,9 +222,9 @@ def test_hostile_client_metric_drops_the_reply_not_the_server(tmp_path, key, val
     last = res["rounds"][-1]
     assert last["hop-failures-total"] >= 1  # vertex 1's hops were refused ...
     assert last["local-updates"] == 4  # ... and re-routed: every round trained elsewhere
-    assert all(r.get("walk-vertex") != 1 for r in res["rounds"][1:])
+    assert all(r.get("walk-vertex") != 1 for r in res["rounds"])
     _, meta = load_checkpoint(out / CHECKPOINT)
-    assert "1" not in meta["cursors"]  # the bad reply's cursor was not recorded
+    assert "1" not in meta["app-state"]["cursors"]  # the bad reply's cursor was not recorded
 
 
 def test_seed_at_the_top_of_its_range_trains(tmp_path):
@@ -245,5 +246,5 @@ def test_run_that_uses_no_reply_stops_with_an_error(tmp_path):
         run_server(grid, rc, settle_s=0.05)
     res = json.loads((tmp_path / "run" / "results.json").read_text())
     assert res["status"] == "failed" and "max-empty-rounds=3" in res["error"]
-    assert [r["round"] for r in res["rounds"]] == [0, 1, 2, 3]
+    assert res["initial"]["round"] == 0 and [r["round"] for r in res["rounds"]] == [1, 2, 3]
     assert res["rounds"][-1]["local-updates"] == 0

@@ -8,7 +8,6 @@ through :mod:`flwr_isoloco.clients.adamw_state`.
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
@@ -17,6 +16,7 @@ import numpy as np
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 
+from flwr_isoloco.clients.node_state import with_node_state
 from flwr_isoloco.data import sentiment
 from flwr_isoloco.models import classifier
 
@@ -25,7 +25,6 @@ from .adamw_state import adamw_to_arrays, arrays_to_adamw
 OPTIMIZER_KEY = "optimizer"
 OPTIMIZER_CONFIG_KEY = "optimizer-config"
 CARRY_KEY = "carry-optimizer-state"
-CURSORS_KEY = "data-cursors"
 STATE_KEY = "lora-client"
 
 
@@ -260,7 +259,7 @@ class LoRAClient:
                 int(oc["step"]) if oc is not None and "step" in oc else 0,
             )
         data = load_node_data(cfg, pid, n, node_data_path(context, cfg))
-        cursor = _get_cursor(context, mc, pid)
+        cursor = _get_cursor(context)
         seed = _node_seed(cfg, pid)
         loss, cursor, new_opt = train_steps(
             model,
@@ -333,8 +332,9 @@ class LoRAClient:
         return Message(content=content, reply_to=msg)
 
     def register(self, app) -> None:
-        """Attach the three handlers to a ``flwr.clientapp.ClientApp``."""
-        app.train()(self.train)
+        """Attach the three handlers to a ``flwr.clientapp.ClientApp``; train keeps the node's
+        state in node-state files when the server asks (:func:`with_node_state`)."""
+        app.train()(with_node_state(self.train, config_key=self.configrecord_key))
         app.evaluate()(self.evaluate)
         app.query()(self.query)
 
@@ -343,17 +343,12 @@ def _node_seed(cfg: LoRAClientConfig, pid: int) -> int:
     return int(np.random.default_rng([cfg.lora.seed, pid, 7919]).integers(2**31))
 
 
-def _get_cursor(context: Context, msg_config: Mapping, pid: int) -> int:
-    """Stream position: ``context.state`` if the node has one, else the server's record
-    (``data-cursors``: JSON ``{partition-id: cursor}``, sent after a resume), else 0."""
+def _get_cursor(context: Context) -> int:
+    """Stream position kept in ``context.state`` (restored from the node-state file after a
+    resume, :mod:`~flwr_isoloco.clients.node_state`), else 0."""
     rec = context.state.config_records.get(STATE_KEY)
     if rec is not None and "cursor" in rec:
         return int(rec["cursor"])
-    if CURSORS_KEY in msg_config:
-        try:
-            return int(json.loads(str(msg_config[CURSORS_KEY])).get(str(pid), 0))
-        except (ValueError, AttributeError):
-            raise ValueError(f"bad {CURSORS_KEY!r} in message config") from None
     return 0
 
 

@@ -1,214 +1,64 @@
 """ServerApp: DiLoCo / IsoLoCo / FedAvg pre-training of a small LLaMA on Shakespeare.
 
-Per round: the strategy sends the global model to the nodes, merges their pseudo-gradients
-and takes the outer step; the server then evaluates the held-out validation split (loss and
-perplexity), appends the round to ``results.json``, redraws ``loss.png`` and writes an atomic
-checkpoint (``checkpoint.safetensors``). ``resume-from=<checkpoint>`` continues exactly.
+Per round the strategy sends the global model to the nodes, merges their pseudo-gradients and
+takes the outer step; the server then evaluates the held-out validation split (loss and
+perplexity). Results rows, ``results.json``, ``loss.png``, the checkpoint, ``resume-from``
+and the export (``model/``: the model and its tokenizer) are the shared runner's
+(:mod:`flwr_isoloco.apprunner`); this module is the app's part: model, evaluator, row.
 """
 
 from __future__ import annotations
 
 import math
 import time
-from logging import ERROR, INFO, WARNING
+from logging import INFO
 from pathlib import Path
 from typing import Any
 
-import torch
-from flwr.app import ArrayRecord, ConfigRecord, Context, MetricRecord
+from flwr.app import ArrayRecord, Context
 from flwr.common.logger import log
 from flwr.serverapp import Grid, ServerApp
 
-from flwr_isoloco.checkpoint import (
-    RNG_FIELD,
-    CheckpointError,
-    Field,
-    checkpoint_error,
-    load_checkpoint,
-    restoring,
-    rng_state,
-    save_checkpoint,
-    set_rng_state,
-    write_json_atomic,
-)
+from flwr_isoloco.apprunner import CHECKPOINT, AppRun, AppSpec, run_app
 from flwr_isoloco.models.export import export_causal_lm
 from flwr_isoloco.models.llama import count_parameters
-from flwr_isoloco.runconfig import RunConfigError, check_resumable, prepare_output_dir
-from flwr_isoloco.strategies.common import NoProgressError
-from flwr_isoloco.strategies.nodes import wait_for_nodes
 
 from .plots import plot_losses, plot_title
 from .task import (
-    RESUME_DIR_KEY,
-    RESUME_ROUND_KEY,
-    STATE_DIR_KEY,
     build_model,
     build_strategy,
-    config_dict,
     evaluate_model,
     load_config,
-    output_dir,
     text_data,
     train_config,
     validation_batches,
 )
 
+__all__ = ["CHECKPOINT", "SPEC", "app", "run_server"]
+
 app = ServerApp()
-
-CHECKPOINT = "checkpoint.safetensors"
-# Keys that may differ between a run and the run that resumes it.
-RESUMABLE_DIFFERENCES = {
-    "output-dir",
-    "resume-from",
-    "round-timeout",
-    "torch-threads",
-    "checkpoint",
-    "rounds-this-run",
-}
+# Round columns copied from the strategy's aggregated train metrics.
+TRAIN_COLUMNS = ("train-loss", "aggregation-time-s", "pseudo-grad-norm", "bytes-up", "bytes-down")
+REPLY_COLUMNS = ("replies-used", "replies-rejected", "replies-missing")
 
 
-# What ``resume-from`` must hold (checked before anything is restored; see load_checkpoint).
-CHECKPOINT_SPEC = {
-    "round": Field("int", min=0),
-    "config": Field("dict"),
-    "strategy": Field("dict"),
-    "history": Field("list", items=Field("dict", fields={"round": Field("int", min=1)})),
-    "initial": Field("dict", nullable=True),
-    "rng": RNG_FIELD,
-}
-
-
-def resume(path: Path, conf: dict[str, Any], strategy, model) -> tuple[int, list, Any]:
-    """Verify the checkpoint at ``path`` and restore ``strategy`` and the RNGs from it; returns
-    ``(rounds done, history, initial evaluation)``. Raises CheckpointError (naming the file
-    and the field or tensor) or RunConfigError (a changed setting) before anything runs."""
-    tensors, meta = load_checkpoint(path, kind="isoloco_lm", spec=CHECKPOINT_SPEC)
-    check_resumable(meta["config"], conf, RESUMABLE_DIFFERENCES, source=str(path))
-    done, history = meta["round"], meta["history"]
-    if [r["round"] for r in history] != list(range(1, done + 1)):
-        raise checkpoint_error(
-            path, f"field 'history' does not hold rounds 1..{done} (field 'round' = {done})"
-        )
-    with restoring(path, "strategy state: "):
-        strategy.load_state_dict(
-            {"tensors": tensors.get("strategy", {}), "meta": meta["strategy"]},
-            reference=model.state_dict(),
-        )
-        if strategy.server_round != done:
-            raise CheckpointError(
-                f"field 'server_round' = {strategy.server_round} but field 'round' = {done}"
-            )
-    with restoring(path):
-        set_rng_state(meta["rng"])
-    return done, history, meta["initial"]
-
-
-def results_row(server_round: int, tm: dict[str, Any], em: dict[str, Any]) -> dict[str, Any]:
-    """One ``results.json`` row from the round's train and evaluation metrics."""
-    return {
-        "round": server_round,
-        "val-loss": em.get("val-loss"),
-        "val-ppl": em.get("val-ppl"),
-        "train-loss": tm.get("train-loss"),
-        "replies-used": int(tm.get("replies-used", 0)),
-        "replies-rejected": int(tm.get("replies-rejected", 0)),
-        "replies-missing": int(tm.get("replies-missing", 0)),
-        "aggregation-time-s": tm.get("aggregation-time-s"),
-        "pseudo-grad-norm": tm.get("pseudo-grad-norm"),
-        "bytes-up": tm.get("bytes-up"),
-        "bytes-down": tm.get("bytes-down"),
-    }
-
-
-def log_row(row: dict[str, Any], total: int) -> None:
-    """The round's one-line summary (and a warning when no reply was used)."""
-    log(
-        INFO,
-        "isoloco-lm: round %d/%d val loss %.4f ppl %.1f | train loss %s | replies %d used, "
-        "%d rejected, %d missing | aggregation %.3f s | round %.1f s",
-        row["round"],
-        total,
-        row["val-loss"],
-        row["val-ppl"],
-        "n/a" if row["train-loss"] is None else f"{row['train-loss']:.4f}",
-        row["replies-used"],
-        row["replies-rejected"],
-        row["replies-missing"],
-        row["aggregation-time-s"] or 0.0,
-        row["round-wall-s"],
+def summary(row: dict[str, Any]) -> str:
+    """``val loss 4.5139 ppl 91.3 | train loss 4.61 | replies 4 used, 0 rejected, ...``."""
+    text = f"val loss {row['val-loss']:.4f} ppl {row['val-ppl']:.1f}"
+    if row["round"] == 0:
+        return text
+    train = "n/a" if row.get("train-loss") is None else f"{row['train-loss']:.4f}"
+    return (
+        f"{text} | train loss {train} | replies {row['replies-used']} used, "
+        f"{row['replies-rejected']} rejected, {row['replies-missing']} missing | "
+        f"aggregation {row.get('aggregation-time-s') or 0.0:.3f} s"
     )
-    if row["replies-used"] == 0:
-        log(WARNING, "isoloco-lm: round %d had no usable reply; model kept", row["round"])
 
 
-class Recorder:
-    """Server-side evaluation (``evaluate_fn``) and the round-end hook (``on_round_end``):
-    the results rows, ``results.json``, ``loss.png`` and the checkpoint."""
-
-    def __init__(self, cfg, out: Path, conf, strategy, model, val, results) -> None:
-        self.cfg, self.out, self.conf, self.strategy = cfg, out, conf, strategy
-        self.model, self.val, self.results = model, val, results
-        self.history: list[dict[str, Any]] = results["rounds"]
-        self.results_path, self.plot_path = out / "results.json", out / "loss.png"
-        n_params = results["model-parameters"]
-        outer = strategy.outer
-        self.title = plot_title(
-            cfg.strategy.name, strategy.merge_name, outer.momentum, n_params, outer.nesterov
-        )
-        self.clock = {"last": time.perf_counter(), "start": time.perf_counter(), "eval": 0.0}
-
-    def evaluate_fn(self, server_round: int, arrays: ArrayRecord) -> MetricRecord:
-        """Validation loss and perplexity of the global model (round 0: the initial one)."""
-        t_eval = time.perf_counter()
-        self.model.load_state_dict(arrays.to_torch_state_dict())
-        loss = evaluate_model(self.model, self.val)
-        ppl = math.exp(min(loss, 50.0))
-        self.clock["eval"] = time.perf_counter() - t_eval
-        if server_round == 0:
-            self.results["initial"] = {"round": 0, "val-loss": loss, "val-ppl": ppl}
-            total = self.cfg["num-server-rounds"]
-            log(INFO, "isoloco-lm: round 0/%d val loss %.4f ppl %.1f", total, loss, ppl)
-            write_json_atomic(self.results_path, self.results)
-            self.clock["last"] = time.perf_counter()
-        return MetricRecord({"val-loss": loss, "val-ppl": ppl})
-
-    def on_round_end(self, server_round: int, arrays, train_metrics, eval_metrics) -> None:
-        """The round's results row, results.json, the loss plot and the checkpoint."""
-        tm = dict(train_metrics) if train_metrics is not None else {}
-        now, clock = time.perf_counter(), self.clock
-        row = results_row(server_round, tm, dict(eval_metrics or {}))
-        row.update(
-            {
-                "eval-time-s": clock["eval"],
-                "round-wall-s": now - clock["last"],  # since the previous round ended
-                "elapsed-s": now - clock["start"],
-            }
-        )
-        self.history.append(row)
-        log_row(row, self.cfg["num-server-rounds"])
-        write_json_atomic(self.results_path, self.results)
-        plot_losses(self.history, self.plot_path, self.title, initial=self.results["initial"])
-        if self.cfg["checkpoint"]:
-            sd = self.strategy.state_dict()
-            meta = {
-                "app": "isoloco_lm",
-                "round": server_round,
-                "config": self.conf,
-                "strategy": sd["meta"],
-                "history": self.history,
-                "initial": self.results["initial"],
-                "rng": rng_state(),
-            }
-            save_checkpoint(self.out / CHECKPOINT, {"strategy": sd["tensors"]}, meta)
-        clock["last"] = now
-
-
-def load_data(cfg):
-    """The token data (training the BPE tokenizer once, before any node needs it) and the
-    validation batches; logs their sizes."""
+def build(cfg, nodes: list[int]) -> AppRun:
+    """Data (the BPE tokenizer is trained here, before any node needs it), model, strategy."""
     t0 = time.perf_counter()
-    data = text_data(cfg)
-    val = validation_batches(cfg)
+    data, val = text_data(cfg), validation_batches(cfg)
     log(
         INFO,
         "isoloco-lm: corpus %r: %d train / %d validation tokens (BPE vocab %d) in %.1f s",
@@ -218,116 +68,65 @@ def load_data(cfg):
         data.vocab_size,
         time.perf_counter() - t0,
     )
-    return data, val
-
-
-def finish(rec: Recorder, model, tokenizer_path: Path, done: int, t0: float) -> None:
-    """Final status, the trained model and its tokenizer under ``model/``, the closing log line
-    (``done``: rounds restored from the checkpoint)."""
-    history, results, strategy, out = rec.history, rec.results, rec.strategy, rec.out
-    total = rec.cfg["num-server-rounds"]
-    results["status"] = "completed" if len(history) == total else "partial"
-    results["wall-time-s"] = time.perf_counter() - t0
-    if strategy.theta is not None:
-        model.load_state_dict(
-            {k: v.to(model.state_dict()[k].dtype) for k, v in strategy.theta.items()}
-        )
-        export_causal_lm(model, tokenizer_path, out / "model")  # model + its tokenizer
-    write_json_atomic(rec.results_path, results)
-    last = history[-1] if history else None
-    log(
-        INFO,
-        "isoloco-lm: done: %d rounds in this run, %d of %d in total; final val loss %s. "
-        "Results: %s (loss curve %s, model and tokenizer %s)",
-        len(history) - done,
-        len(history),
-        total,
-        "n/a" if last is None else f"{last['val-loss']:.4f}",
-        rec.results_path,
-        rec.plot_path,
-        out / "model",
+    model, strategy = build_model(cfg), build_strategy(cfg)
+    n_params = count_parameters(model)
+    outer = strategy.outer
+    title = plot_title(
+        cfg.strategy.name, strategy.merge_name, outer.momentum, n_params, outer.nesterov
     )
+
+    def evaluate(server_round: int, arrays: ArrayRecord) -> dict[str, float]:
+        model.load_state_dict(arrays.to_torch_state_dict())
+        loss = evaluate_model(model, val)
+        return {"val-loss": loss, "val-ppl": math.exp(min(loss, 50.0))}
+
+    def row(server_round: int, tm: dict[str, Any], em: dict[str, Any]) -> dict[str, Any]:
+        return {
+            "val-loss": em.get("val-loss"),
+            "val-ppl": em.get("val-ppl"),
+            **{k: int(tm.get(k, 0)) for k in REPLY_COLUMNS},
+            **{k: tm.get(k) for k in TRAIN_COLUMNS},
+        }
+
+    def export(arrays: ArrayRecord, out: Path) -> Path:
+        model.load_state_dict(arrays.to_torch_state_dict())
+        export_causal_lm(model, data.tokenizer_path, out / "model")  # model + its tokenizer
+        return out / "model"
+
+    return AppRun(
+        strategy=strategy,
+        initial_arrays=ArrayRecord(model.state_dict()),
+        evaluate=evaluate,
+        row=row,
+        summary=summary,
+        train_config=train_config(cfg),
+        info={
+            "model-parameters": n_params,
+            "train-tokens": len(data.train),
+            "val-tokens-evaluated": sum(b[:, 1:].numel() for b in val),
+        },
+        restore_kwargs={"reference": model.state_dict()},
+        plot=lambda res, out: plot_losses(
+            res["rounds"], out / "loss.png", title, initial=res["initial"]
+        ),
+        export=export,
+    )
+
+
+SPEC = AppSpec(
+    name="isoloco_lm",
+    label="isoloco-lm",
+    load_config=load_config,
+    nodes=lambda cfg: (cfg.strategy["min-nodes"], False, 120.0),
+    build=build,
+)
 
 
 def run_server(
     grid: Grid, run_config: dict[str, Any], run_id: int = 0, *, settle_s: float = 2.0
 ) -> Path:
     """The whole server side; returns the output folder. Raises on a bad run config."""
-    try:
-        cfg = load_config(run_config)
-    except RunConfigError as exc:
-        log(ERROR, "isoloco-lm: bad run config: %s", exc)
-        raise
-    torch.set_num_threads(cfg["torch-threads"])
-    out = prepare_output_dir(output_dir(cfg, run_id))
-    log(INFO, "isoloco-lm: results will be written to %s", out)
-    conf = config_dict(cfg)
-
-    t0 = time.perf_counter()
-    data, val = load_data(cfg)
-    model = build_model(cfg)
-    n_params = count_parameters(model)
-    strategy = build_strategy(cfg)
-
-    history: list[dict[str, Any]] = []
-    initial: dict[str, Any] | None = None
-    done = 0
-    tc: dict[str, Any] = train_config(cfg)
-    if cfg["checkpoint"]:
-        tc[STATE_DIR_KEY] = str(out / "node-state")
-    if cfg["resume-from"]:
-        path = Path(cfg["resume-from"])
-        try:
-            done, history, initial = resume(path, conf, strategy, model)
-        except (CheckpointError, RunConfigError) as exc:
-            log(ERROR, "isoloco-lm: cannot resume: %s", exc)
-            raise
-        tc[RESUME_DIR_KEY] = str(path.parent / "node-state")
-        tc[RESUME_ROUND_KEY] = done
-        log(INFO, "isoloco-lm: resumed from %s at round %d", path, done)
-    total = cfg["num-server-rounds"]
-    remaining = total - done
-    if cfg["rounds-this-run"]:
-        remaining = min(remaining, cfg["rounds-this-run"])
-
-    results: dict[str, Any] = {
-        "app": "isoloco_lm",
-        "status": "running",
-        "output-dir": str(out),
-        "config": conf,
-        "model-parameters": n_params,
-        "train-tokens": len(data.train),
-        "val-tokens-evaluated": sum(b[:, 1:].numel() for b in val),
-        "resumed-from": cfg["resume-from"] or None,
-        "initial": initial,
-        "rounds": history,
-    }
-    rec = Recorder(cfg, out, conf, strategy, model, val, results)
-    if remaining <= 0:
-        log(INFO, "isoloco-lm: checkpoint already holds all %d rounds; nothing to run", total)
-    else:
-        # simulated nodes register after the ServerApp starts: wait until their count is stable
-        wait_for_nodes(
-            grid, cfg.strategy["min-nodes"], settle_s=settle_s, timeout_s=120.0, what="isoloco-lm"
-        )
-        try:
-            strategy.start(
-                grid=grid,
-                initial_arrays=ArrayRecord(model.state_dict()),
-                num_rounds=done + remaining,  # the total: the strategy runs rounds done+1 ..
-                timeout=cfg["round-timeout"],
-                train_config=ConfigRecord(tc),
-                evaluate_fn=rec.evaluate_fn,
-                on_round_end=rec.on_round_end,
-            )
-        except NoProgressError as exc:  # the run trained nothing: say so, never "completed"
-            log(ERROR, "isoloco-lm: %s", exc)
-            results.update({"status": "failed", "error": str(exc)})
-            results["wall-time-s"] = time.perf_counter() - t0
-            write_json_atomic(rec.results_path, results)
-            raise
-    finish(rec, model, data.tokenizer_path, done, t0)
-    return out
+    return run_app(SPEC, grid, run_config, run_id, settle_s=settle_s)
 
 
 @app.main()

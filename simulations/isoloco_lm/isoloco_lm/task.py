@@ -1,4 +1,4 @@
-"""Shared pieces of the isoloco-lm app: run-config schema, model, data, strategy, node state.
+"""Shared pieces of the isoloco-lm app: run-config schema, model, data, strategy.
 
 Kept free of ServerApp/ClientApp objects so tests can drive them in-process.
 """
@@ -7,26 +7,14 @@ from __future__ import annotations
 
 import functools
 import os
-import re
-import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
-from flwr_isoloco.checkpoint import (
-    RECORDS_FIELD,
-    Field,
-    checkpoint_error,
-    load_checkpoint,
-    recorddict_to_tree,
-    restoring,
-    save_checkpoint,
-    tree_to_recorddict,
-)
 from flwr_isoloco.data.text import load_corpus, prepare_tokens, sample_batch, shard_tokens
 from flwr_isoloco.merging import MERGE_RULES
 from flwr_isoloco.models.llama import build_llama, llama_config
@@ -225,18 +213,6 @@ def model_kwargs(cfg: DictConfig) -> dict[str, Any]:
     }
 
 
-def config_dict(cfg: DictConfig) -> dict[str, Any]:
-    return OmegaConf.to_container(cfg, resolve=True)  # type: ignore[return-value]
-
-
-def output_dir(cfg: DictConfig, run_id: int) -> Path:
-    """``output-dir``, or ``~/flwr_isoloco_runs/isoloco_lm/<UTC time>-run<run id>`` if empty."""
-    if cfg["output-dir"]:
-        return Path(os.path.expanduser(cfg["output-dir"]))
-    stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
-    return Path.home() / "flwr_isoloco_runs" / "isoloco_lm" / f"{stamp}-run{run_id}"
-
-
 def cache_dir(cfg: DictConfig) -> Path | None:
     return Path(cfg.data["cache-dir"]) if cfg.data["cache-dir"] else None
 
@@ -407,73 +383,3 @@ def train_config(cfg: DictConfig) -> dict[str, Any]:
         "weight-decay": t["weight-decay"],
         "clip-norm": t["clip-norm"],
     }
-
-
-# ----------------------------------------------------------------------------- node state files
-# A node's ``context.state`` (AdamW moments, data cursor) lives only as long as the run. To make
-# ``resume-from`` exact, each node also writes it after every train round to
-# ``<state-dir>/node-p<partition-id>-r<round>.safetensors`` (keeping its last two), and a node of
-# a resumed run whose state is empty reads the newest file at or before the checkpoint's round.
-STATE_DIR_KEY = "node-state-dir"
-RESUME_DIR_KEY = "resume-node-state-dir"
-RESUME_ROUND_KEY = "resume-round"
-_STATE_FILE = re.compile(r"node-p(\d+)-r(\d+)\.safetensors$")
-
-
-def _state_files(folder: Path, partition_id: int) -> list[tuple[int, Path]]:
-    if not folder.is_dir():
-        return []
-    out = []
-    for p in folder.iterdir():
-        m = _STATE_FILE.match(p.name)
-        if m and int(m.group(1)) == partition_id:
-            out.append((int(m.group(2)), p))
-    return sorted(out)
-
-
-NODE_STATE = "node-state"  # the ``app`` (kind) of a node-state file
-NODE_STATE_SPEC = {
-    "partition-id": Field("int", min=0),
-    "round": Field("int", min=0),
-    "records": RECORDS_FIELD,
-}
-
-
-def save_node_state(
-    state, folder: Path, partition_id: int, server_round: int, keep: int = 2
-) -> None:
-    """Write ``state`` (a RecordDict) to this node's file for ``server_round``; keep the last
-    ``keep`` files. The meta names the kind, partition and round (checked on reading)."""
-    tensors, meta = recorddict_to_tree(state)
-    save_checkpoint(
-        folder / f"node-p{partition_id}-r{server_round}.safetensors",
-        tensors,
-        {"app": NODE_STATE, "partition-id": partition_id, "round": server_round, "records": meta},
-    )
-    for _, old in _state_files(folder, partition_id)[:-keep]:
-        old.unlink(missing_ok=True)
-
-
-def restore_node_state(state, folder: Path, partition_id: int, upto_round: int) -> int | None:
-    """Fill an empty ``state`` from the newest file of this node at round <= ``upto_round``.
-
-    The file is verified (:func:`~flwr_isoloco.checkpoint.load_checkpoint` with kind
-    ``node-state`` and :data:`NODE_STATE_SPEC`) and its partition and round must be those of
-    its name; any problem is a ``CheckpointError`` naming the file and field, and ``state`` is
-    left untouched.
-    """
-    files = [(r, p) for r, p in _state_files(folder, partition_id) if r <= upto_round]
-    if not files:
-        return None
-    rnd, path = files[-1]
-    tensors, meta = load_checkpoint(path, kind=NODE_STATE, spec=NODE_STATE_SPEC)
-    for field, want in (("partition-id", partition_id), ("round", rnd)):
-        if meta[field] != want:
-            raise checkpoint_error(
-                path, f"field {field!r} is {meta[field]!r}, the name says {want}"
-            )
-    with restoring(path):
-        records = tree_to_recorddict(tensors, meta["records"])
-    for key, rec in records.items():
-        state[key] = rec
-    return rnd

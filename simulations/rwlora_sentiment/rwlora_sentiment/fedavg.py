@@ -5,7 +5,8 @@ global ``random``, same aggregation) under
 :class:`~flwr_isoloco.strategies.lifecycle.ResumableStrategy`: it resumes with global round
 numbers and calls the app's ``on_round_end`` hook like RW-LoRA and gossip. It also keeps the
 ledger the app reports: array bytes each way, local steps, and each reply's metrics
-(``partition-id``, ``data-cursor``, ``train_loss``). Client metrics are untrusted: a reply
+(``partition-id``, ``data-cursor``, ``train_loss``); :meth:`~FedAvgBaseline.state_dict` holds
+the arrays and the ledger's totals for the app's checkpoint. Client metrics are untrusted: a reply
 whose metrics fail :func:`~flwr_isoloco.strategies.wire.check_train_metrics` is logged with its
 node and not recorded (FedAvg itself still aggregates it, as Flower does).
 """
@@ -21,6 +22,7 @@ from flwr.common.logger import log
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg
 
+from flwr_isoloco.checkpoint import CheckpointError, check_tensors
 from flwr_isoloco.strategies.common import SentLedger, reply_metrics
 from flwr_isoloco.strategies.lifecycle import ResumableStrategy, RoundOutcome
 from flwr_isoloco.strategies.wire import check_train_metrics
@@ -52,6 +54,34 @@ class FedAvgBaseline(ResumableStrategy, FedAvg):
     @property
     def completed_rounds(self) -> int:
         return self.round
+
+    @property
+    def bytes_p2p(self) -> int:
+        """Peer-to-peer bytes: a star deployment sends exactly what the server relays."""
+        return self.bytes_relayed
+
+    def state_dict(self) -> dict[str, Any]:
+        """``{"tensors": {"arrays": ...}, "meta": {"round", "bytes-relayed", "local-updates"}}``."""
+        arrays = self.current_arrays().to_torch_state_dict()
+        meta = {
+            "round": self.round,
+            "bytes-relayed": self.bytes_relayed,
+            "local-updates": self.local_updates,
+        }
+        return {"tensors": {"arrays": arrays}, "meta": meta}
+
+    def load_state_dict(self, sd: dict[str, Any], *, reference: dict[str, Any]) -> None:
+        """Restore from :meth:`state_dict`; the arrays must match ``reference`` (names, shapes,
+        dtypes) and the counters be ints >= 0, else CheckpointError / ValueError."""
+        check_tensors(sd["tensors"].get("arrays"), reference, "arrays")
+        meta = sd["meta"]
+        for key in ("round", "bytes-relayed", "local-updates"):
+            v = meta.get(key)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                raise CheckpointError(f"field {key!r} must be an int >= 0, got {v!r}")
+        self.arrays = ArrayRecord(sd["tensors"]["arrays"])
+        self.round, self.bytes_relayed = meta["round"], meta["bytes-relayed"]
+        self.local_updates = meta["local-updates"]
 
     def current_arrays(self) -> ArrayRecord:
         return self.arrays if self.arrays is not None else ArrayRecord()

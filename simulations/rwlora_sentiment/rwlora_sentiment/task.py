@@ -1,4 +1,5 @@
-"""Shared pieces of the rwlora-sentiment app: run-config schema, client settings, strategy.
+"""Shared pieces of the rwlora-sentiment app: run-config schema, client settings, strategy,
+server-side evaluator.
 
 Every key of ``[tool.flwr.app.config]`` is in :data:`DEFAULTS` (the schema; a key's default
 fixes its type) and documented in README.md. Server and clients read the same run config.
@@ -6,15 +7,17 @@ fixes its type) and documented in README.md. Server and clients read the same ru
 
 from __future__ import annotations
 
+import math
 import os
-import time
-from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
+from flwr_isoloco.clients.adamw_state import MOMENTS
 from flwr_isoloco.clients.lora_client import LoRAClientConfig
+from flwr_isoloco.data import sentiment
 from flwr_isoloco.data.sentiment import PARTITIONERS
+from flwr_isoloco.models import classifier
 from flwr_isoloco.models.classifier import LoRASpec, parse_target_modules
 from flwr_isoloco.runconfig import (
     SEED_MAX,
@@ -29,7 +32,6 @@ from flwr_isoloco.runconfig import (
 )
 
 STRATEGIES = ("rwlora", "gossip", "fedavg")
-CURSORS_KEY = "data-cursors"  # train-config key: JSON {partition-id: cursor} after a resume
 
 DEFAULTS: dict[str, Any] = {
     "num-server-rounds": 20,
@@ -84,7 +86,6 @@ def _data_source_ok(value: Any) -> None:
         return  # installed set or Hub name: checked when loaded
     if not os.path.isfile(os.path.expanduser(value)):
         raise ValueError("no such data file")
-
 
 
 VALIDATORS = {
@@ -144,10 +145,6 @@ def load_config(run_config: dict[str, Any]) -> DictConfig:
     return cfg
 
 
-def config_dict(cfg: DictConfig) -> dict[str, Any]:
-    return OmegaConf.to_container(cfg, resolve=True)
-
-
 def lora_spec(cfg: DictConfig) -> LoRASpec:
     return LoRASpec(
         model=cfg.model.name,
@@ -180,9 +177,93 @@ def client_config(cfg: DictConfig) -> LoRAClientConfig:
     )
 
 
-def output_dir(cfg: DictConfig, run_id: int) -> Path:
-    """``output-dir``, or ``~/flwr_isoloco_runs/rwlora_sentiment/<UTC time>-run<id>``."""
-    if cfg["output-dir"]:
-        return Path(os.path.expanduser(cfg["output-dir"]))
-    stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
-    return Path.home() / "flwr_isoloco_runs" / "rwlora_sentiment" / f"{stamp}-run{run_id}"
+def data_sizes(cfg: DictConfig, n: int) -> list[int]:
+    """Training rows per partition (same computation as the clients; Metropolis target)."""
+    d = cfg.data
+    sizes = []
+    for pid in range(n):
+        shard = sentiment.load_partition(
+            pid,
+            n,
+            d.source,
+            d.partitioner,
+            d["dirichlet-alpha"],
+            d["test-size"],
+            cfg.seed,
+            d["max-examples"],
+        )
+        sizes.append(len(shard) - int(len(shard) * d["val-fraction"]))
+    return sizes
+
+
+def build_strategy(cfg: DictConfig, n: int):
+    """The strategy named by ``strategy.name`` for ``n`` clients; a graph the run config
+    cannot build for ``n`` clients is a ``RunConfigError`` naming the keys."""
+    from flwr_isoloco.strategies.gossip import GossipLoRA
+    from flwr_isoloco.strategies.rwlora import RWLoRA
+
+    from .fedavg import FedAvgBaseline
+
+    s = cfg.strategy
+    if s.name == "fedavg":
+        return FedAvgBaseline(
+            local_steps=s["local-steps"],
+            fraction_train=s["fraction-train"],
+            fraction_evaluate=0.0,
+            min_train_nodes=max(1, math.ceil(s["fraction-train"] * n)),
+            min_evaluate_nodes=0,
+            min_available_nodes=n,
+        )
+    common = dict(
+        num_vertices=n,
+        graph_seed=cfg.seed,
+        local_steps=s["local-steps"],
+        node_wait_s=s["node-wait-s"],
+        max_update_norm=s["max-update-norm"] or None,
+        max_empty_rounds=s["max-empty-rounds"],
+    )
+    try:
+        if s.name == "gossip":
+            return GossipLoRA(s.graph, **common)
+        return RWLoRA(
+            s.graph,
+            transition=s.transition,
+            target=data_sizes(cfg, n) if s.target == "data-size" else None,
+            lazy=s.lazy,
+            seed=cfg.seed,
+            carry_optimizer_state=s["carry-optimizer-state"],
+            max_norm_ratio=s["max-norm-ratio"] or None,
+            dead_after=s["dead-after"],
+            dead_backoff=s["dead-backoff"],
+            dead_backoff_max=s["dead-backoff-max"],
+            **common,
+        )
+    except ValueError as exc:
+        raise RunConfigError(
+            f"run-config keys strategy.graph={s.graph!r}, strategy.transition={s.transition!r}, "
+            f"strategy.target={s.target!r} with {n} clients: {exc}"
+        ) from None
+
+
+def optimizer_shapes(model) -> dict[str, tuple[int, ...]]:
+    """Names and shapes of the AdamW state the LoRA client carries with the token:
+    ``<param>.exp_avg`` and ``<param>.exp_avg_sq`` per trainable parameter (as
+    :func:`flwr_isoloco.clients.adamw_state.adamw_to_arrays` writes them)."""
+    return {
+        f"{n}.{m}": tuple(p.shape)
+        for n, p in model.named_parameters()
+        if p.requires_grad
+        for m in MOMENTS
+    }
+
+
+def load_evaluator(cfg: DictConfig):
+    """``(model, tokenizer, test texts, test labels, initial adapter)`` for server-side tests:
+    the server's own model copy, and the adapter as initialised (not the cached model's)."""
+    d = cfg.data
+    test = sentiment.load_test(d.source, d["test-size"], cfg.seed, d["eval-examples"])
+    spec = lora_spec(cfg)
+    model = classifier.get_model(spec, slot="server")  # not the clients' copy
+    tokenizer = classifier.load_tokenizer(spec.model)
+    texts, labels = list(test["text"]), [int(y) for y in test["label"]]
+    return model, tokenizer, texts, labels, classifier.initial_adapter(spec)

@@ -35,9 +35,7 @@ def main(grid: Grid, context: Context) -> None:
     results = {
         "num-server-rounds": int(cfg["num-server-rounds"]),
         "final_params": [float(v) for v in final],
-        "train_metrics": {
-            str(r): dict(m) for r, m in result.train_metrics_clientapp.items()
-        },
+        "train_metrics": {str(r): dict(m) for r, m in result.train_metrics_clientapp.items()},
     }
     out_dir.mkdir(parents=True, exist_ok=True)
     tmp = out_dir / "results.json.tmp"
