@@ -7,6 +7,13 @@ Main table: one row per (method, M) with the mean and sample standard deviation 
 and validation losses over seeds, and every seed's test loss. Tuning table: one row per
 (method, M, momentum), the validation loss at each outer lr; the optimum is marked ``*``.
 Quick (``--quick``) records are ignored.
+
+    python benchmarks/lm_sweep_report.py --write-docs   # docs/results-lm.md block + docs/img plots
+
+``--write-docs`` regenerates the block between the ``lm_sweep_report`` markers of
+docs/results-lm.md: the main table at today's tuned values, the DiLoCo - IsoLoCo and
+FedAvg - IsoLoCo gaps paired by seed, the change against M = 1, the tuning grids, and three
+plots (test loss vs M with sd error bars, the gap vs M, tuning curves).
 """
 
 from __future__ import annotations
@@ -14,10 +21,12 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 from collections import defaultdict
 from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parent / "results"
+sys.path.insert(0, str(RESULTS.parent))
 
 
 def _load(path: Path) -> list[dict]:
@@ -27,17 +36,21 @@ def _load(path: Path) -> list[dict]:
 def tuning_table(recs: list[dict]) -> str:
     """Validation loss per (method, M, momentum) row and outer-lr column; ``*`` = optimum."""
     out = []
-    for (method, m) in sorted({(r["method"], r["workers"]) for r in recs}):
+    for method, m in sorted({(r["method"], r["workers"]) for r in recs}):
         group = [r for r in recs if r["method"] == method and r["workers"] == m]
         best = min(group, key=lambda r: r["val_loss"])
         lrs = sorted({r["outer_lr"] for r in group})
-        out += [f"\n{method}, M = {m} (validation loss; * = optimum)\n",
-                "| momentum | " + " | ".join(f"lr {lr:g}" for lr in lrs) + " |",
-                "|---" * (len(lrs) + 1) + "|"]
+        out += [
+            f"\n{method}, M = {m} (validation loss; * = optimum)\n",
+            "| momentum | " + " | ".join(f"lr {lr:g}" for lr in lrs) + " |",
+            "|---" * (len(lrs) + 1) + "|",
+        ]
         for mu in sorted({r["outer_momentum"] for r in group}):
             cells = []
             for lr in lrs:
-                r = next((r for r in group if r["outer_lr"] == lr and r["outer_momentum"] == mu), None)
+                r = next(
+                    (r for r in group if r["outer_lr"] == lr and r["outer_momentum"] == mu), None
+                )
                 cells.append("" if r is None else f"{r['val_loss']:.4f}{'*' if r is best else ''}")
             out.append(f"| {mu:g} | " + " | ".join(cells) + " |")
     return "\n".join(out)
@@ -49,8 +62,10 @@ def main_table(recs: list[dict], protocol: str) -> str:
     for r in recs:
         if r["protocol"] == protocol:
             cells[(r["method"], r["workers"])].append(r)
-    rows = ["| method | M | seeds | test loss mean | sd | val loss mean | outer lr / mu (source) | test per seed |",
-            "|---|---|---|---|---|---|---|---|"]
+    rows = [
+        "| method | M | seeds | test loss mean | sd | val loss mean | outer lr / mu (source) | test per seed |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for (method, m), group in sorted(cells.items(), key=lambda kv: (kv[0][0], kv[0][1])):
         group.sort(key=lambda r: r["seed"])
         test = [r["test_loss"] for r in group]
@@ -59,9 +74,250 @@ def main_table(recs: list[dict], protocol: str) -> str:
         hp = {(r["outer_lr"], r["outer_momentum"], r.get("hp_source")) for r in group}
         hp_s = "; ".join(f"{lr} / {mu} ({src})" for lr, mu, src in sorted(hp, key=str))
         seeds = ", ".join(f"s{r['seed']}: {r['test_loss']:.4f}" for r in group)
-        rows.append(f"| {method} | {m} | {len(group)} | {statistics.mean(test):.4f} | {sd} | "
-                    f"{statistics.mean(val):.4f} | {hp_s} | {seeds} |")
+        rows.append(
+            f"| {method} | {m} | {len(group)} | {statistics.mean(test):.4f} | {sd} | "
+            f"{statistics.mean(val):.4f} | {hp_s} | {seeds} |"
+        )
     return "\n".join(rows)
+
+
+def current_cells(recs: list[dict], tuning: list[dict], protocol: str = "main") -> list[dict]:
+    """Records of ``protocol`` run at the outer values :func:`lm_sweep.tuned_hp` gives today
+    (the M = 64 optimum for M >= 32 once it exists); earlier cells at other values are left out
+    of the headline tables (they stay in the JSON)."""
+    import lm_sweep
+
+    out = []
+    for r in recs:
+        if r["protocol"] != protocol:
+            continue
+        hp = lm_sweep.tuned_hp(r["method"], r["workers"], tuning, False)
+        if (r["outer_lr"], r["outer_momentum"]) == (hp["outer_lr"], hp["outer_momentum"]):
+            out.append(r)
+    return out
+
+
+def _by_cell(recs: list[dict]) -> dict[tuple[str, int], dict[int, float]]:
+    cells: dict[tuple[str, int], dict[int, float]] = defaultdict(dict)
+    for r in recs:
+        cells[(r["method"], r["workers"])][r["seed"]] = r["test_loss"]
+    return cells
+
+
+def _mean_sd(xs: list[float]) -> tuple[float, float | None]:
+    return statistics.mean(xs), (statistics.stdev(xs) if len(xs) > 1 else None)
+
+
+def gap_table(recs: list[dict], base: str = "diloco", other: str = "isoloco") -> str:
+    """``base - other`` test loss per M, paired by seed (mean, sd over the shared seeds)."""
+    cells = _by_cell(recs)
+    rows = [f"| M | seeds | {base} - {other} (mean) | sd | per seed |", "|---|---|---|---|---|"]
+    for m in sorted({m for (_, m) in cells}):
+        a, b = cells.get((base, m), {}), cells.get((other, m), {})
+        seeds = sorted(set(a) & set(b))
+        if not seeds:
+            continue
+        d = [a[s] - b[s] for s in seeds]
+        mean, sd = _mean_sd(d)
+        per = ", ".join(f"s{s}: {x:+.4f}" for s, x in zip(seeds, d, strict=True))
+        rows.append(
+            f"| {m} | {len(seeds)} | {mean:+.4f} | {'-' if sd is None else f'{sd:.4f}'} | {per} |"
+        )
+    return "\n".join(rows)
+
+
+def versus_m1_table(recs: list[dict]) -> str:
+    """Mean test loss at each M minus the method's mean at M = 1 (> 0: worse than one worker)."""
+    cells = _by_cell(recs)
+    methods = sorted({k for (k, _) in cells})
+    ms = sorted({m for (_, m) in cells})
+    rows = ["| method | " + " | ".join(f"M = {m}" for m in ms) + " |", "|---" * (len(ms) + 1) + "|"]
+    for method in methods:
+        base = cells.get((method, 1))
+        if not base:
+            continue
+        b = statistics.mean(base.values())
+        vals = [cells.get((method, m)) for m in ms]
+        rows.append(
+            f"| {method} | "
+            + " | ".join(
+                "" if v is None else f"{statistics.mean(v.values()) - b:+.4f}" for v in vals
+            )
+            + " |"
+        )
+    return "\n".join(rows)
+
+
+def plot_loss_vs_m(recs: list[dict], path: Path) -> None:
+    """Test loss vs M per method (mean over seeds, error bars = sd; single seeds as dots)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from flwr_isoloco.plotting import save_figure
+
+    cells = _by_cell(recs)
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    for method in sorted({k for (k, _) in cells}):
+        ms = sorted(m for (k, m) in cells if k == method)
+        stats = [_mean_sd(list(cells[(method, m)].values())) for m in ms]
+        ax.errorbar(
+            ms,
+            [x for x, _ in stats],
+            yerr=[sd or 0.0 for _, sd in stats],
+            marker="o",
+            capsize=3,
+            label=LABELS.get(method, method),
+        )
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("workers M (same tokens, same global batch)")
+    ax.set_ylabel("test loss (nats/token)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    save_figure(fig, path)
+    plt.close(fig)
+
+
+def plot_gap(recs: list[dict], path: Path) -> None:
+    """DiLoCo - IsoLoCo test-loss gap vs M (paired by seed; error bars = sd)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from flwr_isoloco.plotting import save_figure
+
+    cells = _by_cell(recs)
+    fig, ax = plt.subplots(figsize=(6.0, 3.8))
+    for base, style in (("diloco", "o-"), ("fedavg", "s--")):
+        pts = []
+        for m in sorted({m for (_, m) in cells}):
+            a, b = cells.get((base, m), {}), cells.get(("isoloco", m), {})
+            d = [a[s] - b[s] for s in sorted(set(a) & set(b))]
+            if d:
+                pts.append((m, *_mean_sd(d)))
+        if pts:
+            ax.errorbar(
+                [p[0] for p in pts],
+                [p[1] for p in pts],
+                yerr=[p[2] or 0.0 for p in pts],
+                fmt=style,
+                capsize=3,
+                label=f"{LABELS[base]} - IsoLoCo",
+            )
+    ax.axhline(0.0, color="grey", lw=0.8)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("workers M")
+    ax.set_ylabel("test-loss gap (nats/token)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    save_figure(fig, path)
+    plt.close(fig)
+
+
+def plot_tuning(tuning: list[dict], path: Path) -> None:
+    """Validation loss vs outer lr per (method, M, momentum): the tuning curves."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from flwr_isoloco.plotting import save_figure
+
+    groups: dict[tuple, list[dict]] = defaultdict(list)
+    for r in tuning:
+        if r["protocol"] == "main":
+            groups[(r["method"], r["workers"], r["outer_momentum"])].append(r)
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    for (method, m, mu), group in sorted(groups.items()):
+        if len(group) < 2:
+            continue
+        group.sort(key=lambda r: r["outer_lr"])
+        ax.plot(
+            [r["outer_lr"] for r in group],
+            [r["val_loss"] for r in group],
+            marker="o",
+            label=f"{LABELS.get(method, method)}, M = {m}, momentum {mu:g}",
+        )
+    ax.set_xscale("log")
+    ax.set_xlabel("outer learning rate")
+    ax.set_ylabel("validation loss (tuning split)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    save_figure(fig, path)
+    plt.close(fig)
+
+
+LABELS = {
+    "fedavg": "FedAvg (mean, lr 1)",
+    "diloco": "DiLoCo (mean + Nesterov)",
+    "isoloco": "IsoLoCo (Iso-C + Nesterov)",
+    "diloco-sgd": "DiLoCo-SGD (mean, no momentum)",
+    "iso_c-sgd": "Iso-C SGD (no momentum)",
+    "ties": "TIES",
+    "dare": "DARE",
+    "tsv_m": "TSV-M",
+    "iso_cts": "Iso-CTS",
+    "dp-adamw": "data-parallel AdamW",
+}
+BEGIN, END = "<!-- lm_sweep_report:begin -->", "<!-- lm_sweep_report:end -->"
+
+
+def report(sweep: list[dict], tuning: list[dict], img_dir: Path, img_rel: str) -> str:
+    """The generated block of docs/results-lm.md (tables + plot links) from the JSON."""
+    main = current_cells(sweep, tuning)
+    plot_loss_vs_m(main, img_dir / "lm_sweep_loss_vs_m.png")
+    plot_gap(main, img_dir / "lm_sweep_gap.png")
+    plot_tuning(tuning, img_dir / "lm_sweep_tuning.png")
+    wall = sum(r.get("wall_s", 0.0) for r in sweep + tuning if "copied_from" not in r)
+    return "\n".join(
+        [
+            BEGIN,
+            "<!-- generated by `python benchmarks/lm_sweep_report.py --write-docs`; do not edit -->",
+            f"Records: {len(tuning)} tuning, {len(sweep)} sweep; compute so far "
+            f"{wall / 3600:.2f} h of wall time (runs copied from a twin not counted).",
+            "",
+            "### Main protocol: test loss (at today's tuned values)",
+            "",
+            main_table(main, "main"),
+            "",
+            f"![test loss vs M]({img_rel}/lm_sweep_loss_vs_m.png)",
+            "",
+            "### DiLoCo - IsoLoCo gap (paired by seed)",
+            "",
+            gap_table(main),
+            "",
+            "FedAvg - IsoLoCo:",
+            "",
+            gap_table(main, "fedavg"),
+            "",
+            f"![gap vs M]({img_rel}/lm_sweep_gap.png)",
+            "",
+            "### Change against M = 1 (mean test loss)",
+            "",
+            versus_m1_table(main),
+            "",
+            "### Tuning grids",
+            tuning_table(tuning),
+            "",
+            f"![tuning curves]({img_rel}/lm_sweep_tuning.png)",
+            END,
+        ]
+    )
+
+
+def write_docs(doc: Path, block: str) -> None:
+    """Replace the generated block of ``doc`` (appended once if the markers are missing)."""
+    text = doc.read_text()
+    if BEGIN in text and END in text:
+        text = text[: text.index(BEGIN)] + block + text[text.index(END) + len(END) :]
+    else:
+        text = text.rstrip("\n") + "\n\n## Sweep results\n\n" + block + "\n"
+    doc.write_text(text)
 
 
 def main() -> None:
@@ -69,9 +325,21 @@ def main() -> None:
     ap.add_argument("--sweep", type=Path, default=RESULTS / "lm_sweep.json")
     ap.add_argument("--tuning", type=Path, default=RESULTS / "lm_tuning.json")
     ap.add_argument("--protocol", default="main")
+    ap.add_argument(
+        "--write-docs",
+        action="store_true",
+        help="regenerate the tables and plots of docs/results-lm.md",
+    )
     args = ap.parse_args()
-    print("## Tuning grid\n" + tuning_table(_load(args.tuning)))
-    print(f"\n## Cells, protocol {args.protocol}\n\n" + main_table(_load(args.sweep), args.protocol))
+    sweep, tuning = _load(args.sweep), _load(args.tuning)
+    if args.write_docs:
+        repo = RESULTS.parents[1]
+        block = report(sweep, tuning, repo / "docs" / "img", "img")
+        write_docs(repo / "docs" / "results-lm.md", block)
+        print(block)
+        return
+    print("## Tuning grid\n" + tuning_table(tuning))
+    print(f"\n## Cells, protocol {args.protocol}\n\n" + main_table(sweep, args.protocol))
 
 
 if __name__ == "__main__":

@@ -231,3 +231,32 @@ def test_report_tables_mark_the_optimum_and_average_seeds():
     ]
     row = rep.main_table(cells, "main").splitlines()[-1]
     assert row.startswith("| diloco | 8 | 3 | 4.1000 | 0.1000 | 5.0000 |")
+
+
+def test_report_gap_is_paired_by_seed_and_cells_use_todays_tuned_values(tmp_path):
+    import lm_sweep_report as rep
+
+    tuning = [_rec("isoloco", lr, 0.8, v) for lr, v in ((1.3, 3.9), (1.8, 3.8), (2.5, 3.85))]
+    tuning += [_rec("diloco", lr, 0.8, v) for lr, v in ((0.35, 4.7), (0.5, 4.6), (0.7, 4.65))]
+    cells = []
+    for s in range(3):
+        cells.append({**_rec("isoloco", 1.8, 0.8, 0.0), "seed": s, "test_loss": 4.0 + 0.01 * s})
+        cells.append({**_rec("diloco", 0.5, 0.8, 0.0), "seed": s, "test_loss": 4.5 + 0.02 * s})
+    cells.append({**_rec("diloco", 0.25, 0.8, 0.0), "seed": 0, "test_loss": 9.0})  # stale hp
+    cells.append({**_rec("isoloco", 1.8, 0.8, 0.0), "seed": 5, "test_loss": 1.0})  # unpaired
+    cur = rep.current_cells(cells, tuning)
+    assert all(r["test_loss"] != 9.0 for r in cur) and len(cur) == 7
+    row = rep.gap_table(cur).splitlines()[-1]
+    # seeds 0, 1, 2 only: differences 0.50, 0.51, 0.52
+    assert row.startswith("| 8 | 3 | +0.5100 | 0.0100 | s0: +0.5000, s1: +0.5100, s2: +0.5200")
+    block = rep.report(cur + [{**cells[0], "workers": 1}], tuning, tmp_path, "img")
+    assert block.startswith(rep.BEGIN) and block.endswith(rep.END)
+    assert {p.name for p in tmp_path.iterdir()} == {
+        "lm_sweep_loss_vs_m.png",
+        "lm_sweep_gap.png",
+        "lm_sweep_tuning.png",
+    }
+    doc = tmp_path / "doc.md"
+    doc.write_text(f"head\n{rep.BEGIN}\nold\n{rep.END}\ntail\n")
+    rep.write_docs(doc, block)
+    assert doc.read_text() == f"head\n{block}\ntail\n"
