@@ -125,17 +125,17 @@ def render(recs: list[dict]) -> str:
     main = dict(clients=8, rank=8)
     lead = ("partition", "graph")
     parts = [
-        "### Local updates to each target (8 clients, rank 8)\n",
+        "#### Local updates to each target (8 clients, rank 8)\n",
         table(recs, "updates_to_target", 0, lead, **main),
-        "\n### MB relayed through the server to each target (8 clients, rank 8)\n",
+        "\n#### MB relayed through the server to each target (8 clients, rank 8)\n",
         table(recs, "mb_relayed_to_target", 1, lead, **main),
-        "\n### MB peer-to-peer to each target (8 clients, rank 8)\n",
+        "\n#### MB peer-to-peer to each target (8 clients, rank 8)\n",
         table(recs, "mb_p2p_to_target", 1, lead, **main),
-        "\n### Final accuracy per seed (8 clients, rank 8)\n",
+        "\n#### Final accuracy per seed (8 clients, rank 8)\n",
         per_seed(recs, **main),
-        "\n### LoRA rank (8 clients, ring, IID): local updates to each target\n",
+        "\n#### LoRA rank (8 clients, ring, IID): local updates to each target\n",
         table(recs, "updates_to_target", 0, ("rank",), clients=8, graph="ring", partition="iid", seed=0),
-        "\n### 16 clients on the ring (IID, rank 8, seed 0) next to 8 clients: local updates\n",
+        "\n#### 16 clients on the ring (IID, rank 8, seed 0) next to 8 clients: local updates\n",
         table(recs, "updates_to_target", 0, ("clients", "graph"), partition="iid", rank=8, seed=0,
               graph=("ring", "none"), clients=(8, 16)),
     ]
