@@ -288,14 +288,15 @@ def run_cell(cell: dict[str, Any], args) -> dict[str, Any]:
 
 @contextlib.contextmanager
 def locked(path: Path):
-    """Exclusive lock on ``<path>.lock`` (shards of one sweep append to the same file)."""
+    """Exclusive lock on the folder of ``path`` (shards of one sweep append to the same file;
+    no lock file is left behind)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path.with_name(path.name + ".lock"), "a") as fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
+    fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
 
 
 def ensure_cell(cell: dict[str, Any], args) -> tuple[dict[str, Any], bool]:

@@ -168,3 +168,23 @@ def test_report_renders_exact_numbers(tmp_path):
     assert new.count(R.BEGIN) == 1 and "100 ± 28 (2/3)" in new
     png = R.plot(loaded, tmp_path / "p.png")
     assert png is not None and png.stat().st_size > 1000
+
+
+def _append_many(path: str, tag: int) -> None:
+    for j in range(15):
+        with S.locked(Path(path)):
+            S.append_record(Path(path), {"tag": tag, "j": j})
+
+
+def test_parallel_shards_lose_no_record(tmp_path):
+    import multiprocessing as mp
+
+    path = tmp_path / "shared.json"
+    procs = [mp.get_context("fork").Process(target=_append_many, args=(str(path), t)) for t in (0, 1, 2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=60)
+    recs = json.loads(path.read_text())
+    assert sorted((r["tag"], r["j"]) for r in recs) == [(t, j) for t in (0, 1, 2) for j in range(15)]
+    assert [p.name for p in tmp_path.iterdir()] == ["shared.json"]  # no lock or temp file left
