@@ -323,7 +323,7 @@ def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
     ap.add_argument("--graphs", nargs="+", default=list(GRAPHS), choices=list(GRAPHS))
-    ap.add_argument("--clients", nargs="+", type=int, default=[8])
+    ap.add_argument("--clients", nargs="+", type=int, default=None, help="default: 8 (quick: 4)")
     ap.add_argument("--partitions", nargs="+", default=["iid", "dirichlet-0.5"])
     ap.add_argument("--ranks", nargs="+", type=int, default=[8])
     ap.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
@@ -359,8 +359,8 @@ def parse_args(argv=None):
             partition_keys(p)
         except ValueError as exc:
             ap.error(str(exc))
-    if args.quick and args.suite is None:
-        args.clients = [QUICK_CLIENTS]
+    if args.clients is None:
+        args.clients = [QUICK_CLIENTS] if args.quick else [8]
     args.work = args.work or tempfile.mkdtemp(prefix="rwlora_sweep_")
     Path(args.work).mkdir(parents=True, exist_ok=True)
     return args
