@@ -265,6 +265,9 @@ def run_cell(cell: dict[str, Any], args) -> dict[str, Any]:
     """Run one cell and return its record (not yet written)."""
     size = sizing(args)
     rc = run_config(cell, size, args.threads)
+    if args.work is None:  # made on the first run (not by --dry-run)
+        args.work = tempfile.mkdtemp(prefix="rwlora_sweep_")
+    Path(args.work).mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix=f"{cell['method']}_{cell['seed']}_", dir=args.work))
     rc["output-dir"] = str(work)
     load0, t0 = os.getloadavg()[0], time.time()
@@ -361,8 +364,6 @@ def parse_args(argv=None):
             ap.error(str(exc))
     if args.clients is None:
         args.clients = [QUICK_CLIENTS] if args.quick else [8]
-    args.work = args.work or tempfile.mkdtemp(prefix="rwlora_sweep_")
-    Path(args.work).mkdir(parents=True, exist_ok=True)
     return args
 
 
