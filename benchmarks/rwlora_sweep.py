@@ -1,0 +1,408 @@
+"""RW-LoRA vs gossip LoRA vs FedAvg-LoRA with seeds (issue 11, RW-LoRA part): a resumable sweep.
+
+Each cell (method, graph, clients, partition, rank, seed) is one run of the rwlora_sentiment
+app's own server (``run_server``) and LoRA client under Flower's simulation engine (Ray
+backend; ``--engine fake`` runs the same server and client code on the in-process test grid).
+Run config and app launch are those of ``benchmarks/rwlora_experiments.py`` (imported). The
+protocol (sizes, evaluation schedule, budget) is in docs/results-rwlora.md, "Sweep protocol":
+
+- every method runs the same number of local updates ``U = --updates`` (optimiser steps summed
+  over clients: RW-LoRA ``K`` per hop, gossip / FedAvg ``n K`` per round), so ``final_acc`` is
+  the test accuracy of the evaluation at ``U`` updates (the last round, always evaluated);
+- ``updates_to_target[t]`` is the local-update count of the first evaluation (round 0
+  included) whose test accuracy is ``>= t`` (``None``: not reached within ``U``); the MB
+  dicts are the bytes relayed / sent peer-to-peer up to that evaluation, in 1e6 bytes;
+- gossip is scored on the A/B-averaged adapter (``final_acc``, ``updates_to_target``) and on
+  the mean of the vertices' own accuracies (the ``*_vertex_mean`` fields);
+- FedAvg does not use the graph: it runs once per (clients, partition, rank, seed), graph ``none``.
+
+Every finished run is appended at once to the JSON list ``--out``; a cell already there with
+the same run config is skipped, so an interrupted sweep continues where it stopped.
+
+    python benchmarks/rwlora_sweep.py --methods rwlora gossip fedavg --graphs complete ring \\
+        regular-3 --clients 8 --partitions iid dirichlet-0.5 --ranks 8 --seeds 0 1 2
+    python benchmarks/rwlora_sweep.py --suite all          # the whole planned suite
+    python benchmarks/rwlora_sweep.py --quick ...          # tiny, in-process (the tests)
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import fcntl
+import json
+import os
+import sys
+import tempfile
+import time
+import traceback
+import types
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+import rwlora_experiments as E  # noqa: E402  (sets sys.path and the offline env)
+from lm_sweep import append_record, load_records  # noqa: E402
+
+ROOT = HERE.parent
+RESULTS = ROOT / "benchmarks" / "results" / "rwlora_sweep.json"
+SWEEP_VERSION = 1
+METHODS = ("rwlora", "gossip", "fedavg")
+GRAPHS = {"complete": "complete", "ring": "ring", "regular-3": "random_regular:d=3"}
+TARGETS = (0.65, 0.70, 0.75, 0.80)
+KEY_FIELDS = ("method", "graph", "clients", "partition", "rank", "seed", "quick")
+# run-config keys that do not change the computation (excluded when matching a done cell)
+NEUTRAL_KEYS = ("output-dir", "torch-threads")
+
+# Sizing (docs/results-rwlora.md, "Sweep protocol").
+SIZES: dict[str, dict[str, Any]] = {
+    "full": {
+        "updates": 320, "local_steps": 5, "batch_size": 8, "max_length": 48, "lr": 2e-3,
+        "eval_examples": 1000, "max_examples": 0, "eval_every": 40, "gossip_eval_every": 160,
+    },
+    "quick": {
+        "updates": 16, "local_steps": 2, "batch_size": 4, "max_length": 32, "lr": 2e-3,
+        "eval_examples": 24, "max_examples": 48, "eval_every": 8, "gossip_eval_every": 8,
+    },
+}
+QUICK_CLIENTS = 4
+# Cost model of the plan (docs/results-rwlora.md), from the measured cell rwlora / ring / iid /
+# seed 0 / 8 clients (Ray, load average 4.6 to 7.3 on the 2 shared cores): 299 s wall, of which
+# 130 s for 9 evaluations of 1,000 sentences and 152 s for 64 hops of 5 updates.
+COST = {"startup_s": 17.0, "eval_s_per_1000": 14.5, "update_s": 0.475}
+# The planned suite: (methods, graphs, clients, partitions, ranks, seeds).
+SUITES: dict[str, list[tuple]] = {
+    "main": [(METHODS, tuple(GRAPHS), (8,), ("iid", "dirichlet-0.5"), (8,), (0, 1, 2))],
+    "ranks": [(("rwlora", "gossip"), ("ring",), (8,), ("iid",), (2, 4, 8, 16), (0,))],
+    "clients16": [(METHODS, ("ring",), (16,), ("iid",), (8,), (0,))],
+}
+SUITES["all"] = SUITES["main"] + SUITES["ranks"] + SUITES["clients16"]
+
+
+def partition_keys(partition: str) -> dict[str, Any]:
+    """``iid`` or ``dirichlet-<alpha>`` -> the app's ``data.partitioner`` / ``data.dirichlet-alpha``."""
+    if partition == "iid":
+        return {"data.partitioner": "iid"}
+    name, _, alpha = partition.partition("-")
+    if name == "dirichlet":
+        try:
+            a = float(alpha)
+        except ValueError:
+            a = -1.0
+        if a > 0:
+            return {"data.partitioner": "dirichlet", "data.dirichlet-alpha": a}
+    raise ValueError(f"partition {partition!r}: expected 'iid' or 'dirichlet-<alpha>' (alpha > 0)")
+
+
+def sizing(args) -> dict[str, Any]:
+    """:data:`SIZES` (``quick`` or ``full``) with the CLI's budget / evaluation overrides."""
+    size = dict(SIZES["quick" if args.quick else "full"])
+    for key in ("updates", "eval_every", "gossip_eval_every"):
+        if getattr(args, key, None) is not None:
+            size[key] = getattr(args, key)
+    return size
+
+
+def cells(methods, graphs, clients, partitions, ranks, seeds) -> list[dict[str, Any]]:
+    """Cells in run order: seed-major (a full comparison at seed 0 comes first); FedAvg once
+    per (clients, partition, rank, seed) with graph ``none``."""
+    out: list[dict[str, Any]] = []
+    for seed in seeds:
+        for n in clients:
+            for part in partitions:
+                for rank in ranks:
+                    for method in methods:
+                        for graph in graphs if method != "fedavg" else ["none"]:
+                            cell = dict(method=method, graph=graph, clients=n, partition=part,
+                                        rank=rank, seed=seed)
+                            if cell not in out:
+                                out.append(cell)
+    return out
+
+
+def run_config(cell: dict[str, Any], size: dict[str, Any], threads: int) -> dict[str, Any]:
+    """The app's run config for one cell (via ``rwlora_experiments.run_config``): ``U`` updates
+    for every method, evaluation every ``eval_every`` updates (``gossip_eval_every`` for gossip,
+    whose evaluation scores every vertex's adapter too)."""
+    method, n, k = cell["method"], cell["clients"], size["local_steps"]
+    per_round = k if method == "rwlora" else n * k
+    every = size["gossip_eval_every"] if method == "gossip" else size["eval_every"]
+    every = max(every, per_round)  # at most once per round
+    for what, x in (("updates", size["updates"]), ("eval spacing", every)):
+        if x % per_round:
+            raise ValueError(f"{method}, {n} clients: {what} {x} is not a multiple of the "
+                             f"{per_round} local updates of one round")
+    ns = types.SimpleNamespace(
+        clients=n, local_steps=k, rw_updates=size["updates"], gossip_updates=size["updates"],
+        fedavg_updates=size["updates"], eval_every_updates=every, seed=cell["seed"],
+        threads=threads, transition="metropolis", rank=cell["rank"],
+        max_length=size["max_length"], lr=size["lr"], batch_size=size["batch_size"],
+        eval_examples=size["eval_examples"], max_examples=size["max_examples"],
+    )
+    graph = GRAPHS["complete" if cell["graph"] == "none" else cell["graph"]]  # unused by fedavg
+    rc = E.run_config(ns, method, graph, Path("/unused"))
+    rc.update({"strategy.num-clients": n, "strategy.lazy": False, **partition_keys(cell["partition"])})
+    return rc
+
+
+def estimate_s(cell: dict[str, Any], size: dict[str, Any], ray_cpus: int = 2) -> float:
+    """Planned wall seconds of one cell: start-up + evaluations + training, with :data:`COST`.
+    Evaluations: rounds 0, every ``eval-every``-th and the last, each scoring 1 adapter
+    (gossip: the average and the ``n`` vertices' own). Training: ``U`` updates one client at
+    a time (RW-LoRA), or ``ceil(n / ray_cpus) K`` update times per round (clients in parallel)."""
+    rc = run_config(cell, size, 1)
+    rounds, every, n = rc["num-server-rounds"], rc["eval-every"], cell["clients"]
+    points = 1 + rounds // every + (1 if rounds % every else 0)
+    per_point = n + 1 if cell["method"] == "gossip" else 1
+    evals = points * per_point * COST["eval_s_per_1000"] * size["eval_examples"] / 1000
+    if cell["method"] == "rwlora":
+        train = size["updates"] * COST["update_s"]
+    else:
+        train = rounds * -(-n // ray_cpus) * size["local_steps"] * COST["update_s"]
+    return COST["startup_s"] + evals + train
+
+
+def run_ray(rc: dict[str, Any], clients: int, ray_address: str | None, ray_cpus: int) -> dict:
+    """The app under ``flwr.simulation.run_simulation`` (Ray); ``ray_address`` joins an existing
+    cluster (``ray.init(address=...)`` via Flower's backend config), else a local one."""
+    from flwr.clientapp import ClientApp
+    from flwr.serverapp import ServerApp
+    from flwr.simulation import run_simulation
+    from rwlora_sentiment.server_app import run_server
+    from rwlora_sentiment.task import client_config, load_config
+
+    from flwr_isoloco.clients.lora_client import LoRAClient
+
+    server = ServerApp()
+
+    @server.main()
+    def main(grid, context):
+        run_server(grid, rc, context.run_id)
+
+    capp = ClientApp()
+    LoRAClient(client_config(load_config(rc))).register(capp)
+    init_args: dict[str, Any] = {"include_dashboard": False}
+    if ray_address:
+        init_args["address"] = ray_address
+    else:
+        init_args["num_cpus"] = ray_cpus
+    run_simulation(server_app=server, client_app=capp, num_supernodes=clients,
+                   backend_config={"client_resources": {"num_cpus": 1, "num_gpus": 0.0},
+                                   "init_args": init_args})
+    res = json.loads((Path(rc["output-dir"]) / "results.json").read_text())
+    if res.get("status") != "completed":
+        raise RuntimeError(f"run {rc['strategy.name']} on {rc['strategy.graph']}: status "
+                           f"{res.get('status')!r} ({res.get('error')})")
+    return res
+
+
+def eval_rows(res: dict[str, Any]) -> list[dict[str, Any]]:
+    """Evaluated rows from round 0: ``initial`` (no totals: 0 updates / bytes) + ``rounds``."""
+    start = dict.fromkeys(("local-updates", "bytes-relayed", "bytes-p2p"), 0)
+    rows = [{**start, "round": 0, **res["initial"]}, *res["rounds"]]
+    return [r for r in rows if "test-accuracy" in r]
+
+
+def to_target(rows: list[dict[str, Any]], targets=TARGETS, key: str = "test-accuracy") -> dict:
+    """Per target ``t`` (keys ``f"{t:.2f}"``): local updates, MB relayed and MB P2P at the first
+    row with ``rows[key] >= t`` (``rwlora_experiments.reach`` on that accuracy), else ``None``;
+    ``before``: the updates of the evaluation just before it (the crossing lies in
+    ``(before, updates]``; ``None`` if the first row or none reached it)."""
+    scored = [{**r, "test-accuracy": r[key]} for r in rows if key in r]
+    out: dict[str, dict] = {"updates": {}, "before": {}, "mb_relayed": {}, "mb_p2p": {}}
+    for t in targets:
+        hit = E.reach(scored, t)
+        name = f"{t:.2f}"
+        out["updates"][name] = hit.get("local-updates")
+        i = next((j for j, r in enumerate(scored) if r["test-accuracy"] >= t), 0)
+        out["before"][name] = scored[i - 1]["local-updates"] if hit and i > 0 else None
+        out["mb_relayed"][name] = None if not hit else hit["bytes-relayed"] / 1e6
+        out["mb_p2p"][name] = None if not hit else hit["bytes-p2p"] / 1e6
+    return out
+
+
+def summarise(res: dict[str, Any], budget: int, targets=TARGETS) -> dict[str, Any]:
+    """Record fields from one results.json: targets, the accuracy at ``budget`` updates (the
+    last evaluation at or below it; ``final_updates`` says where), the curve."""
+    rows = eval_rows(res)
+    done = [r for r in rows if r["local-updates"] <= budget]
+    last = done[-1]
+    hit = to_target(rows, targets)
+    rec: dict[str, Any] = {
+        "updates_to_target": hit["updates"], "updates_before_target": hit["before"],
+        "mb_relayed_to_target": hit["mb_relayed"],
+        "mb_p2p_to_target": hit["mb_p2p"], "final_acc": last["test-accuracy"],
+        "final_loss": last.get("test-loss"), "final_updates": last["local-updates"],
+        "best_acc": max(r["test-accuracy"] for r in rows),
+        "curve": [{"round": r["round"], "updates": r["local-updates"],
+                   "mb_relayed": r["bytes-relayed"] / 1e6, "mb_p2p": r["bytes-p2p"] / 1e6,
+                   "acc": r["test-accuracy"], "acc_vertex_mean": r.get("test-accuracy-vertex-mean")}
+                  for r in rows],
+    }
+    if any("test-accuracy-vertex-mean" in r for r in rows):
+        own = to_target(rows, targets, key="test-accuracy-vertex-mean")
+        rec.update(final_acc_vertex_mean=last.get("test-accuracy-vertex-mean"),
+                   updates_to_target_vertex_mean=own["updates"],
+                   updates_before_target_vertex_mean=own["before"],
+                   mb_relayed_to_target_vertex_mean=own["mb_relayed"],
+                   mb_p2p_to_target_vertex_mean=own["mb_p2p"])
+    return rec
+
+
+def same_config(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    drop = set(NEUTRAL_KEYS)
+    return {k: v for k, v in a.items() if k not in drop} == {k: v for k, v in b.items() if k not in drop}
+
+
+def find_done(records: list[dict], cell: dict, rc: dict) -> dict | None:
+    return next((r for r in records if all(r.get(k) == cell[k] for k in KEY_FIELDS)
+                 and same_config(r.get("run_config", {}), rc)), None)
+
+
+def run_cell(cell: dict[str, Any], args) -> dict[str, Any]:
+    """Run one cell and return its record (not yet written)."""
+    size = sizing(args)
+    rc = run_config(cell, size, args.threads)
+    if args.work is None:  # made on the first run (not by --dry-run)
+        args.work = tempfile.mkdtemp(prefix="rwlora_sweep_")
+    Path(args.work).mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix=f"{cell['method']}_{cell['seed']}_", dir=args.work))
+    rc["output-dir"] = str(work)
+    load0, t0 = os.getloadavg()[0], time.time()
+    if args.engine == "fake":
+        res = E.run_one(types.SimpleNamespace(engine="fake", clients=cell["clients"]), rc)
+    else:
+        res = run_ray(rc, cell["clients"], args.ray_address, args.ray_cpus)
+    wall = time.time() - t0
+    return {
+        **cell, "quick": bool(args.quick), **summarise(res, size["updates"]),
+        "budget_updates": size["updates"], "targets": list(TARGETS),
+        "test_examples": res.get("test-examples", size["eval_examples"]),
+        "visit_counts": res.get("visit-counts"), "wall_s": wall, "engine": args.engine,
+        "ray_address": args.ray_address, "run_config": {k: v for k, v in rc.items()
+                                                        if k != "output-dir"},
+        "started_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t0)),
+        "load_avg_start": load0, "load_avg_end": os.getloadavg()[0],
+        "cpu_count": os.cpu_count(), "sweep_version": SWEEP_VERSION,
+    }
+
+
+@contextlib.contextmanager
+def locked(path: Path):
+    """Exclusive lock on the folder of ``path`` (shards of one sweep append to the same file;
+    no lock file is left behind)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def ensure_cell(cell: dict[str, Any], args) -> tuple[dict[str, Any], bool]:
+    """The cell's record: the one in ``args.out`` if done (``False``), else run and append it
+    at once (``True``)."""
+    size = sizing(args)
+    rc = run_config(cell, size, args.threads)
+    rc.pop("output-dir", None)
+    done = find_done(load_records(args.out), {**cell, "quick": bool(args.quick)}, rc)
+    if done is not None:
+        print(f"[rwlora_sweep] skip (done): {cell}", flush=True)
+        return done, False
+    print(f"[rwlora_sweep] run: {cell}", flush=True)
+    rec = run_cell(cell, args)
+    with locked(args.out):
+        append_record(args.out, rec)
+    ups = rec["updates_to_target"]
+    print(f"[rwlora_sweep] done {cell}: final acc {rec['final_acc']:.3f} at "
+          f"{rec['final_updates']} updates, to target {ups} ({rec['wall_s']:.0f} s)", flush=True)
+    return rec, True
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
+    ap.add_argument("--graphs", nargs="+", default=list(GRAPHS), choices=list(GRAPHS))
+    ap.add_argument("--clients", nargs="+", type=int, default=None, help="default: 8 (quick: 4)")
+    ap.add_argument("--partitions", nargs="+", default=["iid", "dirichlet-0.5"])
+    ap.add_argument("--ranks", nargs="+", type=int, default=[8])
+    ap.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
+    ap.add_argument("--suite", choices=list(SUITES), default=None,
+                    help="a planned part of the suite (overrides the six lists above)")
+    ap.add_argument("--updates", type=int, default=None,
+                    help="common budget U of local updates (default: the sizing's)")
+    ap.add_argument("--eval-every", type=int, default=None,
+                    help="local updates between evaluations, rwlora / fedavg (default: the sizing's)")
+    ap.add_argument("--gossip-eval-every", type=int, default=None,
+                    help="local updates between gossip evaluations (default: the sizing's)")
+    ap.add_argument("--out", type=Path, default=RESULTS)
+    ap.add_argument("--quick", action="store_true", help="tiny sizing, in-process (tests)")
+    ap.add_argument("--engine", choices=("ray", "fake"), default=None,
+                    help="default: ray (fake with --quick)")
+    ap.add_argument("--ray-address", default=None, help="existing Ray cluster (e.g. auto, host:6379)")
+    ap.add_argument("--ray-cpus", type=int, default=2, help="local Ray CPUs (no --ray-address)")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads per process")
+    ap.add_argument("--work", default=None, help="scratch folder for the runs' outputs")
+    ap.add_argument("--shard", default="0/1", help="I/N: run every N-th planned cell from the "
+                    "I-th (N processes in parallel share --out)")
+    ap.add_argument("--dry-run", action="store_true", help="list the cells still to run")
+    args = ap.parse_args(argv)
+    try:
+        i, n = (int(x) for x in args.shard.split("/"))
+        assert 0 <= i < n
+    except (ValueError, AssertionError):
+        ap.error(f"--shard {args.shard!r}: expected I/N with 0 <= I < N")
+    args.shard_index, args.shard_count = i, n
+    args.engine = args.engine or ("fake" if args.quick else "ray")
+    for p in args.partitions:
+        try:
+            partition_keys(p)
+        except ValueError as exc:
+            ap.error(str(exc))
+    if args.clients is None:
+        args.clients = [QUICK_CLIENTS] if args.quick else [8]
+    return args
+
+
+def planned_cells(args) -> list[dict[str, Any]]:
+    groups = SUITES[args.suite] if args.suite else [
+        (args.methods, args.graphs, args.clients, args.partitions, args.ranks, args.seeds)]
+    out: list[dict[str, Any]] = []
+    for g in groups:
+        out += [c for c in cells(*g) if c not in out]
+    return out[args.shard_index::args.shard_count]
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    todo = planned_cells(args)
+    if args.dry_run:
+        size = sizing(args)
+        records = load_records(args.out)
+        left = 0.0
+        for c in todo:
+            rc = run_config(c, size, args.threads)
+            rc.pop("output-dir", None)
+            done = find_done(records, {**c, "quick": bool(args.quick)}, rc)
+            est = estimate_s(c, size, args.ray_cpus)
+            left += 0.0 if done else est
+            print("done" if done else "todo", f"{est:6.0f} s", json.dumps(c))
+        print(f"{len(todo)} cells, planned {sum(estimate_s(c, size, args.ray_cpus) for c in todo) / 3600:.2f} h"
+              f" of run wall time, {left / 3600:.2f} h left (one process)")
+        return
+    failed = []
+    for cell in todo:
+        try:
+            ensure_cell(cell, args)
+        except Exception:  # one broken cell must not stop the sweep; nothing recorded
+            traceback.print_exc()
+            failed.append(cell)
+    if failed:
+        raise SystemExit(f"[rwlora_sweep] cells failed (not recorded; rerun to retry): {failed}")
+
+
+if __name__ == "__main__":
+    main()
