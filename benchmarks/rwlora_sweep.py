@@ -59,12 +59,26 @@ NEUTRAL_KEYS = ("output-dir", "torch-threads")
 # Sizing (docs/results-rwlora.md, "Sweep protocol").
 SIZES: dict[str, dict[str, Any]] = {
     "full": {
-        "updates": 320, "local_steps": 5, "batch_size": 8, "max_length": 48, "lr": 2e-3,
-        "eval_examples": 1000, "max_examples": 0, "eval_every": 40, "gossip_eval_every": 160,
+        "updates": 320,
+        "local_steps": 5,
+        "batch_size": 8,
+        "max_length": 48,
+        "lr": 2e-3,
+        "eval_examples": 1000,
+        "max_examples": 0,
+        "eval_every": 40,
+        "gossip_eval_every": 160,
     },
     "quick": {
-        "updates": 16, "local_steps": 2, "batch_size": 4, "max_length": 32, "lr": 2e-3,
-        "eval_examples": 24, "max_examples": 48, "eval_every": 8, "gossip_eval_every": 8,
+        "updates": 16,
+        "local_steps": 2,
+        "batch_size": 4,
+        "max_length": 32,
+        "lr": 2e-3,
+        "eval_examples": 24,
+        "max_examples": 48,
+        "eval_every": 8,
+        "gossip_eval_every": 8,
     },
 }
 QUICK_CLIENTS = 4
@@ -115,8 +129,14 @@ def cells(methods, graphs, clients, partitions, ranks, seeds) -> list[dict[str, 
                 for rank in ranks:
                     for method in methods:
                         for graph in graphs if method != "fedavg" else ["none"]:
-                            cell = dict(method=method, graph=graph, clients=n, partition=part,
-                                        rank=rank, seed=seed)
+                            cell = dict(
+                                method=method,
+                                graph=graph,
+                                clients=n,
+                                partition=part,
+                                rank=rank,
+                                seed=seed,
+                            )
                             if cell not in out:
                                 out.append(cell)
     return out
@@ -132,18 +152,32 @@ def run_config(cell: dict[str, Any], size: dict[str, Any], threads: int) -> dict
     every = max(every, per_round)  # at most once per round
     for what, x in (("updates", size["updates"]), ("eval spacing", every)):
         if x % per_round:
-            raise ValueError(f"{method}, {n} clients: {what} {x} is not a multiple of the "
-                             f"{per_round} local updates of one round")
+            raise ValueError(
+                f"{method}, {n} clients: {what} {x} is not a multiple of the "
+                f"{per_round} local updates of one round"
+            )
     ns = types.SimpleNamespace(
-        clients=n, local_steps=k, rw_updates=size["updates"], gossip_updates=size["updates"],
-        fedavg_updates=size["updates"], eval_every_updates=every, seed=cell["seed"],
-        threads=threads, transition="metropolis", rank=cell["rank"],
-        max_length=size["max_length"], lr=size["lr"], batch_size=size["batch_size"],
-        eval_examples=size["eval_examples"], max_examples=size["max_examples"],
+        clients=n,
+        local_steps=k,
+        rw_updates=size["updates"],
+        gossip_updates=size["updates"],
+        fedavg_updates=size["updates"],
+        eval_every_updates=every,
+        seed=cell["seed"],
+        threads=threads,
+        transition="metropolis",
+        rank=cell["rank"],
+        max_length=size["max_length"],
+        lr=size["lr"],
+        batch_size=size["batch_size"],
+        eval_examples=size["eval_examples"],
+        max_examples=size["max_examples"],
     )
     graph = GRAPHS["complete" if cell["graph"] == "none" else cell["graph"]]  # unused by fedavg
     rc = E.run_config(ns, method, graph, Path("/unused"))
-    rc.update({"strategy.num-clients": n, "strategy.lazy": False, **partition_keys(cell["partition"])})
+    rc.update(
+        {"strategy.num-clients": n, "strategy.lazy": False, **partition_keys(cell["partition"])}
+    )
     return rc
 
 
@@ -188,13 +222,21 @@ def run_ray(rc: dict[str, Any], clients: int, ray_address: str | None, ray_cpus:
         init_args["address"] = ray_address
     else:
         init_args["num_cpus"] = ray_cpus
-    run_simulation(server_app=server, client_app=capp, num_supernodes=clients,
-                   backend_config={"client_resources": {"num_cpus": 1, "num_gpus": 0.0},
-                                   "init_args": init_args})
+    run_simulation(
+        server_app=server,
+        client_app=capp,
+        num_supernodes=clients,
+        backend_config={
+            "client_resources": {"num_cpus": 1, "num_gpus": 0.0},
+            "init_args": init_args,
+        },
+    )
     res = json.loads((Path(rc["output-dir"]) / "results.json").read_text())
     if res.get("status") != "completed":
-        raise RuntimeError(f"run {rc['strategy.name']} on {rc['strategy.graph']}: status "
-                           f"{res.get('status')!r} ({res.get('error')})")
+        raise RuntimeError(
+            f"run {rc['strategy.name']} on {rc['strategy.graph']}: status "
+            f"{res.get('status')!r} ({res.get('error')})"
+        )
     return res
 
 
@@ -231,34 +273,55 @@ def summarise(res: dict[str, Any], budget: int, targets=TARGETS) -> dict[str, An
     last = done[-1]
     hit = to_target(rows, targets)
     rec: dict[str, Any] = {
-        "updates_to_target": hit["updates"], "updates_before_target": hit["before"],
+        "updates_to_target": hit["updates"],
+        "updates_before_target": hit["before"],
         "mb_relayed_to_target": hit["mb_relayed"],
-        "mb_p2p_to_target": hit["mb_p2p"], "final_acc": last["test-accuracy"],
-        "final_loss": last.get("test-loss"), "final_updates": last["local-updates"],
+        "mb_p2p_to_target": hit["mb_p2p"],
+        "final_acc": last["test-accuracy"],
+        "final_loss": last.get("test-loss"),
+        "final_updates": last["local-updates"],
         "best_acc": max(r["test-accuracy"] for r in rows),
-        "curve": [{"round": r["round"], "updates": r["local-updates"],
-                   "mb_relayed": r["bytes-relayed"] / 1e6, "mb_p2p": r["bytes-p2p"] / 1e6,
-                   "acc": r["test-accuracy"], "acc_vertex_mean": r.get("test-accuracy-vertex-mean")}
-                  for r in rows],
+        "curve": [
+            {
+                "round": r["round"],
+                "updates": r["local-updates"],
+                "mb_relayed": r["bytes-relayed"] / 1e6,
+                "mb_p2p": r["bytes-p2p"] / 1e6,
+                "acc": r["test-accuracy"],
+                "acc_vertex_mean": r.get("test-accuracy-vertex-mean"),
+            }
+            for r in rows
+        ],
     }
     if any("test-accuracy-vertex-mean" in r for r in rows):
         own = to_target(rows, targets, key="test-accuracy-vertex-mean")
-        rec.update(final_acc_vertex_mean=last.get("test-accuracy-vertex-mean"),
-                   updates_to_target_vertex_mean=own["updates"],
-                   updates_before_target_vertex_mean=own["before"],
-                   mb_relayed_to_target_vertex_mean=own["mb_relayed"],
-                   mb_p2p_to_target_vertex_mean=own["mb_p2p"])
+        rec.update(
+            final_acc_vertex_mean=last.get("test-accuracy-vertex-mean"),
+            updates_to_target_vertex_mean=own["updates"],
+            updates_before_target_vertex_mean=own["before"],
+            mb_relayed_to_target_vertex_mean=own["mb_relayed"],
+            mb_p2p_to_target_vertex_mean=own["mb_p2p"],
+        )
     return rec
 
 
 def same_config(a: dict[str, Any], b: dict[str, Any]) -> bool:
     drop = set(NEUTRAL_KEYS)
-    return {k: v for k, v in a.items() if k not in drop} == {k: v for k, v in b.items() if k not in drop}
+    return {k: v for k, v in a.items() if k not in drop} == {
+        k: v for k, v in b.items() if k not in drop
+    }
 
 
 def find_done(records: list[dict], cell: dict, rc: dict) -> dict | None:
-    return next((r for r in records if all(r.get(k) == cell[k] for k in KEY_FIELDS)
-                 and same_config(r.get("run_config", {}), rc)), None)
+    return next(
+        (
+            r
+            for r in records
+            if all(r.get(k) == cell[k] for k in KEY_FIELDS)
+            and same_config(r.get("run_config", {}), rc)
+        ),
+        None,
+    )
 
 
 def run_cell(cell: dict[str, Any], args) -> dict[str, Any]:
@@ -277,15 +340,22 @@ def run_cell(cell: dict[str, Any], args) -> dict[str, Any]:
         res = run_ray(rc, cell["clients"], args.ray_address, args.ray_cpus)
     wall = time.time() - t0
     return {
-        **cell, "quick": bool(args.quick), **summarise(res, size["updates"]),
-        "budget_updates": size["updates"], "targets": list(TARGETS),
+        **cell,
+        "quick": bool(args.quick),
+        **summarise(res, size["updates"]),
+        "budget_updates": size["updates"],
+        "targets": list(TARGETS),
         "test_examples": res.get("test-examples", size["eval_examples"]),
-        "visit_counts": res.get("visit-counts"), "wall_s": wall, "engine": args.engine,
-        "ray_address": args.ray_address, "run_config": {k: v for k, v in rc.items()
-                                                        if k != "output-dir"},
+        "visit_counts": res.get("visit-counts"),
+        "wall_s": wall,
+        "engine": args.engine,
+        "ray_address": args.ray_address,
+        "run_config": {k: v for k, v in rc.items() if k != "output-dir"},
         "started_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t0)),
-        "load_avg_start": load0, "load_avg_end": os.getloadavg()[0],
-        "cpu_count": os.cpu_count(), "sweep_version": SWEEP_VERSION,
+        "load_avg_start": load0,
+        "load_avg_end": os.getloadavg()[0],
+        "cpu_count": os.cpu_count(),
+        "sweep_version": SWEEP_VERSION,
     }
 
 
@@ -317,8 +387,11 @@ def ensure_cell(cell: dict[str, Any], args) -> tuple[dict[str, Any], bool]:
     with locked(args.out):
         append_record(args.out, rec)
     ups = rec["updates_to_target"]
-    print(f"[rwlora_sweep] done {cell}: final acc {rec['final_acc']:.3f} at "
-          f"{rec['final_updates']} updates, to target {ups} ({rec['wall_s']:.0f} s)", flush=True)
+    print(
+        f"[rwlora_sweep] done {cell}: final acc {rec['final_acc']:.3f} at "
+        f"{rec['final_updates']} updates, to target {ups} ({rec['wall_s']:.0f} s)",
+        flush=True,
+    )
     return rec, True
 
 
@@ -330,24 +403,46 @@ def parse_args(argv=None):
     ap.add_argument("--partitions", nargs="+", default=["iid", "dirichlet-0.5"])
     ap.add_argument("--ranks", nargs="+", type=int, default=[8])
     ap.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
-    ap.add_argument("--suite", choices=list(SUITES), default=None,
-                    help="a planned part of the suite (overrides the six lists above)")
-    ap.add_argument("--updates", type=int, default=None,
-                    help="common budget U of local updates (default: the sizing's)")
-    ap.add_argument("--eval-every", type=int, default=None,
-                    help="local updates between evaluations, rwlora / fedavg (default: the sizing's)")
-    ap.add_argument("--gossip-eval-every", type=int, default=None,
-                    help="local updates between gossip evaluations (default: the sizing's)")
+    ap.add_argument(
+        "--suite",
+        choices=list(SUITES),
+        default=None,
+        help="a planned part of the suite (overrides the six lists above)",
+    )
+    ap.add_argument(
+        "--updates",
+        type=int,
+        default=None,
+        help="common budget U of local updates (default: the sizing's)",
+    )
+    ap.add_argument(
+        "--eval-every",
+        type=int,
+        default=None,
+        help="local updates between evaluations, rwlora / fedavg (default: the sizing's)",
+    )
+    ap.add_argument(
+        "--gossip-eval-every",
+        type=int,
+        default=None,
+        help="local updates between gossip evaluations (default: the sizing's)",
+    )
     ap.add_argument("--out", type=Path, default=RESULTS)
     ap.add_argument("--quick", action="store_true", help="tiny sizing, in-process (tests)")
-    ap.add_argument("--engine", choices=("ray", "fake"), default=None,
-                    help="default: ray (fake with --quick)")
-    ap.add_argument("--ray-address", default=None, help="existing Ray cluster (e.g. auto, host:6379)")
+    ap.add_argument(
+        "--engine", choices=("ray", "fake"), default=None, help="default: ray (fake with --quick)"
+    )
+    ap.add_argument(
+        "--ray-address", default=None, help="existing Ray cluster (e.g. auto, host:6379)"
+    )
     ap.add_argument("--ray-cpus", type=int, default=2, help="local Ray CPUs (no --ray-address)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads per process")
     ap.add_argument("--work", default=None, help="scratch folder for the runs' outputs")
-    ap.add_argument("--shard", default="0/1", help="I/N: run every N-th planned cell from the "
-                    "I-th (N processes in parallel share --out)")
+    ap.add_argument(
+        "--shard",
+        default="0/1",
+        help="I/N: run every N-th planned cell from the I-th (N processes in parallel share --out)",
+    )
     ap.add_argument("--dry-run", action="store_true", help="list the cells still to run")
     args = ap.parse_args(argv)
     try:
@@ -368,12 +463,15 @@ def parse_args(argv=None):
 
 
 def planned_cells(args) -> list[dict[str, Any]]:
-    groups = SUITES[args.suite] if args.suite else [
-        (args.methods, args.graphs, args.clients, args.partitions, args.ranks, args.seeds)]
+    groups = (
+        SUITES[args.suite]
+        if args.suite
+        else [(args.methods, args.graphs, args.clients, args.partitions, args.ranks, args.seeds)]
+    )
     out: list[dict[str, Any]] = []
     for g in groups:
         out += [c for c in cells(*g) if c not in out]
-    return out[args.shard_index::args.shard_count]
+    return out[args.shard_index :: args.shard_count]
 
 
 def main(argv=None) -> None:
@@ -390,8 +488,10 @@ def main(argv=None) -> None:
             est = estimate_s(c, size, args.ray_cpus)
             left += 0.0 if done else est
             print("done" if done else "todo", f"{est:6.0f} s", json.dumps(c))
-        print(f"{len(todo)} cells, planned {sum(estimate_s(c, size, args.ray_cpus) for c in todo) / 3600:.2f} h"
-              f" of run wall time, {left / 3600:.2f} h left (one process)")
+        print(
+            f"{len(todo)} cells, planned {sum(estimate_s(c, size, args.ray_cpus) for c in todo) / 3600:.2f} h"
+            f" of run wall time, {left / 3600:.2f} h left (one process)"
+        )
         return
     failed = []
     for cell in todo:

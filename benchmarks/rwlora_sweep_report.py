@@ -29,8 +29,12 @@ BEGIN, END = "<!-- rwlora-sweep:begin -->", "<!-- rwlora-sweep:end -->"
 KEY = ("method", "graph", "clients", "partition", "rank", "seed", "quick")
 GRAPH_ORDER = {"complete": 0, "ring": 1, "regular-3": 2, "none": 3}
 # (label, method, field suffix): gossip is scored two ways
-SERIES = (("RW-LoRA", "rwlora", ""), ("gossip, averaged adapter", "gossip", ""),
-          ("gossip, mean of vertices", "gossip", "_vertex_mean"), ("FedAvg-LoRA", "fedavg", ""))
+SERIES = (
+    ("RW-LoRA", "rwlora", ""),
+    ("gossip, averaged adapter", "gossip", ""),
+    ("gossip, mean of vertices", "gossip", "_vertex_mean"),
+    ("FedAvg-LoRA", "fedavg", ""),
+)
 
 
 def load(path: Path, quick: bool = False) -> list[dict[str, Any]]:
@@ -74,8 +78,18 @@ def groups(recs: list[dict], **where) -> dict[tuple, list[dict]]:
             key = (r["clients"], r["partition"], r["graph"], r["rank"], r["method"])
             out.setdefault(key, []).append(r)
     order = {m: i for i, (_, m, _) in enumerate(SERIES)}
-    return dict(sorted(out.items(), key=lambda kv: (kv[0][0], kv[0][1], GRAPH_ORDER.get(kv[0][2], 9),
-                                                     kv[0][3], order.get(kv[0][4], 9))))
+    return dict(
+        sorted(
+            out.items(),
+            key=lambda kv: (
+                kv[0][0],
+                kv[0][1],
+                GRAPH_ORDER.get(kv[0][2], 9),
+                kv[0][3],
+                order.get(kv[0][4], 9),
+            ),
+        )
+    )
 
 
 def _rows(recs: list[dict], field: str, digits: int, lead: tuple[str, ...], **where) -> list[str]:
@@ -89,8 +103,11 @@ def _rows(recs: list[dict], field: str, digits: int, lead: tuple[str, ...], **wh
                 continue
             cols = [stat([r[f"{field}{suffix}"].get(t) for r in grp], digits) for t in targets]
             acc = stat([r.get(f"final_acc{suffix}") for r in grp], 3, reached=False)
-            lines.append("| " + " | ".join([*(values[c] for c in lead), label, str(len(grp)),
-                                             *cols, acc]) + " |")
+            lines.append(
+                "| "
+                + " | ".join([*(values[c] for c in lead), label, str(len(grp)), *cols, acc])
+                + " |"
+            )
     return lines
 
 
@@ -99,21 +116,38 @@ def table(recs: list[dict], field: str, digits: int, lead: tuple[str, ...], **wh
     final accuracy at the common budget."""
     targets = targets_of(recs)
     budget = sorted({r["budget_updates"] for r in recs if match(r, where)})
-    head = ["| " + " | ".join([*lead, "method", "seeds", *(f"to {t}" for t in targets),
-                               f"final acc at {'/'.join(map(str, budget))} updates"]) + " |",
-            "|" + "---|" * (len(lead) + 3 + len(targets))]
+    head = [
+        "| "
+        + " | ".join(
+            [
+                *lead,
+                "method",
+                "seeds",
+                *(f"to {t}" for t in targets),
+                f"final acc at {'/'.join(map(str, budget))} updates",
+            ]
+        )
+        + " |",
+        "|" + "---|" * (len(lead) + 3 + len(targets)),
+    ]
     return "\n".join(head + _rows(recs, field, digits, lead, **where))
 
 
 def per_seed(recs: list[dict], **where) -> str:
     """Final accuracy of every seed (averaged adapter; gossip also the vertex mean)."""
-    lines = ["| clients | partition | graph | rank | method | final acc per seed |", "|---|---|---|---|---|---|"]
+    lines = [
+        "| clients | partition | graph | rank | method | final acc per seed |",
+        "|---|---|---|---|---|---|",
+    ]
     for (clients, part, graph, rank, method), grp in groups(recs, **where).items():
         grp = sorted(grp, key=lambda r: r["seed"])
         cells = []
         for r in grp:
             own = r.get("final_acc_vertex_mean")
-            cells.append(f"s{r['seed']}: {r['final_acc']:.3f}" + ("" if own is None else f" (vertices {own:.3f})"))
+            cells.append(
+                f"s{r['seed']}: {r['final_acc']:.3f}"
+                + ("" if own is None else f" (vertices {own:.3f})")
+            )
         lines.append(f"| {clients} | {part} | {graph} | {rank} | {method} | {', '.join(cells)} |")
     return "\n".join(lines)
 
@@ -134,10 +168,28 @@ def render(recs: list[dict]) -> str:
         "\n#### Final accuracy per seed (8 clients, rank 8)\n",
         per_seed(recs, **main),
         "\n#### LoRA rank (8 clients, ring, IID): local updates to each target\n",
-        table(recs, "updates_to_target", 0, ("rank",), clients=8, graph="ring", partition="iid", seed=0),
+        table(
+            recs,
+            "updates_to_target",
+            0,
+            ("rank",),
+            clients=8,
+            graph="ring",
+            partition="iid",
+            seed=0,
+        ),
         "\n#### 16 clients on the ring (IID, rank 8, seed 0) next to 8 clients: local updates\n",
-        table(recs, "updates_to_target", 0, ("clients", "graph"), partition="iid", rank=8, seed=0,
-              graph=("ring", "none"), clients=(8, 16)),
+        table(
+            recs,
+            "updates_to_target",
+            0,
+            ("clients", "graph"),
+            partition="iid",
+            rank=8,
+            seed=0,
+            graph=("ring", "none"),
+            clients=(8, 16),
+        ),
     ]
     total = sum(r["wall_s"] for r in recs)
     parts.append(f"\nRecords: {len(recs)} runs, {total / 3600:.2f} h of run wall time in all.\n")
@@ -149,7 +201,11 @@ def write_doc(doc: Path, text: str) -> None:
     old = doc.read_text() if doc.is_file() else ""
     block = f"{BEGIN}\n{text}{END}"
     pat = re.compile(re.escape(BEGIN) + ".*?" + re.escape(END), re.S)
-    new = pat.sub(lambda _: block, old) if pat.search(old) else old.rstrip("\n") + "\n\n" + block + "\n"
+    new = (
+        pat.sub(lambda _: block, old)
+        if pat.search(old)
+        else old.rstrip("\n") + "\n\n" + block + "\n"
+    )
     doc.write_text(new)
 
 
@@ -168,26 +224,50 @@ def plot(recs: list[dict], path: Path) -> Path | None:
     graphs = sorted({r["graph"] for r in sel if r["graph"] != "none"}, key=GRAPH_ORDER.get)
     if not parts or not graphs:
         return None
-    fig, axes = plt.subplots(len(parts), len(graphs), figsize=(4.6 * len(graphs), 3.6 * len(parts)),
-                             squeeze=False, sharey=True)
+    fig, axes = plt.subplots(
+        len(parts),
+        len(graphs),
+        figsize=(4.6 * len(graphs), 3.6 * len(parts)),
+        squeeze=False,
+        sharey=True,
+    )
     for i, part in enumerate(parts):
         for j, graph in enumerate(graphs):
             ax = axes[i][j]
             for label, method, suffix in SERIES:
-                grp = [r for r in sel if r["partition"] == part and r["method"] == method
-                       and r["graph"] in (graph, "none")]
+                grp = [
+                    r
+                    for r in sel
+                    if r["partition"] == part
+                    and r["method"] == method
+                    and r["graph"] in (graph, "none")
+                ]
                 key = "acc_vertex_mean" if suffix else "acc"
-                curves = [[(c["updates"], c[key]) for c in r["curve"] if c.get(key) is not None] for r in grp]
+                curves = [
+                    [(c["updates"], c[key]) for c in r["curve"] if c.get(key) is not None]
+                    for r in grp
+                ]
                 curves = [c for c in curves if c]
                 if not curves:
                     continue
                 n = min(len(c) for c in curves)  # same schedule for every seed of a cell
                 xs = [p[0] for p in curves[0][:n]]
                 ys = [[c[t][1] for c in curves] for t in range(n)]
-                line, = ax.plot(xs, [statistics.mean(y) for y in ys], marker="o", ms=2.5,
-                                ls="--" if suffix else "-", label=f"{label} ({len(curves)} seeds)")
-                ax.fill_between(xs, [min(y) for y in ys], [max(y) for y in ys], alpha=0.15,
-                                color=line.get_color())
+                (line,) = ax.plot(
+                    xs,
+                    [statistics.mean(y) for y in ys],
+                    marker="o",
+                    ms=2.5,
+                    ls="--" if suffix else "-",
+                    label=f"{label} ({len(curves)} seeds)",
+                )
+                ax.fill_between(
+                    xs,
+                    [min(y) for y in ys],
+                    [max(y) for y in ys],
+                    alpha=0.15,
+                    color=line.get_color(),
+                )
             ax.set_title(f"{graph}, {part}")
             ax.set_xlabel("local updates (all clients)")
             ax.set_ylabel("test accuracy")

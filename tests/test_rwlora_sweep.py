@@ -14,25 +14,63 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import rwlora_sweep as S  # noqa: E402
 import rwlora_sweep_report as R  # noqa: E402
 
-FIELDS = {"method", "graph", "clients", "partition", "rank", "seed", "updates_to_target",
-          "mb_relayed_to_target", "mb_p2p_to_target", "final_acc", "final_updates",
-          "budget_updates", "wall_s", "run_config", "started_utc", "curve", "test_examples"}
+FIELDS = {
+    "method",
+    "graph",
+    "clients",
+    "partition",
+    "rank",
+    "seed",
+    "updates_to_target",
+    "mb_relayed_to_target",
+    "mb_p2p_to_target",
+    "final_acc",
+    "final_updates",
+    "budget_updates",
+    "wall_s",
+    "run_config",
+    "started_utc",
+    "curve",
+    "test_examples",
+}
 
 
 def test_quick_run_writes_records_and_rerun_skips(tmp_path):
     out = tmp_path / "sweep.json"
-    argv = ["--quick", "--methods", "rwlora", "gossip", "fedavg", "--graphs", "ring",
-            "--partitions", "iid", "--seeds", "0", "--out", str(out), "--work", str(tmp_path / "w")]
+    argv = [
+        "--quick",
+        "--methods",
+        "rwlora",
+        "gossip",
+        "fedavg",
+        "--graphs",
+        "ring",
+        "--partitions",
+        "iid",
+        "--seeds",
+        "0",
+        "--out",
+        str(out),
+        "--work",
+        str(tmp_path / "w"),
+    ]
     S.main(argv)
     recs = json.loads(out.read_text())
-    assert [(r["method"], r["graph"]) for r in recs] == [("rwlora", "ring"), ("gossip", "ring"),
-                                                         ("fedavg", "none")]
+    assert [(r["method"], r["graph"]) for r in recs] == [
+        ("rwlora", "ring"),
+        ("gossip", "ring"),
+        ("fedavg", "none"),
+    ]
     budget = S.SIZES["quick"]["updates"]
     for r in recs:
         assert FIELDS <= set(r), FIELDS - set(r)
         assert r["quick"] is True and r["clients"] == S.QUICK_CLIENTS and r["partition"] == "iid"
         assert set(r["updates_to_target"]) == {"0.65", "0.70", "0.75", "0.80"}
-        assert set(r["mb_p2p_to_target"]) == set(r["mb_relayed_to_target"]) == set(r["updates_to_target"])
+        assert (
+            set(r["mb_p2p_to_target"])
+            == set(r["mb_relayed_to_target"])
+            == set(r["updates_to_target"])
+        )
         assert r["final_updates"] == budget == r["curve"][-1]["updates"]  # equal updates
         assert r["curve"][0]["updates"] == 0 and r["curve"][0]["round"] == 0
         assert r["final_acc"] == r["curve"][-1]["acc"] and 0.0 <= r["final_acc"] <= 1.0
@@ -50,21 +88,31 @@ def test_quick_run_writes_records_and_rerun_skips(tmp_path):
 
 def test_run_config_maps_graphs_partitions_and_budget():
     full = S.SIZES["full"]
-    rc = S.run_config(dict(method="gossip", graph="regular-3", clients=8, partition="dirichlet-0.5",
-                           rank=4, seed=2), full, 1)
-    assert rc["strategy.graph"] == "random_regular:d=3" and rc["strategy.transition"] == "metropolis"
+    rc = S.run_config(
+        dict(
+            method="gossip", graph="regular-3", clients=8, partition="dirichlet-0.5", rank=4, seed=2
+        ),
+        full,
+        1,
+    )
+    assert (
+        rc["strategy.graph"] == "random_regular:d=3" and rc["strategy.transition"] == "metropolis"
+    )
     assert rc["data.partitioner"] == "dirichlet" and rc["data.dirichlet-alpha"] == 0.5
     assert rc["lora.r"] == 4 and rc["seed"] == 2 and rc["data.eval-examples"] == 1000
     assert rc["num-server-rounds"] == 320 // 40 and rc["eval-every"] == 160 // 40
-    rw = S.run_config(dict(method="rwlora", graph="ring", clients=16, partition="iid", rank=8,
-                           seed=0), full, 1)
+    rw = S.run_config(
+        dict(method="rwlora", graph="ring", clients=16, partition="iid", rank=8, seed=0), full, 1
+    )
     assert rw["num-server-rounds"] == 64 and rw["eval-every"] == 8
-    fed = S.run_config(dict(method="fedavg", graph="none", clients=16, partition="iid", rank=8,
-                            seed=0), full, 1)
+    fed = S.run_config(
+        dict(method="fedavg", graph="none", clients=16, partition="iid", rank=8, seed=0), full, 1
+    )
     assert fed["num-server-rounds"] == 4 and fed["eval-every"] == 1  # at most once per round
     with pytest.raises(ValueError, match="not a multiple"):
-        S.run_config(dict(method="gossip", graph="ring", clients=6, partition="iid", rank=8,
-                          seed=0), full, 1)
+        S.run_config(
+            dict(method="gossip", graph="ring", clients=6, partition="iid", rank=8, seed=0), full, 1
+        )
     with pytest.raises(ValueError, match="dirichlet"):
         S.partition_keys("dirichlet-x")
 
@@ -78,15 +126,19 @@ def test_cells_fedavg_once_per_partition_and_suite_size():
     args = S.parse_args(["--suite", "all", "--work", "/tmp"])
     planned = S.planned_cells(args)
     assert len(planned) == 42 + 6 + 3  # rank 8 of the rank table is a main cell
-    shards = [S.planned_cells(S.parse_args(["--suite", "all", "--work", "/tmp", "--shard", f"{i}/2"]))
-              for i in (0, 1)]
+    shards = [
+        S.planned_cells(S.parse_args(["--suite", "all", "--work", "/tmp", "--shard", f"{i}/2"]))
+        for i in (0, 1)
+    ]
     assert len(shards[0]) + len(shards[1]) == len(planned)
     assert sorted(map(str, shards[0] + shards[1])) == sorted(map(str, planned))
     args = S.parse_args(["--updates", "160", "--gossip-eval-every", "80", "--work", "/tmp"])
     size = S.sizing(args)
     assert size["updates"] == 160 and size["gossip_eval_every"] == 80 and size["eval_every"] == 40
-    est = S.estimate_s(dict(method="gossip", graph="ring", clients=8, partition="iid", rank=8,
-                            seed=0), S.SIZES["full"])
+    est = S.estimate_s(
+        dict(method="gossip", graph="ring", clients=8, partition="iid", rank=8, seed=0),
+        S.SIZES["full"],
+    )
     # 3 evaluation points x 9 adapters x 14.5 s + 8 rounds x 4 x 5 x 0.475 s + 17 s start-up
     assert est == pytest.approx(17 + 27 * 14.5 + 8 * 4 * 5 * 0.475)
 
@@ -95,12 +147,30 @@ ROWS = {
     "initial": {"test-accuracy": 0.5, "test-loss": 0.69},
     "rounds": [
         {"round": 1, "local-updates": 40, "bytes-relayed": 2_000_000, "bytes-p2p": 1_000_000},
-        {"round": 2, "local-updates": 80, "bytes-relayed": 4_000_000, "bytes-p2p": 2_000_000,
-         "test-accuracy": 0.70, "test-accuracy-vertex-mean": 0.60},
-        {"round": 3, "local-updates": 120, "bytes-relayed": 6_000_000, "bytes-p2p": 3_000_000,
-         "test-accuracy": 0.66, "test-accuracy-vertex-mean": 0.68},
-        {"round": 4, "local-updates": 160, "bytes-relayed": 8_000_000, "bytes-p2p": 4_000_000,
-         "test-accuracy": 0.76, "test-accuracy-vertex-mean": 0.71},
+        {
+            "round": 2,
+            "local-updates": 80,
+            "bytes-relayed": 4_000_000,
+            "bytes-p2p": 2_000_000,
+            "test-accuracy": 0.70,
+            "test-accuracy-vertex-mean": 0.60,
+        },
+        {
+            "round": 3,
+            "local-updates": 120,
+            "bytes-relayed": 6_000_000,
+            "bytes-p2p": 3_000_000,
+            "test-accuracy": 0.66,
+            "test-accuracy-vertex-mean": 0.68,
+        },
+        {
+            "round": 4,
+            "local-updates": 160,
+            "bytes-relayed": 8_000_000,
+            "bytes-p2p": 4_000_000,
+            "test-accuracy": 0.76,
+            "test-accuracy-vertex-mean": 0.71,
+        },
     ],
 }
 
@@ -122,28 +192,50 @@ def test_target_logic_first_evaluation_at_or_above():
 
 def _rec(method, graph, seed, ups, acc, clients=8, rank=8, own=None):
     keys = ("0.70", "0.75")
-    rec = {"method": method, "graph": graph, "clients": clients, "partition": "iid", "rank": rank,
-           "seed": seed, "quick": False, "budget_updates": 320, "wall_s": 100.0,
-           "updates_to_target": dict(zip(keys, ups, strict=True)),
-           "mb_relayed_to_target": {k: None if u is None else u / 10 for k, u in zip(keys, ups, strict=True)},
-           "mb_p2p_to_target": {k: None if u is None else u / 20 for k, u in zip(keys, ups, strict=True)},
-           "final_acc": acc,
-           "curve": [{"updates": 0, "acc": 0.5, "acc_vertex_mean": None},
-                     {"updates": 320, "acc": acc, "acc_vertex_mean": own}]}
+    rec = {
+        "method": method,
+        "graph": graph,
+        "clients": clients,
+        "partition": "iid",
+        "rank": rank,
+        "seed": seed,
+        "quick": False,
+        "budget_updates": 320,
+        "wall_s": 100.0,
+        "updates_to_target": dict(zip(keys, ups, strict=True)),
+        "mb_relayed_to_target": {
+            k: None if u is None else u / 10 for k, u in zip(keys, ups, strict=True)
+        },
+        "mb_p2p_to_target": {
+            k: None if u is None else u / 20 for k, u in zip(keys, ups, strict=True)
+        },
+        "final_acc": acc,
+        "curve": [
+            {"updates": 0, "acc": 0.5, "acc_vertex_mean": None},
+            {"updates": 320, "acc": acc, "acc_vertex_mean": own},
+        ],
+    }
     if own is not None:
-        rec.update(final_acc_vertex_mean=own, updates_to_target_vertex_mean=dict(zip(keys, (200, None), strict=True)),
-                   mb_relayed_to_target_vertex_mean={}, mb_p2p_to_target_vertex_mean={})
+        rec.update(
+            final_acc_vertex_mean=own,
+            updates_to_target_vertex_mean=dict(zip(keys, (200, None), strict=True)),
+            mb_relayed_to_target_vertex_mean={},
+            mb_p2p_to_target_vertex_mean={},
+        )
         rec["curve"][0]["acc_vertex_mean"] = 0.5
     return rec
 
 
 def test_report_renders_exact_numbers(tmp_path):
-    recs = [_rec("rwlora", "ring", 0, (80, 120), 0.78), _rec("rwlora", "ring", 1, (120, None), 0.80),
-            _rec("rwlora", "ring", 2, (None, None), 0.82),
-            _rec("gossip", "ring", 0, (280, 600), 0.79, own=0.75),
-            _rec("fedavg", "none", 0, (280, 280), 0.725),
-            _rec("rwlora", "ring", 0, (40, 80), 0.81, rank=2),
-            _rec("rwlora", "ring", 0, (160, None), 0.74, clients=16)]
+    recs = [
+        _rec("rwlora", "ring", 0, (80, 120), 0.78),
+        _rec("rwlora", "ring", 1, (120, None), 0.80),
+        _rec("rwlora", "ring", 2, (None, None), 0.82),
+        _rec("gossip", "ring", 0, (280, 600), 0.79, own=0.75),
+        _rec("fedavg", "none", 0, (280, 280), 0.725),
+        _rec("rwlora", "ring", 0, (40, 80), 0.81, rank=2),
+        _rec("rwlora", "ring", 0, (160, None), 0.74, clients=16),
+    ]
     recs.append({**recs[0], "final_acc": 0.1, "quick": True})  # quick records are not reported
     path = tmp_path / "s.json"
     path.write_text(json.dumps(recs))
@@ -152,9 +244,14 @@ def test_report_renders_exact_numbers(tmp_path):
     text = R.render(loaded)
     assert ("| iid | ring | RW-LoRA | 3 | 100 ± 28 (2/3) | 120 (1/3) | 0.800 ± 0.020 |") in text
     assert "| iid | ring | gossip, averaged adapter | 1 | 280 (1/1) | 600 (1/1) | 0.790 |" in text
-    assert "| iid | ring | gossip, mean of vertices | 1 | 200 (1/1) | not reached (0/1) | 0.750 |" in text
+    assert (
+        "| iid | ring | gossip, mean of vertices | 1 | 200 (1/1) | not reached (0/1) | 0.750 |"
+        in text
+    )
     assert "| iid | none | FedAvg-LoRA | 1 | 280 (1/1) | 280 (1/1) | 0.725 |" in text
-    assert "| iid | ring | RW-LoRA | 3 | 10.0 ± 2.8 (2/3) | 12.0 (1/3) | 0.800 ± 0.020 |" in text  # MB relayed
+    assert (
+        "| iid | ring | RW-LoRA | 3 | 10.0 ± 2.8 (2/3) | 12.0 (1/3) | 0.800 ± 0.020 |" in text
+    )  # MB relayed
     assert "| 2 | RW-LoRA | 1 | 40 (1/1) | 80 (1/1) | 0.810 |" in text  # rank table
     assert "| 16 | ring | RW-LoRA | 1 | 160 (1/1) | not reached (1/1) | 0.740 |" not in text
     assert "| 16 | ring | RW-LoRA | 1 | 160 (1/1) | not reached (0/1) | 0.740 |" in text
@@ -180,11 +277,15 @@ def test_parallel_shards_lose_no_record(tmp_path):
     import multiprocessing as mp
 
     path = tmp_path / "shared.json"
-    procs = [mp.get_context("fork").Process(target=_append_many, args=(str(path), t)) for t in (0, 1, 2)]
+    procs = [
+        mp.get_context("fork").Process(target=_append_many, args=(str(path), t)) for t in (0, 1, 2)
+    ]
     for p in procs:
         p.start()
     for p in procs:
         p.join(timeout=60)
     recs = json.loads(path.read_text())
-    assert sorted((r["tag"], r["j"]) for r in recs) == [(t, j) for t in (0, 1, 2) for j in range(15)]
+    assert sorted((r["tag"], r["j"]) for r in recs) == [
+        (t, j) for t in (0, 1, 2) for j in range(15)
+    ]
     assert [p.name for p in tmp_path.iterdir()] == ["shared.json"]  # no lock or temp file left
