@@ -248,3 +248,24 @@ def test_run_that_uses_no_reply_stops_with_an_error(tmp_path):
     assert res["status"] == "failed" and "max-empty-rounds=3" in res["error"]
     assert res["initial"]["round"] == 0 and [r["round"] for r in res["rounds"]] == [1, 2, 3]
     assert res["rounds"][-1]["local-updates"] == 0
+
+
+def test_gossip_scores_equal_vertex_adapters_once(tmp_path, monkeypatch):
+    """Round 0: every vertex holds the initial adapter, so it is scored once, not per vertex
+    (the values are the same: evaluation is deterministic)."""
+    from rwlora_sentiment import server_app
+
+    calls = []
+    real = server_app.classifier.evaluate
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(server_app.classifier, "evaluate", counting)
+    _, res = _run(tmp_path, "g", **{"strategy.name": "gossip", "num-server-rounds": 1})
+    # round 0: the average + one for the 3 identical vertex adapters; round 1: 1 + 3 distinct
+    assert len(calls) <= 2 + 4, len(calls)
+    assert res["initial"]["test-accuracy-vertex-mean"] == pytest.approx(
+        res["initial"]["test-accuracy"], abs=0.02
+    )

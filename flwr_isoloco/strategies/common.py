@@ -44,6 +44,7 @@ from flwr_isoloco.strategies.wire import decode_array, nonfinite_reason, record_
 
 __all__ = [
     "CheckedReply",
+    "array_digest",
     "MAX_MERGEABLE_NORM",
     "PAYLOADS",
     "PAYLOAD_KEY",
@@ -164,8 +165,18 @@ class SentLedger:
         ]
 
 
+def array_digest(records: Mapping[str, ArrayRecord]) -> str:
+    """sha256 over named ArrayRecords (record and array names, dtypes, shapes, bytes)."""
+    h = hashlib.sha256()
+    for rkey in sorted(records):
+        for key, arr in records[rkey].items():
+            h.update(f"{rkey}/{key}:{arr.dtype}:{tuple(arr.shape)}".encode())
+            h.update(arr.data if isinstance(arr.data, bytes) else bytes(arr.data))
+    return h.hexdigest()
+
+
 def content_digest(msg: Message) -> str:
-    """sha256 over a reply's array records (names, dtypes, shapes, bytes); ``""`` without any.
+    """sha256 over a reply's array records (:func:`array_digest`); ``""`` without any.
 
     Replies are processed in this order: it depends only on what the replies hold, not on when
     they arrived nor on the node ids (which a simulation draws at random each run), so the
@@ -173,12 +184,7 @@ def content_digest(msg: Message) -> str:
     """
     if msg.has_error() or not msg.has_content():
         return ""
-    h = hashlib.sha256()
-    for rkey in sorted(msg.content.array_records):
-        for key, arr in msg.content.array_records[rkey].items():
-            h.update(f"{rkey}/{key}:{arr.dtype}:{tuple(arr.shape)}".encode())
-            h.update(arr.data if isinstance(arr.data, bytes) else bytes(arr.data))
-    return h.hexdigest()
+    return array_digest(msg.content.array_records)
 
 
 def _is_number(v: object) -> bool:

@@ -21,6 +21,7 @@ from flwr_isoloco.apprunner import CHECKPOINT, AppRun, AppSpec, run_app
 from flwr_isoloco.checkpoint import Field
 from flwr_isoloco.models import classifier
 from flwr_isoloco.models.export import export_adapter
+from flwr_isoloco.strategies.common import array_digest
 
 from .plots import plot_results, plot_title
 from .task import build_strategy, load_config, load_evaluator, optimizer_shapes
@@ -76,13 +77,10 @@ def _plotter(cfg, strategy, cursors: dict[str, int], n: int):
     return plot
 
 
-def build(cfg, nodes: list[int]) -> AppRun:
-    """Evaluator, strategy for the connected clients, and the app's row, plots and export."""
-    name, n = cfg.strategy.name, len(nodes)
-    random.seed(cfg.seed)  # FedAvg samples with Python's global random (restored on resume)
-    model, tokenizer, texts, labels, initial_adapter = load_evaluator(cfg)
-    strategy = build_strategy(cfg, n)
-    cursors: dict[str, int] = {}  # partition -> data cursor, for the visit plot
+def _evaluator(cfg, strategy, model, tokenizer, texts, labels):
+    """``evaluate(round, arrays)``: test accuracy/loss every ``eval-every`` rounds (gossip: also
+    the mean over each vertex's own adapter; equal adapters, e.g. at round 0, scored once)."""
+    name = cfg.strategy.name
 
     def accuracy(arrays: ArrayRecord) -> dict[str, float]:
         classifier.load_adapter_state_dict(model, arrays.to_torch_state_dict())
@@ -93,13 +91,34 @@ def build(cfg, nodes: list[int]) -> AppRun:
     def evaluate(rnd: int, arrays: ArrayRecord) -> dict[str, float] | None:
         if rnd and rnd % cfg["eval-every"] and rnd != cfg["num-server-rounds"]:
             return None
-        res = accuracy(arrays)
+        scored: dict[str, dict[str, float]] = {}  # digest -> result: equal adapters once
+
+        def score(a: ArrayRecord) -> dict[str, float]:
+            key = array_digest({"a": a})
+            if key not in scored:
+                scored[key] = accuracy(a)
+            return scored[key]
+
+        res = score(arrays)
         m = {"test-accuracy": res["accuracy"], "test-loss": res["loss"]}
-        if name == "gossip":  # each vertex's own adapter, not the A/B average
-            own = [accuracy(a) for a in strategy.vertex_adapters().values()]
+        if name == "gossip":  # each vertex's own adapter, not the A/B average (round 0: the same)
+            own = [score(a) for a in strategy.vertex_adapters().values()]
             m["test-accuracy-vertex-mean"] = sum(r["accuracy"] for r in own) / len(own)
             m["test-loss-vertex-mean"] = sum(r["loss"] for r in own) / len(own)
         return m
+
+    return evaluate
+
+
+def build(cfg, nodes: list[int]) -> AppRun:
+    """Evaluator, strategy for the connected clients, and the app's row, plots and export."""
+    name, n = cfg.strategy.name, len(nodes)
+    random.seed(cfg.seed)  # FedAvg samples with Python's global random (restored on resume)
+    model, tokenizer, texts, labels, initial_adapter = load_evaluator(cfg)
+    strategy = build_strategy(cfg, n)
+    cursors: dict[str, int] = {}  # partition -> data cursor, for the visit plot
+
+    evaluate = _evaluator(cfg, strategy, model, tokenizer, texts, labels)
 
     def row(rnd: int, tm: dict[str, Any], em: dict[str, Any]) -> dict[str, Any]:
         replies = strategy.round_replies
