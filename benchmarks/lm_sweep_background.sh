@@ -8,8 +8,10 @@ PY="nice -n 19 env PYTHONPATH=$PWD .venv/bin/python benchmarks/lm_sweep.py"
 # 1. tuning: DiLoCo/IsoLoCo at M = 8 (5 lrs x 2 momenta) and at M = 64 (3 lrs around the M = 8 optimum)
 $PY --tune --methods isoloco diloco --workers 8
 $PY --tune --methods isoloco diloco --workers 64
-# 2. repeatability: one cell recorded before the content-digest merge order, rerun into a side file
-$PY --methods isoloco --workers 8 --seeds 0 --out benchmarks/results/lm_rerun_check.json
+# 2. repeatability: a cell recorded before the content-digest merge order, rerun into a side file
+#    (an empty tuning file and explicit outer values, so the stored twin is not reused)
+$PY --methods isoloco --workers 8 --seeds 0 --outer-lr 1.8 --outer-momentum 0.8 \
+    --tuning-file /tmp/lm_rerun_empty_tuning.json --out benchmarks/results/lm_rerun_check.json
 # 3. headline cells, 3 seeds (M <= 16 at the M = 8 optimum, M >= 32 at the M = 64 one)
 $PY --methods fedavg diloco isoloco --workers 1 8 32 128 --seeds 0 1 2
 # 4. no-momentum methods and merging baselines: tuning at M = 8
