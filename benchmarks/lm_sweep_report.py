@@ -148,17 +148,33 @@ def versus_m1_table(recs: list[dict]) -> str:
     return "\n".join(rows)
 
 
-def plot_loss_vs_m(recs: list[dict], path: Path) -> None:
-    """Test loss vs M per method (mean over seeds, error bars = sd; single seeds as dots)."""
+def _axes(figsize: tuple[float, float]):
+    """A new (figure, axes) on the Agg backend."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    return plt.subplots(figsize=figsize)
+
+
+def _save(fig, ax, path: Path, legend_size: int) -> None:
+    """Grid, legend, layout; written atomically with mode 0644; figure closed."""
+    import matplotlib.pyplot as plt
+
     from flwr_isoloco.plotting import save_figure
 
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=legend_size)
+    fig.tight_layout()
+    save_figure(fig, path)
+    plt.close(fig)
+
+
+def plot_loss_vs_m(recs: list[dict], path: Path) -> None:
+    """Test loss vs M per method (mean over seeds, error bars = sd; single seeds as dots)."""
     cells = _by_cell(recs)
-    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    fig, ax = _axes((6.4, 4.2))
     for method in sorted({k for (k, _) in cells}):
         ms = sorted(m for (k, m) in cells if k == method)
         stats = [_mean_sd(list(cells[(method, m)].values())) for m in ms]
@@ -173,24 +189,13 @@ def plot_loss_vs_m(recs: list[dict], path: Path) -> None:
     ax.set_xscale("log", base=2)
     ax.set_xlabel("workers M (same tokens, same global batch)")
     ax.set_ylabel("test loss (nats/token)")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    save_figure(fig, path)
-    plt.close(fig)
+    _save(fig, ax, path, legend_size=8)
 
 
 def plot_gap(recs: list[dict], path: Path) -> None:
     """DiLoCo - IsoLoCo test-loss gap vs M (paired by seed; error bars = sd)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    from flwr_isoloco.plotting import save_figure
-
     cells = _by_cell(recs)
-    fig, ax = plt.subplots(figsize=(6.0, 3.8))
+    fig, ax = _axes((6.0, 3.8))
     for base, style in (("diloco", "o-"), ("fedavg", "s--")):
         pts = []
         for m in sorted({m for (_, m) in cells}):
@@ -211,27 +216,16 @@ def plot_gap(recs: list[dict], path: Path) -> None:
     ax.set_xscale("log", base=2)
     ax.set_xlabel("workers M")
     ax.set_ylabel("test-loss gap (nats/token)")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    save_figure(fig, path)
-    plt.close(fig)
+    _save(fig, ax, path, legend_size=8)
 
 
 def plot_tuning(tuning: list[dict], path: Path) -> None:
     """Validation loss vs outer lr per (method, M, momentum): the tuning curves."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    from flwr_isoloco.plotting import save_figure
-
     groups: dict[tuple, list[dict]] = defaultdict(list)
     for r in tuning:
         if r["protocol"] == "main":
             groups[(r["method"], r["workers"], r["outer_momentum"])].append(r)
-    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    fig, ax = _axes((6.4, 4.2))
     for (method, m, mu), group in sorted(groups.items()):
         if len(group) < 2:
             continue
@@ -245,11 +239,7 @@ def plot_tuning(tuning: list[dict], path: Path) -> None:
     ax.set_xscale("log")
     ax.set_xlabel("outer learning rate")
     ax.set_ylabel("validation loss (tuning split)")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    save_figure(fig, path)
-    plt.close(fig)
+    _save(fig, ax, path, legend_size=7)
 
 
 LABELS = {
