@@ -137,7 +137,9 @@ class AppSpec:
     config (an OmegaConf DictConfig) with ``num-server-rounds``, ``resume-from``,
     ``checkpoint``, ``round-timeout``, ``torch-threads`` and ``output-dir``; ``nodes(cfg) -> (min_nodes, exact, timeout_s)`` says how
     long to wait for the nodes (``exact``: that many are expected, no settling);
-    ``build(cfg, node_ids)`` returns the :class:`AppRun`.
+    ``build(cfg, node_ids)`` returns the :class:`AppRun`; ``build_needs_nodes``: the app's
+    strategy depends on the connected nodes (e.g. one graph vertex per node), so the runner
+    waits for them even when a resumed checkpoint leaves no round to run.
     """
 
     name: str
@@ -146,6 +148,7 @@ class AppSpec:
     nodes: Callable[[Any], tuple[int, bool, float]]
     build: Callable[[Any, list[int]], AppRun]
     resumable_differences: frozenset[str] = frozenset()
+    build_needs_nodes: bool = False
 
 
 def output_dir(cfg, app: str, run_id: int) -> Path:
@@ -313,8 +316,9 @@ def _setup(spec: AppSpec, run_config: Mapping[str, Any], run_id: int):
 
 def _nodes(spec: AppSpec, cfg, grid: Grid, settle_s: float, run_anything: bool) -> list[int]:
     """The connected nodes; simulated nodes register after the ServerApp starts, so unless
-    nothing is to run, wait until enough are there (and, unless exact, their count settles)."""
-    if not run_anything:
+    nothing is to run (and the app's build does not depend on them), wait until enough are
+    there (and, unless exact, their count settles)."""
+    if not run_anything and not spec.build_needs_nodes:
         return sorted(grid.get_node_ids())
     wanted, exact, timeout_s = spec.nodes(cfg)
     return wait_for_nodes(

@@ -8,8 +8,8 @@ import torch
 from flwr_isoloco.merging import MERGE_RULES, StreamingMerger, iso_c, merge, polar
 from flwr_isoloco.merging.polar import _newton_schulz, ns_coefficients, thin_svd
 from flwr_isoloco.merging.rules import prune_smallest
-from flwr_isoloco.testing.synthetic import adam_pseudo_gradient, low_rank_plus_noise
 from flwr_isoloco.merging.validation import all_finite
+from flwr_isoloco.testing.synthetic import adam_pseudo_gradient, low_rank_plus_noise
 
 torch.set_num_threads(1)
 F64 = torch.float64

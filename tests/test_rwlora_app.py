@@ -269,3 +269,31 @@ def test_gossip_scores_equal_vertex_adapters_once(tmp_path, monkeypatch):
     assert res["initial"]["test-accuracy-vertex-mean"] == pytest.approx(
         res["initial"]["test-accuracy"], abs=0.02
     )
+
+
+class _LateGrid(FakeGrid):
+    """Nodes that register only after the ServerApp has asked a few times (as in simulation)."""
+
+    def __init__(self, *args, hidden_polls: int = 3, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._hidden = hidden_polls
+
+    def get_node_ids(self):
+        if self._hidden > 0:
+            self._hidden -= 1
+            return []
+        return super().get_node_ids()
+
+
+def test_resume_of_a_finished_run_waits_for_its_clients_and_exports(tmp_path, monkeypatch):
+    """A checkpoint already holding every round trains nothing, but the graph strategy still
+    needs one vertex per client: the runner waits for them instead of building on 0 nodes."""
+    monkeypatch.setattr("flwr_isoloco.strategies.nodes.POLL_S", 0.01)
+    done, _ = _run(tmp_path, "done", **{"num-server-rounds": 2})
+    rc = {**TINY, "num-server-rounds": 2, "output-dir": str(tmp_path / "again")}
+    rc["resume-from"] = str(done / CHECKPOINT)
+    out = run_server(_LateGrid(client_app, num_nodes=3, run_config=rc), rc, settle_s=0.05)
+    res = json.loads((out / "results.json").read_text())
+    assert res["status"] == "completed" and res["num-clients"] == 3
+    assert [r["round"] for r in res["rounds"]] == [1, 2]
+    assert (out / "adapter" / "adapter_config.json").exists()

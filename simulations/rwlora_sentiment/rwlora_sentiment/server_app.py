@@ -184,6 +184,7 @@ SPEC = AppSpec(
     resumable_differences=frozenset(
         {"num-server-rounds", "strategy.node-wait-s", "strategy.max-empty-rounds"}
     ),
+    build_needs_nodes=True,  # one graph vertex per connected client
 )
 
 
