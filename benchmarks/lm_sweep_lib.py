@@ -254,6 +254,7 @@ def _make_handler(spec: dict[str, Any]):
         model_fn, data_fn, lr=size["inner_lr"], local_steps=size["inner_steps"],
         num_server_rounds=size["rounds"], warmup_steps=size["warmup"],
         min_lr_ratio=size["min_lr_ratio"], seed=spec["seed"],
+        state_layout=spec.get("state_layout", "flat"),
     )
 
 
@@ -290,7 +291,8 @@ def make_strategy(method: str, workers: int, outer_lr: float, outer_momentum: fl
 
 def run_flower(method: str, workers: int, seed: int, outer_lr: float, outer_momentum: float,
                size: dict[str, Any], *, protocol: str = "main", ray_address: str | None = None,
-               num_cpus: int | None = None, model_cache: bool = True) -> dict[str, Any]:
+               num_cpus: int | None = None, model_cache: bool = True,
+               state_layout: str = "flat") -> dict[str, Any]:
     """One real Flower simulation (Ray) of ``method`` at M = ``workers``; returns the losses."""
     from flwr.app import ArrayRecord, ConfigRecord
     from flwr.clientapp import ClientApp
@@ -301,7 +303,7 @@ def run_flower(method: str, workers: int, seed: int, outer_lr: float, outer_mome
         raise ValueError(f"global batch {size['global_batch']} is not divisible by M = {workers}")
     rows_path, info = run_rows(size, seed)
     spec = {"size": size, "workers": workers, "seed": seed, "rows_path": str(rows_path),
-            "model_cache": model_cache}
+            "model_cache": model_cache, "state_layout": state_layout}
     client = ClientApp()
     client.train()(client_train)
     server = ServerApp()

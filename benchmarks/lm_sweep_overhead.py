@@ -4,9 +4,12 @@ A FedAvg run of the sweep's main model with H = 1 inner step on G / M = 1 sequen
 and 3 rounds, so a round is almost all overhead (message in, context and AdamW state restored,
 model built or reused, reply out, merge). Rounds 2-3 are timed (round 1 includes actor start-up).
 Per message: ``round_s / M`` (wall, amortised over the Ray actors) and the overhead
-``round_s * actors / M - t_step`` with ``t_step`` one inner step measured in process. Runs with
-the per-process model cache on and off (``--no-model-cache`` in lm_sweep.py) and writes
-``benchmarks/results/lm_overhead.json``.
+``round_s * actors / M - t_step`` with ``t_step`` one inner step measured in process. Runs, in
+one process and in this order, the worker's AdamW state in the per-parameter layout (the
+previous default: three Flower Arrays per parameter in ``context.state``), in the flat layout
+(three Arrays in all; the default now), and the flat layout with the model rebuilt for every
+message (``--no-model-cache`` in lm_sweep.py); every run must end at the same validation loss
+to the last bit. Writes ``benchmarks/results/lm_overhead.json``.
 
     nice -n 19 python benchmarks/lm_sweep_overhead.py [--workers 128] [--num-cpus 2]
 """
@@ -56,26 +59,29 @@ def main() -> None:
     ap.add_argument("--num-cpus", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args()
-    size = {**lib.SIZES["main"], "rounds": args.rounds, "inner_steps": 1}
+    size = {**lib.SIZES["main"], "rounds": args.rounds, "inner_steps": 1, "warmup": 1}
     t_step = step_time(size)
     out = {"workers": args.workers, "actors": args.num_cpus, "rounds": args.rounds,
            "t_step_s": t_step, "runs": []}
-    for cache in (True, False):
+    variants = (("named", True), ("flat", True), ("flat", False))
+    for layout, cache in variants:
         load0 = os.getloadavg()[0]
-        res = lib.run_flower("fedavg", args.workers, 0, 1.0, 0.0, size,
-                             num_cpus=args.num_cpus, model_cache=cache)
+        res = lib.run_flower("fedavg", args.workers, 0, 1.0, 0.0, size, num_cpus=args.num_cpus,
+                             model_cache=cache, state_layout=layout)
         rounds = res["round_s"][1:]
         per_round = statistics.median(rounds)
         out["runs"].append({
-            "model_cache": cache, "round_s": res["round_s"], "wall_s": res["wall_s"],
-            "per_message_wall_s": per_round / args.workers,
+            "state_layout": layout, "model_cache": cache, "round_s": res["round_s"],
+            "wall_s": res["wall_s"], "per_message_wall_s": per_round / args.workers,
             "per_message_overhead_s": per_round * args.num_cpus / args.workers - t_step,
             "load_avg_start": load0, "load_avg_end": os.getloadavg()[0],
             "val_loss": res["val_loss"],
         })
         print(json.dumps(out["runs"][-1]), flush=True)
-    on, off = (r["per_message_overhead_s"] for r in out["runs"])
-    out["overhead_ratio_cache_off_over_on"] = off / on
+    named, flat, nocache = (r["per_message_overhead_s"] for r in out["runs"])
+    out["overhead_ratio_flat_over_named"] = flat / named
+    out["overhead_ratio_cache_off_over_on"] = nocache / flat
+    out["same_val_loss_to_the_bit"] = len({r["val_loss"] for r in out["runs"]}) == 1
     OUT.write_text(json.dumps(out, indent=1) + "\n")
     print(json.dumps({k: v for k, v in out.items() if k != "runs"}), flush=True)
 

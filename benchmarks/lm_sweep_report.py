@@ -12,7 +12,8 @@ Quick (``--quick``) records are ignored.
 
 ``--write-docs`` regenerates the block between the ``lm_sweep_report`` markers of
 docs/results-lm.md: the main table at today's tuned values, the DiLoCo - IsoLoCo and
-FedAvg - IsoLoCo gaps paired by seed, the change against M = 1, the tuning grids, and three
+FedAvg - IsoLoCo gaps paired by seed, the merge rules at M = 8 and 32 ranked, the secondary
+protocols next to their main cells, the change against M = 1, the tuning grids, and three
 plots (test loss vs M with sd error bars, the gap vs M, tuning curves).
 """
 
@@ -148,6 +149,59 @@ def versus_m1_table(recs: list[dict]) -> str:
     return "\n".join(rows)
 
 
+def _hp(r: dict) -> str:
+    if r.get("outer_lr") is None:
+        return f"- (peak lr {r['inner_lr']:g})" if r.get("inner_lr") else "-"
+    return f"{r['outer_lr']:g} / {r['outer_momentum']:g}"
+
+
+def ranked_table(recs: list[dict], workers: tuple[int, ...]) -> str:
+    """The cells at the given M, best mean test loss first (the merge-rule comparison)."""
+    cells = defaultdict(list)
+    for r in recs:
+        if r["workers"] in workers:
+            cells[(r["workers"], r["method"])].append(r)
+    rows = [
+        "| M | method | outer lr / mu | seeds | test loss mean | sd | val loss mean |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for (m, method), group in sorted(
+        cells.items(), key=lambda kv: (kv[0][0], statistics.mean(r["test_loss"] for r in kv[1]))
+    ):
+        test = [r["test_loss"] for r in group]
+        mean, sd = _mean_sd(test)
+        hp = "; ".join(sorted({_hp(r) for r in group}))
+        rows.append(
+            f"| {m} | {LABELS.get(method, method)} | {hp} | {len(group)} | {mean:.4f} | "
+            f"{'-' if sd is None else f'{sd:.4f}'} | "
+            f"{statistics.mean(r['val_loss'] for r in group):.4f} |"
+        )
+    return "\n".join(rows)
+
+
+def protocols_table(sweep: list[dict], tuning: list[dict]) -> str:
+    """Secondary-protocol cells (at the main protocol's tuned outer values) next to the main
+    cell of the same method, M and seed: test loss and the difference (protocol - main)."""
+    main = {(r["method"], r["workers"], r["seed"]): r for r in current_cells(sweep, tuning)}
+    rows = [
+        "| protocol | M | H | rounds | method | seed | test loss | main test loss | protocol - main |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    protos = sorted({r["protocol"] for r in sweep} - {"main"})
+    cells = [r for p in protos for r in current_cells(sweep, tuning, p)]
+    for r in sorted(cells, key=lambda r: (r["protocol"], r["inner_steps"], r["workers"],
+                                          r["method"], r["seed"])):
+        ref = main.get((r["method"], r["workers"], r["seed"]))
+        ref_s = "" if ref is None else f"{ref['test_loss']:.4f}"
+        diff = "" if ref is None else f"{r['test_loss'] - ref['test_loss']:+.4f}"
+        rows.append(
+            f"| {r['protocol']} | {r['workers']} | {r['inner_steps']} | {r['rounds']} | "
+            f"{LABELS.get(r['method'], r['method'])} | {r['seed']} | {r['test_loss']:.4f} | "
+            f"{ref_s} | {diff} |"
+        )
+    return "\n".join(rows)
+
+
 def _axes(figsize: tuple[float, float]):
     """A new (figure, axes) on the Agg backend."""
     import matplotlib
@@ -257,9 +311,20 @@ LABELS = {
 BEGIN, END = "<!-- lm_sweep_report:begin -->", "<!-- lm_sweep_report:end -->"
 
 
-def report(sweep: list[dict], tuning: list[dict], img_dir: Path, img_rel: str) -> str:
+def with_tuned_reference(main: list[dict], inner_lr: list[dict]) -> list[dict]:
+    """``main`` with its ``dp-adamw`` cells replaced by the best record of the reference line's
+    own lr grid (benchmarks/lm_inner_lr.py, chosen on validation), when there is one."""
+    if not inner_lr:
+        return main
+    best = min(inner_lr, key=lambda r: r["val_loss"])
+    ref = {**best, "protocol": "main", "outer_lr": None, "outer_momentum": None}
+    return [r for r in main if r["method"] != "dp-adamw"] + [ref]
+
+
+def report(sweep: list[dict], tuning: list[dict], img_dir: Path, img_rel: str,
+           inner_lr: list[dict] | None = None) -> str:
     """The generated block of docs/results-lm.md (tables + plot links) from the JSON."""
-    main = current_cells(sweep, tuning)
+    main = with_tuned_reference(current_cells(sweep, tuning), inner_lr or [])
     plot_loss_vs_m(main, img_dir / "lm_sweep_loss_vs_m.png")
     plot_gap(main, img_dir / "lm_sweep_gap.png")
     plot_tuning(tuning, img_dir / "lm_sweep_tuning.png")
@@ -286,6 +351,14 @@ def report(sweep: list[dict], tuning: list[dict], img_dir: Path, img_rel: str) -
             gap_table(main, "fedavg"),
             "",
             f"![gap vs M]({img_rel}/lm_sweep_gap.png)",
+            "",
+            "### Merge rules at M = 8 and M = 32 (best first; no-momentum rules at their own tuned lr)",
+            "",
+            ranked_table(main, (8, 32)),
+            "",
+            "### Beyond the paper: other protocols (main protocol's tuned outer values)",
+            "",
+            protocols_table(sweep, tuning),
             "",
             "### Change against M = 1 (mean test loss)",
             "",
@@ -324,7 +397,8 @@ def main() -> None:
     sweep, tuning = _load(args.sweep), _load(args.tuning)
     if args.write_docs:
         repo = RESULTS.parents[1]
-        block = report(sweep, tuning, repo / "docs" / "img", "img")
+        block = report(sweep, tuning, repo / "docs" / "img", "img",
+                       _load(RESULTS / "lm_inner_lr.json"))
         write_docs(repo / "docs" / "results-lm.md", block)
         print(block)
         return

@@ -3,7 +3,13 @@
 import pytest
 import torch
 
-from flwr_isoloco.clients.adamw_state import MOMENTS, adamw_to_arrays, arrays_to_adamw
+from flwr_isoloco.clients.adamw_state import (
+    MOMENTS,
+    adamw_to_arrays,
+    adamw_to_flat,
+    arrays_to_adamw,
+    flat_to_adamw,
+)
 
 torch.set_num_threads(1)
 
@@ -105,3 +111,54 @@ def test_step_counts_that_differ_need_step_arrays():
         adamw_to_arrays(opt, named)
     arrays, step = adamw_to_arrays(opt, named, step_arrays=True)
     assert step == 2 and arrays["0.weight.step"].item() == 2 and arrays["0.bias.step"].item() == 1
+
+
+def test_flat_layout_continues_bitwise_and_equals_the_named_layout():
+    """3 steps, flat save, restore into a fresh model + optimiser, 2 more == 5 steps; the flat
+    arrays are the named ones concatenated in parameter order."""
+    ref, ref_named = _model()
+    ref_opt = _opt(ref_named)
+    _steps(ref, ref_opt, 5)
+    a, a_named = _model()
+    a_opt = _opt(a_named)
+    _steps(a, a_opt, 3)
+    flat = adamw_to_flat(a_opt, a_named)
+    named, _ = adamw_to_arrays(a_opt, a_named)
+    assert sorted(flat) == sorted((*MOMENTS, "step"))
+    for m in MOMENTS:
+        assert torch.equal(flat[m], torch.cat([named[f"{n}.{m}"].reshape(-1) for n, _ in a_named]))
+    assert flat["step"].tolist() == [3.0] * len(a_named)
+    b, b_named = _model()
+    b.load_state_dict(a.state_dict())
+    b_opt = _opt(b_named)
+    flat_to_adamw(b_opt, b_named, flat)
+    _steps(b, b_opt, 2, start=3)
+    for (_, p), (_, q) in zip(ref_named, b_named, strict=True):
+        assert torch.equal(p, q)
+
+
+def test_flat_layout_keeps_unstepped_parameters_fresh_and_refuses_bad_arrays():
+    m, named = _model()
+    opt = _opt(named)
+    _steps(m, opt, 1)
+    named[0][1].grad = torch.zeros_like(named[0][1])  # only the first parameter steps again
+    opt.step()
+    flat = adamw_to_flat(opt, named)
+    assert flat["step"].tolist() == [2.0, 1.0, 1.0, 1.0]
+    fresh = _opt(named)
+    flat_to_adamw(fresh, named, {**flat, "step": torch.tensor([2.0, 0.0, 1.0, 1.0])})
+    assert named[1][1] not in fresh.state and fresh.state[named[0][1]]["step"].item() == 2
+    assert adamw_to_flat(_opt(named), named)["step"].tolist() == [0.0] * 4  # no state: zeros
+    bad = {
+        "missing": ({k: v for k, v in flat.items() if k != "exp_avg"}, r"missing \['exp_avg'\]"),
+        "short": ({**flat, "exp_avg_sq": flat["exp_avg_sq"][:-1]}, "exp_avg_sq has 22 values, the model 23"),
+        "steps": ({**flat, "step": flat["step"][:3]}, "3 steps for 4 parameters"),
+        "neg": ({**flat, "step": torch.tensor([1.0, -1.0, 1.0, 1.0])}, "integers >= 0"),
+        "frac": ({**flat, "step": torch.tensor([1.5, 1.0, 1.0, 1.0])}, "integers >= 0"),
+        "nan": ({**flat, "step": torch.tensor([float("nan"), 1.0, 1.0, 1.0])}, "integers >= 0"),
+    }
+    for arrays, match in bad.values():
+        fresh = _opt(named)
+        with pytest.raises(ValueError, match=match):
+            flat_to_adamw(fresh, named, arrays)
+        assert not fresh.state

@@ -109,13 +109,36 @@ def test_adamw_state_survives_rounds_and_equals_one_continuous_run():
         reply = send(train, theta, rnd, ctx)
         assert not reply.has_error()
         theta = reply.content["arrays"].to_torch_state_dict()
-        steps = ctx.state[ADAMW_STATE_KEY].to_torch_state_dict()
-        assert all(float(v) == rnd * H for k, v in steps.items() if k.endswith(".step"))
+        steps = ctx.state[ADAMW_STATE_KEY].to_torch_state_dict()["step"]
+        assert steps.numel() == len(list(model_fn().parameters()))
+        assert bool((steps == rnd * H).all())
         assert ctx.state[WORKER_STATE_KEY]["data-cursor"] == rnd * H
         ctx = fresh_process(ctx)  # deployment: the next message runs in a new process
     ref = reference_continuous_adamw(ROUNDS * H)
     for k in ref:
         torch.testing.assert_close(theta[k], ref[k], rtol=0, atol=1e-7, msg=k)
+
+
+def test_a_state_in_the_per_parameter_layout_is_still_read():
+    """A node state written in the per-parameter layout (``<param>.exp_avg`` ...) continues the
+    run exactly as the flat layout does."""
+    train = handler()
+    theta = {k: v.detach() for k, v in model_fn().state_dict().items()}
+    ctx = new_context()
+    theta1 = send(train, theta, 1, ctx).content["arrays"].to_torch_state_dict()
+    flat = ctx.state[ADAMW_STATE_KEY].to_torch_state_dict()
+    named, off = {}, 0
+    for i, (n, p) in enumerate(model_fn().named_parameters()):
+        for m in ("exp_avg", "exp_avg_sq"):
+            named[f"{n}.{m}"] = flat[m][off : off + p.numel()].reshape(p.shape)
+        named[f"{n}.step"] = flat["step"][i : i + 1]
+        off += p.numel()
+    old = fresh_process(ctx)
+    old.state[ADAMW_STATE_KEY] = ArrayRecord(named)
+    a = send(train, theta1, 2, fresh_process(ctx)).content["arrays"].to_torch_state_dict()
+    b = send(train, theta1, 2, old).content["arrays"].to_torch_state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert not all(torch.equal(a[k], theta1[k]) for k in a)
 
 
 def test_losing_the_state_gives_a_different_model():

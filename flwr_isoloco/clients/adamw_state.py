@@ -6,9 +6,14 @@ Names, per trainable parameter ``<param>`` (its ``named_parameters`` name):
 - ``<param>.step`` (fp32, shape ``(1,)``), only with ``step_arrays=True``: the step count per
   parameter. Without it the step is one int next to the arrays (all parameters step together).
 
-The DiLoCo worker keeps ``<param>.exp_avg`` / ``.exp_avg_sq`` / ``.step`` in ``context.state``
-(ArrayRecord ``diloco.adamw``); the LoRA client carries the moments with the RW-LoRA token
-(ArrayRecord ``optimizer``) and the step in ConfigRecord ``optimizer-config``. Restoring puts
+The flat layout (:func:`adamw_to_flat`) holds the same numbers in three arrays: ``exp_avg`` and
+``exp_avg_sq``, every parameter's moment flattened and concatenated in ``named`` order, and
+``step`` (fp32, one entry per parameter). The DiLoCo worker keeps it in ``context.state``
+(ArrayRecord ``diloco.adamw``): three arrays instead of three per parameter, because each
+Flower ``Array`` costs a ``.npy`` encode/decode (~70 us) on every message and a 40-tensor
+model's named state made that a third of a small worker's time per message. The LoRA client
+carries the named moments with the RW-LoRA token (ArrayRecord ``optimizer``) and the step in
+ConfigRecord ``optimizer-config``. Restoring puts
 every moment on its parameter's device and dtype, so a save/restore round-trip continues
 exactly where the optimiser stopped (tests/test_lora_client.py: K + K steps == 2K steps).
 """
@@ -19,7 +24,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-__all__ = ["MOMENTS", "adamw_to_arrays", "arrays_to_adamw"]
+__all__ = ["MOMENTS", "adamw_to_arrays", "arrays_to_adamw", "adamw_to_flat", "flat_to_adamw"]
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 """The AdamW state entries stored per parameter (besides its step)."""
@@ -110,5 +115,67 @@ def arrays_to_adamw(
             "exp_avg": ea.to(device=p.device, dtype=p.dtype).clone(),
             "exp_avg_sq": eas.to(device=p.device, dtype=p.dtype).clone(),
         }
+    for p, st in restored.items():
+        opt.state[p] = st
+
+
+def adamw_to_flat(opt: torch.optim.Optimizer, named: Named) -> dict[str, torch.Tensor]:
+    """The state of ``opt`` for ``named`` in the flat layout: ``exp_avg``, ``exp_avg_sq`` (fp32,
+    length ``sum(p.numel())``, ``named`` order) and ``step`` (fp32, ``len(named)``). A parameter
+    without state has zero moments and step 0, which is what AdamW creates on its first step."""
+    if not named:
+        return {}
+    steps = torch.zeros(len(named), dtype=torch.float32)
+    parts: dict[str, list[torch.Tensor]] = {m: [] for m in MOMENTS}
+    for i, (_, p) in enumerate(named):
+        st = opt.state.get(p) or {}
+        if "step" in st:
+            steps[i] = float(torch.as_tensor(st["step"]).item())
+        for m in MOMENTS:
+            t = st.get(m)
+            parts[m].append(
+                torch.zeros(p.numel()) if t is None else t.detach().reshape(-1).to(torch.float32)
+            )
+    return {**{m: torch.cat(parts[m]) for m in MOMENTS}, "step": steps}
+
+
+def flat_to_adamw(
+    opt: torch.optim.Optimizer, named: Named, arrays: Mapping[str, torch.Tensor]
+) -> None:
+    """Inverse of :func:`adamw_to_flat`; parameters with step 0 get no state (a fresh start).
+
+    Raises
+    ------
+    ValueError
+        A missing array, lengths that do not match ``named`` or a step that is not a finite
+        integer >= 0. Nothing is changed in ``opt`` then.
+    """
+    missing = [k for k in (*MOMENTS, "step") if k not in arrays]
+    if missing:
+        raise ValueError(f"flat optimizer state: missing {missing}")
+    total = sum(p.numel() for _, p in named)
+    flat = {m: torch.as_tensor(arrays[m]).reshape(-1) for m in MOMENTS}
+    steps = torch.as_tensor(arrays["step"]).reshape(-1)
+    for m, t in flat.items():
+        if t.numel() != total:
+            raise ValueError(f"flat optimizer state: {m} has {t.numel()} values, the model {total}")
+    if steps.numel() != len(named):
+        raise ValueError(f"flat optimizer state: {steps.numel()} steps for {len(named)} parameters")
+    if not bool(torch.isfinite(steps).all()) or bool((steps < 0).any()) or bool(
+        (steps != steps.round()).any()
+    ):
+        raise ValueError("flat optimizer state: steps must be integers >= 0")
+    restored, off = {}, 0
+    for i, (_, p) in enumerate(named):
+        n = p.numel()
+        if steps[i] > 0:
+            restored[p] = {
+                "step": torch.tensor(float(steps[i]), dtype=torch.float32),
+                **{
+                    m: flat[m][off : off + n].reshape(p.shape).to(p.device, p.dtype).clone()
+                    for m in MOMENTS
+                },
+            }
+        off += n
     for p, st in restored.items():
         opt.state[p] = st

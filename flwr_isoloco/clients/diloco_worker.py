@@ -23,7 +23,7 @@ from flwr.common.logger import log
 
 from flwr_isoloco.compression import ErrorFeedback, compress, parse_request
 
-from .adamw_state import adamw_to_arrays, arrays_to_adamw
+from .adamw_state import MOMENTS, adamw_to_arrays, adamw_to_flat, arrays_to_adamw, flat_to_adamw
 
 __all__ = [
     "make_diloco_train_handler",
@@ -108,13 +108,17 @@ def _trainable(model: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:
 def _load_adamw(
     opt: torch.optim.AdamW, named: list[tuple[str, torch.nn.Parameter]], state: RecordDict
 ) -> bool:
-    """Restore AdamW from ``state`` (:mod:`.adamw_state`); False (fresh optimiser) if absent
-    or unusable (a warning says why)."""
+    """Restore AdamW from ``state`` (:mod:`.adamw_state`, flat layout; the named layout is read
+    too); False (fresh optimiser) if absent or unusable (a warning says why)."""
     rec = state.get(ADAMW_STATE_KEY)
     if not isinstance(rec, ArrayRecord):
         return False
     try:
-        arrays_to_adamw(opt, named, rec.to_torch_state_dict(), allow_extra=True)
+        arrays = rec.to_torch_state_dict()
+        if all(m in arrays for m in MOMENTS):
+            flat_to_adamw(opt, named, arrays)
+        else:
+            arrays_to_adamw(opt, named, arrays, allow_extra=True)
     except ValueError as exc:
         log(WARNING, "DiLoCo worker: AdamW state unusable (%s); starting a fresh optimiser", exc)
         return False
@@ -122,9 +126,16 @@ def _load_adamw(
 
 
 def _save_adamw(
-    opt: torch.optim.AdamW, named: list[tuple[str, torch.nn.Parameter]], state: RecordDict
+    opt: torch.optim.AdamW,
+    named: list[tuple[str, torch.nn.Parameter]],
+    state: RecordDict,
+    layout: str,
 ) -> None:
-    state[ADAMW_STATE_KEY] = ArrayRecord(adamw_to_arrays(opt, named, step_arrays=True)[0])
+    if layout == "flat":
+        arrays = adamw_to_flat(opt, named)
+    else:
+        arrays = adamw_to_arrays(opt, named, step_arrays=True)[0]
+    state[ADAMW_STATE_KEY] = ArrayRecord(arrays)
 
 
 def _batch_at(data: Any, index: int, seed: int) -> Any:
@@ -283,6 +294,7 @@ def make_diloco_train_handler(
     arrayrecord_key: str = "arrays",
     configrecord_key: str = "config",
     device: str | torch.device = "cpu",
+    state_layout: str = "flat",
 ) -> Callable[[Message, Context], Message]:
     """A ClientApp ``@app.train()`` handler running H inner AdamW steps (docs/strategies.md).
 
@@ -297,9 +309,14 @@ def make_diloco_train_handler(
     betas, payload, seed, arrayrecord_key, configrecord_key, device :
         AdamW betas; reply ``"weights"`` (FedAvg-style) or ``"delta"``; with the node's
         ``partition-id`` seeds batch order and dropout; record names; training device.
+    state_layout :
+        How the AdamW state is kept in ``context.state``: ``"flat"`` (three arrays) or
+        ``"named"`` (three per parameter; same numbers, slower per message). Both are read.
     """
     if payload not in ("weights", "delta"):
         raise ValueError(f"payload must be 'weights' or 'delta', got {payload!r}")
+    if state_layout not in ("flat", "named"):
+        raise ValueError(f"state_layout must be 'flat' or 'named', got {state_layout!r}")
     defaults = dict(local_steps=local_steps, num_server_rounds=num_server_rounds, lr=lr)
     defaults |= dict(warmup_steps=warmup_steps, min_lr_ratio=min_lr_ratio)
     defaults |= dict(weight_decay=weight_decay, clip_norm=clip_norm)
@@ -325,7 +342,7 @@ def make_diloco_train_handler(
         losses, tokens, step_lr, cursor = _inner_steps(
             model, opt, named, data, cursor, node_seed, c, loss_fn, device
         )
-        _save_adamw(opt, named, context.state)
+        _save_adamw(opt, named, context.state, state_layout)
         context.state[WORKER_STATE_KEY] = ConfigRecord({"data-cursor": cursor, "last-round": c.rnd})
         new = {k: v.detach().cpu() for k, v in model.state_dict().items()}
         content = _reply_content(theta, new, c.request, payload, context.state, arrayrecord_key)
