@@ -13,15 +13,17 @@ $PY --tune --methods isoloco diloco --workers 64
 $PY --methods fedavg diloco isoloco --workers 1 8 32 128 --seeds 0 1 2
 # 3. no-momentum methods and merging baselines: tuning at M = 8
 $PY --tune --methods diloco-sgd iso_c-sgd ties dare tsv_m iso_cts --workers 8
-# 4. beyond the paper, one seed: H, where Iso-C acts, a 4x model
+# 4. beyond the paper, one seed: H and where Iso-C acts; then the merge rules' seeds (the M = 8
+#    table), the 4x model, Iso-C / mean without momentum along M
 $PY --protocol h-sweep --inner-steps 30 --methods isoloco diloco --workers 8 --seeds 0
 $PY --protocol h-sweep --inner-steps 100 --methods isoloco diloco --workers 8 --seeds 0
 $PY --protocol iso_c-no-embed --methods isoloco iso_c-sgd --workers 8 --seeds 0
+$PY --methods ties dare tsv_m iso_cts --workers 8 --seeds 0 1 2
 $PY --protocol large-model --methods isoloco diloco --workers 8 32 --seeds 0
+$PY --methods iso_c-sgd diloco-sgd --workers 1 32 128 --seeds 0
 # 5. the rest of the M axis, seed 0 first
 $PY --methods fedavg diloco isoloco --workers 2 4 16 64 --seeds 0
-$PY --methods ties dare tsv_m iso_cts --workers 8 --seeds 0 1 2
-$PY --methods diloco-sgd iso_c-sgd --workers 1 2 4 8 16 32 64 128 --seeds 0
+$PY --methods diloco-sgd iso_c-sgd --workers 2 4 16 64 --seeds 0
 $PY --protocol per-worker-batch --methods isoloco diloco --workers 4 16 64 --seeds 0
 $PY --methods ties dare tsv_m iso_cts --workers 32 --seeds 0
 $PY --methods fedavg diloco isoloco --workers 2 4 16 64 --seeds 1 2
