@@ -260,3 +260,28 @@ def test_report_gap_is_paired_by_seed_and_cells_use_todays_tuned_values(tmp_path
     doc.write_text(f"head\n{rep.BEGIN}\nold\n{rep.END}\ntail\n")
     rep.write_docs(doc, block)
     assert doc.read_text() == f"head\n{block}\ntail\n"
+
+
+def test_report_ranks_merge_rules_and_sets_protocols_beside_their_main_cell():
+    import lm_sweep_report as rep
+
+    tuning = [_rec("isoloco", lr, 0.8, v) for lr, v in ((1.3, 3.9), (1.8, 3.8), (2.5, 3.85))]
+    main = [{**_rec("isoloco", 1.8, 0.8, 3.8), "seed": 0, "test_loss": 3.9}]
+    main.append({**_rec("ties", 0.7, 0.0, 4.4), "seed": 0, "test_loss": 4.5})
+    main.append({**_rec("ties", 0.7, 0.0, 4.5), "seed": 1, "test_loss": 4.7})
+    rows = rep.ranked_table(main, (8,)).splitlines()[2:]
+    assert rows[0].startswith("| 8 | IsoLoCo (Iso-C + Nesterov) | 1.8 / 0.8 | 1 | 3.9000 | - |")
+    assert rows[1].startswith("| 8 | TIES | 0.7 / 0 | 2 | 4.6000 | 0.1414 | 4.4500 |")
+    h30 = {**main[0], "protocol": "h-sweep", "inner_steps": 30, "rounds": 7, "test_loss": 3.7}
+    stale = {**h30, "outer_lr": 2.5, "test_loss": 1.0}  # not today's tuned value: left out
+    table = rep.protocols_table([main[0], h30, stale], tuning)
+    assert table.splitlines()[2:] == [
+        "| h-sweep | 8 | 30 | 7 | IsoLoCo (Iso-C + Nesterov) | 0 | 3.7000 | 3.9000 | -0.2000 |"
+    ]
+    ref = rep.with_tuned_reference(
+        [{**main[0], "method": "dp-adamw"}],
+        [{**main[0], "method": "dp-adamw", "inner_lr": lr, "val_loss": v} for lr, v in
+         ((1.5e-3, 4.3), (3e-3, 4.4))],
+    )
+    assert [(r["inner_lr"], r["outer_lr"]) for r in ref] == [(1.5e-3, None)]
+    assert "- (peak lr 0.0015)" in rep.ranked_table(ref, (8,))
