@@ -212,14 +212,18 @@ def _axes(figsize: tuple[float, float]):
     return plt.subplots(figsize=figsize)
 
 
-def _save(fig, ax, path: Path, legend_size: int) -> None:
-    """Grid, legend, layout; written atomically with mode 0644; figure closed."""
+def _save(fig, ax, path: Path, legend_size: int, outside: bool = False) -> None:
+    """Grid, legend (right of the axes with ``outside``), layout; written atomically with
+    mode 0644; figure closed."""
     import matplotlib.pyplot as plt
 
     from flwr_isoloco.plotting import save_figure
 
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=legend_size)
+    if outside:
+        ax.legend(fontsize=legend_size, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    else:
+        ax.legend(fontsize=legend_size)
     fig.tight_layout()
     save_figure(fig, path)
     plt.close(fig)
@@ -228,7 +232,7 @@ def _save(fig, ax, path: Path, legend_size: int) -> None:
 def plot_loss_vs_m(recs: list[dict], path: Path) -> None:
     """Test loss vs M per method (mean over seeds, error bars = sd; single seeds as dots)."""
     cells = _by_cell(recs)
-    fig, ax = _axes((6.4, 4.2))
+    fig, ax = _axes((8.6, 4.2))
     for method in sorted({k for (k, _) in cells}):
         ms = sorted(m for (k, m) in cells if k == method)
         stats = [_mean_sd(list(cells[(method, m)].values())) for m in ms]
@@ -243,7 +247,7 @@ def plot_loss_vs_m(recs: list[dict], path: Path) -> None:
     ax.set_xscale("log", base=2)
     ax.set_xlabel("workers M (same tokens, same global batch)")
     ax.set_ylabel("test loss (nats/token)")
-    _save(fig, ax, path, legend_size=8)
+    _save(fig, ax, path, legend_size=8, outside=True)
 
 
 def plot_gap(recs: list[dict], path: Path) -> None:
