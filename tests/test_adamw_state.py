@@ -33,25 +33,41 @@ def _opt(named):
     return torch.optim.AdamW([p for _, p in named], lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1)
 
 
-@pytest.mark.parametrize("step_arrays", [False, True])
-def test_save_restore_continues_bitwise(step_arrays):
-    """3 steps, save, a fresh model + optimiser restored from the arrays, 2 more == 5 steps."""
+def _continues_bitwise(save, restore):
+    """3 steps, ``save(opt, named)``, a fresh model + optimiser given the saved state by
+    ``restore(opt, named, state)``, 2 more steps == 5 uninterrupted steps, bitwise. Returns
+    the saved state."""
     ref, ref_named = _model()
-    ref_opt = _opt(ref_named)
-    _steps(ref, ref_opt, 5)
-
+    _steps(ref, _opt(ref_named), 5)
     a, a_named = _model()
     a_opt = _opt(a_named)
     _steps(a, a_opt, 3)
-    arrays, step = adamw_to_arrays(a_opt, a_named, step_arrays=step_arrays)
+    state = save(a_opt, a_named)
     b, b_named = _model()
     b.load_state_dict(a.state_dict())
     b_opt = _opt(b_named)
-    arrays_to_adamw(b_opt, b_named, arrays, None if step_arrays else step)
+    restore(b_opt, b_named, state)
     _steps(b, b_opt, 2, start=3)
     for (_, p), (_, q) in zip(ref_named, b_named, strict=True):
         assert torch.equal(p, q)
-    assert step == 3
+    return state
+
+
+@pytest.mark.parametrize("step_arrays", [False, True])
+def test_save_restore_continues_bitwise(step_arrays):
+    """3 steps, save, a fresh model + optimiser restored from the arrays, 2 more == 5 steps."""
+    saved = {}
+
+    def save(opt, named):
+        saved["arrays"], saved["step"] = adamw_to_arrays(opt, named, step_arrays=step_arrays)
+        return saved["arrays"]
+
+    _continues_bitwise(
+        save, lambda opt, named, arrays: arrays_to_adamw(
+            opt, named, arrays, None if step_arrays else saved["step"]
+        )
+    )
+    assert saved["step"] == 3
 
 
 def test_names_dtypes_and_step():
@@ -116,25 +132,20 @@ def test_step_counts_that_differ_need_step_arrays():
 def test_flat_layout_continues_bitwise_and_equals_the_named_layout():
     """3 steps, flat save, restore into a fresh model + optimiser, 2 more == 5 steps; the flat
     arrays are the named ones concatenated in parameter order."""
-    ref, ref_named = _model()
-    ref_opt = _opt(ref_named)
-    _steps(ref, ref_opt, 5)
-    a, a_named = _model()
-    a_opt = _opt(a_named)
-    _steps(a, a_opt, 3)
-    flat = adamw_to_flat(a_opt, a_named)
-    named, _ = adamw_to_arrays(a_opt, a_named)
+    named_saved = {}
+
+    def save(opt, named):
+        named_saved["arrays"], _ = adamw_to_arrays(opt, named)
+        named_saved["names"] = [n for n, _ in named]
+        return adamw_to_flat(opt, named)
+
+    flat = _continues_bitwise(save, flat_to_adamw)
     assert sorted(flat) == sorted((*MOMENTS, "step"))
+    arrays = named_saved["arrays"]
     for m in MOMENTS:
-        assert torch.equal(flat[m], torch.cat([named[f"{n}.{m}"].reshape(-1) for n, _ in a_named]))
-    assert flat["step"].tolist() == [3.0] * len(a_named)
-    b, b_named = _model()
-    b.load_state_dict(a.state_dict())
-    b_opt = _opt(b_named)
-    flat_to_adamw(b_opt, b_named, flat)
-    _steps(b, b_opt, 2, start=3)
-    for (_, p), (_, q) in zip(ref_named, b_named, strict=True):
-        assert torch.equal(p, q)
+        cat = torch.cat([arrays[f"{n}.{m}"].reshape(-1) for n in named_saved["names"]])
+        assert torch.equal(flat[m], cat)
+    assert flat["step"].tolist() == [3.0] * len(named_saved["names"])
 
 
 def test_flat_layout_keeps_unstepped_parameters_fresh_and_refuses_bad_arrays():

@@ -276,6 +276,11 @@ def _reply_content(theta, new, request, payload: str, state: RecordDict, key: st
     return content
 
 
+def _one_of(name: str, value: str, options: tuple[str, ...]) -> None:
+    if value not in options:
+        raise ValueError(f"{name} must be " + " or ".join(map(repr, options)) + f", got {value!r}")
+
+
 def make_diloco_train_handler(
     model_fn: ModelFn,
     data_fn: DataFn,
@@ -313,10 +318,8 @@ def make_diloco_train_handler(
         How the AdamW state is kept in ``context.state``: ``"flat"`` (three arrays) or
         ``"named"`` (three per parameter; same numbers, slower per message). Both are read.
     """
-    if payload not in ("weights", "delta"):
-        raise ValueError(f"payload must be 'weights' or 'delta', got {payload!r}")
-    if state_layout not in ("flat", "named"):
-        raise ValueError(f"state_layout must be 'flat' or 'named', got {state_layout!r}")
+    _one_of("payload", payload, ("weights", "delta"))
+    _one_of("state_layout", state_layout, ("flat", "named"))
     defaults = dict(local_steps=local_steps, num_server_rounds=num_server_rounds, lr=lr)
     defaults |= dict(warmup_steps=warmup_steps, min_lr_ratio=min_lr_ratio)
     defaults |= dict(weight_decay=weight_decay, clip_norm=clip_norm)
