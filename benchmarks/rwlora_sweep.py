@@ -113,7 +113,7 @@ def partition_keys(partition: str) -> dict[str, Any]:
 def sizing(args) -> dict[str, Any]:
     """:data:`SIZES` (``quick`` or ``full``) with the CLI's budget / evaluation overrides."""
     size = dict(SIZES["quick" if args.quick else "full"])
-    for key in ("updates", "eval_every", "gossip_eval_every"):
+    for key in ("updates", "eval_every", "gossip_eval_every", "lr"):
         if getattr(args, key, None) is not None:
             size[key] = getattr(args, key)
     return size
@@ -344,6 +344,7 @@ def run_cell(cell: dict[str, Any], args) -> dict[str, Any]:
         "quick": bool(args.quick),
         **summarise(res, size["updates"]),
         "budget_updates": size["updates"],
+        "lr": size["lr"],
         "targets": list(TARGETS),
         "test_examples": res.get("test-examples", size["eval_examples"]),
         "visit_counts": res.get("visit-counts"),
@@ -427,6 +428,9 @@ def parse_args(argv=None):
         default=None,
         help="local updates between gossip evaluations (default: the sizing's)",
     )
+    ap.add_argument(
+        "--lr", type=float, default=None, help="inner AdamW lr of every method (default: 2e-3)"
+    )
     ap.add_argument("--out", type=Path, default=RESULTS)
     ap.add_argument("--quick", action="store_true", help="tiny sizing, in-process (tests)")
     ap.add_argument(
@@ -451,6 +455,8 @@ def parse_args(argv=None):
     except (ValueError, AssertionError):
         ap.error(f"--shard {args.shard!r}: expected I/N with 0 <= I < N")
     args.shard_index, args.shard_count = i, n
+    if args.lr is not None and not 0 < args.lr < float("inf"):
+        ap.error(f"--lr {args.lr}: expected a finite learning rate > 0")
     args.engine = args.engine or ("fake" if args.quick else "ray")
     for p in args.partitions:
         try:

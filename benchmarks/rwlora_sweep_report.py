@@ -26,7 +26,8 @@ RESULTS = ROOT / "benchmarks" / "results" / "rwlora_sweep.json"
 DOC = ROOT / "docs" / "results-rwlora.md"
 IMG = ROOT / "docs" / "img" / "rwlora_sweep_updates.png"
 BEGIN, END = "<!-- rwlora-sweep:begin -->", "<!-- rwlora-sweep:end -->"
-KEY = ("method", "graph", "clients", "partition", "rank", "seed", "quick")
+KEY = ("method", "graph", "clients", "partition", "rank", "seed", "quick", "lr")
+DEFAULT_LR = 2e-3  # the sizing's inner lr (rwlora_sweep.SIZES); the main tables use it
 GRAPH_ORDER = {"complete": 0, "ring": 1, "regular-3": 2, "none": 3}
 # (label, method, field suffix): gossip is scored two ways
 SERIES = (
@@ -38,10 +39,12 @@ SERIES = (
 
 
 def load(path: Path, quick: bool = False) -> list[dict[str, Any]]:
-    """Records of ``path`` (quick ones only with ``quick``), one per cell (the last)."""
+    """Records of ``path`` (quick ones only with ``quick``), one per cell (the last); ``lr``
+    (the inner lr, from the run config where a record predates the field) is part of the cell."""
     recs = json.loads(path.read_text()) if path.is_file() else []
     cells: dict[tuple, dict] = {}
     for r in recs:
+        r.setdefault("lr", r.get("run_config", {}).get("train.lr"))
         if bool(r.get("quick")) == quick:
             cells[tuple(r.get(k) for k in KEY)] = r
     return list(cells.values())
@@ -71,11 +74,11 @@ def match(r: dict, where: dict) -> bool:
 
 
 def groups(recs: list[dict], **where) -> dict[tuple, list[dict]]:
-    """Records matching ``where``, grouped by (clients, partition, graph, rank, method)."""
+    """Records matching ``where``, grouped by (clients, partition, graph, rank, lr, method)."""
     out: dict[tuple, list[dict]] = {}
     for r in recs:
         if match(r, where):
-            key = (r["clients"], r["partition"], r["graph"], r["rank"], r["method"])
+            key = (r["clients"], r["partition"], r["graph"], r["rank"], r["lr"], r["method"])
             out.setdefault(key, []).append(r)
     order = {m: i for i, (_, m, _) in enumerate(SERIES)}
     return dict(
@@ -86,7 +89,8 @@ def groups(recs: list[dict], **where) -> dict[tuple, list[dict]]:
                 kv[0][1],
                 GRAPH_ORDER.get(kv[0][2], 9),
                 kv[0][3],
-                order.get(kv[0][4], 9),
+                kv[0][4],
+                order.get(kv[0][5], 9),
             ),
         )
     )
@@ -96,8 +100,14 @@ def _rows(recs: list[dict], field: str, digits: int, lead: tuple[str, ...], **wh
     targets = targets_of(recs)
     lines = []
     for key, grp in groups(recs, **where).items():
-        clients, part, graph, rank, method = key
-        values = {"clients": str(clients), "partition": part, "graph": graph, "rank": str(rank)}
+        clients, part, graph, rank, lr, method = key
+        values = {
+            "clients": str(clients),
+            "partition": part,
+            "graph": graph,
+            "rank": str(rank),
+            "lr": f"{lr:g}",
+        }
         for label, m, suffix in SERIES:
             if m != method or (suffix and f"{field}{suffix}" not in grp[0]):
                 continue
@@ -139,7 +149,7 @@ def per_seed(recs: list[dict], **where) -> str:
         "| clients | partition | graph | rank | method | final acc per seed |",
         "|---|---|---|---|---|---|",
     ]
-    for (clients, part, graph, rank, method), grp in groups(recs, **where).items():
+    for (clients, part, graph, rank, _lr, method), grp in groups(recs, **where).items():
         grp = sorted(grp, key=lambda r: r["seed"])
         cells = []
         for r in grp:
@@ -156,7 +166,7 @@ def render(recs: list[dict]) -> str:
     """All tables of the doc as Markdown."""
     if not recs:
         return "_No sweep records yet._\n"
-    main = dict(clients=8, rank=8)
+    main = dict(clients=8, rank=8, lr=DEFAULT_LR)
     lead = ("partition", "graph")
     parts = [
         "#### Local updates to each target (8 clients, rank 8)\n",
@@ -177,6 +187,7 @@ def render(recs: list[dict]) -> str:
             graph="ring",
             partition="iid",
             seed=0,
+            lr=DEFAULT_LR,
         ),
         "\n#### 16 clients on the ring (IID, rank 8, seed 0) next to 8 clients: local updates\n",
         table(
@@ -189,8 +200,16 @@ def render(recs: list[dict]) -> str:
             seed=0,
             graph=("ring", "none"),
             clients=(8, 16),
+            lr=DEFAULT_LR,
         ),
     ]
+    probe = dict(clients=8, graph="ring", rank=8, seed=0)
+    if any(match(r, probe) and r["lr"] != DEFAULT_LR for r in recs):
+        parts += [
+            "\n#### Inner learning rate (8 clients, ring, rank 8, seed 0): local updates to each "
+            "target\n",
+            table(recs, "updates_to_target", 0, ("partition", "lr"), **probe),
+        ]
     total = sum(r["wall_s"] for r in recs)
     parts.append(f"\nRecords: {len(recs)} runs, {total / 3600:.2f} h of run wall time in all.\n")
     return "\n".join(p for p in parts if p) + "\n"
@@ -219,7 +238,7 @@ def plot(recs: list[dict], path: Path) -> Path | None:
 
     from flwr_isoloco.plotting import save_figure
 
-    sel = [r for r in recs if r["clients"] == 8 and r["rank"] == 8]
+    sel = [r for r in recs if match(r, dict(clients=8, rank=8, lr=DEFAULT_LR))]
     parts = sorted({r["partition"] for r in sel})
     graphs = sorted({r["graph"] for r in sel if r["graph"] != "none"}, key=GRAPH_ORDER.get)
     if not parts or not graphs:

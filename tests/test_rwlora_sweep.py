@@ -117,6 +117,21 @@ def test_run_config_maps_graphs_partitions_and_budget():
         S.partition_keys("dirichlet-x")
 
 
+def test_lr_option_reaches_the_run_config_and_makes_its_own_cell(capsys):
+    cell = dict(method="rwlora", graph="ring", clients=8, partition="iid", rank=8, seed=0)
+    args = S.parse_args(["--lr", "5e-4"])
+    rc = S.run_config(cell, S.sizing(args), 1)
+    default = S.run_config(cell, S.sizing(S.parse_args([])), 1)
+    assert rc["train.lr"] == 5e-4 and default["train.lr"] == S.SIZES["full"]["lr"] == 2e-3
+    done = [{**cell, "quick": False, "run_config": default}]
+    assert S.find_done(done, {**cell, "quick": False}, default) is done[0]
+    assert S.find_done(done, {**cell, "quick": False}, rc) is None  # an lr probe is not skipped
+    for bad in ("0", "-1e-3", "nan", "inf"):
+        with pytest.raises(SystemExit):
+            S.parse_args([f"--lr={bad}"])
+        assert "finite learning rate" in capsys.readouterr().err
+
+
 def test_cells_fedavg_once_per_partition_and_suite_size():
     cells = S.cells(S.METHODS, list(S.GRAPHS), [8], ["iid", "dirichlet-0.5"], [8], [0, 1, 2])
     fed = [c for c in cells if c["method"] == "fedavg"]
@@ -190,7 +205,7 @@ def test_target_logic_first_evaluation_at_or_above():
     assert rec["final_acc_vertex_mean"] == 0.68 and rec["best_acc"] == 0.76
 
 
-def _rec(method, graph, seed, ups, acc, clients=8, rank=8, own=None):
+def _rec(method, graph, seed, ups, acc, clients=8, rank=8, own=None, lr=2e-3):
     keys = ("0.70", "0.75")
     rec = {
         "method": method,
@@ -201,6 +216,7 @@ def _rec(method, graph, seed, ups, acc, clients=8, rank=8, own=None):
         "seed": seed,
         "quick": False,
         "budget_updates": 320,
+        "run_config": {"train.lr": lr},  # the report reads the lr from here (older records)
         "wall_s": 100.0,
         "updates_to_target": dict(zip(keys, ups, strict=True)),
         "mb_relayed_to_target": {
@@ -235,12 +251,13 @@ def test_report_renders_exact_numbers(tmp_path):
         _rec("fedavg", "none", 0, (280, 280), 0.725),
         _rec("rwlora", "ring", 0, (40, 80), 0.81, rank=2),
         _rec("rwlora", "ring", 0, (160, None), 0.74, clients=16),
+        _rec("rwlora", "ring", 0, (40, 40), 0.9, lr=5e-4),  # lr probe: its own cell
     ]
     recs.append({**recs[0], "final_acc": 0.1, "quick": True})  # quick records are not reported
     path = tmp_path / "s.json"
     path.write_text(json.dumps(recs))
     loaded = R.load(path)
-    assert len(loaded) == 7
+    assert len(loaded) == 8
     text = R.render(loaded)
     assert ("| iid | ring | RW-LoRA | 3 | 100 ± 28 (2/3) | 120 (1/3) | 0.800 ± 0.020 |") in text
     assert "| iid | ring | gossip, averaged adapter | 1 | 280 (1/1) | 600 (1/1) | 0.790 |" in text
@@ -256,6 +273,9 @@ def test_report_renders_exact_numbers(tmp_path):
     assert "| 16 | ring | RW-LoRA | 1 | 160 (1/1) | not reached (1/1) | 0.740 |" not in text
     assert "| 16 | ring | RW-LoRA | 1 | 160 (1/1) | not reached (0/1) | 0.740 |" in text
     assert "s0: 0.790 (vertices 0.750)" in text
+    assert "| iid | 0.0005 | RW-LoRA | 1 | 40 (1/1) | 40 (1/1) | 0.900 |" in text  # lr probe
+    assert "| iid | 0.002 | RW-LoRA | 1 | 80 (1/1) | 120 (1/1) | 0.780 |" in text
+    assert "0.900" not in text.split("#### Inner learning rate")[0]  # not in the main tables
     doc = tmp_path / "doc.md"
     doc.write_text(f"# Title\n\n{R.BEGIN}\nold\n{R.END}\n\ntail\n")
     R.write_doc(doc, text)
