@@ -27,5 +27,7 @@ $PY --methods diloco-sgd iso_c-sgd --workers 2 4 16 64 --seeds 0
 $PY --protocol per-worker-batch --methods isoloco diloco --workers 4 16 64 --seeds 0
 $PY --methods ties dare tsv_m iso_cts --workers 32 --seeds 0
 $PY --methods fedavg diloco isoloco --workers 2 4 16 64 --seeds 1 2
+$PY --protocol h-sweep --inner-steps 100 --methods isoloco diloco --workers 8 --seeds 1 2
+$PY --protocol h-sweep --inner-steps 30 --methods isoloco diloco --workers 8 --seeds 1 2
 # 6. the reference line (tuned inner lr: benchmarks/lm_inner_lr.py)
 $PY --methods dp-adamw --workers 8 --seeds 0

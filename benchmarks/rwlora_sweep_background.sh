@@ -12,3 +12,8 @@ $PY --methods rwlora gossip fedavg --graphs ring complete regular-3 --partitions
 $PY --methods rwlora gossip --graphs regular-3 --partitions iid --seeds 1 2
 $PY --suite ranks
 $PY --suite clients16
+# inner-lr probe (ring, seed 0; the main cells use 2e-3): label skew at 5e-4 and 1e-3, IID at 1e-3
+for lr in 5e-4 1e-3; do
+  $PY --methods rwlora gossip --graphs ring --partitions dirichlet-0.5 --seeds 0 --lr $lr
+done
+$PY --methods rwlora gossip --graphs ring --partitions iid --seeds 0 --lr 1e-3
