@@ -274,7 +274,7 @@ def test_report_renders_exact_numbers(tmp_path):
     assert "| 16 | ring | RW-LoRA | 1 | 160 (1/1) | not reached (0/1) | 0.740 |" in text
     assert "s0: 0.790 (vertices 0.750)" in text
     assert "| iid | 0.0005 | RW-LoRA | 1 | 40 (1/1) | 40 (1/1) | 0.900 |" in text  # lr probe
-    assert "| iid | 0.002 | RW-LoRA | 1 | 80 (1/1) | 120 (1/1) | 0.780 |" in text
+    assert "| iid | 0.002 | RW-LoRA | 3 | 100 ± 28 (2/3) | 120 (1/3) | 0.800 ± 0.020 |" in text
     assert "0.900" not in text.split("#### Inner learning rate")[0]  # not in the main tables
     doc = tmp_path / "doc.md"
     doc.write_text(f"# Title\n\n{R.BEGIN}\nold\n{R.END}\n\ntail\n")
