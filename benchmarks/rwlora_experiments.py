@@ -71,6 +71,10 @@ def run_config(args, method: str, graph: str, out: Path) -> dict:
 
 
 def run_one(args, rc: dict) -> dict:
+    """One run of the app: ``args.engine`` ``fake`` (the in-process test grid) or ``ray``
+    (``flwr.simulation.run_simulation``; ``args.ray_address``, if set, joins an existing cluster
+    through Flower's backend config, else a local one with ``args.ray_cpus`` CPUs). Returns the
+    run's results.json; raises if the run did not complete."""
     from rwlora_sentiment.server_app import run_server
     from rwlora_sentiment.task import client_config, load_config
 
@@ -95,19 +99,25 @@ def run_one(args, rc: dict) -> dict:
 
         capp = ClientApp()
         client.register(capp)
+        address = getattr(args, "ray_address", None)
+        init_args = {"include_dashboard": False}
+        init_args.update({"address": address} if address else {"num_cpus": args.ray_cpus})
         run_simulation(
             server_app=server,
             client_app=capp,
             num_supernodes=args.clients,
             backend_config={
                 "client_resources": {"num_cpus": 1, "num_gpus": 0.0},
-                "init_args": {"num_cpus": args.ray_cpus, "include_dashboard": False},
+                "init_args": init_args,
             },
         )
         out = Path(rc["output-dir"])
     res = json.loads((Path(out) / "results.json").read_text())
     if res.get("status") != "completed":
-        raise RuntimeError(f"run {rc['strategy.name']} on {rc['strategy.graph']} did not complete")
+        raise RuntimeError(
+            f"run {rc['strategy.name']} on {rc['strategy.graph']}: status "
+            f"{res.get('status')!r} ({res.get('error')})"
+        )
     return res
 
 

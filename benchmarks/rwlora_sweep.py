@@ -198,48 +198,6 @@ def estimate_s(cell: dict[str, Any], size: dict[str, Any], ray_cpus: int = 2) ->
     return COST["startup_s"] + evals + train
 
 
-def run_ray(rc: dict[str, Any], clients: int, ray_address: str | None, ray_cpus: int) -> dict:
-    """The app under ``flwr.simulation.run_simulation`` (Ray); ``ray_address`` joins an existing
-    cluster (``ray.init(address=...)`` via Flower's backend config), else a local one."""
-    from flwr.clientapp import ClientApp
-    from flwr.serverapp import ServerApp
-    from flwr.simulation import run_simulation
-    from rwlora_sentiment.server_app import run_server
-    from rwlora_sentiment.task import client_config, load_config
-
-    from flwr_isoloco.clients.lora_client import LoRAClient
-
-    server = ServerApp()
-
-    @server.main()
-    def main(grid, context):
-        run_server(grid, rc, context.run_id)
-
-    capp = ClientApp()
-    LoRAClient(client_config(load_config(rc))).register(capp)
-    init_args: dict[str, Any] = {"include_dashboard": False}
-    if ray_address:
-        init_args["address"] = ray_address
-    else:
-        init_args["num_cpus"] = ray_cpus
-    run_simulation(
-        server_app=server,
-        client_app=capp,
-        num_supernodes=clients,
-        backend_config={
-            "client_resources": {"num_cpus": 1, "num_gpus": 0.0},
-            "init_args": init_args,
-        },
-    )
-    res = json.loads((Path(rc["output-dir"]) / "results.json").read_text())
-    if res.get("status") != "completed":
-        raise RuntimeError(
-            f"run {rc['strategy.name']} on {rc['strategy.graph']}: status "
-            f"{res.get('status')!r} ({res.get('error')})"
-        )
-    return res
-
-
 def eval_rows(res: dict[str, Any]) -> list[dict[str, Any]]:
     """Evaluated rows from round 0: ``initial`` (no totals: 0 updates / bytes) + ``rounds``."""
     start = dict.fromkeys(("local-updates", "bytes-relayed", "bytes-p2p"), 0)
@@ -334,10 +292,13 @@ def run_cell(cell: dict[str, Any], args) -> dict[str, Any]:
     work = Path(tempfile.mkdtemp(prefix=f"{cell['method']}_{cell['seed']}_", dir=args.work))
     rc["output-dir"] = str(work)
     load0, t0 = os.getloadavg()[0], time.time()
-    if args.engine == "fake":
-        res = E.run_one(types.SimpleNamespace(engine="fake", clients=cell["clients"]), rc)
-    else:
-        res = run_ray(rc, cell["clients"], args.ray_address, args.ray_cpus)
+    engine = types.SimpleNamespace(
+        engine=args.engine,
+        clients=cell["clients"],
+        ray_address=args.ray_address,
+        ray_cpus=args.ray_cpus,
+    )
+    res = E.run_one(engine, rc)
     wall = time.time() - t0
     return {
         **cell,
