@@ -390,7 +390,10 @@ def parse_args(argv=None):
         help="local updates between gossip evaluations (default: the sizing's)",
     )
     ap.add_argument(
-        "--lr", type=float, default=None, help="inner AdamW lr of every method (default: 2e-3)"
+        "--lr",
+        type=float,
+        default=None,
+        help=f"inner AdamW lr of every method (default: {SIZES['full']['lr']:g})",
     )
     ap.add_argument("--out", type=Path, default=RESULTS)
     ap.add_argument("--quick", action="store_true", help="tiny sizing, in-process (tests)")

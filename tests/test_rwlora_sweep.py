@@ -123,6 +123,7 @@ def test_lr_option_reaches_the_run_config_and_makes_its_own_cell(capsys):
     rc = S.run_config(cell, S.sizing(args), 1)
     default = S.run_config(cell, S.sizing(S.parse_args([])), 1)
     assert rc["train.lr"] == 5e-4 and default["train.lr"] == S.SIZES["full"]["lr"] == 2e-3
+    assert R.DEFAULT_LR == S.SIZES["full"]["lr"]  # the report's main tables are the default lr
     done = [{**cell, "quick": False, "run_config": default}]
     assert S.find_done(done, {**cell, "quick": False}, default) is done[0]
     assert S.find_done(done, {**cell, "quick": False}, rc) is None  # an lr probe is not skipped
