@@ -29,6 +29,7 @@ from .task import (
     build_strategy,
     evaluate_model,
     load_config,
+    strategy_outer,
     text_data,
     train_config,
     validation_batches,
@@ -69,6 +70,7 @@ def build(cfg, nodes: list[int]) -> AppRun:
         time.perf_counter() - t0,
     )
     model, strategy = build_model(cfg), build_strategy(cfg)
+    log(INFO, "isoloco-lm: %s", strategy_outer(cfg).message)
     n_params = count_parameters(model)
     outer = strategy.outer
     title = plot_title(

@@ -30,9 +30,16 @@ from flwr_isoloco.runconfig import (
     positive,
     read_run_config,
 )
-from flwr_isoloco.strategies.diloco_config import DILOCO_RUN_CONFIG, RUN_CONFIG_CHECKS
+from flwr_isoloco.strategies.diloco_config import (
+    DILOCO_RUN_CONFIG,
+    ISOLOCO_RUN_CONFIG,
+    RUN_CONFIG_CHECKS,
+)
+
+from .tuned import OuterValues, outer_values
 
 STRATEGIES = ("isoloco", "diloco", "fedavg")
+STRATEGY_CLASS_DEFAULTS = {"isoloco": ISOLOCO_RUN_CONFIG, "diloco": DILOCO_RUN_CONFIG}
 
 # The strategy section: the app's own keys, then the DiLoCo/IsoLoCo keys that mean something
 # here, with the strategy's own defaults (flwr_isoloco.strategies.diloco_config, written once).
@@ -363,12 +370,40 @@ def build_strategy(cfg: DictConfig):
         section.update({"merge": "mean", "outer-lr": 1.0, "outer-momentum": 0.0})
         return DiLoCo.from_section(section)
     cls = IsoLoCo if s.name == "isoloco" else DiLoCo
-    section["merge"] = s.merge or cls.RUN_CONFIG_DEFAULTS["merge"]
-    for key in ("outer-lr", "outer-momentum"):
-        section[key] = cls.RUN_CONFIG_DEFAULTS[key] if s[key] == -1.0 else s[key]
+    section["merge"] = strategy_merge(cfg)
+    outer = strategy_outer(cfg)
+    section.update({"outer-lr": outer.outer_lr, "outer-momentum": outer.outer_momentum})
     if s.name == "isoloco" and s.fast:
         section["fast"] = True
     return cls.from_section(section)
+
+
+def strategy_merge(cfg: DictConfig) -> str:
+    """The merge rule in force: ``strategy.merge``, else the strategy's own (``fast``: Iso-C NS)."""
+    s = cfg.strategy
+    if s.name == "fedavg":
+        return "mean"
+    if s.name == "isoloco" and s.fast:  # load_config refused any other strategy.merge
+        return "iso_c_ns"
+    if s.merge:
+        return s.merge
+    return STRATEGY_CLASS_DEFAULTS[s.name]["merge"]
+
+
+def strategy_outer(cfg: DictConfig) -> OuterValues:
+    """Outer lr / momentum in force and where they came from: the run config's, else the merge
+    rule's tuned values (:mod:`.tuned`), else the strategy class's; FedAvg is lr 1, mu 0."""
+    s = cfg.strategy
+    if s.name == "fedavg":
+        return OuterValues(1.0, 0.0, "outer lr 1.0, momentum 0.0 (FedAvg)")
+    name = {"isoloco": "IsoLoCo", "diloco": "DiLoCo"}[s.name]
+    return outer_values(
+        strategy_merge(cfg),
+        s["outer-lr"],
+        s["outer-momentum"],
+        STRATEGY_CLASS_DEFAULTS[s.name],
+        name,
+    )
 
 
 def train_config(cfg: DictConfig) -> dict[str, Any]:
