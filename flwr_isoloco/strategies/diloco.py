@@ -56,6 +56,7 @@ from flwr_isoloco.strategies.diloco_config import (
     check_arguments,
 )
 from flwr_isoloco.strategies.diloco_state import DiLoCoState, log_summary
+from flwr_isoloco.strategies.divergence import DEFAULT_DIVERGENCE_FACTOR
 from flwr_isoloco.strategies.evaluation import aggregate_metrics
 from flwr_isoloco.strategies.lifecycle import ResumableStrategy
 from flwr_isoloco.strategies.nodes import wait_for_nodes
@@ -139,6 +140,10 @@ class DiLoCo(FromRunConfig, DiLoCoState, ResumableStrategy):
         ``"none"``: plain replies) with these options (``block_size``, ``fraction``, ``values``,
         ``min_dims``) and error feedback; see :mod:`flwr_isoloco.compression`. Compressed
         replies are decoded before validation; plain fp32 replies stay accepted.
+    on_divergence, divergence_factor, divergence_key :
+        The divergence guard (:mod:`~flwr_isoloco.strategies.divergence`): ``"warn"``
+        (default) | ``"skip"`` | ``"stop"`` when the ``evaluate_fn`` loss is non-finite or
+        above ``divergence_factor`` (default 1.5; 0 = non-finite only) x the previous round's.
     """
 
     def __init__(
@@ -171,7 +176,11 @@ class DiLoCo(FromRunConfig, DiLoCoState, ResumableStrategy):
         upload_codec: str | None = None,
         codec_options: Mapping[str, Any] | None = None,
         error_feedback: bool = True,
+        on_divergence: str = "warn",
+        divergence_factor: float = DEFAULT_DIVERGENCE_FACTOR,
+        divergence_key: str | None = None,
     ) -> None:
+        self.set_divergence_guard(on_divergence, divergence_factor, divergence_key)
         check_arguments(
             fraction_train=fraction_train,
             fraction_evaluate=fraction_evaluate,

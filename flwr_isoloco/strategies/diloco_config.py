@@ -18,6 +18,7 @@ from flwr_isoloco.compression import CODECS
 from flwr_isoloco.merging import MERGE_RULES
 from flwr_isoloco.runconfig import choices, in_range, non_negative, read_run_config
 from flwr_isoloco.strategies.common import PAYLOADS
+from flwr_isoloco.strategies.divergence import DEFAULT_DIVERGENCE_FACTOR, DIVERGENCE_MODES
 from flwr_isoloco.strategies.evaluation import check_count, check_fraction
 
 __all__ = [
@@ -68,6 +69,8 @@ DILOCO_RUN_CONFIG: dict[str, Any] = {
     "codec-values": "fp32",
     "codec-min-dims": 2,
     "error-feedback": True,
+    "on-divergence": "warn",
+    "divergence-factor": DEFAULT_DIVERGENCE_FACTOR,
 }
 ISOLOCO_RUN_CONFIG: dict[str, Any] = {
     **DILOCO_RUN_CONFIG,
@@ -111,6 +114,8 @@ RUN_CONFIG_CHECKS: dict[str, Any] = {
     "codec-block-size": in_range(1, 1 << 20),
     "codec-min-dims": in_range(0, 8),
     "codec-fraction": in_range(0, 1, lo_open=True),
+    "on-divergence": choices(*DIVERGENCE_MODES),
+    "divergence-factor": _off_or_at_least_one,
 }
 """Value checks per key (types come from the defaults); merge options are checked by the rule."""
 
@@ -179,6 +184,8 @@ def section_kwargs(c: Mapping[str, Any]) -> dict[str, Any]:
         upload_codec=c["upload-codec"],
         codec_options=codec_options(c),
         error_feedback=c["error-feedback"],
+        on_divergence=c["on-divergence"],
+        divergence_factor=c["divergence-factor"],
     )
 
 

@@ -2,7 +2,10 @@
 
 ``{"tensors": {"theta": fp32 master, "outer": momentum buffers}, "meta": JSON-able}``; meta
 holds ``server_round``, the model dtypes, the outer optimiser's scalars, the sampling RNG and
-the merge settings, which a resumed run must share (a checkpoint that disagrees is refused).
+the merge settings, which a resumed run must share (a checkpoint that disagrees is refused),
+and the divergence guard's reference loss (so a resumed run compares its first round with the
+last one before the checkpoint). :meth:`DiLoCoState.round_snapshot` is the lighter copy that
+``on_divergence="skip"`` restores: ``theta`` and the outer optimiser only.
 """
 
 from __future__ import annotations
@@ -98,6 +101,7 @@ class DiLoCoState:
 
     theta: dict[str, torch.Tensor] | None
     server_round: int
+    divergence_guard: Any  # ResumableStrategy's
 
     def state_dict(self) -> dict[str, Any]:
         """``{"tensors": nested dict of tensors, "meta": JSON-able dict}`` (no pickle needed).
@@ -120,8 +124,24 @@ class DiLoCoState:
                 "merge": self.merge_name,
                 "merge_options": self.merge_options,
                 "orthogonalize": self.orthogonalize,
+                "divergence": self.divergence_guard.state(),
             },
         }
+
+    def round_snapshot(self) -> dict[str, Any]:
+        """``theta`` and the outer optimiser (momentum buffers, step count), cloned: what
+        ``on_divergence="skip"`` puts back. Round counter, sampling RNG and guards go on."""
+        if self.theta is None:
+            raise ValueError("round_snapshot(): no global model yet")
+        return {
+            "theta": {k: v.clone() for k, v in self.theta.items()},
+            "outer": self.outer.state_dict(),
+        }
+
+    def restore_round_snapshot(self, snapshot: Mapping[str, Any]) -> None:
+        """Put back :meth:`round_snapshot` (bitwise: the model and momentum from before)."""
+        self.theta = dict(snapshot["theta"])
+        self.outer.load_state_dict(snapshot["outer"])
 
     @staticmethod
     def _state_spec() -> dict[str, Any]:
@@ -138,6 +158,7 @@ class DiLoCoState:
             "merge": Field("str"),
             "merge_options": Field("dict", optional=True),
             "orthogonalize": Field("str", optional=True),
+            "divergence": Field("dict", optional=True, values=Field("float")),
         }
 
     def _check_settings(self, meta: Mapping[str, Any]) -> None:
@@ -232,3 +253,4 @@ class DiLoCoState:
         self._dtypes = dtypes
         self._rng.setstate(rng.getstate())
         self.server_round = meta["server_round"]
+        self.divergence_guard.load_state(meta.get("divergence", {}))

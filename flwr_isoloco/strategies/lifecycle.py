@@ -18,6 +18,12 @@ the global model (RW-LoRA: the token; gossip: the vertex average), ``train_metri
 round's aggregated train MetricRecord (or None), ``evaluate_metrics`` the client-side
 evaluation merged with ``evaluate_fn``'s result (server-side keys win; None when neither ran).
 Apps write results rows and checkpoints there; ``strategy.state_dict()`` then holds the round.
+
+Between ``evaluate_fn`` and the hook the divergence guard
+(:mod:`~flwr_isoloco.strategies.divergence`, :meth:`ResumableStrategy.set_divergence_guard`)
+compares the round's evaluation loss with the previous one: ``"warn"`` logs, ``"skip"``
+restores :meth:`~ResumableStrategy.round_snapshot` (taken before :meth:`run_round`) and
+evaluates the restored model again, ``"stop"`` raises after the hook.
 """
 
 from __future__ import annotations
@@ -35,8 +41,11 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result, Strategy
 from flwr.serverapp.strategy.strategy_utils import log_strategy_start_info
 
+from flwr_isoloco.strategies.divergence import DEFAULT_DIVERGENCE_FACTOR, DivergenceGuard
+
 __all__ = ["ResumableStrategy", "RoundEndFn", "RoundOutcome"]
 
+EvaluateFn = Callable[[int, ArrayRecord], MetricRecord | None]
 RoundEndFn = Callable[[int, ArrayRecord, MetricRecord | None, MetricRecord | None], None]
 """``fn(server_round, arrays, train_metrics, evaluate_metrics)``, called after every round."""
 
@@ -65,6 +74,48 @@ class ResumableStrategy(Strategy):
     """
 
     on_round_end: RoundEndFn | None = None
+    _divergence: DivergenceGuard | None = None
+
+    # ----------------------------------------------------------------- divergence guard
+    def set_divergence_guard(
+        self,
+        on_divergence: str = "warn",
+        divergence_factor: float = DEFAULT_DIVERGENCE_FACTOR,
+        divergence_key: str | None = None,
+    ) -> None:
+        """Set the divergence guard (:mod:`~flwr_isoloco.strategies.divergence`).
+
+        ``on_divergence``: ``"warn"`` | ``"skip"`` | ``"stop"``; ``divergence_factor``: a round
+        whose ``evaluate_fn`` loss is above ``factor x`` the previous one's (or not finite)
+        diverged (``>= 1``; 0 = only non-finite); ``divergence_key``: the loss's metric name
+        (None: the first of ``LOSS_KEYS`` present). ``"skip"`` needs :meth:`round_snapshot`.
+        """
+        guard = DivergenceGuard(on_divergence, divergence_factor, divergence_key)
+        if on_divergence == "skip" and not self._can_snapshot():
+            raise ValueError(
+                f"on_divergence='skip' needs {type(self).__name__} to restore a round "
+                "(round_snapshot / restore_round_snapshot); use 'warn' or 'stop'"
+            )
+        self._divergence = guard
+
+    @property
+    def divergence_guard(self) -> DivergenceGuard:
+        """The guard in force (default: ``"warn"``, factor 1.5, loss key found by name)."""
+        if self._divergence is None:
+            self._divergence = DivergenceGuard()
+        return self._divergence
+
+    def _can_snapshot(self) -> bool:
+        return type(self).round_snapshot is not ResumableStrategy.round_snapshot
+
+    def round_snapshot(self) -> Any:
+        """What ``on_divergence="skip"`` restores: the model and optimiser state before a round
+        (strategies that support "skip" override this and :meth:`restore_round_snapshot`)."""
+        raise NotImplementedError
+
+    def restore_round_snapshot(self, snapshot: Any) -> None:
+        """Put back :meth:`round_snapshot`'s state; the round still counts as run."""
+        raise NotImplementedError
 
     # ----------------------------------------------------------------- subclass interface
     @property
@@ -112,7 +163,7 @@ class ResumableStrategy(Strategy):
         timeout: float = 3600,
         train_config: ConfigRecord | None = None,
         evaluate_config: ConfigRecord | None = None,
-        evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None = None,
+        evaluate_fn: EvaluateFn | None = None,
         on_round_end: RoundEndFn | None = None,
     ) -> Result:
         """Run rounds ``completed_rounds + 1 .. num_rounds`` (module docstring).
@@ -148,9 +199,12 @@ class ResumableStrategy(Strategy):
             log(INFO, "Initial global evaluation results: %s", res)
             if res is not None:
                 result.evaluate_metrics_serverapp[0] = res
+            self.divergence_guard.observe(res)
+        skip = evaluate_fn is not None and self.divergence_guard.mode == "skip"
         for server_round in range(done + 1, num_rounds + 1):
             log(INFO, "")
             log(INFO, "[ROUND %s/%s]", server_round, num_rounds)
+            snapshot = self.round_snapshot() if skip else None
             out = self.run_round(
                 grid,
                 server_round,
@@ -158,7 +212,7 @@ class ResumableStrategy(Strategy):
                 ConfigRecord(dict(evaluate_config)),
                 timeout,
             )
-            self._finish_round(server_round, out, result, evaluate_fn, hook)
+            self._finish_round(server_round, out, result, evaluate_fn, hook, snapshot)
         self._log_result(result, t0)
         return result
 
@@ -167,10 +221,12 @@ class ResumableStrategy(Strategy):
         server_round: int,
         out: RoundOutcome,
         result: Result,
-        evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None,
+        evaluate_fn: EvaluateFn | None,
         hook: RoundEndFn | None,
+        snapshot: Any = None,
     ) -> None:
-        """Record the round in ``result``, run ``evaluate_fn`` and the hook, then ``out.stop``."""
+        """Record the round in ``result``, run ``evaluate_fn``, the divergence guard and the
+        hook, then raise ``out.stop`` or the guard's stop."""
         if out.arrays is not None:
             result.arrays = out.arrays
         if out.train_metrics is not None:
@@ -180,11 +236,11 @@ class ResumableStrategy(Strategy):
             log(INFO, "\t└──> Aggregated MetricRecord: %s", out.evaluate_metrics)
             result.evaluate_metrics_clientapp[server_round] = out.evaluate_metrics
         arrays = self.current_arrays()
-        res = None
+        res, diverged = None, None
         if evaluate_fn is not None:
-            log(INFO, "Global evaluation")
-            res = evaluate_fn(server_round, arrays)
-            log(INFO, "\t└──> MetricRecord: %s", res)
+            res, diverged = self._evaluate_round(server_round, arrays, evaluate_fn, snapshot)
+            if diverged and snapshot is not None:  # skipped: the restored model
+                arrays = result.arrays = self.current_arrays()
             if res is not None:
                 result.evaluate_metrics_serverapp[server_round] = res
         if hook is not None:
@@ -194,6 +250,30 @@ class ResumableStrategy(Strategy):
         if out.stop is not None:
             log(ERROR, "%s", out.stop)
             raise out.stop
+        if diverged and self.divergence_guard.mode == "stop":
+            exc = self.divergence_guard.error(server_round)
+            log(ERROR, "%s", exc)
+            raise exc
+
+    def _evaluate_round(
+        self, server_round: int, arrays: ArrayRecord, evaluate_fn: EvaluateFn, snapshot: Any
+    ) -> tuple[MetricRecord | None, bool | None]:
+        """``evaluate_fn`` on the round's model, checked by the divergence guard; a skipped
+        round's model is restored from ``snapshot`` and evaluated again. Returns the metrics
+        (with ``diverged`` 0/1 when the guard is active) and the verdict (None: inactive)."""
+        log(INFO, "Global evaluation")
+        res = evaluate_fn(server_round, arrays)
+        log(INFO, "\t└──> MetricRecord: %s", res)
+        guard = self.divergence_guard
+        diverged = guard.check(server_round, res)
+        if diverged and snapshot is not None:
+            self.restore_round_snapshot(snapshot)
+            log(INFO, "Global evaluation of the restored model")
+            res = evaluate_fn(server_round, self.current_arrays())
+            log(INFO, "\t└──> MetricRecord: %s", res)
+        if diverged is not None and res is not None:
+            res = MetricRecord({**res, "diverged": int(diverged)})
+        return res, diverged
 
     def _after_round(self, server_round: int) -> None:
         """Subclass hook after the round-end hook (the graph strategies' ``round_end_fn``)."""

@@ -86,6 +86,7 @@ def build(cfg, nodes: list[int]) -> AppRun:
         return {
             "val-loss": em.get("val-loss"),
             "val-ppl": em.get("val-ppl"),
+            "diverged": int(em.get("diverged", 0)),
             **{k: int(tm.get(k, 0)) for k in REPLY_COLUMNS},
             **{k: tm.get(k) for k in TRAIN_COLUMNS},
         }
