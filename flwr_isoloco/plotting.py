@@ -3,6 +3,8 @@ written atomically with mode 0644.
 
 - :func:`run_label` names a run by what it is: ``run_label("diloco", "iso_c", momentum=0.0)``
   is ``"DiLoCo, Iso-C merge, no momentum"``, not the config spelling ``iso_c-nomom``.
+- :func:`integer_round_ticks` puts ticks on whole rounds only (Matplotlib's default locator
+  labels a 3-round run 0, 0.5, 1, ..., rounds that do not exist).
 - :func:`save_figure` writes a Matplotlib figure through a temporary file in the same folder
   and ``os.replace``, so a reader never sees half a PNG, and makes it readable by others
   (``0644``) like ``results.json`` (a bare ``savefig`` follows the umask).
@@ -14,7 +16,14 @@ import os
 import tempfile
 from pathlib import Path
 
-__all__ = ["STRATEGY_NAMES", "MERGE_NAMES", "RESULT_MODE", "run_label", "save_figure"]
+__all__ = [
+    "STRATEGY_NAMES",
+    "MERGE_NAMES",
+    "RESULT_MODE",
+    "integer_round_ticks",
+    "run_label",
+    "save_figure",
+]
 
 RESULT_MODE = 0o644
 
@@ -56,6 +65,13 @@ def run_label(
         kind = "Nesterov momentum" if nesterov else "momentum"
         parts.append("no momentum" if momentum == 0 else f"{kind} {momentum:g}")
     return ", ".join(parts) if parts else "run"
+
+
+def integer_round_ticks(ax) -> None:
+    """Ticks of ``ax``'s x axis (rounds) on integers only."""
+    from matplotlib.ticker import MaxNLocator
+
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
 
 
 def save_figure(fig, path: str | os.PathLike, *, dpi: int = 100, mode: int = RESULT_MODE) -> Path:

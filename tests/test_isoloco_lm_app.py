@@ -121,9 +121,11 @@ def test_bad_config_stops_server_before_training(tiny, tmp_path):
     "name,merge,expected",
     [
         ("isoloco", "", ("IsoLoCo", "iso_c", 1.8, 0.8)),
-        ("diloco", "", ("DiLoCo", "mean", 0.7, 0.9)),
+        ("diloco", "", ("DiLoCo", "mean", 0.25, 0.8)),  # each rule's tuned values (tuned.py)
         ("fedavg", "", ("DiLoCo", "mean", 1.0, 0.0)),
-        ("diloco", "ties", ("DiLoCo", "ties", 0.7, 0.9)),
+        ("diloco", "ties", ("DiLoCo", "ties", 0.7, 0.0)),
+        ("isoloco", "ties", ("IsoLoCo", "ties", 0.7, 0.0)),
+        ("isoloco", "iso_cts", ("IsoLoCo", "iso_cts", 8.0, 0.0)),
     ],
 )
 def test_strategy_choice(name, merge, expected):
@@ -147,6 +149,7 @@ def test_run_writes_results_and_learns(tiny, tmp_path):
     assert abs(res["initial"]["val-loss"] - math.log(400)) < 0.3
     assert res["rounds"][-1]["val-loss"] < res["initial"]["val-loss"] - 0.2
     assert math.isclose(res["rounds"][-1]["val-ppl"], math.exp(res["rounds"][-1]["val-loss"]))
+    assert [r["diverged"] for r in res["rounds"]] == [0, 0, 0, 0]
     for name in ("results.json", "loss.png", "checkpoint.safetensors", "model"):
         assert (out / name).exists(), name
     _, meta = load_checkpoint(out / "checkpoint.safetensors")
@@ -182,6 +185,32 @@ def test_resume_is_exact(tiny, tmp_path):
     assert [r["train-loss"] for r in res_full["rounds"]] == [
         r["train-loss"] for r in res_rest["rounds"]
     ]
+
+
+def test_divergence_stop_ends_the_run_failed_and_logs_the_outer_values(tiny, tmp_path, caplog):
+    """TIES at outer lr 1000 (its tuned momentum 0 kept): round 1's val loss explodes, the guard
+    (on-divergence 'stop') ends the run after the round's row and checkpoint, status failed."""
+    from flwr_isoloco.strategies.divergence import DivergenceError
+
+    rc = {
+        **tiny,
+        "output-dir": str(tmp_path / "d"),
+        "strategy.merge": "ties",
+        "strategy.outer-lr": 1000.0,
+        "strategy.on-divergence": "stop",
+    }
+    with caplog.at_level("INFO", logger="flwr"), pytest.raises(DivergenceError, match="round 1"):
+        _run(rc)
+    assert (
+        "isoloco-lm: outer lr 1000.0 (run config), momentum 0.0 (TIES' tuned value, "
+        "benchmarks/results/lm_tuning.json); set strategy.outer-momentum to override"
+    ) in caplog.text
+    assert "divergence guard: round 1: val-loss" in caplog.text
+    res = json.loads((tmp_path / "d" / "results.json").read_text())
+    assert res["status"] == "failed" and "diverged" in res["error"]
+    assert [r["diverged"] for r in res["rounds"]] == [1]
+    _, meta = load_checkpoint(tmp_path / "d" / "checkpoint.safetensors")
+    assert meta["round"] == 1
 
 
 def test_resume_rejects_changed_config(tiny, tmp_path):
@@ -378,3 +407,22 @@ def test_unwritable_node_state_does_not_lose_replies(tiny, tmp_path):
     _, res = _run({**tiny, "output-dir": str(out), "num-server-rounds": 2})
     assert res["status"] == "completed"
     assert [r["replies-used"] for r in res["rounds"]] == [3, 3]
+
+
+def test_loss_plot_ticks_whole_rounds_only(monkeypatch):
+    """A 3-round run's loss.png labels rounds 0..3, not 0, 0.5, 1, ... (issue 17)."""
+    from isoloco_lm import plots
+
+    ticks = {}
+
+    def capture(fig, path):
+        fig.canvas.draw()
+        ax = fig.axes[0]
+        lo, hi = ax.get_xlim()
+        ticks["x"] = [t for t in ax.get_xticks() if lo <= t <= hi]
+
+    monkeypatch.setattr(plots, "save_figure", capture)
+    rounds = [{"round": r, "val-loss": 5.0 - r, "train-loss": 5.5 - r} for r in (1, 2, 3)]
+    plots.plot_losses(rounds, Path("unused.png"), "t", initial={"round": 0, "val-loss": 7.6})
+    assert ticks["x"] and all(float(t).is_integer() for t in ticks["x"]), ticks
+    assert {0.0, 3.0} <= set(ticks["x"])

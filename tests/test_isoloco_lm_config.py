@@ -89,3 +89,60 @@ def test_documented_keys_reach_the_strategy(rc, check):
 def test_bad_strategy_values_are_refused_at_the_boundary(rc, pattern):
     with pytest.raises(RunConfigError, match=pattern):
         task.load_config(rc)
+
+
+def test_tuned_outer_values_are_the_sweep_s_optimum():
+    """The app's per-rule table (isoloco_lm/tuned.py) equals what the LM sweep picks as tuned
+    (benchmarks/lm_sweep.py tuned_hp at M = 8 on benchmarks/results/lm_tuning.json)."""
+    import json
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import lm_sweep
+    import lm_sweep_lib
+    from isoloco_lm import tuned
+
+    grid = json.loads((ROOT / tuned.SOURCE).read_text())
+    assert set(tuned.TUNED) == {"mean", "iso_c", "iso_cts", "tsv_m", "ties", "dare"}
+    for rule, row in tuned.TUNED.items():
+        rule_of, with_momentum, _ = lm_sweep_lib.METHODS[row.method]
+        assert rule_of == rule and with_momentum == (row.outer_momentum > 0), rule
+        hp = lm_sweep.tuned_hp(row.method, lm_sweep.TUNE_WORKERS, grid, quick=False)
+        assert hp["hp_source"] == f"tuned-M{lm_sweep.TUNE_WORKERS}", rule
+        assert (row.outer_lr, row.outer_momentum) == (hp["outer_lr"], hp["outer_momentum"]), rule
+
+
+@pytest.mark.parametrize(
+    "rc, lr, mu, text",
+    [
+        ({}, 1.8, 0.8, "outer lr 1.8, momentum 0.8 (Iso-C's tuned values, "),
+        (
+            {"strategy.merge": "ties"},
+            0.7,
+            0.0,
+            "outer lr 0.7, momentum 0.0 (TIES' tuned values, benchmarks/results/lm_tuning.json); "
+            "set strategy.outer-lr / strategy.outer-momentum to override",
+        ),
+        ({"strategy.name": "diloco"}, 0.25, 0.8, "(the mean merge's tuned values, "),
+        ({"strategy.fast": True}, 1.8, 0.8, "(IsoLoCo's defaults; iso_c_ns was not in the tuning"),
+        (
+            {"strategy.merge": "dare", "strategy.outer-momentum": 0.5},
+            0.7,
+            0.5,
+            "outer lr 0.7 (DARE's tuned value, benchmarks/results/lm_tuning.json), momentum 0.5 "
+            "(run config); set strategy.outer-lr to override",
+        ),
+        (
+            {"strategy.outer-lr": 1.0, "strategy.outer-momentum": 0.0},
+            1.0,
+            0.0,
+            "outer lr 1.0, momentum 0.0 (run config)",
+        ),
+        ({"strategy.name": "fedavg"}, 1.0, 0.0, "outer lr 1.0, momentum 0.0 (FedAvg)"),
+    ],
+)
+def test_outer_values_in_force_say_where_they_came_from(rc, lr, mu, text):
+    cfg = task.load_config(rc)
+    outer = task.strategy_outer(cfg)
+    assert text in outer.message
+    s = task.build_strategy(cfg)
+    assert (s.outer.lr, s.outer.momentum) == (outer.outer_lr, outer.outer_momentum) == (lr, mu)

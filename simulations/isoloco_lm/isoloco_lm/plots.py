@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from flwr_isoloco.plotting import run_label, save_figure
+from flwr_isoloco.plotting import integer_round_ticks, run_label, save_figure
 
 
 def plot_title(
@@ -41,6 +41,7 @@ def plot_losses(
             *zip(*tr, strict=True), "s--", label="train loss (mean of the workers' inner steps)"
         )
     ax.set_xlabel("round (0 = before training)")
+    integer_round_ticks(ax)
     ax.set_ylabel("cross-entropy (nats/token)")
     ax.set_title(title)
     ax.grid(alpha=0.3)
