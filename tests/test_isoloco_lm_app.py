@@ -209,6 +209,7 @@ def test_divergence_stop_ends_the_run_failed_and_logs_the_outer_values(tiny, tmp
     res = json.loads((tmp_path / "d" / "results.json").read_text())
     assert res["status"] == "failed" and "diverged" in res["error"]
     assert [r["diverged"] for r in res["rounds"]] == [1]
+    assert "(diverged: see the divergence guard's warning)" in caplog.text  # the round's line
     _, meta = load_checkpoint(tmp_path / "d" / "checkpoint.safetensors")
     assert meta["round"] == 1
 

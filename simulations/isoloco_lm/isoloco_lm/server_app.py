@@ -49,8 +49,9 @@ def summary(row: dict[str, Any]) -> str:
     if row["round"] == 0:
         return text
     train = "n/a" if row.get("train-loss") is None else f"{row['train-loss']:.4f}"
+    flag = " (diverged: see the divergence guard's warning)" if row.get("diverged") else ""
     return (
-        f"{text} | train loss {train} | replies {row['replies-used']} used, "
+        f"{text}{flag} | train loss {train} | replies {row['replies-used']} used, "
         f"{row['replies-rejected']} rejected, {row['replies-missing']} missing | "
         f"aggregation {row.get('aggregation-time-s') or 0.0:.3f} s"
     )
