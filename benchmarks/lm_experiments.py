@@ -40,7 +40,8 @@ BEGIN, END = "<!-- BEGIN GENERATED TABLE -->", "<!-- END GENERATED TABLE -->"
 # name -> run-config overrides (besides the worker count); tuned outer values from the paper
 RUNS = {
     "isoloco": ["strategy.name='isoloco'"],
-    "diloco": ["strategy.name='diloco'"],
+    # the paper's DiLoCo values, explicit: the app's -1 now means the rule's sweep-tuned values
+    "diloco": ["strategy.name='diloco'", "strategy.outer-lr=0.7", "strategy.outer-momentum=0.9"],
     "fedavg": ["strategy.name='fedavg'"],
     "iso_c-nomom": [
         "strategy.name='diloco'",
