@@ -95,9 +95,10 @@ def check_resumable(
 ) -> None:
     """Refuse to resume when a setting differs from the checkpoint's (except ``may_differ`` keys).
 
-    Both configs are nested; the error names the first differing dotted key and both values
-    (and ``source``, the checkpoint file, when given). ``saved`` comes from a file, so a value
-    that is not a config (not a dict, or keys that are not setting names) is refused too.
+    Both configs are nested; the error lists every differing dotted key with both values (and
+    ``source``, the checkpoint file, when given), so one failed resume shows all there is to
+    fix. ``saved`` comes from a file, so a value that is not a config (not a dict, or keys that
+    are not setting names) is refused too.
     """
     where = f" ({source})" if source else ""
     if not isinstance(saved, Mapping):
@@ -108,24 +109,27 @@ def check_resumable(
         raise RunConfigError(f"the checkpoint's config{where} is malformed: {exc}") from None
     b = flatten(now)
     allowed = set(may_differ)
+    diffs = []
     for key in sorted(set(a) | set(b)):
         if key in allowed:
             continue
         if key not in a:
-            raise RunConfigError(
-                f"run-config key {key!r} = {b[key]!r} is not in the checkpoint's config{where}; "
-                "a resumed run must use the same settings"
+            diffs.append(f"run-config key {key!r} = {b[key]!r} is not in the checkpoint's config")
+        elif key not in b:
+            diffs.append(
+                f"the checkpoint has key {key!r} = {a[key]!r}, which this run does not know"
             )
-        if key not in b:
-            raise RunConfigError(
-                f"the checkpoint's config{where} has key {key!r} = {a[key]!r}, which this run "
-                "does not know; a resumed run must use the same settings"
+        elif a[key] != b[key] or isinstance(a[key], bool) != isinstance(b[key], bool):
+            diffs.append(
+                f"run-config key {key!r} = {b[key]!r} differs from the checkpoint's {a[key]!r}"
             )
-        if a[key] != b[key] or isinstance(a[key], bool) != isinstance(b[key], bool):
-            raise RunConfigError(
-                f"run-config key {key!r} = {b.get(key)!r} differs from the checkpoint's "
-                f"{a.get(key)!r}{where}; a resumed run must use the same settings"
-            )
+    if len(diffs) == 1:
+        raise RunConfigError(f"{diffs[0]}{where}; a resumed run must use the same settings")
+    if diffs:
+        raise RunConfigError(
+            f"{len(diffs)} settings differ from the checkpoint's config{where}; a resumed run "
+            "must use the same settings: " + "; ".join(diffs)
+        )
 
 
 def choices(*allowed: Any) -> Validator:

@@ -89,3 +89,113 @@ def test_rwlora_sentiment_keeps_server_side_evaluation_only():
     for name in ("rwlora", "gossip"):
         cfg = load_config({"strategy.name": name})
         assert build_strategy(cfg, 4).fraction_evaluate == 0.0
+
+
+def test_demo_summary_lists_every_output_with_its_size(tmp_path):
+    """Before: "demo: results in <out>  (results.json, loss.png, checkpoint.safetensors,
+    model/)", a fixed list without node-state/ (the largest output). The real demo.sh runs
+    here with run_app.sh replaced by a stub that writes a finished run's folder."""
+    import json
+    import os
+    import subprocess
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    (tmp_path / "scripts").mkdir()
+    (tmp_path / "scripts" / "demo.sh").write_text((repo / "scripts" / "demo.sh").read_text())
+    (tmp_path / ".venv").symlink_to(repo / ".venv")
+    results = {
+        "initial": {"val-loss": 7.6},
+        "rounds": [{"replies-used": 4, "val-loss": 4.5, "val-ppl": 90.0}],
+        "config": {"strategy": {"name": "isoloco"}},
+    }
+    stub = f"""#!/usr/bin/env bash
+set -e
+mkdir -p "$2/node-state/0" "$2/model"
+echo '{json.dumps(results)}' > "$2/results.json"
+head -c 3000000 /dev/zero > "$2/node-state/0/moments.safetensors"
+head -c 2000 /dev/zero > "$2/model/model.safetensors"
+"""
+    (tmp_path / "scripts" / "run_app.sh").write_text(stub)
+    out = subprocess.run(
+        ["bash", str(tmp_path / "scripts" / "demo.sh")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ},
+    )
+    assert out.returncode == 0, out.stderr
+    last = out.stdout.strip().splitlines()[-1]
+    assert "validation loss 7.600 -> 4.500" in out.stdout
+    assert last.startswith("demo: results in ") and " (3.0 MB): " in last, last
+    n_json = len(json.dumps(results)) + 1  # echo's newline
+    assert last.endswith(f"node-state/ 3.0 MB, model/ 2.0 kB, results.json {n_json} B"), last
+
+
+# ---------------------------------------------------------------- 4. every differing key
+def test_resume_refusal_lists_every_differing_key():
+    """Before: only the first differing key ('seed') was named."""
+    from flwr_isoloco.runconfig import RunConfigError, check_resumable
+
+    saved = {"seed": 0, "train": {"lr": 0.003, "steps": 20}, "old": 1, "output-dir": "/a"}
+    now = {"seed": 1, "train": {"lr": 0.001, "steps": 20}, "new": True, "output-dir": "/b"}
+    with pytest.raises(RunConfigError) as err:
+        check_resumable(saved, now, may_differ={"output-dir"}, source="/x/ck.safetensors")
+    text = str(err.value)
+    assert text.startswith("4 settings differ from the checkpoint's config (/x/ck.safetensors)")
+    for part in (
+        "run-config key 'new' = True is not in the checkpoint's config",
+        "the checkpoint has key 'old' = 1, which this run does not know",
+        "run-config key 'seed' = 1 differs from the checkpoint's 0",
+        "run-config key 'train.lr' = 0.001 differs from the checkpoint's 0.003",
+    ):
+        assert part in text, (part, text)
+    assert "output-dir" not in text and "steps" not in text
+
+
+# ---------------------------------------------------------------- 6. log nits
+def test_gossip_logs_one_replies_line_per_round(caplog):
+    """Before: "gossip: 1 replies used, 0 rejected, 0 missing" once per vertex (4 a round)."""
+    grid = FakeGrid(plain_app(), num_nodes=4, seed=3)
+    s = GossipLoRA(fraction_evaluate=0.0)
+    with caplog.at_level(logging.INFO, logger="flwr"):
+        s.start(grid=grid, initial_arrays=ArrayRecord(init_model()), num_rounds=3, timeout=5)
+    lines = [r.getMessage() for r in caplog.records if "replies used" in r.getMessage()]
+    assert lines == [
+        f"gossip (round {r}): 4 replies used, 0 rejected, 0 missing" for r in (1, 2, 3)
+    ]
+
+
+def test_gossip_replies_line_counts_rejected_and_missing(caplog):
+    grid = FakeGrid(plain_app(), num_nodes=4, seed=3)
+    s = GossipLoRA(fraction_evaluate=0.0)
+    s.setup(grid, timeout=5)
+    nodes = sorted(grid.node_ids)
+    grid.set_fault(nodes[1], "timeout", times=1)
+    grid.set_fault(nodes[2], "raise", times=1)
+    with caplog.at_level(logging.INFO, logger="flwr"):
+        s.start(grid=grid, initial_arrays=ArrayRecord(init_model()), num_rounds=1, timeout=5)
+    lines = [r.getMessage() for r in caplog.records if "replies used" in r.getMessage()]
+    assert lines == ["gossip (round 1): 2 replies used, 1 rejected, 1 missing"]
+
+
+@pytest.mark.parametrize("cls", [RWLoRA, GossipLoRA])
+def test_deferred_graph_summary_reads_as_a_sentence(cls, caplog):
+    """Before: "graph: n = connected nodes vertices, ? edges"."""
+    with caplog.at_level(logging.INFO, logger="flwr"):
+        cls().summary()
+        cls("ring", num_vertices=4, **({"lazy": True} if cls is RWLoRA else {})).summary()
+    text = caplog.text
+    assert "n = connected nodes vertices" not in text and "?" not in text
+    assert "'complete' on the connected nodes (one vertex per node" in text
+    assert "4 vertices, 4 edges" in text
+
+
+def test_periodic_walk_warning_names_the_run_config_key():
+    """Before: "...; use lazy=True" (the Python argument only)."""
+    from flwr_isoloco.graphs import PeriodicWalkWarning
+
+    with pytest.warns(PeriodicWalkWarning) as seen:
+        RWLoRA("ring", num_vertices=4)
+    text = str(seen[0].message)
+    assert "RWLoRA(lazy=True)" in text and "strategy.lazy=true" in text

@@ -20,10 +20,18 @@ from .lifecycle import ResumableStrategy, RoundOutcome
 from .nodes import wait_for_nodes
 from .vertices import VertexMap, assign_new_nodes, discover_vertices, map_vertices
 
-__all__ = ["GraphStrategy"]
+__all__ = ["GraphStrategy", "graph_summary"]
 
 SETTLE_S = 2.0
 """Seconds the node count must stay unchanged before a deferred graph is built on it."""
+
+
+def graph_summary(spec: Any, G: nx.Graph | None) -> str:
+    """The graph for the start-up summary: its size, or (a family without ``n``, built on the
+    nodes connected at start) its name and when it is built."""
+    if G is None:
+        return f"{spec!r} on the connected nodes (one vertex per node, built when they are in)"
+    return f"{G.number_of_nodes()} vertices, {G.number_of_edges()} edges"
 
 
 class GraphStrategy(ResumableStrategy):

@@ -48,7 +48,7 @@ from ..graphs import (
 )
 from ..walk import LiveMatrix, LiveTransitions, VertexHealth, reroute_exclusions
 from .common import SentLedger
-from .graph_base import GraphStrategy
+from .graph_base import GraphStrategy, graph_summary
 from .rwlora_hops import RWLoRAHops
 from .rwlora_state import RWLoRAState
 from .vertices import QUERY_VERTEX_KEY, VertexMap, discover_vertices
@@ -199,9 +199,8 @@ class RWLoRA(RWLoRAHops, RWLoRAState, GraphStrategy):
         G = self.graph
         log(
             INFO,
-            "\t├──> graph: %s vertices, %s edges; transition %s%s",
-            "n = connected nodes" if G is None else G.number_of_nodes(),
-            "?" if G is None else G.number_of_edges(),
+            "\t├──> graph: %s; transition %s%s",
+            graph_summary(self._graph_spec, G),
             self.transition,
             " (lazy)" if self.lazy else "",
         )
