@@ -199,3 +199,81 @@ def test_periodic_walk_warning_names_the_run_config_key():
         RWLoRA("ring", num_vertices=4)
     text = str(seen[0].message)
     assert "RWLoRA(lazy=True)" in text and "strategy.lazy=true" in text
+
+
+# ---------------------------------------------------------------- 3. a failing run says so
+def _tiny_spec(build):
+    """An app for the runner: DiLoCo on the plain ClientApp, server-side evaluation."""
+    from flwr_isoloco.apprunner import AppSpec
+    from flwr_isoloco.runconfig import read_run_config
+
+    defaults = {
+        "num-server-rounds": 3,
+        "rounds-this-run": 0,
+        "output-dir": "",
+        "resume-from": "",
+        "round-timeout": 5.0,
+        "checkpoint": False,
+        "torch-threads": 0,
+    }
+    return AppSpec(
+        name="tiny",
+        label="tiny",
+        load_config=lambda rc: read_run_config(rc, defaults),
+        nodes=lambda cfg: (3, True, 5.0),
+        build=build,
+    )
+
+
+def _tiny_run(evaluate):
+    from flwr_isoloco.apprunner import AppRun
+    from flwr_isoloco.strategies import DiLoCo
+
+    return AppRun(
+        strategy=DiLoCo(min_available_nodes=3, fraction_evaluate=0.0),
+        initial_arrays=ArrayRecord(init_model()),
+        evaluate=evaluate,
+        row=lambda r, tm, em: {**em},
+        summary=lambda row: f"loss {row.get('loss')}",
+    )
+
+
+def test_app_whose_strategy_refuses_its_arguments_ends_failed(tmp_path, caplog):
+    """Before: the TypeError left no results.json at all (the run's folder was empty)."""
+    import json
+
+    from flwr_isoloco.apprunner import run_app
+
+    def build(cfg, nodes):
+        return RWLoRA(fraction_fit=0.5)
+
+    grid = FakeGrid(plain_app(), num_nodes=3, seed=1)
+    with caplog.at_level(logging.INFO, logger="flwr"):
+        with pytest.raises(TypeError, match="unexpected keyword argument 'fraction_fit'"):
+            run_app(_tiny_spec(build), grid, {"output-dir": str(tmp_path)}, settle_s=0.0)
+    res = json.loads((tmp_path / "results.json").read_text())
+    assert res["status"] == "failed" and res["rounds"] == [] and res["app"] == "tiny"
+    assert res["error"] == "TypeError: RWLoRA() got an unexpected keyword argument 'fraction_fit'"
+    errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert errors == [f"tiny: failed: {res['error'].split(': ', 1)[1]}"], errors
+
+
+def test_app_that_crashes_mid_run_keeps_its_rounds_and_ends_failed(tmp_path):
+    """Before: results.json kept saying "running" (rounds 1..2 in it) after the crash."""
+    import json
+
+    from flwr_isoloco.apprunner import run_app
+
+    def evaluate(server_round, arrays):
+        if server_round == 3:
+            raise RuntimeError("evaluator crashed")
+        w = arrays.to_torch_state_dict()["w"]
+        return {"loss": float(w.abs().sum())}
+
+    grid = FakeGrid(plain_app(), num_nodes=3, seed=1)
+    spec = _tiny_spec(lambda cfg, nodes: _tiny_run(evaluate))
+    with pytest.raises(RuntimeError, match="evaluator crashed"):
+        run_app(spec, grid, {"output-dir": str(tmp_path)}, settle_s=0.0)
+    res = json.loads((tmp_path / "results.json").read_text())
+    assert res["status"] == "failed" and res["error"] == "RuntimeError: evaluator crashed"
+    assert [r["round"] for r in res["rounds"]] == [1, 2]
