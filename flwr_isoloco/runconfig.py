@@ -39,6 +39,7 @@ __all__ = [
     "in_range",
     "absolute_path",
     "existing_path",
+    "precheck_app_config",
 ]
 
 SEED_MAX = 2**32 - 1
@@ -295,3 +296,62 @@ def read_run_config(
     if readonly:
         OmegaConf.set_readonly(cfg, True)
     return cfg
+
+
+# ----------------------------------------------------------------------------- pre-flight
+def _declared(app_dir: Path) -> tuple[dict[str, Any], str]:
+    """The app's declared run config (flat) and its ServerApp component (``module:attr``)."""
+    import tomllib
+
+    with open(app_dir / "pyproject.toml", "rb") as fh:
+        app = tomllib.load(fh)["tool"]["flwr"]["app"]
+    return flatten(app.get("config", {})), app.get("components", {}).get("serverapp", "")
+
+
+def _app_spec(app_dir: Path, component: str) -> Any:
+    """The :class:`~flwr_isoloco.apprunner.AppSpec` ``SPEC`` of the ServerApp module, if it
+    has one. The module is imported only when its source builds an ``AppSpec`` (so a user's
+    app, which may load data at import, is never imported here)."""
+    import importlib
+    import sys
+
+    module = component.split(":")[0]
+    source = app_dir.joinpath(*module.split(".")).with_suffix(".py")
+    if not module or not source.is_file() or "AppSpec(" not in source.read_text("utf-8"):
+        return None
+    sys.path.insert(0, str(app_dir))
+    try:
+        return getattr(importlib.import_module(module), "SPEC", None)
+    finally:
+        sys.path.remove(str(app_dir))
+
+
+def precheck_app_config(app_dir: str | os.PathLike, overrides: Mapping[str, Any]) -> list[str]:
+    """Problems with run-config ``overrides`` (flat, as Flower parses them) for the Flower app
+    in ``app_dir``, found before anything starts (``scripts/run_app.sh`` calls it).
+
+    Each override must have the type of the value the app declares in ``pyproject.toml``
+    (int accepted for a float key, as Flower's TOML would write ``1`` for ``1.0``); unknown
+    keys are the caller's. For an app built on :mod:`flwr_isoloco.apprunner` (its ServerApp
+    module defines ``SPEC``), the app's own ``load_config`` then checks the whole config:
+    values, ranges, paths and the keys that depend on each other, as the run would at start.
+    """
+    app_dir = Path(app_dir)
+    declared, component = _declared(app_dir)
+    problems = []
+    for key, value in overrides.items():
+        if key in declared:
+            try:
+                _coerce(key, value, declared[key])
+            except RunConfigError as exc:
+                problems.append(str(exc).replace("(default", "(declared"))
+    if problems:
+        return problems
+    spec = _app_spec(app_dir, component)
+    if spec is None:
+        return []
+    try:
+        spec.load_config({**declared, **overrides})
+    except RunConfigError as exc:
+        return [str(exc)]
+    return []

@@ -277,3 +277,45 @@ def test_app_that_crashes_mid_run_keeps_its_rounds_and_ends_failed(tmp_path):
     res = json.loads((tmp_path / "results.json").read_text())
     assert res["status"] == "failed" and res["error"] == "RuntimeError: evaluator crashed"
     assert [r["round"] for r in res["rounds"]] == [1, 2]
+
+
+# ---------------------------------------------------------------- 5. run config checked first
+REPO_ROOT = __import__("pathlib").Path(__file__).resolve().parents[1]
+
+
+def test_precheck_runs_the_apps_own_value_checks():
+    """Before: run_app.sh checked key names only; a bad value (or type) was found by the
+    ServerApp after the simulation had started."""
+    from flwr_isoloco.runconfig import precheck_app_config
+
+    lm = REPO_ROOT / "simulations" / "isoloco_lm"
+    assert precheck_app_config(lm, {"strategy.name": "diloco", "train.lr": 1}) == []
+    assert precheck_app_config(lm, {"strategy.merge": "median"}) == [
+        "run-config key 'strategy.merge' has bad value 'median': unknown merge rule; expected "
+        "'' or one of ['dare', 'iso_c', 'iso_c_ns', 'iso_cts', 'mean', 'ties', 'tsv_m']"
+    ]
+    # keys that depend on each other, as the app's load_config checks them
+    (problem,) = precheck_app_config(lm, {"strategy.name": "fedavg", "strategy.merge": "ties"})
+    assert "conflicts with strategy.name 'fedavg'" in problem
+    assert precheck_app_config(lm, {"train.lr": "fast", "seed": 1.5}) == [  # every one
+        "run-config key 'train.lr' has value 'fast' of type str; expected float (declared 0.003)",
+        "run-config key 'seed' has value 1.5 of type float; expected int (declared 0)",
+    ]
+    sentiment = REPO_ROOT / "simulations" / "rwlora_sentiment"
+    (problem,) = precheck_app_config(sentiment, {"strategy.name": "walk"})
+    assert problem.startswith("run-config key 'strategy.name' has bad value 'walk'")
+
+
+def test_precheck_never_imports_a_plain_flower_app():
+    """A user's ServerApp may load data at import: only its declared types are checked."""
+    import sys
+
+    from flwr_isoloco.runconfig import precheck_app_config
+
+    app = REPO_ROOT / "examples" / "quickstart_swap"
+    before = set(sys.modules)
+    assert precheck_app_config(app, {"lr": 1, "local-epochs": 3}) == []
+    assert precheck_app_config(app, {"local-epochs": 2.0}) == [
+        "run-config key 'local-epochs' has value 2.0 of type float; expected int (declared 2)"
+    ]
+    assert not {m for m in set(sys.modules) - before if m.startswith("quickstart_swap")}
