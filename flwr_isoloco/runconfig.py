@@ -301,7 +301,10 @@ def read_run_config(
 # ----------------------------------------------------------------------------- pre-flight
 def _declared(app_dir: Path) -> tuple[dict[str, Any], str]:
     """The app's declared run config (flat) and its ServerApp component (``module:attr``)."""
-    import tomllib
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10; tomli is a Flower dependency
+        import tomli as tomllib
 
     with open(app_dir / "pyproject.toml", "rb") as fh:
         app = tomllib.load(fh)["tool"]["flwr"]["app"]
@@ -328,7 +331,7 @@ def _app_spec(app_dir: Path, component: str) -> Any:
 
 def precheck_app_config(app_dir: str | os.PathLike, overrides: Mapping[str, Any]) -> list[str]:
     """Problems with run-config ``overrides`` (flat, as Flower parses them) for the Flower app
-    in ``app_dir``, found before anything starts (``scripts/run_app.sh`` calls it).
+    in ``app_dir``, found before anything starts (the repository's ``scripts/run_app.sh`` calls it).
 
     Each override must have the type of the value the app declares in ``pyproject.toml``
     (int accepted for a float key, as Flower's TOML would write ``1`` for ``1.0``); unknown

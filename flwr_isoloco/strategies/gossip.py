@@ -1,4 +1,5 @@
-"""Gossip LoRA: the decentralised-SGD baseline of RW-LoRA (docs/algorithms.md section 4).
+"""Gossip LoRA: the decentralised-SGD baseline of RW-LoRA (section 4 of
+https://github.com/flwr-isoloco/flwr-isoloco/blob/main/docs/algorithms.md).
 
 Every vertex keeps its own adapter ``x_i`` (held by the server, sent to the vertex's node each
 round). Each round every node takes K local steps from its ``x_i``; then each adapter becomes
