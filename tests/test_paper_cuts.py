@@ -319,3 +319,31 @@ def test_precheck_never_imports_a_plain_flower_app():
         "run-config key 'local-epochs' has value 2.0 of type float; expected int (declared 2)"
     ]
     assert not {m for m in set(sys.modules) - before if m.startswith("quickstart_swap")}
+
+
+@pytest.mark.slow
+def test_plain_app_whose_strategy_refuses_its_arguments_is_failed_in_flwr_ls(tmp_path):
+    """A plain Flower app (examples/quickstart_swap) with ``RWLoRA(fraction_fit=0.5)``, run by
+    ``flwr run`` on Ray: Flower ends it ``finished:failed``, and run_app.sh exits 1."""
+    import json
+    import shutil
+    import subprocess
+
+    app = tmp_path / "app"
+    shutil.copytree(REPO_ROOT / "examples" / "quickstart_swap", app)
+    server = app / "quickstart_swap" / "server_app.py"
+    line = "    strategy = FedAvg(fraction_evaluate=0.5)\n"
+    assert server.read_text().count(line) == 1
+    server.write_text(server.read_text().replace(line, "    strategy = RWLoRA(fraction_fit=0.5)\n"))
+    out = tmp_path / "out"
+    proc = subprocess.run(
+        ["bash", str(REPO_ROOT / "scripts" / "run_app.sh"), str(app), str(out)],
+        capture_output=True,
+        text=True,
+        timeout=420,
+        env={**__import__("os").environ, "NUM_SUPERNODES": "2"},
+    )
+    assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert json.loads((out / "run_app.json").read_text())["status"] == "finished:failed"
+    log = (out / "flwr-run.log").read_text()
+    assert "TypeError: RWLoRA() got an unexpected keyword argument 'fraction_fit'" in log
