@@ -54,7 +54,7 @@ def flaky(rate: float, seed: int):
 
 
 def strategy_run(graph, n, rounds, seed, fault_vertex, fault, **kw):
-    s = RWLoRA(graph, num_vertices=n, seed=seed, **kw)
+    s = RWLoRA(graph, num_vertices=n, seed=seed, fraction_evaluate=0.0, **kw)
     grid = FakeGrid(HANDLERS, num_nodes=n)
     s.setup(grid, timeout=5)
     grid.set_fault(fault_vertex, fault)

@@ -13,13 +13,16 @@ evaluator, the app's columns of a results row, and optional plot and export func
 4. ``strategy.start`` over the global rounds ``done + 1 .. num-server-rounds`` (at most
    ``rounds-this-run`` of them), with the evaluator as ``evaluate_fn`` and the round-end hook
    writing the results row, ``results.json``, the plots and the checkpoint;
-5. a run that trains nothing (:class:`~flwr_isoloco.strategies.common.NoProgressError`) ends
-   ``status: failed``; otherwise ``completed`` (``partial`` when ``rounds-this-run`` stopped
+5. a run that trains nothing (:class:`~flwr_isoloco.strategies.common.NoProgressError`), or
+   that raises anything else once the output folder exists (a strategy refusing its
+   arguments, a crash mid-run), ends ``status: failed`` with its ``error`` and the exception
+   is raised again, so Flower marks the run ``finished:failed``; otherwise ``completed`` (``partial`` when ``rounds-this-run`` stopped
    it early), the export is written and one closing line is logged.
 
 Client state (optimiser moments, data cursors) is resumed by the clients themselves from the
 node-state files whose folder the runner names in the train config
-(:mod:`flwr_isoloco.clients.node_state`). The results schema is in docs/user-guide.md.
+(:mod:`flwr_isoloco.clients.node_state`). The results schema is in the user guide,
+https://github.com/flwr-isoloco/flwr-isoloco/blob/main/docs/user-guide.md.
 """
 
 from __future__ import annotations
@@ -338,8 +341,37 @@ def run_app(
     *,
     settle_s: float = 2.0,
 ) -> Path:
-    """The whole server side of ``spec`` (module docstring); returns the output folder."""
+    """The whole server side of ``spec`` (module docstring); returns the output folder.
+
+    Any exception after the output folder exists (a strategy refusing its arguments, a node
+    that never came, a run that trained nothing) is logged as one ERROR line, recorded as
+    ``status: failed`` with its ``error`` in ``results.json`` (rounds done so far kept) and
+    raised again, so Flower ends the run ``finished:failed`` (``flwr ls``)."""
     cfg, out, conf, resume, (tensors, meta) = _setup(spec, run_config, run_id)
+    holder: dict[str, Recorder] = {}
+    try:
+        _run(spec, grid, cfg, out, conf, resume, (tensors, meta), settle_s, holder)
+    except Exception as exc:
+        _record_failure(spec, out, conf, holder.get("rec"), exc)
+        raise
+    return out
+
+
+def _record_failure(spec: AppSpec, out: Path, conf: dict, rec: Recorder | None, exc: Exception):
+    """``results.json`` says ``failed`` with the error; one ERROR line unless already said."""
+    if not isinstance(exc, (NoProgressError, CheckpointError, RunConfigError)):
+        _fail(spec, "failed", exc)  # those three were logged where they were raised
+    error = f"{type(exc).__name__}: {exc}"
+    if rec is None:
+        results = {"app": spec.name, "output-dir": str(out), "config": conf, "rounds": []}
+        write_json_atomic(out / "results.json", {**results, "status": "failed", "error": error})
+    elif rec.results.get("status") != "failed":
+        rec.write("failed", error=error)
+
+
+def _run(spec, grid, cfg, out, conf, resume, checkpoint, settle_s, holder) -> None:
+    """:func:`run_app` once the config is valid and the output folder exists."""
+    tensors, meta = checkpoint
     done = meta["round"] if meta is not None else 0
     stop_at = cfg["num-server-rounds"]
     if cfg.get("rounds-this-run"):
@@ -362,7 +394,7 @@ def run_app(
         "initial": None if meta is None else meta["initial"],
         "rounds": [] if meta is None else list(meta["history"]),
     }
-    rec = Recorder(spec, cfg, run, out, results)
+    rec = holder["rec"] = Recorder(spec, cfg, run, out, results)
     train_config = dict(run.train_config)
     if cfg["checkpoint"]:
         train_config.update(node_state_config(out, resume, done))
@@ -386,7 +418,6 @@ def run_app(
             rec.write("failed", error=str(exc))
             raise
     _finish(spec, rec, result, done)
-    return out
 
 
 def _finish(spec: AppSpec, rec: Recorder, result, done: int) -> None:

@@ -142,7 +142,8 @@ def transition_matrix(
     elif n > 1 and np.all(np.diag(P) <= 1e-15) and nx.is_bipartite(G):
         warnings.warn(
             "the random walk is periodic (bipartite graph, no self-loops): visit frequencies "
-            "never converge and the walk alternates sides; use lazy=True",
+            "never converge and the walk alternates sides; make the walk lazy "
+            "(RWLoRA(lazy=True); run-config key strategy.lazy=true in the flwr-isoloco apps)",
             PeriodicWalkWarning,
             stacklevel=2,
         )

@@ -39,6 +39,7 @@ __all__ = [
     "in_range",
     "absolute_path",
     "existing_path",
+    "precheck_app_config",
 ]
 
 SEED_MAX = 2**32 - 1
@@ -95,9 +96,10 @@ def check_resumable(
 ) -> None:
     """Refuse to resume when a setting differs from the checkpoint's (except ``may_differ`` keys).
 
-    Both configs are nested; the error names the first differing dotted key and both values
-    (and ``source``, the checkpoint file, when given). ``saved`` comes from a file, so a value
-    that is not a config (not a dict, or keys that are not setting names) is refused too.
+    Both configs are nested; the error lists every differing dotted key with both values (and
+    ``source``, the checkpoint file, when given), so one failed resume shows all there is to
+    fix. ``saved`` comes from a file, so a value that is not a config (not a dict, or keys that
+    are not setting names) is refused too.
     """
     where = f" ({source})" if source else ""
     if not isinstance(saved, Mapping):
@@ -108,24 +110,27 @@ def check_resumable(
         raise RunConfigError(f"the checkpoint's config{where} is malformed: {exc}") from None
     b = flatten(now)
     allowed = set(may_differ)
+    diffs = []
     for key in sorted(set(a) | set(b)):
         if key in allowed:
             continue
         if key not in a:
-            raise RunConfigError(
-                f"run-config key {key!r} = {b[key]!r} is not in the checkpoint's config{where}; "
-                "a resumed run must use the same settings"
+            diffs.append(f"run-config key {key!r} = {b[key]!r} is not in the checkpoint's config")
+        elif key not in b:
+            diffs.append(
+                f"the checkpoint has key {key!r} = {a[key]!r}, which this run does not know"
             )
-        if key not in b:
-            raise RunConfigError(
-                f"the checkpoint's config{where} has key {key!r} = {a[key]!r}, which this run "
-                "does not know; a resumed run must use the same settings"
+        elif a[key] != b[key] or isinstance(a[key], bool) != isinstance(b[key], bool):
+            diffs.append(
+                f"run-config key {key!r} = {b[key]!r} differs from the checkpoint's {a[key]!r}"
             )
-        if a[key] != b[key] or isinstance(a[key], bool) != isinstance(b[key], bool):
-            raise RunConfigError(
-                f"run-config key {key!r} = {b.get(key)!r} differs from the checkpoint's "
-                f"{a.get(key)!r}{where}; a resumed run must use the same settings"
-            )
+    if len(diffs) == 1:
+        raise RunConfigError(f"{diffs[0]}{where}; a resumed run must use the same settings")
+    if diffs:
+        raise RunConfigError(
+            f"{len(diffs)} settings differ from the checkpoint's config{where}; a resumed run "
+            "must use the same settings: " + "; ".join(diffs)
+        )
 
 
 def choices(*allowed: Any) -> Validator:
@@ -291,3 +296,65 @@ def read_run_config(
     if readonly:
         OmegaConf.set_readonly(cfg, True)
     return cfg
+
+
+# ----------------------------------------------------------------------------- pre-flight
+def _declared(app_dir: Path) -> tuple[dict[str, Any], str]:
+    """The app's declared run config (flat) and its ServerApp component (``module:attr``)."""
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10; tomli is a Flower dependency
+        import tomli as tomllib
+
+    with open(app_dir / "pyproject.toml", "rb") as fh:
+        app = tomllib.load(fh)["tool"]["flwr"]["app"]
+    return flatten(app.get("config", {})), app.get("components", {}).get("serverapp", "")
+
+
+def _app_spec(app_dir: Path, component: str) -> Any:
+    """The :class:`~flwr_isoloco.apprunner.AppSpec` ``SPEC`` of the ServerApp module, if it
+    has one. The module is imported only when its source builds an ``AppSpec`` (so a user's
+    app, which may load data at import, is never imported here)."""
+    import importlib
+    import sys
+
+    module = component.split(":")[0]
+    source = app_dir.joinpath(*module.split(".")).with_suffix(".py")
+    if not module or not source.is_file() or "AppSpec(" not in source.read_text("utf-8"):
+        return None
+    sys.path.insert(0, str(app_dir))
+    try:
+        return getattr(importlib.import_module(module), "SPEC", None)
+    finally:
+        sys.path.remove(str(app_dir))
+
+
+def precheck_app_config(app_dir: str | os.PathLike, overrides: Mapping[str, Any]) -> list[str]:
+    """Problems with run-config ``overrides`` (flat, as Flower parses them) for the Flower app
+    in ``app_dir``, found before anything starts (the repository's ``scripts/run_app.sh`` calls it).
+
+    Each override must have the type of the value the app declares in ``pyproject.toml``
+    (int accepted for a float key, as Flower's TOML would write ``1`` for ``1.0``); unknown
+    keys are the caller's. For an app built on :mod:`flwr_isoloco.apprunner` (its ServerApp
+    module defines ``SPEC``), the app's own ``load_config`` then checks the whole config:
+    values, ranges, paths and the keys that depend on each other, as the run would at start.
+    """
+    app_dir = Path(app_dir)
+    declared, component = _declared(app_dir)
+    problems = []
+    for key, value in overrides.items():
+        if key in declared:
+            try:
+                _coerce(key, value, declared[key])
+            except RunConfigError as exc:
+                problems.append(str(exc).replace("(default", "(declared"))
+    if problems:
+        return problems
+    spec = _app_spec(app_dir, component)
+    if spec is None:
+        return []
+    try:
+        spec.load_config({**declared, **overrides})
+    except RunConfigError as exc:
+        return [str(exc)]
+    return []

@@ -15,15 +15,28 @@ OUT="$REPO/outputs/demo-$(date -u +%Y%m%d-%H%M%S)"
 T0=$(date +%s)
 bash "$REPO/scripts/run_app.sh" "$REPO/simulations/isoloco_lm" "$OUT"
 T1=$(date +%s)
-"$REPO/.venv/bin/python" - "$OUT/results.json" "$((T1 - T0))" <<'PY'
+"$REPO/.venv/bin/python" - "$OUT" "$((T1 - T0))" <<'PY'
 import json, sys
-res = json.load(open(sys.argv[1]))
+from pathlib import Path
+out = Path(sys.argv[1])
+res = json.load(open(out / "results.json"))
 first, last = res["initial"], res["rounds"][-1]
 print(f"demo: {len(res['rounds'])} rounds of {res['config']['strategy']['name']} on "
       f"{res['rounds'][-1]['replies-used']} nodes in {sys.argv[2]} s: validation loss "
       f"{first['val-loss']:.3f} -> {last['val-loss']:.3f} (perplexity {last['val-ppl']:.1f})")
+# every entry of the output folder with its size, largest first (node-state/ holds the
+# clients' optimiser moments for a resume and is usually the largest)
+def size(p):
+    return sum(f.stat().st_size for f in p.rglob("*") if f.is_file()) if p.is_dir() else p.stat().st_size
+def human(n):
+    for unit in ("B", "kB", "MB", "GB"):
+        if n < 1000 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+entries = sorted(((size(p), p.name + ("/" if p.is_dir() else "")) for p in out.iterdir()), reverse=True)
+print(f"demo: results in {out} ({human(sum(n for n, _ in entries))}): "
+      + ", ".join(f"{name} {human(n)}" for n, name in entries))
 PY
-echo "demo: results in $OUT  (results.json, loss.png, checkpoint.safetensors, model/)"
 }
 
 main "$@"

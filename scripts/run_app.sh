@@ -24,7 +24,8 @@
 #
 # Environment: NUM_SUPERNODES (default 4), CPUS_PER_CLIENT (default 1), RUN_APP_KEEP_HOME=1
 # keeps the FLWR_HOME folder, FLWR_BIN_DIR (default <repo>/.venv/bin), RUN_APP_DRY_RUN=1 checks
-# the overrides, prints them as Flower will read them and exits 0 without starting anything.
+# the overrides (keys, types, and our apps' value checks), prints them as Flower will read them
+# and exits 0 without starting anything.
 set -euo pipefail
 
 # Everything runs inside main(), so bash parses the whole file before executing any of it:
@@ -88,7 +89,10 @@ RUN_CONFIG="$RUN_HOME/run-config.toml"
 # without escapes, so an output dir with a ' would end at that quote and the run would write
 # elsewhere). Checked here first: Flower answers an override key that the app does not
 # declare with a bare "[code: 15] Invalid run configuration.", so the message names the key;
-# and the file is read back with Flower's own parser and must give exactly the overrides.
+# each value must have its declared type, and our apps' own config checks run on the result
+# (flwr_isoloco.runconfig.precheck_app_config), so a bad value fails before the simulation
+# starts; and the file is read back with Flower's own parser and must give exactly the
+# overrides.
 "$BIN/python" - "$APP/pyproject.toml" "$RUN_CONFIG" "$OUT" "$@" <<'PY' || exit 2
 import difflib, json, os, sys, tomllib
 import tomli_w
@@ -115,6 +119,14 @@ try:
 except UnicodeEncodeError:
     sys.exit(f"run_app: output dir {out!r} is not valid UTF-8, so it cannot be passed to Flower")
 want = {**given, "output-dir": out}
+# Types (against the declared values) and, for our apps (an AppSpec), the app's own checks of
+# every value: a bad value stops here in seconds, not after the simulation has started.
+from flwr_isoloco.runconfig import precheck_app_config
+problems = precheck_app_config(os.path.dirname(pyproject), want)
+for p in problems:
+    print(f"run_app: {p}", file=sys.stderr)
+if problems:
+    sys.exit(1)
 with open(target, "w", encoding="utf-8") as fh:
     fh.write(tomli_w.dumps(unflatten_dict(want)))
 back = parse_config_args([target])

@@ -133,6 +133,22 @@ def test_run_app_relative_output_dir_becomes_absolute(tmp_path):
         ("o", [], {"NUM_SUPERNODES": "4 x=1"}, "run_app: NUM_SUPERNODES=4 x=1 must be a positive"),
         ("o", [], {"CPUS_PER_CLIENT": "0"}, "run_app: CPUS_PER_CLIENT=0 must be a positive"),
         ("o", ["lr=0.1", "steps=3"], {}, "run_app: unknown run-config key 'steps'"),
+        # issue 17: types are checked here too, before anything starts (they used to pass the
+        # dry run and fail only once the ServerApp read them)
+        (
+            "o",
+            ["lr='fast'"],
+            {},
+            "run_app: run-config key 'lr' has value 'fast' of type str; expected float "
+            "(declared 0.1)",
+        ),
+        (
+            "o",
+            ["num-server-rounds=2.5"],
+            {},
+            "run_app: run-config key 'num-server-rounds' has value 2.5 of type float; "
+            "expected int (declared 2)",
+        ),
     ],
 )
 def test_run_app_refuses_with_a_message(tmp_path, out, overrides, env, message):

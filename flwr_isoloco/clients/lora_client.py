@@ -2,8 +2,8 @@
 
 :class:`LoRAClient` gives the train / evaluate / query handlers; the node's data, the message
 layout (``arrays``, ``config``, ``optimizer``, ``optimizer-config``, the reply metrics) and the
-seeded batch order are specified in docs/rwlora.md, "The LoRA client". The AdamW state travels
-through :mod:`flwr_isoloco.clients.adamw_state`.
+seeded batch order are specified in "The LoRA client" of https://github.com/flwr-isoloco/flwr-isoloco/blob/main/docs/rwlora.md.
+The AdamW state travels through :mod:`flwr_isoloco.clients.adamw_state`.
 """
 
 from __future__ import annotations

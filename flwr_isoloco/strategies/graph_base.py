@@ -20,10 +20,18 @@ from .lifecycle import ResumableStrategy, RoundOutcome
 from .nodes import wait_for_nodes
 from .vertices import VertexMap, assign_new_nodes, discover_vertices, map_vertices
 
-__all__ = ["GraphStrategy"]
+__all__ = ["GraphStrategy", "graph_summary"]
 
 SETTLE_S = 2.0
 """Seconds the node count must stay unchanged before a deferred graph is built on it."""
+
+
+def graph_summary(spec: Any, G: nx.Graph | None) -> str:
+    """The graph for the start-up summary: its size, or (a family without ``n``, built on the
+    nodes connected at start) its name and when it is built."""
+    if G is None:
+        return f"{spec!r} on the connected nodes (one vertex per node, built when they are in)"
+    return f"{G.number_of_nodes()} vertices, {G.number_of_edges()} edges"
 
 
 class GraphStrategy(ResumableStrategy):
@@ -37,7 +45,10 @@ class GraphStrategy(ResumableStrategy):
     for one node per vertex before the QUERY round, default 60 s), ``query_timeout`` (default:
     the ``timeout`` given to ``start``), ``query_attempts`` (QUERY retries for silent nodes,
     default 3; nodes that never answer are left out), ``arrayrecord_key`` /
-    ``configrecord_key`` / ``weighted_by_key`` (as FedAvg), ``require_weight`` (default False),
+    ``configrecord_key`` / ``weighted_by_key`` (as FedAvg), ``fraction_evaluate`` (default
+    1.0 as FedAvg: every round the current model is evaluated on the live vertices' nodes, so
+    a swapped FedAvg app keeps its federated evaluation; 0 = server-side ``evaluate_fn``
+    only), ``min_evaluate_nodes``, ``require_weight`` (default False),
     ``dtype_policy`` (``cast`` | ``reject``), ``max_update_norm``, ``round_end_fn``,
     ``max_empty_rounds`` (default 3: that many consecutive rounds in which no reply was used
     stop :meth:`start` with :class:`~flwr_isoloco.strategies.common.NoProgressError`; 0 = off).
@@ -58,7 +69,7 @@ class GraphStrategy(ResumableStrategy):
         node_wait_s: float = 60.0,
         query_timeout: float | None = None,
         query_attempts: int = 3,
-        fraction_evaluate: float = 0.0,
+        fraction_evaluate: float = 1.0,
         min_evaluate_nodes: int = 1,
         min_available_nodes: int = 0,
         evaluate_metrics_aggr_fn: Callable[..., MetricRecord] | None = None,
@@ -258,7 +269,7 @@ class GraphStrategy(ResumableStrategy):
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
         """Federated evaluation of :meth:`current_arrays` on ``fraction_evaluate`` of the live
-        vertices' nodes (default 0: the app evaluates server-side with ``evaluate_fn``)."""
+        vertices' nodes (default 1.0, as FedAvg; 0 when the app evaluates server-side only)."""
         if self.fraction_evaluate == 0.0 or self.vmap is None:
             return []
         listed = set(grid.get_node_ids())

@@ -1,12 +1,12 @@
 """RW-LoRA: one LoRA adapter (the *token*) random-walks over a graph of clients.
 
-docs/algorithms.md section 4. Each round the token (adapter arrays, plus the optimiser state when
-``carry_optimizer_state=True``) goes to exactly one node, the vertex ``v_t`` of the walk; that
+The algorithm is section 4 of https://github.com/flwr-isoloco/flwr-isoloco/blob/main/docs/algorithms.md. Each round the token (adapter arrays,
+plus the optimiser state when ``carry_optimizer_state=True``) goes to exactly one node, the vertex ``v_t`` of the walk; that
 node takes K local steps and its reply becomes the new token; the walk then draws ``v_{t+1}``
 from ``P[v_t, :]``. Nothing is averaged, so there is no LoRA product-aggregation error.
 
 Message conventions (QUERY, TRAIN instruction and reply, the optimiser-state records) are
-specified in docs/rwlora.md, "Message conventions".
+specified in https://github.com/flwr-isoloco/flwr-isoloco/blob/main/docs/rwlora.md, "Message conventions".
 
 The token is never lost: an error reply, a timeout or a bad update (validated by
 :class:`~flwr_isoloco.strategies.common.ReplyValidator`: keys, shapes, dtype, NaN/inf, update
@@ -17,7 +17,7 @@ self-loop and without the vertices that failed this round, renormalised; the tok
 trains again only when no other candidate is left), up to ``max_reroutes`` times per round.
 A vertex that fails ``dead_after`` consecutive times is dead for a back-off that doubles on
 repeated deaths; meanwhile the walk moves on the live graph (same target, relays across dead
-vertices where the live graph is disconnected): :mod:`flwr_isoloco.walk`, docs/rwlora.md.
+vertices where the live graph is disconnected): :mod:`flwr_isoloco.walk`, https://github.com/flwr-isoloco/flwr-isoloco/blob/main/docs/rwlora.md.
 
 Bytes: ``bytes-relayed`` counts what crossed the wire through the server (instruction down +
 reply up, also for failed attempts), ``bytes-p2p`` what a peer-to-peer deployment would send
@@ -48,7 +48,7 @@ from ..graphs import (
 )
 from ..walk import LiveMatrix, LiveTransitions, VertexHealth, reroute_exclusions
 from .common import SentLedger
-from .graph_base import GraphStrategy
+from .graph_base import GraphStrategy, graph_summary
 from .rwlora_hops import RWLoRAHops
 from .rwlora_state import RWLoRAState
 from .vertices import QUERY_VERTEX_KEY, VertexMap, discover_vertices
@@ -90,8 +90,8 @@ class RWLoRA(RWLoRAHops, RWLoRAState, GraphStrategy):
     local_steps : int
         K, sent as ``local-steps`` in the ConfigRecord.
     carry_optimizer_state : bool
-        Ship the optimiser state with the token (record keys: docs/rwlora.md, "Message
-        conventions").
+        Ship the optimiser state with the token (record keys: "Message conventions" in
+        https://github.com/flwr-isoloco/flwr-isoloco/blob/main/docs/rwlora.md).
     max_reroutes : int, optional
         Re-routes per round after a failed hop (default: the maximum degree, i.e. try every
         neighbour); when exhausted the round ends with the token kept where it was.
@@ -199,9 +199,8 @@ class RWLoRA(RWLoRAHops, RWLoRAState, GraphStrategy):
         G = self.graph
         log(
             INFO,
-            "\t├──> graph: %s vertices, %s edges; transition %s%s",
-            "n = connected nodes" if G is None else G.number_of_nodes(),
-            "?" if G is None else G.number_of_edges(),
+            "\t├──> graph: %s; transition %s%s",
+            graph_summary(self._graph_spec, G),
             self.transition,
             " (lazy)" if self.lazy else "",
         )

@@ -145,22 +145,23 @@ def map_vertices(
     ``attempts`` times in all. When no node answers with a vertex (e.g. a plain ClientApp with
     only ``@app.train``/``@app.evaluate``), vertex ``i`` (in :func:`vertex_list` order) is
     the ``i``-th connected node in node-id order, logged once (``vmap.by_node_order``). Nodes
-    that answered a value that is no vertex are never remapped that way (the run is refused)."""
-    vmap = discover_vertices(grid, vertices, vertex_key=vertex_key, timeout=timeout, what=what)
+    that answered a value that is no vertex are never remapped that way (the run is refused).
+
+    One node (the smallest id) is asked first: every node of a run runs the same ClientApp,
+    so if it has no ``@app.query()`` handler none has, and the others are not asked (Flower
+    logs a traceback for each failed QUERY; the probe costs one of them instead of one per
+    node, for one extra round trip at start)."""
+    listed = sorted(grid.get_node_ids())
+    q = {"vertex_key": vertex_key, "timeout": timeout, "what": what}
+    vmap = discover_vertices(grid, vertices, node_ids=listed[:1], **q)
+    if not vmap.no_handler and len(listed) > 1:
+        discover_vertices(grid, vertices, node_ids=listed[1:], vmap=vmap, **q)
     for attempt in range(2, attempts + 1):
         silent = set(grid.get_node_ids()) - vmap.known_nodes()
-        if not silent or len(vmap.node_of) == len(vertices):
+        if not silent or len(vmap.node_of) == len(vertices) or vmap.no_handler:
             break
         log(INFO, "%s: vertex query attempt %d for %d silent node(s)", what, attempt, len(silent))
-        discover_vertices(
-            grid,
-            vertices,
-            vertex_key=vertex_key,
-            timeout=timeout,
-            node_ids=silent,
-            vmap=vmap,
-            what=what,
-        )
+        discover_vertices(grid, vertices, node_ids=silent, vmap=vmap, **q)
     if vmap.node_of or vmap.bad_answers:  # answers that name no vertex: the caller refuses
         if vmap.no_handler:
             log(
@@ -172,7 +173,8 @@ def map_vertices(
         return vmap
     nodes = sorted(grid.get_node_ids())
     why = (
-        'the ClientApp has no @app.query() handler ("No query function registered")'
+        f'the ClientApp has no @app.query() handler (the one "No query function registered" '
+        f"error above is the probe of node {min(vmap.no_handler)}; the others were not asked)"
         if vmap.no_handler
         else f"no node answered the vertex query with a {vertex_key!r}"
     )

@@ -1,7 +1,8 @@
 """Test and benchmark fixtures, kept out of the library proper: seeded synthetic
 pseudo-gradients for the merge rules (:mod:`flwr_isoloco.testing.synthetic`). Nothing in
-``flwr_isoloco`` imports this package. The in-process fake Flower grid used by the test suite
-lives in ``tests/fakegrid.py``."""
+``flwr_isoloco`` imports this package. The in-process fake Flower grid of the test suite is
+not installed; it is in the repository,
+https://github.com/flwr-isoloco/flwr-isoloco/blob/main/tests/fakegrid.py."""
 
 from flwr_isoloco.testing.synthetic import adam_pseudo_gradient, low_rank_plus_noise
 

@@ -221,6 +221,7 @@ def build_strategy(cfg: DictConfig, n: int):
         node_wait_s=s["node-wait-s"],
         max_update_norm=s["max-update-norm"] or None,
         max_empty_rounds=s["max-empty-rounds"],
+        fraction_evaluate=0.0,  # the app evaluates server-side (its evaluator), every round
     )
     try:
         if s.name == "gossip":
