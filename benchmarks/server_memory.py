@@ -159,11 +159,13 @@ def run_cell(code_dir: Path, strategy: str, m: int, size: str, min_free: float) 
         rounds = res.get("rounds", [])
         cell["run-status"] = res.get("status")
         cell["round2-wall-s"] = rounds[1]["round-wall-s"] if len(rounds) > 1 else None
-        cell["replies-used"] = [r.get("replies-used") for r in rounds]
+        for k in ("replies-used", "replies-rejected", "replies-missing"):
+            cell[k] = [r.get(k) for r in rounds]
         cell["val-loss"] = rounds[-1].get("val-loss") if rounds else None
     except (OSError, ValueError, KeyError, IndexError):
         cell["run-status"] = "no results.json"
     ok = proc.returncode == 0 and cell.get("run-status") == "completed"
+    ok = ok and cell.get("replies-used") == [m, m]  # every node trained: the model moved
     cell["status"] = "aborted-low-memory" if peaks["aborted"] else ("ok" if ok else "failed")
     if cell["status"] == "ok":
         shutil.rmtree(out, ignore_errors=True)  # node-state files: up to 2 x M x 2 x model
