@@ -146,7 +146,9 @@ def run_cell(code_dir: Path, strategy: str, m: int, size: str, min_free: float) 
     cmd += [str(out), *COMMON, *SIZES[size], *STRATEGIES[strategy]]
     t0 = time.time()
     with open(out.parent / f"{out.name}.log", "w") as log:
-        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+        # cwd: Ray's workers put the driver's working folder on sys.path, so from another
+        # checkout's folder they would import that checkout's flwr_isoloco
+        proc = subprocess.Popen(cmd, env=env, cwd=code_dir, stdout=log, stderr=subprocess.STDOUT)
         try:
             peaks = watch(proc, min_free)
         except BaseException:
