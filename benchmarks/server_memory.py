@@ -16,8 +16,8 @@ given in units of the model's fp32 size (copies of the model per worker) with it
 Strategies: ``diloco`` and ``isoloco`` at their defaults, ``ties`` (DiLoCo with
 ``strategy.merge='ties'``). A cell (label, strategy, M, size) already in the JSON for the same
 code revision is skipped, so an interrupted sweep resumes. While a run is in flight the script
-watches the machine's available memory and stops the run (SIGTERM to run_app.sh, which stops
-its SuperLink's process groups) if it drops under ``--min-free-gb`` (3): the cell is recorded
+watches the machine's available memory and stops the run (SIGTERM, then SIGKILL, to the
+process groups of its SuperLink and SuperExec) if it drops under ``--min-free-gb`` (3): the cell is recorded
 with ``status: "aborted-low-memory"``.
 
     # after (this checkout), one cell at a time, low priority:
@@ -111,6 +111,28 @@ def _hwm(p: psutil.Process) -> int:
     return int(m.group(1)) * 1024 if m else 0
 
 
+def stop(root: psutil.Process) -> None:
+    """Stop a run: SIGTERM to every process group under ``root`` (the SuperLink leads one, the
+    SuperExec another), then SIGKILL to what is left after 20 s. Signalling run_app.sh alone is
+    not enough: bash runs its trap only once the foreground ``flwr run`` has returned."""
+    own = os.getpgid(0)
+    procs = _tree(root)[1:]
+    groups = set()
+    for p in procs:
+        try:
+            groups.add(os.getpgid(p.pid))
+        except OSError:
+            pass
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for g in groups - {own}:
+            try:
+                os.killpg(g, sig)
+            except OSError:
+                pass
+        if sig == signal.SIGTERM:
+            psutil.wait_procs(procs, timeout=20)
+
+
 def watch(proc: subprocess.Popen, min_free: float, period: float = 0.2) -> dict:
     """Sample the run's process tree until it exits; stop it if memory runs low."""
     root = psutil.Process(proc.pid)
@@ -133,7 +155,7 @@ def watch(proc: subprocess.Popen, min_free: float, period: float = 0.2) -> dict:
         if not aborted and psutil.virtual_memory().available < min_free * GB:
             aborted = True
             print(f"server_memory: available memory under {min_free} GB: stopping the run")
-            proc.send_signal(signal.SIGTERM)  # run_app.sh's trap stops the SuperLink's groups
+            stop(root)
         time.sleep(period)
     return {"sim-peak-gb": sim_peak / GB, "tree-peak-gb": tree_peak / GB, "aborted": aborted}
 
@@ -152,8 +174,7 @@ def run_cell(code_dir: Path, strategy: str, m: int, size: str, min_free: float) 
         try:
             peaks = watch(proc, min_free)
         except BaseException:
-            proc.send_signal(signal.SIGTERM)
-            proc.wait(timeout=60)
+            stop(psutil.Process(proc.pid))
             raise
     cell = {"wall-s": round(time.time() - t0, 1), "returncode": proc.returncode, **peaks}
     try:
