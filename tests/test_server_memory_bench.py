@@ -4,8 +4,10 @@ the JSON holds both cells with sampled peaks, a fit, and a rerun skips the measu
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -48,3 +50,21 @@ def test_quick_run_writes_cells_and_resumes(tmp_path):
     assert again.stdout.count("already measured; skipped") == 2
     assert len(json.loads(out.read_text())["cells"]) == 2
     assert "| after | diloco | 4 |" in again.stdout
+
+
+def test_stop_ends_every_process_group_under_the_run():
+    """A run's SuperLink and SuperExec lead their own process groups (setsid), as run_app.sh
+    and Flower start them; run_app.sh itself (our group) exits once they are gone."""
+    import psutil
+
+    proc = subprocess.Popen(["bash", "-c", "setsid sleep 300 & setsid sleep 300 & wait"])
+    root = psutil.Process(proc.pid)
+    for _ in range(50):
+        kids = root.children(recursive=True)
+        if len(kids) == 2:
+            break
+        time.sleep(0.1)
+    assert len(kids) == 2 and len({os.getpgid(k.pid) for k in kids}) == 2
+    server_memory.stop(root)
+    proc.wait(timeout=30)
+    assert not any(k.is_running() and k.status() != psutil.STATUS_ZOMBIE for k in kids)
