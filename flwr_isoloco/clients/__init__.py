@@ -3,6 +3,8 @@
 - ``diloco_worker.py``: DiLoCo worker (H inner AdamW steps, optimiser state in ``context.state``).
 - ``lora_client.py``: peft LoRA client that sends only the adapter.
 - ``adamw_state.py``: the AdamW state codec both use (named fp32 tensors, no pickle).
+- ``node_state.py``: :func:`~.node_state.with_node_state`, node-state files for exact resume;
+  between rounds the large records wait there, a handle in ``context.state``.
 - ``query.py``: :func:`partition_id_query`, an ``@app.query()`` handler for the graph
   strategies' vertex query.
 """

@@ -6,7 +6,10 @@ with the learning rate of :func:`inner_lr` (warm-up, then cosine to ``min-lr-rat
 whole run), saves the state and replies ``theta_i`` (or the delta, compressed on request with
 error feedback) with ``num-examples`` = predicted tokens. ``make_lm_evaluate_handler`` gives
 the token-weighted validation loss. The message config keys, the state records and the reply
-are specified in docs/strategies.md, "The DiLoCo worker".
+are specified in docs/strategies.md, "The DiLoCo worker". Wrapped in
+:func:`~flwr_isoloco.clients.node_state.with_node_state`, the state's ArrayRecords wait for the
+next round in the node's state file rather than in ``context.state`` (in a simulation that is
+the ServerApp's process).
 """
 
 from __future__ import annotations

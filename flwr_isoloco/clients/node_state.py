@@ -11,18 +11,35 @@ config (:data:`STATE_DIR_KEY`, :data:`RESUME_DIR_KEY`, :data:`RESUME_ROUND_KEY`;
 ``--node-config "state-dir='/abs/dir'"`` (deployment: a node-local disk) uses that folder
 instead. Files are checkpoints (:mod:`flwr_isoloco.checkpoint`): verified on reading, and a
 damaged or missing file costs that node its state (logged), never the reply.
+
+Off the server's process: in a Ray simulation every node's ``context.state`` is held by the
+process that also runs the ServerApp, so M workers' AdamW moments (2 fp32 copies of the model
+each) would pile up there. Once a round's file is written, the wrapper therefore drops the
+state's ArrayRecords from ``context.state`` and keeps only a handle, ConfigRecord
+:data:`HANDLE_KEY` = ``{path, round, digest}`` (``digest``: sha256 of the file's digest header,
+:func:`file_digest`); the small Config/MetricRecords (data cursor) stay. The next train round
+reads the ArrayRecords back from that file before the handler runs: verified as any checkpoint,
+and its partition, round and digest must be the handle's. A file that is missing, damaged or
+not the one written costs the node its ArrayRecords (a fresh optimiser, logged); the reply is
+still sent. A file that cannot be written leaves the state in memory (logged). With no folder
+(the server sends no :data:`STATE_DIR_KEY` and the node sets no ``state-dir``), the handler
+runs unchanged and the state stays in ``context.state``: no files appear where nobody asked
+for them; pass ``default_dir=`` to :func:`with_node_state` to keep them on a disk anyway, or
+``offload=False`` to keep the files but the state in memory as well.
 """
 
 from __future__ import annotations
 
+import hashlib
 import re
 from collections.abc import Callable, Mapping
 from logging import WARNING
 from pathlib import Path
 from typing import Any
 
-from flwr.app import Context, Message
+from flwr.app import ArrayRecord, ConfigRecord, Context, Message
 from flwr.common.logger import log
+from safetensors import safe_open
 
 from flwr_isoloco.checkpoint import (
     RECORDS_FIELD,
@@ -36,10 +53,13 @@ from flwr_isoloco.checkpoint import (
 )
 
 __all__ = [
+    "HANDLE_KEY",
     "NODE_STATE",
     "RESUME_DIR_KEY",
     "RESUME_ROUND_KEY",
     "STATE_DIR_KEY",
+    "file_digest",
+    "load_state_file",
     "restore_node_state",
     "save_node_state",
     "with_node_state",
@@ -50,6 +70,7 @@ RESUME_DIR_KEY = "resume-node-state-dir"
 RESUME_ROUND_KEY = "resume-round"
 LOCAL_DIR_KEY = "state-dir"  # node_config key: the node's own folder (overrides the server's)
 NODE_STATE = "node-state"  # the ``app`` (kind) of a node-state file
+HANDLE_KEY = "node-state.file"  # ConfigRecord in context.state: where the ArrayRecords went
 NODE_STATE_SPEC = {
     "partition-id": Field("int", min=0),
     "round": Field("int", min=0),
@@ -71,41 +92,60 @@ def _state_files(folder: Path, partition_id: int) -> list[tuple[int, Path]]:
 
 def save_node_state(
     state, folder: Path, partition_id: int, server_round: int, keep: int = 2
-) -> None:
+) -> Path:
     """Write ``state`` (a RecordDict) to this node's file for ``server_round``; keep the last
-    ``keep`` files. The meta names the kind, partition and round (checked on reading)."""
+    ``keep`` files; returns the file. The meta names the kind, partition and round (checked on
+    reading)."""
     tensors, meta = recorddict_to_tree(state)
+    path = folder / f"node-p{partition_id}-r{server_round}.safetensors"
     save_checkpoint(
-        folder / f"node-p{partition_id}-r{server_round}.safetensors",
+        path,
         tensors,
         {"app": NODE_STATE, "partition-id": partition_id, "round": server_round, "records": meta},
     )
     for _, old in _state_files(folder, partition_id)[:-keep]:
         old.unlink(missing_ok=True)
+    return path
+
+
+def file_digest(path: Path) -> str:
+    """sha256 of a checkpoint's ``digest`` header entry (which holds the sha256 of its meta and
+    of every tensor): names the file's content after reading only its header."""
+    try:
+        with safe_open(str(path), framework="pt") as fh:
+            header = (fh.metadata() or {}).get("digest", "")
+    except Exception as exc:  # safetensors raises its own error types on bad files
+        raise checkpoint_error(path, f"header unreadable ({exc})") from None
+    return hashlib.sha256(header.encode("utf-8")).hexdigest()
+
+
+def load_state_file(path: Path, partition_id: int, server_round: int):
+    """The RecordDict of one node-state file, verified
+    (:func:`~flwr_isoloco.checkpoint.load_checkpoint` with kind ``node-state`` and
+    :data:`NODE_STATE_SPEC`); its partition and round must be the given ones. Any problem is a
+    ``CheckpointError`` naming the file and field."""
+    tensors, meta = load_checkpoint(path, kind=NODE_STATE, spec=NODE_STATE_SPEC)
+    for field, want in (("partition-id", partition_id), ("round", server_round)):
+        if meta[field] != want:
+            raise checkpoint_error(
+                path, f"field {field!r} is {meta[field]!r}, the name says {want}"
+            )
+    with restoring(path):
+        return tree_to_recorddict(tensors, meta["records"])
 
 
 def restore_node_state(state, folder: Path, partition_id: int, upto_round: int) -> int | None:
     """Fill an empty ``state`` from the newest file of this node at round <= ``upto_round``;
     returns that round, or None when there is no such file.
 
-    The file is verified (:func:`~flwr_isoloco.checkpoint.load_checkpoint` with kind
-    ``node-state`` and :data:`NODE_STATE_SPEC`) and its partition and round must be those of
-    its name; any problem is a ``CheckpointError`` naming the file and field, and ``state`` is
-    left untouched.
+    The file is checked by :func:`load_state_file`; on any problem (a ``CheckpointError``
+    naming the file and field) ``state`` is left untouched.
     """
     files = [(r, p) for r, p in _state_files(folder, partition_id) if r <= upto_round]
     if not files:
         return None
     rnd, path = files[-1]
-    tensors, meta = load_checkpoint(path, kind=NODE_STATE, spec=NODE_STATE_SPEC)
-    for field, want in (("partition-id", partition_id), ("round", rnd)):
-        if meta[field] != want:
-            raise checkpoint_error(
-                path, f"field {field!r} is {meta[field]!r}, the name says {want}"
-            )
-    with restoring(path):
-        records = tree_to_recorddict(tensors, meta["records"])
-    for key, rec in records.items():
+    for key, rec in load_state_file(path, partition_id, rnd).items():
         state[key] = rec
     return rnd
 
@@ -131,14 +171,59 @@ def _restore(context: Context, conf: Mapping[str, Any], pid: int) -> None:
         )
 
 
-def _save(context: Context, conf: Mapping[str, Any], pid: int) -> None:
-    folder = _folder(context, conf, STATE_DIR_KEY) if STATE_DIR_KEY in conf else None
-    if folder is None:
-        return
+def _save(context: Context, folder: Path, rnd: int, pid: int) -> Path | None:
     try:
-        save_node_state(context.state, folder, pid, int(conf.get("server-round", 0)))
+        return save_node_state(context.state, folder, pid, rnd)
     except (OSError, ValueError) as exc:  # the reply matters more than the state file
         log(WARNING, "node p%d: cannot save state to %s (%s); reply sent anyway", pid, folder, exc)
+        return None
+
+
+def _drop_arrays(context: Context, handle: ConfigRecord) -> None:
+    """Keep only ``handle`` in place of the ArrayRecords of ``context.state``."""
+    for key in [k for k, rec in context.state.items() if isinstance(rec, ArrayRecord)]:
+        del context.state[key]
+    context.state[HANDLE_KEY] = handle
+
+
+def _offload(context: Context, path: Path, rnd: int, pid: int) -> None:
+    """Drop the ArrayRecords of ``context.state`` (now in ``path``) and keep a handle to them."""
+    try:
+        digest = file_digest(path)
+    except ValueError as exc:
+        log(WARNING, "node p%d: state file %s unreadable (%s); kept in memory", pid, path, exc)
+        return
+    _drop_arrays(context, ConfigRecord({"path": str(path), "round": rnd, "digest": digest}))
+
+
+def _reload(context: Context, pid: int) -> ConfigRecord | None:
+    """Take the handle out of ``context.state`` and read its ArrayRecords back; returns the
+    handle (None without one). A file that fails any check costs only those records."""
+    handle = context.state.get(HANDLE_KEY)
+    if handle is None:
+        return None
+    del context.state[HANDLE_KEY]
+    path = handle.get("path") if isinstance(handle, ConfigRecord) else None
+    try:
+        if not isinstance(handle, ConfigRecord):
+            raise ValueError(f"{HANDLE_KEY!r} is a {type(handle).__name__}, not a ConfigRecord")
+        path, rnd, want = Path(str(handle["path"])), int(handle["round"]), str(handle["digest"])
+        if file_digest(path) != want:
+            raise checkpoint_error(path, "digest is not the one this node wrote (file replaced)")
+        records = load_state_file(path, pid, rnd)
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        log(
+            WARNING,
+            "node p%d: cannot read its state back from %s (%s); its optimiser starts fresh",
+            pid,
+            path,
+            exc,
+        )
+        return None
+    for key, rec in records.items():
+        if isinstance(rec, ArrayRecord):
+            context.state[key] = rec
+    return handle
 
 
 def with_node_state(
@@ -146,23 +231,42 @@ def with_node_state(
     *,
     config_key: str = "config",
     partition_key: str = "partition-id",
+    offload: bool = True,
+    default_dir: str | Path | None = None,
 ) -> Callable[[Message, Context], Message]:
     """Wrap a ``@app.train`` handler so the node's ``context.state`` is restored on a resumed
-    run and saved after each round (module docstring). Without the server's keys in the
-    message's ConfigRecord ``config_key`` the handler runs unchanged."""
+    run, saved after each round and, with ``offload``, kept on disk between rounds (module
+    docstring). The folder: the node's ``state-dir``, else the server's :data:`STATE_DIR_KEY`,
+    else ``default_dir``; with none of them (or no ``partition-id``) the handler runs
+    unchanged."""
 
     def handler(msg: Message, context: Context) -> Message:
         conf = msg.content.config_records.get(config_key, {})
         pid = context.node_config.get(partition_key)
-        keyed = STATE_DIR_KEY in conf or RESUME_ROUND_KEY in conf
-        if pid is None or not keyed:
+        folder = _folder(context, conf, STATE_DIR_KEY) if STATE_DIR_KEY in conf else None
+        if folder is None and default_dir is not None:
+            folder = _folder(context, {STATE_DIR_KEY: default_dir}, STATE_DIR_KEY)
+        offloaded = HANDLE_KEY in context.state
+        if pid is None or (folder is None and RESUME_ROUND_KEY not in conf and not offloaded):
             return train(msg, context)
         pid = int(pid)
-        if RESUME_ROUND_KEY in conf and len(context.state) == 0:
+        handle = _reload(context, pid)
+        if not offloaded and RESUME_ROUND_KEY in conf and len(context.state) == 0:
             _restore(context, conf, pid)
-        reply = train(msg, context)
-        if not reply.has_error():
-            _save(context, conf, pid)
+        try:
+            reply = train(msg, context)
+        except BaseException:
+            if handle is not None:  # nothing was saved: the old file still holds the state
+                _drop_arrays(context, handle)
+            raise
+        if reply.has_error():
+            if handle is not None:
+                _drop_arrays(context, handle)
+            return reply
+        rnd = int(conf.get("server-round", 0))
+        path = _save(context, folder, rnd, pid) if folder is not None else None
+        if offload and path is not None:
+            _offload(context, path, rnd, pid)
         return reply
 
     handler.__name__ = getattr(train, "__name__", "train")

@@ -4,7 +4,9 @@ its own text).
 The training loop is :func:`flwr_isoloco.clients.make_diloco_train_handler`; this module only
 supplies the model and the node's batches, and
 :func:`~flwr_isoloco.clients.node_state.with_node_state` keeps the node-state files that make
-``resume-from`` exact. The node's shard is ``partition-id`` of ``num-partitions`` from its
+``resume-from`` exact, and between rounds keeps the AdamW moments in them rather than in
+``context.state`` (in a simulation that lives in the ServerApp's process; docs/strategies.md,
+"The DiLoCo worker"). The node's shard is ``partition-id`` of ``num-partitions`` from its
 ``node_config`` (set by the simulation engine, or ``--node-config`` in deployment). A node whose
 ``node_config`` has a non-empty ``data-path`` (absolute path to a .txt/.md file or a folder of
 them) trains on all of that text instead, encoded with the run's tokenizer; if the path cannot

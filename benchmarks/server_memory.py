@@ -1,0 +1,307 @@
+"""Server memory against the number of workers M in a real Ray simulation (issue 18).
+
+Runs ``simulations/isoloco_lm`` through ``scripts/run_app.sh`` (NUM_SUPERNODES=M,
+CPUS_PER_CLIENT=1) with a model of 51.0 MiB of fp32 arrays (``model.hidden=512
+model.layers=4 model.heads=8 model.intermediate=1152``, vocabulary 2048: 13,373,952
+parameters), 2 rounds of 1 inner step, and samples every 0.2 s with psutil:
+
+- ``sim-peak-gb``: peak RSS of the ``flwr-simulation`` process (it runs the ServerApp and, in a
+  simulation, holds every node's ``Context``), the larger of the sampled RSS and its ``VmHWM``;
+- ``tree-peak-gb``: peak over the samples of the summed RSS of every process under the run
+  (SuperLink, SuperExec, simulation, Ray; shared pages count once per process);
+- ``round2-wall-s``: round 2's ``round-wall-s`` from the run's results.json.
+
+For each strategy the peaks are fitted by least squares ``peak = a + slope * M``; ``slope`` is
+given in units of the model's fp32 size (copies of the model per worker) with its R^2.
+Strategies: ``diloco`` and ``isoloco`` at their defaults, ``ties`` (DiLoCo with
+``strategy.merge='ties'``). A cell (label, strategy, M, size) already in the JSON for the same
+code revision is skipped, so an interrupted sweep resumes. While a run is in flight the script
+watches the machine's available memory and stops the run (SIGTERM, then SIGKILL, to the
+process groups of its SuperLink and SuperExec) if it drops under ``--min-free-gb`` (3): the cell is recorded
+with ``status: "aborted-low-memory"``.
+
+    # after (this checkout), one cell at a time, low priority:
+    nice -n 10 .venv/bin/python benchmarks/server_memory.py --label after --workers 4 16 64 128
+    # before (the base code in another checkout, same script):
+    git -C /work/main worktree add --detach /work/wt/base 67b95d5
+    nice -n 10 .venv/bin/python benchmarks/server_memory.py --label before --code-dir /work/wt/base --workers 4 16
+    .venv/bin/python benchmarks/server_memory.py --table       # the markdown table of the JSON
+    .venv/bin/python benchmarks/server_memory.py --quick --out /tmp/q.json   # M in {2, 4}, tiny model
+
+Writes ``benchmarks/results/server_memory.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import psutil
+
+REPO = Path(__file__).resolve().parents[1]
+OUT = REPO / "benchmarks" / "results" / "server_memory.json"
+STRATEGIES = {
+    "diloco": ["strategy.name='diloco'"],
+    "isoloco": ["strategy.name='isoloco'"],
+    "ties": ["strategy.name='diloco'", "strategy.merge='ties'"],
+}
+COMMON = ["num-server-rounds=2", "train.local-steps=1", "train.warmup-steps=1"]
+SIZES = {
+    # 13,373,952 parameters: 51.0 MiB of fp32 arrays
+    "51MiB": ["model.hidden=512", "model.layers=4", "model.heads=8", "model.intermediate=1152"],
+    # a few hundred KiB, for --quick
+    "tiny": ["model.hidden=32", "model.layers=1", "model.heads=2", "train.batch-size=2",
+             "train.seq-len=32", "data.val-tokens=1024"],
+}  # fmt: skip
+GB = 1e9
+
+
+def model_bytes(size: str) -> int:
+    """fp32 bytes of the model's arrays for a size preset (built as the app builds it)."""
+    from flwr_isoloco.models.llama import build_llama, llama_config
+
+    kw = {k.split("=")[0].split(".")[1]: int(k.split("=")[1]) for k in SIZES[size] if "model." in k}
+    cfg = llama_config(
+        vocab_size=2048,
+        hidden=kw["hidden"],
+        layers=kw["layers"],
+        heads=kw["heads"],
+        intermediate=kw.get("intermediate", 0),
+    )
+    return 4 * sum(t.numel() for t in build_llama(cfg, seed=0).state_dict().values())
+
+
+def revision(code_dir: Path) -> str:
+    """``HEAD`` of ``code_dir``, with ``+dirty`` when tracked files differ from it."""
+    git = ["git", "-C", str(code_dir)]
+    head = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    dirty = subprocess.run([*git, "status", "--porcelain", "-uno"], capture_output=True, text=True)
+    return head.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
+
+
+def _tree(root: psutil.Process) -> list[psutil.Process]:
+    try:
+        return [root, *root.children(recursive=True)]
+    except psutil.Error:
+        return []
+
+
+def _is_sim(p: psutil.Process) -> bool:
+    try:
+        return any("flwr-simulation" in part for part in p.cmdline()[:2])
+    except psutil.Error:
+        return False
+
+
+def _hwm(p: psutil.Process) -> int:
+    try:
+        text = Path(f"/proc/{p.pid}/status").read_text()
+    except OSError:
+        return 0
+    m = re.search(r"VmHWM:\s+(\d+) kB", text)
+    return int(m.group(1)) * 1024 if m else 0
+
+
+def stop(root: psutil.Process) -> None:
+    """Stop a run: SIGTERM to every process group under ``root`` (the SuperLink leads one, the
+    SuperExec another), then SIGKILL to what is left after 20 s. Signalling run_app.sh alone is
+    not enough: bash runs its trap only once the foreground ``flwr run`` has returned."""
+    own = os.getpgid(0)
+    procs = _tree(root)[1:]
+    groups = set()
+    for p in procs:
+        try:
+            groups.add(os.getpgid(p.pid))
+        except OSError:
+            pass
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for g in groups - {own}:
+            try:
+                os.killpg(g, sig)
+            except OSError:
+                pass
+        if sig == signal.SIGTERM:
+            psutil.wait_procs(procs, timeout=20)
+
+
+def watch(proc: subprocess.Popen, min_free: float, period: float = 0.2) -> dict:
+    """Sample the run's process tree until it exits; stop it if memory runs low."""
+    root = psutil.Process(proc.pid)
+    sim_peak = tree_peak = 0
+    aborted = False
+    sim: psutil.Process | None = None
+    while proc.poll() is None:
+        total = 0
+        for p in _tree(root):
+            try:
+                rss = p.memory_info().rss
+            except psutil.Error:
+                continue
+            total += rss
+            if sim is None and _is_sim(p):
+                sim = p
+            if sim is not None and p.pid == sim.pid:
+                sim_peak = max(sim_peak, rss, _hwm(p))
+        tree_peak = max(tree_peak, total)
+        if not aborted and psutil.virtual_memory().available < min_free * GB:
+            aborted = True
+            print(f"server_memory: available memory under {min_free} GB: stopping the run")
+            stop(root)
+        time.sleep(period)
+    return {"sim-peak-gb": sim_peak / GB, "tree-peak-gb": tree_peak / GB, "aborted": aborted}
+
+
+def run_cell(code_dir: Path, strategy: str, m: int, size: str, min_free: float) -> dict:
+    out = Path(tempfile.mkdtemp(prefix=f"server-memory-{strategy}-{m}-"))
+    env = {**os.environ, "NUM_SUPERNODES": str(m), "CPUS_PER_CLIENT": "1"}
+    env["PYTHONPATH"] = str(code_dir)
+    cmd = [str(code_dir / "scripts" / "run_app.sh"), str(code_dir / "simulations" / "isoloco_lm")]
+    cmd += [str(out), *COMMON, *SIZES[size], *STRATEGIES[strategy]]
+    t0 = time.time()
+    with open(out.parent / f"{out.name}.log", "w") as log:
+        # cwd: Ray's workers put the driver's working folder on sys.path, so from another
+        # checkout's folder they would import that checkout's flwr_isoloco
+        proc = subprocess.Popen(cmd, env=env, cwd=code_dir, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            peaks = watch(proc, min_free)
+        except BaseException:
+            stop(psutil.Process(proc.pid))
+            raise
+    cell = {"wall-s": round(time.time() - t0, 1), "returncode": proc.returncode, **peaks}
+    try:
+        res = json.loads((out / "results.json").read_text())
+        rounds = res.get("rounds", [])
+        cell["run-status"] = res.get("status")
+        cell["round2-wall-s"] = rounds[1]["round-wall-s"] if len(rounds) > 1 else None
+        for k in ("replies-used", "replies-rejected", "replies-missing"):
+            cell[k] = [r.get(k) for r in rounds]
+        cell["val-loss"] = rounds[-1].get("val-loss") if rounds else None
+    except (OSError, ValueError, KeyError, IndexError):
+        cell["run-status"] = "no results.json"
+    ok = proc.returncode == 0 and cell.get("run-status") == "completed"
+    ok = ok and cell.get("replies-used") == [m, m]  # every node trained: the model moved
+    cell["status"] = "aborted-low-memory" if peaks["aborted"] else ("ok" if ok else "failed")
+    if cell["status"] == "ok":
+        shutil.rmtree(out, ignore_errors=True)  # node-state files: up to 2 x M x 2 x model
+        (out.parent / f"{out.name}.log").unlink(missing_ok=True)
+    else:
+        cell["log"] = str(out.parent / f"{out.name}.log")
+        shutil.rmtree(out / "node-state", ignore_errors=True)
+    return cell
+
+
+def fit(cells: list[dict], key: str, model: int) -> dict | None:
+    """Least squares ``peak = a + slope * M``; slope in model copies per worker, with R^2."""
+    pts = [(c["M"], c[key] * GB) for c in cells if c.get("status") == "ok"]
+    if len({m for m, _ in pts}) < 2:
+        return None
+    n = len(pts)
+    mx, my = sum(m for m, _ in pts) / n, sum(y for _, y in pts) / n
+    sxx = sum((m - mx) ** 2 for m, _ in pts)
+    slope = sum((m - mx) * (y - my) for m, y in pts) / sxx
+    a = my - slope * mx
+    ss_tot = sum((y - my) ** 2 for _, y in pts)
+    ss_res = sum((y - a - slope * m) ** 2 for m, y in pts)
+    r2 = 1.0 - ss_res / ss_tot if ss_tot > 0 else 1.0
+    return {"slope-model-copies": slope / model, "intercept-gb": a / GB, "r2": r2, "points": n}
+
+
+def load(path: Path) -> dict:
+    return json.loads(path.read_text()) if path.exists() else {"cells": []}
+
+
+def summarise(data: dict) -> None:
+    """Refit every (label, strategy, size) group of ``data`` in place."""
+    groups: dict[tuple, list[dict]] = {}
+    for c in data["cells"]:
+        groups.setdefault((c["label"], c["strategy"], c["size"]), []).append(c)
+    data["fits"] = []
+    for (label, strategy, size), cells in sorted(groups.items()):
+        model = cells[0]["model-bytes"]
+        row = {"label": label, "strategy": strategy, "size": size}
+        for key in ("sim-peak-gb", "tree-peak-gb"):
+            row[key] = fit(cells, key, model)
+        data["fits"].append(row)
+
+
+def table(data: dict) -> str:
+    lines = ["| label | strategy | M | simulation process peak RSS | whole process tree | round 2 wall | status |",
+             "|---|---|---|---|---|---|---|"]  # fmt: skip
+    cells = sorted(data["cells"], key=lambda c: (c["size"], c["label"], c["strategy"], c["M"]))
+    for c in cells:
+        r2 = c.get("round2-wall-s")
+        lines.append(
+            f"| {c['label']} | {c['strategy']} | {c['M']} | {c['sim-peak-gb']:.2f} GB | "
+            f"{c['tree-peak-gb']:.2f} GB | {'-' if r2 is None else f'{r2:.0f} s'} | {c['status']} |"
+        )
+    lines += ["", "| label | strategy | slope, simulation (model copies / worker) | R^2 | slope, tree | R^2 |",
+              "|---|---|---|---|---|---|"]  # fmt: skip
+    for f in data.get("fits", []):
+        s, t = f["sim-peak-gb"], f["tree-peak-gb"]
+        if s is None or t is None:
+            continue
+        lines.append(
+            f"| {f['label']} | {f['strategy']} | {s['slope-model-copies']:.2f} | {s['r2']:.3f} | "
+            f"{t['slope-model-copies']:.2f} | {t['r2']:.3f} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--label", default="after", help="e.g. before | after")
+    ap.add_argument(
+        "--code-dir", type=Path, default=REPO, help="checkout whose app and package run"
+    )
+    ap.add_argument("--workers", type=int, nargs="+", default=[4, 16, 64, 128])
+    ap.add_argument("--strategies", nargs="+", default=list(STRATEGIES), choices=list(STRATEGIES))
+    ap.add_argument("--quick", action="store_true", help="M in {2, 4}, tiny model")
+    ap.add_argument("--min-free-gb", type=float, default=3.0)
+    ap.add_argument("--out", type=Path, default=OUT)
+    ap.add_argument("--table", action="store_true", help="print the JSON's markdown table only")
+    args = ap.parse_args(argv)
+    data = load(args.out)
+    if args.table:
+        print(table(data))
+        return
+    size = "tiny" if args.quick else "51MiB"
+    workers = [2, 4] if args.quick else args.workers
+    code_dir = args.code_dir.resolve()
+    rev, model = revision(code_dir), model_bytes(size)
+    for strategy in args.strategies:
+        for m in workers:
+            key = (args.label, strategy, m, size, rev)
+            if any((c["label"], c["strategy"], c["M"], c["size"], c["revision"]) == key
+                   for c in data["cells"]):  # fmt: skip
+                print(f"server_memory: {key} already measured; skipped")
+                continue
+            free = psutil.virtual_memory().available / GB
+            print(
+                f"server_memory: {args.label} {strategy} M={m} ({size}, {rev}), {free:.1f} GB free"
+            )
+            cell = run_cell(code_dir, strategy, m, size, args.min_free_gb)
+            cell = {"label": args.label, "strategy": strategy, "M": m, "size": size,
+                    "revision": rev, "code-dir": str(code_dir), "model-bytes": model,
+                    "free-gb-at-start": round(free, 1), **cell}  # fmt: skip
+            print("server_memory: " + json.dumps(cell))
+            data["cells"].append(cell)
+            summarise(data)
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(json.dumps(data, indent=1) + "\n")
+            if cell["status"] == "aborted-low-memory":
+                print("server_memory: stopped: low memory")
+                sys.exit(1)
+    print(table(data))
+
+
+if __name__ == "__main__":
+    main()
