@@ -32,6 +32,7 @@ __all__ = [
     "GRAM_COND_FP32",
     "GRAM_COND_FP64",
     "GRAM_COND_FP64_INPUT",
+    "GRAM_MIN_ASPECT",
     "newton_schulz_polar",
     "ns_coefficients",
     "NS_LOWER",
@@ -98,10 +99,11 @@ GRAM_COND_FP32 = 1e2
 GRAM_COND_FP64 = 1e9
 #: The bound for an fp64 input (fp64 arithmetic only): error <= ~1e-12, near the fp64 SVD's.
 GRAM_COND_FP64_INPUT = 1e4
-#: Where the fp32 attempt is made: the long side at least this many times the short one. Near-square
-#: matrices are rarely well conditioned (smallest singular values near 0), so the attempt would
-#: mostly be wasted; they go to fp64 at once.
-GRAM_FP32_MIN_ASPECT = 2.0
+#: The Gram path is used where the long side is at least this many times the short one. Near-square
+#: matrices are rarely well conditioned (smallest singular values near 0), so the fp32 attempt
+#: would mostly be wasted, and at 576 x 576 the fp64 eigendecomposition is no faster than the fp32
+#: SVD (measured, docs/merging.md): they take the SVD at once.
+GRAM_MIN_ASPECT = 2.0
 
 
 def gram_polar(x: torch.Tensor, scale: str = "none") -> torch.Tensor | None:
@@ -111,10 +113,11 @@ def gram_polar(x: torch.Tensor, scale: str = "none") -> torch.Tensor | None:
     ``s = sqrt(lam)``: ``U V^T = G^(-1/2) y = (Q diag(1/s) Q^T) y``, one ``m x m`` eigh and two
     thin products instead of a thin SVD. ``scale="mean"`` gives Iso-C (``c = mean(s)``),
     ``"none"`` the polar factor (``c = 1``). Squaring the condition number costs accuracy, so the
-    result is only returned where ``lam_max / lam_min`` (all ``lam > 0``) is at most
-    ``GRAM_COND_FP32`` with fp32 arithmetic (fp32 input, ``n >= GRAM_FP32_MIN_ASPECT * m``) or
-    ``GRAM_COND_FP64`` with fp64 arithmetic (``GRAM_COND_FP64_INPUT`` for fp64 input); otherwise (rank-deficient, too ill-conditioned,
-    non-finite) None: the caller uses the SVD. Returned in the compute dtype of ``x``.
+    result is only returned for ``n >= GRAM_MIN_ASPECT * m`` and where ``lam_max / lam_min`` (all
+    ``lam > 0``) is at most ``GRAM_COND_FP32`` with fp32 arithmetic (fp32 input), else at most
+    ``GRAM_COND_FP64`` with fp64 arithmetic (``GRAM_COND_FP64_INPUT`` for fp64 input); otherwise
+    (near-square, rank-deficient, too ill-conditioned, non-finite) None: the caller uses the
+    SVD. Returned in the compute dtype of ``x``.
     """
     _check_matrix(x)
     if scale not in ("none", "mean"):
@@ -125,10 +128,10 @@ def gram_polar(x: torch.Tensor, scale: str = "none") -> torch.Tensor | None:
     if tall:
         y = y.T
     m, n = y.shape
-    if m == 0:
+    if m == 0 or n < GRAM_MIN_ASPECT * m:
         return None
     tries = [(torch.float64, GRAM_COND_FP64 if dtype == torch.float32 else GRAM_COND_FP64_INPUT)]
-    if dtype == torch.float32 and n >= GRAM_FP32_MIN_ASPECT * m:
+    if dtype == torch.float32:
         tries.insert(0, (torch.float32, GRAM_COND_FP32))
     for work, bound in tries:
         out = _gram_apply(y, work, bound, scale == "mean")
