@@ -188,6 +188,7 @@ def run(args) -> dict:
     report = {
         "what": "merge-rule cost at SmolLM2-135M shapes, synthetic pseudo-gradients",
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "code": str(Path(merging.__file__).parent),
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
         "machine": {

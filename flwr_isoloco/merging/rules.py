@@ -261,22 +261,27 @@ def _ties(
     """TIES: trim, elect sign of the weighted sum of kept entries, disjoint weighted mean.
 
     Per flat chunk of ``TIES_CHUNK`` entries (each worker's pruning threshold found first, over
-    its whole tensor), so the extra memory is O(one tensor + M x chunk), not O(M x tensor).
+    its whole tensor), so the extra memory is O(one tensor + M x chunk), not O(M x tensor). The
+    sums over workers run in worker order, entry by entry, so the result does not depend on the
+    chunk size (the dense version's ``sum(0)`` agrees to fp32 round-off).
     """
     rules = [_prune_rule(d, prune_fraction) for d in deltas]
     flats = [d.reshape(-1) for d in deltas]
     out = torch.empty_like(flats[0])
-    w = torch.tensor(weights, dtype=out.dtype, device=out.device).view(-1, 1)
     tiny = torch.finfo(out.dtype).tiny
     for start in range(0, out.numel(), TIES_CHUNK):
         stop = start + TIES_CHUNK
-        kept = torch.stack(
-            [_pruned_slice(f[start:stop], r, start) for f, r in zip(flats, rules, strict=True)]
-        )
-        elected = torch.sign((w * kept).sum(0))
-        agree = (torch.sign(kept) == elected) & (elected != 0)
-        num = (w * kept * agree).sum(0)
-        den = (w * agree).sum(0)
+        kept = [_pruned_slice(f[start:stop], r, start) for f, r in zip(flats, rules, strict=True)]
+        total = kept[0] * weights[0]
+        for k, w in zip(kept[1:], weights[1:], strict=True):
+            total.add_(k, alpha=w)
+        elected = torch.sign(total)
+        voted = elected != 0
+        num, den = torch.zeros_like(total), torch.zeros_like(total)
+        for k, w in zip(kept, weights, strict=True):
+            agree = (torch.sign(k) == elected) & voted
+            num.add_(torch.where(agree, k, 0.0), alpha=w)
+            den.add_(agree.to(den.dtype), alpha=w)
         out[start:stop] = torch.where(den > 0, num / den.clamp_min(tiny), 0.0)
     return out.view_as(deltas[0])
 
