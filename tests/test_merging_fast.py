@@ -262,3 +262,15 @@ def test_streaming_rules_in_merge_equal_the_streaming_merger():
         for d in ds:
             sm.add(d)
         torch.testing.assert_close(sm.result()["w"], merge(rule, ds)["w"], rtol=1e-5, atol=1e-8)
+
+
+@pytest.mark.parametrize("rule", ["tsv_m", "iso_cts"])
+def test_tsv_m_and_iso_cts_polar_factors_by_gram_equal_the_svd_ones(monkeypatch, rule):
+    shapes = {"up": (256, 64), "down": (64, 256), "sq": (48, 48)}
+    ds = [llama_delta(shapes, i) for i in range(4)]
+    fast = merge(rule, ds)
+    monkeypatch.setattr(rules_mod, "gram_polar", lambda x, scale="none": None)  # SVD only
+    svd = merge(rule, ds)
+    for k in shapes:
+        assert _rel(fast[k], svd[k]) <= 1e-5
+    assert torch.equal(fast["sq"], svd["sq"])  # near-square: the SVD in both

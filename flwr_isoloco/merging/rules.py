@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .polar import NS_LOWER, NS_MAX_STEPS, NS_TOL, iso_c, thin_svd
+from .polar import NS_LOWER, NS_MAX_STEPS, NS_TOL, gram_polar, iso_c, thin_svd
 
 __all__ = [
     "MergeRule",
@@ -145,7 +145,12 @@ def _iso_c_ns(
 # ---- rules that need every worker's tensor ------------------------------------------------
 
 
-def _svd_polar(x: torch.Tensor) -> torch.Tensor:
+def _exact_polar(x: torch.Tensor) -> torch.Tensor:
+    """``U V^T``: from the small Gram matrix where its accuracy bound holds (:func:`gram_polar`),
+    else the thin SVD (stacked, nearly duplicate singular vectors are ill-conditioned)."""
+    out = gram_polar(x)
+    if out is not None:
+        return out
     u, _, vh = thin_svd(x)
     return u @ vh
 
@@ -184,7 +189,7 @@ def _iso_cts(
             ss.append(si[:per_worker])
             vs.append(vhi[:per_worker])
     u_all, s_all, v_all = torch.cat(us, 1), torch.cat(ss), torch.cat(vs, 0)
-    return s_all.mean() * (_svd_polar(u_all) @ _svd_polar(v_all))
+    return s_all.mean() * (_exact_polar(u_all) @ _exact_polar(v_all))
 
 
 def _tsv_m(deltas: Tensors, weights: Sequence[float], key: str = "") -> torch.Tensor:
@@ -198,7 +203,7 @@ def _tsv_m(deltas: Tensors, weights: Sequence[float], key: str = "") -> torch.Te
         ss.append(s[:top])
         vs.append(vh[:top])
     u_all, s_all, v_all = torch.cat(us, 1), torch.cat(ss), torch.cat(vs, 0)
-    return (_svd_polar(u_all) * s_all) @ _svd_polar(v_all)
+    return (_exact_polar(u_all) * s_all) @ _exact_polar(v_all)
 
 
 def ties_kept_count(numel: int, prune_fraction: float) -> int:
