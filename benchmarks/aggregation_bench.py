@@ -99,12 +99,17 @@ def _reexec_for_memory() -> None:
 def main_shapes(args) -> None:
     import rule_cost_135m
 
-    report = rule_cost_135m.run(args)
     out = args.out or REPO / "benchmarks" / "results" / (
         f"aggregation_bench_135m{'_quick' if args.quick else ''}_t{args.threads}.json"
     )
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=1))
+
+    def save(report):
+        tmp = out.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(report, indent=1))
+        os.replace(tmp, out)
+
+    rule_cost_135m.run(args, save)
     print(f"written to {out}")
 
 

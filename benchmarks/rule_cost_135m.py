@@ -108,7 +108,8 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float(torch.linalg.matrix_norm(a - b) / torch.linalg.matrix_norm(b))
 
 
-def bench_cases(deltas, cases: list[str], repeats: int) -> dict:
+def bench_cases(deltas, cases: list[str], repeats: int, checkpoint=None) -> dict:
+    """Every case, ``repeats`` times, interleaved; ``checkpoint(partial)`` after each case."""
     times: dict[str, list[float]] = {c: [] for c in cases}
     peaks: dict[str, float] = {c: 0.0 for c in cases}
     for rep in range(repeats):
@@ -118,7 +119,13 @@ def bench_cases(deltas, cases: list[str], repeats: int) -> dict:
             times[c].append(sec)
             peaks[c] = max(peaks[c], extra or 0.0)
             print(f"  rep {rep} {c:13s} {sec:8.2f}s  peak extra {extra or 0:7.0f} MiB", flush=True)
-    med = {c: statistics.median(ts) for c, ts in times.items()}
+            if checkpoint is not None:
+                checkpoint(_summary(times, peaks))
+    return _summary(times, peaks)
+
+
+def _summary(times: dict[str, list[float]], peaks: dict[str, float]) -> dict:
+    med = {c: statistics.median(ts) for c, ts in times.items() if ts}
     out = {"median_s": med, "all_s": times, "peak_extra_mib": peaks}
     if "memory_pass" in med:
         out["over_memory_pass"] = {c: m / med["memory_pass"] for c, m in med.items()}
@@ -168,7 +175,7 @@ def bench_shapes(mean: dict[str, torch.Tensor], repeats: int) -> list[dict]:
     return rows
 
 
-def run(args) -> dict:
+def run(args, save=lambda report: None) -> dict:
     layers = 4 if args.quick else 30
     shapes = smollm2_135m_shapes(layers)
     if args.quick:  # a small vocabulary as well: a quick check of the script, not a measurement
@@ -206,14 +213,22 @@ def run(args) -> dict:
         "memory_method": "peak RSS above the RSS before the call (VmHWM reset via "
         "/proc/self/clear_refs; MALLOC_MMAP_THRESHOLD_=65536); inputs not counted",
     }
-    report["cases"] = bench_cases(deltas, cases, args.repeats)
+
+    def checkpoint(partial):  # a stopped run keeps what it measured
+        report["cases"] = partial
+        report["partial"] = True
+        save(report)
+
+    report["cases"] = bench_cases(deltas, cases, args.repeats, checkpoint)
+    report["partial"] = False
     if not args.no_shapes:
         print("per shape: Iso-C of the mean by method")
         report["shapes"] = bench_shapes(merge("mean", deltas), args.repeats)
     report["load-avg-at-end"] = os.getloadavg()
+    save(report)
     med = report["cases"]["median_s"]
     print(f"{'case':13s} {'median s':>9s} {'x mem':>7s} {'x mean':>7s} {'peak MiB':>9s}")
-    for c in cases:
+    for c in med:
         print(
             f"{c:13s} {med[c]:9.2f} {report['cases'].get('over_memory_pass', {}).get(c, 0):7.2f}"
             f" {report['cases'].get('over_mean', {}).get(c, 0):7.2f}"
