@@ -1,4 +1,6 @@
-"""Polar factor and Iso-C of one 2-D tensor: exact (SVD) and fast (Newton-Schulz).
+"""Polar factor and Iso-C of one 2-D tensor: exact (SVD, or the small Gram matrix's
+eigendecomposition where that is provably as accurate: :func:`gram_polar`) and fast
+(Newton-Schulz).
 
 For ``g = U diag(s) V^T`` (thin SVD, ``r = min(m, n)``):
 

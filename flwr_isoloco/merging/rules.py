@@ -6,7 +6,8 @@ that delta). A rule only touches 2-D tensors whose name matches ``spectral_patte
 ``re.search``; default: every 2-D tensor); every other tensor takes the weighted mean.
 
 - ``mean``: ``sum_i w_i d_i``.
-- ``iso_c`` / ``iso_c_ns``: Iso-C of the weighted mean (exact SVD / Newton-Schulz polar factor).
+- ``iso_c`` / ``iso_c_ns``: Iso-C of the weighted mean (exact: Gram eigendecomposition where
+  its accuracy bound holds, else SVD / Newton-Schulz polar factor).
 - ``iso_cts``: common subspace (top k of the mean) + each worker's top ``s = (r-k)/M`` directions
   of ``w_i d_i`` outside it, with the authors' ``k = r - round((r - int(f r)) / M) * M``
   (:func:`iso_cts_sizes`); orthonormalised by polar factors; every singular value set to their
@@ -15,7 +16,7 @@ that delta). A rule only touches 2-D tensors whose name matches ``spectral_patte
   by polar factors, singular values kept.
 - ``ties``: keep each worker's ``max(1, int((1 - p) n))`` largest entries
   (:func:`ties_kept_count`), elect the sign of the weighted sum, weighted mean of the kept
-  entries that agree with it.
+  entries that agree with it (in chunks: O(one tensor) extra memory).
 - ``dare``: drop entries with probability p, rescale survivors by 1/(1-p), weighted mean.
 
 Scale: with weights summing to 1, ``iso_c``, ``iso_cts`` and ``tsv_m`` are on the mean scale;
