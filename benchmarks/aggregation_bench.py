@@ -10,6 +10,12 @@ to FedAvg uses medians. With ``--results <results.json>`` of a real demo run, ea
 given as a share of that run's mean round wall time (rounds 2.., round 1 holds start-up).
 
     python benchmarks/aggregation_bench.py [--workers 4] [--repeats 7] [--results out/results.json]
+
+``--shapes 135m``: instead, every merge rule on M synthetic pseudo-gradients of SmolLM2-135M's
+shapes, as ratios to a memory pass and to ``mean``, with peak extra memory (``rule_cost_135m.py``;
+defaults M = 8, median of 3; ``--quick``: 4 layers and a small vocabulary, one repeat):
+
+    nice -n 10 python benchmarks/aggregation_bench.py --shapes 135m [--threads 2] [--quick]
 """
 
 from __future__ import annotations
@@ -78,6 +84,35 @@ def strategies(workers: int) -> dict:
     }
 
 
+MMAP_THRESHOLD = "65536"
+
+
+def _reexec_for_memory() -> None:
+    """glibc reads ``MALLOC_MMAP_THRESHOLD_`` at start-up only: re-exec so that freed tensors go
+    back to the OS at once and each case's peak RSS starts from a true baseline."""
+    if os.environ.get("MALLOC_MMAP_THRESHOLD_") != MMAP_THRESHOLD:
+        env = dict(os.environ, MALLOC_MMAP_THRESHOLD_=MMAP_THRESHOLD)
+        env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+        os.execve(sys.executable, [sys.executable, *sys.argv], env)
+
+
+def main_shapes(args) -> None:
+    import rule_cost_135m
+
+    out = args.out or REPO / "benchmarks" / "results" / (
+        f"aggregation_bench_135m{'_quick' if args.quick else ''}_t{args.threads}.json"
+    )
+    out.parent.mkdir(parents=True, exist_ok=True)
+
+    def save(report):
+        tmp = out.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(report, indent=1))
+        os.replace(tmp, out)
+
+    rule_cost_135m.run(args, save)
+    print(f"written to {out}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -88,11 +123,24 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--results", type=Path, default=None, help="results.json of a real demo run")
     ap.add_argument("--run-config", default="{}", help="JSON overrides of the app run config")
+    ap.add_argument("--out", type=Path, default=None, help="JSON output path")
+    ap.add_argument("--shapes", choices=["demo", "135m"], default="demo")
+    ap.add_argument("--quick", action="store_true", help="--shapes 135m: a quick check")
     ap.add_argument(
-        "--out", type=Path, default=REPO / "benchmarks" / "results" / "aggregation_bench.json"
+        "--cases", default=None, help="--shapes 135m: comma-separated cases (default: all)"
     )
+    ap.add_argument("--no-shapes", action="store_true", help="--shapes 135m: skip per shape")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    if args.shapes == "135m":
+        import rule_cost_135m
+
+        args.workers = 8 if "--workers" not in sys.argv else args.workers
+        args.repeats = (1 if args.quick else 3) if "--repeats" not in sys.argv else args.repeats
+        args.cases = args.cases or rule_cost_135m.DEFAULT_CASES
+        main_shapes(args)
+        return
+    args.out = args.out or REPO / "benchmarks" / "results" / "aggregation_bench.json"
 
     cfg = task.load_config(json.loads(args.run_config))
     t0 = time.perf_counter()
@@ -178,4 +226,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    if "--shapes" in sys.argv and "135m" in sys.argv:
+        _reexec_for_memory()
     main()

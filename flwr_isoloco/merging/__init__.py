@@ -1,10 +1,11 @@
 """Merge rules for pseudo-gradients (docs/algorithms.md section 2), pure torch, no Flower.
 
 Public API: :data:`MERGE_RULES`, :func:`merge`, :class:`StreamingMerger`, :func:`iso_c`,
-:func:`polar`, :class:`MergeRule`, and :class:`RoundMerge` (a strategy round's merge: every
+:func:`polar`, :func:`resolve_device`, :class:`MergeRule`, and :class:`RoundMerge` (a strategy round's merge: every
 rule, streaming or not, the DARE seed per round and the orthogonalised-update transform).
 """
 
+from .device import resolve_device
 from .merge import merge
 from .polar import iso_c, newton_schulz_polar, ns_coefficients, polar
 from .round import RoundMerge
@@ -21,4 +22,5 @@ __all__ = [
     "newton_schulz_polar",
     "ns_coefficients",
     "polar",
+    "resolve_device",
 ]

@@ -6,7 +6,8 @@ that delta). A rule only touches 2-D tensors whose name matches ``spectral_patte
 ``re.search``; default: every 2-D tensor); every other tensor takes the weighted mean.
 
 - ``mean``: ``sum_i w_i d_i``.
-- ``iso_c`` / ``iso_c_ns``: Iso-C of the weighted mean (exact SVD / Newton-Schulz polar factor).
+- ``iso_c`` / ``iso_c_ns``: Iso-C of the weighted mean (exact: Gram eigendecomposition where
+  its accuracy bound holds, else SVD / Newton-Schulz polar factor).
 - ``iso_cts``: common subspace (top k of the mean) + each worker's top ``s = (r-k)/M`` directions
   of ``w_i d_i`` outside it, with the authors' ``k = r - round((r - int(f r)) / M) * M``
   (:func:`iso_cts_sizes`); orthonormalised by polar factors; every singular value set to their
@@ -15,7 +16,7 @@ that delta). A rule only touches 2-D tensors whose name matches ``spectral_patte
   by polar factors, singular values kept.
 - ``ties``: keep each worker's ``max(1, int((1 - p) n))`` largest entries
   (:func:`ties_kept_count`), elect the sign of the weighted sum, weighted mean of the kept
-  entries that agree with it.
+  entries that agree with it (in chunks: O(one tensor) extra memory).
 - ``dare``: drop entries with probability p, rescale survivors by 1/(1-p), weighted mean.
 
 Scale: with weights summing to 1, ``iso_c``, ``iso_cts`` and ``tsv_m`` are on the mean scale;
@@ -33,7 +34,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .polar import NS_LOWER, NS_MAX_STEPS, NS_TOL, iso_c, thin_svd
+from .polar import NS_LOWER, NS_MAX_STEPS, NS_TOL, gram_polar, iso_c, thin_svd
 
 __all__ = [
     "MergeRule",
@@ -122,7 +123,7 @@ def _mean(g: torch.Tensor) -> torch.Tensor:
 
 
 def _iso_c(g: torch.Tensor) -> torch.Tensor:
-    return iso_c(g, method="svd")
+    return iso_c(g, method="gram")
 
 
 def _iso_c_ns(
@@ -145,7 +146,12 @@ def _iso_c_ns(
 # ---- rules that need every worker's tensor ------------------------------------------------
 
 
-def _svd_polar(x: torch.Tensor) -> torch.Tensor:
+def _exact_polar(x: torch.Tensor) -> torch.Tensor:
+    """``U V^T``: from the small Gram matrix where its accuracy bound holds (:func:`gram_polar`),
+    else the thin SVD (stacked, nearly duplicate singular vectors are ill-conditioned)."""
+    out = gram_polar(x)
+    if out is not None:
+        return out
     u, _, vh = thin_svd(x)
     return u @ vh
 
@@ -184,7 +190,7 @@ def _iso_cts(
             ss.append(si[:per_worker])
             vs.append(vhi[:per_worker])
     u_all, s_all, v_all = torch.cat(us, 1), torch.cat(ss), torch.cat(vs, 0)
-    return s_all.mean() * (_svd_polar(u_all) @ _svd_polar(v_all))
+    return s_all.mean() * (_exact_polar(u_all) @ _exact_polar(v_all))
 
 
 def _tsv_m(deltas: Tensors, weights: Sequence[float], key: str = "") -> torch.Tensor:
@@ -198,7 +204,7 @@ def _tsv_m(deltas: Tensors, weights: Sequence[float], key: str = "") -> torch.Te
         ss.append(s[:top])
         vs.append(vh[:top])
     u_all, s_all, v_all = torch.cat(us, 1), torch.cat(ss), torch.cat(vs, 0)
-    return (_svd_polar(u_all) * s_all) @ _svd_polar(v_all)
+    return (_exact_polar(u_all) * s_all) @ _exact_polar(v_all)
 
 
 def ties_kept_count(numel: int, prune_fraction: float) -> int:
@@ -211,31 +217,79 @@ def ties_kept_count(numel: int, prune_fraction: float) -> int:
     return max(1, int((1 - prune_fraction) * numel))
 
 
+#: Entries per worker that :func:`_ties` stacks at a time (4 MiB each in fp32).
+TIES_CHUNK = 1 << 20
+
+
+def _prune_rule(d: torch.Tensor, fraction: float) -> tuple[torch.Tensor, int] | None:
+    """``(t, c)``: :func:`prune_smallest` keeps flat entry j of ``d`` iff ``|d_j| > t``, or
+    ``|d_j| == t`` and ``j >= c`` (equal magnitudes: the lower index is zeroed first). None: keep
+    every entry. Memory: a few copies of ``d``'s magnitudes, one at a time."""
+    count = d.numel() - ties_kept_count(d.numel(), fraction)
+    if count <= 0:
+        return None
+    mag = d.detach().abs().flatten()
+    threshold = torch.kthvalue(mag, count).values  # O(n) selection, no full sort
+    extra = count - int((mag < threshold).sum())  # ties at the threshold to zero, >= 1
+    seen = 0
+    for start in range(0, mag.numel(), TIES_CHUNK):
+        eq = mag[start : start + TIES_CHUNK] == threshold
+        here = int(eq.sum())
+        if seen + here >= extra:
+            return threshold, start + int(torch.nonzero(eq).flatten()[extra - seen - 1]) + 1
+        seen += here
+    raise AssertionError("kthvalue's value has fewer ties than its rank implies")  # unreachable
+
+
+def _pruned_slice(flat: torch.Tensor, rule: tuple[torch.Tensor, int] | None, start: int):
+    """Entries ``start:start + len`` of the pruned tensor, from the flat slice ``flat``."""
+    if rule is None:
+        return flat
+    threshold, cut = rule
+    mag = flat.abs()
+    prune = mag < threshold
+    head = min(max(cut - start, 0), flat.numel())
+    if head:
+        prune[:head] |= mag[:head] == threshold
+    return torch.where(prune, 0.0, flat)
+
+
 def prune_smallest(d: torch.Tensor, fraction: float) -> torch.Tensor:
     """Keep the :func:`ties_kept_count` largest-magnitude entries, zero the rest (equal
     magnitudes: the lower index is zeroed first)."""
-    count = d.numel() - ties_kept_count(d.numel(), fraction)
-    if count <= 0:
-        return d
-    mag = d.abs().flatten()
-    threshold = torch.kthvalue(mag, count).values  # O(n) selection, no full sort
-    prune = mag < threshold
-    ties = torch.nonzero(mag == threshold).flatten()
-    prune[ties[: count - int(prune.sum())]] = True  # equal magnitudes: lower index first
-    return torch.where(prune.view_as(d), 0.0, d)
+    rule = _prune_rule(d, fraction)
+    return d if rule is None else _pruned_slice(d.flatten(), rule, 0).view_as(d)
 
 
 def _ties(
     deltas: Tensors, weights: Sequence[float], key: str = "", prune_fraction: float = 0.1
 ) -> torch.Tensor:
-    """TIES: trim, elect sign of the weighted sum of kept entries, disjoint weighted mean."""
-    kept = torch.stack([prune_smallest(d, prune_fraction) for d in deltas])
-    w = torch.tensor(weights, dtype=kept.dtype, device=kept.device).view(-1, *[1] * (kept.ndim - 1))
-    elected = torch.sign((w * kept).sum(0))
-    agree = (torch.sign(kept) == elected) & (elected != 0)
-    num = (w * kept * agree).sum(0)
-    den = (w * agree).sum(0)
-    return torch.where(den > 0, num / den.clamp_min(torch.finfo(den.dtype).tiny), 0.0)
+    """TIES: trim, elect sign of the weighted sum of kept entries, disjoint weighted mean.
+
+    Per flat chunk of ``TIES_CHUNK`` entries (each worker's pruning threshold found first, over
+    its whole tensor), so the extra memory is O(one tensor + M x chunk), not O(M x tensor). The
+    sums over workers run in worker order, entry by entry, so the result does not depend on the
+    chunk size (the dense version's ``sum(0)`` agrees to fp32 round-off).
+    """
+    rules = [_prune_rule(d, prune_fraction) for d in deltas]
+    flats = [d.reshape(-1) for d in deltas]
+    out = torch.empty_like(flats[0])
+    tiny = torch.finfo(out.dtype).tiny
+    for start in range(0, out.numel(), TIES_CHUNK):
+        stop = start + TIES_CHUNK
+        kept = [_pruned_slice(f[start:stop], r, start) for f, r in zip(flats, rules, strict=True)]
+        total = kept[0] * weights[0]
+        for k, w in zip(kept[1:], weights[1:], strict=True):
+            total.add_(k, alpha=w)
+        elected = torch.sign(total)
+        voted = elected != 0
+        num, den = torch.zeros_like(total), torch.zeros_like(total)
+        for k, w in zip(kept, weights, strict=True):
+            agree = (torch.sign(k) == elected) & voted
+            num.add_(torch.where(agree, k, 0.0), alpha=w)
+            den.add_(agree.to(den.dtype), alpha=w)
+        out[start:stop] = torch.where(den > 0, num / den.clamp_min(tiny), 0.0)
+    return out.view_as(deltas[0])
 
 
 def dare_seed(seed: int, key: str) -> int:
@@ -261,7 +315,9 @@ def _dare(
 
 MERGE_RULES: dict[str, MergeRule] = {
     "mean": MergeRule("mean", _streaming(_mean), _mean, {}, "weighted mean (DiLoCo)"),
-    "iso_c": MergeRule("iso_c", _streaming(_iso_c), _iso_c, {}, "Iso-C of the mean, exact SVD"),
+    "iso_c": MergeRule(
+        "iso_c", _streaming(_iso_c), _iso_c, {}, "Iso-C of the mean, exact (Gram eigh / SVD)"
+    ),
     "iso_c_ns": MergeRule(
         "iso_c_ns",
         _streaming(_iso_c_ns),

@@ -1,0 +1,50 @@
+"""Where the server merge computes: :func:`resolve_device`.
+
+The merge moves each tensor's M worker slices to the device, merges there and brings the result
+back to the CPU, so only one tensor's slices (and its temporaries) live on the device at a time.
+``"auto"`` (the default) uses CUDA where ``torch.cuda.is_available()``, else the CPU; results on
+the CPU are the same code path, bit for bit, whichever of ``None``, ``"auto"`` or ``"cpu"`` led
+there.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["resolve_device", "DEVICE_CHOICES"]
+
+#: Spellings :func:`resolve_device` accepts besides a ``torch.device``.
+DEVICE_CHOICES = ("auto", "cpu", "cuda", "cuda:<index>")
+
+
+def resolve_device(option: str | torch.device | None = "auto") -> torch.device:
+    """The ``torch.device`` for a ``device`` option.
+
+    ``None`` or ``"auto"``: ``cuda`` (the current CUDA device) where ``torch.cuda.is_available()``,
+    else ``cpu``. ``"cpu"``, ``"cuda"``, ``"cuda:1"`` or a ``torch.device``: that device, checked
+    to exist. Raises ``ValueError`` naming the option for anything else (unknown spelling, CUDA
+    asked for but not available, index out of range).
+    """
+    if option is None or (isinstance(option, str) and option.strip().lower() == "auto"):
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if isinstance(option, str):
+        try:
+            dev = torch.device(option.strip().lower())
+        except (RuntimeError, ValueError):
+            dev = None
+    elif isinstance(option, torch.device):
+        dev = option
+    else:
+        dev = None
+    if dev is None or dev.type not in ("cpu", "cuda"):
+        raise ValueError(
+            f"merge device {option!r} is not one of {', '.join(DEVICE_CHOICES)} (or a torch.device)"
+        )
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"merge device {option!r}: torch.cuda.is_available() is False")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ValueError(
+                f"merge device {option!r}: only {torch.cuda.device_count()} CUDA device(s)"
+            )
+    return dev
