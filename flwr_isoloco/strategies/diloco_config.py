@@ -16,6 +16,7 @@ from typing import Any
 
 from flwr_isoloco.compression import CODECS
 from flwr_isoloco.merging import MERGE_RULES
+from flwr_isoloco.outer import ISOLOCO_PRESETS
 from flwr_isoloco.runconfig import choices, in_range, non_negative, read_run_config
 from flwr_isoloco.strategies.common import PAYLOADS
 from flwr_isoloco.strategies.evaluation import check_count, check_fraction
@@ -72,8 +73,9 @@ DILOCO_RUN_CONFIG: dict[str, Any] = {
 ISOLOCO_RUN_CONFIG: dict[str, Any] = {
     **DILOCO_RUN_CONFIG,
     "merge": "iso_c",
-    "outer-lr": 1.8,
-    "outer-momentum": 0.8,
+    "preset": "dropin",  # IsoLoCo's presets (flwr_isoloco.outer.ISOLOCO_PRESETS)
+    "outer-lr": -1.0,  # -1: the preset's value
+    "outer-momentum": -1.0,
 }
 _MERGE_OPTION_KEYS = {
     "prune-fraction": "prune_fraction",
@@ -89,10 +91,16 @@ def _off_or_at_least_one(value: float) -> None:
         raise ValueError("must be >= 1, or 0 for off")
 
 
+def _preset_or_non_negative(value: float) -> None:
+    if value != -1 and not value >= 0:
+        raise ValueError("must be >= 0, or -1 for the preset's value (IsoLoCo)")
+
+
 RUN_CONFIG_CHECKS: dict[str, Any] = {
     "merge": choices(*MERGE_RULES),
-    "outer-lr": non_negative,
-    "outer-momentum": non_negative,
+    "preset": choices(*ISOLOCO_PRESETS),
+    "outer-lr": _preset_or_non_negative,
+    "outer-momentum": _preset_or_non_negative,
     "fraction-train": in_range(0, 1),
     "fraction-evaluate": in_range(0, 1),
     "min-train-nodes": non_negative,
