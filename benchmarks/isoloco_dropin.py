@@ -201,6 +201,42 @@ def sweep(rounds: int, seeds: list[int], model: str = "cnn") -> dict:
     return res
 
 
+LM_VARIANTS = {
+    "FedAvg": {"strategy.name": "fedavg"},
+    "IsoLoCo() (dropin preset)": {"strategy.name": "isoloco"},
+    "IsoLoCo(preset='isoloco-paper')": {
+        "strategy.name": "isoloco",
+        "strategy.outer-lr": 1.8,
+        "strategy.outer-momentum": 0.8,
+    },
+}
+
+
+def lm_case(rounds: int, out_dir: Path) -> dict:
+    """The LM app (simulations/isoloco_lm, its pyproject defaults: 4 nodes, tiny LLaMA, AdamW
+    inner steps) in-process on the fake grid; final validation loss per strategy. The paper
+    preset is given by its values (the app's run config has no preset key)."""
+    sys.path.insert(0, str(REPO / "simulations" / "isoloco_lm"))
+    from fakegrid import FakeGrid
+    from isoloco_lm import client_app, server_app
+
+    res = {}
+    for name, keys in LM_VARIANTS.items():
+        t0 = time.perf_counter()
+        rc = {"num-server-rounds": rounds, "output-dir": str(out_dir / name.split("(")[0]), **keys}
+        grid = FakeGrid({"train": client_app.train}, num_nodes=4, run_config=rc)
+        out = server_app.run_server(grid, rc, settle_s=0.0)
+        rows = json.loads((out / "results.json").read_text())["rounds"]
+        losses = [float(r["val-loss"]) for r in rows]
+        res[name] = {"final": losses[-1], "val-loss": losses}
+        print(
+            f"[lm] {name}: val-loss {[round(x, 3) for x in losses]} "
+            f"({time.perf_counter() - t0:.0f} s)",
+            flush=True,
+        )
+    return res
+
+
 def check(res: dict, tol: float = 0.01) -> list[str]:
     """Cells where IsoLoCo() < FedAvg - tol (seed-paired)."""
     bad = []
@@ -217,6 +253,7 @@ def main() -> None:
     ap.add_argument("--diagnose", action="store_true")
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--extra", action="store_true", help="also the MLP sweep")
+    ap.add_argument("--lm", action="store_true", help="the LM app in-process, 3 strategies")
     ap.add_argument("--quick", action="store_true", help="1 seed, 6 rounds")
     ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("--out", type=Path, default=OUT)
@@ -235,6 +272,11 @@ def main() -> None:
     if args.extra:
         out["sweep_mlp"] = sweep(rounds, seeds, model="mlp")
         out["sweep_mlp_failures"] = check(out["sweep_mlp"])
+    if args.lm:
+        import tempfile
+
+        with tempfile.TemporaryDirectory() as tmp:
+            out["lm"] = lm_case(args.rounds, Path(tmp))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(out, indent=1, sort_keys=True) + "\n")
     print(f"wrote {args.out}")

@@ -123,3 +123,31 @@ def test_signature_spells_out_every_diloco_parameter():
     doc = inspect.getdoc(IsoLoCo)
     for name in ("preset", "fast", "outer_lr", "max_weight_ratio", "upload_codec"):
         assert name in doc, name
+
+
+def test_warning_when_the_outer_step_is_beyond_the_stability_limit(caplog):
+    import logging
+
+    with caplog.at_level(logging.WARNING):
+        IsoLoCo()
+        IsoLoCo(outer_lr=1.3, outer_momentum=0.9)  # limit 1.357: inside
+    assert not [r for r in caplog.records if "stable only while" in r.getMessage()]
+    with caplog.at_level(logging.WARNING):
+        IsoLoCo(preset="isoloco-paper")
+    msgs = [r.getMessage() for r in caplog.records if "stable only while" in r.getMessage()]
+    assert len(msgs) == 1 and "77%" in msgs[0] and "lr*c < 1.385" in msgs[0], msgs
+
+
+def test_step_limit_is_where_the_linear_recursion_stops_contracting():
+    """Independent check of nesterov_step_limit: iterate the outer step on g = c (theta - 0)
+    with OuterSGD itself, just below and just above a = lr c = limit."""
+    from flwr_isoloco.outer import OuterSGD
+
+    for mu, nesterov in ((0.8, True), (0.9, True), (0.5, False), (0.0, False)):
+        limit = nesterov_step_limit(mu, nesterov)
+        for a, grows in ((0.97 * limit, False), (1.03 * limit, True)):
+            opt = OuterSGD(a, mu, nesterov)  # c = 1, lr = a
+            theta = {"x": torch.tensor([1.0], dtype=torch.float64)}
+            for _ in range(3000):
+                theta = opt.step(theta, {"x": theta["x"].clone()})
+            assert (abs(float(theta["x"])) > 1.0) is grows, (mu, nesterov, a)

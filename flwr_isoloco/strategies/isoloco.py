@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from logging import WARNING
 from typing import Any
 
 from flwr.app import MetricRecord, RecordDict
+from flwr.common.logger import log
 
-from flwr_isoloco.outer import ISOLOCO_PRESETS, resolve_preset
+from flwr_isoloco.outer import ISOLOCO_PRESETS, nesterov_step_limit, resolve_preset
 from flwr_isoloco.strategies.diloco import DiLoCo
 from flwr_isoloco.strategies.diloco_config import DEFAULT_MAX_WEIGHT_RATIO, ISOLOCO_RUN_CONFIG
 
@@ -110,6 +112,25 @@ class IsoLoCo(DiLoCo):
             codec_options=codec_options,
             error_feedback=error_feedback,
         )
+        self._warn_if_beyond_limit()
+
+    def _warn_if_beyond_limit(self) -> None:
+        """One warning when ``outer_lr`` is stable only for a contraction ``c < 1``."""
+        o = self.outer
+        limit = nesterov_step_limit(o.momentum, o.nesterov)
+        if o.lr > limit:
+            log(
+                WARNING,
+                "IsoLoCo: outer_lr=%g with momentum %g is stable only while local training "
+                "moves a node less than %.0f%% of the way to its optimum per round (lr*c < %.3f, "
+                "docs/algorithms.md 3.1); the paper tuned it for LLaMA + AdamW. Where local "
+                "training converges within a round (SGD apps) it diverges: use the default "
+                "preset 'dropin'.",
+                o.lr,
+                o.momentum,
+                100 * min(1.0, limit / o.lr),
+                limit,
+            )
 
     @classmethod
     def _extra_from_config(cls, c: Mapping[str, Any]) -> dict[str, Any]:
