@@ -206,13 +206,14 @@ LM_VARIANTS = {
     "IsoLoCo() (dropin preset)": {"strategy.name": "isoloco"},
     "IsoLoCo(preset='isoloco-paper')": {
         "strategy.name": "isoloco",
+        "strategy.merge": "iso_c",
         "strategy.outer-lr": 1.8,
         "strategy.outer-momentum": 0.8,
     },
 }
 
 
-def lm_case(rounds: int, out_dir: Path) -> dict:
+def lm_case(rounds: int, out_dir: Path, only: list[str] | None = None) -> dict:
     """The LM app (simulations/isoloco_lm, its pyproject defaults: 4 nodes, tiny LLaMA, AdamW
     inner steps) in-process on the fake grid; final validation loss per strategy. The paper
     preset is given by its values (the app's run config has no preset key)."""
@@ -222,6 +223,8 @@ def lm_case(rounds: int, out_dir: Path) -> dict:
 
     res = {}
     for name, keys in LM_VARIANTS.items():
+        if only and not any(name.startswith(o) for o in only):
+            continue
         t0 = time.perf_counter()
         rc = {"num-server-rounds": rounds, "output-dir": str(out_dir / name.split("(")[0]), **keys}
         grid = FakeGrid({"train": client_app.train}, num_nodes=4, run_config=rc)
@@ -254,6 +257,7 @@ def main() -> None:
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--extra", action="store_true", help="also the MLP sweep")
     ap.add_argument("--lm", action="store_true", help="the LM app in-process, 3 strategies")
+    ap.add_argument("--lm-only", nargs="*", help="LM variants whose name starts with these")
     ap.add_argument("--quick", action="store_true", help="1 seed, 6 rounds")
     ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("--out", type=Path, default=OUT)
@@ -276,7 +280,7 @@ def main() -> None:
         import tempfile
 
         with tempfile.TemporaryDirectory() as tmp:
-            out["lm"] = lm_case(args.rounds, Path(tmp))
+            out["lm"] = {**out.get("lm", {}), **lm_case(args.rounds, Path(tmp), args.lm_only)}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(out, indent=1, sort_keys=True) + "\n")
     print(f"wrote {args.out}")

@@ -67,7 +67,7 @@ def test_default_preset_differs_from_paper_as_documented():
         drop.outer_momentum,
         True,
     )
-    assert d.merge_name == p.merge_name == "iso_c"
+    assert (d.merge_name, p.merge_name) == ("iso_c_range", "iso_c")
     # the documented reason: the drop-in step is inside Nesterov's stability limit for a
     # pseudo-gradient that local training fully contracts (c = 1); the paper's is not
     assert drop.outer_lr < nesterov_step_limit(drop.outer_momentum, True)
@@ -82,6 +82,9 @@ def test_explicit_arguments_override_the_preset():
     assert s.outer.momentum == 0.0 and not s.outer.nesterov
     assert IsoLoCo(fast=True).merge_name == "iso_c_ns"
     assert IsoLoCo(merge="mean").merge_name == "mean"
+    assert IsoLoCo(orthogonalize="update").merge_name == "iso_c"
+    assert IsoLoCo.from_run_config({"strategy.fast": True}).merge_name == "iso_c_ns"
+    assert IsoLoCo.from_run_config({"strategy.merge": "ties"}).merge_name == "ties"
 
 
 def test_unknown_preset_is_refused_naming_the_known_ones():
@@ -93,9 +96,19 @@ def test_unknown_preset_is_refused_naming_the_known_ones():
 
 def test_preset_from_run_config():
     d = IsoLoCo.from_run_config({})
-    assert (d.preset, d.outer.lr, d.outer.momentum) == ("dropin", 0.7, 0.9)
+    assert (d.preset, d.merge_name, d.outer.lr, d.outer.momentum) == (
+        "dropin",
+        "iso_c_range",
+        0.7,
+        0.9,
+    )
     p = IsoLoCo.from_run_config({"strategy.preset": "isoloco-paper"})
-    assert (p.preset, p.outer.lr, p.outer.momentum) == ("isoloco-paper", 1.8, 0.8)
+    assert (p.preset, p.merge_name, p.outer.lr, p.outer.momentum) == (
+        "isoloco-paper",
+        "iso_c",
+        1.8,
+        0.8,
+    )
     o = IsoLoCo.from_run_config({"strategy.preset": "isoloco-paper", "strategy.outer-lr": 0.4})
     assert (o.outer.lr, o.outer.momentum) == (0.4, 0.8)
     s = IsoLoCo.from_section({"preset": "isoloco-paper"})

@@ -72,7 +72,7 @@ DILOCO_RUN_CONFIG: dict[str, Any] = {
 }
 ISOLOCO_RUN_CONFIG: dict[str, Any] = {
     **DILOCO_RUN_CONFIG,
-    "merge": "iso_c",
+    "merge": "",  # "": the preset's rule
     "preset": "dropin",  # IsoLoCo's presets (flwr_isoloco.outer.ISOLOCO_PRESETS)
     "outer-lr": -1.0,  # -1: the preset's value
     "outer-momentum": -1.0,
@@ -96,8 +96,13 @@ def _preset_or_non_negative(value: float) -> None:
         raise ValueError("must be >= 0, or -1 for the preset's value (IsoLoCo)")
 
 
+def _rule_or_preset(value: str) -> None:
+    if value != "" and value not in MERGE_RULES:
+        raise ValueError(f"must be one of {sorted(MERGE_RULES)}, or '' for the preset's (IsoLoCo)")
+
+
 RUN_CONFIG_CHECKS: dict[str, Any] = {
-    "merge": choices(*MERGE_RULES),
+    "merge": _rule_or_preset,
     "preset": choices(*ISOLOCO_PRESETS),
     "outer-lr": _preset_or_non_negative,
     "outer-momentum": _preset_or_non_negative,

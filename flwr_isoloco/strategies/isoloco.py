@@ -78,7 +78,9 @@ class IsoLoCo(DiLoCo):
     ) -> None:
         p = resolve_preset(preset)
         if merge is None:
-            merge = "iso_c_ns" if fast else p.merge
+            # iso_c_ns and orthogonalize="update" take the exact-SVD rule's Newton-Schulz /
+            # update form; neither has a range-restricted variant (iso_c_ns needs none)
+            merge = "iso_c_ns" if fast else "iso_c" if orthogonalize == "update" else p.merge
         elif fast:
             raise ValueError("give either merge= or fast=True, not both")
         self.fast = fast
@@ -136,11 +138,13 @@ class IsoLoCo(DiLoCo):
     def _extra_from_config(cls, c: Mapping[str, Any]) -> dict[str, Any]:
         """``strategy.preset``; ``outer-lr`` / ``outer-momentum`` at -1 take the preset's."""
         extra: dict[str, Any] = {"preset": c.get("preset", "dropin")}
+        if c["merge"] == "":
+            extra["merge"] = None
         for key, arg in (("outer-lr", "outer_lr"), ("outer-momentum", "outer_momentum")):
             if c[key] == -1:
                 extra[arg] = None
         if c.get("fast"):
-            if c["merge"] not in ("iso_c", "iso_c_ns"):
+            if c["merge"] not in ("", "iso_c", "iso_c_ns"):
                 raise ValueError("strategy.fast=true needs strategy.merge 'iso_c' (the default)")
             extra.update(merge=None, fast=True)
         return extra
