@@ -10,9 +10,10 @@ records per round and per tensor (``--diagnose``):
 - for 2-D tensors, ``s_max``, ``s_min`` and ``s_mean`` of ``g``'s singular values: Iso-C sets
   every singular value to ``s_mean``, so it multiplies the direction of ``s_min`` by
   ``gain = s_mean / s_min``;
-- ``contraction``: ``c = <g, theta_old - theta_prev_opt>``-free proxy: the ratio
-  ``||g_r|| / ||step_{r-1}||`` is reported as ``echo`` (how much of last round's step the
-  clients push back: ~1 when the outer step overshoots what local training undoes).
+  and ``rank``, its numerical rank (of ``r = min(m, n)``): the ``r - rank`` null directions
+  are the ones Iso-C moves by ``s_mean`` although the data does not determine them;
+- ``echo``: ``||g_r|| / ||step_{r-1}||``, how far the clients push back against the last
+  outer step (about ``c x`` the overshoot; > 1 once the outer step overshoots).
 
 The sweep (``--sweep``) runs FedAvg, DiLoCo(), IsoLoCo() and IsoLoCo(preset="isoloco-paper")
 for seeds 0-2 on IID and Dirichlet(0.5) shards and writes final test accuracies; ``--extra``
@@ -43,6 +44,7 @@ from flwr.app import ArrayRecord, Context, RecordDict  # noqa: E402
 from flwr.common.logger import FLOWER_LOGGER  # noqa: E402
 from flwr.serverapp.strategy import FedAvg  # noqa: E402
 
+from flwr_isoloco.merging.iso_range import numerical_rank  # noqa: E402
 from flwr_isoloco.strategies import DiLoCo, IsoLoCo  # noqa: E402
 
 OUT = REPO / "benchmarks" / "results" / "isoloco_dropin.json"
@@ -67,6 +69,7 @@ DIAGNOSIS: dict[str, Callable[[], object]] = {
         merge_options={"spectral_pattern": _pattern_only(["fc1.weight"])}
     ),
     "Iso-C, lr=0.7, mu=0.9": lambda: _paper(outer_lr=0.7, outer_momentum=0.9),
+    "paper lr/mu, iso_c_range": lambda: _paper(merge="iso_c_range"),
     "IsoLoCo()": lambda: IsoLoCo(),
 }
 SWEEP: dict[str, Callable[[], object]] = {
@@ -136,6 +139,8 @@ class Recorder:
                     s_min=float(s[-1]),
                     s_mean=float(s.mean()),
                     gain=float(s.mean() / s[-1]) if s[-1] > 0 else math.inf,
+                    rank=numerical_rank(s, tuple(gk.shape)),
+                    r=int(s.numel()),
                 )
             self._last_step[k] = step
             out[k] = row
