@@ -256,6 +256,17 @@ def check(res: dict, tol: float = 0.01) -> list[str]:
     return bad
 
 
+def table(res: dict) -> str:
+    """Markdown: one row per strategy, one column per (shard, seed) cell, final test accuracy."""
+    cells = [(p, seed) for p in res for seed in sorted(res[p]["FedAvg"])]
+    head = "| strategy | " + " | ".join(f"{p} s{seed}" for p, seed in cells) + " |"
+    rows = [head, "|---" * (len(cells) + 1) + "|"]
+    for name in res[cells[0][0]]:
+        vals = " | ".join(f"{res[p][name][seed]:.3f}" for p, seed in cells)
+        rows.append(f"| {name} | {vals} |")
+    return "\n".join(rows)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--diagnose", action="store_true")
@@ -266,7 +277,14 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="1 seed, 6 rounds")
     ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("--out", type=Path, default=OUT)
+    ap.add_argument("--table", action="store_true", help="print the sweeps in --out as markdown")
     args = ap.parse_args()
+    if args.table:
+        saved = json.loads(args.out.read_text())
+        for key in ("sweep", "sweep_mlp"):
+            if key in saved:
+                print(f"{key}:\n{table(saved[key])}\n")
+        return
     torch.set_num_threads(1)
     FLOWER_LOGGER.setLevel(logging.WARNING)
     rounds = 6 if args.quick else args.rounds
