@@ -44,7 +44,8 @@ from flwr.app import ArrayRecord, Context, RecordDict  # noqa: E402
 from flwr.common.logger import FLOWER_LOGGER  # noqa: E402
 from flwr.serverapp.strategy import FedAvg  # noqa: E402
 
-from flwr_isoloco.merging.iso_range import numerical_rank  # noqa: E402
+from flwr_isoloco.merging.iso_range import iso_c_range, numerical_rank  # noqa: E402
+from flwr_isoloco.merging.rules import MergeRule, _streaming  # noqa: E402
 from flwr_isoloco.strategies import DiLoCo, IsoLoCo  # noqa: E402
 
 OUT = REPO / "benchmarks" / "results" / "isoloco_dropin.json"
@@ -58,6 +59,9 @@ def _pattern_only(names: list[str]) -> str:
     return "^(" + "|".join(n.replace(".", r"\.") for n in names) + ")$"
 
 
+RANGE_RULE = MergeRule("iso_c_range", _streaming(iso_c_range), iso_c_range)
+"""Iso-C on the numerical range at Iso-C's own scale (not registered: a diagnosis step)."""
+
 # name -> factory; the diagnosis variants isolate one factor each
 DIAGNOSIS: dict[str, Callable[[], object]] = {
     "FedAvg": lambda: FedAvg(),
@@ -69,7 +73,10 @@ DIAGNOSIS: dict[str, Callable[[], object]] = {
         merge_options={"spectral_pattern": _pattern_only(["fc1.weight"])}
     ),
     "Iso-C, lr=0.7, mu=0.9": lambda: _paper(outer_lr=0.7, outer_momentum=0.9),
-    "paper lr/mu, iso_c_range": lambda: _paper(merge="iso_c_range"),
+    "Iso-C on the range, lr=0.7, mu=0.9": lambda: _paper(
+        merge=RANGE_RULE, outer_lr=0.7, outer_momentum=0.9
+    ),
+    "paper lr/mu, iso_c_matched": lambda: _paper(merge="iso_c_matched"),
     "IsoLoCo()": lambda: IsoLoCo(),
 }
 SWEEP: dict[str, Callable[[], object]] = {

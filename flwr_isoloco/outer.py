@@ -219,7 +219,7 @@ class IsoLoCoPreset:
 
 
 ISOLOCO_PRESETS: dict[str, IsoLoCoPreset] = {
-    "dropin": IsoLoCoPreset("dropin", "iso_c_range", 0.7, 0.9),
+    "dropin": IsoLoCoPreset("dropin", "iso_c_matched", 0.7, 0.9),
     "isoloco-paper": IsoLoCoPreset("isoloco-paper", "iso_c", 1.8, 0.8),
 }
 

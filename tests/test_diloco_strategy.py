@@ -268,7 +268,7 @@ def test_state_dict_before_start_is_an_error():
 def test_isoloco_defaults_and_fast_switch():
     s = IsoLoCo()  # the "dropin" preset (tests/test_isoloco_presets.py)
     assert (s.merge_name, s.outer.lr, s.outer.momentum, s.outer.nesterov) == (
-        "iso_c_range",
+        "iso_c_matched",
         0.7,
         0.9,
         True,

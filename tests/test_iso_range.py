@@ -1,4 +1,5 @@
-"""iso_c_range (the drop-in preset's merge): Iso-C on the numerical range of the mean.
+"""iso_c_range / iso_c_matched (the drop-in preset's merge): Iso-C on the numerical range of
+the mean, and that at the mean's Frobenius norm.
 
 Checked against an independent float64 numpy computation, against iso_c on full-rank input,
 and on the property that motivates it: a direction with no signal (a dead unit's zero row)
@@ -11,7 +12,7 @@ import pytest
 import torch
 
 from flwr_isoloco.merging import MERGE_RULES, StreamingMerger, iso_c, merge
-from flwr_isoloco.merging.iso_range import iso_c_range, numerical_rank
+from flwr_isoloco.merging.iso_range import iso_c_matched, iso_c_range, numerical_rank
 
 
 def _rank_deficient(m=10, n=64, rank=4, seed=0) -> torch.Tensor:
@@ -57,19 +58,31 @@ def test_zero_scale_and_norm_bound():
         iso_c_range(torch.ones(3))
 
 
+@pytest.mark.parametrize("rank", [2, 10])
+def test_matched_is_the_range_direction_at_the_means_frobenius_norm(rank):
+    x = _rank_deficient(rank=rank)
+    out = iso_c_matched(x)
+    ref = _numpy_reference(x.numpy())
+    ref *= np.linalg.norm(x.numpy()) / np.linalg.norm(ref)
+    np.testing.assert_allclose(out.numpy(), ref, rtol=1e-9, atol=1e-12)
+    assert float(out.norm()) == pytest.approx(float(x.norm()), rel=1e-12)
+    assert float(torch.linalg.matrix_norm(out, 2)) <= float(torch.linalg.matrix_norm(x, 2))
+    assert torch.equal(iso_c_matched(torch.zeros(3, 4)), torch.zeros(3, 4))
+
+
 def test_registered_rule_streams_and_leaves_1d_tensors_to_the_mean():
-    rule = MERGE_RULES["iso_c_range"]
+    rule = MERGE_RULES["iso_c_matched"]
     assert rule.streaming
     g = torch.Generator().manual_seed(1)
     deltas = [
         {"w": _rank_deficient(rank=2, seed=i).float(), "b": torch.randn(5, generator=g)}
         for i in range(3)
     ]
-    out = merge("iso_c_range", deltas)
+    out = merge("iso_c_matched", deltas)
     mean_w = sum(d["w"] for d in deltas) / 3
-    assert torch.allclose(out["w"], iso_c_range(mean_w), atol=1e-5)
+    assert torch.allclose(out["w"], iso_c_matched(mean_w), atol=1e-5)
     assert torch.allclose(out["b"], sum(d["b"] for d in deltas) / 3, atol=1e-6)
-    sm = StreamingMerger("iso_c_range")
+    sm = StreamingMerger("iso_c_matched")
     for d in deltas:
         sm.add(d, 1.0)
     assert torch.allclose(sm.result()["w"], out["w"], atol=1e-5)

@@ -50,7 +50,9 @@ def test_paper_preset_is_bitwise_the_old_isoloco():
     nesterov=True) (IsoLoCo's old constructor passed exactly these)."""
     old = _run(DiLoCo(merge="iso_c", outer_lr=1.8, outer_momentum=0.8, nesterov=True))
     paper = _run(IsoLoCo(preset="isoloco-paper"))
-    explicit = _run(IsoLoCo(preset="dropin", outer_lr=1.8, outer_momentum=0.8, nesterov=True))
+    explicit = _run(
+        IsoLoCo(merge="iso_c", outer_lr=1.8, outer_momentum=0.8, nesterov=True)
+    )  # the default preset with every value it sets given explicitly
     for k in old:
         assert torch.equal(paper[k], old[k]), k
         assert torch.equal(explicit[k], old[k]), k
@@ -67,7 +69,7 @@ def test_default_preset_differs_from_paper_as_documented():
         drop.outer_momentum,
         True,
     )
-    assert (d.merge_name, p.merge_name) == ("iso_c_range", "iso_c")
+    assert (d.merge_name, p.merge_name) == ("iso_c_matched", "iso_c")
     # the documented reason: the drop-in step is inside Nesterov's stability limit for a
     # pseudo-gradient that local training fully contracts (c = 1); the paper's is not
     assert drop.outer_lr < nesterov_step_limit(drop.outer_momentum, True)
@@ -98,7 +100,7 @@ def test_preset_from_run_config():
     d = IsoLoCo.from_run_config({})
     assert (d.preset, d.merge_name, d.outer.lr, d.outer.momentum) == (
         "dropin",
-        "iso_c_range",
+        "iso_c_matched",
         0.7,
         0.9,
     )

@@ -1,4 +1,6 @@
-"""Iso-C on the numerical range of the mean: the drop-in preset's merge (docs/algorithms.md 3.1).
+"""Iso-C on the numerical range of the mean, at the mean's norm: the drop-in preset's merge.
+
+docs/algorithms.md 3.1 gives the measurements behind both changes to ``iso_c``.
 
 ``iso_c`` sets every singular value of ``g = U diag(s) V^T`` to ``mean(s)``. Where ``g`` is rank
 deficient (a layer with dead units, a classifier whose gradient lives in few directions) some
@@ -10,17 +12,29 @@ space, so ``iso_c`` moves the model by ``mean(s)`` along directions the data doe
     iso_c_range(g) = mean(s_1..s_k) * U_k V_k^T
 
 For full-rank ``g`` it is ``iso_c`` (the same computation); ``g = 0`` gives 0. Like ``iso_c``
-it is positively homogeneous and ``||iso_c_range(g)||_F <= ||g||_F``. (The Newton-Schulz variant
-``iso_c_ns`` already maps zero singular values to zero.)
+it is positively homogeneous and ``||iso_c_range(g)||_F = mean(s_1..s_k) sqrt(k) <= ||g||_F``.
+(The Newton-Schulz variant ``iso_c_ns`` already maps zero singular values to zero.)
+
+That shrinkage is why the paper needs ``outer_lr = 1.8``: Iso-C's step on a matrix is shorter
+than the mean's, but the same lr also drives the tensors that take the plain mean (biases,
+norms, conv kernels), where 1.8 is beyond the outer step's stability limit once local
+training converges within a round. ``iso_c_matched`` keeps Iso-C's direction at the mean's own
+Frobenius norm, so one lr means the same step size on every tensor::
+
+    iso_c_matched(g) = ||g||_F / sqrt(k) * U_k V_k^T
+
+(``||.||_F = ||g||_F``, spectral norm ``||g||_F / sqrt(k) <= s_1 = ||g||_2``).
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
 from .polar import thin_svd
 
-__all__ = ["iso_c_range", "numerical_rank"]
+__all__ = ["iso_c_matched", "iso_c_range", "numerical_rank"]
 
 
 def numerical_rank(s: torch.Tensor, shape: tuple[int, ...], rtol: float | None = None) -> int:
@@ -31,13 +45,17 @@ def numerical_rank(s: torch.Tensor, shape: tuple[int, ...], rtol: float | None =
     return int((s > tol * s[0]).sum())
 
 
-def iso_c_range(g: torch.Tensor, rtol: float | None = None) -> torch.Tensor:
-    """``mean(s_1..s_k) U_k V_k^T`` of a 2-D tensor, ``k`` its numerical rank (fp32 inside)."""
+def _range_svd(g: torch.Tensor, rtol: float | None, what: str):
     if g.ndim != 2:
-        raise ValueError(f"iso_c_range needs a 2-D tensor, got shape {tuple(g.shape)}")
+        raise ValueError(f"{what} needs a 2-D tensor, got shape {tuple(g.shape)}")
     x = g.detach().to(torch.float64 if g.dtype == torch.float64 else torch.float32)
     u, s, vh = thin_svd(x)
-    k = numerical_rank(s, tuple(x.shape), rtol)
+    return u, s, vh, numerical_rank(s, tuple(x.shape), rtol)
+
+
+def iso_c_range(g: torch.Tensor, rtol: float | None = None) -> torch.Tensor:
+    """``mean(s_1..s_k) U_k V_k^T`` of a 2-D tensor, ``k`` its numerical rank (fp32 inside)."""
+    u, s, vh, k = _range_svd(g, rtol, "iso_c_range")
     if k == 0:
         return torch.zeros_like(g)
     if k == s.numel():
@@ -45,3 +63,12 @@ def iso_c_range(g: torch.Tensor, rtol: float | None = None) -> torch.Tensor:
     else:
         out = (u[:, :k] * s[:k].mean()) @ vh[:k]
     return out.to(g.dtype)
+
+
+def iso_c_matched(g: torch.Tensor, rtol: float | None = None) -> torch.Tensor:
+    """``||g||_F / sqrt(k) * U_k V_k^T`` of a 2-D tensor (module docstring; fp32 inside)."""
+    u, s, vh, k = _range_svd(g, rtol, "iso_c_matched")
+    if k == 0:
+        return torch.zeros_like(g)
+    scale = torch.linalg.vector_norm(s) / math.sqrt(k)
+    return ((u[:, :k] * scale) @ vh[:k]).to(g.dtype)
