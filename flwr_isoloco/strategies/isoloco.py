@@ -1,4 +1,8 @@
-"""IsoLoCo: DiLoCo whose merge rule is Iso-C (flattened spectrum of the weighted mean)."""
+"""IsoLoCo: DiLoCo whose merge rule is Iso-C (flattened spectrum of the weighted mean).
+
+Its update comes by name (``preset``, :data:`flwr_isoloco.outer.ISOLOCO_PRESETS`); the maths
+is docs/algorithms.md 3 and 3.1, the choice of defaults docs/strategies.md "Defaults".
+"""
 
 from __future__ import annotations
 
@@ -17,24 +21,33 @@ __all__ = ["IsoLoCo", "ISOLOCO_PRESETS"]
 
 
 class IsoLoCo(DiLoCo):
-    """DiLoCo with Iso-C merging: ``g = iso_c(weighted mean)`` on 2-D tensors, mean elsewhere.
+    """DiLoCo with Iso-C merging: ``g = rule(weighted mean)`` on 2-D tensors, mean elsewhere.
+
+    ``rule`` is ``iso_c_matched`` (``"dropin"``: ``||g||_F / sqrt(k) U_k V_k^T`` on the ``k``
+    numerically non-zero singular directions) or ``iso_c`` (``"isoloco-paper"``:
+    ``mean(s) U V^T``); then the outer Nesterov step ``theta <- theta - lr u``.
 
     Parameters (keyword-only; as :class:`DiLoCo`, plus ``preset`` and ``fast``)
     ----------
     preset : "dropin" | "isoloco-paper"
-        Where ``merge``, ``merge_options``, ``outer_lr``, ``outer_momentum`` and ``nesterov``
-        come from when not given (``None``); an explicit argument overrides the preset's value.
-        ``"dropin"`` (default): safe in any Flower app (docs/strategies.md, "Defaults").
-        ``"isoloco-paper"``: the paper's update, Iso-C on every 2-D tensor, ``outer_lr=1.8``,
-        ``outer_momentum=0.8``, Nesterov (tuned for LLaMA pre-training with AdamW inner steps).
+        Where ``merge``, ``outer_lr``, ``outer_momentum`` and ``nesterov`` come from when not
+        given (``None``); an explicit argument overrides the preset's value.
+        ``"dropin"`` (default): ``iso_c_matched``, ``outer_lr=0.7``, ``outer_momentum=0.9``,
+        Nesterov; inside the outer step's stability limit even when local training converges
+        within a round (SGD apps). ``"isoloco-paper"``: the paper's update, ``iso_c``,
+        ``outer_lr=1.8``, ``outer_momentum=0.8``, Nesterov (tuned for LLaMA pre-training with
+        AdamW inner steps; diverges where local training converges within a round).
     fast : bool
-        Use the Newton-Schulz variant ``iso_c_ns`` instead of the exact SVD.
+        Merge with ``iso_c_ns`` (Iso-C by Newton-Schulz) instead of the preset's rule.
     fraction_train, fraction_evaluate, min_train_nodes, min_evaluate_nodes,
     min_available_nodes, weighted_by_key, arrayrecord_key, configrecord_key,
     train_metrics_aggr_fn, evaluate_metrics_aggr_fn :
         As in ``flwr.serverapp.strategy.FedAvg``.
-    merge, merge_options, outer_lr, outer_momentum, nesterov :
-        As in :class:`DiLoCo`; ``None`` means "the preset's value".
+    merge, outer_lr, outer_momentum, nesterov :
+        As in :class:`DiLoCo`; ``None`` means "the preset's value" (``merge`` with
+        ``orthogonalize="update"``: ``iso_c``).
+    merge_options :
+        As in :class:`DiLoCo`.
     orthogonalize, weighting, client_sends, max_update_norm, max_norm_ratio,
     max_weight_ratio, max_empty_rounds, dtype_policy, seed, upload_codec, codec_options,
     error_feedback :
