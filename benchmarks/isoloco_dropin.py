@@ -202,9 +202,11 @@ def diagnose(rounds: int, partitioner: str = "iid", seed: int = 0) -> dict:
     return res
 
 
-def sweep(rounds: int, seeds: list[int], model: str = "cnn") -> dict:
+def sweep(
+    rounds: int, seeds: list[int], model: str = "cnn", parts: tuple[str, ...] = ("iid", "dirichlet")
+) -> dict:
     res: dict = {}
-    for part in ("iid", "dirichlet"):
+    for part in parts:
         for seed in seeds:
             for name, factory in SWEEP.items():
                 r = run_digits(factory, part, seed, rounds, model=model)
@@ -283,6 +285,7 @@ def main() -> None:
     ap.add_argument("--lm-only", nargs="*", help="LM variants whose name starts with these")
     ap.add_argument("--quick", action="store_true", help="1 seed, 6 rounds")
     ap.add_argument("--rounds", type=int, default=10)
+    ap.add_argument("--parts", nargs="+", default=["iid", "dirichlet"], help="shardings to sweep")
     ap.add_argument("--out", type=Path, default=OUT)
     ap.add_argument("--table", action="store_true", help="print the sweeps in --out as markdown")
     args = ap.parse_args()
@@ -301,10 +304,10 @@ def main() -> None:
     if args.diagnose:
         out["diagnosis"] = diagnose(rounds)
     if args.sweep:
-        out["sweep"] = sweep(rounds, seeds)
+        out["sweep"] = sweep(rounds, seeds, parts=tuple(args.parts))
         out["sweep_failures"] = check(out["sweep"])
     if args.extra:
-        out["sweep_mlp"] = sweep(rounds, seeds, model="mlp")
+        out["sweep_mlp"] = sweep(rounds, seeds, model="mlp", parts=tuple(args.parts))
         out["sweep_mlp_failures"] = check(out["sweep_mlp"])
     if args.lm:
         import tempfile
