@@ -202,6 +202,24 @@ def diagnose(rounds: int, partitioner: str = "iid", seed: int = 0) -> dict:
     return res
 
 
+def lr_scan(rounds: int, seed: int = 0) -> dict:
+    """Mean vs iso_c at mu = 0.8 and lr 1.0..1.6: where the outer step stops being stable."""
+    res: dict = {}
+    for part in ("iid", "dirichlet"):
+        for lr in (1.0, 1.2, 1.4, 1.6):
+            for merge in ("mean", "iso_c"):
+                r = run_digits(
+                    lambda lr=lr, merge=merge: DiLoCo(merge=merge, outer_lr=lr, outer_momentum=0.8),
+                    part,
+                    seed,
+                    rounds,
+                )
+                cell = {"final": r["final"], "max_loss": max(r["loss"].values())}
+                res.setdefault(part, {}).setdefault(merge, {})[str(lr)] = cell
+                print(f"[scan] {part} {merge} lr {lr} mu 0.8: {cell}", flush=True)
+    return res
+
+
 def sweep(
     rounds: int, seeds: list[int], model: str = "cnn", parts: tuple[str, ...] = ("iid", "dirichlet")
 ) -> dict:
@@ -280,6 +298,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--diagnose", action="store_true")
     ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--scan", action="store_true", help="outer lr scan at mu = 0.8")
     ap.add_argument("--extra", action="store_true", help="also the MLP sweep")
     ap.add_argument("--lm", action="store_true", help="the LM app in-process, 3 strategies")
     ap.add_argument("--lm-only", nargs="*", help="LM variants whose name starts with these")
@@ -303,6 +322,8 @@ def main() -> None:
     out["config"] = {"rounds": rounds, "seeds": seeds, "nodes": 4, "app": "examples/digits"}
     if args.diagnose:
         out["diagnosis"] = diagnose(rounds)
+    if args.scan:
+        out["lr_scan"] = lr_scan(rounds)
     if args.sweep:
         out["sweep"] = sweep(rounds, seeds, parts=tuple(args.parts))
         out["sweep_failures"] = check(out["sweep"])
