@@ -285,10 +285,12 @@ def check(res: dict, tol: float = 0.01) -> list[str]:
 
 def table(res: dict) -> str:
     """Markdown: one row per strategy, one column per (shard, seed) cell, final test accuracy."""
-    cells = [(p, seed) for p in res for seed in sorted(res[p]["FedAvg"])]
+    cells = [
+        (p, seed) for p in ("iid", "dirichlet") if p in res for seed in sorted(res[p]["FedAvg"])
+    ]
     head = "| strategy | " + " | ".join(f"{p} s{seed}" for p, seed in cells) + " |"
     rows = [head, "|---" * (len(cells) + 1) + "|"]
-    for name in res[cells[0][0]]:
+    for name in [n for n in SWEEP if n in res[cells[0][0]]]:
         vals = " | ".join(f"{res[p][name][seed]:.3f}" for p, seed in cells)
         rows.append(f"| {name} | {vals} |")
     return "\n".join(rows)
