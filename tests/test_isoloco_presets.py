@@ -166,3 +166,10 @@ def test_step_limit_is_where_the_linear_recursion_stops_contracting():
             for _ in range(3000):
                 theta = opt.step(theta, {"x": theta["x"].clone()})
             assert (abs(float(theta["x"])) > 1.0) is grows, (mu, nesterov, a)
+
+
+def test_preset_key_is_isolocos_only():
+    """DiLoCo's section has no preset: its run config still builds, and refuses the key."""
+    assert DiLoCo.from_run_config({}).outer.lr == 0.7
+    with pytest.raises(ValueError, match="strategy.preset"):
+        DiLoCo.from_run_config({"strategy.preset": "dropin"})

@@ -153,7 +153,8 @@ def read_section(
     schema: dict[str, Any] = dict(defaults)  # nested under the prefix: errors name the full key
     for part in reversed(parts):
         schema = {part: schema}
-    cfg = read_run_config(mine, schema, {prefix + k: v for k, v in RUN_CONFIG_CHECKS.items()})
+    checks = {prefix + k: v for k, v in RUN_CONFIG_CHECKS.items() if k in defaults}
+    cfg = read_run_config(mine, schema, checks)
     for part in parts:
         cfg = cfg[part]
     return {k: cfg[k] for k in defaults}
