@@ -146,7 +146,9 @@ class Recorder:
                     s_min=float(s[-1]),
                     s_mean=float(s.mean()),
                     gain=float(s.mean() / s[-1]) if s[-1] > 0 else math.inf,
-                    rank=numerical_rank(s, tuple(gk.shape)),
+                    rank=numerical_rank(
+                        torch.linalg.svdvals(gk), tuple(gk.shape)
+                    ),  # fp32, as the rule
                     r=int(s.numel()),
                 )
             self._last_step[k] = step
