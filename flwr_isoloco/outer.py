@@ -28,12 +28,19 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 
 import torch
 
 from .merging.validation import all_finite
 
-__all__ = ["OuterSGD"]
+__all__ = [
+    "ISOLOCO_PRESETS",
+    "IsoLoCoPreset",
+    "OuterSGD",
+    "nesterov_step_limit",
+    "resolve_preset",
+]
 
 UpdateTransform = Callable[[dict[str, torch.Tensor]], Mapping[str, torch.Tensor]]
 
@@ -177,3 +184,50 @@ class OuterSGD:
                 raise ValueError(f"key {name!r}: momentum buffer is not a tensor")
         self.steps = steps
         self.momentum_buffer = {k: v.detach().clone() for k, v in buffers.items()}
+
+
+def nesterov_step_limit(momentum: float, nesterov: bool = True) -> float:
+    """Largest stable ``lr * c`` of the outer step on a pseudo-gradient ``g = c (theta - theta*)``.
+
+    Local training that moves a node a fraction ``c`` of the way to its optimum each round gives
+    that ``g`` (``c = 1``: it gets there; SGD with momentum can overshoot, ``c > 1``). With
+    ``a = lr c`` the outer recursion (module docstring) has the characteristic polynomial
+    ``z^2 - (1 + mu)(1 - a) z + mu (1 - a)`` (Nesterov), ``z^2 - (1 + mu - a) z + mu``
+    (heavy-ball), whose roots are inside the unit circle iff::
+
+        0 < a < 2 (1 + mu) / (1 + 2 mu)   (Nesterov)
+        0 < a < 2 (1 + mu)                (heavy-ball)
+        0 < a < 2                         (mu = 0)
+
+    Beyond it each round overshoots by more than it corrects, and theta grows geometrically.
+    """
+    mu = float(momentum)
+    if mu == 0:
+        return 2.0
+    return 2 * (1 + mu) / (1 + 2 * mu) if nesterov else 2 * (1 + mu)
+
+
+@dataclass(frozen=True)
+class IsoLoCoPreset:
+    """IsoLoCo's update by name: merge rule and outer optimiser (docs/algorithms.md, 3.1)."""
+
+    name: str
+    merge: str
+    outer_lr: float
+    outer_momentum: float
+    nesterov: bool = True
+
+
+ISOLOCO_PRESETS: dict[str, IsoLoCoPreset] = {
+    "dropin": IsoLoCoPreset("dropin", "iso_c_matched", 0.7, 0.9),
+    "isoloco-paper": IsoLoCoPreset("isoloco-paper", "iso_c", 1.8, 0.8),
+}
+
+
+def resolve_preset(name: object) -> IsoLoCoPreset:
+    """The preset called ``name`` (``ValueError`` listing the known ones)."""
+    if not isinstance(name, str) or name not in ISOLOCO_PRESETS:
+        raise ValueError(
+            f"unknown IsoLoCo preset {name!r}; expected one of {sorted(ISOLOCO_PRESETS)}"
+        )
+    return ISOLOCO_PRESETS[name]

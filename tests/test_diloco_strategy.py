@@ -120,7 +120,7 @@ def test_mean_lr1_mom0_is_fedavg_on_random_values():
 # --------------------------------------------------------------------------- hand computations
 def test_one_isoloco_round_matches_svd_and_nesterov_by_hand():
     theta = init_model()
-    strat = IsoLoCo(outer_lr=1.8, outer_momentum=0.8, **quiet())
+    strat = IsoLoCo(preset="isoloco-paper", **quiet())  # iso_c, 1.8, 0.8
     res, _ = run(strat, rounds=1)
     g = weighted_mean_delta(theta, client_replies(theta, 1))
     g["w"] = iso_c_hand(g["w"])  # 2-D: Iso-C; 1-D bias: plain mean
@@ -266,7 +266,14 @@ def test_state_dict_before_start_is_an_error():
 
 # --------------------------------------------------------------------------- construction
 def test_isoloco_defaults_and_fast_switch():
-    s = IsoLoCo()
+    s = IsoLoCo()  # the "dropin" preset (tests/test_isoloco_presets.py)
+    assert (s.merge_name, s.outer.lr, s.outer.momentum, s.outer.nesterov) == (
+        "iso_c_matched",
+        0.7,
+        0.9,
+        True,
+    )
+    s = IsoLoCo(preset="isoloco-paper")
     assert (s.merge_name, s.outer.lr, s.outer.momentum, s.outer.nesterov) == (
         "iso_c",
         1.8,
@@ -300,6 +307,8 @@ def test_from_run_config_reads_documented_keys():
     assert (s.outer.lr, s.outer.momentum, s.outer.nesterov) == (0.5, 0.0, False)
     assert s.fraction_train == 0.5 and s.train_validator.max_norm_ratio == 10.0
     iso = IsoLoCo.from_run_config({"strategy.fast": True})
+    assert iso.merge_name == "iso_c_ns" and iso.outer.lr == 0.7  # the "dropin" preset's lr
+    iso = IsoLoCo.from_run_config({"strategy.fast": True, "strategy.preset": "isoloco-paper"})
     assert iso.merge_name == "iso_c_ns" and iso.outer.lr == 1.8
 
 

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .iso_range import iso_c_matched
 from .polar import NS_LOWER, NS_MAX_STEPS, NS_TOL, gram_polar, iso_c, thin_svd
 
 __all__ = [
@@ -317,6 +318,9 @@ MERGE_RULES: dict[str, MergeRule] = {
     "mean": MergeRule("mean", _streaming(_mean), _mean, {}, "weighted mean (DiLoCo)"),
     "iso_c": MergeRule(
         "iso_c", _streaming(_iso_c), _iso_c, {}, "Iso-C of the mean, exact (Gram eigh / SVD)"
+    ),
+    "iso_c_matched": MergeRule(
+        "iso_c_matched", _streaming(iso_c_matched), iso_c_matched, {}, "Iso-C, range, mean's norm"
     ),
     "iso_c_ns": MergeRule(
         "iso_c_ns",

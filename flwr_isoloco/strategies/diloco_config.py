@@ -16,6 +16,7 @@ from typing import Any
 
 from flwr_isoloco.compression import CODECS
 from flwr_isoloco.merging import MERGE_RULES
+from flwr_isoloco.outer import ISOLOCO_PRESETS
 from flwr_isoloco.runconfig import choices, in_range, non_negative, read_run_config
 from flwr_isoloco.strategies.common import PAYLOADS
 from flwr_isoloco.strategies.divergence import DEFAULT_DIVERGENCE_FACTOR, DIVERGENCE_MODES
@@ -74,9 +75,10 @@ DILOCO_RUN_CONFIG: dict[str, Any] = {
 }
 ISOLOCO_RUN_CONFIG: dict[str, Any] = {
     **DILOCO_RUN_CONFIG,
-    "merge": "iso_c",
-    "outer-lr": 1.8,
-    "outer-momentum": 0.8,
+    "merge": "",  # "": the preset's rule
+    "preset": "dropin",  # IsoLoCo's presets (flwr_isoloco.outer.ISOLOCO_PRESETS)
+    "outer-lr": -1.0,  # -1: the preset's value
+    "outer-momentum": -1.0,
 }
 _MERGE_OPTION_KEYS = {
     "prune-fraction": "prune_fraction",
@@ -92,10 +94,21 @@ def _off_or_at_least_one(value: float) -> None:
         raise ValueError("must be >= 1, or 0 for off")
 
 
+def _preset_or_non_negative(value: float) -> None:
+    if value != -1 and not value >= 0:
+        raise ValueError("must be >= 0, or -1 for the preset's value (IsoLoCo)")
+
+
+def _rule_or_preset(value: str) -> None:
+    if value != "" and value not in MERGE_RULES:
+        raise ValueError(f"must be one of {sorted(MERGE_RULES)}, or '' for the preset's (IsoLoCo)")
+
+
 RUN_CONFIG_CHECKS: dict[str, Any] = {
-    "merge": choices(*MERGE_RULES),
-    "outer-lr": non_negative,
-    "outer-momentum": non_negative,
+    "merge": _rule_or_preset,
+    "preset": choices(*ISOLOCO_PRESETS),
+    "outer-lr": _preset_or_non_negative,
+    "outer-momentum": _preset_or_non_negative,
     "fraction-train": in_range(0, 1),
     "fraction-evaluate": in_range(0, 1),
     "min-train-nodes": non_negative,
@@ -145,7 +158,8 @@ def read_section(
     schema: dict[str, Any] = dict(defaults)  # nested under the prefix: errors name the full key
     for part in reversed(parts):
         schema = {part: schema}
-    cfg = read_run_config(mine, schema, {prefix + k: v for k, v in RUN_CONFIG_CHECKS.items()})
+    checks = {prefix + k: v for k, v in RUN_CONFIG_CHECKS.items() if k in defaults}
+    cfg = read_run_config(mine, schema, checks)
     for part in parts:
         cfg = cfg[part]
     return {k: cfg[k] for k in defaults}

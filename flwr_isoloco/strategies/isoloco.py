@@ -1,21 +1,57 @@
-"""IsoLoCo: DiLoCo whose merge rule is Iso-C (flattened spectrum of the weighted mean)."""
+"""IsoLoCo: DiLoCo whose merge rule is Iso-C (flattened spectrum of the weighted mean).
+
+Its update comes by name (``preset``, :data:`flwr_isoloco.outer.ISOLOCO_PRESETS`); the maths
+is docs/algorithms.md 3 and 3.1, the choice of defaults docs/strategies.md "Defaults".
+"""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from logging import WARNING
 from typing import Any
 
-from flwr_isoloco.strategies.diloco import DiLoCo
-from flwr_isoloco.strategies.diloco_config import ISOLOCO_RUN_CONFIG
+from flwr.app import MetricRecord, RecordDict
+from flwr.common.logger import log
 
-__all__ = ["IsoLoCo"]
+from flwr_isoloco.outer import ISOLOCO_PRESETS, nesterov_step_limit, resolve_preset
+from flwr_isoloco.strategies.diloco import DiLoCo
+from flwr_isoloco.strategies.diloco_config import DEFAULT_MAX_WEIGHT_RATIO, ISOLOCO_RUN_CONFIG
+
+__all__ = ["IsoLoCo", "ISOLOCO_PRESETS"]
 
 
 class IsoLoCo(DiLoCo):
-    """DiLoCo with Iso-C merging: ``g = iso_c(weighted mean)`` on 2-D tensors, mean elsewhere.
+    """DiLoCo with Iso-C merging: ``g = rule(weighted mean)`` on 2-D tensors, mean elsewhere.
 
-    Defaults from the IsoLoCo paper's tuned values: ``outer_lr=1.8``, ``outer_momentum=0.8``,
-    Nesterov. ``fast=True`` uses the Newton-Schulz variant ``iso_c_ns`` instead of the SVD.
+    ``rule`` is ``iso_c_matched`` (``"dropin"``: ``||g||_F / sqrt(k) U_k V_k^T`` on the ``k``
+    numerically non-zero singular directions) or ``iso_c`` (``"isoloco-paper"``:
+    ``mean(s) U V^T``); then the outer Nesterov step ``theta <- theta - lr u``.
+
+    Parameters (keyword-only; as :class:`DiLoCo`, plus ``preset`` and ``fast``)
+    ----------
+    preset : "dropin" | "isoloco-paper"
+        Where ``merge``, ``outer_lr``, ``outer_momentum`` and ``nesterov`` come from when not
+        given (``None``); an explicit argument overrides the preset's value.
+        ``"dropin"`` (default): ``iso_c_matched``, ``outer_lr=0.7``, ``outer_momentum=0.9``,
+        Nesterov; inside the outer step's stability limit even when local training converges
+        within a round (SGD apps). ``"isoloco-paper"``: the paper's update, ``iso_c``,
+        ``outer_lr=1.8``, ``outer_momentum=0.8``, Nesterov (tuned for LLaMA pre-training with
+        AdamW inner steps; diverges where local training converges within a round).
+    fast : bool
+        Merge with ``iso_c_ns`` (Iso-C by Newton-Schulz) instead of the preset's rule.
+    fraction_train, fraction_evaluate, min_train_nodes, min_evaluate_nodes,
+    min_available_nodes, weighted_by_key, arrayrecord_key, configrecord_key,
+    train_metrics_aggr_fn, evaluate_metrics_aggr_fn :
+        As in ``flwr.serverapp.strategy.FedAvg``.
+    merge, outer_lr, outer_momentum, nesterov :
+        As in :class:`DiLoCo`; ``None`` means "the preset's value" (``merge`` with
+        ``orthogonalize="update"``: ``iso_c``).
+    merge_options :
+        As in :class:`DiLoCo`.
+    orthogonalize, weighting, client_sends, max_update_norm, max_norm_ratio,
+    max_weight_ratio, max_empty_rounds, dtype_policy, seed, upload_codec, codec_options,
+    error_feedback :
+        As in :class:`DiLoCo`.
     """
 
     RUN_CONFIG_DEFAULTS = {**ISOLOCO_RUN_CONFIG, "fast": False}
@@ -23,23 +59,105 @@ class IsoLoCo(DiLoCo):
     def __init__(
         self,
         *,
-        merge: Any = None,
+        preset: str = "dropin",
         fast: bool = False,
-        outer_lr: float = 1.8,
-        outer_momentum: float = 0.8,
-        **kwargs: Any,
+        fraction_train: float = 1.0,
+        fraction_evaluate: float = 1.0,
+        min_train_nodes: int = 2,
+        min_evaluate_nodes: int = 2,
+        min_available_nodes: int = 2,
+        weighted_by_key: str = "num-examples",
+        arrayrecord_key: str = "arrays",
+        configrecord_key: str = "config",
+        train_metrics_aggr_fn: Callable[[list[RecordDict], str], MetricRecord] | None = None,
+        evaluate_metrics_aggr_fn: Callable[[list[RecordDict], str], MetricRecord] | None = None,
+        merge: Any = None,
+        merge_options: Mapping[str, Any] | None = None,
+        outer_lr: float | None = None,
+        outer_momentum: float | None = None,
+        nesterov: bool | None = None,
+        orthogonalize: str = "gradient",
+        weighting: str = "examples",
+        client_sends: str = "weights",
+        max_update_norm: float | None = None,
+        max_norm_ratio: float | None = None,
+        max_weight_ratio: float | None = DEFAULT_MAX_WEIGHT_RATIO,
+        max_empty_rounds: int = 3,
+        dtype_policy: str = "cast",
+        seed: int = 0,
+        upload_codec: str | None = None,
+        codec_options: Mapping[str, Any] | None = None,
+        error_feedback: bool = True,
     ) -> None:
+        p = resolve_preset(preset)
         if merge is None:
-            merge = "iso_c_ns" if fast else "iso_c"
+            # iso_c_ns and orthogonalize="update" take the exact-SVD rule's Newton-Schulz /
+            # update form; neither has a range-restricted variant (iso_c_ns needs none)
+            merge = "iso_c_ns" if fast else "iso_c" if orthogonalize == "update" else p.merge
         elif fast:
             raise ValueError("give either merge= or fast=True, not both")
         self.fast = fast
-        super().__init__(merge=merge, outer_lr=outer_lr, outer_momentum=outer_momentum, **kwargs)
+        self.preset = preset
+        super().__init__(
+            fraction_train=fraction_train,
+            fraction_evaluate=fraction_evaluate,
+            min_train_nodes=min_train_nodes,
+            min_evaluate_nodes=min_evaluate_nodes,
+            min_available_nodes=min_available_nodes,
+            weighted_by_key=weighted_by_key,
+            arrayrecord_key=arrayrecord_key,
+            configrecord_key=configrecord_key,
+            train_metrics_aggr_fn=train_metrics_aggr_fn,
+            evaluate_metrics_aggr_fn=evaluate_metrics_aggr_fn,
+            merge=merge,
+            merge_options=merge_options,
+            outer_lr=p.outer_lr if outer_lr is None else outer_lr,
+            outer_momentum=p.outer_momentum if outer_momentum is None else outer_momentum,
+            nesterov=p.nesterov if nesterov is None else nesterov,
+            orthogonalize=orthogonalize,
+            weighting=weighting,
+            client_sends=client_sends,
+            max_update_norm=max_update_norm,
+            max_norm_ratio=max_norm_ratio,
+            max_weight_ratio=max_weight_ratio,
+            max_empty_rounds=max_empty_rounds,
+            dtype_policy=dtype_policy,
+            seed=seed,
+            upload_codec=upload_codec,
+            codec_options=codec_options,
+            error_feedback=error_feedback,
+        )
+        self._warn_if_beyond_limit()
+
+    def _warn_if_beyond_limit(self) -> None:
+        """One warning when ``outer_lr`` is stable only for a contraction ``c < 1``."""
+        o = self.outer
+        limit = nesterov_step_limit(o.momentum, o.nesterov)
+        if o.lr > limit:
+            log(
+                WARNING,
+                "IsoLoCo: outer_lr=%g with momentum %g is stable only while local training "
+                "moves a node less than %.0f%% of the way to its optimum per round (lr*c < %.3f, "
+                "docs/algorithms.md 3.1); the paper tuned it for LLaMA + AdamW. Where local "
+                "training converges within a round (SGD apps) it diverges: use the default "
+                "preset 'dropin'.",
+                o.lr,
+                o.momentum,
+                100 * min(1.0, limit / o.lr),
+                limit,
+            )
 
     @classmethod
     def _extra_from_config(cls, c: Mapping[str, Any]) -> dict[str, Any]:
+        """``strategy.preset``; ``outer-lr`` / ``outer-momentum`` at -1 take the preset's."""
+        extra: dict[str, Any] = {"preset": c.get("preset", "dropin")}
+        if c["merge"] == "":
+            extra["merge"] = None
+        for key, arg in (("outer-lr", "outer_lr"), ("outer-momentum", "outer_momentum")):
+            if c[key] == -1:
+                extra[arg] = None
         if c.get("fast"):
-            if c["merge"] not in ("iso_c", "iso_c_ns"):
+            if c["merge"] not in ("", "iso_c", "iso_c_ns"):
                 raise ValueError("strategy.fast=true needs strategy.merge 'iso_c' (the default)")
-            return {"merge": None, "fast": True}
-        return {}
+            extra.update(merge=None, fast=True)
+        return extra

@@ -1,0 +1,348 @@
+"""IsoLoCo as a drop-in for FedAvg: why the paper's update diverges in a small app, and the sweep.
+
+Runs ``examples/digits`` (small CNN on sklearn's 8x8 digits, SGD inner steps, 4 nodes) in-process
+on the fake grid (``tests/fakegrid.py``; same weights as Ray) with each strategy variant, and
+records per round and per tensor (``--diagnose``):
+
+- ``theta``: ``||theta||_F`` after the round; ``mean``: ``||g||_F`` of the weighted mean
+  pseudo-gradient ``g = sum_i w_i (theta - theta_i)``; ``step``: ``||theta_old - theta_new||_F``;
+  ``ratio``: step / mean (FedAvg: 1);
+- for 2-D tensors, ``s_max``, ``s_min`` and ``s_mean`` of ``g``'s singular values: Iso-C sets
+  every singular value to ``s_mean``, so it multiplies the direction of ``s_min`` by
+  ``gain = s_mean / s_min``;
+  and ``rank``, its numerical rank (of ``r = min(m, n)``): the ``r - rank`` null directions
+  are the ones Iso-C moves by ``s_mean`` although the data does not determine them;
+- ``echo``: ``||g_r|| / ||step_{r-1}||``, how far the clients push back against the last
+  outer step (about ``c x`` the overshoot; > 1 once the outer step overshoots).
+
+The sweep (``--sweep``) runs FedAvg, DiLoCo(), IsoLoCo() and IsoLoCo(preset="isoloco-paper")
+for seeds 0-2 on IID and Dirichlet(0.5) shards and writes final test accuracies; ``--extra``
+adds an MLP on the same data. ``--quick``: 1 seed, fewer rounds. Results:
+``benchmarks/results/isoloco_dropin.json``.
+
+    PYTHONPATH=. .venv/bin/python benchmarks/isoloco_dropin.py --diagnose --sweep [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "examples" / "digits"))
+sys.path.insert(0, str(REPO / "tests"))
+
+from flwr.app import ArrayRecord, Context, RecordDict  # noqa: E402
+from flwr.common.logger import FLOWER_LOGGER  # noqa: E402
+from flwr.serverapp.strategy import FedAvg  # noqa: E402
+
+from flwr_isoloco.merging.iso_range import iso_c_range, numerical_rank  # noqa: E402
+from flwr_isoloco.merging.rules import MergeRule, _streaming  # noqa: E402
+from flwr_isoloco.strategies import DiLoCo, IsoLoCo  # noqa: E402
+
+OUT = REPO / "benchmarks" / "results" / "isoloco_dropin.json"
+
+
+def _paper(**kw):
+    return IsoLoCo(preset="isoloco-paper", **kw)
+
+
+def _pattern_only(names: list[str]) -> str:
+    return "^(" + "|".join(n.replace(".", r"\.") for n in names) + ")$"
+
+
+RANGE_RULE = MergeRule("iso_c_range", _streaming(iso_c_range), iso_c_range)
+"""Iso-C on the numerical range at Iso-C's own scale (not registered: a diagnosis step)."""
+
+# name -> factory; the diagnosis variants isolate one factor each
+DIAGNOSIS: dict[str, Callable[[], object]] = {
+    "FedAvg": lambda: FedAvg(),
+    "DiLoCo()": lambda: DiLoCo(),
+    "DiLoCo(lr=1.8, mu=0.8)": lambda: DiLoCo(outer_lr=1.8, outer_momentum=0.8),
+    "paper": lambda: _paper(),
+    "paper, mu=0": lambda: _paper(outer_momentum=0.0),
+    "paper, Iso-C on fc1 only": lambda: _paper(
+        merge_options={"spectral_pattern": _pattern_only(["fc1.weight"])}
+    ),
+    "Iso-C, lr=0.7, mu=0.9": lambda: _paper(outer_lr=0.7, outer_momentum=0.9),
+    "Iso-C on the range, lr=0.7, mu=0.9": lambda: _paper(
+        merge=RANGE_RULE, outer_lr=0.7, outer_momentum=0.9
+    ),
+    "paper lr/mu, iso_c_matched": lambda: _paper(merge="iso_c_matched"),
+    "IsoLoCo()": lambda: IsoLoCo(),
+}
+SWEEP: dict[str, Callable[[], object]] = {
+    "FedAvg": lambda: FedAvg(),
+    "DiLoCo()": lambda: DiLoCo(),
+    "IsoLoCo()": lambda: IsoLoCo(),
+    "IsoLoCo(preset='isoloco-paper')": lambda: _paper(),
+}
+
+
+def _sd(arrays: ArrayRecord) -> dict[str, torch.Tensor]:
+    return {k: v.float() for k, v in arrays.to_torch_state_dict().items()}
+
+
+class Recorder:
+    """Wraps a strategy's configure_train / aggregate_train to record the per-tensor numbers."""
+
+    def __init__(self, strategy) -> None:
+        self.rounds: list[dict] = []
+        self._theta: dict[str, torch.Tensor] = {}
+        self._last_step: dict[str, float] = {}
+        conf, agg = strategy.configure_train, strategy.aggregate_train
+
+        def configure_train(server_round, arrays, config, grid):
+            self._theta = _sd(arrays)
+            return conf(server_round, arrays, config, grid)
+
+        def aggregate_train(server_round, replies):
+            replies = list(replies)
+            g = self._mean_delta(replies)
+            new, metrics = agg(server_round, replies)
+            if new is not None and g:
+                self.rounds.append(self._stats(g, _sd(new)))
+            return new, metrics
+
+        strategy.configure_train, strategy.aggregate_train = configure_train, aggregate_train
+
+    def _mean_delta(self, replies) -> dict[str, torch.Tensor]:
+        ok = [m for m in replies if not m.has_error()]
+        if not ok:
+            return {}
+        w = [float(m.content["metrics"]["num-examples"]) for m in ok]
+        tot = sum(w)
+        g = {k: torch.zeros_like(v) for k, v in self._theta.items()}
+        for m, wi in zip(ok, w, strict=True):
+            sd = _sd(m.content["arrays"])
+            for k in g:
+                g[k] += (wi / tot) * (self._theta[k] - sd[k])
+        return g
+
+    def _stats(self, g: dict[str, torch.Tensor], new: dict[str, torch.Tensor]) -> dict:
+        out = {}
+        for k, gk in g.items():
+            step = float((self._theta[k] - new[k]).norm())
+            mean = float(gk.norm())
+            row = {
+                "theta": float(new[k].norm()),
+                "mean": mean,
+                "step": step,
+                "ratio": step / mean if mean > 0 else 0.0,
+                "echo": mean / self._last_step[k] if self._last_step.get(k) else 0.0,
+            }
+            if gk.ndim == 2:
+                s = torch.linalg.svdvals(gk.double())
+                row.update(
+                    s_max=float(s[0]),
+                    s_min=float(s[-1]),
+                    s_mean=float(s.mean()),
+                    gain=float(s.mean() / s[-1]) if s[-1] > 0 else math.inf,
+                    rank=numerical_rank(
+                        torch.linalg.svdvals(gk), tuple(gk.shape)
+                    ),  # fp32, as the rule
+                    r=int(s.numel()),
+                )
+            self._last_step[k] = step
+            out[k] = row
+        return out
+
+
+def run_digits(
+    factory: Callable[[], object],
+    partitioner: str,
+    seed: int,
+    rounds: int,
+    record: bool = False,
+    model: str = "cnn",
+) -> dict:
+    """One federation of the digits app; final accuracy, accuracy per round, records."""
+    from digits import client_app, server_app
+    from fakegrid import FakeGrid
+
+    rc = {
+        "num-server-rounds": rounds,
+        "partitioner": partitioner,
+        "partition-seed": seed,
+        "model-seed": seed,
+        "model": model,
+        "output-dir": "",
+    }
+    strategy = factory()
+    if hasattr(strategy, "seed"):
+        strategy.seed = seed
+    rec = Recorder(strategy) if record else None
+    grid = FakeGrid(client_app.app, num_nodes=4, run_config=rc)
+    ctx = Context(run_id=1, node_id=1, node_config={}, state=RecordDict(), run_config=rc)
+    acc = server_app.run_federation(grid, ctx, strategy)
+    result = server_app.LAST["result"]
+    loss = {r: float(m["loss"]) for r, m in result.evaluate_metrics_serverapp.items()}
+    out = {"final": acc[max(acc)], "accuracy": acc, "loss": loss}
+    if rec is not None:
+        out["rounds"] = rec.rounds
+    return out
+
+
+def diagnose(rounds: int, partitioner: str = "iid", seed: int = 0) -> dict:
+    res = {}
+    for name, factory in DIAGNOSIS.items():
+        t0 = time.perf_counter()
+        res[name] = run_digits(factory, partitioner, seed, rounds, record=True)
+        print(
+            f"[diagnose] {name}: final acc {res[name]['final']:.3f} "
+            f"({time.perf_counter() - t0:.0f} s)",
+            flush=True,
+        )
+    return res
+
+
+def lr_scan(rounds: int, seed: int = 0) -> dict:
+    """Mean vs iso_c at mu = 0.8 and lr 1.0..1.6: where the outer step stops being stable."""
+    res: dict = {}
+    for part in ("iid", "dirichlet"):
+        for lr in (1.0, 1.2, 1.4, 1.6):
+            for merge in ("mean", "iso_c"):
+                r = run_digits(
+                    lambda lr=lr, merge=merge: DiLoCo(merge=merge, outer_lr=lr, outer_momentum=0.8),
+                    part,
+                    seed,
+                    rounds,
+                )
+                cell = {"final": r["final"], "max_loss": max(r["loss"].values())}
+                res.setdefault(part, {}).setdefault(merge, {})[str(lr)] = cell
+                print(f"[scan] {part} {merge} lr {lr} mu 0.8: {cell}", flush=True)
+    return res
+
+
+def sweep(
+    rounds: int, seeds: list[int], model: str = "cnn", parts: tuple[str, ...] = ("iid", "dirichlet")
+) -> dict:
+    res: dict = {}
+    for part in parts:
+        for seed in seeds:
+            for name, factory in SWEEP.items():
+                r = run_digits(factory, part, seed, rounds, model=model)
+                res.setdefault(part, {}).setdefault(name, {})[str(seed)] = r["final"]
+                print(f"[sweep {model}] {part} seed {seed} {name}: {r['final']:.3f}", flush=True)
+    return res
+
+
+LM_VARIANTS = {
+    "FedAvg": {"strategy.name": "fedavg"},
+    "IsoLoCo() (dropin preset)": {"strategy.name": "isoloco"},
+    "IsoLoCo(preset='isoloco-paper')": {
+        "strategy.name": "isoloco",
+        "strategy.merge": "iso_c",
+        "strategy.outer-lr": 1.8,
+        "strategy.outer-momentum": 0.8,
+    },
+}
+
+
+def lm_case(rounds: int, out_dir: Path, only: list[str] | None = None) -> dict:
+    """The LM app (simulations/isoloco_lm, its pyproject defaults: 4 nodes, tiny LLaMA, AdamW
+    inner steps) in-process on the fake grid; final validation loss per strategy. The paper
+    preset is given by its values (the app's run config has no preset key)."""
+    sys.path.insert(0, str(REPO / "simulations" / "isoloco_lm"))
+    from fakegrid import FakeGrid
+    from isoloco_lm import client_app, server_app
+
+    res = {}
+    for name, keys in LM_VARIANTS.items():
+        if only and not any(name.startswith(o) for o in only):
+            continue
+        t0 = time.perf_counter()
+        rc = {"num-server-rounds": rounds, "output-dir": str(out_dir / name.split("(")[0]), **keys}
+        grid = FakeGrid({"train": client_app.train}, num_nodes=4, run_config=rc)
+        out = server_app.run_server(grid, rc, settle_s=0.0)
+        rows = json.loads((out / "results.json").read_text())["rounds"]
+        losses = [float(r["val-loss"]) for r in rows]
+        res[name] = {"final": losses[-1], "val-loss": losses}
+        print(
+            f"[lm] {name}: val-loss {[round(x, 3) for x in losses]} "
+            f"({time.perf_counter() - t0:.0f} s)",
+            flush=True,
+        )
+    return res
+
+
+def check(res: dict, tol: float = 0.01) -> list[str]:
+    """Cells where IsoLoCo() < FedAvg - tol (seed-paired)."""
+    bad = []
+    for part, cells in res.items():
+        for seed, fed in cells["FedAvg"].items():
+            iso = cells["IsoLoCo()"][seed]
+            if iso < fed - tol:
+                bad.append(f"{part} seed {seed}: IsoLoCo() {iso:.3f} < FedAvg {fed:.3f} - {tol}")
+    return bad
+
+
+def table(res: dict) -> str:
+    """Markdown: one row per strategy, one column per (shard, seed) cell, final test accuracy."""
+    cells = [
+        (p, seed) for p in ("iid", "dirichlet") if p in res for seed in sorted(res[p]["FedAvg"])
+    ]
+    head = "| strategy | " + " | ".join(f"{p} s{seed}" for p, seed in cells) + " |"
+    rows = [head, "|---" * (len(cells) + 1) + "|"]
+    for name in [n for n in SWEEP if n in res[cells[0][0]]]:
+        vals = " | ".join(f"{res[p][name][seed]:.3f}" for p, seed in cells)
+        rows.append(f"| {name} | {vals} |")
+    return "\n".join(rows)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--diagnose", action="store_true")
+    ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--scan", action="store_true", help="outer lr scan at mu = 0.8")
+    ap.add_argument("--extra", action="store_true", help="also the MLP sweep")
+    ap.add_argument("--lm", action="store_true", help="the LM app in-process, 3 strategies")
+    ap.add_argument("--lm-only", nargs="*", help="LM variants whose name starts with these")
+    ap.add_argument("--quick", action="store_true", help="1 seed, 6 rounds")
+    ap.add_argument("--rounds", type=int, default=10)
+    ap.add_argument("--parts", nargs="+", default=["iid", "dirichlet"], help="shardings to sweep")
+    ap.add_argument("--out", type=Path, default=OUT)
+    ap.add_argument("--table", action="store_true", help="print the sweeps in --out as markdown")
+    args = ap.parse_args()
+    if args.table:
+        saved = json.loads(args.out.read_text())
+        for key in ("sweep", "sweep_mlp"):
+            if key in saved:
+                print(f"{key}:\n{table(saved[key])}\n")
+        return
+    torch.set_num_threads(1)
+    FLOWER_LOGGER.setLevel(logging.WARNING)
+    rounds = 6 if args.quick else args.rounds
+    seeds = [0] if args.quick else [0, 1, 2]
+    out: dict = json.loads(args.out.read_text()) if args.out.exists() else {}
+    out["config"] = {"rounds": rounds, "seeds": seeds, "nodes": 4, "app": "examples/digits"}
+    if args.diagnose:
+        out["diagnosis"] = diagnose(rounds)
+    if args.scan:
+        out["lr_scan"] = lr_scan(rounds)
+    if args.sweep:
+        out["sweep"] = sweep(rounds, seeds, parts=tuple(args.parts))
+        out["sweep_failures"] = check(out["sweep"])
+    if args.extra:
+        out["sweep_mlp"] = sweep(rounds, seeds, model="mlp", parts=tuple(args.parts))
+        out["sweep_mlp_failures"] = check(out["sweep_mlp"])
+    if args.lm:
+        import tempfile
+
+        with tempfile.TemporaryDirectory() as tmp:
+            out["lm"] = {**out.get("lm", {}), **lm_case(args.rounds, Path(tmp), args.lm_only)}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(out, indent=1, sort_keys=True) + "\n")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

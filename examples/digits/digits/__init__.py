@@ -1,0 +1,1 @@
+"""A quickstart-pytorch-style Flower app: a small CNN on sklearn's 8x8 digits, SGD inner steps."""

@@ -1,0 +1,88 @@
+"""iso_c_range / iso_c_matched (the drop-in preset's merge): Iso-C on the numerical range of
+the mean, and that at the mean's Frobenius norm.
+
+Checked against an independent float64 numpy computation, against iso_c on full-rank input,
+and on the property that motivates it: a direction with no signal (a dead unit's zero row)
+gets no update, where iso_c moves it by mean(s)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from flwr_isoloco.merging import MERGE_RULES, StreamingMerger, iso_c, merge
+from flwr_isoloco.merging.iso_range import iso_c_matched, iso_c_range, numerical_rank
+
+
+def _rank_deficient(m=10, n=64, rank=4, seed=0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(m, rank, generator=g, dtype=torch.float64) @ torch.randn(
+        rank, n, generator=g, dtype=torch.float64
+    )
+
+
+def _numpy_reference(x: np.ndarray) -> np.ndarray:
+    u, s, vh = np.linalg.svd(x, full_matrices=False)
+    k = np.linalg.matrix_rank(x)  # numpy's tolerance: s_max * max(m, n) * eps
+    return s[:k].mean() * (u[:, :k] @ vh[:k])
+
+
+@pytest.mark.parametrize("rank", [1, 4, 10])
+def test_matches_an_independent_numpy_computation(rank):
+    x = _rank_deficient(rank=rank)
+    out = iso_c_range(x)
+    assert numerical_rank(torch.linalg.svdvals(x), tuple(x.shape)) == rank
+    np.testing.assert_allclose(out.numpy(), _numpy_reference(x.numpy()), rtol=1e-9, atol=1e-12)
+
+
+def test_full_rank_is_exactly_iso_c():
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(12, 7, generator=g)
+    assert torch.equal(iso_c_range(x), iso_c(x))
+
+
+def test_dead_unit_gets_no_update_where_iso_c_moves_it():
+    x = _rank_deficient(m=8, n=16, rank=8).float()
+    x[3] = 0.0  # a dead unit: its row of the pseudo-gradient is zero
+    assert float(iso_c(x)[3].norm()) > 0.1 * float(iso_c(x).norm()) / 8**0.5
+    assert float(iso_c_range(x)[3].abs().max()) < 1e-6 * float(x.abs().max())
+
+
+def test_zero_scale_and_norm_bound():
+    assert torch.equal(iso_c_range(torch.zeros(4, 5)), torch.zeros(4, 5))
+    x = _rank_deficient(rank=3)
+    assert torch.allclose(iso_c_range(2.5 * x), 2.5 * iso_c_range(x), rtol=1e-10, atol=1e-12)
+    assert float(iso_c_range(x).norm()) <= float(x.norm()) * (1 + 1e-12)
+    with pytest.raises(ValueError, match="2-D"):
+        iso_c_range(torch.ones(3))
+
+
+@pytest.mark.parametrize("rank", [2, 10])
+def test_matched_is_the_range_direction_at_the_means_frobenius_norm(rank):
+    x = _rank_deficient(rank=rank)
+    out = iso_c_matched(x)
+    ref = _numpy_reference(x.numpy())
+    ref *= np.linalg.norm(x.numpy()) / np.linalg.norm(ref)
+    np.testing.assert_allclose(out.numpy(), ref, rtol=1e-9, atol=1e-12)
+    assert float(out.norm()) == pytest.approx(float(x.norm()), rel=1e-12)
+    assert float(torch.linalg.matrix_norm(out, 2)) <= float(torch.linalg.matrix_norm(x, 2))
+    assert torch.equal(iso_c_matched(torch.zeros(3, 4)), torch.zeros(3, 4))
+
+
+def test_registered_rule_streams_and_leaves_1d_tensors_to_the_mean():
+    rule = MERGE_RULES["iso_c_matched"]
+    assert rule.streaming
+    g = torch.Generator().manual_seed(1)
+    deltas = [
+        {"w": _rank_deficient(rank=2, seed=i).float(), "b": torch.randn(5, generator=g)}
+        for i in range(3)
+    ]
+    out = merge("iso_c_matched", deltas)
+    mean_w = sum(d["w"] for d in deltas) / 3
+    assert torch.allclose(out["w"], iso_c_matched(mean_w), atol=1e-5)
+    assert torch.allclose(out["b"], sum(d["b"] for d in deltas) / 3, atol=1e-6)
+    sm = StreamingMerger("iso_c_matched")
+    for d in deltas:
+        sm.add(d, 1.0)
+    assert torch.allclose(sm.result()["w"], out["w"], atol=1e-5)

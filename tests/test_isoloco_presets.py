@@ -1,0 +1,175 @@
+"""IsoLoCo's presets and signature (issue 17): the default preset is the drop-in one, the paper
+preset is bitwise the update IsoLoCo had before presets, explicit arguments override a preset,
+``strategy.preset`` works from a run config, and ``IsoLoCo`` spells out DiLoCo's signature."""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+import torch
+from fakegrid import FakeGrid
+from flwr.app import ArrayRecord, Message, MetricRecord, RecordDict
+
+from flwr_isoloco.outer import ISOLOCO_PRESETS, nesterov_step_limit, resolve_preset
+from flwr_isoloco.strategies import DiLoCo, IsoLoCo
+
+torch.set_num_threads(1)
+
+
+def _model() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return {
+        "w1": torch.randn(6, 5, generator=g),
+        "w2": torch.randn(3, 6, generator=g),
+        "b": torch.randn(3, generator=g),
+    }
+
+
+def _train(msg: Message, context) -> Message:
+    """A deterministic 'local training': theta_i = theta - 0.1 * (theta - target_i)^3-ish."""
+    pid = int(context.node_config["partition-id"])
+    sd = msg.content["arrays"].to_torch_state_dict()
+    g = torch.Generator().manual_seed(100 + pid + int(msg.content["config"]["server-round"]))
+    new = {k: v - 0.3 * (v - torch.randn(v.shape, generator=g)) for k, v in sd.items()}
+    content = RecordDict(
+        {"arrays": ArrayRecord(new), "metrics": MetricRecord({"num-examples": 10 + pid})}
+    )
+    return Message(content=content, reply_to=msg)
+
+
+def _run(strategy, rounds: int = 4) -> dict[str, torch.Tensor]:
+    grid = FakeGrid({"train": _train}, num_nodes=3)
+    strategy.fraction_evaluate = 0.0
+    res = strategy.start(grid=grid, initial_arrays=ArrayRecord(_model()), num_rounds=rounds)
+    return res.arrays.to_torch_state_dict()
+
+
+def test_paper_preset_is_bitwise_the_old_isoloco():
+    """The update before presets was DiLoCo(merge="iso_c", outer_lr=1.8, outer_momentum=0.8,
+    nesterov=True) (IsoLoCo's old constructor passed exactly these)."""
+    old = _run(DiLoCo(merge="iso_c", outer_lr=1.8, outer_momentum=0.8, nesterov=True))
+    paper = _run(IsoLoCo(preset="isoloco-paper"))
+    explicit = _run(
+        IsoLoCo(merge="iso_c", outer_lr=1.8, outer_momentum=0.8, nesterov=True)
+    )  # the default preset with every value it sets given explicitly
+    for k in old:
+        assert torch.equal(paper[k], old[k]), k
+        assert torch.equal(explicit[k], old[k]), k
+    assert IsoLoCo(preset="isoloco-paper").merge_options == {}
+
+
+def test_default_preset_differs_from_paper_as_documented():
+    d, p = IsoLoCo(), IsoLoCo(preset="isoloco-paper")
+    assert d.preset == "dropin" and p.preset == "isoloco-paper"
+    assert (p.outer.lr, p.outer.momentum, p.outer.nesterov) == (1.8, 0.8, True)
+    drop = ISOLOCO_PRESETS["dropin"]
+    assert (d.outer.lr, d.outer.momentum, d.outer.nesterov) == (
+        drop.outer_lr,
+        drop.outer_momentum,
+        True,
+    )
+    assert (d.merge_name, p.merge_name) == ("iso_c_matched", "iso_c")
+    # the documented reason: the drop-in step is inside Nesterov's stability limit for a
+    # pseudo-gradient that local training fully contracts (c = 1); the paper's is not
+    assert drop.outer_lr < nesterov_step_limit(drop.outer_momentum, True)
+    assert 1.8 > nesterov_step_limit(0.8, True)
+    assert not torch.equal(_run(d)["w1"], _run(p)["w1"])
+
+
+def test_explicit_arguments_override_the_preset():
+    s = IsoLoCo(preset="isoloco-paper", outer_lr=0.5)
+    assert (s.outer.lr, s.outer.momentum) == (0.5, 0.8)
+    s = IsoLoCo(outer_momentum=0.0)
+    assert s.outer.momentum == 0.0 and not s.outer.nesterov
+    assert IsoLoCo(fast=True).merge_name == "iso_c_ns"
+    assert IsoLoCo(merge="mean").merge_name == "mean"
+    assert IsoLoCo(orthogonalize="update").merge_name == "iso_c"
+    assert IsoLoCo.from_run_config({"strategy.fast": True}).merge_name == "iso_c_ns"
+    assert IsoLoCo.from_run_config({"strategy.merge": "ties"}).merge_name == "ties"
+
+
+def test_unknown_preset_is_refused_naming_the_known_ones():
+    with pytest.raises(ValueError, match=r"unknown IsoLoCo preset 'paper'.*isoloco-paper"):
+        IsoLoCo(preset="paper")
+    with pytest.raises(ValueError):
+        resolve_preset(None)
+
+
+def test_preset_from_run_config():
+    d = IsoLoCo.from_run_config({})
+    assert (d.preset, d.merge_name, d.outer.lr, d.outer.momentum) == (
+        "dropin",
+        "iso_c_matched",
+        0.7,
+        0.9,
+    )
+    p = IsoLoCo.from_run_config({"strategy.preset": "isoloco-paper"})
+    assert (p.preset, p.merge_name, p.outer.lr, p.outer.momentum) == (
+        "isoloco-paper",
+        "iso_c",
+        1.8,
+        0.8,
+    )
+    o = IsoLoCo.from_run_config({"strategy.preset": "isoloco-paper", "strategy.outer-lr": 0.4})
+    assert (o.outer.lr, o.outer.momentum) == (0.4, 0.8)
+    s = IsoLoCo.from_section({"preset": "isoloco-paper"})
+    assert (s.outer.lr, s.outer.momentum) == (1.8, 0.8)
+    with pytest.raises(ValueError, match="strategy.preset"):
+        IsoLoCo.from_run_config({"strategy.preset": "fast"})
+    with pytest.raises(ValueError, match="strategy.outer-lr"):
+        IsoLoCo.from_run_config({"strategy.outer-lr": -0.5})
+
+
+def test_signature_spells_out_every_diloco_parameter():
+    """help(IsoLoCo) shows the arguments, not **kwargs; compared with DiLoCo's own signature so
+    a parameter added to DiLoCo later fails here until IsoLoCo has it too."""
+    iso = inspect.signature(IsoLoCo).parameters
+    dil = inspect.signature(DiLoCo).parameters
+    assert not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in iso.values())
+    missing = [name for name in dil if name not in iso]
+    assert not missing, f"IsoLoCo lacks DiLoCo's parameters {missing}"
+    assert {"preset", "fast"} <= set(iso)
+    assert all(p.kind is inspect.Parameter.KEYWORD_ONLY for p in iso.values())
+    preset_owned = {"merge", "merge_options", "outer_lr", "outer_momentum", "nesterov"}
+    for name, p in dil.items():
+        if name not in preset_owned:
+            assert iso[name].default == p.default, name
+    doc = inspect.getdoc(IsoLoCo)
+    for name in ("preset", "fast", "outer_lr", "max_weight_ratio", "upload_codec"):
+        assert name in doc, name
+
+
+def test_warning_when_the_outer_step_is_beyond_the_stability_limit(caplog):
+    import logging
+
+    with caplog.at_level(logging.WARNING):
+        IsoLoCo()
+        IsoLoCo(outer_lr=1.3, outer_momentum=0.9)  # limit 1.357: inside
+    assert not [r for r in caplog.records if "stable only while" in r.getMessage()]
+    with caplog.at_level(logging.WARNING):
+        IsoLoCo(preset="isoloco-paper")
+    msgs = [r.getMessage() for r in caplog.records if "stable only while" in r.getMessage()]
+    assert len(msgs) == 1 and "77%" in msgs[0] and "lr*c < 1.385" in msgs[0], msgs
+
+
+def test_step_limit_is_where_the_linear_recursion_stops_contracting():
+    """Independent check of nesterov_step_limit: iterate the outer step on g = c (theta - 0)
+    with OuterSGD itself, just below and just above a = lr c = limit."""
+    from flwr_isoloco.outer import OuterSGD
+
+    for mu, nesterov in ((0.8, True), (0.9, True), (0.5, False), (0.0, False)):
+        limit = nesterov_step_limit(mu, nesterov)
+        for a, grows in ((0.97 * limit, False), (1.03 * limit, True)):
+            opt = OuterSGD(a, mu, nesterov)  # c = 1, lr = a
+            theta = {"x": torch.tensor([1.0], dtype=torch.float64)}
+            for _ in range(3000):
+                theta = opt.step(theta, {"x": theta["x"].clone()})
+            assert (abs(float(theta["x"])) > 1.0) is grows, (mu, nesterov, a)
+
+
+def test_preset_key_is_isolocos_only():
+    """DiLoCo's section has no preset: its run config still builds, and refuses the key."""
+    assert DiLoCo.from_run_config({}).outer.lr == 0.7
+    with pytest.raises(ValueError, match="strategy.preset"):
+        DiLoCo.from_run_config({"strategy.preset": "dropin"})
