@@ -126,9 +126,11 @@ class OrderFreeMean:
     TwoSum, which loses nothing but the rounding of ``lo`` (about ``M * 2**-106`` of the sum).
     ``hi + lo`` is therefore the exact sum to ~106 bits in any order, and the fp32 result
     (``(hi + lo) / W``, ``W = fsum(w_i)``, rounded to fp32) is the same bits for every order
-    unless the exact sum lies within ~``2**-100`` of a rounding boundary. Powers of two scale
-    the weights (by the first weight's exponent) so a weight near the float64 maximum cannot
-    overflow the products; scaling by a power of two is exact, so it changes no bit.
+    unless the exact sum lies within ~``2**-100`` of a rounding boundary. The weights are scaled
+    by a power of two so that the largest seen so far is in [0.5, 1) (the accumulators are
+    rescaled when a larger one comes): a weight near the float64 maximum cannot overflow the
+    products, and scaling by a power of two is exact, so it changes no bit (unless weights
+    more than ~2**900 apart push the smaller terms into fp64's subnormal range).
 
     ``add(delta, weight)`` checks like :class:`StreamingMerger` (``ValueError`` naming the
     worker and key, accumulator untouched). ``result(rule, options)`` applies a streaming rule's
@@ -163,8 +165,16 @@ class OrderFreeMean:
         self.num_added += 1
         if w == 0:
             return
+        e = math.frexp(w)[1]
         if self._exp is None:
-            self._exp = math.frexp(w)[1]
+            self._exp = e
+        elif e > self._exp:  # keep every scaled weight <= 1: the products cannot overflow
+            shift = self._exp - e
+            for k in self._hi:
+                self._hi[k].mul_(math.ldexp(1.0, shift))
+                self._lo[k].mul_(math.ldexp(1.0, shift))
+            self._weights = [math.ldexp(x, shift) for x in self._weights]
+            self._exp = e
         ws = math.ldexp(w, -self._exp)
         self._weights.append(ws)
         c = _SPLIT * ws

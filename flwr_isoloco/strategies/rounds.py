@@ -108,7 +108,12 @@ class ReplyStream:
         quorum: float | int | None = None,
         grace_s: float = 0.0,
     ) -> RoundWait:
-        """Run one round's wait; ``on_reply(reply)`` for each reply of this round."""
+        """Run one round's wait; ``on_reply(reply)`` for each reply of this round.
+
+        Time is ``time.monotonic`` / ``time.sleep``, or the grid's ``time_source`` (an object
+        with ``monotonic()`` and ``sleep(s)``) when it has one: a test grid's virtual clock.
+        """
+        clock = getattr(grid, "time_source", None) or time
         for mid, (_, rnd) in list(self._stale.items()):
             if rnd < server_round - STALE_ROUNDS:
                 del self._stale[mid]  # a node that never answers is not pulled for ever
@@ -122,12 +127,12 @@ class ReplyStream:
         pending = list(node_of)
         wait = RoundWait(sent=len(pending))
         need = quorum_count(quorum, len(pending))
-        t0 = time.monotonic()
+        t0 = clock.monotonic()
         quorum_at = None if pending else t0
         while pending or self._stale:
             took = self._sweep(grid, pending, on_reply)
             wait.arrived += took
-            now = time.monotonic()
+            now = clock.monotonic()
             if quorum_at is None and wait.arrived >= need:
                 quorum_at = now
             if not pending:
@@ -137,8 +142,8 @@ class ReplyStream:
             if quorum_at is not None and now - quorum_at >= grace_s:
                 break
             if not took:
-                time.sleep(self.poll_s)
-        wait.wait_s = time.monotonic() - t0
+                clock.sleep(self.poll_s)
+        wait.wait_s = clock.monotonic() - t0
         for mid in pending:
             node = node_of[mid]
             wait.late.append(node)
