@@ -68,7 +68,11 @@ DILOCO_RUN_CONFIG: dict[str, Any] = {
     "codec-values": "fp32",
     "codec-min-dims": 2,
     "error-feedback": True,
+    "quorum": 1.0,
+    "grace-s": 0.0,
 }
+"""``quorum``: fraction of the sampled nodes in (0, 1] (1.0 = all) or a count >= 1; ``grace-s``:
+seconds to wait for the rest once the quorum is in (strategies/rounds.py)."""
 ISOLOCO_RUN_CONFIG: dict[str, Any] = {
     **DILOCO_RUN_CONFIG,
     "merge": "iso_c",
@@ -111,6 +115,8 @@ RUN_CONFIG_CHECKS: dict[str, Any] = {
     "codec-block-size": in_range(1, 1 << 20),
     "codec-min-dims": in_range(0, 8),
     "codec-fraction": in_range(0, 1, lo_open=True),
+    "quorum": in_range(0, 1 << 31, lo_open=True),
+    "grace-s": non_negative,
 }
 """Value checks per key (types come from the defaults); merge options are checked by the rule."""
 
@@ -179,6 +185,8 @@ def section_kwargs(c: Mapping[str, Any]) -> dict[str, Any]:
         upload_codec=c["upload-codec"],
         codec_options=codec_options(c),
         error_feedback=c["error-feedback"],
+        quorum=None if c["quorum"] == 1.0 and isinstance(c["quorum"], float) else c["quorum"],
+        grace_s=c["grace-s"],
     )
 
 
