@@ -20,6 +20,8 @@ def train(msg: Message, context: Context) -> Message:
     new = params + np.float32(0.125 * (pid + 1) * (-1) ** rnd)
     metrics = MetricRecord({"num-examples": 1 + pid})
     return Message(
-        RecordDict({"arrays": ArrayRecord([np.asarray(new, dtype=np.float32)]), "metrics": metrics}),
+        RecordDict(
+            {"arrays": ArrayRecord([np.asarray(new, dtype=np.float32)]), "metrics": metrics}
+        ),
         reply_to=msg,
     )
