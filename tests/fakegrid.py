@@ -16,7 +16,11 @@ Fault injection (per node id, see :meth:`FakeGrid.set_fault`):
 - a callable ``fn(reply: Message) -> Message``: the handler runs, then ``fn`` may corrupt
   (or replace) the reply.
 
-A fault applies for ``times`` messages (``None``: forever). Handler exceptions that are not
+A fault applies for ``times`` messages (``None``: forever).
+
+Slow nodes (:meth:`FakeGrid.set_delay`): the next ``times`` messages to a node are answered
+only at the ``pulls + 1``-th ``pull_messages`` call that asks for them (a straggler; the round
+driver's quorum and grace window see it late). ``FakeGrid.pulls`` counts pull calls per id. Handler exceptions that are not
 injected also become error replies (the run goes on, as in Flower).
 
 Usage::
@@ -122,6 +126,10 @@ class FakeGrid(Grid):
         self.log: list[SentRecord] = []
         self._faults: dict[int, _FaultSpec] = {}
         self._pending: dict[str, Message] = {}
+        self._delays: dict[int, list[int]] = {}  # node -> [pulls to withhold, messages left]
+        self._withheld: dict[str, int] = {}  # message id -> pulls still to withhold
+        self.pull_calls = 0
+        self.time_source = _VirtualClock(self)  # the round driver's clock (rounds.py)
         self._run = Run.create_empty(self.run_id)
 
     # ------------------------------------------------------------------ faults
@@ -133,6 +141,10 @@ class FakeGrid(Grid):
                 f"unknown fault {fault!r}; expected one of {_FAULT_NAMES} or a callable"
             )
         self._faults[nid] = _FaultSpec(fault, times)
+
+    def set_delay(self, node: int, pulls: int, times: int = 1) -> None:
+        """Answer the next ``times`` messages to ``node`` only after ``pulls`` pulls of each."""
+        self._delays[self._resolve(node)] = [int(pulls), int(times)]
 
     def clear_faults(self) -> None:
         """Remove every injected fault."""
@@ -184,11 +196,19 @@ class FakeGrid(Grid):
                 raise ValueError(f"message to unknown node {msg.metadata.dst_node_id}")
             self._pending[msg.metadata.message_id] = msg
             ids.append(msg.metadata.message_id)
+            delay = self._delays.get(msg.metadata.dst_node_id)
+            if delay is not None and delay[1] > 0:
+                self._withheld[msg.metadata.message_id] = delay[0]
+                delay[1] -= 1
         return ids
 
     def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:
         replies = []
+        self.pull_calls += 1
         for mid in list(message_ids):
+            if self._withheld.get(mid, 0) > 0:
+                self._withheld[mid] -= 1
+                continue
             msg = self._pending.pop(mid, None)
             if msg is None:
                 continue
@@ -252,6 +272,22 @@ class FakeGrid(Grid):
         else:
             self.log.append(SentRecord(nid, mtype, group, "ok"))
         return reply
+
+
+class _VirtualClock:
+    """Virtual time for the round driver: ``sleep`` advances it at once; when no withheld
+    reply is left (nothing more can arrive) it jumps 10**9 s ahead, so a round waiting for a
+    reply that never comes ends at its timeout without waiting for real."""
+
+    def __init__(self, grid: FakeGrid) -> None:
+        self.grid, self.now = grid, 0.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        withheld = any(n > 0 for mid, n in self.grid._withheld.items() if mid in self.grid._pending)
+        self.now += seconds if withheld else 1e9
 
 
 def _superlink_error_reply(msg: Message) -> Message:

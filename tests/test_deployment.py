@@ -329,3 +329,26 @@ def test_rwlora_token_survives_a_supernode_sigkill(deployment, tmp_path):
             print("rwlora no-kill:                              ", OUTCOMES["rwlora"])
     finally:
         _restore_all_nodes(deployment)
+
+
+# ---------------------------------------------------------------- quorum + grace window
+QUORUM_APP = REPO / "tests" / "deploy_quorum_app"
+
+
+def test_quorum_and_grace_window_over_tls(tmp_path):
+    """3 SuperNodes, partition 2 sleeps 6 s per message; quorum 2, grace 1 s, 5 rounds: every
+    round closes without it, its late replies are discarded, never merged (the model is the
+    2-node FedAvg)."""
+    out = tmp_path / "out"
+    with loopback_deployment(tmp_path / "dep", num_supernodes=3) as dep:
+        run = dep.run_app(QUORUM_APP, {"output-dir": str(out)}, 300)
+        assert run.status == "finished:completed", run.output + run.logs + dep.diagnostics()
+    results = json.loads((out / "results.json").read_text())
+    for r in ("1", "2", "3", "4", "5"):
+        m = results["train_metrics"][r]
+        assert (m["replies-used"], m["replies-late"], m["replies-arrived"]) == (2, 1, 2), m
+    # partitions 0, 1 (weights 1, 2): theta_r = theta_{r-1} + mean_w(0.125 (p+1) (-1)^r)
+    step = (1 * 0.125 + 2 * 0.25) / 3
+    want = sum(step * (-1) ** r for r in range(1, 6))
+    assert results["final_params"] == pytest.approx([want, want], abs=1e-6)
+    assert results["discarded_rounds"], "the straggler's reply arrived in no later round"

@@ -295,7 +295,8 @@ def test_failing_merge_drops_the_reply_that_fails_alone(monkeypatch, caplog):
     real = diloco_mod.merge
 
     def picky(rule, deltas, weights=None, **opts):
-        if any(float(d["w"].abs().max()) > 50 for d in deltas):
+        # the round merges spilled deltas one tensor at a time: look at "w" when it is there
+        if any("w" in d and float(d["w"].abs().max()) > 50 for d in deltas):
             raise RuntimeError("SVD did not converge")
         return real(rule, deltas, weights, **opts)
 

@@ -11,6 +11,12 @@ owns the two rule-dependent pieces of the outer step: the DARE seed of a round,
 ``seed * 1_000_003 + round`` (so every round draws new, reproducible masks), and the
 orthogonalised-update transform ``u -> rule([u])`` used with ``orthogonalize="update"``.
 
+:class:`RoundFold` is the same merge fed one reply at a time, as replies arrive: a streaming
+rule folds each delta into an :class:`~.streaming.OrderFreeMean` (the result does not depend on
+the arrival order), any other rule (or a round whose weights or norms are only known at the
+end) spills each delta to a private :class:`~.spill.SpillStore` and merges tensor by tensor
+when the round closes. Server memory is one model copy plus ``O(M x largest tensor)``.
+
 A reply is any object with ``node_id``, ``update(theta) -> dict`` (its ``delta_i``) and
 ``release()`` (e.g. :class:`flwr_isoloco.strategies.common.CheckedReply`); this module imports
 no Flower.
@@ -25,10 +31,11 @@ import torch
 
 from .merge import merge
 from .rules import MERGE_RULES
-from .streaming import StreamingMerger
+from .spill import SpillStore
+from .streaming import OrderFreeMean, StreamingMerger
 from .validation import all_finite
 
-__all__ = ["DARE_SEED_STRIDE", "RoundMerge", "finite_or_raise"]
+__all__ = ["DARE_SEED_STRIDE", "RoundFold", "RoundMerge", "finite_or_raise"]
 
 DARE_SEED_STRIDE = 1_000_003
 """DARE's seed in round ``r`` is ``seed * DARE_SEED_STRIDE + r`` (a prime stride: no overlap)."""
@@ -153,3 +160,124 @@ class RoundMerge:
                 reject(r, f"merge of the round failed, model kept: {exc}")
             used[:] = []
             return None
+
+
+class RoundFold:
+    """One round's merge, fed reply by reply (module docstring).
+
+    ``add(reply, weight)`` takes the reply's delta (``reply.update(theta)``, float entries),
+    releases the reply's tensors and folds the delta (``weight`` is its merge weight) or spills
+    it (``weight`` may then be None: it is asked again at :meth:`finish`). ``spill=True``
+    forces spilling (weights or norms known only at the end). :meth:`finish` returns ``g``;
+    :meth:`close` removes the spill directory (:meth:`finish` calls it; use ``with``).
+    """
+
+    def __init__(
+        self,
+        merger: RoundMerge,
+        theta: Mapping[str, torch.Tensor],
+        server_round: int,
+        *,
+        spill: bool = False,
+        spill_dir: str | None = None,
+    ) -> None:
+        self.merger, self.theta, self.server_round = merger, theta, server_round
+        self.rule = merger.rule_for_g()
+        self.opts = {} if merger.orthogonalize == "update" else merger.round_options(server_round)
+        self.floats = [k for k, t in theta.items() if t.is_floating_point()]
+        self.spills = bool(spill) or not getattr(self.rule, "streaming", False)
+        self._acc = None if self.spills else OrderFreeMean()
+        self._store = SpillStore(spill_dir) if self.spills else None
+        self._entry: dict[int, int] = {}  # id(reply) -> spill entry
+        self.folded: list[Any] = []  # replies taken, in arrival order
+
+    def __enter__(self) -> RoundFold:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @property
+    def spill_bytes(self) -> int:
+        """Bytes written to the spill directory this round."""
+        return 0 if self._store is None else self._store.bytes_written
+
+    def add(self, reply: Any, weight: float | None = None) -> None:
+        """Fold or spill ``reply``'s delta; ``ValueError`` (nothing folded) for a bad delta."""
+        d = reply.update(self.theta)
+        reply.release()
+        delta = {k: d[k] for k in self.floats}
+        del d
+        if self._store is not None:
+            self._entry[id(reply)] = self._store.put(delta)
+        else:
+            assert self._acc is not None
+            self._acc.add(delta, 1.0 if weight is None else weight)
+        self.folded.append(reply)
+
+    def finish(
+        self,
+        keep: list[Any],
+        weight: Callable[[Any], float],
+        reject: Callable[[Any, str], None],
+        on_failure: Callable[[Exception], None] | None = None,
+    ) -> tuple[Tensors | None, list[Any]]:
+        """``(g, used)`` over the replies in ``keep`` (a subset of :attr:`folded`, in the order
+        where order matters: content-digest order). A failed merge of spilled deltas drops the
+        replies that fail alone (``reject(reply, reason)``) and merges the rest; a failed
+        streaming merge drops the round's replies (their deltas are folded already)."""
+        try:
+            if not keep:
+                return None, []
+            try:
+                return self._merge(keep, weight), list(keep)
+            except (ValueError, RuntimeError) as exc:
+                if on_failure is not None:
+                    on_failure(exc)
+                if self._store is None:
+                    for r in keep:
+                        reject(r, f"merge of the round failed, model kept: {exc}")
+                    return None, []
+            used = []
+            for r in keep:
+                try:
+                    self._merge([r], weight)
+                    used.append(r)
+                except (ValueError, RuntimeError) as exc:
+                    reject(r, f"merge fails on this reply: {exc}")
+            if not used:
+                return None, []
+            try:
+                return self._merge(used, weight), used
+            except (ValueError, RuntimeError) as exc:
+                for r in used:
+                    reject(r, f"merge of the round failed, model kept: {exc}")
+                return None, []
+        finally:
+            self.close()
+
+    def _merge(self, replies: list[Any], weight: Callable[[Any], float]) -> Tensors:
+        if self._store is None:
+            assert self._acc is not None
+            return finite_or_raise(self._acc.result(self.rule, **self.opts))
+        ws = [weight(r) for r in replies]
+        entries = [self._entry[id(r)] for r in replies]
+        out: Tensors = {}
+        for key in self.floats:
+            xs = [self._store.get(e, key) for e in entries]
+            if getattr(self.rule, "streaming", False):
+                acc = OrderFreeMean()
+                for x, w in zip(xs, ws, strict=True):
+                    acc.add({key: x}, w)
+                out[key] = acc.result(self.rule, **self.opts)[key]
+            else:
+                out[key] = merge(self.rule, [{key: x} for x in xs], ws, **self.opts)[key]
+            del xs
+        return finite_or_raise(out)
+
+    def close(self) -> None:
+        """Free the accumulator and remove the spill directory (idempotent)."""
+        if self._store is not None:
+            self._store.close()
+        if self._acc is not None:
+            self._acc.release()

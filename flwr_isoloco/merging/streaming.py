@@ -12,10 +12,15 @@ seen so far: with ``u_i = w_i / w_max`` and ``U_j = sum_{i<=j} u_i``, adding wor
 ``mean <- mean * (U_{j-1} / U_j) + d_j * (u_j / U_j)``; a new largest weight first rescales
 ``U <- U * w_max_old / w_max_new``. Both factors are in ``[0, 1]``, ``U <= M``, and nothing
 overflows for any finite weights.
+
+Arrival order. :class:`OrderFreeMean` is the accumulator of a server round that folds replies
+as they arrive: its result does not depend on the order of the ``add`` calls (module-level
+note at the class).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 
 import torch
@@ -23,7 +28,9 @@ import torch
 from .rules import MergeRule, check_options, resolve_rule, rule_applies, scaled_apply
 from .validation import check_delta, check_weight
 
-__all__ = ["StreamingMerger"]
+__all__ = ["OrderFreeMean", "StreamingMerger"]
+
+_SPLIT = 134217729.0  # 2**27 + 1: Dekker's split of a float64 into two 26-bit halves
 
 
 class StreamingMerger:
@@ -99,3 +106,110 @@ class StreamingMerger:
                 merged = mean.clone()
             out[k] = merged.to(self._dtypes[k])
         return out
+
+
+def _two_sum_into(hi: torch.Tensor, lo: torch.Tensor, t: torch.Tensor) -> None:
+    """``hi + lo <- hi + lo + t`` with Knuth's error-free TwoSum (fp64, in place)."""
+    s = hi + t
+    bp = s - hi
+    err = (hi - (s - bp)).add_(t - bp)
+    hi.copy_(s)
+    lo.add_(err)
+
+
+class OrderFreeMean:
+    """Weighted mean ``sum_i w_i d_i / sum_i w_i`` whose result is independent of arrival order.
+
+    Each tensor keeps a double-double accumulator ``hi + lo`` (two fp64 tensors). A weight is
+    split exactly as ``w = w_hi + w_lo`` (Dekker, 26 bits each), so ``w_hi * d`` and ``w_lo * d``
+    are exact in fp64 for an fp32 ``d`` (26 + 24 bits); each exact term enters ``hi + lo`` by
+    TwoSum, which loses nothing but the rounding of ``lo`` (about ``M * 2**-106`` of the sum).
+    ``hi + lo`` is therefore the exact sum to ~106 bits in any order, and the fp32 result
+    (``(hi + lo) / W``, ``W = fsum(w_i)``, rounded to fp32) is the same bits for every order
+    unless the exact sum lies within ~``2**-100`` of a rounding boundary. The weights are scaled
+    by a power of two so that the largest seen so far is in [0.5, 1) (the accumulators are
+    rescaled when a larger one comes): a weight near the float64 maximum cannot overflow the
+    products, and scaling by a power of two is exact, so it changes no bit (unless weights
+    more than ~2**900 apart push the smaller terms into fp64's subnormal range).
+
+    ``add(delta, weight)`` checks like :class:`StreamingMerger` (``ValueError`` naming the
+    worker and key, accumulator untouched). ``result(rule, options)`` applies a streaming rule's
+    transform to the mean (``mean``: none). Memory: 4 x the fp32 size of one delta.
+    """
+
+    def __init__(self) -> None:
+        self._hi: dict[str, torch.Tensor] = {}
+        self._lo: dict[str, torch.Tensor] = {}
+        self._shapes: dict[str, torch.Size] | None = None
+        self._dtypes: dict[str, torch.dtype] = {}
+        self._weights: list[float] = []  # scaled by 2**-_exp
+        self._exp: int | None = None
+        self.num_added = 0
+
+    @property
+    def total_weight(self) -> float:
+        """``sum_i w_i`` (correctly rounded, order-free)."""
+        return math.ldexp(math.fsum(self._weights), self._exp or 0)
+
+    def add(self, delta: Mapping[str, torch.Tensor], weight: float = 1.0) -> None:
+        """Fold ``delta`` with ``weight`` (checked first; a bad one raises ``ValueError``)."""
+        worker = self.num_added
+        w = check_weight(weight, worker)
+        check_delta(delta, worker, self._shapes)
+        if self._shapes is None:
+            self._shapes = {k: t.shape for k, t in delta.items()}
+            self._dtypes = {k: t.dtype for k, t in delta.items()}
+            for k, t in delta.items():
+                self._hi[k] = torch.zeros(t.shape, dtype=torch.float64)
+                self._lo[k] = torch.zeros(t.shape, dtype=torch.float64)
+        self.num_added += 1
+        if w == 0:
+            return
+        e = math.frexp(w)[1]
+        if self._exp is None:
+            self._exp = e
+        elif e > self._exp:  # keep every scaled weight <= 1: the products cannot overflow
+            shift = self._exp - e
+            for k in self._hi:
+                self._hi[k].mul_(math.ldexp(1.0, shift))
+                self._lo[k].mul_(math.ldexp(1.0, shift))
+            self._weights = [math.ldexp(x, shift) for x in self._weights]
+            self._exp = e
+        ws = math.ldexp(w, -self._exp)
+        self._weights.append(ws)
+        c = _SPLIT * ws
+        w_hi = c - (c - ws)
+        w_lo = ws - w_hi
+        for k, hi in self._hi.items():
+            d = delta[k].detach().to(device="cpu", dtype=torch.float64)
+            _two_sum_into(hi, self._lo[k], d * w_hi)
+            if w_lo:
+                _two_sum_into(hi, self._lo[k], d * w_lo)
+
+    def mean(self, key: str) -> torch.Tensor:
+        """The weighted mean of one tensor, in fp32 (fp64 for fp64 input)."""
+        total = math.fsum(self._weights)
+        out = (self._hi[key] + self._lo[key]).div_(total)
+        return out if self._dtypes[key] == torch.float64 else out.float()
+
+    def result(self, rule: str | MergeRule = "mean", **options) -> dict[str, torch.Tensor]:
+        """``transform(mean)`` per tensor (2-D tensors the rule applies to), else the mean."""
+        if self.num_added == 0:
+            raise ValueError("no deltas added: nothing to merge")
+        if not self._weights:
+            raise ValueError("weights are all zero")
+        rule = resolve_rule(rule)
+        if not rule.streaming:
+            raise ValueError(f"merge rule {rule.name!r} is not a function of the mean")
+        opts, pattern = check_options(rule, options)
+        out: dict[str, torch.Tensor] = {}
+        for k in list(self._hi):
+            mean = self.mean(k)
+            if rule.name != "mean" and rule_applies(k, mean, pattern):
+                mean = scaled_apply(lambda x: rule.transform(x[0], **opts), [mean])
+            out[k] = mean.to(self._dtypes[k])
+        return out
+
+    def release(self) -> None:
+        """Free the accumulators."""
+        self._hi, self._lo = {}, {}

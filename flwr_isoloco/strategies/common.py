@@ -84,11 +84,19 @@ class CheckedReply:
     arrayrecord_key: str = "arrays"
     dtypes: dict[str, torch.dtype] = field(default_factory=dict)
     update_norm: float = 0.0  # ||u_i||_2 (fp64), set when the reference model was known
+    digest: str = ""  # content_digest of the reply (set by ReplyValidator.check)
     _cache: dict[str, torch.Tensor] | None = field(default=None, repr=False)
 
     def release(self) -> None:
         """Drop the tensors decoded during validation (they are re-decoded on demand)."""
         self._cache = None
+
+    def strip(self) -> None:
+        """Drop the reply's arrays (its delta is folded or spilled); metrics and configs stay."""
+        self._cache = None
+        self.content = RecordDict(
+            {**dict(self.content.metric_records), **dict(self.content.config_records)}
+        )
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """The reply's arrays as torch tensors, cast to the expected dtypes."""
@@ -318,26 +326,9 @@ class ReplyValidator:
             return ledger.sender(msg) if ledger is not None else msg.metadata.src_node_id
 
         for msg in sorted(replies, key=lambda m: (content_digest(m), sender(m))):
-            node = sender(msg)
-            report.bytes_up += reply_nbytes(msg)
-            try:
-                result = self._check_one(msg, node, spec)
-            except Exception as exc:  # noqa: BLE001 - never let one reply kill the round
-                result = f"could not be read ({type(exc).__name__}: {exc})"
-            if isinstance(result, str):
-                self.reject(report, node, result)
+            result = self._check_full(msg, sender(msg), spec, expected, report)
+            if result is None:
                 continue
-            if expected is not None and self.require_arrays:
-                result.update_norm = tensor_norm(result.update(expected))
-                if not result.update_norm <= MAX_MERGEABLE_NORM:
-                    result.release()
-                    self.reject(
-                        report,
-                        node,
-                        f"update norm {result.update_norm:.3g} exceeds {MAX_MERGEABLE_NORM:.0e}, "
-                        "the largest an fp32 merge can represent",
-                    )
-                    continue
             if spec is None and self.require_arrays:
                 spec = {k: (tuple(v.shape), v.dtype) for k, v in result.tensors().items()}
             yield result
@@ -345,6 +336,70 @@ class ReplyValidator:
             for node in ledger.missing(replies):
                 report.missing += 1
                 log(WARNING, "%s: no reply from node %d (timeout)", self.what, node)
+
+    def check(
+        self,
+        msg: Message,
+        expected: Mapping[str, torch.Tensor] | None,
+        ledger: SentLedger | None,
+        report: ReplyReport,
+    ) -> CheckedReply | None:
+        """One reply as it arrives: the checked reply (its tensors decoded once and cached,
+        ``digest`` set), or None when it was dropped (named in the log and in ``report``).
+        ``max_update_norm`` is applied here; ``max_norm_ratio`` needs the round's other norms
+        (:meth:`norm_filter`). Never raises."""
+        node = ledger.sender(msg) if ledger is not None else msg.metadata.src_node_id
+        spec = (
+            None
+            if expected is None
+            else {k: (tuple(v.shape), v.dtype) for k, v in expected.items()}
+        )
+        result = self._check_full(msg, node, spec, expected, report)
+        if result is None:
+            return None
+        result.digest = content_digest(msg)
+        bound = self.max_update_norm
+        if bound is not None and expected is not None and result.update_norm > bound:
+            result.release()
+            self.reject(
+                report, node, f"update norm {result.update_norm:.4g} > max_update_norm {bound:.4g}"
+            )
+            return None
+        return result
+
+    def norm_filter(self, replies: list[CheckedReply], report: ReplyReport) -> list[CheckedReply]:
+        """The replies that pass the norm bounds (against each other's ``update_norm``)."""
+        return self._norm_filter([(r, r.update_norm) for r in replies], report)
+
+    def _check_full(
+        self,
+        msg: Message,
+        node: int,
+        spec: Mapping[str, tuple[tuple[int, ...], torch.dtype]] | None,
+        expected: Mapping[str, torch.Tensor] | None,
+        report: ReplyReport,
+    ) -> CheckedReply | None:
+        """Structure, values and the mergeable-norm limit of one reply (None: rejected)."""
+        report.bytes_up += reply_nbytes(msg)
+        try:
+            result = self._check_one(msg, node, spec)
+        except Exception as exc:  # noqa: BLE001 - never let one reply kill the round
+            result = f"could not be read ({type(exc).__name__}: {exc})"
+        if isinstance(result, str):
+            self.reject(report, node, result)
+            return None
+        if expected is not None and self.require_arrays:
+            result.update_norm = tensor_norm(result.update(expected))
+            if not result.update_norm <= MAX_MERGEABLE_NORM:
+                result.release()
+                self.reject(
+                    report,
+                    node,
+                    f"update norm {result.update_norm:.3g} exceeds {MAX_MERGEABLE_NORM:.0e}, "
+                    "the largest an fp32 merge can represent",
+                )
+                return None
+        return result
 
     def log_summary(self, report: ReplyReport, server_round: int | None = None) -> None:
         """One line with the round's final counts (they agree with the round's metrics)."""

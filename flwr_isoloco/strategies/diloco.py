@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import math
 import random
-import time
 from collections.abc import Callable, Iterable, Mapping
 from logging import INFO, WARNING
 from typing import Any
@@ -36,17 +35,12 @@ from flwr_isoloco.compression import payload_nbytes, request_config
 from flwr_isoloco.merging import MERGE_RULES
 from flwr_isoloco.merging.round import RoundMerge
 from flwr_isoloco.merging.rules import check_options
-from flwr_isoloco.merging.weights import bounded_weights
 from flwr_isoloco.outer import OuterSGD
 from flwr_isoloco.strategies.common import (
     CheckedReply,
     EmptyRoundGuard,
-    ReplyReport,
     ReplyValidator,
     SentLedger,
-    metric_record,
-    tensor_norm,
-    weighted_mean_metrics,
 )
 from flwr_isoloco.strategies.diloco_config import (
     DEFAULT_MAX_WEIGHT_RATIO,
@@ -58,8 +52,10 @@ from flwr_isoloco.strategies.diloco_config import (
 from flwr_isoloco.strategies.diloco_state import DiLoCoState, log_summary
 from flwr_isoloco.strategies.divergence import DEFAULT_DIVERGENCE_FACTOR
 from flwr_isoloco.strategies.evaluation import aggregate_metrics
-from flwr_isoloco.strategies.lifecycle import ResumableStrategy
+from flwr_isoloco.strategies.lifecycle import ResumableStrategy, RoundOutcome
 from flwr_isoloco.strategies.nodes import wait_for_nodes
+from flwr_isoloco.strategies.rounds import ReplyStream, check_quorum
+from flwr_isoloco.strategies.train_round import TrainRound
 
 __all__ = ["DiLoCo", "DILOCO_RUN_CONFIG", "ISOLOCO_RUN_CONFIG"]
 
@@ -176,10 +172,13 @@ class DiLoCo(FromRunConfig, DiLoCoState, ResumableStrategy):
         upload_codec: str | None = None,
         codec_options: Mapping[str, Any] | None = None,
         error_feedback: bool = True,
+        quorum: float | int | None = None,
+        grace_s: float = 0.0,
         on_divergence: str = "warn",
         divergence_factor: float = DEFAULT_DIVERGENCE_FACTOR,
         divergence_key: str | None = None,
     ) -> None:
+        self.quorum, self.grace_s = check_quorum(quorum, grace_s)
         self.set_divergence_guard(on_divergence, divergence_factor, divergence_key)
         check_arguments(
             fraction_train=fraction_train,
@@ -229,6 +228,9 @@ class DiLoCo(FromRunConfig, DiLoCoState, ResumableStrategy):
         self.theta: dict[str, torch.Tensor] | None = None  # fp32 master copy
         self._dtypes: dict[str, torch.dtype] = {}
         self.server_round = 0  # rounds aggregated so far (continues across resume)
+        self.weight_reference: float | None = None  # median weight of the last used round
+        self._train_stream = ReplyStream("aggregate_train")
+        self._eval_stream = ReplyStream("aggregate_evaluate")
 
     # ------------------------------------------------------------------ construction helpers
     def _setup_merge(
@@ -350,87 +352,65 @@ class DiLoCo(FromRunConfig, DiLoCoState, ResumableStrategy):
         agree. Raises :class:`~flwr_isoloco.strategies.common.NoProgressError` only when
         ``max_empty_rounds`` consecutive rounds used no reply.
         """
-        t0 = time.perf_counter()
         self.server_round += 1
         if self.theta is None:
             log(WARNING, "aggregate_train: no global model yet (configure_train not called)")
             return None, None
-        rule = self.merger.rule_for_g()
-        v = self.train_validator
-        needs_all = v.max_update_norm or v.max_norm_ratio or self.max_weight_ratio
-        if getattr(rule, "streaming", False) and not needs_all:
-            report = ReplyReport()  # validate and fold one reply at a time: one decode each
-            source: Iterable[CheckedReply] = v.stream(
-                replies, self.theta, self._train_ledger, report, log_summary=False
-            )
-            weights: dict[int, float] | None = None
-        else:
-            source, report = v.validate(replies, self.theta, self._train_ledger, log_summary=False)
-            weights = self._bounded_weights(source)
-        checked: list[CheckedReply] = []
-        g = self.merger.merge_or_isolate(
-            self.theta,
-            source,
-            checked,
-            self._weights_fn(weights),
-            self.server_round,
-            reject=lambda r, why: v.reject(report, r.node_id, why),
-            on_failure=lambda exc: log(
-                WARNING, "aggregate_train: merge failed (%s); checking replies one by one", exc
-            ),
-        )
-        new_arrays = None
-        extra: dict[str, float] = {}
-        if g is not None:
-            extra["pseudo-grad-norm"] = tensor_norm(g)
-            try:
-                self._outer_step(g)
-                new_arrays = self._model_record()
-            except (ValueError, RuntimeError) as exc:
-                for r in checked:
-                    v.reject(report, r.node_id, f"outer step failed, model kept: {exc}")
-                checked = []
-        report.used = len(checked)
-        v.log_summary(report, self.server_round)
-        if not checked:
-            log(
-                WARNING,
-                "aggregate_train: no usable reply in round %d, model kept",
-                self.server_round,
-            )
-        if self.train_metrics_aggr_fn is not None and checked:
-            client = dict(
-                self.train_metrics_aggr_fn([r.content for r in checked], self.weighted_by_key)
-            )
-        else:
-            client = weighted_mean_metrics(checked, exclude=[self.weighted_by_key])
-        metrics = {
-            **client,
-            **report.as_metrics(),
-            **extra,
-            "bytes-down": self._bytes_down,
-            "aggregation-time-s": time.perf_counter() - t0,
-        }
-        if self._train_ledger.sent_any():
-            self._guard.record(self.server_round, report.used, [why for _, why in report.reasons])
-        return new_arrays, metric_record(metrics)
+        train = TrainRound(self, self.server_round)
+        try:
+            for msg in replies:
+                train.take(msg)
+            return train.finish()
+        finally:
+            train.close()
 
-    def _bounded_weights(self, replies: list[CheckedReply]) -> dict[int, float]:
-        """Merge weight per node: ``w_i`` clipped to ``max_weight_ratio x median`` (logged)."""
-        raw = [self._weight(r) for r in replies]
-        bounded, clipped = bounded_weights(raw, self.max_weight_ratio)
-        for i in clipped:
-            log(
-                WARNING,
-                "aggregate_train: node %d: weight %s=%.4g clipped to %.4g "
-                "(max-weight-ratio %g x the round's median)",
-                replies[i].node_id,
-                self.weighted_by_key,
-                raw[i],
-                bounded[i],
-                self.max_weight_ratio,
+    def run_round(
+        self,
+        grid: Grid,
+        server_round: int,
+        train_config: ConfigRecord,
+        evaluate_config: ConfigRecord,
+        timeout: float,
+    ) -> RoundOutcome:
+        """Train then evaluate; replies are taken as they arrive (:mod:`.rounds`), each train
+        reply folded into the merge at once (:class:`.train_round.TrainRound`)."""
+        arrays = self.current_arrays()
+        messages = list(self.configure_train(server_round, arrays, train_config, grid))
+        del arrays
+        new_arrays, train_metrics = None, None
+        self.server_round += 1
+        train = TrainRound(self, self.server_round)
+        try:
+            wait = self._train_stream.run(
+                grid,
+                messages,
+                train.take,
+                server_round=server_round,
+                timeout=timeout,
+                quorum=self.quorum,
+                grace_s=self.grace_s,
             )
-        return {r.node_id: w for r, w in zip(replies, bounded, strict=True)}
+            del messages
+            new_arrays, train_metrics = train.finish(wait)
+        finally:
+            train.close()
+        messages = list(
+            self.configure_evaluate(server_round, self.current_arrays(), evaluate_config, grid)
+        )
+        replies: list[Message] = []
+        wait = self._eval_stream.run(
+            grid,
+            messages,
+            replies.append,
+            server_round=server_round,
+            timeout=timeout,
+            quorum=self.quorum,
+            grace_s=self.grace_s,
+        )
+        evaluate_metrics = self.aggregate_evaluate(server_round, replies)
+        if evaluate_metrics is not None:
+            evaluate_metrics = MetricRecord({**evaluate_metrics, **wait.as_metrics()})
+        return RoundOutcome(new_arrays, train_metrics, evaluate_metrics)
 
     def aggregate_evaluate(
         self, server_round: int, replies: Iterable[Message]
@@ -439,6 +419,30 @@ class DiLoCo(FromRunConfig, DiLoCoState, ResumableStrategy):
         return aggregate_metrics(
             self.eval_validator, replies, self._eval_ledger, self.evaluate_metrics_aggr_fn
         )
+
+    # ------------------------------------------------------------------ checkpoint extras
+    def state_dict(self) -> dict[str, Any]:
+        """:meth:`DiLoCoState.state_dict` plus the weight bound's reference weight."""
+        sd = super().state_dict()
+        if self.weight_reference is not None:
+            sd["meta"]["weight_reference"] = self.weight_reference
+        return sd
+
+    @staticmethod
+    def _state_spec() -> dict[str, Any]:
+        from flwr_isoloco.checkpoint_spec import Field
+
+        spec = DiLoCoState._state_spec()
+        spec["weight_reference"] = Field("float", min=0, optional=True)
+        return spec
+
+    def load_state_dict(
+        self, state: Mapping[str, Any], reference: Mapping[str, Any] | None = None
+    ) -> None:
+        """:meth:`DiLoCoState.load_state_dict`; restores the reference weight (None if absent)."""
+        super().load_state_dict(state, reference)
+        ref = state["meta"].get("weight_reference")
+        self.weight_reference = None if ref is None else float(ref)
 
     # ------------------------------------------------------------------ maths glue
     def _weight(self, reply: CheckedReply) -> float:

@@ -72,7 +72,11 @@ DILOCO_RUN_CONFIG: dict[str, Any] = {
     "error-feedback": True,
     "on-divergence": "warn",
     "divergence-factor": DEFAULT_DIVERGENCE_FACTOR,
+    "quorum": 1.0,
+    "grace-s": 0.0,
 }
+"""``quorum``: fraction of the sampled nodes in (0, 1] (1.0 = all) or a count >= 1; ``grace-s``:
+seconds to wait for the rest once the quorum is in (strategies/rounds.py)."""
 ISOLOCO_RUN_CONFIG: dict[str, Any] = {
     **DILOCO_RUN_CONFIG,
     "merge": "",  # "": the preset's rule
@@ -129,6 +133,8 @@ RUN_CONFIG_CHECKS: dict[str, Any] = {
     "codec-fraction": in_range(0, 1, lo_open=True),
     "on-divergence": choices(*DIVERGENCE_MODES),
     "divergence-factor": _off_or_at_least_one,
+    "quorum": in_range(0, 1 << 31, lo_open=True),
+    "grace-s": non_negative,
 }
 """Value checks per key (types come from the defaults); merge options are checked by the rule."""
 
@@ -200,6 +206,8 @@ def section_kwargs(c: Mapping[str, Any]) -> dict[str, Any]:
         error_feedback=c["error-feedback"],
         on_divergence=c["on-divergence"],
         divergence_factor=c["divergence-factor"],
+        quorum=None if c["quorum"] == 1.0 and isinstance(c["quorum"], float) else c["quorum"],
+        grace_s=c["grace-s"],
     )
 
 

@@ -1,0 +1,193 @@
+"""A round that takes replies as they arrive, with a quorum and a grace window.
+
+Flower's ``grid.send_and_receive`` returns every reply of a round in one list, so a server holds
+``M`` replies at once and waits for the slowest node. :class:`ReplyStream` pushes the round's
+messages (``grid.push_messages``), then pulls the replies that have arrived
+(``grid.pull_messages``, one message id per call: a pulled reply is freed on the SuperLink) and
+hands each to ``on_reply`` at once, so the caller can fold it and drop it. The round closes when
+
+- every sampled node has replied; or
+- the quorum is in (``quorum``: a fraction of the sent messages in (0, 1], rounded up, or a
+  count >= 1) and ``grace_s`` seconds passed since it was reached; or
+- ``timeout`` seconds passed since the push (Flower's overall cap).
+
+Messages still unanswered when a round closes are remembered with their round: their ids are
+pulled with the next rounds' and a reply that still comes is discarded and logged with its node
+("late reply ... discarded"), never handed to a later round (a reply is recognised by the id of
+the message it answers, ``reply_to_message_id``).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from logging import INFO, WARNING
+
+from flwr.app import Message
+from flwr.common.logger import log
+from flwr.serverapp import Grid
+
+__all__ = ["ReplyStream", "RoundWait", "check_quorum", "quorum_count"]
+
+POLL_S = 0.1
+"""Seconds between two sweeps over the unanswered messages when none answered."""
+STALE_ROUNDS = 3
+"""Unanswered messages of a closed round are pulled (and their replies discarded) this long."""
+
+
+def check_quorum(quorum: object, grace_s: object) -> tuple[float | int | None, float]:
+    """``(quorum, grace_s)`` checked: quorum None (all), a float in (0, 1] or an int >= 1;
+    ``grace_s`` a finite number >= 0. ``ValueError`` naming the bad one."""
+    q = quorum
+    if isinstance(q, bool) or not (q is None or isinstance(q, (int, float))):
+        raise ValueError(f"quorum must be a fraction in (0, 1] or a count >= 1, got {quorum!r}")
+    if isinstance(q, float) and q > 1 and q == int(q):
+        q = int(q)
+    if isinstance(q, float) and not (0 < q <= 1):
+        raise ValueError(f"quorum must be a fraction in (0, 1] or a count >= 1, got {quorum!r}")
+    if isinstance(q, int) and q < 1:
+        raise ValueError(f"quorum must be a fraction in (0, 1] or a count >= 1, got {quorum!r}")
+    g = grace_s
+    if isinstance(g, bool) or not isinstance(g, (int, float)) or not (0 <= g < math.inf):
+        raise ValueError(f"grace_s must be a finite number >= 0, got {grace_s!r}")
+    return q, float(g)
+
+
+def quorum_count(quorum: float | int | None, sent: int) -> int:
+    """Replies that make the quorum of ``sent`` messages: all for None / 1.0,
+    ``ceil(q * sent)`` for a fraction, ``min(q, sent)`` for a count."""
+    if quorum is None:
+        return sent
+    if isinstance(quorum, float):
+        return min(sent, math.ceil(quorum * sent - 1e-9))
+    return min(int(quorum), sent)
+
+
+@dataclass
+class RoundWait:
+    """How a round's wait went: the numbers behind ``replies-arrived``, ``replies-late``,
+    ``wait-s``; ``late`` names the nodes whose reply was not in when the round closed."""
+
+    sent: int = 0
+    arrived: int = 0
+    late: list[int] = field(default_factory=list)
+    wait_s: float = 0.0
+
+    def as_metrics(self) -> dict[str, float | int]:
+        """``replies-arrived``, ``replies-late``, ``wait-s``."""
+        return {
+            "replies-arrived": self.arrived,
+            "replies-late": len(self.late),
+            "wait-s": self.wait_s,
+        }
+
+
+class ReplyStream:
+    """Push a round's messages and hand each reply to ``on_reply`` as it arrives (module doc).
+
+    One per strategy (train and evaluate each have their own): it remembers the unanswered
+    messages of closed rounds so that their late replies are discarded.
+    """
+
+    def __init__(self, what: str = "round", poll_s: float = POLL_S) -> None:
+        self.what = what
+        self.poll_s = poll_s
+        self._stale: dict[str, tuple[int, int]] = {}  # message id -> (node, round)
+        self.discarded: list[tuple[int, int]] = []  # (node, round) of late replies dropped
+
+    def run(
+        self,
+        grid: Grid,
+        messages: Iterable[Message],
+        on_reply: Callable[[Message], None],
+        *,
+        server_round: int,
+        timeout: float | None,
+        quorum: float | int | None = None,
+        grace_s: float = 0.0,
+    ) -> RoundWait:
+        """Run one round's wait; ``on_reply(reply)`` for each reply of this round.
+
+        Time is ``time.monotonic`` / ``time.sleep``, or the grid's ``time_source`` (an object
+        with ``monotonic()`` and ``sleep(s)``) when it has one: a test grid's virtual clock.
+        """
+        clock = getattr(grid, "time_source", None) or time
+        for mid, (_, rnd) in list(self._stale.items()):
+            if rnd < server_round - STALE_ROUNDS:
+                del self._stale[mid]  # a node that never answers is not pulled for ever
+        messages = list(messages)
+        node_of = {}
+        ids = list(grid.push_messages(messages)) if messages else []
+        for m, mid in zip(messages, ids, strict=False):
+            if mid:
+                node_of[mid] = m.metadata.dst_node_id
+        del messages
+        pending = list(node_of)
+        wait = RoundWait(sent=len(pending))
+        need = quorum_count(quorum, len(pending))
+        t0 = clock.monotonic()
+        quorum_at = None if pending else t0
+        while pending or self._stale:
+            took = self._sweep(grid, pending, on_reply)
+            wait.arrived += took
+            now = clock.monotonic()
+            if quorum_at is None and wait.arrived >= need:
+                quorum_at = now
+            if not pending:
+                break
+            if timeout is not None and now - t0 >= timeout:
+                break
+            if quorum_at is not None and now - quorum_at >= grace_s:
+                break
+            if not took:
+                clock.sleep(self.poll_s)
+        wait.wait_s = clock.monotonic() - t0
+        for mid in pending:
+            node = node_of[mid]
+            wait.late.append(node)
+            self._stale[mid] = (node, server_round)
+            log(
+                WARNING,
+                "%s (round %d): closed without the reply of node %d (%d of %d arrived)",
+                self.what,
+                server_round,
+                node,
+                wait.arrived,
+                wait.sent,
+            )
+        return wait
+
+    def _sweep(self, grid: Grid, pending: list[str], on_reply: Callable[[Message], None]) -> int:
+        """Pull every unanswered id once (one per call); returns this round's replies taken."""
+        took = 0
+        for mid in list(self._stale):
+            for msg in grid.pull_messages([mid]):
+                self._discard(msg)
+        for mid in list(pending):
+            replies = list(grid.pull_messages([mid]))
+            for msg in replies:
+                rid = msg.metadata.reply_to_message_id
+                if rid in self._stale:
+                    self._discard(msg)
+                elif rid in pending:
+                    pending.remove(rid)
+                    took += 1
+                    on_reply(msg)
+                else:
+                    log(WARNING, "%s: discarded a reply to an unknown message %r", self.what, rid)
+            del replies
+        return took
+
+    def _discard(self, msg: Message) -> None:
+        rid = msg.metadata.reply_to_message_id
+        node, rnd = self._stale.pop(rid, (msg.metadata.src_node_id, -1))
+        self.discarded.append((node, rnd))
+        log(
+            INFO,
+            "%s: late reply of node %d for round %d discarded (that round had closed)",
+            self.what,
+            node,
+            rnd,
+        )

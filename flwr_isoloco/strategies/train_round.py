@@ -1,0 +1,191 @@
+"""One DiLoCo/IsoLoCo train round, fed reply by reply: check, weigh, fold, then the outer step.
+
+:class:`TrainRound` is the one path of a train reply in DiLoCo and IsoLoCo, whether the replies
+come one at a time from :class:`~flwr_isoloco.strategies.rounds.ReplyStream` or as Flower's list
+(``aggregate_train``)::
+
+    take(reply):  ReplyValidator.check -> merge weight -> RoundFold.add -> strip the arrays
+    finish():     norm-ratio filter -> weights -> RoundFold.finish -> outer step -> metrics
+
+Nothing is kept of a reply but its metrics once its delta is folded (a streaming rule) or
+spilled to the round's private directory (any other rule, or a round that needs every weight
+or norm first), so server memory does not grow with the number of replies.
+
+Weight bound (``max_weight_ratio = r``, docs/strategies.md "Weight bound"). A reply's merge
+weight is ``min(w_i, r * m)`` where ``m`` is the *reference weight*: the median raw weight of the
+replies used in the last round that used any (kept in the checkpoint). A round without a
+reference (the first, or one after a resume from an older checkpoint) uses its own median, as a
+two-pass merge would: its deltas are spilled and merged when the round closes.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from logging import WARNING
+from typing import TYPE_CHECKING, Any
+
+from flwr.app import ArrayRecord, Message, MetricRecord
+from flwr.common.logger import log
+
+from flwr_isoloco.merging.round import RoundFold
+from flwr_isoloco.merging.weights import bounded_weights
+from flwr_isoloco.strategies.common import (
+    CheckedReply,
+    ReplyReport,
+    metric_record,
+    tensor_norm,
+    weighted_mean_metrics,
+)
+
+if TYPE_CHECKING:
+    from flwr_isoloco.strategies.diloco import DiLoCo
+    from flwr_isoloco.strategies.rounds import RoundWait
+
+__all__ = ["TrainRound"]
+
+
+class TrainRound:
+    """The train round ``server_round`` of strategy ``s`` (module docstring)."""
+
+    def __init__(self, s: DiLoCo, server_round: int) -> None:
+        assert s.theta is not None
+        self.s, self.server_round = s, server_round
+        self.t0 = time.perf_counter()
+        self.report = ReplyReport()
+        self.v = s.train_validator
+        self.ratio = s.max_weight_ratio if s.weighting == "examples" else 0.0
+        ref = s.weight_reference
+        self.collect = bool(self.ratio) and ref is None  # weights bounded when the round closes
+        self.cap = self.ratio * ref if self.ratio and ref is not None else None
+        spill = self.collect or bool(self.v.max_norm_ratio)
+        self.fold = RoundFold(s.merger, s.theta, server_round, spill=spill)
+        self.taken: list[CheckedReply] = []
+        self.answered: set[str] = set()
+        self._w: dict[int, float] = {}  # id(reply) -> merge weight
+
+    # ------------------------------------------------------------------ per reply
+    def take(self, msg: Message) -> None:
+        """Check ``msg``, fold (or spill) its delta and keep only its metrics. Never raises."""
+        self.answered.add(msg.metadata.reply_to_message_id)
+        s, v = self.s, self.v
+        r = v.check(msg, s.theta, s._train_ledger, self.report)
+        if r is None:
+            return
+        w = self._capped(r)
+        try:
+            self.fold.add(r, w)
+        except (ValueError, RuntimeError) as exc:
+            r.release()
+            v.reject(self.report, r.node_id, f"merge refused this delta: {exc}")
+            return
+        r.strip()
+        self._w[id(r)] = w
+        self.taken.append(r)
+
+    def _capped(self, r: CheckedReply) -> float:
+        w = self.s._weight(r)
+        if self.cap is not None and w > self.cap:
+            log(
+                WARNING,
+                "aggregate_train: node %d: weight %s=%.4g clipped to %.4g "
+                "(max-weight-ratio %g x the previous round's median %.4g)",
+                r.node_id,
+                self.s.weighted_by_key,
+                w,
+                self.cap,
+                self.ratio,
+                self.s.weight_reference,
+            )
+            return self.cap
+        return w
+
+    # ------------------------------------------------------------------ end of round
+    def _bound_now(self, keep: list[CheckedReply]) -> None:
+        """The round's own median bound (a round without a reference weight)."""
+        raw = [self.s._weight(r) for r in keep]
+        bounded, clipped = bounded_weights(raw, self.ratio)
+        for i in clipped:
+            log(
+                WARNING,
+                "aggregate_train: node %d: weight %s=%.4g clipped to %.4g "
+                "(max-weight-ratio %g x the round's median)",
+                keep[i].node_id,
+                self.s.weighted_by_key,
+                raw[i],
+                bounded[i],
+                self.ratio,
+            )
+        self._w.update({id(r): w for r, w in zip(keep, bounded, strict=True)})
+
+    def _missing(self) -> None:
+        for m in self.s._train_ledger._sent:
+            mid = m.metadata.message_id
+            if mid and mid not in self.answered:
+                self.report.missing += 1
+                log(
+                    WARNING,
+                    "aggregate_train: no reply from node %d (timeout)",
+                    m.metadata.dst_node_id,
+                )
+
+    def finish(self, wait: RoundWait | None = None) -> tuple[ArrayRecord | None, MetricRecord]:
+        """Merge, outer step, metrics (the counts logged and returned agree)."""
+        s, v, report = self.s, self.v, self.report
+        self._missing()
+        keep = sorted(self.taken, key=lambda r: (r.digest, r.node_id))
+        if v.max_norm_ratio:
+            keep = v.norm_filter(keep, report)
+        if self.collect:
+            self._bound_now(keep)
+        g, checked = self.fold.finish(
+            keep,
+            lambda r: self._w[id(r)],
+            reject=lambda r, why: v.reject(report, r.node_id, why),
+            on_failure=lambda exc: log(
+                WARNING, "aggregate_train: merge failed (%s); checking replies one by one", exc
+            ),
+        )
+        new_arrays, extra = None, {}
+        if g is not None:
+            extra["pseudo-grad-norm"] = tensor_norm(g)
+            try:
+                s._outer_step(g)
+                new_arrays = s._model_record()
+            except (ValueError, RuntimeError) as exc:
+                for r in checked:
+                    v.reject(report, r.node_id, f"outer step failed, model kept: {exc}")
+                checked = []
+        del g
+        report.used = len(checked)
+        v.log_summary(report, self.server_round)
+        if checked and self.ratio:
+            s.weight_reference = statistics.median(s._weight(r) for r in checked)
+        if not checked:
+            log(
+                WARNING,
+                "aggregate_train: no usable reply in round %d, model kept",
+                self.server_round,
+            )
+        metrics = {
+            **self._client_metrics(checked),
+            **report.as_metrics(),
+            **extra,
+            **(wait.as_metrics() if wait is not None else {}),
+            "spill-bytes": self.fold.spill_bytes,
+            "bytes-down": s._bytes_down,
+            "aggregation-time-s": time.perf_counter() - self.t0,
+        }
+        if s._train_ledger.sent_any():
+            s._guard.record(self.server_round, report.used, [why for _, why in report.reasons])
+        return new_arrays, metric_record(metrics)
+
+    def _client_metrics(self, checked: list[CheckedReply]) -> dict[str, Any]:
+        s = self.s
+        if s.train_metrics_aggr_fn is not None and checked:
+            return dict(s.train_metrics_aggr_fn([r.content for r in checked], s.weighted_by_key))
+        return weighted_mean_metrics(checked, exclude=[s.weighted_by_key])
+
+    def close(self) -> None:
+        """Remove the spill directory (also when the round failed)."""
+        self.fold.close()
