@@ -21,6 +21,7 @@ adds an MLP on the same data. ``--quick``: 1 seed, fewer rounds. Results:
 ``benchmarks/results/isoloco_dropin.json``.
 
     PYTHONPATH=. .venv/bin/python benchmarks/isoloco_dropin.py --diagnose --sweep [--quick]
+    PYTHONPATH=. .venv/bin/python benchmarks/isoloco_dropin.py --lr-grid   # the preset's lr
 """
 
 from __future__ import annotations
@@ -235,6 +236,56 @@ def sweep(
     return res
 
 
+DROPIN_LRS = (0.35, 0.5, 0.7)
+"""The "dropin" preset's outer lr grid (momentum 0.9): the preset takes the largest lr that
+passes every app of :func:`lr_grid` (digits CNN/MLP cells >= FedAvg - 0.01, the byte bigram's
+loss down by 0.5 in 3 rounds as tests/test_swap_fedavg_example.py asks)."""
+
+
+def bigram_case(factory: Callable[[], object], rounds: int = 3) -> list[float]:
+    """``examples/swap_fedavg`` (byte-bigram table, Adam inner steps, 3 nodes) in-process with
+    ``factory()`` as its strategy; validation loss per round (round 0 first)."""
+    import importlib
+    import tempfile
+    import types
+
+    sys.path.insert(0, str(REPO / "examples" / "swap_fedavg"))
+    from fakegrid import FakeGrid
+
+    src = (REPO / "examples" / "swap_fedavg" / "swap_fedavg" / "server_app.py").read_text()
+    mod = types.ModuleType("swap_fedavg.server_app_bench")
+    mod.__package__ = "swap_fedavg"
+    exec(compile(src, "server_app.py", "exec"), mod.__dict__)
+    mod.IsoLoCo = lambda **_: factory()  # the example's one strategy line, swapped here
+    client = importlib.import_module("swap_fedavg.client_app").app
+    with tempfile.TemporaryDirectory() as tmp:
+        rc = {"num-server-rounds": rounds, "local-steps": 10, "lr": 0.1, "output-dir": tmp}
+        grid = FakeGrid(client, num_nodes=3, run_config=rc)
+        mod.main(
+            grid, Context(run_id=1, node_id=1, node_config={}, state=RecordDict(), run_config=rc)
+        )
+        res = json.loads((Path(tmp) / "result.json").read_text())
+    return [float(res["val-loss"][str(r)]) for r in range(rounds + 1)]
+
+
+def lr_grid(rounds: int, seeds: list[int]) -> dict:
+    """IsoLoCo(outer_lr=lr) (dropin otherwise) for lr in DROPIN_LRS on the bigram and every
+    digits cell, and FedAvg-paired failures per lr."""
+    res: dict = {}
+    for lr in DROPIN_LRS:
+        cell: dict = {"bigram": bigram_case(lambda lr=lr: IsoLoCo(outer_lr=lr))}
+        for model in ("cnn", "mlp"):
+            for part in ("iid", "dirichlet"):
+                for seed in seeds:
+                    r = run_digits(
+                        lambda lr=lr: IsoLoCo(outer_lr=lr), part, seed, rounds, model=model
+                    )
+                    cell.setdefault(model, {}).setdefault(part, {})[str(seed)] = r["final"]
+        res[str(lr)] = cell
+        print(f"[lr-grid] lr {lr}: bigram {[round(x, 3) for x in cell['bigram']]}", flush=True)
+    return res
+
+
 LM_VARIANTS = {
     "FedAvg": {"strategy.name": "fedavg"},
     "IsoLoCo() (dropin preset)": {"strategy.name": "isoloco"},
@@ -305,6 +356,7 @@ def main() -> None:
     ap.add_argument("--scan", action="store_true", help="outer lr scan at mu = 0.8")
     ap.add_argument("--extra", action="store_true", help="also the MLP sweep")
     ap.add_argument("--lm", action="store_true", help="the LM app in-process, 3 strategies")
+    ap.add_argument("--lr-grid", action="store_true", help="the dropin preset's lr grid")
     ap.add_argument("--lm-only", nargs="*", help="LM variants whose name starts with these")
     ap.add_argument("--quick", action="store_true", help="1 seed, 6 rounds")
     ap.add_argument("--rounds", type=int, default=10)
@@ -334,6 +386,11 @@ def main() -> None:
     if args.extra:
         out["sweep_mlp"] = sweep(rounds, seeds, model="mlp", parts=tuple(args.parts))
         out["sweep_mlp_failures"] = check(out["sweep_mlp"])
+    if args.lr_grid:
+        out["lr_grid"] = lr_grid(rounds, seeds)
+        out["bigram_fedavg"] = bigram_case(
+            lambda: FedAvg(fraction_train=1.0, min_available_nodes=2)
+        )
     if args.lm:
         import tempfile
 

@@ -209,7 +209,7 @@ def nesterov_step_limit(momentum: float, nesterov: bool = True) -> float:
 
 @dataclass(frozen=True)
 class IsoLoCoPreset:
-    """IsoLoCo's update by name: merge rule and outer optimiser (docs/algorithms.md, 3.1)."""
+    """IsoLoCo's update by name: merge rule and outer optimiser (https://github.com/flwr-isoloco/flwr-isoloco/blob/main/docs/algorithms.md, 3.1)."""
 
     name: str
     merge: str
@@ -219,7 +219,7 @@ class IsoLoCoPreset:
 
 
 ISOLOCO_PRESETS: dict[str, IsoLoCoPreset] = {
-    "dropin": IsoLoCoPreset("dropin", "iso_c_matched", 0.7, 0.9),
+    "dropin": IsoLoCoPreset("dropin", "iso_c_matched", 0.5, 0.9),
     "isoloco-paper": IsoLoCoPreset("isoloco-paper", "iso_c", 1.8, 0.8),
 }
 

@@ -269,7 +269,7 @@ def test_isoloco_defaults_and_fast_switch():
     s = IsoLoCo()  # the "dropin" preset (tests/test_isoloco_presets.py)
     assert (s.merge_name, s.outer.lr, s.outer.momentum, s.outer.nesterov) == (
         "iso_c_matched",
-        0.7,
+        0.5,
         0.9,
         True,
     )
@@ -307,7 +307,7 @@ def test_from_run_config_reads_documented_keys():
     assert (s.outer.lr, s.outer.momentum, s.outer.nesterov) == (0.5, 0.0, False)
     assert s.fraction_train == 0.5 and s.train_validator.max_norm_ratio == 10.0
     iso = IsoLoCo.from_run_config({"strategy.fast": True})
-    assert iso.merge_name == "iso_c_ns" and iso.outer.lr == 0.7  # the "dropin" preset's lr
+    assert iso.merge_name == "iso_c_ns" and iso.outer.lr == 0.5  # the "dropin" preset's lr
     iso = IsoLoCo.from_run_config({"strategy.fast": True, "strategy.preset": "isoloco-paper"})
     assert iso.merge_name == "iso_c_ns" and iso.outer.lr == 1.8
 

@@ -15,7 +15,10 @@ sys.path.insert(0, str(ROOT / "simulations" / "isoloco_lm"))
 from isoloco_lm import task  # noqa: E402
 
 from flwr_isoloco.runconfig import RunConfigError  # noqa: E402
-from flwr_isoloco.strategies.diloco_config import DILOCO_RUN_CONFIG  # noqa: E402
+from flwr_isoloco.strategies.diloco_config import (  # noqa: E402
+    DILOCO_RUN_CONFIG,
+    ISOLOCO_RUN_CONFIG,
+)
 
 
 def _documented_keys() -> set[str]:
@@ -23,7 +26,7 @@ def _documented_keys() -> set[str]:
     section = text.split("## Run-config keys")[1].split("\n## ")[0]
     found = set(re.findall(r"`strategy\.([a-z-]+)`", section))
     app_keys = {"name", "timeout", "round-timeout"}  # documented as the app's, ignored there
-    assert found - app_keys <= set(DILOCO_RUN_CONFIG) | {"fast"}
+    assert found - app_keys <= set(DILOCO_RUN_CONFIG) | {"fast", "preset"}  # + IsoLoCo's own
     return found - app_keys
 
 
@@ -33,7 +36,8 @@ def test_every_documented_key_is_accepted_or_refused_with_a_reason():
     for key in sorted(keys):
         if key in task.NOT_IN_APP:
             with pytest.raises(RunConfigError, match=f"'strategy.{key}' has no meaning here"):
-                task.load_config({f"strategy.{key}": DILOCO_RUN_CONFIG[key]})
+                value = DILOCO_RUN_CONFIG.get(key, ISOLOCO_RUN_CONFIG.get(key))
+                task.load_config({f"strategy.{key}": value})
         else:
             assert key in task.STRATEGY_SECTION, key
 

@@ -101,7 +101,7 @@ def test_preset_from_run_config():
     assert (d.preset, d.merge_name, d.outer.lr, d.outer.momentum) == (
         "dropin",
         "iso_c_matched",
-        0.7,
+        0.5,
         0.9,
     )
     p = IsoLoCo.from_run_config({"strategy.preset": "isoloco-paper"})
@@ -148,7 +148,10 @@ def test_warning_when_the_outer_step_is_beyond_the_stability_limit(caplog):
         IsoLoCo(outer_lr=1.3, outer_momentum=0.9)  # limit 1.357: inside
     assert not [r for r in caplog.records if "stable only while" in r.getMessage()]
     with caplog.at_level(logging.WARNING):
-        IsoLoCo(preset="isoloco-paper")
+        IsoLoCo(preset="isoloco-paper")  # the paper's values chosen by name: no warning
+    assert not [r for r in caplog.records if "stable only while" in r.getMessage()]
+    with caplog.at_level(logging.WARNING):
+        IsoLoCo(outer_lr=1.8, outer_momentum=0.8)  # the same step, given as numbers
     msgs = [r.getMessage() for r in caplog.records if "stable only while" in r.getMessage()]
     assert len(msgs) == 1 and "77%" in msgs[0] and "lr*c < 1.385" in msgs[0], msgs
 

@@ -57,19 +57,8 @@ def test_fast_moving_dependencies_stop_before_their_next_major(name):
     assert Version(f"{installed.major}.999") in req.specifier  # minor releases are
 
 
-# Repository paths that docstrings in files owned by others still name without a URL (issue 17:
-# the replacement text is in the report); any new one fails this test.
-NOT_YET_FIXED = {
-    ("flwr_isoloco/clients/adamw_state.py", "tests/test_lora_client.py"),
-    ("flwr_isoloco/clients/diloco_worker.py", "docs/strategies.md"),
-    ("flwr_isoloco/compression/__init__.py", "docs/compression.md"),
-    ("flwr_isoloco/merging/__init__.py", "docs/algorithms.md"),
-    ("flwr_isoloco/merging/polar.py", "docs/merging.md"),
-    ("flwr_isoloco/merging/rules.py", "docs/algorithms.md"),
-    ("flwr_isoloco/merging/rules.py", "docs/merging.md"),
-    ("flwr_isoloco/strategies/common.py", "docs/strategies.md"),
-    ("flwr_isoloco/strategies/diloco_config.py", "docs/strategies.md"),
-}
+# Repository paths that docstrings still name without a URL: none; any new one fails this test.
+NOT_YET_FIXED: set[tuple[str, str]] = set()
 REPO_PATH = re.compile(
     r"(?<![\w/.-])((?:docs|tests|scripts|benchmarks|simulations|examples)/[\w./-]*\w)"
 )

@@ -85,6 +85,19 @@ def test_order_free_iso_c_matches_merge():
         torch.testing.assert_close(got[k], today[k], rtol=1e-3, atol=1e-4)
 
 
+def test_order_free_result_device_path_is_the_cpu_one_here():
+    """The transform runs on ``device``: "cpu" and the default "auto" (cpu on this machine) are
+    the same code path and give bitwise equal CPU tensors; a bad device is refused."""
+    acc = OrderFreeMean()
+    for d, w in zip(_deltas(3), [1, 2, 3], strict=True):
+        acc.add(d, w)
+    auto, cpu = acc.result("iso_c"), acc.result("iso_c", device="cpu")
+    for k in auto:
+        assert auto[k].device.type == "cpu" and torch.equal(auto[k], cpu[k]), k
+    with pytest.raises(ValueError, match="merge device"):
+        acc.result("iso_c", device="tpu")
+
+
 def test_order_free_mean_refuses_bad_delta_and_keeps_state():
     acc = OrderFreeMean()
     acc.add({"w": torch.ones(3)}, 1.0)

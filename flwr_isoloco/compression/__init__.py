@@ -1,6 +1,6 @@
 """Compressed pseudo-gradient uploads: codecs, self-describing records, error feedback.
 
-See docs/compression.md. ``compress(tensors, codec, **options) -> ArrayRecord``,
+See https://github.com/flwr-isoloco/flwr-isoloco/blob/main/docs/compression.md. ``compress(tensors, codec, **options) -> ArrayRecord``,
 ``decompress(record) -> dict[str, torch.Tensor]``, ``ErrorFeedback(codec, **options)``.
 """
 

@@ -1,6 +1,6 @@
 """Iso-C on the numerical range of the mean, at the mean's norm: the drop-in preset's merge.
 
-docs/algorithms.md 3.1 gives the measurements behind both changes to ``iso_c``.
+https://github.com/flwr-isoloco/flwr-isoloco/blob/main/docs/algorithms.md 3.1 gives the measurements behind both changes to ``iso_c``.
 
 ``iso_c`` sets every singular value of ``g = U diag(s) V^T`` to ``mean(s)``. Where ``g`` is rank
 deficient (a layer with dead units, a classifier whose gradient lives in few directions) some

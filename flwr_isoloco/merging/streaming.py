@@ -25,6 +25,7 @@ from collections.abc import Mapping
 
 import torch
 
+from .device import resolve_device
 from .rules import MergeRule, check_options, resolve_rule, rule_applies, scaled_apply
 from .validation import check_delta, check_weight
 
@@ -192,8 +193,14 @@ class OrderFreeMean:
         out = (self._hi[key] + self._lo[key]).div_(total)
         return out if self._dtypes[key] == torch.float64 else out.float()
 
-    def result(self, rule: str | MergeRule = "mean", **options) -> dict[str, torch.Tensor]:
-        """``transform(mean)`` per tensor (2-D tensors the rule applies to), else the mean."""
+    def result(
+        self, rule: str | MergeRule = "mean", device: str | torch.device | None = "auto", **options
+    ) -> dict[str, torch.Tensor]:
+        """``transform(mean)`` per tensor (2-D tensors the rule applies to), else the mean.
+
+        The transform runs on ``device`` (:func:`~flwr_isoloco.merging.device.resolve_device`:
+        ``"auto"`` is CUDA where available), one tensor at a time; results are CPU tensors."""
+        dev = resolve_device(device)
         if self.num_added == 0:
             raise ValueError("no deltas added: nothing to merge")
         if not self._weights:
@@ -206,8 +213,8 @@ class OrderFreeMean:
         for k in list(self._hi):
             mean = self.mean(k)
             if rule.name != "mean" and rule_applies(k, mean, pattern):
-                mean = scaled_apply(lambda x: rule.transform(x[0], **opts), [mean])
-            out[k] = mean.to(self._dtypes[k])
+                mean = scaled_apply(lambda x: rule.transform(x[0], **opts), [mean.to(dev)])
+            out[k] = mean.to(device="cpu", dtype=self._dtypes[k])
         return out
 
     def release(self) -> None:

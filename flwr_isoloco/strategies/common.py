@@ -10,7 +10,7 @@ first); keys that differ from the model; an array that does not decode, has the 
 a non-floating dtype; another floating dtype (cast, or refused with ``dtype_policy="reject"``);
 NaN / inf; a missing or invalid weight (``num-examples``: a finite number > 0); an invalid
 ``payload`` flag; ``||u_i||_2 > MAX_MERGEABLE_NORM`` (1e18, beyond which fp32 squares
-overflow); the optional norm bounds. docs/strategies.md, "What is rejected", gives the reasons.
+overflow); the optional norm bounds. https://github.com/flwr-isoloco/flwr-isoloco/blob/main/docs/strategies.md, "What is rejected", gives the reasons.
 
 Who sent a reply: the node we *sent* the instruction to, found by matching
 ``reply.metadata.reply_to_message_id`` with the sent message's id (a killed SuperNode's error

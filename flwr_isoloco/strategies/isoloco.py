@@ -1,7 +1,7 @@
 """IsoLoCo: DiLoCo whose merge rule is Iso-C (flattened spectrum of the weighted mean).
 
 Its update comes by name (``preset``, :data:`flwr_isoloco.outer.ISOLOCO_PRESETS`); the maths
-is docs/algorithms.md 3 and 3.1, the choice of defaults docs/strategies.md "Defaults".
+is https://github.com/flwr-isoloco/flwr-isoloco/blob/main/docs/algorithms.md 3 and 3.1, the choice of defaults https://github.com/flwr-isoloco/flwr-isoloco/blob/main/docs/strategies.md "Defaults".
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from flwr.common.logger import log
 from flwr_isoloco.outer import ISOLOCO_PRESETS, nesterov_step_limit, resolve_preset
 from flwr_isoloco.strategies.diloco import DiLoCo
 from flwr_isoloco.strategies.diloco_config import DEFAULT_MAX_WEIGHT_RATIO, ISOLOCO_RUN_CONFIG
+from flwr_isoloco.strategies.divergence import DEFAULT_DIVERGENCE_FACTOR
 
 __all__ = ["IsoLoCo", "ISOLOCO_PRESETS"]
 
@@ -32,7 +33,7 @@ class IsoLoCo(DiLoCo):
     preset : "dropin" | "isoloco-paper"
         Where ``merge``, ``outer_lr``, ``outer_momentum`` and ``nesterov`` come from when not
         given (``None``); an explicit argument overrides the preset's value.
-        ``"dropin"`` (default): ``iso_c_matched``, ``outer_lr=0.7``, ``outer_momentum=0.9``,
+        ``"dropin"`` (default): ``iso_c_matched``, ``outer_lr=0.5``, ``outer_momentum=0.9``,
         Nesterov; inside the outer step's stability limit even when local training converges
         within a round (SGD apps). ``"isoloco-paper"``: the paper's update, ``iso_c``,
         ``outer_lr=1.8``, ``outer_momentum=0.8``, Nesterov (tuned for LLaMA pre-training with
@@ -50,7 +51,7 @@ class IsoLoCo(DiLoCo):
         As in :class:`DiLoCo`.
     orthogonalize, weighting, client_sends, max_update_norm, max_norm_ratio,
     max_weight_ratio, max_empty_rounds, dtype_policy, seed, upload_codec, codec_options,
-    error_feedback :
+    error_feedback, quorum, grace_s, on_divergence, divergence_factor, divergence_key :
         As in :class:`DiLoCo`.
     """
 
@@ -88,6 +89,11 @@ class IsoLoCo(DiLoCo):
         upload_codec: str | None = None,
         codec_options: Mapping[str, Any] | None = None,
         error_feedback: bool = True,
+        quorum: float | int | None = None,
+        grace_s: float = 0.0,
+        on_divergence: str = "warn",
+        divergence_factor: float = DEFAULT_DIVERGENCE_FACTOR,
+        divergence_key: str | None = None,
     ) -> None:
         p = resolve_preset(preset)
         if merge is None:
@@ -126,8 +132,14 @@ class IsoLoCo(DiLoCo):
             upload_codec=upload_codec,
             codec_options=codec_options,
             error_feedback=error_feedback,
+            quorum=quorum,
+            grace_s=grace_s,
+            on_divergence=on_divergence,
+            divergence_factor=divergence_factor,
+            divergence_key=divergence_key,
         )
-        self._warn_if_beyond_limit()
+        if preset != "isoloco-paper":  # the paper's values, chosen by name: no second-guessing
+            self._warn_if_beyond_limit()
 
     def _warn_if_beyond_limit(self) -> None:
         """One warning when ``outer_lr`` is stable only for a contraction ``c < 1``."""
@@ -138,7 +150,7 @@ class IsoLoCo(DiLoCo):
                 WARNING,
                 "IsoLoCo: outer_lr=%g with momentum %g is stable only while local training "
                 "moves a node less than %.0f%% of the way to its optimum per round (lr*c < %.3f, "
-                "docs/algorithms.md 3.1); the paper tuned it for LLaMA + AdamW. Where local "
+                "https://github.com/flwr-isoloco/flwr-isoloco/blob/main/docs/algorithms.md 3.1); the paper tuned it for LLaMA + AdamW. Where local "
                 "training converges within a round (SGD apps) it diverges: use the default "
                 "preset 'dropin'.",
                 o.lr,

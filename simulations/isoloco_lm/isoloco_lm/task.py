@@ -18,6 +18,7 @@ from omegaconf import DictConfig
 from flwr_isoloco.data.text import load_corpus, prepare_tokens, sample_batch, shard_tokens
 from flwr_isoloco.merging import MERGE_RULES
 from flwr_isoloco.models.llama import build_llama, llama_config
+from flwr_isoloco.outer import ISOLOCO_PRESETS
 from flwr_isoloco.runconfig import (
     SEED_MAX,
     THREADS_MAX,
@@ -39,7 +40,19 @@ from flwr_isoloco.strategies.diloco_config import (
 from .tuned import OuterValues, outer_values
 
 STRATEGIES = ("isoloco", "diloco", "fedavg")
-STRATEGY_CLASS_DEFAULTS = {"isoloco": ISOLOCO_RUN_CONFIG, "diloco": DILOCO_RUN_CONFIG}
+LM_ISOLOCO_PRESET = ISOLOCO_PRESETS["isoloco-paper"]
+"""The app's IsoLoCo is the paper's update (tuned for this kind of LM: lm_tuning.json), not the
+library's drop-in default."""
+STRATEGY_CLASS_DEFAULTS = {
+    "isoloco": {
+        **ISOLOCO_RUN_CONFIG,
+        "preset": LM_ISOLOCO_PRESET.name,
+        "merge": LM_ISOLOCO_PRESET.merge,
+        "outer-lr": LM_ISOLOCO_PRESET.outer_lr,
+        "outer-momentum": LM_ISOLOCO_PRESET.outer_momentum,
+    },
+    "diloco": DILOCO_RUN_CONFIG,
+}
 
 # The strategy section: the app's own keys, then the DiLoCo/IsoLoCo keys that mean something
 # here, with the strategy's own defaults (flwr_isoloco.strategies.diloco_config, written once).
@@ -58,6 +71,8 @@ NOT_IN_APP = {
     "fraction-evaluate": "the app evaluates server-side only",
     "min-evaluate-nodes": "the app evaluates server-side only",
     "seed": "the app's top-level seed seeds the strategy",
+    "preset": "the app's IsoLoCo is the paper's update (its tuned values); choose the rule and "
+    "step with strategy.merge / strategy.outer-lr / strategy.outer-momentum",
 }
 _OPTION_KEYS = ("prune-fraction", "drop-rate", "common-fraction", "ns-steps", "spectral-pattern")
 STRATEGY_SECTION: dict[str, Any] = {
@@ -373,8 +388,10 @@ def build_strategy(cfg: DictConfig):
     section["merge"] = strategy_merge(cfg)
     outer = strategy_outer(cfg)
     section.update({"outer-lr": outer.outer_lr, "outer-momentum": outer.outer_momentum})
-    if s.name == "isoloco" and s.fast:
-        section["fast"] = True
+    if s.name == "isoloco":
+        section["preset"] = LM_ISOLOCO_PRESET.name
+        if s.fast:
+            section["fast"] = True
     return cls.from_section(section)
 
 
