@@ -51,7 +51,7 @@ class TrainRound:
     def __init__(self, s: DiLoCo, server_round: int) -> None:
         assert s.theta is not None
         self.s, self.server_round = s, server_round
-        self.t0 = time.perf_counter()
+        self.busy_s = 0.0  # server time spent on this round's replies (not waiting for them)
         self.report = ReplyReport()
         self.v = s.train_validator
         self.ratio = s.max_weight_ratio if s.weighting == "examples" else 0.0
@@ -67,6 +67,13 @@ class TrainRound:
     # ------------------------------------------------------------------ per reply
     def take(self, msg: Message) -> None:
         """Check ``msg``, fold (or spill) its delta and keep only its metrics. Never raises."""
+        t0 = time.perf_counter()
+        try:
+            self._take(msg)
+        finally:
+            self.busy_s += time.perf_counter() - t0
+
+    def _take(self, msg: Message) -> None:
         self.answered.add(msg.metadata.reply_to_message_id)
         s, v = self.s, self.v
         r = v.check(msg, s.theta, s._train_ledger, self.report)
@@ -130,7 +137,11 @@ class TrainRound:
                 )
 
     def finish(self, wait: RoundWait | None = None) -> tuple[ArrayRecord | None, MetricRecord]:
-        """Merge, outer step, metrics (the counts logged and returned agree)."""
+        """Merge, outer step, metrics (the counts logged and returned agree).
+
+        ``aggregation-time-s`` is the server's own time on the round: checking and folding each
+        reply as it arrived plus this merge and outer step (the wait is ``wait-s``)."""
+        t0 = time.perf_counter()
         s, v, report = self.s, self.v, self.report
         self._missing()
         keep = sorted(self.taken, key=lambda r: (r.digest, r.node_id))
@@ -174,7 +185,7 @@ class TrainRound:
             **(wait.as_metrics() if wait is not None else {}),
             "spill-bytes": self.fold.spill_bytes,
             "bytes-down": s._bytes_down,
-            "aggregation-time-s": time.perf_counter() - self.t0,
+            "aggregation-time-s": self.busy_s + time.perf_counter() - t0,
         }
         if s._train_ledger.sent_any():
             s._guard.record(self.server_round, report.used, [why for _, why in report.reasons])
