@@ -385,10 +385,12 @@ def test_flwr_run_completes(tiny, tmp_path):
 
 @pytest.mark.slow
 def test_flwr_run_bad_config_fails_loudly(tmp_path):
+    """A bad value is refused by run_app.sh's pre-check (the app's own checks) before anything
+    starts: exit 2 and the key named, as for an unknown key."""
     proc = _run_app(tmp_path / "bad", "strategy.merge='median'", timeout=240)
-    assert proc.returncode == 1
-    assert "did not complete" in proc.stderr
+    assert proc.returncode == 2
     assert "'strategy.merge' has bad value 'median'" in proc.stdout + proc.stderr
+    assert not (tmp_path / "bad" / "flwr-run.log").exists()  # nothing was started
 
 
 def test_run_app_names_unknown_key_before_starting(tmp_path):
