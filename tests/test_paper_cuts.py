@@ -9,32 +9,10 @@ import logging
 import pytest
 import torch
 from fakegrid import FakeGrid
-from flwr.app import ArrayRecord, Message, MetricRecord, RecordDict
-from flwr.clientapp import ClientApp
+from flwr.app import ArrayRecord
+from test_lifecycle import plain_app  # the quickstart-style ClientApp, no @app.query()
 
 from flwr_isoloco.strategies import GossipLoRA, RWLoRA
-
-
-def plain_app() -> ClientApp:
-    """A quickstart-style ClientApp: @app.train / @app.evaluate only, no @app.query()."""
-    app = ClientApp()
-
-    @app.train()
-    def train(msg: Message, context) -> Message:
-        pid = int(context.node_config["partition-id"])
-        theta = msg.content["arrays"].to_torch_state_dict()
-        new = {k: 0.5 * v + (pid + 1) * 0.25 for k, v in theta.items()}
-        metrics = MetricRecord({"num-examples": 10 + pid, "train-loss": float(pid)})
-        return Message(RecordDict({"arrays": ArrayRecord(new), "metrics": metrics}), reply_to=msg)
-
-    @app.evaluate()
-    def evaluate(msg: Message, context) -> Message:
-        theta = msg.content["arrays"].to_torch_state_dict()
-        loss = float(sum(v.abs().sum() for v in theta.values()))
-        metrics = MetricRecord({"num-examples": 1, "eval-loss": loss})
-        return Message(RecordDict({"metrics": metrics}), reply_to=msg)
-
-    return app
 
 
 def init_model() -> dict[str, torch.Tensor]:
