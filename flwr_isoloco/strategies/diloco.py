@@ -377,7 +377,6 @@ class DiLoCo(FromRunConfig, DiLoCoState, ResumableStrategy):
         arrays = self.current_arrays()
         messages = list(self.configure_train(server_round, arrays, train_config, grid))
         del arrays
-        new_arrays, train_metrics = None, None
         self.server_round += 1
         train = TrainRound(self, self.server_round)
         try:
