@@ -38,8 +38,17 @@ import lm_sweep_lib as lib  # noqa: E402
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results" / "lm_sweep.json"
 TUNING = REPO / "benchmarks" / "results" / "lm_tuning.json"
-KEY_FIELDS = ("method", "protocol", "workers", "seed", "outer_lr", "outer_momentum",
-              "inner_steps", "rounds", "quick")
+KEY_FIELDS = (
+    "method",
+    "protocol",
+    "workers",
+    "seed",
+    "outer_lr",
+    "outer_momentum",
+    "inner_steps",
+    "rounds",
+    "quick",
+)
 RATIO = math.sqrt(2.0)  # grid spacing, and the step of each automatic extension
 MAX_EXTENSIONS = 4
 TUNE_WORKERS = 8
@@ -96,7 +105,7 @@ def same_run_methods(method: str, outer_momentum: float | None) -> list[str]:
 
 def find_twin(key: tuple, paths: list[Path]) -> dict[str, Any] | None:
     """A finished record of the same computation under another method name (or file)."""
-    fields = dict(zip(KEY_FIELDS, key))
+    fields = dict(zip(KEY_FIELDS, key, strict=False))
     for path in paths:
         for m in same_run_methods(fields["method"], fields["outer_momentum"]):
             rec = find_cell(load_records(path), (m, *key[1:]))
@@ -106,10 +115,19 @@ def find_twin(key: tuple, paths: list[Path]) -> dict[str, Any] | None:
 
 
 # ----------------------------------------------------------------------------- tuned values
-def grid_records(tuning: list[dict[str, Any]], method: str, workers: int, quick: bool) -> list[dict]:
-    return [r for r in tuning if r["method"] == method and r["workers"] == workers
-            and r["protocol"] == "main" and r["quick"] == quick and r.get("seed") == 0
-            and math.isfinite(r.get("val_loss", math.nan))]
+def grid_records(
+    tuning: list[dict[str, Any]], method: str, workers: int, quick: bool
+) -> list[dict]:
+    return [
+        r
+        for r in tuning
+        if r["method"] == method
+        and r["workers"] == workers
+        and r["protocol"] == "main"
+        and r["quick"] == quick
+        and r.get("seed") == 0
+        and math.isfinite(r.get("val_loss", math.nan))
+    ]
 
 
 def best_of(records: list[dict[str, Any]]) -> dict[str, Any] | None:
@@ -129,20 +147,26 @@ def on_edge(records: list[dict[str, Any]], best: dict[str, Any]) -> str | None:
     return None
 
 
-def tuned_hp(method: str, workers: int, tuning: list[dict[str, Any]], quick: bool) -> dict[str, Any]:
+def tuned_hp(
+    method: str, workers: int, tuning: list[dict[str, Any]], quick: bool
+) -> dict[str, Any]:
     """Outer (lr, momentum) for a cell and where they came from (see module docstring)."""
     if method == "dp-adamw":
         return {"outer_lr": None, "outer_momentum": None, "tuned": None, "hp_source": "n/a"}
     if method in lib.FIXED_HP:
         lr, mu = lib.FIXED_HP[method]
         return {"outer_lr": lr, "outer_momentum": mu, "tuned": None, "hp_source": "fixed"}
-    for m in ((64, TUNE_WORKERS) if workers >= 32 else (TUNE_WORKERS,)):
+    for m in (64, TUNE_WORKERS) if workers >= 32 else (TUNE_WORKERS,):
         recs = grid_records(tuning, method, m, quick)
         best = best_of(recs)
         if best is not None:
-            return {"outer_lr": best["outer_lr"], "outer_momentum": best["outer_momentum"],
-                    "tuned": True, "hp_source": f"tuned-M{m}",
-                    "tuned_on_edge": on_edge(recs, best)}
+            return {
+                "outer_lr": best["outer_lr"],
+                "outer_momentum": best["outer_momentum"],
+                "tuned": True,
+                "hp_source": f"tuned-M{m}",
+                "tuned_on_edge": on_edge(recs, best),
+            }
     lr, mu = lib.METHODS[method][2]
     return {"outer_lr": lr, "outer_momentum": mu, "tuned": False, "hp_source": "default"}
 
@@ -155,55 +179,107 @@ def run_cell(method: str, workers: int, seed: int, hp: dict[str, Any], args, pro
     if method == "dp-adamw":
         out = lib.run_dp_adamw(workers, seed, size)
     else:
-        out = lib.run_flower(method, workers, seed, hp["outer_lr"], hp["outer_momentum"], size,
-                             protocol=protocol, ray_address=args.ray_address, num_cpus=args.num_cpus,
-                             model_cache=not args.no_model_cache)
+        out = lib.run_flower(
+            method,
+            workers,
+            seed,
+            hp["outer_lr"],
+            hp["outer_momentum"],
+            size,
+            protocol=protocol,
+            ray_address=args.ray_address,
+            num_cpus=args.num_cpus,
+            model_cache=not args.no_model_cache,
+        )
     merge_rule, momentum, _ = lib.METHODS[method]
     return {
-        "method": method, "protocol": protocol, "workers": workers, "seed": seed,
-        "outer_lr": hp["outer_lr"], "outer_momentum": hp["outer_momentum"],
-        "nesterov": bool(momentum or (hp["outer_momentum"] or 0) > 0), "merge": merge_rule,
-        "inner_steps": size["inner_steps"], "rounds": size["rounds"],
-        "global_batch": size["global_batch"], "seq_len": size["seq_len"],
+        "method": method,
+        "protocol": protocol,
+        "workers": workers,
+        "seed": seed,
+        "outer_lr": hp["outer_lr"],
+        "outer_momentum": hp["outer_momentum"],
+        "nesterov": bool(momentum or (hp["outer_momentum"] or 0) > 0),
+        "merge": merge_rule,
+        "inner_steps": size["inner_steps"],
+        "rounds": size["rounds"],
+        "global_batch": size["global_batch"],
+        "seq_len": size["seq_len"],
         "tokens": lib.num_rows(size) * size["seq_len"],
-        "val_loss": out["val_loss"], "test_loss": out["test_loss"],
-        "wall_s": out["wall_s"], "val_curve": out["val_curve"], "round_s": out.get("round_s"),
+        "val_loss": out["val_loss"],
+        "test_loss": out["test_loss"],
+        "wall_s": out["wall_s"],
+        "val_curve": out["val_curve"],
+        "round_s": out.get("round_s"),
         **{k: v for k, v in hp.items() if k not in ("outer_lr", "outer_momentum")},
-        "quick": bool(args.quick), "flower": method != "dp-adamw",
-        "ray_address": args.ray_address, "model_cache": not args.no_model_cache,
-        "size": size, "model_params": sum(p.numel() for p in lib.build_model(size, 0).parameters()),
-        **{k: out[k] for k in ("data_key", "corpora", "train_rows", "train_tokens",
-                               "val_tokens", "test_tokens")},
-        "load_avg_start": load0[0], "load_avg_end": os.getloadavg()[0],
+        "quick": bool(args.quick),
+        "flower": method != "dp-adamw",
+        "ray_address": args.ray_address,
+        "model_cache": not args.no_model_cache,
+        "size": size,
+        "model_params": sum(p.numel() for p in lib.build_model(size, 0).parameters()),
+        **{
+            k: out[k]
+            for k in (
+                "data_key",
+                "corpora",
+                "train_rows",
+                "train_tokens",
+                "val_tokens",
+                "test_tokens",
+            )
+        },
+        "load_avg_start": load0[0],
+        "load_avg_end": os.getloadavg()[0],
         "started_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t0)),
-        "cpu_count": os.cpu_count(), "sweep_version": lib.SWEEP_VERSION,
+        "cpu_count": os.cpu_count(),
+        "sweep_version": lib.SWEEP_VERSION,
     }
 
 
 def ensure_cell(method, workers, seed, hp, args, path: Path, protocol="main", **extra) -> dict:
     """Run the cell unless it is in ``path`` (then return that record); append it at once."""
     size = lib.protocol_size(protocol, workers, args.quick, args.inner_steps)
-    key = (method, protocol, workers, seed, hp["outer_lr"], hp["outer_momentum"],
-           size["inner_steps"], size["rounds"], bool(args.quick))
+    key = (
+        method,
+        protocol,
+        workers,
+        seed,
+        hp["outer_lr"],
+        hp["outer_momentum"],
+        size["inner_steps"],
+        size["rounds"],
+        bool(args.quick),
+    )
     done = find_cell(load_records(path), key)
     if done is not None:
-        print(f"[lm_sweep] skip (done): {dict(zip(KEY_FIELDS, key))}", flush=True)
+        print(f"[lm_sweep] skip (done): {dict(zip(KEY_FIELDS, key, strict=False))}", flush=True)
         return done
     twin = find_twin(key, [args.tuning_file, args.out])
     if twin is not None:  # the same computation already ran (e.g. a grid point): reuse it
-        rec = {**{k: v for k, v in twin.items() if k not in ("grid", "note", "copied_from")},
-               "method": method, "protocol": protocol, **extra,
-               "copied_from": {k: twin.get(k) for k in ("method", "hp_source", "started_utc")}}
+        rec = {
+            **{k: v for k, v in twin.items() if k not in ("grid", "note", "copied_from")},
+            "method": method,
+            "protocol": protocol,
+            **extra,
+            "copied_from": {k: twin.get(k) for k in ("method", "hp_source", "started_utc")},
+        }
         rec.update({k: v for k, v in hp.items() if k not in ("outer_lr", "outer_momentum")})
         append_record(path, rec)
-        print(f"[lm_sweep] {method} M={workers} seed={seed}: reused the identical run "
-              f"{rec['copied_from']}", flush=True)
+        print(
+            f"[lm_sweep] {method} M={workers} seed={seed}: reused the identical run "
+            f"{rec['copied_from']}",
+            flush=True,
+        )
         return rec
     rec = {**run_cell(method, workers, seed, hp, args, protocol), **extra}
     append_record(path, rec)
-    print(f"[lm_sweep] {method} M={workers} seed={seed} lr={hp['outer_lr']} "
-          f"mu={hp['outer_momentum']}: val {rec['val_loss']:.4f} test {rec['test_loss']:.4f} "
-          f"({rec['wall_s']:.1f} s)", flush=True)
+    print(
+        f"[lm_sweep] {method} M={workers} seed={seed} lr={hp['outer_lr']} "
+        f"mu={hp['outer_momentum']}: val {rec['val_loss']:.4f} test {rec['test_loss']:.4f} "
+        f"({rec['wall_s']:.1f} s)",
+        flush=True,
+    )
     return rec
 
 
@@ -237,40 +313,75 @@ def extension(records: list[dict[str, Any]]) -> tuple[float, float] | None:
 def tune(method: str, workers: int, args) -> None:
     path = args.tuning_file
     for lr, mu in initial_grid(method, workers, load_records(path), args.quick):
-        ensure_cell(method, workers, 0, {"outer_lr": lr, "outer_momentum": mu, "tuned": None,
-                                         "hp_source": "grid"}, args, path, grid=True)
+        ensure_cell(
+            method,
+            workers,
+            0,
+            {"outer_lr": lr, "outer_momentum": mu, "tuned": None, "hp_source": "grid"},
+            args,
+            path,
+            grid=True,
+        )
     for _ in range(MAX_EXTENSIONS):
         point = extension(grid_records(load_records(path), method, workers, args.quick))
         if point is None:
             break
         print(f"[lm_sweep] {method} M={workers}: optimum on the grid's edge, adding lr {point[0]}")
-        ensure_cell(method, workers, 0, {"outer_lr": point[0], "outer_momentum": point[1],
-                                         "tuned": None, "hp_source": "grid-extension"},
-                    args, path, grid=True)
+        ensure_cell(
+            method,
+            workers,
+            0,
+            {
+                "outer_lr": point[0],
+                "outer_momentum": point[1],
+                "tuned": None,
+                "hp_source": "grid-extension",
+            },
+            args,
+            path,
+            grid=True,
+        )
     best = best_of(grid_records(load_records(path), method, workers, args.quick))
-    print(f"[lm_sweep] {method} M={workers} optimum: lr {best['outer_lr']} "
-          f"mu {best['outer_momentum']} val {best['val_loss']:.4f}", flush=True)
+    print(
+        f"[lm_sweep] {method} M={workers} optimum: lr {best['outer_lr']} "
+        f"mu {best['outer_momentum']} val {best['val_loss']:.4f}",
+        flush=True,
+    )
 
 
 # ----------------------------------------------------------------------------- CLI
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--methods", nargs="+", default=["isoloco", "diloco"], choices=list(lib.METHODS))
-    ap.add_argument("--workers", nargs="+", type=int, default=None,
-                    help="M values (default: 8 with --tune, else 1 8 32 128)")
+    ap.add_argument(
+        "--methods", nargs="+", default=["isoloco", "diloco"], choices=list(lib.METHODS)
+    )
+    ap.add_argument(
+        "--workers",
+        nargs="+",
+        type=int,
+        default=None,
+        help="M values (default: 8 with --tune, else 1 8 32 128)",
+    )
     ap.add_argument("--seeds", nargs="+", type=int, default=[0])
     ap.add_argument("--out", type=Path, default=RESULTS)
     ap.add_argument("--tuning-file", type=Path, default=TUNING)
     ap.add_argument("--outer-lr", type=float, default=None)
     ap.add_argument("--outer-momentum", type=float, default=None)
     ap.add_argument("--protocol", default="main", choices=lib.PROTOCOLS)
-    ap.add_argument("--inner-steps", type=int, default=None, help="H (only with --protocol h-sweep)")
+    ap.add_argument(
+        "--inner-steps", type=int, default=None, help="H (only with --protocol h-sweep)"
+    )
     ap.add_argument("--tune", action="store_true", help="run the tuning grid (seed 0)")
     ap.add_argument("--quick", action="store_true", help="tiny sizing (tests)")
-    ap.add_argument("--ray-address", default=None, help="existing Ray cluster (e.g. auto, host:6379)")
+    ap.add_argument(
+        "--ray-address", default=None, help="existing Ray cluster (e.g. auto, host:6379)"
+    )
     ap.add_argument("--num-cpus", type=int, default=None, help="local Ray CPUs (default: all)")
-    ap.add_argument("--no-model-cache", action="store_true",
-                    help="build the model anew for every message (for the overhead measurement)")
+    ap.add_argument(
+        "--no-model-cache",
+        action="store_true",
+        help="build the model anew for every message (for the overhead measurement)",
+    )
     args = ap.parse_args(argv)
     if args.workers is None:
         args.workers = [TUNE_WORKERS] if args.tune else [1, 8, 32, 128]

@@ -37,16 +37,34 @@ SWEEP_VERSION = 1
 # Sizing (docs/results-lm.md, "Sweep protocol"). main: one M = 8 run ~60 s on the idle 2-core box.
 SIZES: dict[str, dict[str, Any]] = {
     "main": {
-        "vocab": 1024, "hidden": 96, "layers": 3, "heads": 2, "seq_len": 64,
-        "global_batch": 128, "rounds": 20, "inner_steps": 10,
-        "inner_lr": 3e-3, "warmup": 10, "min_lr_ratio": 0.1,
-        "curve_tokens": 16384, "eval_tokens": 65536,
+        "vocab": 1024,
+        "hidden": 96,
+        "layers": 3,
+        "heads": 2,
+        "seq_len": 64,
+        "global_batch": 128,
+        "rounds": 20,
+        "inner_steps": 10,
+        "inner_lr": 3e-3,
+        "warmup": 10,
+        "min_lr_ratio": 0.1,
+        "curve_tokens": 16384,
+        "eval_tokens": 65536,
     },
     "quick": {
-        "vocab": 1024, "hidden": 16, "layers": 1, "heads": 2, "seq_len": 16,
-        "global_batch": 128, "rounds": 2, "inner_steps": 2,
-        "inner_lr": 3e-3, "warmup": 1, "min_lr_ratio": 0.1,
-        "curve_tokens": 2048, "eval_tokens": 4096,
+        "vocab": 1024,
+        "hidden": 16,
+        "layers": 1,
+        "heads": 2,
+        "seq_len": 16,
+        "global_batch": 128,
+        "rounds": 2,
+        "inner_steps": 2,
+        "inner_lr": 3e-3,
+        "warmup": 1,
+        "min_lr_ratio": 0.1,
+        "curve_tokens": 2048,
+        "eval_tokens": 4096,
     },
 }
 PROTOCOLS = ("main", "per-worker-batch", "h-sweep", "large-model", "iso_c-no-embed")
@@ -54,8 +72,9 @@ PER_WORKER_BATCH = 8  # per-worker-batch protocol: G = 8 M, rounds = N / (H G) =
 NO_EMBED_PATTERN = r"layers\."  # iso_c-no-embed: Iso-C on the blocks, mean on embedding / head
 
 
-def protocol_size(protocol: str, workers: int, quick: bool = False,
-                  inner_steps: int | None = None) -> dict[str, Any]:
+def protocol_size(
+    protocol: str, workers: int, quick: bool = False, inner_steps: int | None = None
+) -> dict[str, Any]:
     """Sizing of one cell (see docs/results-lm.md, "Sweep protocol"); ValueError if M does
     not fit the protocol. Every protocol keeps the main run's N = rounds * H * G sequences
     (``h-sweep``: rounds = round(main steps / H), so N changes by < 5% at H = 30)."""
@@ -64,13 +83,19 @@ def protocol_size(protocol: str, workers: int, quick: bool = False,
     if protocol in ("main", "iso_c-no-embed"):
         size = base
     elif protocol == "large-model":  # ~4x the parameters (2.16M vs 0.53M)
-        size = {**base, "hidden": base["hidden"] * 2, "layers": base["layers"] + 1,
-                "heads": base["heads"] * 2}
+        size = {
+            **base,
+            "hidden": base["hidden"] * 2,
+            "layers": base["layers"] + 1,
+            "heads": base["heads"] * 2,
+        }
     elif protocol == "per-worker-batch":
         n = num_rows(base)
         g = PER_WORKER_BATCH * workers
         if n % (g * base["inner_steps"]):
-            raise ValueError(f"per-worker-batch: {n} sequences do not make whole rounds at M = {workers}")
+            raise ValueError(
+                f"per-worker-batch: {n} sequences do not make whole rounds at M = {workers}"
+            )
         size = {**base, "global_batch": g, "rounds": n // (g * base["inner_steps"])}
     elif protocol == "h-sweep":
         if not inner_steps or inner_steps < 1:
@@ -146,9 +171,14 @@ def run_rows(size: dict[str, Any], seed: int) -> tuple[Path, dict[str, Any]]:
         tmp = path.with_suffix(f".{os.getpid()}.tmp.npy")
         np.save(tmp, rows, allow_pickle=False)
         os.replace(tmp, path)
-    info = {"data_key": splits.key, "corpora": list(splits.corpora), "train_rows": total,
-            "train_tokens": int(len(splits.train)), "val_tokens": int(len(splits.val)),
-            "test_tokens": int(len(splits.test))}
+    info = {
+        "data_key": splits.key,
+        "corpora": list(splits.corpora),
+        "train_rows": total,
+        "train_tokens": int(len(splits.train)),
+        "val_tokens": int(len(splits.val)),
+        "test_tokens": int(len(splits.test)),
+    }
     return path, info
 
 
@@ -167,8 +197,13 @@ def worker_batch(rows: np.ndarray, m: int, workers: int, step: int, per_step: in
 def model_config(size: dict[str, Any]):
     from flwr_isoloco.models.llama import llama_config
 
-    return llama_config(vocab_size=size["vocab"], hidden=size["hidden"], layers=size["layers"],
-                        heads=size["heads"], max_seq_len=size["seq_len"])
+    return llama_config(
+        vocab_size=size["vocab"],
+        hidden=size["hidden"],
+        layers=size["layers"],
+        heads=size["heads"],
+        max_seq_len=size["seq_len"],
+    )
 
 
 def build_model(size: dict[str, Any], seed: int):
@@ -217,7 +252,9 @@ class ServerEval:
         if server_round == self.rounds:
             self.final = {
                 "val_loss": eval_loss(self.model, self.splits.val, s["seq_len"], s["eval_tokens"]),
-                "test_loss": eval_loss(self.model, self.splits.test, s["seq_len"], s["eval_tokens"]),
+                "test_loss": eval_loss(
+                    self.model, self.splits.test, s["seq_len"], s["eval_tokens"]
+                ),
             }
             out.update({k.replace("_", "-"): v for k, v in self.final.items()})
         return MetricRecord(out)
@@ -251,9 +288,14 @@ def _make_handler(spec: dict[str, Any]):
         return lambda step: worker_batch(rows, m, workers, step, per_step)
 
     return make_diloco_train_handler(
-        model_fn, data_fn, lr=size["inner_lr"], local_steps=size["inner_steps"],
-        num_server_rounds=size["rounds"], warmup_steps=size["warmup"],
-        min_lr_ratio=size["min_lr_ratio"], seed=spec["seed"],
+        model_fn,
+        data_fn,
+        lr=size["inner_lr"],
+        local_steps=size["inner_steps"],
+        num_server_rounds=size["rounds"],
+        warmup_steps=size["warmup"],
+        min_lr_ratio=size["min_lr_ratio"],
+        seed=spec["seed"],
         state_layout=spec.get("state_layout", "flat"),
     )
 
@@ -269,8 +311,14 @@ def client_train(msg, context):
     return handler(msg, context)
 
 
-def make_strategy(method: str, workers: int, outer_lr: float, outer_momentum: float, seed: int,
-                  protocol: str = "main"):
+def make_strategy(
+    method: str,
+    workers: int,
+    outer_lr: float,
+    outer_momentum: float,
+    seed: int,
+    protocol: str = "main",
+):
     """DiLoCo-family strategy of ``method`` (:data:`METHODS`); server-side evaluation only.
     ``iso_c-no-embed``: Iso-C only on tensors matching :data:`NO_EMBED_PATTERN`."""
     from flwr_isoloco.strategies import DiLoCo
@@ -282,17 +330,33 @@ def make_strategy(method: str, workers: int, outer_lr: float, outer_momentum: fl
             raise ValueError(f"iso_c-no-embed needs a spectral method, got {method!r}")
         options = {"spectral_pattern": NO_EMBED_PATTERN}
     return DiLoCo(
-        merge=merge_rule, merge_options=options, outer_lr=outer_lr,
-        outer_momentum=outer_momentum, nesterov=True,
-        min_train_nodes=workers, min_available_nodes=workers, fraction_evaluate=0.0,
-        min_evaluate_nodes=0, seed=seed,
+        merge=merge_rule,
+        merge_options=options,
+        outer_lr=outer_lr,
+        outer_momentum=outer_momentum,
+        nesterov=True,
+        min_train_nodes=workers,
+        min_available_nodes=workers,
+        fraction_evaluate=0.0,
+        min_evaluate_nodes=0,
+        seed=seed,
     )
 
 
-def run_flower(method: str, workers: int, seed: int, outer_lr: float, outer_momentum: float,
-               size: dict[str, Any], *, protocol: str = "main", ray_address: str | None = None,
-               num_cpus: int | None = None, model_cache: bool = True,
-               state_layout: str = "flat") -> dict[str, Any]:
+def run_flower(
+    method: str,
+    workers: int,
+    seed: int,
+    outer_lr: float,
+    outer_momentum: float,
+    size: dict[str, Any],
+    *,
+    protocol: str = "main",
+    ray_address: str | None = None,
+    num_cpus: int | None = None,
+    model_cache: bool = True,
+    state_layout: str = "flat",
+) -> dict[str, Any]:
     """One real Flower simulation (Ray) of ``method`` at M = ``workers``; returns the losses."""
     from flwr.app import ArrayRecord, ConfigRecord
     from flwr.clientapp import ClientApp
@@ -302,8 +366,14 @@ def run_flower(method: str, workers: int, seed: int, outer_lr: float, outer_mome
     if size["global_batch"] % workers:
         raise ValueError(f"global batch {size['global_batch']} is not divisible by M = {workers}")
     rows_path, info = run_rows(size, seed)
-    spec = {"size": size, "workers": workers, "seed": seed, "rows_path": str(rows_path),
-            "model_cache": model_cache, "state_layout": state_layout}
+    spec = {
+        "size": size,
+        "workers": workers,
+        "seed": seed,
+        "rows_path": str(rows_path),
+        "model_cache": model_cache,
+        "state_layout": state_layout,
+    }
     client = ClientApp()
     client.train()(client_train)
     server = ServerApp()
@@ -316,8 +386,14 @@ def run_flower(method: str, workers: int, seed: int, outer_lr: float, outer_mome
         ev = ServerEval(size, seed, size["rounds"])
         initial = ArrayRecord(build_model(size, seed).state_dict())
         config = ConfigRecord({"num-server-rounds": size["rounds"], "sweep.spec": json.dumps(spec)})
-        strategy.start(grid=grid, initial_arrays=initial, num_rounds=size["rounds"],
-                       train_config=config, evaluate_fn=ev, timeout=3600)
+        strategy.start(
+            grid=grid,
+            initial_arrays=initial,
+            num_rounds=size["rounds"],
+            train_config=config,
+            evaluate_fn=ev,
+            timeout=3600,
+        )
         RESULT.update(ev.final, curve=ev.curve, times=ev.times, rounds_done=strategy.server_round)
 
     init_args: dict[str, Any] = {"include_dashboard": False}
@@ -326,16 +402,27 @@ def run_flower(method: str, workers: int, seed: int, outer_lr: float, outer_mome
     else:
         init_args["num_cpus"] = num_cpus or os.cpu_count() or 2
     t0 = time.perf_counter()
-    run_simulation(server_app=server, client_app=client, num_supernodes=workers,
-                   backend_config={"client_resources": {"num_cpus": 1, "num_gpus": 0.0},
-                                   "init_args": init_args})
+    run_simulation(
+        server_app=server,
+        client_app=client,
+        num_supernodes=workers,
+        backend_config={
+            "client_resources": {"num_cpus": 1, "num_gpus": 0.0},
+            "init_args": init_args,
+        },
+    )
     wall = time.perf_counter() - t0
     if RESULT.get("rounds_done") != size["rounds"] or "test_loss" not in RESULT:
         raise RuntimeError(f"{method} M={workers} seed={seed}: the run did not finish its rounds")
     times = RESULT["times"]
-    return {**info, "val_loss": RESULT["val_loss"], "test_loss": RESULT["test_loss"],
-            "val_curve": RESULT["curve"], "round_s": [b - a for a, b in zip(times, times[1:])],
-            "wall_s": wall}
+    return {
+        **info,
+        "val_loss": RESULT["val_loss"],
+        "test_loss": RESULT["test_loss"],
+        "val_curve": RESULT["curve"],
+        "round_s": [b - a for a, b in zip(times, times[1:], strict=False)],
+        "wall_s": wall,
+    }
 
 
 def run_dp_adamw(workers: int, seed: int, size: dict[str, Any]) -> dict[str, Any]:
@@ -349,8 +436,9 @@ def run_dp_adamw(workers: int, seed: int, size: dict[str, Any]) -> dict[str, Any
     rows = np.load(rows_path, allow_pickle=False, mmap_mode="r")
     ev = ServerEval(size, seed, size["rounds"])
     model = build_model(size, seed)
-    opt = torch.optim.AdamW(model.parameters(), lr=size["inner_lr"], betas=(0.9, 0.95),
-                            weight_decay=0.1, eps=1e-8)
+    opt = torch.optim.AdamW(
+        model.parameters(), lr=size["inner_lr"], betas=(0.9, 0.95), weight_decay=0.1, eps=1e-8
+    )
     h, rounds, per = size["inner_steps"], size["rounds"], size["global_batch"] // workers
     total = rounds * h
     torch.manual_seed(seed)

@@ -28,9 +28,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
 os.environ.setdefault("FLWR_DISABLE_UPDATE_CHECK", "1")
 
-import torch  # noqa: E402
-
 import lm_sweep_lib as lib  # noqa: E402
+import torch  # noqa: E402
 
 OUT = Path(__file__).resolve().parent / "results" / "lm_overhead.json"
 
@@ -61,22 +60,42 @@ def main() -> None:
     args = ap.parse_args()
     size = {**lib.SIZES["main"], "rounds": args.rounds, "inner_steps": 1, "warmup": 1}
     t_step = step_time(size)
-    out = {"workers": args.workers, "actors": args.num_cpus, "rounds": args.rounds,
-           "t_step_s": t_step, "runs": []}
+    out = {
+        "workers": args.workers,
+        "actors": args.num_cpus,
+        "rounds": args.rounds,
+        "t_step_s": t_step,
+        "runs": [],
+    }
     variants = (("named", True), ("flat", True), ("flat", False))
     for layout, cache in variants:
         load0 = os.getloadavg()[0]
-        res = lib.run_flower("fedavg", args.workers, 0, 1.0, 0.0, size, num_cpus=args.num_cpus,
-                             model_cache=cache, state_layout=layout)
+        res = lib.run_flower(
+            "fedavg",
+            args.workers,
+            0,
+            1.0,
+            0.0,
+            size,
+            num_cpus=args.num_cpus,
+            model_cache=cache,
+            state_layout=layout,
+        )
         rounds = res["round_s"][1:]
         per_round = statistics.median(rounds)
-        out["runs"].append({
-            "state_layout": layout, "model_cache": cache, "round_s": res["round_s"],
-            "wall_s": res["wall_s"], "per_message_wall_s": per_round / args.workers,
-            "per_message_overhead_s": per_round * args.num_cpus / args.workers - t_step,
-            "load_avg_start": load0, "load_avg_end": os.getloadavg()[0],
-            "val_loss": res["val_loss"],
-        })
+        out["runs"].append(
+            {
+                "state_layout": layout,
+                "model_cache": cache,
+                "round_s": res["round_s"],
+                "wall_s": res["wall_s"],
+                "per_message_wall_s": per_round / args.workers,
+                "per_message_overhead_s": per_round * args.num_cpus / args.workers - t_step,
+                "load_avg_start": load0,
+                "load_avg_end": os.getloadavg()[0],
+                "val_loss": res["val_loss"],
+            }
+        )
         print(json.dumps(out["runs"][-1]), flush=True)
     named, flat, nocache = (r["per_message_overhead_s"] for r in out["runs"])
     out["overhead_ratio_flat_over_named"] = flat / named

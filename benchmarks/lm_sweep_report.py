@@ -189,8 +189,9 @@ def protocols_table(sweep: list[dict], tuning: list[dict]) -> str:
     ]
     protos = sorted({r["protocol"] for r in sweep} - {"main"})
     cells = [r for p in protos for r in current_cells(sweep, tuning, p)]
-    for r in sorted(cells, key=lambda r: (r["protocol"], r["inner_steps"], r["workers"],
-                                          r["method"], r["seed"])):
+    for r in sorted(
+        cells, key=lambda r: (r["protocol"], r["inner_steps"], r["workers"], r["method"], r["seed"])
+    ):
         ref = main.get((r["method"], r["workers"], r["seed"]))
         ref_s = "" if ref is None else f"{ref['test_loss']:.4f}"
         diff = "" if ref is None else f"{r['test_loss'] - ref['test_loss']:+.4f}"
@@ -325,8 +326,13 @@ def with_tuned_reference(main: list[dict], inner_lr: list[dict]) -> list[dict]:
     return [r for r in main if r["method"] != "dp-adamw"] + [ref]
 
 
-def report(sweep: list[dict], tuning: list[dict], img_dir: Path, img_rel: str,
-           inner_lr: list[dict] | None = None) -> str:
+def report(
+    sweep: list[dict],
+    tuning: list[dict],
+    img_dir: Path,
+    img_rel: str,
+    inner_lr: list[dict] | None = None,
+) -> str:
     """The generated block of docs/results-lm.md (tables + plot links) from the JSON."""
     main = with_tuned_reference(current_cells(sweep, tuning), inner_lr or [])
     plot_loss_vs_m(main, img_dir / "lm_sweep_loss_vs_m.png")
@@ -401,8 +407,9 @@ def main() -> None:
     sweep, tuning = _load(args.sweep), _load(args.tuning)
     if args.write_docs:
         repo = RESULTS.parents[1]
-        block = report(sweep, tuning, repo / "docs" / "img", "img",
-                       _load(RESULTS / "lm_inner_lr.json"))
+        block = report(
+            sweep, tuning, repo / "docs" / "img", "img", _load(RESULTS / "lm_inner_lr.json")
+        )
         write_docs(repo / "docs" / "results-lm.md", block)
         print(block)
         return

@@ -63,9 +63,10 @@ def test_save_restore_continues_bitwise(step_arrays):
         return saved["arrays"]
 
     _continues_bitwise(
-        save, lambda opt, named, arrays: arrays_to_adamw(
+        save,
+        lambda opt, named, arrays: arrays_to_adamw(
             opt, named, arrays, None if step_arrays else saved["step"]
-        )
+        ),
     )
     assert saved["step"] == 3
 
@@ -162,7 +163,10 @@ def test_flat_layout_keeps_unstepped_parameters_fresh_and_refuses_bad_arrays():
     assert adamw_to_flat(_opt(named), named)["step"].tolist() == [0.0] * 4  # no state: zeros
     bad = {
         "missing": ({k: v for k, v in flat.items() if k != "exp_avg"}, r"missing \['exp_avg'\]"),
-        "short": ({**flat, "exp_avg_sq": flat["exp_avg_sq"][:-1]}, "exp_avg_sq has 22 values, the model 23"),
+        "short": (
+            {**flat, "exp_avg_sq": flat["exp_avg_sq"][:-1]},
+            "exp_avg_sq has 22 values, the model 23",
+        ),
         "steps": ({**flat, "step": flat["step"][:3]}, "3 steps for 4 parameters"),
         "neg": ({**flat, "step": torch.tensor([1.0, -1.0, 1.0, 1.0])}, "integers >= 0"),
         "frac": ({**flat, "step": torch.tensor([1.5, 1.0, 1.0, 1.0])}, "integers >= 0"),

@@ -280,8 +280,10 @@ def test_report_ranks_merge_rules_and_sets_protocols_beside_their_main_cell():
     ]
     ref = rep.with_tuned_reference(
         [{**main[0], "method": "dp-adamw"}],
-        [{**main[0], "method": "dp-adamw", "inner_lr": lr, "val_loss": v} for lr, v in
-         ((1.5e-3, 4.3), (3e-3, 4.4))],
+        [
+            {**main[0], "method": "dp-adamw", "inner_lr": lr, "val_loss": v}
+            for lr, v in ((1.5e-3, 4.3), (3e-3, 4.4))
+        ],
     )
     assert [(r["inner_lr"], r["outer_lr"]) for r in ref] == [(1.5e-3, None)]
     assert "- (peak lr 0.0015)" in rep.ranked_table(ref, (8,))
