@@ -18,7 +18,7 @@ end) spills each delta to a private :class:`~.spill.SpillStore` and merges tenso
 when the round closes. Server memory is one model copy plus ``O(M x largest tensor)``.
 
 A reply is any object with ``node_id``, ``update(theta) -> dict`` (its ``delta_i``) and
-``release()`` (e.g. :class:`flwr_isoloco.strategies.common.CheckedReply`); this module imports
+``release()`` (e.g. :class:`flwr_isoloco.strategies.replies.CheckedReply`); this module imports
 no Flower.
 """
 

@@ -14,7 +14,7 @@ and applies the outer optimiser (``torch.optim.SGD`` convention, dampening 0)::
     theta <- theta - lr*u
 
 ``DiLoCo(merge="mean", outer_lr=1.0, outer_momentum=0.0)`` is FedAvg. Bad replies are dropped
-with a logged reason (:mod:`~flwr_isoloco.strategies.common`); replies are merged in
+with a logged reason (:mod:`~flwr_isoloco.strategies.replies`); replies are merged in
 content-digest order (not node-id order); node sampling and DARE masks come from ``seed``. Round merge: :mod:`flwr_isoloco.merging.round`.
 """
 
@@ -36,12 +36,6 @@ from flwr_isoloco.merging import MERGE_RULES
 from flwr_isoloco.merging.round import RoundMerge
 from flwr_isoloco.merging.rules import check_options
 from flwr_isoloco.outer import OuterSGD
-from flwr_isoloco.strategies.common import (
-    CheckedReply,
-    EmptyRoundGuard,
-    ReplyValidator,
-    SentLedger,
-)
 from flwr_isoloco.strategies.diloco_config import (
     DEFAULT_MAX_WEIGHT_RATIO,
     DILOCO_RUN_CONFIG,
@@ -52,8 +46,11 @@ from flwr_isoloco.strategies.diloco_config import (
 from flwr_isoloco.strategies.diloco_state import DiLoCoState, log_summary
 from flwr_isoloco.strategies.divergence import DEFAULT_DIVERGENCE_FACTOR
 from flwr_isoloco.strategies.evaluation import aggregate_metrics
+from flwr_isoloco.strategies.guard import EmptyRoundGuard
+from flwr_isoloco.strategies.ledger import SentLedger
 from flwr_isoloco.strategies.lifecycle import ResumableStrategy, RoundOutcome
 from flwr_isoloco.strategies.nodes import wait_for_nodes
+from flwr_isoloco.strategies.replies import CheckedReply, ReplyValidator
 from flwr_isoloco.strategies.rounds import ReplyStream, check_quorum
 from flwr_isoloco.strategies.train_round import TrainRound
 
@@ -125,7 +122,7 @@ class DiLoCo(FromRunConfig, DiLoCoState, ResumableStrategy):
         Each reply's weight is clipped to ``max_weight_ratio x`` the round's median weight
         (default 5; ``0`` or ``None`` = off), so no one site owns the merge.
     max_empty_rounds : int
-        Stop with :class:`~flwr_isoloco.strategies.common.NoProgressError` when this many
+        Stop with :class:`~flwr_isoloco.strategies.guard.NoProgressError` when this many
         consecutive rounds used no reply (default 3; ``0`` = never).
     dtype_policy : "cast" | "reject"
         What to do with a reply array of another floating dtype.
@@ -349,7 +346,7 @@ class DiLoCo(FromRunConfig, DiLoCoState, ResumableStrategy):
         """Validate, bound the weights, merge and take the outer step.
 
         A bad reply is dropped and named, never the round; the counts logged and returned
-        agree. Raises :class:`~flwr_isoloco.strategies.common.NoProgressError` only when
+        agree. Raises :class:`~flwr_isoloco.strategies.guard.NoProgressError` only when
         ``max_empty_rounds`` consecutive rounds used no reply.
         """
         self.server_round += 1

@@ -18,9 +18,9 @@ from flwr_isoloco.compression import CODECS
 from flwr_isoloco.merging import MERGE_RULES
 from flwr_isoloco.outer import ISOLOCO_PRESETS
 from flwr_isoloco.runconfig import choices, in_range, non_negative, read_run_config
-from flwr_isoloco.strategies.common import PAYLOADS
 from flwr_isoloco.strategies.divergence import DEFAULT_DIVERGENCE_FACTOR, DIVERGENCE_MODES
 from flwr_isoloco.strategies.evaluation import check_count, check_fraction
+from flwr_isoloco.strategies.replies import PAYLOADS
 
 __all__ = [
     "DILOCO_RUN_CONFIG",

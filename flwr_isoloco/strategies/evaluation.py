@@ -6,7 +6,7 @@ node-id order, so a run repeats) and aggregates the replies' scalar metrics as
 
     m = sum_i w_i m_i / sum_i w_i,   w_i = num-examples_i
 
-over the replies that pass :class:`~flwr_isoloco.strategies.common.ReplyValidator` (error
+over the replies that pass :class:`~flwr_isoloco.strategies.replies.ReplyValidator` (error
 replies, missing or invalid weights are dropped and named), or with the app's
 ``evaluate_metrics_aggr_fn(list[RecordDict], weighted_by_key)`` as in FedAvg.
 """
@@ -19,7 +19,9 @@ from collections.abc import Callable, Iterable
 
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
 
-from .common import ReplyValidator, SentLedger, metric_record, weighted_mean_metrics
+from .ledger import SentLedger
+from .metrics import metric_record, weighted_mean_metrics
+from .replies import ReplyValidator
 
 __all__ = ["FederatedEvaluation", "check_fraction", "check_count"]
 

@@ -40,8 +40,10 @@ from flwr.serverapp import Grid
 
 from ..graphs import consensus_distance, metropolis_mixing_weights, mix, spectral_gap
 from ..merging.weights import norm_outlier
-from .common import ReplyReport, SentLedger, weighted_mean_metrics
 from .graph_base import GraphStrategy, graph_summary
+from .ledger import SentLedger
+from .metrics import weighted_mean_metrics
+from .replies import ReplyReport
 from .wire import _record_of, check_train_metrics, record_nbytes, record_tensors
 
 __all__ = ["GossipLoRA", "mix"]

@@ -14,10 +14,11 @@ from flwr.common.logger import log
 from flwr.serverapp import Grid
 
 from ..graphs import build_graph, deferred_graph, vertex_list
-from .common import EmptyRoundGuard, NoProgressError, ReplyValidator
 from .evaluation import FederatedEvaluation, check_count
+from .guard import EmptyRoundGuard, NoProgressError
 from .lifecycle import ResumableStrategy, RoundOutcome
 from .nodes import wait_for_nodes
+from .replies import ReplyValidator
 from .vertices import VertexMap, assign_new_nodes, discover_vertices, map_vertices
 
 __all__ = ["GraphStrategy", "graph_summary"]
@@ -51,7 +52,7 @@ class GraphStrategy(ResumableStrategy):
     only), ``min_evaluate_nodes``, ``require_weight`` (default False),
     ``dtype_policy`` (``cast`` | ``reject``), ``max_update_norm``, ``round_end_fn``,
     ``max_empty_rounds`` (default 3: that many consecutive rounds in which no reply was used
-    stop :meth:`start` with :class:`~flwr_isoloco.strategies.common.NoProgressError`; 0 = off).
+    stop :meth:`start` with :class:`~flwr_isoloco.strategies.guard.NoProgressError`; 0 = off).
     """
 
     what = "graph-strategy"
