@@ -32,7 +32,7 @@ from flwr.common.logger import log
 from flwr.serverapp import Grid
 
 from flwr_isoloco.compression import payload_nbytes, request_config
-from flwr_isoloco.merging import MERGE_RULES
+from flwr_isoloco.merging import MERGE_RULES, resolve_device
 from flwr_isoloco.merging.round import RoundMerge
 from flwr_isoloco.merging.rules import check_options
 from flwr_isoloco.outer import OuterSGD
@@ -137,6 +137,11 @@ class DiLoCo(FromRunConfig, DiLoCoState, ResumableStrategy):
         The divergence guard (:mod:`~flwr_isoloco.strategies.divergence`): ``"warn"``
         (default) | ``"skip"`` | ``"stop"`` when the ``evaluate_fn`` loss is non-finite or
         above ``divergence_factor`` (default 1.5; 0 = non-finite only) x the previous round's.
+    merge_device : "auto" | "cpu" | "cuda" | "cuda:<index>"
+        Where the server merge computes (:func:`~flwr_isoloco.merging.resolve_device`):
+        ``"auto"`` (default) is CUDA where ``torch.cuda.is_available()``, else the CPU. The
+        model and every result stay on the CPU; one tensor's slices move at a time. A CUDA
+        device that is not there is refused here, at construction.
     """
 
     def __init__(
@@ -174,8 +179,10 @@ class DiLoCo(FromRunConfig, DiLoCoState, ResumableStrategy):
         on_divergence: str = "warn",
         divergence_factor: float = DEFAULT_DIVERGENCE_FACTOR,
         divergence_key: str | None = None,
+        merge_device: str = "auto",
     ) -> None:
         self.quorum, self.grace_s = check_quorum(quorum, grace_s)
+        self.merge_device = resolve_device(merge_device)  # ValueError: e.g. "cuda" without a GPU
         self.set_divergence_guard(on_divergence, divergence_factor, divergence_key)
         check_arguments(
             fraction_train=fraction_train,
@@ -242,7 +249,7 @@ class DiLoCo(FromRunConfig, DiLoCoState, ResumableStrategy):
         self.merge_options = dict(merge_options or {})
         check_options(self.rule, self.merge_options)  # unknown option / bad value -> ValueError
         self.merger = RoundMerge(
-            self.rule, self.merge_name, self.merge_options, orthogonalize, seed
+            self.rule, self.merge_name, self.merge_options, orthogonalize, seed, self.merge_device
         )
 
     @staticmethod
