@@ -45,7 +45,7 @@ from flwr_isoloco.strategies.diloco_config import (
 )
 from flwr_isoloco.strategies.diloco_state import DiLoCoState, log_summary
 from flwr_isoloco.strategies.divergence import DEFAULT_DIVERGENCE_FACTOR
-from flwr_isoloco.strategies.evaluation import aggregate_metrics
+from flwr_isoloco.strategies.evaluation import aggregate_metrics, evaluation_round
 from flwr_isoloco.strategies.guard import EmptyRoundGuard
 from flwr_isoloco.strategies.ledger import SentLedger
 from flwr_isoloco.strategies.lifecycle import ResumableStrategy, RoundOutcome
@@ -377,7 +377,8 @@ class DiLoCo(FromRunConfig, DiLoCoState, ResumableStrategy):
         timeout: float,
     ) -> RoundOutcome:
         """Train then evaluate; replies are taken as they arrive (:mod:`.rounds`), each train
-        reply folded into the merge at once (:class:`.train_round.TrainRound`)."""
+        reply folded into the merge at once (:class:`.train_round.TrainRound`); an evaluation
+        that sends nothing is skipped (:func:`.evaluation.evaluation_round`)."""
         arrays = self.current_arrays()
         messages = list(self.configure_train(server_round, arrays, train_config, grid))
         del arrays
@@ -397,22 +398,16 @@ class DiLoCo(FromRunConfig, DiLoCoState, ResumableStrategy):
             new_arrays, train_metrics = train.finish(wait)
         finally:
             train.close()
-        messages = list(
-            self.configure_evaluate(server_round, self.current_arrays(), evaluate_config, grid)
-        )
-        replies: list[Message] = []
-        wait = self._eval_stream.run(
+        evaluate_metrics = evaluation_round(
+            self._eval_stream,
             grid,
-            messages,
-            replies.append,
+            self.configure_evaluate(server_round, self.current_arrays(), evaluate_config, grid),
+            self.aggregate_evaluate,
             server_round=server_round,
             timeout=timeout,
             quorum=self.quorum,
             grace_s=self.grace_s,
         )
-        evaluate_metrics = self.aggregate_evaluate(server_round, replies)
-        if evaluate_metrics is not None:
-            evaluate_metrics = MetricRecord({**evaluate_metrics, **wait.as_metrics()})
         return RoundOutcome(new_arrays, train_metrics, evaluate_metrics)
 
     def aggregate_evaluate(
