@@ -59,6 +59,8 @@ class GraphStrategy(ResumableStrategy):
     what = "graph-strategy"
     REFUSED_FEDAVG_ARGS: dict[str, str] = {}
     """FedAvg keyword arguments that have no meaning for this strategy, with the reason."""
+    REFUSED_ARGS: dict[str, str] = {}
+    """Other strategies' keyword arguments (e.g. DiLoCo's) with no meaning here, with the reason."""
 
     def __init__(
         self,
@@ -146,6 +148,9 @@ class GraphStrategy(ResumableStrategy):
             why = self.REFUSED_FEDAVG_ARGS.get(name)
             if why is not None:
                 raise TypeError(f"{cls}: FedAvg's {name}= has no meaning here: {why}")
+            why = self.REFUSED_ARGS.get(name)
+            if why is not None:
+                raise TypeError(f"{cls}: {name}= has no meaning here: {why}")
             raise TypeError(f"{cls}() got an unexpected keyword argument {name!r}")
 
     # ----------------------------------------------------------------- vertices

@@ -116,6 +116,10 @@ class RWLoRA(RWLoRAHops, RWLoRAState, GraphStrategy):
         "min_train_nodes": "RW-LoRA trains exactly one node per round (the walk's vertex)",
         "train_metrics_aggr_fn": "a round has one reply, whose metrics are the round's",
     }
+    REFUSED_ARGS = {
+        "quorum": "each hop goes to one node and waits for its reply (timeout), then re-routes",
+        "grace_s": "each hop goes to one node and waits for its reply (timeout), then re-routes",
+    }
 
     def __init__(
         self,
