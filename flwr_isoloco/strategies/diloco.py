@@ -249,7 +249,12 @@ class DiLoCo(FromRunConfig, DiLoCoState, ResumableStrategy):
         self.merge_options = dict(merge_options or {})
         check_options(self.rule, self.merge_options)  # unknown option / bad value -> ValueError
         self.merger = RoundMerge(
-            self.rule, self.merge_name, self.merge_options, orthogonalize, seed, self.merge_device
+            self.rule,
+            self.merge_name,
+            self.merge_options,
+            orthogonalize,
+            seed,
+            device=self.merge_device,
         )
 
     @staticmethod
