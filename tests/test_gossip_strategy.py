@@ -11,8 +11,8 @@ from test_rwlora_strategy import HANDLERS, NBYTES, SHAPES, arm, client_update, i
 from flwr_isoloco.checkpoint import load_checkpoint, save_checkpoint
 from flwr_isoloco.graphs import build_graph, metropolis_mixing_weights
 from flwr_isoloco.strategies import GossipLoRA
-from flwr_isoloco.strategies.common import NoProgressError
 from flwr_isoloco.strategies.gossip import mix
+from flwr_isoloco.strategies.guard import NoProgressError
 
 torch.set_num_threads(1)
 

@@ -236,7 +236,7 @@ def test_seed_at_the_top_of_its_range_trains(tmp_path):
 
 def test_run_that_uses_no_reply_stops_with_an_error(tmp_path):
     """B5: every reply dropped -> NoProgressError after strategy.max-empty-rounds, status failed."""
-    from flwr_isoloco.strategies.common import NoProgressError
+    from flwr_isoloco.strategies.guard import NoProgressError
 
     rc = {**TINY, "output-dir": str(tmp_path / "run"), "num-server-rounds": 6, "eval-every": 6}
     grid = FakeGrid(client_app, num_nodes=3, run_config=rc)

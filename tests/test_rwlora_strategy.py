@@ -15,7 +15,7 @@ from flwr.serverapp.strategy import Strategy
 from flwr_isoloco.checkpoint import load_checkpoint, save_checkpoint
 from flwr_isoloco.graphs import build_graph
 from flwr_isoloco.strategies import RWLoRA
-from flwr_isoloco.strategies.common import NoProgressError
+from flwr_isoloco.strategies.guard import NoProgressError
 
 torch.set_num_threads(1)
 

@@ -11,22 +11,20 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["resolve_device", "DEVICE_CHOICES"]
+__all__ = ["resolve_device", "parse_device", "DEVICE_CHOICES"]
 
 #: Spellings :func:`resolve_device` accepts besides a ``torch.device``.
 DEVICE_CHOICES = ("auto", "cpu", "cuda", "cuda:<index>")
 
 
-def resolve_device(option: str | torch.device | None = "auto") -> torch.device:
-    """The ``torch.device`` for a ``device`` option.
+def parse_device(option: str | torch.device | None) -> torch.device | None:
+    """The device ``option`` names (None for ``None`` / ``"auto"``), not checked to exist.
 
-    ``None`` or ``"auto"``: ``cuda`` (the current CUDA device) where ``torch.cuda.is_available()``,
-    else ``cpu``. ``"cpu"``, ``"cuda"``, ``"cuda:1"`` or a ``torch.device``: that device, checked
-    to exist. Raises ``ValueError`` naming the option for anything else (unknown spelling, CUDA
-    asked for but not available, index out of range).
+    Raises ``ValueError`` naming the option for a spelling that is not a CPU or CUDA device
+    (a run-config pre-check, made where the server's GPUs may not be visible).
     """
     if option is None or (isinstance(option, str) and option.strip().lower() == "auto"):
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return None
     if isinstance(option, str):
         try:
             dev = torch.device(option.strip().lower())
@@ -40,9 +38,26 @@ def resolve_device(option: str | torch.device | None = "auto") -> torch.device:
         raise ValueError(
             f"merge device {option!r} is not one of {', '.join(DEVICE_CHOICES)} (or a torch.device)"
         )
+    return dev
+
+
+def resolve_device(option: str | torch.device | None = "auto") -> torch.device:
+    """The ``torch.device`` for a ``device`` option.
+
+    ``None`` or ``"auto"``: ``cuda`` (the current CUDA device) where ``torch.cuda.is_available()``,
+    else ``cpu``. ``"cpu"``, ``"cuda"``, ``"cuda:1"`` or a ``torch.device``: that device, checked
+    to exist. Raises ``ValueError`` naming the option for anything else (unknown spelling, CUDA
+    asked for but not available, index out of range).
+    """
+    dev = parse_device(option)
+    if dev is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if dev.type == "cuda":
         if not torch.cuda.is_available():
-            raise ValueError(f"merge device {option!r}: torch.cuda.is_available() is False")
+            raise ValueError(
+                f"merge device {option!r}: no CUDA device is visible here "
+                "(torch.cuda.is_available() is False); use 'auto' or 'cpu'"
+            )
         if dev.index is not None and dev.index >= torch.cuda.device_count():
             raise ValueError(
                 f"merge device {option!r}: only {torch.cuda.device_count()} CUDA device(s)"

@@ -18,7 +18,7 @@ end) spills each delta to a private :class:`~.spill.SpillStore` and merges tenso
 when the round closes. Server memory is one model copy plus ``O(M x largest tensor)``.
 
 A reply is any object with ``node_id``, ``update(theta) -> dict`` (its ``delta_i``) and
-``release()`` (e.g. :class:`flwr_isoloco.strategies.common.CheckedReply`); this module imports
+``release()`` (e.g. :class:`flwr_isoloco.strategies.replies.CheckedReply`); this module imports
 no Flower.
 """
 
@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from .device import resolve_device
 from .merge import merge
 from .rules import MERGE_RULES
 from .spill import SpillStore
@@ -61,11 +62,13 @@ class RoundMerge:
         options: Mapping[str, Any],
         orthogonalize: str = "gradient",
         seed: int = 0,
+        device: str | torch.device | None = "auto",
     ) -> None:
         self.rule, self.name = rule, name
         self.options = dict(options)
         self.orthogonalize = orthogonalize
         self.seed = seed
+        self.device = resolve_device(device)  # where a round's merge computes (results on CPU)
 
     def round_options(self, server_round: int) -> dict[str, Any]:
         """The rule's options for ``server_round`` (DARE: a per-round seed unless given)."""
@@ -83,7 +86,7 @@ class RoundMerge:
         if self.orthogonalize != "update":
             return None
         opts = self.round_options(server_round)
-        return lambda u: merge(self.rule, [u], None, **opts)
+        return lambda u: merge(self.rule, [u], None, device=self.device, **opts)
 
     def merge(
         self,
@@ -183,7 +186,8 @@ class RoundFold:
     ) -> None:
         self.merger, self.theta, self.server_round = merger, theta, server_round
         self.rule = merger.rule_for_g()
-        self.opts = {} if merger.orthogonalize == "update" else merger.round_options(server_round)
+        opts = {} if merger.orthogonalize == "update" else merger.round_options(server_round)
+        self.opts = {**opts, "device": merger.device}  # for merge() and OrderFreeMean.result()
         self.floats = [k for k, t in theta.items() if t.is_floating_point()]
         self.spills = bool(spill) or not getattr(self.rule, "streaming", False)
         self._acc = None if self.spills else OrderFreeMean()

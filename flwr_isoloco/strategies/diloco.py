@@ -14,7 +14,7 @@ and applies the outer optimiser (``torch.optim.SGD`` convention, dampening 0)::
     theta <- theta - lr*u
 
 ``DiLoCo(merge="mean", outer_lr=1.0, outer_momentum=0.0)`` is FedAvg. Bad replies are dropped
-with a logged reason (:mod:`~flwr_isoloco.strategies.common`); replies are merged in
+with a logged reason (:mod:`~flwr_isoloco.strategies.replies`); replies are merged in
 content-digest order (not node-id order); node sampling and DARE masks come from ``seed``. Round merge: :mod:`flwr_isoloco.merging.round`.
 """
 
@@ -32,16 +32,10 @@ from flwr.common.logger import log
 from flwr.serverapp import Grid
 
 from flwr_isoloco.compression import payload_nbytes, request_config
-from flwr_isoloco.merging import MERGE_RULES
+from flwr_isoloco.merging import MERGE_RULES, resolve_device
 from flwr_isoloco.merging.round import RoundMerge
 from flwr_isoloco.merging.rules import check_options
 from flwr_isoloco.outer import OuterSGD
-from flwr_isoloco.strategies.common import (
-    CheckedReply,
-    EmptyRoundGuard,
-    ReplyValidator,
-    SentLedger,
-)
 from flwr_isoloco.strategies.diloco_config import (
     DEFAULT_MAX_WEIGHT_RATIO,
     DILOCO_RUN_CONFIG,
@@ -51,9 +45,12 @@ from flwr_isoloco.strategies.diloco_config import (
 )
 from flwr_isoloco.strategies.diloco_state import DiLoCoState, log_summary
 from flwr_isoloco.strategies.divergence import DEFAULT_DIVERGENCE_FACTOR
-from flwr_isoloco.strategies.evaluation import aggregate_metrics
+from flwr_isoloco.strategies.evaluation import aggregate_metrics, evaluation_round
+from flwr_isoloco.strategies.guard import EmptyRoundGuard
+from flwr_isoloco.strategies.ledger import SentLedger
 from flwr_isoloco.strategies.lifecycle import ResumableStrategy, RoundOutcome
 from flwr_isoloco.strategies.nodes import wait_for_nodes
+from flwr_isoloco.strategies.replies import CheckedReply, ReplyValidator
 from flwr_isoloco.strategies.rounds import ReplyStream, check_quorum
 from flwr_isoloco.strategies.train_round import TrainRound
 
@@ -125,7 +122,7 @@ class DiLoCo(FromRunConfig, DiLoCoState, ResumableStrategy):
         Each reply's weight is clipped to ``max_weight_ratio x`` the round's median weight
         (default 5; ``0`` or ``None`` = off), so no one site owns the merge.
     max_empty_rounds : int
-        Stop with :class:`~flwr_isoloco.strategies.common.NoProgressError` when this many
+        Stop with :class:`~flwr_isoloco.strategies.guard.NoProgressError` when this many
         consecutive rounds used no reply (default 3; ``0`` = never).
     dtype_policy : "cast" | "reject"
         What to do with a reply array of another floating dtype.
@@ -140,6 +137,11 @@ class DiLoCo(FromRunConfig, DiLoCoState, ResumableStrategy):
         The divergence guard (:mod:`~flwr_isoloco.strategies.divergence`): ``"warn"``
         (default) | ``"skip"`` | ``"stop"`` when the ``evaluate_fn`` loss is non-finite or
         above ``divergence_factor`` (default 1.5; 0 = non-finite only) x the previous round's.
+    merge_device : "auto" | "cpu" | "cuda" | "cuda:<index>"
+        Where the server merge computes (:func:`~flwr_isoloco.merging.resolve_device`):
+        ``"auto"`` (default) is CUDA where ``torch.cuda.is_available()``, else the CPU. The
+        model and every result stay on the CPU; one tensor's slices move at a time. A CUDA
+        device that is not there is refused here, at construction.
     """
 
     def __init__(
@@ -177,8 +179,10 @@ class DiLoCo(FromRunConfig, DiLoCoState, ResumableStrategy):
         on_divergence: str = "warn",
         divergence_factor: float = DEFAULT_DIVERGENCE_FACTOR,
         divergence_key: str | None = None,
+        merge_device: str = "auto",
     ) -> None:
         self.quorum, self.grace_s = check_quorum(quorum, grace_s)
+        self.merge_device = resolve_device(merge_device)  # ValueError: e.g. "cuda" without a GPU
         self.set_divergence_guard(on_divergence, divergence_factor, divergence_key)
         check_arguments(
             fraction_train=fraction_train,
@@ -245,7 +249,12 @@ class DiLoCo(FromRunConfig, DiLoCoState, ResumableStrategy):
         self.merge_options = dict(merge_options or {})
         check_options(self.rule, self.merge_options)  # unknown option / bad value -> ValueError
         self.merger = RoundMerge(
-            self.rule, self.merge_name, self.merge_options, orthogonalize, seed
+            self.rule,
+            self.merge_name,
+            self.merge_options,
+            orthogonalize,
+            seed,
+            device=self.merge_device,
         )
 
     @staticmethod
@@ -349,7 +358,7 @@ class DiLoCo(FromRunConfig, DiLoCoState, ResumableStrategy):
         """Validate, bound the weights, merge and take the outer step.
 
         A bad reply is dropped and named, never the round; the counts logged and returned
-        agree. Raises :class:`~flwr_isoloco.strategies.common.NoProgressError` only when
+        agree. Raises :class:`~flwr_isoloco.strategies.guard.NoProgressError` only when
         ``max_empty_rounds`` consecutive rounds used no reply.
         """
         self.server_round += 1
@@ -373,7 +382,8 @@ class DiLoCo(FromRunConfig, DiLoCoState, ResumableStrategy):
         timeout: float,
     ) -> RoundOutcome:
         """Train then evaluate; replies are taken as they arrive (:mod:`.rounds`), each train
-        reply folded into the merge at once (:class:`.train_round.TrainRound`)."""
+        reply folded into the merge at once (:class:`.train_round.TrainRound`); an evaluation
+        that sends nothing is skipped (:func:`.evaluation.evaluation_round`)."""
         arrays = self.current_arrays()
         messages = list(self.configure_train(server_round, arrays, train_config, grid))
         del arrays
@@ -393,22 +403,16 @@ class DiLoCo(FromRunConfig, DiLoCoState, ResumableStrategy):
             new_arrays, train_metrics = train.finish(wait)
         finally:
             train.close()
-        messages = list(
-            self.configure_evaluate(server_round, self.current_arrays(), evaluate_config, grid)
-        )
-        replies: list[Message] = []
-        wait = self._eval_stream.run(
+        evaluate_metrics = evaluation_round(
+            self._eval_stream,
             grid,
-            messages,
-            replies.append,
+            self.configure_evaluate(server_round, self.current_arrays(), evaluate_config, grid),
+            self.aggregate_evaluate,
             server_round=server_round,
             timeout=timeout,
             quorum=self.quorum,
             grace_s=self.grace_s,
         )
-        evaluate_metrics = self.aggregate_evaluate(server_round, replies)
-        if evaluate_metrics is not None:
-            evaluate_metrics = MetricRecord({**evaluate_metrics, **wait.as_metrics()})
         return RoundOutcome(new_arrays, train_metrics, evaluate_metrics)
 
     def aggregate_evaluate(

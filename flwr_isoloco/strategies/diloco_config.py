@@ -16,11 +16,12 @@ from typing import Any
 
 from flwr_isoloco.compression import CODECS
 from flwr_isoloco.merging import MERGE_RULES
+from flwr_isoloco.merging.device import parse_device
 from flwr_isoloco.outer import ISOLOCO_PRESETS
 from flwr_isoloco.runconfig import choices, in_range, non_negative, read_run_config
-from flwr_isoloco.strategies.common import PAYLOADS
 from flwr_isoloco.strategies.divergence import DEFAULT_DIVERGENCE_FACTOR, DIVERGENCE_MODES
 from flwr_isoloco.strategies.evaluation import check_count, check_fraction
+from flwr_isoloco.strategies.replies import PAYLOADS
 
 __all__ = [
     "DILOCO_RUN_CONFIG",
@@ -74,9 +75,11 @@ DILOCO_RUN_CONFIG: dict[str, Any] = {
     "divergence-factor": DEFAULT_DIVERGENCE_FACTOR,
     "quorum": 1.0,
     "grace-s": 0.0,
+    "merge-device": "auto",
 }
 """``quorum``: fraction of the sampled nodes in (0, 1] (1.0 = all) or a count >= 1; ``grace-s``:
-seconds to wait for the rest once the quorum is in (strategies/rounds.py)."""
+seconds to wait for the rest once the quorum is in (strategies/rounds.py); ``merge-device``:
+where the server merge computes ("auto" | "cpu" | "cuda" | "cuda:<index>", merging/device.py)."""
 ISOLOCO_RUN_CONFIG: dict[str, Any] = {
     **DILOCO_RUN_CONFIG,
     "merge": "",  # "": the preset's rule
@@ -135,6 +138,7 @@ RUN_CONFIG_CHECKS: dict[str, Any] = {
     "divergence-factor": _off_or_at_least_one,
     "quorum": in_range(0, 1 << 31, lo_open=True),
     "grace-s": non_negative,
+    "merge-device": parse_device,  # spelling here; a CUDA device must exist at construction
 }
 """Value checks per key (types come from the defaults); merge options are checked by the rule."""
 
@@ -208,6 +212,7 @@ def section_kwargs(c: Mapping[str, Any]) -> dict[str, Any]:
         divergence_factor=c["divergence-factor"],
         quorum=None if c["quorum"] == 1.0 and isinstance(c["quorum"], float) else c["quorum"],
         grace_s=c["grace-s"],
+        merge_device=c["merge-device"],
     )
 
 

@@ -52,7 +52,7 @@ LOSS_KEYS = ("loss", "val-loss", "val_loss", "eval-loss", "eval_loss", "test-los
 class DivergenceError(NoProgressError):
     """A run stopped because a round's evaluation loss diverged (``on_divergence="stop"``).
 
-    A :class:`~flwr_isoloco.strategies.common.NoProgressError`, so an app that ends a run
+    A :class:`~flwr_isoloco.strategies.guard.NoProgressError`, so an app that ends a run
     which stopped making progress as failed (the shared app runner) does so here too.
     """
 

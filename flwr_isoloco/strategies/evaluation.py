@@ -6,7 +6,7 @@ node-id order, so a run repeats) and aggregates the replies' scalar metrics as
 
     m = sum_i w_i m_i / sum_i w_i,   w_i = num-examples_i
 
-over the replies that pass :class:`~flwr_isoloco.strategies.common.ReplyValidator` (error
+over the replies that pass :class:`~flwr_isoloco.strategies.replies.ReplyValidator` (error
 replies, missing or invalid weights are dropped and named), or with the app's
 ``evaluate_metrics_aggr_fn(list[RecordDict], weighted_by_key)`` as in FedAvg.
 """
@@ -16,12 +16,19 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
 
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
+from flwr.serverapp import Grid
 
-from .common import ReplyValidator, SentLedger, metric_record, weighted_mean_metrics
+from .ledger import SentLedger
+from .metrics import metric_record, weighted_mean_metrics
+from .replies import ReplyValidator
 
-__all__ = ["FederatedEvaluation", "check_fraction", "check_count"]
+if TYPE_CHECKING:
+    from .rounds import ReplyStream
+
+__all__ = ["FederatedEvaluation", "check_fraction", "check_count", "evaluation_round"]
 
 AggrFn = Callable[[list[RecordDict], str], MetricRecord]
 
@@ -112,3 +119,38 @@ def aggregate_metrics(
         metrics = weighted_mean_metrics(checked, exclude=[key])
     metrics.update({"replies-used": report.used, "replies-rejected": report.rejected})
     return metric_record(metrics)
+
+
+def evaluation_round(
+    stream: ReplyStream,
+    grid: Grid,
+    messages: Iterable[Message],
+    aggregate: Callable[[int, list[Message]], MetricRecord | None],
+    *,
+    server_round: int,
+    timeout: float | None,
+    quorum: float | int | None = None,
+    grace_s: float = 0.0,
+) -> MetricRecord | None:
+    """One federated evaluation round: push ``messages``, take the replies as they arrive
+    (``stream``, with ``quorum`` / ``grace_s``), ``aggregate(server_round, replies)`` and add
+    the wait's ``replies-arrived`` / ``replies-late`` / ``wait-s``.
+
+    A round that sends no message (``fraction_evaluate=0``, no node sampled or listed) is no
+    round: nothing is pushed, pulled, waited for or logged, and the result is None."""
+    messages = list(messages)
+    if not messages:
+        return None
+    replies: list[Message] = []
+    wait = stream.run(
+        grid,
+        messages,
+        replies.append,
+        server_round=server_round,
+        timeout=timeout,
+        quorum=quorum,
+        grace_s=grace_s,
+    )
+    del messages
+    metrics = aggregate(server_round, replies)
+    return None if metrics is None else MetricRecord({**metrics, **wait.as_metrics()})

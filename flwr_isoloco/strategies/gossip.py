@@ -16,9 +16,9 @@ nodes; TRAIN with ``arrays`` + ``config`` holding ``local-steps`` and ``walk-ver
 vertex; FedAvg-style replies). No optimiser state travels (``carry-optimizer-state`` is False):
 gossip nodes keep their own optimiser locally, if any.
 
-A node that errors, times out or returns a bad update keeps its previous adapter (it did not
-train this round) and that copy still enters the mixing step, as the last copy its neighbours
-received. Accounting per round: ``local-updates`` K per node that trained (``n K`` when all
+A node that errors, times out (or misses a round closed on ``quorum`` + ``grace_s``) or returns
+a bad update keeps its previous adapter (it did not train this round) and that copy still
+enters the mixing step, as the last copy its neighbours received. Accounting per round: ``local-updates`` K per node that trained (``n K`` when all
 do); ``bytes-relayed`` what crossed the wire via the server (n adapters down + the replies up);
 ``bytes-p2p`` what a peer-to-peer deployment sends: each edge carries one adapter each way,
 ``2 |E|`` adapters.
@@ -40,8 +40,11 @@ from flwr.serverapp import Grid
 
 from ..graphs import consensus_distance, metropolis_mixing_weights, mix, spectral_gap
 from ..merging.weights import norm_outlier
-from .common import ReplyReport, SentLedger, weighted_mean_metrics
 from .graph_base import GraphStrategy, graph_summary
+from .ledger import SentLedger
+from .metrics import weighted_mean_metrics
+from .replies import ReplyReport
+from .rounds import ReplyStream, check_quorum
 from .wire import _record_of, check_train_metrics, record_nbytes, record_tensors
 
 __all__ = ["GossipLoRA", "mix"]
@@ -59,6 +62,11 @@ class GossipLoRA(GraphStrategy):
     max_norm_ratio : float, optional
         Reject a reply whose update norm exceeds this times the median of the other accepted
         replies of the round (needs 2 others).
+    quorum, grace_s :
+        Close a round once ``quorum`` of the vertices sent to have replied (a fraction in
+        (0, 1], rounded up, or a count; None = all) and ``grace_s`` seconds more have passed
+        (:mod:`~flwr_isoloco.strategies.rounds`; ``timeout`` stays the cap). A vertex whose
+        reply is not in keeps its adapter, as on a timeout; its late reply is discarded.
     round_end_fn : callable, optional
         ``fn(server_round, strategy)`` after each round (checkpointing).
     """
@@ -77,9 +85,13 @@ class GossipLoRA(GraphStrategy):
         num_vertices: int | None = None,
         local_steps: int = 1,
         max_norm_ratio: float | None = None,
+        quorum: float | int | None = None,
+        grace_s: float = 0.0,
         **kwargs: Any,
     ) -> None:
         super().__init__(graph, num_vertices=num_vertices, local_steps=local_steps, **kwargs)
+        self.quorum, self.grace_s = check_quorum(quorum, grace_s)
+        self._train_stream = ReplyStream(self.what)
         if max_norm_ratio is not None and not (
             max_norm_ratio > 0 and math.isfinite(max_norm_ratio)
         ):
@@ -313,9 +325,19 @@ class GossipLoRA(GraphStrategy):
         self, grid: Grid, server_round: int, config: ConfigRecord, timeout: float
     ) -> dict[str, float]:
         msgs = list(self.configure_train(server_round, self.current_arrays(), config, grid))
-        replies = list(grid.send_and_receive(msgs, timeout=timeout))
+        replies: list[Message] = []
+        wait = self._train_stream.run(
+            grid,
+            msgs,
+            replies.append,
+            server_round=server_round,
+            timeout=timeout,
+            quorum=self.quorum,
+            grace_s=self.grace_s,
+        )
+        del msgs
         _, metrics = self.aggregate_train(server_round, replies)
-        return dict(metrics)
+        return {**dict(metrics), **wait.as_metrics()}
 
     # ----------------------------------------------------------------- state
     def state_dict(self) -> dict[str, Any]:

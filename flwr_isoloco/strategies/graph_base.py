@@ -14,10 +14,12 @@ from flwr.common.logger import log
 from flwr.serverapp import Grid
 
 from ..graphs import build_graph, deferred_graph, vertex_list
-from .common import EmptyRoundGuard, NoProgressError, ReplyValidator
-from .evaluation import FederatedEvaluation, check_count
+from .evaluation import FederatedEvaluation, check_count, evaluation_round
+from .guard import EmptyRoundGuard, NoProgressError
 from .lifecycle import ResumableStrategy, RoundOutcome
 from .nodes import wait_for_nodes
+from .replies import ReplyValidator
+from .rounds import ReplyStream
 from .vertices import VertexMap, assign_new_nodes, discover_vertices, map_vertices
 
 __all__ = ["GraphStrategy", "graph_summary"]
@@ -51,12 +53,14 @@ class GraphStrategy(ResumableStrategy):
     only), ``min_evaluate_nodes``, ``require_weight`` (default False),
     ``dtype_policy`` (``cast`` | ``reject``), ``max_update_norm``, ``round_end_fn``,
     ``max_empty_rounds`` (default 3: that many consecutive rounds in which no reply was used
-    stop :meth:`start` with :class:`~flwr_isoloco.strategies.common.NoProgressError`; 0 = off).
+    stop :meth:`start` with :class:`~flwr_isoloco.strategies.guard.NoProgressError`; 0 = off).
     """
 
     what = "graph-strategy"
     REFUSED_FEDAVG_ARGS: dict[str, str] = {}
     """FedAvg keyword arguments that have no meaning for this strategy, with the reason."""
+    REFUSED_ARGS: dict[str, str] = {}
+    """Other strategies' keyword arguments (e.g. DiLoCo's) with no meaning here, with the reason."""
 
     def __init__(
         self,
@@ -113,6 +117,7 @@ class GraphStrategy(ResumableStrategy):
             what=f"{self.what} evaluate",
         )
         self.fraction_evaluate = self.evaluation.fraction
+        self._eval_stream = ReplyStream(f"{self.what} evaluate")
         self.arrayrecord_key = arrayrecord_key
         self.configrecord_key = configrecord_key
         self.weighted_by_key = weighted_by_key
@@ -143,6 +148,9 @@ class GraphStrategy(ResumableStrategy):
             why = self.REFUSED_FEDAVG_ARGS.get(name)
             if why is not None:
                 raise TypeError(f"{cls}: FedAvg's {name}= has no meaning here: {why}")
+            why = self.REFUSED_ARGS.get(name)
+            if why is not None:
+                raise TypeError(f"{cls}: {name}= has no meaning here: {why}")
             raise TypeError(f"{cls}() got an unexpected keyword argument {name!r}")
 
     # ----------------------------------------------------------------- vertices
@@ -320,7 +328,8 @@ class GraphStrategy(ResumableStrategy):
     ) -> RoundOutcome:
         """Query new nodes, run the strategy's round (:meth:`_run_round`), count it in the
         empty-round guard (before the round-end hook, so the streak is in the checkpoint) and
-        evaluate federatedly when ``fraction_evaluate > 0``."""
+        evaluate federatedly when ``fraction_evaluate > 0`` (replies taken as they arrive;
+        nothing sent, nothing pulled: :func:`.evaluation.evaluation_round`)."""
         self.refresh_nodes(grid, self.query_timeout or timeout)
         self.round_replies = []
         metrics = self._run_round(grid, server_round, train_config, timeout)
@@ -332,11 +341,13 @@ class GraphStrategy(ResumableStrategy):
         )
         evaluated = None
         if self.fraction_evaluate > 0.0:
-            msgs = self.configure_evaluate(
-                server_round, self.current_arrays(), evaluate_config, grid
-            )
-            evaluated = self.aggregate_evaluate(
-                server_round, grid.send_and_receive(list(msgs), timeout=timeout)
+            evaluated = evaluation_round(
+                self._eval_stream,
+                grid,
+                self.configure_evaluate(server_round, self.current_arrays(), evaluate_config, grid),
+                self.aggregate_evaluate,
+                server_round=server_round,
+                timeout=timeout,
             )
         return RoundOutcome(self.current_arrays(), record, evaluated, stop)
 

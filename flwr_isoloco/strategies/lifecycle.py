@@ -56,7 +56,7 @@ class RoundOutcome:
 
     ``arrays``: the new global model, or None when the round kept the old one (then, as in
     Flower, ``Result.arrays`` is not updated). ``stop``: an exception to raise once the round's evaluation and round-end hook ran (e.g.
-    :class:`~flwr_isoloco.strategies.common.NoProgressError`, so the last checkpoint holds the
+    :class:`~flwr_isoloco.strategies.guard.NoProgressError`, so the last checkpoint holds the
     round that stopped the run).
     """
 

@@ -1,46 +1,27 @@
-"""Metric helpers shared by the strategies: reply bytes and metrics, weighted means, the one
+"""Metric helpers shared by the strategies: weighted means of the replies' metrics, the one
 update norm (:func:`tensor_norm`, fp64) and a MetricRecord without non-finite values."""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
-from flwr.app import Message, MetricRecord, RecordDict
+from flwr.app import MetricRecord
 
-from flwr_isoloco.compression import payload_nbytes
-
-if TYPE_CHECKING:
-    from .common import CheckedReply
-
-__all__ = ["metric_record", "reply_metrics", "reply_nbytes", "tensor_norm", "weighted_mean_metrics"]
+__all__ = ["metric_record", "tensor_norm", "weighted_mean_metrics"]
 
 
-def _is_number(v: object) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
+class WeightedMetrics(Protocol):
+    """What :func:`weighted_mean_metrics` reads of a reply (a :class:`~.replies.CheckedReply`)."""
 
-
-def reply_nbytes(msg: Message) -> int:
-    """Array bytes a reply carried (:func:`~flwr_isoloco.compression.payload_nbytes`), 0 if none."""
-    if msg.has_error() or not msg.has_content():
-        return 0
-    return sum(payload_nbytes(r) for r in msg.content.array_records.values())
-
-
-def reply_metrics(content: RecordDict) -> dict[str, float]:
-    """Scalar numeric metrics of every MetricRecord in a reply (lists skipped)."""
-    out: dict[str, float] = {}
-    for rec in content.metric_records.values():
-        for k, v in rec.items():
-            if _is_number(v) and math.isfinite(float(v)):
-                out[k] = float(v)
-    return out
+    weight: float
+    metrics: Mapping[str, float]
 
 
 def weighted_mean_metrics(
-    replies: Iterable[CheckedReply], exclude: Iterable[str] = ()
+    replies: Iterable[WeightedMetrics], exclude: Iterable[str] = ()
 ) -> dict[str, float]:
     """Weighted mean of each scalar client metric, over the replies that report it."""
     sums: dict[str, float] = {}

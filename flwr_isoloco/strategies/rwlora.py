@@ -9,7 +9,7 @@ Message conventions (QUERY, TRAIN instruction and reply, the optimiser-state rec
 specified in https://github.com/flwr-isoloco/flwr-isoloco/blob/main/docs/rwlora.md, "Message conventions".
 
 The token is never lost: an error reply, a timeout or a bad update (validated by
-:class:`~flwr_isoloco.strategies.common.ReplyValidator`: keys, shapes, dtype, NaN/inf, update
+:class:`~flwr_isoloco.strategies.replies.ReplyValidator`: keys, shapes, dtype, NaN/inf, update
 norm; and :func:`~flwr_isoloco.strategies.wire.check_train_metrics`: ``local-steps``,
 ``data-cursor``, ``partition-id``) leaves the last good token in place, the failure is counted,
 and the walk re-routes: it redraws among the *other* neighbours (the current row without the
@@ -47,8 +47,8 @@ from ..graphs import (
     vertex_list,
 )
 from ..walk import LiveMatrix, LiveTransitions, VertexHealth, reroute_exclusions
-from .common import SentLedger
 from .graph_base import GraphStrategy, graph_summary
+from .ledger import SentLedger
 from .rwlora_hops import RWLoRAHops
 from .rwlora_state import RWLoRAState
 from .vertices import QUERY_VERTEX_KEY, VertexMap, discover_vertices
@@ -115,6 +115,10 @@ class RWLoRA(RWLoRAHops, RWLoRAState, GraphStrategy):
         "fraction_train": "RW-LoRA trains exactly one node per round (the walk's vertex)",
         "min_train_nodes": "RW-LoRA trains exactly one node per round (the walk's vertex)",
         "train_metrics_aggr_fn": "a round has one reply, whose metrics are the round's",
+    }
+    REFUSED_ARGS = {
+        "quorum": "each hop goes to one node and waits for its reply (timeout), then re-routes",
+        "grace_s": "each hop goes to one node and waits for its reply (timeout), then re-routes",
     }
 
     def __init__(

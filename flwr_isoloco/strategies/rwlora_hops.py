@@ -1,7 +1,7 @@
 """One RW-LoRA hop: its bytes, the checks of its reply, a failed hop, the new token.
 
 A hop is accepted only if a reply came and it passes, in order, the
-:class:`~flwr_isoloco.strategies.common.ReplyValidator` (keys, shapes, dtype, NaN/inf, update
+:class:`~flwr_isoloco.strategies.replies.ReplyValidator` (keys, shapes, dtype, NaN/inf, update
 norm), :func:`~flwr_isoloco.strategies.wire.check_train_metrics` against the vertex, the
 relative bound ``||update|| <= max_norm_ratio x median`` of the last ``norm_window`` accepted
 update norms (with at least 3), and, when carried, the optimiser-state check. Otherwise the
@@ -21,7 +21,7 @@ from flwr.common.logger import log
 
 from flwr_isoloco.merging.weights import norm_outlier
 
-from .common import CheckedReply
+from .replies import CheckedReply
 from .wire import (
     _record_of,
     check_train_metrics,

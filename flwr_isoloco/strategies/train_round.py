@@ -30,13 +30,8 @@ from flwr.common.logger import log
 
 from flwr_isoloco.merging.round import RoundFold
 from flwr_isoloco.merging.weights import bounded_weights
-from flwr_isoloco.strategies.common import (
-    CheckedReply,
-    ReplyReport,
-    metric_record,
-    tensor_norm,
-    weighted_mean_metrics,
-)
+from flwr_isoloco.strategies.metrics import metric_record, tensor_norm, weighted_mean_metrics
+from flwr_isoloco.strategies.replies import CheckedReply, Rejection, ReplyReport
 
 if TYPE_CHECKING:
     from flwr_isoloco.strategies.diloco import DiLoCo
@@ -77,7 +72,7 @@ class TrainRound:
         self.answered.add(msg.metadata.reply_to_message_id)
         s, v = self.s, self.v
         r = v.check(msg, s.theta, s._train_ledger, self.report)
-        if r is None:
+        if isinstance(r, Rejection):
             return
         w = self._capped(r)
         try:
@@ -125,17 +120,6 @@ class TrainRound:
             )
         self._w.update({id(r): w for r, w in zip(keep, bounded, strict=True)})
 
-    def _missing(self) -> None:
-        for m in self.s._train_ledger._sent:
-            mid = m.metadata.message_id
-            if mid and mid not in self.answered:
-                self.report.missing += 1
-                log(
-                    WARNING,
-                    "aggregate_train: no reply from node %d (timeout)",
-                    m.metadata.dst_node_id,
-                )
-
     def finish(self, wait: RoundWait | None = None) -> tuple[ArrayRecord | None, MetricRecord]:
         """Merge, outer step, metrics (the counts logged and returned agree).
 
@@ -143,7 +127,7 @@ class TrainRound:
         reply as it arrived plus this merge and outer step (the wait is ``wait-s``)."""
         t0 = time.perf_counter()
         s, v, report = self.s, self.v, self.report
-        self._missing()
+        v.count_missing(s._train_ledger.unanswered(self.answered), report)
         keep = sorted(self.taken, key=lambda r: (r.digest, r.node_id))
         if v.max_norm_ratio:
             keep = v.norm_filter(keep, report)

@@ -23,8 +23,9 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg
 
 from flwr_isoloco.checkpoint import CheckpointError, check_tensors
-from flwr_isoloco.strategies.common import SentLedger, reply_metrics
+from flwr_isoloco.strategies.ledger import SentLedger
 from flwr_isoloco.strategies.lifecycle import ResumableStrategy, RoundOutcome
+from flwr_isoloco.strategies.replies import reply_metrics
 from flwr_isoloco.strategies.wire import check_train_metrics
 
 __all__ = ["FedAvgBaseline", "array_bytes"]

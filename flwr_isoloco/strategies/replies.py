@@ -1,62 +1,60 @@
-"""Reply validation shared by every flwr-isoloco strategy.
+"""A reply's one path: a raw Flower reply Message becomes a checked, decoded update
+(:class:`CheckedReply`) or a named rejection (:class:`Rejection`: the node and the reason).
 
-Flower's FedAvg raises ``InconsistentMessageReplies`` on one malformed reply and the run dies.
-Here each reply is checked on its own; a bad one is dropped with a logged reason naming the node,
-counted, and the round goes on with the rest. Nothing in this module raises on bad replies.
+Every strategy takes its replies through :class:`ReplyValidator`: DiLoCo/IsoLoCo one reply at
+a time as it arrives (:meth:`ReplyValidator.check`), the graph strategies and federated
+evaluation a round's list at once (:meth:`ReplyValidator.validate`). Flower's FedAvg raises
+``InconsistentMessageReplies`` on one malformed reply and the run dies; here each reply is
+checked on its own, a bad one is dropped with a logged reason naming the node and counted in
+the round's :class:`ReplyReport`, and the round goes on with the rest. Nothing here raises on
+a bad reply.
 
 The checks, in order (the first failure drops the reply): error reply; no ArrayRecord under
 ``arrayrecord_key`` (a compressed record is decoded here, against the model's keys and shapes
 first); keys that differ from the model; an array that does not decode, has the wrong shape or
-a non-floating dtype; another floating dtype (cast, or refused with ``dtype_policy="reject"``);
-NaN / inf; a missing or invalid weight (``num-examples``: a finite number > 0); an invalid
-``payload`` flag; ``||u_i||_2 > MAX_MERGEABLE_NORM`` (1e18, beyond which fp32 squares
-overflow); the optional norm bounds. https://github.com/flwr-isoloco/flwr-isoloco/blob/main/docs/strategies.md, "What is rejected", gives the reasons.
+a non-floating dtype (:func:`~.wire.decode_array`); another floating dtype (cast, or refused
+with ``dtype_policy="reject"``); NaN / inf (:func:`~.wire.nonfinite_reason`); a missing or
+invalid weight (``num-examples``: a finite number > 0); an invalid ``payload`` flag;
+``||u_i||_2 > MAX_MERGEABLE_NORM`` (1e18, beyond which fp32 squares overflow); the optional
+norm bounds. https://github.com/flwr-isoloco/flwr-isoloco/blob/main/docs/strategies.md,
+"What is rejected", gives the reasons.
 
-Who sent a reply: the node we *sent* the instruction to, found by matching
-``reply.metadata.reply_to_message_id`` with the sent message's id (a killed SuperNode's error
-reply comes from the SuperLink, ``src_node_id == 1``); ``src_node_id`` otherwise.
+Who sent a reply: the node the instruction went to (:class:`~.ledger.SentLedger`), else the
+reply's ``src_node_id``.
 """
 
 from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from logging import INFO, WARNING
+from typing import NamedTuple
 
 import numpy as np
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, RecordDict
 from flwr.common.logger import log
 
-from flwr_isoloco.compression import decompress, is_compressed
+from flwr_isoloco.compression import decompress, is_compressed, payload_nbytes
 from flwr_isoloco.merging.weights import norm_outlier
-from flwr_isoloco.strategies.guard import EmptyRoundGuard, NoProgressError
-from flwr_isoloco.strategies.metrics import (
-    metric_record,
-    reply_metrics,
-    reply_nbytes,
-    tensor_norm,
-    weighted_mean_metrics,
-)
+from flwr_isoloco.strategies.ledger import SentLedger
+from flwr_isoloco.strategies.metrics import tensor_norm
 from flwr_isoloco.strategies.wire import decode_array, nonfinite_reason, record_tensors
 
 __all__ = [
     "CheckedReply",
-    "array_digest",
     "MAX_MERGEABLE_NORM",
     "PAYLOADS",
     "PAYLOAD_KEY",
-    "EmptyRoundGuard",  # re-exported from guard.py (older imports from this module)
-    "NoProgressError",
+    "Rejection",
     "ReplyReport",
     "ReplyValidator",
-    "SentLedger",
-    "metric_record",
+    "array_digest",
+    "content_digest",
     "reply_metrics",
-    "tensor_norm",
-    "weighted_mean_metrics",
+    "reply_nbytes",
 ]
 
 PAYLOAD_KEY = "payload"
@@ -65,6 +63,15 @@ PAYLOADS = ("weights", "delta")
 MAX_MERGEABLE_NORM = 1e18
 """Largest update norm a reply may have: fp32 squares of larger entries overflow (1.8e19)."""
 DTYPE_POLICIES = ("cast", "reject")
+
+Spec = Mapping[str, tuple[tuple[int, ...], torch.dtype]]
+
+
+class Rejection(NamedTuple):
+    """A dropped reply: the node it answers for and why (also a plain ``(node, reason)``)."""
+
+    node_id: int
+    reason: str
 
 
 @dataclass
@@ -127,7 +134,7 @@ class ReplyReport:
     used: int = 0
     rejected: int = 0
     missing: int = 0  # sent but no reply came back (timeout)
-    reasons: list[tuple[int, str]] = field(default_factory=list)  # (node id, reason)
+    reasons: list[Rejection] = field(default_factory=list)
     bytes_up: int = 0  # array bytes of every reply received (payload_nbytes, dropped ones too)
 
     def as_metrics(self) -> dict[str, int]:
@@ -138,39 +145,6 @@ class ReplyReport:
             "replies-missing": self.missing,
             "bytes-up": self.bytes_up,
         }
-
-
-class SentLedger:
-    """Remembers which node each instruction went to, to attribute replies correctly."""
-
-    def __init__(self) -> None:
-        self._sent: list[Message] = []
-
-    def remember(self, messages: Iterable[Message]) -> list[Message]:
-        """Record ``messages`` (their ids are filled in later by ``grid.push_messages``)."""
-        self._sent = list(messages)
-        return self._sent
-
-    def sent_any(self) -> bool:
-        """Whether the last round sent any instruction."""
-        return bool(self._sent)
-
-    def sender(self, reply: Message) -> int:
-        """The node a reply answers for."""
-        target = reply.metadata.reply_to_message_id
-        for m in self._sent:
-            if target and m.metadata.message_id == target:
-                return m.metadata.dst_node_id
-        return reply.metadata.src_node_id
-
-    def missing(self, replies: Iterable[Message]) -> list[int]:
-        """Nodes we sent to that did not reply at all."""
-        answered = {r.metadata.reply_to_message_id for r in replies}
-        return [
-            m.metadata.dst_node_id
-            for m in self._sent
-            if m.metadata.message_id and m.metadata.message_id not in answered
-        ]
 
 
 def array_digest(records: Mapping[str, ArrayRecord]) -> str:
@@ -195,12 +169,33 @@ def content_digest(msg: Message) -> str:
     return array_digest(msg.content.array_records)
 
 
+def reply_nbytes(msg: Message) -> int:
+    """Array bytes a reply carried (:func:`~flwr_isoloco.compression.payload_nbytes`), 0 if none."""
+    if msg.has_error() or not msg.has_content():
+        return 0
+    return sum(payload_nbytes(r) for r in msg.content.array_records.values())
+
+
+def reply_metrics(content: RecordDict) -> dict[str, float]:
+    """Scalar numeric metrics of every MetricRecord in a reply (lists skipped)."""
+    out: dict[str, float] = {}
+    for rec in content.metric_records.values():
+        for k, v in rec.items():
+            if _is_number(v) and math.isfinite(float(v)):
+                out[k] = float(v)
+    return out
+
+
 def _is_number(v: object) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
 def _np(t: torch.Tensor) -> np.ndarray:
     return (t.float() if t.dtype == torch.bfloat16 else t).numpy()
+
+
+def _spec(tensors: Mapping[str, torch.Tensor] | None) -> Spec | None:
+    return None if tensors is None else {k: (tuple(v.shape), v.dtype) for k, v in tensors.items()}
 
 
 @dataclass
@@ -254,28 +249,29 @@ class ReplyValidator:
                 raise ValueError(f"{name} must be a finite number > 0 or None, got {v!r}")
 
     # ----------------------------------------------------------------- public
-    def stream(
+    def check(
         self,
-        replies: Iterable[Message],
-        expected: Mapping[str, torch.Tensor] | None = None,
-        ledger: SentLedger | None = None,
-        report: ReplyReport | None = None,
-        log_summary: bool = True,
-    ) -> Iterator[CheckedReply]:
-        """Yield the usable replies one by one, in :func:`content_digest` order. Never raises.
-
-        Each yielded reply still holds the tensors decoded while checking it (one decode per
-        reply); call ``reply.release()`` once folded, so only one reply is decoded at a time.
-        Norm bounds are not applied here (they need every norm first: use :meth:`validate`).
-        ``report`` (if given) is complete once the iterator is exhausted. ``log_summary=False``
-        leaves the "N replies used" line to the caller (who may still drop replies).
-        """
-        report = report if report is not None else ReplyReport()
-        for reply in self._iter(replies, expected, ledger, report):
-            report.used += 1
-            yield reply
-        if log_summary:
-            self.log_summary(report)
+        msg: Message,
+        expected: Mapping[str, torch.Tensor] | None,
+        ledger: SentLedger | None,
+        report: ReplyReport,
+    ) -> CheckedReply | Rejection:
+        """One reply as it arrives: the checked reply (its tensors decoded once and cached,
+        ``digest`` set), or its :class:`Rejection` (also logged and in ``report``).
+        ``max_update_norm`` is applied here; ``max_norm_ratio`` needs the round's other norms
+        (:meth:`norm_filter`). Never raises."""
+        node = _sender(msg, ledger)
+        result = self._checked(msg, node, _spec(expected), expected, report)
+        if isinstance(result, Rejection):
+            return result
+        result.digest = content_digest(msg)
+        bound = self.max_update_norm
+        if bound is not None and expected is not None and result.update_norm > bound:
+            result.release()
+            return self.reject(
+                report, node, f"update norm {result.update_norm:.4g} > max_update_norm {bound:.4g}"
+            )
+        return result
 
     def validate(
         self,
@@ -291,115 +287,40 @@ class ReplyValidator:
         and the first good reply's keys/shapes become the reference for the others.
         Returned replies decode their arrays lazily (:meth:`CheckedReply.tensors`). Never raises.
         """
+        replies = list(replies)
         report = ReplyReport()
+        spec = _spec(expected)
         bounds = self.require_arrays and bool(self.max_update_norm or self.max_norm_ratio)
         checked: list[tuple[CheckedReply, float]] = []
-        for reply in self._iter(replies, expected, ledger, report):
+        for msg in sorted(replies, key=lambda m: (content_digest(m), _sender(m, ledger))):
+            reply = self._checked(msg, _sender(msg, ledger), spec, expected, report)
+            if isinstance(reply, Rejection):
+                continue
+            if spec is None and self.require_arrays:
+                spec = _spec(reply.tensors())
             if expected is not None:
                 norm = reply.update_norm
             else:
                 norm = tensor_norm(reply.update(None)) if bounds else 0.0
             reply.release()
             checked.append((reply, norm))
+        if ledger is not None:
+            self.count_missing(ledger.missing(replies), report)
         kept = self._norm_filter(checked, report) if bounds else [r for r, _ in checked]
         report.used = len(kept)
         if log_summary:
             self.log_summary(report)
         return kept, report
 
-    # ----------------------------------------------------------------- internals
-    def _iter(
-        self,
-        replies: Iterable[Message],
-        expected: Mapping[str, torch.Tensor] | None,
-        ledger: SentLedger | None,
-        report: ReplyReport,
-    ) -> Iterator[CheckedReply]:
-        replies = list(replies)
-        spec = (
-            None
-            if expected is None
-            else {k: (tuple(v.shape), v.dtype) for k, v in expected.items()}
-        )
-
-        def sender(msg: Message) -> int:
-            return ledger.sender(msg) if ledger is not None else msg.metadata.src_node_id
-
-        for msg in sorted(replies, key=lambda m: (content_digest(m), sender(m))):
-            result = self._check_full(msg, sender(msg), spec, expected, report)
-            if result is None:
-                continue
-            if spec is None and self.require_arrays:
-                spec = {k: (tuple(v.shape), v.dtype) for k, v in result.tensors().items()}
-            yield result
-        if ledger is not None:
-            for node in ledger.missing(replies):
-                report.missing += 1
-                log(WARNING, "%s: no reply from node %d (timeout)", self.what, node)
-
-    def check(
-        self,
-        msg: Message,
-        expected: Mapping[str, torch.Tensor] | None,
-        ledger: SentLedger | None,
-        report: ReplyReport,
-    ) -> CheckedReply | None:
-        """One reply as it arrives: the checked reply (its tensors decoded once and cached,
-        ``digest`` set), or None when it was dropped (named in the log and in ``report``).
-        ``max_update_norm`` is applied here; ``max_norm_ratio`` needs the round's other norms
-        (:meth:`norm_filter`). Never raises."""
-        node = ledger.sender(msg) if ledger is not None else msg.metadata.src_node_id
-        spec = (
-            None
-            if expected is None
-            else {k: (tuple(v.shape), v.dtype) for k, v in expected.items()}
-        )
-        result = self._check_full(msg, node, spec, expected, report)
-        if result is None:
-            return None
-        result.digest = content_digest(msg)
-        bound = self.max_update_norm
-        if bound is not None and expected is not None and result.update_norm > bound:
-            result.release()
-            self.reject(
-                report, node, f"update norm {result.update_norm:.4g} > max_update_norm {bound:.4g}"
-            )
-            return None
-        return result
-
     def norm_filter(self, replies: list[CheckedReply], report: ReplyReport) -> list[CheckedReply]:
         """The replies that pass the norm bounds (against each other's ``update_norm``)."""
         return self._norm_filter([(r, r.update_norm) for r in replies], report)
 
-    def _check_full(
-        self,
-        msg: Message,
-        node: int,
-        spec: Mapping[str, tuple[tuple[int, ...], torch.dtype]] | None,
-        expected: Mapping[str, torch.Tensor] | None,
-        report: ReplyReport,
-    ) -> CheckedReply | None:
-        """Structure, values and the mergeable-norm limit of one reply (None: rejected)."""
-        report.bytes_up += reply_nbytes(msg)
-        try:
-            result = self._check_one(msg, node, spec)
-        except Exception as exc:  # noqa: BLE001 - never let one reply kill the round
-            result = f"could not be read ({type(exc).__name__}: {exc})"
-        if isinstance(result, str):
-            self.reject(report, node, result)
-            return None
-        if expected is not None and self.require_arrays:
-            result.update_norm = tensor_norm(result.update(expected))
-            if not result.update_norm <= MAX_MERGEABLE_NORM:
-                result.release()
-                self.reject(
-                    report,
-                    node,
-                    f"update norm {result.update_norm:.3g} exceeds {MAX_MERGEABLE_NORM:.0e}, "
-                    "the largest an fp32 merge can represent",
-                )
-                return None
-        return result
+    def count_missing(self, nodes: Iterable[int], report: ReplyReport) -> None:
+        """Count and log the nodes that sent no reply at all."""
+        for node in nodes:
+            report.missing += 1
+            log(WARNING, "%s: no reply from node %d (timeout)", self.what, node)
 
     def log_summary(self, report: ReplyReport, server_round: int | None = None) -> None:
         """One line with the round's final counts (they agree with the round's metrics)."""
@@ -413,50 +334,56 @@ class ReplyValidator:
             report.missing,
         )
 
-    def reject(self, report: ReplyReport, node: int, reason: str) -> None:
+    def reject(self, report: ReplyReport, node: int, reason: str) -> Rejection:
         """Count ``node``'s reply as rejected and log why (also for callers that drop later)."""
+        rejection = Rejection(node, reason)
         report.rejected += 1
-        report.reasons.append((node, reason))
+        report.reasons.append(rejection)
         log(WARNING, "%s: dropped reply from node %d: %s", self.what, node, reason)
+        return rejection
 
-    def _check_one(
+    # ----------------------------------------------------------------- internals
+    def _checked(
         self,
         msg: Message,
         node: int,
-        spec: Mapping[str, tuple[tuple[int, ...], torch.dtype]] | None,
-    ) -> CheckedReply | str:
+        spec: Spec | None,
+        expected: Mapping[str, torch.Tensor] | None,
+        report: ReplyReport,
+    ) -> CheckedReply | Rejection:
+        """Structure, values and the mergeable-norm limit of one reply."""
+        report.bytes_up += reply_nbytes(msg)
+        try:
+            result = self._structure(msg, node, spec)
+        except Exception as exc:  # noqa: BLE001 - never let one reply kill the round
+            result = f"could not be read ({type(exc).__name__}: {exc})"
+        if isinstance(result, str):
+            return self.reject(report, node, result)
+        if expected is not None and self.require_arrays:
+            result.update_norm = tensor_norm(result.update(expected))
+            if not result.update_norm <= MAX_MERGEABLE_NORM:
+                result.release()
+                return self.reject(
+                    report,
+                    node,
+                    f"update norm {result.update_norm:.3g} exceeds {MAX_MERGEABLE_NORM:.0e}, "
+                    "the largest an fp32 merge can represent",
+                )
+        return result
+
+    def _structure(self, msg: Message, node: int, spec: Spec | None) -> CheckedReply | str:
+        """The reply's arrays (decoded, dtype policy applied), weight and payload, or why not."""
         if msg.has_error():
             return f"error reply (code {msg.error.code}): {str(msg.error.reason)[:300]}"
         if not msg.has_content():
             return "reply has no content"
         content = msg.content
-        dtypes: dict[str, torch.dtype] = {}
         decoded: dict[str, torch.Tensor] = {}
-        casts: list[str] = []
         if self.require_arrays:
-            rec = content.array_records.get(self.arrayrecord_key)
-            if not isinstance(rec, ArrayRecord):
-                found = sorted(content.array_records.keys())
-                return f"no ArrayRecord under key {self.arrayrecord_key!r} (found {found})"
-            if is_compressed(rec):
-                try:
-                    shapes = None if spec is None else {k: v[0] for k, v in spec.items()}
-                    rec = {k: _np(t) for k, t in decompress(rec, shapes=shapes).items()}
-                except ValueError as exc:
-                    return f"compressed record does not decode: {exc}"
-            if spec is not None:
-                missing = sorted(set(spec) - set(rec.keys()))
-                extra = sorted(set(rec.keys()) - set(spec))
-                if missing or extra:
-                    return f"array keys differ from the model: missing {missing[:5]}, extra {extra[:5]}"
-            for key, arr in rec.items():
-                t = self._decode(key, arr, spec, casts)
-                if isinstance(t, str):
-                    return t
-                dtypes[key] = t.dtype
-                decoded[key] = t
-        if casts:
-            log(INFO, "%s: node %d: cast %d arrays (%s)", self.what, node, len(casts), casts[0])
+            arrays = self._arrays(content, node, spec)
+            if isinstance(arrays, str):
+                return arrays
+            decoded = arrays
         weight = 1.0
         if self.require_weight:
             w = None
@@ -483,11 +410,41 @@ class ReplyValidator:
             str(payload),
             content,
             self.arrayrecord_key,
-            dtypes,
+            {k: t.dtype for k, t in decoded.items()},
             decoded if self.require_arrays else None,
         )
 
-    def _decode(self, key: str, arr, spec, casts: list[str]) -> torch.Tensor | str:
+    def _arrays(
+        self, content: RecordDict, node: int, spec: Spec | None
+    ) -> dict[str, torch.Tensor] | str:
+        """The record under ``arrayrecord_key`` decoded (a compressed one first), or why not."""
+        rec = content.array_records.get(self.arrayrecord_key)
+        if not isinstance(rec, ArrayRecord):
+            found = sorted(content.array_records.keys())
+            return f"no ArrayRecord under key {self.arrayrecord_key!r} (found {found})"
+        if is_compressed(rec):
+            try:
+                shapes = None if spec is None else {k: v[0] for k, v in spec.items()}
+                rec = {k: _np(t) for k, t in decompress(rec, shapes=shapes).items()}
+            except ValueError as exc:
+                return f"compressed record does not decode: {exc}"
+        if spec is not None:
+            missing = sorted(set(spec) - set(rec.keys()))
+            extra = sorted(set(rec.keys()) - set(spec))
+            if missing or extra:
+                return f"array keys differ from the model: missing {missing[:5]}, extra {extra[:5]}"
+        decoded: dict[str, torch.Tensor] = {}
+        casts: list[str] = []
+        for key, arr in rec.items():
+            t = self._decode(key, arr, spec, casts)
+            if isinstance(t, str):
+                return t
+            decoded[key] = t
+        if casts:
+            log(INFO, "%s: node %d: cast %d arrays (%s)", self.what, node, len(casts), casts[0])
+        return decoded
+
+    def _decode(self, key: str, arr, spec: Spec | None, casts: list[str]) -> torch.Tensor | str:
         """:func:`~.wire.decode_array`, the dtype policy, then :func:`~.wire.nonfinite_reason`
         (after a cast: fp64 values may overflow fp32)."""
         want = None if spec is None else spec.get(key)
@@ -531,3 +488,7 @@ class ReplyValidator:
                     keep[i] = False
                     self.reject(report, r.node_id, reason)
         return [r for r, k in zip(replies, keep, strict=True) if k]
+
+
+def _sender(msg: Message, ledger: SentLedger | None) -> int:
+    return ledger.sender(msg) if ledger is not None else msg.metadata.src_node_id
