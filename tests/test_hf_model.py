@@ -5,10 +5,10 @@ import importlib.util
 import pytest
 import torch
 from flwr.app import ArrayRecord
+from tiny_hf import save_tiny_llama
 
 from flwr_isoloco.models import hf
 from flwr_isoloco.models.llama import build_llama, llama_config
-from tiny_hf import save_tiny_llama
 
 
 def _tiny(tied=True, seed=0):
@@ -29,7 +29,10 @@ def test_model_arrays_sends_a_tied_tensor_once_and_untied_as_state_dict():
     n_rec = sum(v.numel() for v in rec.to_torch_state_dict().values())
     assert n_rec == sum(p.numel() for p in m.parameters())  # parameters() dedups ties
     u = _tiny(tied=False)
-    a, b = hf.model_arrays(u).to_torch_state_dict(), ArrayRecord(u.state_dict()).to_torch_state_dict()
+    a, b = (
+        hf.model_arrays(u).to_torch_state_dict(),
+        ArrayRecord(u.state_dict()).to_torch_state_dict(),
+    )
     assert list(a) == list(b) and all(torch.equal(a[k], b[k]) for k in a)
 
 
@@ -61,7 +64,10 @@ def test_bf16_model_travels_in_fp32_and_loads_back():
         (lambda sd: sd.pop("model.norm.weight"), "missing"),
         (lambda sd: sd.__setitem__("evil.weight", torch.zeros(2)), "unknown"),
         (lambda sd: sd.__setitem__("model.norm.weight", torch.zeros(3)), "shape"),
-        (lambda sd: sd.__setitem__("model.norm.weight", torch.zeros(16, dtype=torch.int64)), "dtype"),
+        (
+            lambda sd: sd.__setitem__("model.norm.weight", torch.zeros(16, dtype=torch.int64)),
+            "dtype",
+        ),
         (lambda sd: sd.__setitem__("lm_head.weight", torch.zeros(64, 16)), "different values"),
     ],
 )

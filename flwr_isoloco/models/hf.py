@@ -20,7 +20,6 @@
 from __future__ import annotations
 
 import importlib.util
-import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
