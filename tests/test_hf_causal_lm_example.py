@@ -21,8 +21,9 @@ from tiny_hf import save_tiny_llama  # noqa: E402
 
 
 def test_recipe_runs_as_written_and_exports_the_model(tmp_path):
-    from flwr_isoloco.data.text import load_corpus
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from flwr_isoloco.data.text import load_corpus
 
     torch.set_num_threads(1)
     model_dir = save_tiny_llama(tmp_path / "model")

