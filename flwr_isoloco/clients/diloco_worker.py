@@ -382,6 +382,9 @@ def make_diloco_train_handler(
         theta = msg.content.array_records[arrayrecord_key].to_torch_state_dict()
         model = model_fn(context).to(device)
         load_model_arrays(model, theta)
+        names = list(theta)
+        if c.request is None and payload == "weights":
+            theta = None  # a weights reply does not need theta: one model copy less in memory
         if gradient_checkpointing:
             if not hasattr(model, "gradient_checkpointing_enable"):
                 raise ValueError("gradient_checkpointing needs a Hugging Face model")
@@ -402,7 +405,7 @@ def make_diloco_train_handler(
         )
         _save_adamw(opt, named, context.state, state_layout)
         context.state[WORKER_STATE_KEY] = ConfigRecord({"data-cursor": cursor, "last-round": c.rnd})
-        new = {k: v.detach().cpu() for k, v in model.state_dict().items() if k in theta}
+        new = {k: v.detach().cpu() for k, v in model.state_dict().items() if k in set(names)}
         content = _reply_content(theta, new, c.request, payload, context.state, arrayrecord_key)
         content["metrics"] = MetricRecord(
             {

@@ -384,7 +384,11 @@ def local_batches(cfg: DictConfig, data_path: str, partition_id: int):
 def validation_batches(cfg: DictConfig) -> list[torch.Tensor]:
     from flwr_isoloco.data.text import eval_batches
 
-    return list(eval_batches(text_data(cfg).val, 16, cfg.train["seq-len"], cfg.data["val-tokens"]))
+    data, seq = text_data(cfg), cfg.train["seq-len"]
+    rows = 16
+    if pretrained.is_pretrained(cfg):  # logits are rows x seq x vocab floats: keep them ~128 MB
+        rows = max(1, min(16, 2**25 // (seq * data.vocab_size)))
+    return list(eval_batches(data.val, rows, seq, cfg.data["val-tokens"]))
 
 
 def evaluate_model(model: torch.nn.Module, batches: list[torch.Tensor]) -> float:
