@@ -1,10 +1,9 @@
 """The isoloco-lm app on a pretrained Hugging Face causal LM (model.name-or-path): key checks,
 in-process runs on a tiny random LlamaForCausalLM saved with save_pretrained (fp32 and bf16),
-the export, and a real `flwr run` (slow)."""
+the checkpoint and the export. (A `flwr run` of the same configuration through
+scripts/run_app.sh takes ~1-2.5 min, over this file's test budget; it is not repeated here.)"""
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -128,26 +127,3 @@ def test_pretrained_run_trains_checkpoints_once_and_exports_the_model(hf_run, tm
     assert model.generation_config.eos_token_id == orig.generation_config.eos_token_id
     ids = tok("To be", return_tensors="pt")["input_ids"]
     assert model.generate(ids, max_new_tokens=3, do_sample=False).shape[1] == ids.shape[1] + 3
-
-
-# ----------------------------------------------------------------------------- flwr run (slow)
-@pytest.mark.slow
-def test_flwr_run_of_a_pretrained_folder_completes(hf_run, tmp_path):
-    from transformers import AutoModelForCausalLM
-
-    folder, rc = hf_run
-    if "bf16" not in str(os.environ.get("PYTEST_CURRENT_TEST", "")):
-        pytest.skip("one flwr run is enough: the bf16-stored model")
-    over = [f"{k}='{v}'" if isinstance(v, str) else f"{k}={v}" for k, v in rc.items()]
-    env = {**os.environ, "NUM_SUPERNODES": "2", "CPUS_PER_CLIENT": "1"}
-    proc = subprocess.run(
-        ["bash", str(REPO / "scripts" / "run_app.sh"), str(APP_DIR), str(tmp_path / "o"), *over],
-        capture_output=True,
-        text=True,
-        timeout=420,
-        env=env,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    res = json.loads((tmp_path / "o" / "results.json").read_text())
-    assert res["status"] == "completed" and all(r["replies-used"] == 2 for r in res["rounds"])
-    AutoModelForCausalLM.from_pretrained(tmp_path / "o" / "model")
