@@ -5,6 +5,8 @@
 - ``adamw_state.py``: the AdamW state codec both use (named fp32 tensors, no pickle).
 - ``node_state.py``: :func:`~.node_state.with_node_state`, node-state files for exact resume;
   between rounds the large records wait there, a handle in ``context.state``.
+- ``hf_lm.py``: helpers to run the DiLoCo worker on any Hugging Face causal LM and a
+  ``datasets.Dataset`` of text (model function, tokenization, flwr-datasets partitions).
 - ``query.py``: :func:`partition_id_query`, an ``@app.query()`` handler for the graph
   strategies' vertex query.
 """

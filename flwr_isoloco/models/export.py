@@ -6,6 +6,8 @@ with its classification head.
   ``AutoModelForCausalLM.from_pretrained(d)`` and ``AutoTokenizer.from_pretrained(d)`` work
   offline and ``generate`` runs (the generation config's ``eos``/``pad`` are the BPE's
   end-of-text token).
+- :func:`export_pretrained` writes a pretrained model (any architecture) with its trained
+  weights, its own tokenizer and generation config.
 - :func:`export_adapter` writes a peft adapter folder that
   ``PeftModel.from_pretrained(AutoModelForSequenceClassification.from_pretrained(base,
   num_labels=k), d)`` loads with the classification head included (``modules_to_save``), plus
@@ -29,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["quiet_hf", "export_causal_lm", "export_adapter", "EXPORT_MODE"]
+__all__ = ["quiet_hf", "export_causal_lm", "export_pretrained", "export_adapter", "EXPORT_MODE"]
 
 EXPORT_MODE = 0o644  # exported files are results: readable by others, like results.json
 
@@ -98,6 +100,22 @@ def export_causal_lm(
             if gen is not None and saved is not None:
                 gen.eos_token_id, gen.pad_token_id = saved
         tok.save_pretrained(str(folder))
+    _chmod_tree(folder)
+    return folder
+
+
+def export_pretrained(model: torch.nn.Module, tokenizer, folder: str | os.PathLike) -> Path:
+    """Write a pretrained model with its trained weights: ``model.save_pretrained`` (its own
+    architecture, config and generation config; a tied tensor stored once) and its own
+    ``tokenizer``. A GGUF source's quantisation settings are not written (the weights are
+    de-quantised fp32, or the dtype trained in)."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    if getattr(model.config, "quantization_config", None) is not None:
+        del model.config.quantization_config
+    with quiet_hf():
+        model.save_pretrained(str(folder))
+        tokenizer.save_pretrained(str(folder))
     _chmod_tree(folder)
     return folder
 

@@ -11,10 +11,14 @@ supplies the model and the node's batches, and
 ``node_config`` has a non-empty ``data-path`` (absolute path to a .txt/.md file or a folder of
 them) trains on all of that text instead, encoded with the run's tokenizer; if the path cannot
 be used the node logs why and replies with an error (the server drops it, the run goes on).
+With a pretrained model (``model.name-or-path``) the reply's metrics add ``worker-time-s``
+(load, H inner steps, reply; the strategy averages it over the nodes, token-weighted) and
+``worker-peak-rss-mb`` (the node process's peak RSS, averaged the same way).
 """
 
 from __future__ import annotations
 
+import time
 from logging import ERROR
 
 import torch
@@ -25,6 +29,7 @@ from flwr.common.logger import log
 from flwr_isoloco.clients.diloco_worker import make_diloco_train_handler
 from flwr_isoloco.clients.node_state import with_node_state
 
+from .pretrained import is_pretrained, peak_rss_mb
 from .task import (
     DATA_PATH_KEY,
     NodeDataError,
@@ -66,8 +71,21 @@ def _train(msg: Message, context: Context) -> Message:
         def data_fn(ctx):
             return node_batches(cfg, pid, parts)
 
-    handler = make_diloco_train_handler(lambda ctx: build_model(cfg), data_fn, seed=cfg.seed)
-    return handler(msg, context)
+    handler = make_diloco_train_handler(
+        lambda ctx: build_model(cfg),
+        data_fn,
+        seed=cfg.seed,
+        micro_batch=cfg.train["micro-batch"],
+        gradient_checkpointing=cfg.train["gradient-checkpointing"],
+    )
+    if not is_pretrained(cfg):
+        return handler(msg, context)
+    t0 = time.perf_counter()
+    reply = handler(msg, context)
+    if not reply.has_error():  # where a pretrained model's round time and memory go
+        reply.content["metrics"]["worker-time-s"] = time.perf_counter() - t0
+        reply.content["metrics"]["worker-peak-rss-mb"] = peak_rss_mb()
+    return reply
 
 
 train = with_node_state(_train)  # the handler: resumable node state around the worker

@@ -20,13 +20,19 @@ from flwr.common.logger import log
 from flwr.serverapp import Grid, ServerApp
 
 from flwr_isoloco.apprunner import CHECKPOINT, AppRun, AppSpec, run_app
-from flwr_isoloco.models.export import export_causal_lm
+from flwr_isoloco.models.export import export_causal_lm, export_pretrained
+from flwr_isoloco.models.hf import load_model_arrays, model_arrays
 from flwr_isoloco.models.llama import count_parameters
 
 from .plots import plot_losses, plot_title
+from .pretrained import is_pretrained, peak_rss_mb
+from .pretrained import source as pretrained_source
+from .pretrained import tokenizer as pretrained_tokenizer
 from .task import (
     build_model,
     build_strategy,
+    cache_dir,
+    check_seq_len,
     evaluate_model,
     load_config,
     strategy_outer,
@@ -41,6 +47,8 @@ app = ServerApp()
 # Round columns copied from the strategy's aggregated train metrics.
 TRAIN_COLUMNS = ("train-loss", "aggregation-time-s", "pseudo-grad-norm", "bytes-up", "bytes-down")
 REPLY_COLUMNS = ("replies-used", "replies-rejected", "replies-missing")
+# With a pretrained model: the workers' time and memory (token-weighted means over the nodes).
+HF_COLUMNS = ("worker-time-s", "worker-peak-rss-mb")
 
 
 def summary(row: dict[str, Any]) -> str:
@@ -61,9 +69,10 @@ def build(cfg, nodes: list[int]) -> AppRun:
     """Data (the BPE tokenizer is trained here, before any node needs it), model, strategy."""
     t0 = time.perf_counter()
     data, val = text_data(cfg), validation_batches(cfg)
+    check_seq_len(cfg)
     log(
         INFO,
-        "isoloco-lm: corpus %r: %d train / %d validation tokens (BPE vocab %d) in %.1f s",
+        "isoloco-lm: corpus %r: %d train / %d validation tokens (vocab %d) in %.1f s",
         cfg.data.corpus,
         len(data.train),
         len(data.val),
@@ -71,15 +80,19 @@ def build(cfg, nodes: list[int]) -> AppRun:
         time.perf_counter() - t0,
     )
     model, strategy = build_model(cfg), build_strategy(cfg)
+    hf_model = is_pretrained(cfg)
+    initial = model_arrays(model)  # a tied tensor once (flwr_isoloco.models.hf)
     log(INFO, "isoloco-lm: %s", strategy_outer(cfg).message)
-    n_params = count_parameters(model)
+    n_params = count_parameters(model)  # a tied tensor counted once
+    cache = str(cache_dir(cfg)) if cache_dir(cfg) else None
+    src = pretrained_source(cfg, cache) if hf_model else None
     outer = strategy.outer
     title = plot_title(
         cfg.strategy.name, strategy.merge_name, outer.momentum, n_params, outer.nesterov
     )
 
     def evaluate(server_round: int, arrays: ArrayRecord) -> dict[str, float]:
-        model.load_state_dict(arrays.to_torch_state_dict())
+        load_model_arrays(model, arrays)
         loss = evaluate_model(model, val)
         return {"val-loss": loss, "val-ppl": math.exp(min(loss, 50.0))}
 
@@ -90,16 +103,20 @@ def build(cfg, nodes: list[int]) -> AppRun:
             "diverged": int(em.get("diverged", 0)),
             **{k: int(tm.get(k, 0)) for k in REPLY_COLUMNS},
             **{k: tm.get(k) for k in TRAIN_COLUMNS},
+            **({k: tm.get(k) for k in HF_COLUMNS} if hf_model else {}),
+            **({"server-peak-rss-mb": peak_rss_mb()} if hf_model else {}),
         }
 
     def export(arrays: ArrayRecord, out: Path) -> Path:
-        model.load_state_dict(arrays.to_torch_state_dict())
+        load_model_arrays(model, arrays)
+        if hf_model:  # its own architecture, tokenizer and generation config
+            return export_pretrained(model, pretrained_tokenizer(cfg, cache), out / "model")
         export_causal_lm(model, data.tokenizer_path, out / "model")  # model + its tokenizer
         return out / "model"
 
     return AppRun(
         strategy=strategy,
-        initial_arrays=ArrayRecord(model.state_dict()),
+        initial_arrays=initial,
         evaluate=evaluate,
         row=row,
         summary=summary,
@@ -108,8 +125,9 @@ def build(cfg, nodes: list[int]) -> AppRun:
             "model-parameters": n_params,
             "train-tokens": len(data.train),
             "val-tokens-evaluated": sum(b[:, 1:].numel() for b in val),
+            **({"model": cfg.model["name-or-path"], "model-source": src} if hf_model else {}),
         },
-        restore_kwargs={"reference": model.state_dict()},
+        restore_kwargs={"reference": initial.to_torch_state_dict()},
         plot=lambda res, out: plot_losses(
             res["rounds"], out / "loss.png", title, initial=res["initial"]
         ),

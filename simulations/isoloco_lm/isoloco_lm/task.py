@@ -15,6 +15,7 @@ import numpy as np
 import torch
 from omegaconf import DictConfig
 
+from flwr_isoloco.clients.hf_lm import batch_generator
 from flwr_isoloco.data.text import load_corpus, prepare_tokens, sample_batch, shard_tokens
 from flwr_isoloco.merging import MERGE_RULES
 from flwr_isoloco.models.llama import build_llama, llama_config
@@ -37,6 +38,7 @@ from flwr_isoloco.strategies.diloco_config import (
     RUN_CONFIG_CHECKS,
 )
 
+from . import pretrained
 from .tuned import OuterValues, outer_values
 
 STRATEGIES = ("isoloco", "diloco", "fedavg")
@@ -101,6 +103,8 @@ DEFAULTS: dict[str, Any] = {
         "clip-norm": 1.0,
         "batch-size": 8,
         "seq-len": 128,
+        "micro-batch": 0,
+        "gradient-checkpointing": False,
     },
     "model": {
         "hidden": 128,
@@ -109,6 +113,10 @@ DEFAULTS: dict[str, Any] = {
         "kv-heads": 0,
         "intermediate": 0,
         "vocab-size": 2048,
+        "name-or-path": "",
+        "gguf-file": "",
+        "tokenizer": "",
+        "dtype": "float32",
     },
     "data": {
         "corpus": "shakespeare",
@@ -167,12 +175,15 @@ VALIDATORS = {
     "train.clip-norm": non_negative,
     "train.batch-size": positive,
     "train.seq-len": positive,
+    "train.micro-batch": non_negative,
     "model.hidden": positive,
     "model.layers": positive,
     "model.heads": positive,
     "model.kv-heads": non_negative,
     "model.intermediate": non_negative,
     "model.vocab-size": in_range(300, 65535),
+    "model.name-or-path": pretrained.name_or_path,
+    "model.dtype": choices("float32", "bfloat16", "float16"),
     "data.corpus": _corpus,
     "data.val-fraction": in_range(0.0, 0.5, lo_open=True),
     "data.val-tokens": positive,
@@ -215,6 +226,9 @@ def load_config(run_config: Mapping[str, Any]) -> DictConfig:
         raise RunConfigError(
             f"run-config key 'strategy.{opts[0]}' (strategy.merge {s.merge or 'default'!r}): {exc}"
         ) from None
+    pretrained.check_keys(cfg, DEFAULTS["model"])
+    if pretrained.is_pretrained(cfg):
+        return cfg
     try:
         llama_config(**model_kwargs(cfg))
     except ValueError as exc:
@@ -240,8 +254,28 @@ def cache_dir(cfg: DictConfig) -> Path | None:
 
 
 # ----------------------------------------------------------------------------- model and data
+def _cache(cfg: DictConfig) -> str | None:
+    c = cache_dir(cfg)
+    return str(c) if c else None
+
+
 def build_model(cfg: DictConfig) -> torch.nn.Module:
+    """The built-in LLaMA of the ``model.*`` sizes, or the pretrained ``model.name-or-path``."""
+    if pretrained.is_pretrained(cfg):
+        return pretrained.build(cfg, _cache(cfg))
     return build_llama(llama_config(**model_kwargs(cfg)), seed=cfg.seed)
+
+
+def check_seq_len(cfg: DictConfig) -> None:
+    """``train.seq-len`` must fit the pretrained model's ``max_position_embeddings``."""
+    if not pretrained.is_pretrained(cfg):
+        return
+    most = pretrained.max_positions(cfg, _cache(cfg))
+    if most is not None and cfg.train["seq-len"] > most:
+        raise RunConfigError(
+            f"run-config key 'train.seq-len' = {cfg.train['seq-len']} is longer than the "
+            f"model's maximum ({most} positions)"
+        )
 
 
 @functools.lru_cache(maxsize=4)
@@ -251,6 +285,8 @@ def _tokens(corpus: str, vocab: int, val_fraction: float, cache: str | None):
 
 
 def text_data(cfg: DictConfig):
+    if pretrained.is_pretrained(cfg):
+        return pretrained.text_data(cfg, _cache(cfg))
     cache = cache_dir(cfg)
     data = _tokens(
         cfg.data.corpus,
@@ -264,14 +300,6 @@ def text_data(cfg: DictConfig):
             f"a BPE vocabulary of {data.vocab_size}"
         )
     return data
-
-
-def batch_generator(seed: int, partition_id: int, index: int) -> torch.Generator:
-    """The generator of batch ``index`` of a node: seeded by ``(seed, partition, index)``,
-    reduced mod 2**64 so that no seed overflows ``manual_seed`` (smaller seeds unchanged)."""
-    return torch.Generator().manual_seed(
-        ((seed * 1_000_003 + partition_id) * 1_000_033 + index) % 2**64
-    )
 
 
 def node_batches(cfg: DictConfig, partition_id: int, num_partitions: int):
@@ -327,7 +355,10 @@ def local_tokens(cfg: DictConfig, data_path: str, partition_id: int) -> np.ndarr
     text = "\n".join(docs)  # joined as split_text joins the corpus documents
     if not text.strip():
         raise fail("holds no text")
-    tokens = _encode_local(text, str(text_data(cfg).tokenizer_path))
+    if pretrained.is_pretrained(cfg):
+        tokens = pretrained.encode(cfg, _cache(cfg), text)
+    else:
+        tokens = _encode_local(text, str(text_data(cfg).tokenizer_path))
     need = cfg.train["seq-len"] + 2
     if len(tokens) < need:
         raise fail(
@@ -353,7 +384,11 @@ def local_batches(cfg: DictConfig, data_path: str, partition_id: int):
 def validation_batches(cfg: DictConfig) -> list[torch.Tensor]:
     from flwr_isoloco.data.text import eval_batches
 
-    return list(eval_batches(text_data(cfg).val, 16, cfg.train["seq-len"], cfg.data["val-tokens"]))
+    data, seq = text_data(cfg), cfg.train["seq-len"]
+    rows = 16
+    if pretrained.is_pretrained(cfg):  # logits are rows x seq x vocab floats: keep them ~128 MB
+        rows = max(1, min(16, 2**25 // (seq * data.vocab_size)))
+    return list(eval_batches(data.val, rows, seq, cfg.data["val-tokens"]))
 
 
 def evaluate_model(model: torch.nn.Module, batches: list[torch.Tensor]) -> float:
