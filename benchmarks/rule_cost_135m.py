@@ -28,12 +28,18 @@ import torch
 from flwr_isoloco import merging
 from flwr_isoloco.merging import MERGE_RULES, StreamingMerger, iso_c, merge
 from flwr_isoloco.merging.rules import MergeRule
+from flwr_isoloco.merging.streaming import OrderFreeMean
 from flwr_isoloco.testing.synthetic import llama_delta, llama_shapes
 
 MIB = 2**20
-#: Cases: merge rules, plus ``iso_c_svd`` (the SVD-only Iso-C, i.e. the rule before the Gram
-#: path, in the same process) and the streaming merger for mean and iso_c.
-DEFAULT_CASES = "memory_pass,mean,stream_mean,iso_c,iso_c_svd,stream_iso_c,iso_c_ns,ties,dare"
+#: Cases: merge rules (``merge(rule, deltas)``), plus ``iso_c_svd`` (the SVD-only Iso-C, i.e. the
+#: rule before the Gram path, in the same process), ``stream_<rule>`` (:class:`StreamingMerger`)
+#: and ``round_<rule>``: what a server round computes at the defaults from round 2 on, the
+#: replies folded into an :class:`OrderFreeMean` (fp64 double-double) and ``result(rule)``.
+DEFAULT_CASES = (
+    "memory_pass,mean,round_mean,stream_mean,iso_c,iso_c_svd,round_iso_c,stream_iso_c,"
+    "iso_c_matched,round_iso_c_matched,iso_c_ns,ties,dare"
+)
 
 
 def smollm2_135m_shapes(layers: int = 30) -> dict[str, tuple[int, ...]]:
@@ -90,6 +96,19 @@ _ISO_C_SVD = MergeRule(
 def _case(name: str, deltas):
     if name == "memory_pass":
         return lambda: _memory_pass(deltas)
+    if name.startswith("round_"):
+
+        def run():  # key by key: the same work as one accumulator, memory O(one tensor)
+            out = {}
+            for key in deltas[0]:
+                acc = OrderFreeMean()
+                for d in deltas:
+                    acc.add({key: d[key]})
+                out[key] = acc.result(name[len("round_") :], device="cpu")[key]
+                acc.release()
+            return out
+
+        return run
     if name.startswith("stream_"):
 
         def run():
@@ -183,8 +202,9 @@ def run(args, save=lambda report: None) -> dict:
     params = sum(torch.Size(s).numel() for s in shapes.values())
     cases = args.cases.split(",")
     for c in cases:
-        if c not in ("memory_pass", "iso_c_svd") and not c.startswith("stream_"):
-            if c not in MERGE_RULES:
+        if c not in ("memory_pass", "iso_c_svd"):
+            rule = c.split("_", 1)[1] if c.startswith(("stream_", "round_")) else c
+            if rule not in MERGE_RULES:
                 raise SystemExit(f"unknown case {c!r}")
     print(f"{params / 1e6:.1f}M parameters ({len(shapes)} tensors), M = {args.workers}")
     tiny = [llama_delta(llama_shapes(16, 1, 64), i) for i in range(2)]
