@@ -130,8 +130,10 @@ def test_gram_route_matches_an_independent_fp64_svd(gram_calls, shape, smin, fn)
     x = _spectrum(*shape, smin, seed=7)
     out = fn(x)
     assert gram_calls == [True] and out.dtype == torch.float32 and out.is_contiguous()
-    ref = _np_matched(x.double().numpy()) if fn is iso_c_matched else _numpy_reference(
-        x.double().numpy()
+    ref = (
+        _np_matched(x.double().numpy())
+        if fn is iso_c_matched
+        else _numpy_reference(x.double().numpy())
     )
     rel = np.linalg.norm(out.double().numpy() - ref) / np.linalg.norm(ref)
     assert rel <= 1e-5

@@ -138,7 +138,9 @@ _GRAM_SCALES = {
 }
 
 
-def gram_polar(x: torch.Tensor, scale: str = "none", min_rel_sv: float = 0.0) -> torch.Tensor | None:
+def gram_polar(
+    x: torch.Tensor, scale: str = "none", min_rel_sv: float = 0.0
+) -> torch.Tensor | None:
     """``c * U V^T`` of a 2-D tensor from the eigendecomposition of its small Gram matrix, or None.
 
     With ``y`` the wide orientation of ``x`` (``m <= n``), ``G = y y^T = Q diag(lam) Q^T`` and
