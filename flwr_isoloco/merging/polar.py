@@ -114,8 +114,8 @@ def sym_product(b: torch.Tensor) -> torch.Tensor:
 
     With the rows of ``b`` in ``k`` blocks, only the ``k (k + 1) / 2`` products ``b_i b_j^T``
     (``j >= i``) are formed: ``(k + 1) / (2 k)`` of the flops of one product (62% at k = 4).
-    ``k = min(4, rows // 128)`` (one product below 256
-    rows, where smaller products lose more to overhead than they save).
+    ``k = min(4, rows // 128)``: one product below 256 rows, where smaller products lose more
+    to overhead than they save.
     """
     m = b.shape[0]
     k = min(4, m // 128)
@@ -144,8 +144,8 @@ def gram_polar(
     """``c * U V^T`` of a 2-D tensor from the eigendecomposition of its small Gram matrix, or None.
 
     With ``y`` the wide orientation of ``x`` (``m <= n``), ``G = y y^T = Q diag(lam) Q^T`` and
-    ``s = sqrt(lam)``: ``U V^T = G^(-1/2) y = (B B^T) y`` with ``B = Q diag(s^(-1/2))``, one
-    ``m x m`` eigh and three products (``y y^T`` and ``B B^T`` by :func:`sym_product`) instead
+    ``s = sqrt(lam)``: ``c U V^T = c G^(-1/2) y = (B B^T) y`` with ``B = Q diag(sqrt(c / s))``,
+    one ``m x m`` eigh and three products (``y y^T`` and ``B B^T`` by :func:`sym_product`) instead
     of a thin SVD. ``scale``: ``"none"`` the polar factor (``c = 1``), ``"mean"`` Iso-C
     (``c = mean(s)``), ``"rms"`` ``c = sqrt(mean(s^2)) = ||x||_F / sqrt(r)``. Squaring the
     condition number costs accuracy, so the result is only returned for ``n >= GRAM_MIN_ASPECT * m``
@@ -179,8 +179,9 @@ def _gram_apply(
 ) -> torch.Tensor | None:
     """:func:`gram_polar` in one working dtype; None where ``G`` fails the bound.
 
-    Wide ``x`` (m x n): ``W x`` with ``W = B B^T = G^(-1/2)``; tall ``x``: ``x W`` with ``G = x^T x``
-    (``W`` is symmetric), so the result comes out contiguous in ``x``'s orientation."""
+    Wide ``x`` (m x n): ``W x`` with ``W = B B^T = c G^(-1/2)``; tall ``x``: ``x W`` with
+    ``G = x^T x`` (``W`` is symmetric), so the result comes out contiguous in ``x``'s
+    orientation."""
     xw = x.to(work)
     tall = xw.shape[0] > xw.shape[1]
     try:
