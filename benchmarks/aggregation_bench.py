@@ -13,7 +13,9 @@ given as a share of that run's mean round wall time (rounds 2.., round 1 holds s
 
 ``--shapes 135m``: instead, every merge rule on M synthetic pseudo-gradients of SmolLM2-135M's
 shapes, as ratios to a memory pass and to ``mean``, with peak extra memory (``rule_cost_135m.py``;
-defaults M = 8, median of 3; ``--quick``: 4 layers and a small vocabulary, one repeat):
+defaults M = 8, median of 3; ``--quick``: 4 layers and a small vocabulary, one repeat;
+``--base DIR`` with ``base_<rule>`` cases: the same rules by another checkout's merging code,
+in the same process, for before/after ratios):
 
     nice -n 10 python benchmarks/aggregation_bench.py --shapes 135m [--threads 2] [--quick]
 """
@@ -130,6 +132,11 @@ def main() -> None:
         "--cases", default=None, help="--shapes 135m: comma-separated cases (default: all)"
     )
     ap.add_argument("--no-shapes", action="store_true", help="--shapes 135m: skip per shape")
+    ap.add_argument(
+        "--base",
+        default=None,
+        help="--shapes 135m: a checkout whose flwr_isoloco/merging the base_<rule> cases run",
+    )
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     if args.shapes == "135m":

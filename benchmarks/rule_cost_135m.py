@@ -8,8 +8,9 @@ process CPU time with one thread, wall time otherwise) and peak extra RSS (VmHWM
 ``/proc/self/clear_refs``, glibc told to ``mmap`` every allocation >= 64 KiB so freed tensors leave
 the RSS at once; counts torch and LAPACK allocations). Ratios are to the memory pass (read every
 entry of the M replies once) and to ``mean``, both measured in the same process. The per-shape
-part times Iso-C by the SVD, the Gram eigendecomposition and Newton-Schulz on the mean's
-matrices, with their relative (Frobenius) error against the fp64 SVD and the fp32 SVD.
+part times Iso-C by the SVD, the Gram eigendecomposition (as shipped, and forced in fp64) and
+Newton-Schulz, and ``iso_c_matched`` (as shipped and by its SVD route), on the mean's matrices,
+with their relative (Frobenius) error against the fp64 SVD and the fp32 SVD.
 """
 
 from __future__ import annotations
@@ -28,12 +29,18 @@ import torch
 from flwr_isoloco import merging
 from flwr_isoloco.merging import MERGE_RULES, StreamingMerger, iso_c, merge
 from flwr_isoloco.merging.rules import MergeRule
+from flwr_isoloco.merging.streaming import OrderFreeMean
 from flwr_isoloco.testing.synthetic import llama_delta, llama_shapes
 
 MIB = 2**20
-#: Cases: merge rules, plus ``iso_c_svd`` (the SVD-only Iso-C, i.e. the rule before the Gram
-#: path, in the same process) and the streaming merger for mean and iso_c.
-DEFAULT_CASES = "memory_pass,mean,stream_mean,iso_c,iso_c_svd,stream_iso_c,iso_c_ns,ties,dare"
+#: Cases: merge rules (``merge(rule, deltas)``), plus ``iso_c_svd`` (the SVD-only Iso-C, i.e. the
+#: rule before the Gram path, in the same process), ``stream_<rule>`` (:class:`StreamingMerger`)
+#: and ``round_<rule>``: what a server round computes at the defaults from round 2 on, the
+#: replies folded into an :class:`OrderFreeMean` (fp64 double-double) and ``result(rule)``.
+DEFAULT_CASES = (
+    "memory_pass,mean,round_mean,stream_mean,iso_c,iso_c_svd,round_iso_c,stream_iso_c,"
+    "iso_c_matched,round_iso_c_matched,iso_c_ns,ties,dare"
+)
 
 
 def smollm2_135m_shapes(layers: int = 30) -> dict[str, tuple[int, ...]]:
@@ -87,9 +94,43 @@ _ISO_C_SVD = MergeRule(
 )
 
 
+def load_base(path: str | Path):
+    """The ``flwr_isoloco/merging`` package of another checkout (e.g. ``git archive`` of the base
+    commit), imported as ``base_merging``: ``base_<rule>`` cases run its ``merge`` in this process
+    on the same deltas (the package imports nothing else from flwr_isoloco)."""
+    import importlib.util
+
+    init = Path(path) / "flwr_isoloco" / "merging" / "__init__.py"
+    spec = importlib.util.spec_from_file_location(
+        "base_merging", init, submodule_search_locations=[str(init.parent)]
+    )
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["base_merging"] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+_BASE = None
+
+
 def _case(name: str, deltas):
+    if name.startswith("base_"):
+        return lambda: _BASE.merge(name[len("base_") :], deltas)
     if name == "memory_pass":
         return lambda: _memory_pass(deltas)
+    if name.startswith("round_"):
+
+        def run():  # key by key: the same work as one accumulator, memory O(one tensor)
+            out = {}
+            for key in deltas[0]:
+                acc = OrderFreeMean()
+                for d in deltas:
+                    acc.add({key: d[key]})
+                out[key] = acc.result(name[len("round_") :], device="cpu")[key]
+                acc.release()
+            return out
+
+        return run
     if name.startswith("stream_"):
 
         def run():
@@ -134,41 +175,67 @@ def _summary(times: dict[str, list[float]], peaks: dict[str, float]) -> dict:
     return out
 
 
+def _shape_methods() -> dict:
+    """Per-shape methods: Iso-C by SVD / Gram route as shipped / Gram in fp64 forced (whatever
+    the bounds say: what the near-square matrices would cost) / Newton-Schulz, and
+    ``iso_c_matched`` as shipped and by its SVD route; each with its exact fp64 reference."""
+    from flwr_isoloco.merging import iso_range, polar
+
+    polar_mod = sys.modules[polar.__module__]
+
+    def matched_svd(g):
+        u, s, vh, k = iso_range._range_svd(g, None, "iso_c_matched")
+        return (u[:, :k] * (torch.linalg.vector_norm(s) / k**0.5)) @ vh[:k]
+
+    methods = {
+        "svd": ("iso_c", lambda g: iso_c(g, method="svd")),
+        "gram": ("iso_c", lambda g: iso_c(g, method="gram")),
+        "newton_schulz": ("iso_c", lambda g: iso_c(g, method="newton_schulz")),
+        "matched_svd": ("matched", matched_svd),
+        "matched": ("matched", iso_range.iso_c_matched),
+    }
+    forced = getattr(polar_mod, "_gram_apply", None)
+    if forced is not None and hasattr(polar_mod, "sym_product"):  # this version's signature
+        methods["gram64_forced"] = (
+            "iso_c",
+            lambda g: forced(g, torch.float64, float("inf"), "mean").float(),
+        )
+    return methods
+
+
 def bench_shapes(mean: dict[str, torch.Tensor], repeats: int) -> list[dict]:
-    """Iso-C of the mean by each method, one matrix per distinct shape."""
+    """Iso-C (and iso_c_matched) of the mean by each method, one matrix per distinct shape."""
     seen: dict[tuple[int, ...], str] = {}
     for key, t in mean.items():
         if t.ndim == 2 and tuple(t.shape) not in seen:
             seen[tuple(t.shape)] = key
     count = {s: sum(1 for t in mean.values() if tuple(t.shape) == s) for s in seen}
+    methods = _shape_methods()
     rows = []
     for shape, key in seen.items():
         g = mean[key]
         u, sval, vh = torch.linalg.svd(g.double(), full_matrices=False)
-        exact = (u * sval.mean()) @ vh
+        exact = {"iso_c": (u * sval.mean()) @ vh}
+        exact["matched"] = exact["iso_c"] * float(sval.square().mean().sqrt() / sval.mean())
         del u, vh
-        svd32 = iso_c(g, method="svd")
+        svd32 = {"iso_c": iso_c(g, method="svd"), "matched": methods["matched_svd"][1](g)}
         row = {"shape": list(shape), "example": key, "count_in_model": count[shape]}
         row["kappa"] = float(sval[0] / sval[-1]) if sval[-1] > 0 else float("inf")
-        row["rel_err_svd32_vs_fp64"] = _rel(svd32, exact)
-        for method in ("svd", "gram", "newton_schulz"):
+        row["rel_err_svd32_vs_fp64"] = _rel(svd32["iso_c"], exact["iso_c"])
+        for method, (kind, fn) in methods.items():
             ts = []
-            try:
-                for _ in range(repeats):
-                    res, sec, _ = _measure(lambda m=method, g=g: iso_c(g, method=m))
-                    ts.append(sec)
-            except ValueError:  # method not in this version of the code
-                continue
+            for _ in range(repeats):
+                res, sec, _ = _measure(lambda fn=fn, g=g: fn(g))
+                ts.append(sec)
             row[f"{method}_s"] = statistics.median(ts)
-            row[f"{method}_rel_err_vs_fp64"] = _rel(res, exact)
-            row[f"{method}_rel_err_vs_svd32"] = _rel(res, svd32)
+            row[f"{method}_rel_err_vs_fp64"] = _rel(res, exact[kind])
+            row[f"{method}_rel_err_vs_svd32"] = _rel(res, svd32[kind])
         rows.append(row)
         print(
             f"  {shape!s:14s} x{count[shape]:<3d} kappa {row['kappa']:9.3g}"
             + "".join(
                 f"  {m} {row[m + '_s'] * 1e3:7.1f}ms err {row[m + '_rel_err_vs_fp64']:.1e}"
-                for m in ("svd", "gram", "newton_schulz")
-                if m + "_s" in row
+                for m in methods
             ),
             flush=True,
         )
@@ -182,9 +249,15 @@ def run(args, save=lambda report: None) -> dict:
         shapes["embed_tokens.weight"] = (4096, 576)
     params = sum(torch.Size(s).numel() for s in shapes.values())
     cases = args.cases.split(",")
+    global _BASE
+    _BASE = load_base(args.base) if getattr(args, "base", None) else None
     for c in cases:
-        if c not in ("memory_pass", "iso_c_svd") and not c.startswith("stream_"):
-            if c not in MERGE_RULES:
+        if c.startswith("base_") and _BASE is None:
+            raise SystemExit(f"case {c!r} needs --base")
+        if c not in ("memory_pass", "iso_c_svd"):
+            prefixed = c.startswith(("stream_", "round_", "base_"))
+            rule = c.split("_", 1)[1] if prefixed else c
+            if rule not in MERGE_RULES:
                 raise SystemExit(f"unknown case {c!r}")
     print(f"{params / 1e6:.1f}M parameters ({len(shapes)} tensors), M = {args.workers}")
     tiny = [llama_delta(llama_shapes(16, 1, 64), i) for i in range(2)]
@@ -197,6 +270,7 @@ def run(args, save=lambda report: None) -> dict:
         "what": "merge-rule cost at SmolLM2-135M shapes, synthetic pseudo-gradients",
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "code": str(Path(merging.__file__).parent),
+        "base_code": str(Path(_BASE.__file__).parent) if _BASE is not None else None,
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
         "machine": {

@@ -86,3 +86,88 @@ def test_registered_rule_streams_and_leaves_1d_tensors_to_the_mean():
     for d in deltas:
         sm.add(d, 1.0)
     assert torch.allclose(sm.result()["w"], out["w"], atol=1e-5)
+
+
+# ---- the Gram route (full rank, accepted by gram_polar) against an independent SVD ----------
+
+
+def _np_matched(x: np.ndarray) -> np.ndarray:
+    ref = _numpy_reference(x)
+    return ref * (np.linalg.norm(x) / np.linalg.norm(ref))
+
+
+def _spectrum(m, n, smin, seed, dtype=torch.float32):
+    """``U diag(s) V^T`` with log-spaced ``s`` from 1 down to ``smin`` (fp64 factors)."""
+    g = torch.Generator().manual_seed(seed)
+    r = min(m, n)
+    u, _ = torch.linalg.qr(torch.randn(m, r, generator=g, dtype=torch.float64))
+    v, _ = torch.linalg.qr(torch.randn(n, r, generator=g, dtype=torch.float64))
+    s = torch.logspace(0, np.log10(smin), r, dtype=torch.float64)
+    return ((u * s) @ v.T).to(dtype)
+
+
+@pytest.fixture
+def gram_calls(monkeypatch):
+    """Records whether each gram_polar call gave a result (True) or sent the caller to the SVD."""
+    import importlib
+
+    mod = importlib.import_module("flwr_isoloco.merging.iso_range")
+    real, calls = mod.gram_polar, []
+
+    def spy(*args, **kwargs):
+        out = real(*args, **kwargs)
+        calls.append(out is not None)
+        return out
+
+    monkeypatch.setattr(mod, "gram_polar", spy)
+    return calls
+
+
+@pytest.mark.parametrize("shape", [(64, 200), (300, 90)])
+@pytest.mark.parametrize("smin", [0.3, 1e-2])  # kappa^2 = 11 (fp32 rung), 1e4 (fp64 rung)
+@pytest.mark.parametrize("fn", [iso_c_matched, iso_c_range])
+def test_gram_route_matches_an_independent_fp64_svd(gram_calls, shape, smin, fn):
+    x = _spectrum(*shape, smin, seed=7)
+    out = fn(x)
+    assert gram_calls == [True] and out.dtype == torch.float32 and out.is_contiguous()
+    ref = (
+        _np_matched(x.double().numpy())
+        if fn is iso_c_matched
+        else _numpy_reference(x.double().numpy())
+    )
+    rel = np.linalg.norm(out.double().numpy() - ref) / np.linalg.norm(ref)
+    assert rel <= 1e-5
+    u, s, vh = torch.linalg.svd(x, full_matrices=False)  # the fp32 SVD route, as before
+    svd32 = (u * (s.norm() / len(s) ** 0.5 if fn is iso_c_matched else s.mean())) @ vh
+    assert _rel(out, svd32) <= 1e-5
+
+
+def _rel(a, b):
+    return float((a.double() - b.double()).norm() / b.double().norm())
+
+
+def test_near_the_rank_threshold_and_rank_deficient_go_to_the_svd(gram_calls):
+    # s_min = 1.5 x the fp32 rank threshold (200 * eps): below the 2x margin, so the SVD decides k
+    tol = 200 * torch.finfo(torch.float32).eps
+    x = _spectrum(64, 200, 1.5 * tol, seed=2, dtype=torch.float64).float()
+    out = iso_c_matched(x)
+    assert gram_calls == [False]
+    u, s, vh = torch.linalg.svd(x, full_matrices=False)
+    k = numerical_rank(s, tuple(x.shape))
+    assert torch.equal(out, (u[:, :k] * (s.norm() / k**0.5)) @ vh[:k])  # the SVD route, bitwise
+    low = _rank_deficient(m=16, n=64, rank=5).float()  # exactly rank 5: no Gram result
+    gram_calls.clear()
+    ref = torch.from_numpy(_np_matched(low.numpy()).astype(np.float64))  # fp32 rank rule
+    assert _rel(iso_c_matched(low), ref) <= 1e-5
+    assert gram_calls == [False]
+    gram_calls.clear()
+    sq = _spectrum(96, 96, 0.5, seed=1)  # near-square: always the SVD
+    iso_c_range(sq)
+    assert gram_calls == [False]
+
+
+def test_fp64_input_by_the_gram_route_stays_fp64_exact(gram_calls):
+    x = _spectrum(40, 120, 0.2, seed=4, dtype=torch.float64)
+    out = iso_c_matched(x)
+    assert gram_calls == [True] and out.dtype == torch.float64
+    np.testing.assert_allclose(out.numpy(), _np_matched(x.numpy()), rtol=0, atol=1e-12)

@@ -52,8 +52,8 @@ def route(monkeypatch):
     calls = []
     real = polar_mod._gram_apply
 
-    def spy(y, work, bound, iso):
-        out = real(y, work, bound, iso)
+    def spy(x, work, *args):
+        out = real(x, work, *args)
         calls.append((work, out is not None))
         return out
 
@@ -274,3 +274,25 @@ def test_tsv_m_and_iso_cts_polar_factors_by_gram_equal_the_svd_ones(monkeypatch,
     for k in shapes:
         assert _rel(fast[k], svd[k]) <= 1e-5
     assert torch.equal(fast["sq"], svd["sq"])  # near-square: the SVD in both
+
+
+@pytest.mark.parametrize(("m", "n"), [(100, 40), (300, 70), (577, 30)])
+@pytest.mark.parametrize("dtype", [torch.float32, F64])
+def test_sym_product_is_b_bt(m, n, dtype):
+    gen = torch.Generator().manual_seed(m)
+    b = torch.randn(m, n, generator=gen, dtype=F64)
+    out = polar_mod.sym_product(b.to(dtype))
+    assert out.dtype == dtype and out.shape == (m, m)
+    tol = 1e-5 if dtype == torch.float32 else 1e-13
+    assert _rel(out, b @ b.T) <= tol
+    assert _rel(polar_mod.sym_product(b.T.to(dtype)), b.T @ b) <= tol  # transposed view input
+
+
+def test_gram_tall_and_wide_results_are_contiguous_and_transposes():
+    x = _with_kappa(40, 130, 3.0, seed=5)
+    wide, tall = gram_polar(x, scale="mean"), gram_polar(x.T.contiguous(), scale="mean")
+    assert wide.is_contiguous() and tall.is_contiguous()
+    assert _rel(tall.T, wide) <= 1e-6
+    rms = gram_polar(x, scale="rms")
+    s = torch.linalg.svdvals(x.double())
+    assert _rel(rms, wide * float(s.square().mean().sqrt() / s.mean())) <= 1e-6

@@ -11,7 +11,9 @@ space, so ``iso_c`` moves the model by ``mean(s)`` along directions the data doe
     k = #{i : s_i > rtol * s_1},   rtol = max(m, n) * eps   (numpy's matrix_rank convention)
     iso_c_range(g) = mean(s_1..s_k) * U_k V_k^T
 
-For full-rank ``g`` it is ``iso_c`` (the same computation); ``g = 0`` gives 0. Like ``iso_c``
+For full-rank ``g`` it is ``iso_c`` (the same computation: at clear full rank, every
+``s_i > 2 rtol s_1``, both take the Gram route of ``polar.gram_polar`` where it is accepted,
+else the thin SVD); ``g = 0`` gives 0. Like ``iso_c``
 it is positively homogeneous and ``||iso_c_range(g)||_F = mean(s_1..s_k) sqrt(k) <= ||g||_F``.
 (The Newton-Schulz variant ``iso_c_ns`` already maps zero singular values to zero.)
 
@@ -32,7 +34,7 @@ import math
 
 import torch
 
-from .polar import thin_svd
+from .polar import gram_polar, thin_svd
 
 __all__ = ["iso_c_matched", "iso_c_range", "numerical_rank"]
 
@@ -53,8 +55,26 @@ def _range_svd(g: torch.Tensor, rtol: float | None, what: str):
     return u, s, vh, numerical_rank(s, tuple(x.shape), rtol)
 
 
+def _full_rank_gram(g: torch.Tensor, rtol: float | None, scale: str) -> torch.Tensor | None:
+    """``c U V^T`` by :func:`~.polar.gram_polar` where it is accepted *and* every singular value
+    is above twice the rank threshold (so ``k = r`` beyond doubt: the fp32 SVD's singular values
+    are accurate to about ``eps * s_1``, far inside that margin); None otherwise (the SVD)."""
+    if g.ndim != 2 or not g.is_floating_point():
+        return None
+    dtype = torch.float64 if g.dtype == torch.float64 else torch.float32
+    tol = max(g.shape) * torch.finfo(dtype).eps if rtol is None else rtol
+    out = gram_polar(g, scale=scale, min_rel_sv=2 * tol)
+    return None if out is None else out.to(g.dtype)
+
+
 def iso_c_range(g: torch.Tensor, rtol: float | None = None) -> torch.Tensor:
-    """``mean(s_1..s_k) U_k V_k^T`` of a 2-D tensor, ``k`` its numerical rank (fp32 inside)."""
+    """``mean(s_1..s_k) U_k V_k^T`` of a 2-D tensor, ``k`` its numerical rank (fp32 inside).
+
+    At clear full rank (and where :func:`~.polar.gram_polar` is accepted) this is Iso-C by the
+    Gram eigendecomposition, ``iso_c(g, method="gram")``; otherwise the thin SVD."""
+    out = _full_rank_gram(g, rtol, "mean")
+    if out is not None:
+        return out
     u, s, vh, k = _range_svd(g, rtol, "iso_c_range")
     if k == 0:
         return torch.zeros_like(g)
@@ -66,7 +86,13 @@ def iso_c_range(g: torch.Tensor, rtol: float | None = None) -> torch.Tensor:
 
 
 def iso_c_matched(g: torch.Tensor, rtol: float | None = None) -> torch.Tensor:
-    """``||g||_F / sqrt(k) * U_k V_k^T`` of a 2-D tensor (module docstring; fp32 inside)."""
+    """``||g||_F / sqrt(k) * U_k V_k^T`` of a 2-D tensor (module docstring; fp32 inside).
+
+    At clear full rank (and where :func:`~.polar.gram_polar` is accepted): ``sqrt(mean(s^2))
+    G^(-1/2) g`` by the Gram eigendecomposition; otherwise the thin SVD."""
+    out = _full_rank_gram(g, rtol, "rms")
+    if out is not None:
+        return out
     u, s, vh, k = _range_svd(g, rtol, "iso_c_matched")
     if k == 0:
         return torch.zeros_like(g)
