@@ -102,6 +102,26 @@ def test_train_sends_only_the_adapter_and_evaluate_is_heldout_perplexity(tiny):
     assert ev["eval_loss"] < base_ev["eval_loss"]
 
 
+def test_site_text_from_node_config_data_path(tiny, tmp_path):
+    cfg, _ = tiny
+    site = tmp_path / "site.txt"
+    site.write_text(load_corpus("shakespeare")[1][:8_000], encoding="utf-8")
+    grid = FakeGrid(
+        {"train": LoRAClient(cfg).train},
+        num_nodes=2,
+        node_config_fn=lambda i: {"data-path": str(site) if i == 0 else ""},
+    )
+    init = get_causal_model(cfg.lora, slot="test").initial_adapter
+    rows = [
+        _send(grid, i, MessageType.TRAIN, init).content["metrics"]["num-examples"] for i in (0, 1)
+    ]
+    tok = get_causal_model(cfg.lora, slot="test").tokenizer
+    ids = tok(load_corpus(str(site))[0], add_special_tokens=False)["input_ids"]
+    assert rows[0] == len(ids) // 33  # the site's own text, not a partition
+    train, _ = corpus_tokens(tok, cfg.corpus, cfg.val_fraction, cfg.cache_dir)
+    assert rows[1] == len(np.array_split(np.arange(len(train) // 33), 2)[1])
+
+
 def test_adapter_export_merges_into_a_plain_causal_lm(tiny, tmp_path):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM

@@ -210,6 +210,22 @@ def corpus_tokens(
     return _TOKENS[key]
 
 
+_SITE: dict[tuple[str, str, int, int], np.ndarray] = {}
+
+
+def site_tokens(tokenizer, path: str) -> np.ndarray:
+    """Token ids of a site's own text (``load_corpus(path)``: a file or folder), cached in the
+    process by (tokenizer, path, modification time, size)."""
+    st = os.stat(os.path.expanduser(path))
+    key = (_tokenizer_fingerprint(tokenizer), path, st.st_mtime_ns, st.st_size)
+    if key not in _SITE:
+        if len(_SITE) > 8:
+            _SITE.clear()
+        with quiet_hf():
+            _SITE[key] = _encode_docs(tokenizer, "\n".join(textdata.load_corpus(path)))
+    return _SITE[key]
+
+
 @dataclass
 class TextShard:
     """A node's training rows ``(rows, seq_len + 1)`` and the held-out tokens."""
@@ -293,8 +309,7 @@ class CausalLMTask:
         train, val = corpus_tokens(tok, cfg.corpus, cfg.val_fraction, cfg.cache_dir or None)
         block = cfg.seq_len + 1
         if data_path:
-            with quiet_hf():
-                stream = _encode_docs(tok, "\n".join(textdata.load_corpus(data_path)))
+            stream = site_tokens(tok, data_path)
             what = f"data path {data_path!r}"
         else:
             stream = textdata.shard_tokens(train, pid, n, block=block)
