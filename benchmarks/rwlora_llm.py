@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import sys
 import time
 from pathlib import Path
@@ -44,6 +45,9 @@ os.environ.setdefault("FLWR_DISABLE_UPDATE_CHECK", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Ray's memory monitor kills a worker when the *machine* passes 95% of its memory, whoever uses
+# it; on a shared machine that kills a 2 GB client for other jobs' memory. Off by default here.
+os.environ.setdefault("RAY_memory_monitor_refresh_ms", "0")
 os.environ["PYTHONPATH"] = os.pathsep.join(
     [str(ROOT)] + [x for x in [os.environ.get("PYTHONPATH")] if x]
 )
@@ -255,7 +259,12 @@ def main(argv=None) -> dict[str, Any]:
     t0 = time.time()
     runs = run_methods(methods, args)
     settings = {k.replace("_", "-"): v for k, v in vars(args).items()}
-    results = {"settings": settings, "runs": runs, "total-wall-s": time.time() - t0}
+    results = {
+        "settings": settings,
+        "runs": runs,
+        "total-wall-s": time.time() - t0,
+        "server-process-peak-rss-mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+    }
     print(json.dumps(runs, indent=1), flush=True)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
