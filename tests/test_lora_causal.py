@@ -2,6 +2,7 @@
 real Shakespeare text, held-out perplexity, a peft export that merges into a plain HF model,
 and RW-LoRA and gossip through Flower's simulation engine."""
 
+import dataclasses
 import json
 import math
 import sys
@@ -120,6 +121,17 @@ def test_site_text_from_node_config_data_path(tiny, tmp_path):
     assert rows[0] == len(ids) // 33  # the site's own text, not a partition
     train, _ = corpus_tokens(tok, cfg.corpus, cfg.val_fraction, cfg.cache_dir)
     assert rows[1] == len(np.array_split(np.arange(len(train) // 33), 2)[1])
+
+
+def test_seq_len_beyond_the_model_maximum_is_an_error_reply(tiny):
+    cfg, _ = tiny
+    long = dataclasses.replace(cfg, seq_len=65)  # the tiny model has 64 positions
+    grid = FakeGrid({"train": LoRAClient(long).train}, num_nodes=2)
+    init = get_causal_model(cfg.lora, slot="test").initial_adapter
+    content = RecordDict({"arrays": ArrayRecord(init), "config": ConfigRecord({})})
+    msg = grid.create_message(content, MessageType.TRAIN, grid.node_ids[0], "1")
+    (reply,) = grid.send_and_receive([msg])
+    assert reply.has_error() and "max_position_embeddings 64" in reply.error.reason
 
 
 def test_adapter_export_merges_into_a_plain_causal_lm(tiny, tmp_path):

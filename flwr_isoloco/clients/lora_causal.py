@@ -305,7 +305,13 @@ class CausalLMTask:
         return get_causal_model(cfg.lora).tokenizer
 
     def node_data(self, cfg: CausalLoRAClientConfig, pid: int, n: int, data_path: str = ""):
-        tok = self.tokenizer(cfg)
+        built = get_causal_model(cfg.lora)
+        limit = getattr(built.model.config, "max_position_embeddings", None)
+        if isinstance(limit, int) and cfg.seq_len > limit:
+            raise ValueError(
+                f"seq_len {cfg.seq_len} is more than the model's max_position_embeddings {limit}"
+            )
+        tok = built.tokenizer
         train, val = corpus_tokens(tok, cfg.corpus, cfg.val_fraction, cfg.cache_dir or None)
         block = cfg.seq_len + 1
         if data_path:
