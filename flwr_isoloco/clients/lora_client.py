@@ -1,8 +1,12 @@
-"""peft LoRA client: K local AdamW steps on the node's private sentence shard, adapter out.
+"""peft LoRA client: K local AdamW steps on the node's private shard, adapter out.
 
-:class:`LoRAClient` gives the train / evaluate / query handlers; the node's data, the message
-layout (``arrays``, ``config``, ``optimizer``, ``optimizer-config``, the reply metrics) and the
-seeded batch order are specified in "The LoRA client" of https://github.com/flwr-isoloco/flwr-isoloco/blob/main/docs/rwlora.md.
+:class:`LoRAClient` gives the train / evaluate / query handlers for two tasks, chosen by the
+config's type: a sentence classifier (:class:`LoRAClientConfig`, :class:`SentenceTask`) and a
+causal LM on text (:class:`~flwr_isoloco.clients.lora_causal.CausalLoRAClientConfig`, its
+``CausalLMTask``). A task gives the model, the node's data, a batch's loss and the evaluation
+metrics; the handlers, the batch stream and the optimiser state are shared. The node's data,
+the message layout (``arrays``, ``config``, ``optimizer``, ``optimizer-config``, the reply
+metrics) and the seeded batch order are specified in "The LoRA client" of https://github.com/flwr-isoloco/flwr-isoloco/blob/main/docs/rwlora.md.
 The AdamW state travels through :mod:`flwr_isoloco.clients.adamw_state`.
 """
 
@@ -61,6 +65,10 @@ class LoRAClientConfig:
             raise ValueError(f"val_fraction must be in [0, 1), got {self.val_fraction!r}")
         if self.weight_decay < 0:
             raise ValueError(f"weight_decay must be >= 0, got {self.weight_decay!r}")
+
+    @property
+    def task(self) -> SentenceTask:
+        return SENTENCE_TASK
 
 
 @dataclass
@@ -158,11 +166,44 @@ def _trainable(model) -> list[tuple[str, torch.nn.Parameter]]:
     return [(n, p) for n, p in model.named_parameters() if p.requires_grad]
 
 
+class SentenceTask:
+    """The sentence-classifier task: cross-entropy on labels, loss and accuracy."""
+
+    name = "sequence-classification"
+
+    def model(self, cfg: LoRAClientConfig):
+        return classifier.get_model(cfg.lora)
+
+    def tokenizer(self, cfg: LoRAClientConfig):
+        return classifier.load_tokenizer(cfg.lora.model)
+
+    def node_data(self, cfg: LoRAClientConfig, pid: int, n: int, data_path: str = ""):
+        return load_node_data(cfg, pid, n, data_path)
+
+    def num_train(self, data: NodeData) -> int:
+        return len(data.train_texts)
+
+    def batch_loss(self, model, tokenizer, data: NodeData, idx, cfg) -> torch.Tensor:
+        batch = classifier.encode(tokenizer, [data.train_texts[i] for i in idx], cfg.max_length)
+        y = torch.tensor([data.train_labels[i] for i in idx])
+        return torch.nn.functional.cross_entropy(model(**batch).logits.float(), y)
+
+    def evaluate(self, model, tokenizer, data: NodeData, cfg) -> dict[str, float]:
+        texts, labels = data.val_texts, data.val_labels
+        if not texts:  # no validation slice: fall back to the training rows
+            texts, labels = data.train_texts, data.train_labels
+        res = classifier.evaluate(model, tokenizer, texts, labels, max_length=cfg.max_length)
+        return {"num-examples": len(texts), "eval_loss": res["loss"], "eval_acc": res["accuracy"]}
+
+
+SENTENCE_TASK = SentenceTask()
+
+
 def train_steps(
     model,
     tokenizer,
-    data: NodeData,
-    cfg: LoRAClientConfig,
+    data,
+    cfg,
     *,
     steps: int,
     lr: float,
@@ -171,21 +212,21 @@ def train_steps(
     opt_state: tuple[Mapping[str, torch.Tensor], int] | None = None,
 ) -> tuple[float, int, tuple[dict[str, torch.Tensor], int]]:
     """``steps`` AdamW steps from stream position ``cursor`` (fresh AdamW unless ``opt_state``
-    = (moments, step) is given); returns (mean loss, new cursor, (moments, step))."""
+    = (moments, step) is given) on ``cfg.task``'s loss; returns (mean loss, new cursor,
+    (moments, step))."""
+    task = cfg.task
     named = _trainable(model)
     opt = torch.optim.AdamW([p for _, p in named], lr=lr, weight_decay=cfg.weight_decay)
     if opt_state is not None:
         arrays_to_adamw(opt, named, *opt_state)
-    n = len(data.train_texts)
+    n = task.num_train(data)
     model.train()
     losses = []
     with torch.random.fork_rng(devices=[]):
         for _ in range(steps):
             idx = batch_indices(cursor, cfg.batch_size, n, seed)
             torch.manual_seed(int(np.random.default_rng([seed, cursor]).integers(2**62)))
-            batch = classifier.encode(tokenizer, [data.train_texts[i] for i in idx], cfg.max_length)
-            y = torch.tensor([data.train_labels[i] for i in idx])
-            loss = torch.nn.functional.cross_entropy(model(**batch).logits.float(), y)
+            loss = task.batch_loss(model, tokenizer, data, idx, cfg)
             loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
@@ -200,10 +241,11 @@ def train_steps(
 
 
 class LoRAClient:
-    """ClientApp handlers (train / evaluate / query) for the peft LoRA sentence classifier.
+    """ClientApp handlers (train / evaluate / query) for a peft LoRA model.
 
-    ``config`` is a :class:`LoRAClientConfig` or a function ``context -> LoRAClientConfig``
-    (e.g. built from ``context.run_config``).
+    ``config`` is a :class:`LoRAClientConfig` (sentence classifier), a
+    :class:`~flwr_isoloco.clients.lora_causal.CausalLoRAClientConfig` (causal LM), or a
+    function ``context -> config`` (e.g. built from ``context.run_config``).
     """
 
     def __init__(
@@ -222,7 +264,7 @@ class LoRAClient:
         self.optimizer_config_key = optimizer_config_key
 
     # ------------------------------------------------------------------ helpers
-    def config(self, context: Context) -> LoRAClientConfig:
+    def config(self, context: Context):
         cfg = self._config(context) if callable(self._config) else self._config
         if cfg.num_threads:
             torch.set_num_threads(cfg.num_threads)
@@ -231,7 +273,7 @@ class LoRAClient:
     def _setup(self, msg: Message, context: Context):
         cfg = self.config(context)
         pid, n = node_partition(context, cfg)
-        model = classifier.get_model(cfg.lora)
+        model = cfg.task.model(cfg)
         if self.arrayrecord_key not in msg.content.array_records:
             raise KeyError(f"message has no ArrayRecord {self.arrayrecord_key!r}")
         adapter = msg.content.array_records[self.arrayrecord_key].to_torch_state_dict()
@@ -258,12 +300,12 @@ class LoRAClient:
                 msg.content.array_records[self.optimizer_key].to_torch_state_dict(),
                 int(oc["step"]) if oc is not None and "step" in oc else 0,
             )
-        data = load_node_data(cfg, pid, n, node_data_path(context, cfg))
+        data = cfg.task.node_data(cfg, pid, n, node_data_path(context, cfg))
         cursor = _get_cursor(context)
         seed = _node_seed(cfg, pid)
         loss, cursor, new_opt = train_steps(
             model,
-            classifier.load_tokenizer(cfg.lora.model),
+            cfg.task.tokenizer(cfg),
             data,
             cfg,
             steps=steps,
@@ -278,7 +320,7 @@ class LoRAClient:
                 self.arrayrecord_key: ArrayRecord(classifier.adapter_state_dict(model)),
                 "metrics": MetricRecord(
                     {
-                        "num-examples": len(data.train_texts),
+                        "num-examples": cfg.task.num_train(data),
                         "train_loss": loss,
                         "local-steps": steps,
                         "examples-seen": steps * cfg.batch_size,
@@ -295,20 +337,8 @@ class LoRAClient:
 
     def evaluate(self, msg: Message, context: Context) -> Message:
         cfg, pid, n, model = self._setup(msg, context)
-        data = load_node_data(cfg, pid, n, node_data_path(context, cfg))
-        texts, labels = data.val_texts, data.val_labels
-        if not texts:  # no validation slice: fall back to the training rows
-            texts, labels = data.train_texts, data.train_labels
-        res = classifier.evaluate(
-            model,
-            classifier.load_tokenizer(cfg.lora.model),
-            texts,
-            labels,
-            max_length=cfg.max_length,
-        )
-        metrics = MetricRecord(
-            {"num-examples": len(texts), "eval_loss": res["loss"], "eval_acc": res["accuracy"]}
-        )
+        data = cfg.task.node_data(cfg, pid, n, node_data_path(context, cfg))
+        metrics = MetricRecord(cfg.task.evaluate(model, cfg.task.tokenizer(cfg), data, cfg))
         return Message(content=RecordDict({"metrics": metrics}), reply_to=msg)
 
     def query(self, msg: Message, context: Context) -> Message:
@@ -322,8 +352,8 @@ class LoRAClient:
             pid, n = node_partition(context, cfg)
             metrics = {cfg.partition_key: pid, cfg.num_partitions_key: n}
             try:
-                data = load_node_data(cfg, pid, n, node_data_path(context, cfg))
-                metrics["num-examples"] = len(data.train_texts)
+                data = cfg.task.node_data(cfg, pid, n, node_data_path(context, cfg))
+                metrics["num-examples"] = cfg.task.num_train(data)
             except (ValueError, FileNotFoundError):
                 pass  # still answer who we are; training will report the data problem
         content = RecordDict({"config": ConfigRecord({key: value})})
