@@ -41,6 +41,7 @@ __all__ = [
     "batch_generator",
     "causal_lm_fn",
     "corpus_tokens",
+    "encode_text",
     "load_tokenizer",
     "partition_texts",
     "pretrained_folder",
@@ -130,7 +131,9 @@ def _line_chunks(text: str, lines: int = 200) -> list[str]:
     return ["".join(parts[i : i + lines]) for i in range(0, len(parts), lines)]
 
 
-def _encode_stream(text: str, tokenizer) -> np.ndarray:
+def encode_text(text: str, tokenizer) -> np.ndarray:
+    """int32 ids of ``text`` (no special tokens), encoded in groups of 200 whole lines: a token
+    never spans a group boundary, which is a line break."""
     chunks = _line_chunks(text)
     out: list[int] = []
     for i in range(0, len(chunks), 256):
@@ -156,7 +159,7 @@ def corpus_tokens(
         if path.is_file():
             arrays.append(np.load(path, allow_pickle=False))
             continue
-        tokens = _encode_stream(text, tokenizer)
+        tokens = encode_text(text, tokenizer)
         cache.mkdir(parents=True, exist_ok=True)
         tmp = cache / f".tokens-{key}-{split}.{os.getpid()}.npy"
         np.save(tmp, tokens, allow_pickle=False)

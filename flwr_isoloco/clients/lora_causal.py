@@ -23,17 +23,17 @@ held-out perplexity (the setting of Flower's FlowerTune LLM example).
 from __future__ import annotations
 
 import functools
-import hashlib
 import math
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import torch
 
 from flwr_isoloco.clients.diloco_worker import next_token_loss
+from flwr_isoloco.clients.hf_lm import corpus_tokens as hf_corpus_tokens
+from flwr_isoloco.clients.hf_lm import encode_text, tokenizer_digest
 from flwr_isoloco.data import text as textdata
 from flwr_isoloco.models import classifier
 from flwr_isoloco.models.export import quiet_hf
@@ -160,53 +160,21 @@ def get_causal_model(spec: CausalLoRASpec, slot: str = "client") -> CausalLoRAMo
 # ----------------------------------------------------------------------------- data
 
 
-def _tokenizer_fingerprint(tokenizer) -> str:
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    desc = backend.to_str() if backend is not None else repr(sorted(tokenizer.get_vocab().items()))
-    return hashlib.sha256(desc.encode("utf-8")).hexdigest()[:16]
-
-
-def _encode_docs(tokenizer, text: str) -> np.ndarray:
-    """Token ids of ``text``, encoded in pieces of 2,000 whole lines (no call sees megabytes;
-    a token never spans a piece boundary, which is a line break)."""
-    ids: list[int] = []
-    lines = text.splitlines(keepends=True)
-    for i in range(0, len(lines), 2000):
-        ids += tokenizer("".join(lines[i : i + 2000]), add_special_tokens=False)["input_ids"]
-    return np.asarray(ids, dtype=np.int32)
-
-
 _TOKENS: dict[tuple[str, float, str], tuple[np.ndarray, np.ndarray]] = {}
 
 
 def corpus_tokens(
     tokenizer, corpus: str, val_fraction: float, cache_dir: str | os.PathLike | None = None
 ) -> tuple[np.ndarray, np.ndarray]:
-    """(training ids, held-out ids) of ``corpus`` in ``tokenizer``'s vocabulary (module doc);
-    cached in the process and as ``.npy`` per (tokenizer, text)."""
-    fp = _tokenizer_fingerprint(tokenizer)
-    key = (corpus, float(val_fraction), fp)
-    if key in _TOKENS:
-        return _TOKENS[key]
-    train_text, val_text = textdata.split_text(textdata.load_corpus(corpus), val_fraction)
-    digest = hashlib.sha256(f"{train_text}\0{val_text}".encode()).hexdigest()[:16]
-    cache = Path(cache_dir) if cache_dir else textdata.default_cache_dir()
-    out = []
-    for split, text in (("train", train_text), ("val", val_text)):
-        path = cache / f"causal-{fp}-{digest}-{split}.npy"
-        if path.is_file():
-            out.append(np.load(path, allow_pickle=False))
-            continue
-        with quiet_hf():  # "sequence longer than the model maximum": we cut windows ourselves
-            arr = _encode_docs(tokenizer, text)
-        cache.mkdir(parents=True, exist_ok=True)
-        tmp = cache / f".causal-{fp}-{digest}-{split}.{os.getpid()}.npy"
-        np.save(tmp, arr, allow_pickle=False)
-        os.replace(tmp, path)
-        out.append(arr)
-    if len(_TOKENS) > 8:
-        _TOKENS.clear()
-    _TOKENS[key] = (out[0], out[1])
+    """(training ids, held-out ids) of ``corpus`` in ``tokenizer``'s vocabulary: the LM app's
+    :func:`flwr_isoloco.clients.hf_lm.corpus_tokens` (cached as ``.npy`` per tokenizer and
+    text), also cached in the process."""
+    key = (corpus, float(val_fraction), tokenizer_digest(tokenizer))
+    if key not in _TOKENS:
+        if len(_TOKENS) > 8:
+            _TOKENS.clear()
+        train, val, _ = hf_corpus_tokens(corpus, tokenizer, val_fraction, cache_dir)
+        _TOKENS[key] = (train, val)
     return _TOKENS[key]
 
 
@@ -217,12 +185,12 @@ def site_tokens(tokenizer, path: str) -> np.ndarray:
     """Token ids of a site's own text (``load_corpus(path)``: a file or folder), cached in the
     process by (tokenizer, path, modification time, size)."""
     st = os.stat(os.path.expanduser(path))
-    key = (_tokenizer_fingerprint(tokenizer), path, st.st_mtime_ns, st.st_size)
+    key = (tokenizer_digest(tokenizer), path, st.st_mtime_ns, st.st_size)
     if key not in _SITE:
         if len(_SITE) > 8:
             _SITE.clear()
         with quiet_hf():
-            _SITE[key] = _encode_docs(tokenizer, "\n".join(textdata.load_corpus(path)))
+            _SITE[key] = encode_text("\n".join(textdata.load_corpus(path)), tokenizer)
     return _SITE[key]
 
 
