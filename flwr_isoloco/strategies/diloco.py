@@ -54,6 +54,7 @@ from flwr_isoloco.strategies.divergence import DEFAULT_DIVERGENCE_FACTOR
 from flwr_isoloco.strategies.evaluation import aggregate_metrics
 from flwr_isoloco.strategies.lifecycle import ResumableStrategy, RoundOutcome
 from flwr_isoloco.strategies.nodes import wait_for_nodes
+from flwr_isoloco.strategies.privacy import DEFAULT_DP_DELTA, CentralDP
 from flwr_isoloco.strategies.rounds import ReplyStream, check_quorum
 from flwr_isoloco.strategies.train_round import TrainRound
 
@@ -140,6 +141,13 @@ class DiLoCo(FromRunConfig, DiLoCoState, ResumableStrategy):
         The divergence guard (:mod:`~flwr_isoloco.strategies.divergence`): ``"warn"``
         (default) | ``"skip"`` | ``"stop"`` when the ``evaluate_fn`` loss is non-finite or
         above ``divergence_factor`` (default 1.5; 0 = non-finite only) x the previous round's.
+    dp_noise_multiplier, dp_clipping_norm, dp_delta, dp_max_epsilon :
+        Central DP (:mod:`~flwr_isoloco.strategies.privacy`, docs/privacy.md): each pseudo-
+        gradient clipped to L2 norm ``C = dp_clipping_norm`` (None: off), weights uniform,
+        ``N(0, (z C)^2)`` with ``z = dp_noise_multiplier`` added to the sum before the outer
+        step, divided by the number of nodes sampled. Epsilon at ``dp_delta`` (default 1e-5)
+        is the ``dp-epsilon`` metric; a round that would pass ``dp_max_epsilon`` is not sent
+        (``PrivacyBudgetExhausted``). Mean-based rules only (mean, Iso-C), no ``max_norm_ratio``.
     """
 
     def __init__(
@@ -177,6 +185,10 @@ class DiLoCo(FromRunConfig, DiLoCoState, ResumableStrategy):
         on_divergence: str = "warn",
         divergence_factor: float = DEFAULT_DIVERGENCE_FACTOR,
         divergence_key: str | None = None,
+        dp_noise_multiplier: float | None = None,
+        dp_clipping_norm: float | None = None,
+        dp_delta: float = DEFAULT_DP_DELTA,
+        dp_max_epsilon: float | None = None,
     ) -> None:
         self.quorum, self.grace_s = check_quorum(quorum, grace_s)
         self.set_divergence_guard(on_divergence, divergence_factor, divergence_key)
@@ -231,6 +243,8 @@ class DiLoCo(FromRunConfig, DiLoCoState, ResumableStrategy):
         self.weight_reference: float | None = None  # median weight of the last used round
         self._train_stream = ReplyStream("aggregate_train")
         self._eval_stream = ReplyStream("aggregate_evaluate")
+        self.dp = CentralDP(dp_noise_multiplier, dp_clipping_norm, dp_delta, dp_max_epsilon, seed)
+        self.dp.check_strategy(self)  # refuses rules / options DP cannot bound; weights uniform
 
     # ------------------------------------------------------------------ construction helpers
     def _setup_merge(
@@ -297,6 +311,7 @@ class DiLoCo(FromRunConfig, DiLoCoState, ResumableStrategy):
     def summary(self) -> None:
         """Log the configuration, Flower-style."""
         log_summary(self)
+        log(INFO, "\t└──> Differential privacy: %s", self.dp.describe())
 
     def _sample(self, grid: Grid, fraction: float, min_nodes: int) -> list[int]:
         connected = list(grid.get_node_ids())
@@ -320,6 +335,7 @@ class DiLoCo(FromRunConfig, DiLoCoState, ResumableStrategy):
             return []
         if self.theta is None:
             self._adopt(arrays)
+        self.dp.before_round(self.server_round + 1)  # PrivacyBudgetExhausted before sending
         nodes = self._sample(grid, self.fraction_train, self.min_train_nodes)
         log(INFO, "configure_train: sampled %d nodes", len(nodes))
         config["server-round"] = self.server_round + 1
@@ -425,6 +441,8 @@ class DiLoCo(FromRunConfig, DiLoCoState, ResumableStrategy):
         sd = super().state_dict()
         if self.weight_reference is not None:
             sd["meta"]["weight_reference"] = self.weight_reference
+        if self.dp.state() is not None:
+            sd["meta"]["dp"] = self.dp.state()
         return sd
 
     @staticmethod
@@ -433,13 +451,25 @@ class DiLoCo(FromRunConfig, DiLoCoState, ResumableStrategy):
 
         spec = DiLoCoState._state_spec()
         spec["weight_reference"] = Field("float", min=0, optional=True)
+        spec["dp"] = Field("dict", optional=True)  # Flower's accountant state (privacy.py)
         return spec
 
     def load_state_dict(
         self, state: Mapping[str, Any], reference: Mapping[str, Any] | None = None
     ) -> None:
-        """:meth:`DiLoCoState.load_state_dict`; restores the reference weight (None if absent)."""
+        """:meth:`DiLoCoState.load_state_dict`; restores the reference weight (None if absent)
+        and the DP accountant (epsilon continues; checked before anything is set)."""
+        from flwr_isoloco.checkpoint_spec import CheckpointError
+
+        meta = state.get("meta") if isinstance(state, Mapping) else None
+        accountant = self.dp.accountant
+        if isinstance(meta, Mapping) and isinstance(meta.get("server_round"), int):
+            try:
+                accountant = self.dp.parse_state(meta.get("dp"), meta["server_round"])
+            except ValueError as exc:
+                raise CheckpointError(f"DP accountant: {exc}") from None
         super().load_state_dict(state, reference)
+        self.dp.accountant = accountant
         ref = state["meta"].get("weight_reference")
         self.weight_reference = None if ref is None else float(ref)
 

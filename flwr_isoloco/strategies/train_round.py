@@ -59,7 +59,9 @@ class TrainRound:
         self.collect = bool(self.ratio) and ref is None  # weights bounded when the round closes
         self.cap = self.ratio * ref if self.ratio and ref is not None else None
         spill = self.collect or bool(self.v.max_norm_ratio)
-        self.fold = RoundFold(s.merger, s.theta, server_round, spill=spill)
+        floats = [k for k, t in s.theta.items() if t.is_floating_point()]
+        dp = s.dp.mechanism(server_round, len(s._train_ledger._sent), floats)  # None: DP off
+        self.fold = RoundFold(s.merger, s.theta, server_round, spill=spill, dp=dp)
         self.taken: list[CheckedReply] = []
         self.answered: set[str] = set()
         self._w: dict[int, float] = {}  # id(reply) -> merge weight
@@ -162,6 +164,7 @@ class TrainRound:
             extra["pseudo-grad-norm"] = tensor_norm(g)
             try:
                 s._outer_step(g)
+                s.dp.released()  # g (noised) reached the model: one accounted release
                 new_arrays = s._model_record()
             except (ValueError, RuntimeError) as exc:
                 for r in checked:
@@ -182,6 +185,7 @@ class TrainRound:
             **self._client_metrics(checked),
             **report.as_metrics(),
             **extra,
+            **s.dp.metrics(),
             **(wait.as_metrics() if wait is not None else {}),
             "spill-bytes": self.fold.spill_bytes,
             "bytes-down": s._bytes_down,

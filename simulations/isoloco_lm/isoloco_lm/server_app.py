@@ -40,6 +40,7 @@ __all__ = ["CHECKPOINT", "SPEC", "app", "run_server"]
 app = ServerApp()
 # Round columns copied from the strategy's aggregated train metrics.
 TRAIN_COLUMNS = ("train-loss", "aggregation-time-s", "pseudo-grad-norm", "bytes-up", "bytes-down")
+DP_COLUMNS = ("dp-epsilon", "dp-clipped-fraction")
 REPLY_COLUMNS = ("replies-used", "replies-rejected", "replies-missing")
 
 
@@ -90,6 +91,7 @@ def build(cfg, nodes: list[int]) -> AppRun:
             "diverged": int(em.get("diverged", 0)),
             **{k: int(tm.get(k, 0)) for k in REPLY_COLUMNS},
             **{k: tm.get(k) for k in TRAIN_COLUMNS},
+            **{k: tm[k] for k in DP_COLUMNS if k in tm},  # central DP runs only
         }
 
     def export(arrays: ArrayRecord, out: Path) -> Path:

@@ -1,0 +1,226 @@
+"""Central differential privacy for DiLoCo / IsoLoCo: settings, accounting, checkpoint state.
+
+The mechanism (:mod:`flwr_isoloco.merging.dp`) clips each site's pseudo-gradient to ``C`` and
+adds ``N(0, (z C)^2)`` to the round's sum before the outer optimiser, so the outer momentum,
+Iso-C and the model are post-processing. Each round that releases an update is one Gaussian
+mechanism of multiplier ``z`` on a sum whose sensitivity to adding or removing one site's
+whole contribution is ``C``; Flower's :class:`~flwr.serverapp.RdpAccountant` composes them with
+no sampling amplification (the nodes are not Poisson-sampled: ``fraction_train`` draws a fixed
+number without replacement, and a site's presence is visible to the server anyway). The
+accountant's population size is therefore irrelevant and set to 1 (each event ``(z, 1, 1)``).
+https://github.com/flwr-isoloco/flwr-isoloco/blob/main/docs/privacy.md has the relation,
+the assumptions and what is not covered (client metrics, evaluation, reply counts).
+"""
+
+from __future__ import annotations
+
+import math
+from logging import INFO
+from typing import Any
+
+from flwr.common.logger import log
+from flwr.serverapp.exception import PrivacyBudgetExhausted  # Flower's own (its DP wrappers')
+
+from flwr_isoloco.merging.dp import GaussianSum
+
+__all__ = ["DEFAULT_DP_DELTA", "CentralDP", "PrivacyBudgetExhausted", "noise_for_epsilon"]
+
+DEFAULT_DP_DELTA = 1e-5
+
+
+NEEDS_EVERY_DELTA_HINT = (
+    "its output is not a function of the sum of the updates, so one site's influence is not "
+    "bounded by clipping; use merge='mean' or an Iso-C rule, or client-side (local) DP"
+)
+
+
+def _accountant(delta: float) -> Any:
+    from flwr.serverapp import (
+        NeighboringRelation,
+        PrivacyConfig,
+        RdpAccountant,
+        SamplingMethod,
+    )
+
+    config = PrivacyConfig(
+        target_delta=delta,
+        population_size=1,
+        neighboring_relation=NeighboringRelation.ADD_OR_REMOVE_ONE,
+        sampling_method=SamplingMethod.NO_AMPLIFICATION,
+    )  # max_epsilon is given per check, so a resumed run may raise it
+    return RdpAccountant(config)
+
+
+def _event(z: float) -> Any:
+    from flwr.serverapp import GaussianPrivacyEvent
+
+    return GaussianPrivacyEvent(noise_multiplier=z, sample_size=1, population_size=1)
+
+
+def noise_for_epsilon(epsilon: float, rounds: int, delta: float, tol: float = 1e-3) -> float:
+    """The smallest ``z`` (to ``tol`` relative) with epsilon(``rounds`` releases) <= ``epsilon``
+    at ``delta``, by bisection on Flower's accountant (calibration only, no accounting here)."""
+
+    def eps(z: float) -> float:
+        a = _accountant(delta)
+        a.compose(_event(z), rounds)
+        return a.get_epsilon(delta)
+
+    lo, hi = 1e-3, 1.0
+    while eps(hi) > epsilon:
+        lo, hi = hi, hi * 2
+        if hi > 1e6:
+            raise ValueError(f"no noise multiplier reaches epsilon {epsilon} in {rounds} rounds")
+    while hi - lo > tol * hi:
+        mid = 0.5 * (lo + hi)
+        lo, hi = (mid, hi) if eps(mid) > epsilon else (lo, mid)
+    return hi
+
+
+def _positive(name: str, v: Any, allow_zero: bool = False) -> float | None:
+    if v is None:
+        return None
+    ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+    if not ok or v < 0 or (v == 0 and not allow_zero):
+        raise ValueError(f"{name} must be a finite number > 0 (or None for off), got {v!r}")
+    return float(v) if v > 0 else None
+
+
+class CentralDP:
+    """The DP settings of one strategy and its accountant (module docstring).
+
+    ``clipping_norm=None``: DP off (then ``noise_multiplier`` must be off too). ``noise_multiplier``
+    None or 0 with a clipping norm: clipping only, epsilon infinite (no accountant).
+    """
+
+    def __init__(
+        self,
+        noise_multiplier: float | None,
+        clipping_norm: float | None,
+        delta: float,
+        max_epsilon: float | None,
+        seed: int,
+    ) -> None:
+        self.z = _positive("dp_noise_multiplier", noise_multiplier, allow_zero=True)
+        self.c = _positive("dp_clipping_norm", clipping_norm, allow_zero=True)
+        self.max_epsilon = _positive("dp_max_epsilon", max_epsilon, allow_zero=True)
+        if not (isinstance(delta, float) and 0 < delta < 1):
+            raise ValueError(f"dp_delta must be a float in (0, 1), got {delta!r}")
+        self.delta = delta
+        if self.z is not None and self.c is None:
+            raise ValueError("dp_noise_multiplier needs dp_clipping_norm (the sensitivity C)")
+        if self.max_epsilon is not None and self.z is None:
+            raise ValueError("dp_max_epsilon needs dp_noise_multiplier > 0 (no noise: no bound)")
+        self.seed = seed
+        self.accountant = None if self.z is None else _accountant(delta)
+        self.last: GaussianSum | None = None
+
+    @property
+    def enabled(self) -> bool:
+        """Whether updates are clipped (and noised when ``z > 0``)."""
+        return self.c is not None
+
+    def check_strategy(self, s: Any) -> None:
+        """Refuse the options under which one site's influence on the release is unbounded."""
+        if not self.enabled:
+            return
+        if not getattr(s.merger.rule_for_g(), "streaming", False):
+            raise ValueError(
+                f"central DP (dp_clipping_norm) does not apply to merge={s.merge_name!r}: "
+                + NEEDS_EVERY_DELTA_HINT
+            )
+        if s.train_validator.max_norm_ratio:
+            raise ValueError(
+                "central DP refuses max_norm_ratio: whether a reply is kept would depend on the "
+                "other sites' norms (clipping to dp_clipping_norm already bounds every update)"
+            )
+        if s.weighting == "examples":
+            log(INFO, "DP: merge weights are uniform (w_i = 1), weighting='examples' ignored")
+        s.weighting = "uniform"
+
+    def epsilon(self) -> float:
+        """Epsilon spent so far at ``delta`` (0 before any release, inf without noise)."""
+        if self.accountant is None:
+            return math.inf
+        if self.accountant.num_releases == 0:
+            return 0.0
+        return float(self.accountant.get_epsilon(self.delta))
+
+    def before_round(self, server_round: int) -> None:
+        """``PrivacyBudgetExhausted`` when releasing round ``server_round`` would pass the cap."""
+        if self.accountant is None or self.max_epsilon is None:
+            return
+        if self.accountant.would_exceed(_event(self.z), self.max_epsilon):
+            raise PrivacyBudgetExhausted(
+                f"round {server_round} would exceed dp_max_epsilon={self.max_epsilon:g} "
+                f"(epsilon so far {self.epsilon():.4g} at delta {self.delta:g} after "
+                f"{self.accountant.num_releases} rounds); the run stops before sending it"
+            )
+
+    def mechanism(self, server_round: int, sampled: int, keys: list[str]) -> GaussianSum | None:
+        """The round's :class:`GaussianSum` (``sampled`` = nodes the round was sent to)."""
+        if not self.enabled:
+            return None
+        self.last = GaussianSum(
+            self.c, self.z or 0.0, max(sampled, 1), keys, self.seed, server_round
+        )
+        return self.last
+
+    def released(self) -> None:
+        """Account one release (the round's update reached the outer step)."""
+        if self.accountant is not None:
+            self.accountant.compose(_event(self.z))
+
+    def metrics(self) -> dict[str, float]:
+        """``dp-epsilon`` and the round's clipping figures (empty when DP is off)."""
+        if not self.enabled:
+            return {}
+        out: dict[str, float] = {}
+        if self.accountant is not None:  # clipping only: no guarantee, no epsilon reported
+            out["dp-epsilon"] = self.epsilon()
+        if self.last is not None:
+            n = len(self.last.norms)
+            out["dp-clipped-fraction"] = self.last.clipped / n if n else 0.0
+            out["dp-noise-std"] = self.last.std_of_mean
+        return out
+
+    def describe(self) -> str:
+        """One line for the strategy summary."""
+        if not self.enabled:
+            return "off"
+        cap = "none" if self.max_epsilon is None else f"{self.max_epsilon:g}"
+        return (
+            f"central, C {self.c:g} | z {self.z or 0:g} | delta {self.delta:g} | max-epsilon {cap}"
+        )
+
+    # ------------------------------------------------------------------ checkpoint
+    def state(self) -> dict[str, Any] | None:
+        """Flower's accountant state (JSON-able), None without an accountant."""
+        return None if self.accountant is None else self.accountant.state_dict()
+
+    def parse_state(self, state: Any, server_round: int) -> Any:
+        """The accountant restored from :meth:`state` (validated by Flower's ``load_state_dict``;
+        nothing is set here). ``ValueError`` when a checkpoint of ``server_round > 0`` rounds has
+        no accountant but this strategy has noise (its earlier rounds were not private), or the
+        other way round."""
+        if self.accountant is None:
+            if state is not None:
+                raise ValueError("field 'dp' holds an accountant but this strategy has no DP noise")
+            return None
+        if state is None:
+            if server_round > 0:
+                raise ValueError(
+                    "field 'dp' is absent: the checkpoint's rounds were not accounted, so "
+                    "resuming with dp_noise_multiplier would report a wrong epsilon"
+                )
+            return _accountant(self.delta)
+        if not isinstance(state, dict):
+            raise ValueError("field 'dp' must be a dict (Flower's accountant state)")
+        fresh = _accountant(self.delta)
+        fresh.load_state_dict(state)  # ValueError naming what is wrong
+        if fresh.num_releases > server_round:
+            raise ValueError(
+                f"field 'dp' counts {fresh.num_releases} releases, more than the "
+                f"{server_round} rounds of the checkpoint"
+            )
+        return fresh
