@@ -4,6 +4,7 @@ accountant, noise before the outer step, budget stop, resume, refusals and run-c
 from __future__ import annotations
 
 import math
+import re
 import sys
 from pathlib import Path
 
@@ -108,7 +109,7 @@ def test_momentum_buffer_holds_the_noised_mean_of_clipped_updates():
         **QUIET,
         outer_lr=lr,
         outer_momentum=mu,
-        seed=seed,
+        dp_seed=seed,
         dp_noise_multiplier=z,
         dp_clipping_norm=c,
     )
@@ -155,12 +156,11 @@ def test_budget_stops_before_the_round_that_would_exceed_it():
 
 
 def test_resume_continues_epsilon_and_the_noise(tmp_path):
+    """A secret noise key (dp_seed=None) travels in the checkpoint: the resumed run's rounds 3-4
+    are bitwise those of a straight run with that key, and epsilon continues from round 2."""
     kw = dict(**QUIET, dp_noise_multiplier=0.9, dp_clipping_norm=0.03, seed=3)
-    straight = DiLoCo(**kw)
-    full = straight.start(
-        grid=FakeGrid(_client(), num_nodes=3), initial_arrays=ArrayRecord(_model()), num_rounds=4
-    )
     first = DiLoCo(**kw)
+    assert first.dp.noise_key != DiLoCo(**kw).dp.noise_key  # drawn from the OS, per strategy
     first.start(
         grid=FakeGrid(_client(), num_nodes=3), initial_arrays=ArrayRecord(_model()), num_rounds=2
     )
@@ -169,16 +169,23 @@ def test_resume_continues_epsilon_and_the_noise(tmp_path):
     tensors, meta = load_checkpoint(path)
     second = DiLoCo(**kw)
     second.load_state_dict({"tensors": tensors, "meta": meta})
+    assert second.dp.noise_key == first.dp.noise_key
     assert second.dp.epsilon() == pytest.approx(first.dp.epsilon())
     rest = second.start(
         grid=FakeGrid(_client(), num_nodes=3), initial_arrays=ArrayRecord(_model()), num_rounds=4
     )
-    assert rest.train_metrics_clientapp[3]["dp-epsilon"] == pytest.approx(
-        full.train_metrics_clientapp[3]["dp-epsilon"]
+    straight = DiLoCo(**kw, dp_seed=first.dp.noise_key)
+    full = straight.start(
+        grid=FakeGrid(_client(), num_nodes=3), initial_arrays=ArrayRecord(_model()), num_rounds=4
     )
+    for r in (3, 4):
+        assert rest.train_metrics_clientapp[r]["dp-epsilon"] == pytest.approx(
+            full.train_metrics_clientapp[r]["dp-epsilon"], rel=1e-12
+        )
+    assert rest.train_metrics_clientapp[3]["dp-epsilon"] > first.dp.epsilon()
     assert second.dp.accountant.num_releases == 4
     a, b = rest.arrays.to_torch_state_dict(), full.arrays.to_torch_state_dict()
-    for k in a:  # same noise in rounds 3-4: drawn from (seed, round)
+    for k in a:  # same noise in rounds 3-4: drawn from (key, round)
         torch.testing.assert_close(a[k], b[k], rtol=0, atol=0)
 
 
@@ -194,11 +201,16 @@ def test_checkpoint_dp_state_is_checked():
         DiLoCo(**kw).load_state_dict(no_dp)
     with pytest.raises(CheckpointError, match="no DP noise"):
         DiLoCo(**QUIET).load_state_dict(sd)
-    forged = {**sd["meta"], "dp": {**sd["meta"]["dp"], "compositions": "x"}}
+    dp = sd["meta"]["dp"]
+    forged = {**sd["meta"], "dp": {**dp, "accountant": {**dp["accountant"], "compositions": "x"}}}
     with pytest.raises(CheckpointError, match="DP accountant"):
         DiLoCo(**kw).load_state_dict({"tensors": sd["tensors"], "meta": forged})
-    comp = sd["meta"]["dp"]["compositions"][0]
-    many = {**sd["meta"], "dp": {**sd["meta"]["dp"], "compositions": [{**comp, "count": 5}]}}
+    comp = dp["accountant"]["compositions"][0]
+    five = {**dp["accountant"], "compositions": [{**comp, "count": 5}]}
+    many = {**sd["meta"], "dp": {**dp, "accountant": five}}
+    no_key = {**sd["meta"], "dp": {"accountant": dp["accountant"]}}
+    with pytest.raises(CheckpointError, match="noise_key"):
+        DiLoCo(**kw).load_state_dict({"tensors": sd["tensors"], "meta": no_key})
     target = DiLoCo(**kw)
     with pytest.raises(CheckpointError, match="more than the 1 rounds"):
         target.load_state_dict({"tensors": sd["tensors"], "meta": many})
@@ -254,3 +266,23 @@ def test_lm_app_accepts_the_dp_keys():
 def test_noise_for_epsilon_calibrates_on_flowers_accountant():
     z = noise_for_epsilon(2.0, 5, 1e-5)
     assert _flower_epsilon(z, 5, 1e-5, 1) <= 2.0 < _flower_epsilon(z * 0.99, 5, 1e-5, 1)
+
+
+def test_secagg_compatibility_names_every_option_that_needs_single_replies():
+    from flwr_isoloco.strategies.privacy import require_secagg, secagg_problems
+
+    ok = dict(weighting="uniform")
+    assert secagg_problems(DiLoCo(**ok)) == []
+    assert secagg_problems(IsoLoCo(**ok)) == []
+    assert secagg_problems(DiLoCo(max_weight_ratio=0)) == []  # examples weights, no bound
+    cases = {
+        "merge='ties'": dict(merge="ties"),
+        "max_norm_ratio": dict(max_norm_ratio=3.0),
+        "max_weight_ratio": dict(weighting="examples"),
+        "upload_codec='topk'": dict(upload_codec="topk"),
+        "quorum": dict(quorum=2),
+        "central DP": dict(dp_clipping_norm=1.0),
+    }
+    for what, kw in cases.items():
+        with pytest.raises(ValueError, match=f"secure aggregation: .*{re.escape(what)}"):
+            require_secagg(DiLoCo(**{**ok, **kw}))

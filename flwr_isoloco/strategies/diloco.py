@@ -148,6 +148,10 @@ class DiLoCo(FromRunConfig, DiLoCoState, ResumableStrategy):
         step, divided by the number of nodes sampled. Epsilon at ``dp_delta`` (default 1e-5)
         is the ``dp-epsilon`` metric; a round that would pass ``dp_max_epsilon`` is not sent
         (``PrivacyBudgetExhausted``). Mean-based rules only (mean, Iso-C), no ``max_norm_ratio``.
+    dp_seed : int or None
+        Key of the DP noise, drawn per ``(key, round, tensor)``. None (default): a secret key
+        from the OS, kept in the checkpoint (resume draws the same noise). An int makes the
+        noise reproducible, and removable by anyone who knows it: tests and benchmarks only.
     """
 
     def __init__(
@@ -189,6 +193,7 @@ class DiLoCo(FromRunConfig, DiLoCoState, ResumableStrategy):
         dp_clipping_norm: float | None = None,
         dp_delta: float = DEFAULT_DP_DELTA,
         dp_max_epsilon: float | None = None,
+        dp_seed: int | None = None,
     ) -> None:
         self.quorum, self.grace_s = check_quorum(quorum, grace_s)
         self.set_divergence_guard(on_divergence, divergence_factor, divergence_key)
@@ -243,7 +248,9 @@ class DiLoCo(FromRunConfig, DiLoCoState, ResumableStrategy):
         self.weight_reference: float | None = None  # median weight of the last used round
         self._train_stream = ReplyStream("aggregate_train")
         self._eval_stream = ReplyStream("aggregate_evaluate")
-        self.dp = CentralDP(dp_noise_multiplier, dp_clipping_norm, dp_delta, dp_max_epsilon, seed)
+        self.dp = CentralDP(
+            dp_noise_multiplier, dp_clipping_norm, dp_delta, dp_max_epsilon, dp_seed
+        )
         self.dp.check_strategy(self)  # refuses rules / options DP cannot bound; weights uniform
 
     # ------------------------------------------------------------------ construction helpers
@@ -462,14 +469,14 @@ class DiLoCo(FromRunConfig, DiLoCoState, ResumableStrategy):
         from flwr_isoloco.checkpoint_spec import CheckpointError
 
         meta = state.get("meta") if isinstance(state, Mapping) else None
-        accountant = self.dp.accountant
+        accountant, key = self.dp.accountant, self.dp.noise_key
         if isinstance(meta, Mapping) and isinstance(meta.get("server_round"), int):
             try:
-                accountant = self.dp.parse_state(meta.get("dp"), meta["server_round"])
+                accountant, key = self.dp.parse_state(meta.get("dp"), meta["server_round"])
             except ValueError as exc:
                 raise CheckpointError(f"DP accountant: {exc}") from None
         super().load_state_dict(state, reference)
-        self.dp.accountant = accountant
+        self.dp.accountant, self.dp.noise_key = accountant, key
         ref = state["meta"].get("weight_reference")
         self.weight_reference = None if ref is None else float(ref)
 

@@ -53,7 +53,7 @@ class IsoLoCo(DiLoCo):
     orthogonalize, weighting, client_sends, max_update_norm, max_norm_ratio,
     max_weight_ratio, max_empty_rounds, dtype_policy, seed, upload_codec, codec_options,
     error_feedback, quorum, grace_s, on_divergence, divergence_factor, divergence_key,
-    dp_noise_multiplier, dp_clipping_norm, dp_delta, dp_max_epsilon :
+    dp_noise_multiplier, dp_clipping_norm, dp_delta, dp_max_epsilon, dp_seed :
         As in :class:`DiLoCo`.
     """
 
@@ -100,6 +100,7 @@ class IsoLoCo(DiLoCo):
         dp_clipping_norm: float | None = None,
         dp_delta: float = DEFAULT_DP_DELTA,
         dp_max_epsilon: float | None = None,
+        dp_seed: int | None = None,
     ) -> None:
         p = resolve_preset(preset)
         if merge is None:
@@ -147,6 +148,7 @@ class IsoLoCo(DiLoCo):
             dp_clipping_norm=dp_clipping_norm,
             dp_delta=dp_delta,
             dp_max_epsilon=dp_max_epsilon,
+            dp_seed=dp_seed,
         )
         if preset != "isoloco-paper":  # the paper's values, chosen by name: no second-guessing
             self._warn_if_beyond_limit()

@@ -15,6 +15,7 @@ the assumptions and what is not covered (client metrics, evaluation, reply count
 from __future__ import annotations
 
 import math
+import secrets
 from logging import INFO
 from typing import Any
 
@@ -23,7 +24,14 @@ from flwr.serverapp.exception import PrivacyBudgetExhausted  # Flower's own (its
 
 from flwr_isoloco.merging.dp import GaussianSum
 
-__all__ = ["DEFAULT_DP_DELTA", "CentralDP", "PrivacyBudgetExhausted", "noise_for_epsilon"]
+__all__ = [
+    "DEFAULT_DP_DELTA",
+    "CentralDP",
+    "PrivacyBudgetExhausted",
+    "noise_for_epsilon",
+    "require_secagg",
+    "secagg_problems",
+]
 
 DEFAULT_DP_DELTA = 1e-5
 
@@ -99,7 +107,7 @@ class CentralDP:
         clipping_norm: float | None,
         delta: float,
         max_epsilon: float | None,
-        seed: int,
+        noise_seed: int | None = None,
     ) -> None:
         self.z = _positive("dp_noise_multiplier", noise_multiplier, allow_zero=True)
         self.c = _positive("dp_clipping_norm", clipping_norm, allow_zero=True)
@@ -111,7 +119,14 @@ class CentralDP:
             raise ValueError("dp_noise_multiplier needs dp_clipping_norm (the sensitivity C)")
         if self.max_epsilon is not None and self.z is None:
             raise ValueError("dp_max_epsilon needs dp_noise_multiplier > 0 (no noise: no bound)")
-        self.seed = seed
+        if noise_seed is not None and (
+            not isinstance(noise_seed, int) or isinstance(noise_seed, bool)
+        ):
+            raise ValueError(f"dp_seed must be an int or None, got {noise_seed!r}")
+        # The noise key must stay secret: whoever knows it can regenerate and subtract the noise.
+        # None (default): drawn from the OS; kept in the checkpoint so a resumed run draws the
+        # same noise. An int (tests, benchmarks) makes the noise reproducible from it.
+        self.noise_key = secrets.randbits(63) if noise_seed is None else noise_seed
         self.accountant = None if self.z is None else _accountant(delta)
         self.last: GaussianSum | None = None
 
@@ -162,7 +177,7 @@ class CentralDP:
         if not self.enabled:
             return None
         self.last = GaussianSum(
-            self.c, self.z or 0.0, max(sampled, 1), keys, self.seed, server_round
+            self.c, self.z or 0.0, max(sampled, 1), keys, self.noise_key, server_round
         )
         return self.last
 
@@ -195,32 +210,69 @@ class CentralDP:
 
     # ------------------------------------------------------------------ checkpoint
     def state(self) -> dict[str, Any] | None:
-        """Flower's accountant state (JSON-able), None without an accountant."""
-        return None if self.accountant is None else self.accountant.state_dict()
+        """``{"accountant": Flower's accountant state, "noise_key": int}`` (JSON-able), None
+        without noise. The key is secret: a checkpoint with DP is as private as the updates."""
+        if self.accountant is None:
+            return None
+        return {"accountant": self.accountant.state_dict(), "noise_key": self.noise_key}
 
-    def parse_state(self, state: Any, server_round: int) -> Any:
-        """The accountant restored from :meth:`state` (validated by Flower's ``load_state_dict``;
-        nothing is set here). ``ValueError`` when a checkpoint of ``server_round > 0`` rounds has
+    def parse_state(self, state: Any, server_round: int) -> tuple[Any, int]:
+        """``(accountant, noise key)`` restored from :meth:`state` (the accountant validated by
+        Flower's ``load_state_dict``; nothing is set here). ``ValueError`` when a checkpoint of ``server_round > 0`` rounds has
         no accountant but this strategy has noise (its earlier rounds were not private), or the
         other way round."""
         if self.accountant is None:
             if state is not None:
                 raise ValueError("field 'dp' holds an accountant but this strategy has no DP noise")
-            return None
+            return None, self.noise_key
         if state is None:
             if server_round > 0:
                 raise ValueError(
                     "field 'dp' is absent: the checkpoint's rounds were not accounted, so "
                     "resuming with dp_noise_multiplier would report a wrong epsilon"
                 )
-            return _accountant(self.delta)
-        if not isinstance(state, dict):
-            raise ValueError("field 'dp' must be a dict (Flower's accountant state)")
+            return _accountant(self.delta), self.noise_key
+        key = state.get("noise_key") if isinstance(state, dict) else None
+        if (
+            not isinstance(key, int)
+            or isinstance(key, bool)
+            or not isinstance(state.get("accountant"), dict)
+        ):
+            raise ValueError("field 'dp' must hold 'accountant' (a dict) and 'noise_key' (an int)")
         fresh = _accountant(self.delta)
-        fresh.load_state_dict(state)  # ValueError naming what is wrong
+        fresh.load_state_dict(state["accountant"])  # ValueError naming what is wrong
         if fresh.num_releases > server_round:
             raise ValueError(
                 f"field 'dp' counts {fresh.num_releases} releases, more than the "
                 f"{server_round} rounds of the checkpoint"
             )
-        return fresh
+        return fresh, key
+
+
+# ---------------------------------------------------------------------- secure aggregation
+def secagg_problems(s: Any) -> list[str]:
+    """The options of DiLoCo/IsoLoCo ``s`` that need to see single replies, so that Flower's
+    SecAgg+ (the server sees only the masked sum) cannot serve them (docs/privacy.md table).
+    Empty: compatible."""
+    out = []
+    if not getattr(s.merger.rule_for_g(), "streaming", False):
+        out.append(f"merge={s.merge_name!r} needs every delta (use mean or an Iso-C rule)")
+    v = s.train_validator
+    if v.max_norm_ratio or v.max_update_norm:
+        out.append("max_norm_ratio / max_update_norm need each reply's norm (clip on clients)")
+    if s.weighting == "examples" and s.max_weight_ratio:
+        out.append("max_weight_ratio needs every weight (use weighting='uniform' or ratio 0)")
+    if s.upload_codec != "none":
+        out.append(f"upload_codec={s.upload_codec!r}: SecAgg+ masks dense, quantised vectors")
+    if s.quorum is not None or s.grace_s:
+        out.append("quorum / grace_s: SecAgg+ has its own dropout threshold")
+    if s.dp.enabled:
+        out.append("central DP clips each update on the server, which cannot see them")
+    return out
+
+
+def require_secagg(s: Any) -> None:
+    """``ValueError`` naming every option of ``s`` that SecAgg+ cannot serve."""
+    problems = secagg_problems(s)
+    if problems:
+        raise ValueError("not compatible with secure aggregation: " + "; ".join(problems))
