@@ -15,17 +15,28 @@ from ``g`` afterwards (Iso-C, outer momentum, the model) is post-processing.
 
 Noise is a function of ``(seed, round, tensor index)`` only (:func:`noise_like`), so a round
 merged again (a failed merge retried on fewer replies) or a resumed run draws the same noise.
+
+:func:`privatize` is the local (client-side) variant: one site clips and noises its own delta.
 """
 
 from __future__ import annotations
 
 import math
+import secrets
 from collections.abc import Mapping, Sequence
 
 import numpy as np
 import torch
 
-__all__ = ["GaussianSum", "clip_to_norm", "noise_like", "update_norm"]
+__all__ = [
+    "CLIP_KEY",
+    "NOISE_KEY",
+    "GaussianSum",
+    "clip_to_norm",
+    "noise_like",
+    "privatize",
+    "update_norm",
+]
 
 Tensors = dict[str, torch.Tensor]
 
@@ -107,3 +118,32 @@ class GaussianSum:
                 mean, self.z * self.c, self.seed, self.server_round, self.index[key]
             )
         return total.div_(self.k).to(mean.dtype)
+
+
+# ---------------------------------------------------------------------- local (client-side) DP
+CLIP_KEY, NOISE_KEY = "dp-clipping-norm", "dp-noise-multiplier"
+"""Train-config keys asking a worker for local DP, echoed in its reply's ConfigRecord."""
+
+
+def privatize(
+    delta: Mapping[str, torch.Tensor],
+    clipping_norm: float,
+    noise_multiplier: float,
+    generator: torch.Generator | None = None,
+) -> Tensors:
+    """Local DP of one site's update: ``clip(delta, C) + N(0, (z C)^2 I)`` (each tensor in its
+    own dtype). Any two updates of the site differ by at most ``2 C`` after clipping, so this
+    release alone is the Gaussian mechanism of multiplier ``z / 2`` (replace-one relation);
+    whatever the server merges from such releases is post-processing. ``generator`` None: a
+    fresh one seeded from the OS (the server must not be able to regenerate the noise)."""
+    if generator is None:
+        generator = torch.Generator().manual_seed(secrets.randbits(63))
+    clipped, _ = clip_to_norm(delta, clipping_norm)
+    std = noise_multiplier * clipping_norm
+    out: Tensors = {}
+    for k, t in clipped.items():
+        noisy = t.double()
+        if std > 0 and t.is_floating_point():
+            noisy = noisy + torch.randn(t.shape, generator=generator, dtype=torch.float64) * std
+        out[k] = noisy.to(t.dtype)
+    return out

@@ -54,7 +54,7 @@ from flwr_isoloco.strategies.divergence import DEFAULT_DIVERGENCE_FACTOR
 from flwr_isoloco.strategies.evaluation import aggregate_metrics
 from flwr_isoloco.strategies.lifecycle import ResumableStrategy, RoundOutcome
 from flwr_isoloco.strategies.nodes import wait_for_nodes
-from flwr_isoloco.strategies.privacy import DEFAULT_DP_DELTA, CentralDP
+from flwr_isoloco.strategies.privacy import DEFAULT_DP_DELTA, StrategyDP
 from flwr_isoloco.strategies.rounds import ReplyStream, check_quorum
 from flwr_isoloco.strategies.train_round import TrainRound
 
@@ -152,6 +152,11 @@ class DiLoCo(FromRunConfig, DiLoCoState, ResumableStrategy):
         Key of the DP noise, drawn per ``(key, round, tensor)``. None (default): a secret key
         from the OS, kept in the checkpoint (resume draws the same noise). An int makes the
         noise reproducible, and removable by anyone who knows it: tests and benchmarks only.
+    dp_mode : "central" | "local"
+        ``"local"``: each worker clips its delta to ``C`` and adds ``N(0, (z C)^2)`` itself,
+        before compression and error feedback (the DiLoCo worker does when the train config
+        asks); every merge rule and option is then allowed, replies without the echo are
+        dropped, and ``dp-epsilon`` is each site's own (multiplier ``z / 2``: replace-one).
     """
 
     def __init__(
@@ -194,6 +199,7 @@ class DiLoCo(FromRunConfig, DiLoCoState, ResumableStrategy):
         dp_delta: float = DEFAULT_DP_DELTA,
         dp_max_epsilon: float | None = None,
         dp_seed: int | None = None,
+        dp_mode: str = "central",
     ) -> None:
         self.quorum, self.grace_s = check_quorum(quorum, grace_s)
         self.set_divergence_guard(on_divergence, divergence_factor, divergence_key)
@@ -248,8 +254,8 @@ class DiLoCo(FromRunConfig, DiLoCoState, ResumableStrategy):
         self.weight_reference: float | None = None  # median weight of the last used round
         self._train_stream = ReplyStream("aggregate_train")
         self._eval_stream = ReplyStream("aggregate_evaluate")
-        self.dp = CentralDP(
-            dp_noise_multiplier, dp_clipping_norm, dp_delta, dp_max_epsilon, dp_seed
+        self.dp = StrategyDP(
+            dp_noise_multiplier, dp_clipping_norm, dp_delta, dp_max_epsilon, dp_seed, dp_mode
         )
         self.dp.check_strategy(self)  # refuses rules / options DP cannot bound; weights uniform
 
@@ -346,7 +352,7 @@ class DiLoCo(FromRunConfig, DiLoCoState, ResumableStrategy):
         nodes = self._sample(grid, self.fraction_train, self.min_train_nodes)
         log(INFO, "configure_train: sampled %d nodes", len(nodes))
         config["server-round"] = self.server_round + 1
-        for k, v in self.codec_request.items():
+        for k, v in {**self.codec_request, **self.dp.request()}.items():
             config[k] = v
         record = self._model_record()
         self._bytes_down = payload_nbytes(record) * len(nodes)

@@ -78,6 +78,7 @@ DILOCO_RUN_CONFIG: dict[str, Any] = {
     "dp-clipping-norm": 0.0,
     "dp-delta": 1e-5,
     "dp-max-epsilon": 0.0,
+    "dp-mode": "central",
 }
 """``quorum``: fraction of the sampled nodes in (0, 1] (1.0 = all) or a count >= 1; ``grace-s``:
 seconds to wait for the rest once the quorum is in (strategies/rounds.py). ``dp-*``: central DP
@@ -144,6 +145,7 @@ RUN_CONFIG_CHECKS: dict[str, Any] = {
     "dp-clipping-norm": non_negative,
     "dp-delta": in_range(0, 1, lo_open=True, hi_open=True),
     "dp-max-epsilon": non_negative,
+    "dp-mode": choices("central", "local"),
 }
 """Value checks per key (types come from the defaults); merge options are checked by the rule."""
 
@@ -221,6 +223,7 @@ def section_kwargs(c: Mapping[str, Any]) -> dict[str, Any]:
         dp_clipping_norm=c["dp-clipping-norm"] or None,
         dp_delta=float(c["dp-delta"]),
         dp_max_epsilon=c["dp-max-epsilon"] or None,
+        dp_mode=c["dp-mode"],
     )
 
 

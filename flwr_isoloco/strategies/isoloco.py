@@ -53,7 +53,8 @@ class IsoLoCo(DiLoCo):
     orthogonalize, weighting, client_sends, max_update_norm, max_norm_ratio,
     max_weight_ratio, max_empty_rounds, dtype_policy, seed, upload_codec, codec_options,
     error_feedback, quorum, grace_s, on_divergence, divergence_factor, divergence_key,
-    dp_noise_multiplier, dp_clipping_norm, dp_delta, dp_max_epsilon, dp_seed :
+    dp_noise_multiplier, dp_clipping_norm, dp_delta, dp_max_epsilon, dp_seed,
+    dp_mode :
         As in :class:`DiLoCo`.
     """
 
@@ -101,6 +102,7 @@ class IsoLoCo(DiLoCo):
         dp_delta: float = DEFAULT_DP_DELTA,
         dp_max_epsilon: float | None = None,
         dp_seed: int | None = None,
+        dp_mode: str = "central",
     ) -> None:
         p = resolve_preset(preset)
         if merge is None:
@@ -149,6 +151,7 @@ class IsoLoCo(DiLoCo):
             dp_delta=dp_delta,
             dp_max_epsilon=dp_max_epsilon,
             dp_seed=dp_seed,
+            dp_mode=dp_mode,
         )
         if preset != "isoloco-paper":  # the paper's values, chosen by name: no second-guessing
             self._warn_if_beyond_limit()

@@ -8,6 +8,8 @@ whole contribution is ``C``; Flower's :class:`~flwr.serverapp.RdpAccountant` com
 no sampling amplification (the nodes are not Poisson-sampled: ``fraction_train`` draws a fixed
 number without replacement, and a site's presence is visible to the server anyway). The
 accountant's population size is therefore irrelevant and set to 1 (each event ``(z, 1, 1)``).
+With ``dp_mode="local"`` the workers clip and noise their own deltas instead (any merge rule;
+each site's epsilon uses multiplier ``z / 2``, the replace-one sensitivity ``2 C``).
 https://github.com/flwr-isoloco/flwr-isoloco/blob/main/docs/privacy.md has the relation,
 the assumptions and what is not covered (client metrics, evaluation, reply counts).
 """
@@ -22,11 +24,12 @@ from typing import Any
 from flwr.common.logger import log
 from flwr.serverapp.exception import PrivacyBudgetExhausted  # Flower's own (its DP wrappers')
 
-from flwr_isoloco.merging.dp import GaussianSum
+from flwr_isoloco.merging.dp import CLIP_KEY, NOISE_KEY, GaussianSum
 
 __all__ = [
     "DEFAULT_DP_DELTA",
-    "CentralDP",
+    "DP_MODES",
+    "StrategyDP",
     "PrivacyBudgetExhausted",
     "noise_for_epsilon",
     "require_secagg",
@@ -34,11 +37,13 @@ __all__ = [
 ]
 
 DEFAULT_DP_DELTA = 1e-5
+DP_MODES = ("central", "local")
 
 
 NEEDS_EVERY_DELTA_HINT = (
     "its output is not a function of the sum of the updates, so one site's influence is not "
-    "bounded by clipping; use merge='mean' or an Iso-C rule, or client-side (local) DP"
+    "bounded by clipping; use merge='mean' or an Iso-C rule, or client-side (local) DP "
+    "(dp_mode='local')"
 )
 
 
@@ -94,11 +99,15 @@ def _positive(name: str, v: Any, allow_zero: bool = False) -> float | None:
     return float(v) if v > 0 else None
 
 
-class CentralDP:
+class StrategyDP:
     """The DP settings of one strategy and its accountant (module docstring).
 
     ``clipping_norm=None``: DP off (then ``noise_multiplier`` must be off too). ``noise_multiplier``
     None or 0 with a clipping norm: clipping only, epsilon infinite (no accountant).
+    ``mode="central"``: the server clips and noises the sum (:class:`GaussianSum`);
+    ``mode="local"``: each worker clips and noises its own delta before compression
+    (:func:`~flwr_isoloco.merging.dp.privatize`), asked through the train config and echoed in
+    its reply (a reply without the echo is dropped); any merge rule is then post-processing.
     """
 
     def __init__(
@@ -108,7 +117,11 @@ class CentralDP:
         delta: float,
         max_epsilon: float | None,
         noise_seed: int | None = None,
+        mode: str = "central",
     ) -> None:
+        if mode not in DP_MODES:
+            raise ValueError(f"dp_mode must be one of {DP_MODES}, got {mode!r}")
+        self.mode = mode
         self.z = _positive("dp_noise_multiplier", noise_multiplier, allow_zero=True)
         self.c = _positive("dp_clipping_norm", clipping_norm, allow_zero=True)
         self.max_epsilon = _positive("dp_max_epsilon", max_epsilon, allow_zero=True)
@@ -137,7 +150,7 @@ class CentralDP:
 
     def check_strategy(self, s: Any) -> None:
         """Refuse the options under which one site's influence on the release is unbounded."""
-        if not self.enabled:
+        if not self.enabled or self.mode == "local":
             return
         if not getattr(s.merger.rule_for_g(), "streaming", False):
             raise ValueError(
@@ -165,7 +178,7 @@ class CentralDP:
         """``PrivacyBudgetExhausted`` when releasing round ``server_round`` would pass the cap."""
         if self.accountant is None or self.max_epsilon is None:
             return
-        if self.accountant.would_exceed(_event(self.z), self.max_epsilon):
+        if self.accountant.would_exceed(self._event(), self.max_epsilon):
             raise PrivacyBudgetExhausted(
                 f"round {server_round} would exceed dp_max_epsilon={self.max_epsilon:g} "
                 f"(epsilon so far {self.epsilon():.4g} at delta {self.delta:g} after "
@@ -174,17 +187,43 @@ class CentralDP:
 
     def mechanism(self, server_round: int, sampled: int, keys: list[str]) -> GaussianSum | None:
         """The round's :class:`GaussianSum` (``sampled`` = nodes the round was sent to)."""
-        if not self.enabled:
+        if not self.enabled or self.mode == "local":
             return None
         self.last = GaussianSum(
             self.c, self.z or 0.0, max(sampled, 1), keys, self.noise_key, server_round
         )
         return self.last
 
-    def released(self) -> None:
-        """Account one release (the round's update reached the outer step)."""
-        if self.accountant is not None:
-            self.accountant.compose(_event(self.z))
+    def _event(self) -> Any:
+        """One round's event: ``z`` on a sum of sensitivity ``C`` (central, add/remove one
+        site), or ``z / 2`` for one site's own release (local: any two of its clipped updates
+        differ by up to ``2 C``)."""
+        return _event(self.z / 2 if self.mode == "local" else self.z)
+
+    def account(self, released: bool, sent: bool) -> None:
+        """Account the round: central, when its update reached the outer step; local, when it
+        was sent (a site releases its noised delta by replying, whatever the server does)."""
+        if self.accountant is not None and (released if self.mode == "central" else sent):
+            self.accountant.compose(self._event())
+
+    def request(self) -> dict[str, float]:
+        """Train-config entries asking the workers for local DP (empty in central mode)."""
+        if not self.enabled or self.mode != "local":
+            return {}
+        return {CLIP_KEY: self.c, NOISE_KEY: self.z or 0.0}
+
+    def reply_problem(self, content: Any) -> str | None:
+        """Why a reply cannot be used under local DP: it does not echo the ``(C, z)`` asked."""
+        want = self.request()
+        if not want:
+            return None
+        for crec in content.config_records.values():
+            if all(crec.get(k) == v for k, v in want.items()):
+                return None
+        return (
+            f"reply does not say it applied local DP ({CLIP_KEY}={self.c:g}, "
+            f"{NOISE_KEY}={self.z or 0:g})"
+        )
 
     def metrics(self) -> dict[str, float]:
         """``dp-epsilon`` and the round's clipping figures (empty when DP is off)."""
@@ -193,7 +232,9 @@ class CentralDP:
         out: dict[str, float] = {}
         if self.accountant is not None:  # clipping only: no guarantee, no epsilon reported
             out["dp-epsilon"] = self.epsilon()
-        if self.last is not None:
+        if self.mode == "local":
+            out["dp-noise-std"] = (self.z or 0.0) * self.c  # on each site's delta
+        elif self.last is not None:
             n = len(self.last.norms)
             out["dp-clipped-fraction"] = self.last.clipped / n if n else 0.0
             out["dp-noise-std"] = self.last.std_of_mean
@@ -204,9 +245,7 @@ class CentralDP:
         if not self.enabled:
             return "off"
         cap = "none" if self.max_epsilon is None else f"{self.max_epsilon:g}"
-        return (
-            f"central, C {self.c:g} | z {self.z or 0:g} | delta {self.delta:g} | max-epsilon {cap}"
-        )
+        return f"{self.mode}, C {self.c:g} | z {self.z or 0:g} | delta {self.delta:g} | max-epsilon {cap}"
 
     # ------------------------------------------------------------------ checkpoint
     def state(self) -> dict[str, Any] | None:
@@ -266,7 +305,7 @@ def secagg_problems(s: Any) -> list[str]:
         out.append(f"upload_codec={s.upload_codec!r}: SecAgg+ masks dense, quantised vectors")
     if s.quorum is not None or s.grace_s:
         out.append("quorum / grace_s: SecAgg+ has its own dropout threshold")
-    if s.dp.enabled:
+    if s.dp.enabled and s.dp.mode == "central":
         out.append("central DP clips each update on the server, which cannot see them")
     return out
 

@@ -81,6 +81,11 @@ class TrainRound:
         r = v.check(msg, s.theta, s._train_ledger, self.report)
         if r is None:
             return
+        why = s.dp.reply_problem(r.content)  # local DP: the reply must say it applied it
+        if why is not None:
+            r.release()
+            v.reject(self.report, r.node_id, why)
+            return
         w = self._capped(r)
         try:
             self.fold.add(r, w)
@@ -164,13 +169,13 @@ class TrainRound:
             extra["pseudo-grad-norm"] = tensor_norm(g)
             try:
                 s._outer_step(g)
-                s.dp.released()  # g (noised) reached the model: one accounted release
                 new_arrays = s._model_record()
             except (ValueError, RuntimeError) as exc:
                 for r in checked:
                     v.reject(report, r.node_id, f"outer step failed, model kept: {exc}")
                 checked = []
         del g
+        s.dp.account(released=new_arrays is not None, sent=s._train_ledger.sent_any())
         report.used = len(checked)
         v.log_summary(report, self.server_round)
         if checked and self.ratio:
