@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import math
 import re
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -252,15 +250,6 @@ def test_run_config_keys_build_the_mechanism():
     assert not off.dp.enabled and off.dp.accountant is None
     with pytest.raises(ValueError, match="strategy.dp-delta"):
         DiLoCo.from_run_config({"strategy.dp-delta": 2.0})
-
-
-def test_lm_app_accepts_the_dp_keys():
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "simulations" / "isoloco_lm"))
-    from isoloco_lm.task import build_strategy, load_config
-
-    cfg = load_config({"strategy.dp-noise-multiplier": 2.0, "strategy.dp-clipping-norm": 0.5})
-    s = build_strategy(cfg)
-    assert (s.dp.z, s.dp.c) == (2.0, 0.5)
 
 
 def test_noise_for_epsilon_calibrates_on_flowers_accountant():
