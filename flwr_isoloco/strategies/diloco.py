@@ -142,7 +142,7 @@ class DiLoCo(FromRunConfig, DiLoCoState, ResumableStrategy):
         (default) | ``"skip"`` | ``"stop"`` when the ``evaluate_fn`` loss is non-finite or
         above ``divergence_factor`` (default 1.5; 0 = non-finite only) x the previous round's.
     dp_noise_multiplier, dp_clipping_norm, dp_delta, dp_max_epsilon :
-        Central DP (:mod:`~flwr_isoloco.strategies.privacy`, docs/privacy.md): each pseudo-
+        Central DP (:mod:`~flwr_isoloco.strategies.privacy`): each pseudo-
         gradient clipped to L2 norm ``C = dp_clipping_norm`` (None: off), weights uniform,
         ``N(0, (z C)^2)`` with ``z = dp_noise_multiplier`` added to the sum before the outer
         step, divided by the number of nodes sampled. Epsilon at ``dp_delta`` (default 1e-5)

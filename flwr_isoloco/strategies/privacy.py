@@ -291,7 +291,8 @@ class StrategyDP:
 # ---------------------------------------------------------------------- secure aggregation
 def secagg_problems(s: Any) -> list[str]:
     """The options of DiLoCo/IsoLoCo ``s`` that need to see single replies, so that Flower's
-    SecAgg+ (the server sees only the masked sum) cannot serve them (docs/privacy.md table).
+    SecAgg+ (the server sees only the masked sum) cannot serve them (the table of
+    https://github.com/flwr-isoloco/flwr-isoloco/blob/main/docs/privacy.md).
     Empty: compatible."""
     out = []
     if not getattr(s.merger.rule_for_g(), "streaming", False):
