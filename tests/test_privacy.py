@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -347,3 +348,18 @@ def test_local_dp_allows_every_rule_and_drops_replies_without_the_echo():
         grid=FakeGrid(_client(), num_nodes=2), initial_arrays=ArrayRecord(_model()), num_rounds=1
     )
     assert res.train_metrics_clientapp[1]["replies-rejected"] == 2  # no echo: not private
+
+
+def test_lm_app_precheck_names_the_dp_key():
+    from flwr_isoloco.runconfig import precheck_app_config
+
+    app = Path(__file__).resolve().parents[1] / "simulations" / "isoloco_lm"
+    (msg,) = precheck_app_config(app, {"strategy.dp-noise-multiplier": 1.0})
+    assert "'strategy.dp-noise-multiplier'" in msg and "needs dp_clipping_norm" in msg
+    ties = {"strategy.dp-noise-multiplier": 1.0, "strategy.dp-clipping-norm": 0.5}
+    ties["strategy.merge"] = "ties"
+    (msg,) = precheck_app_config(app, ties)
+    assert "'strategy.dp-clipping-norm'" in msg and "dp_mode='local'" in msg
+    assert precheck_app_config(app, {**ties, "strategy.dp-mode": "local"}) == []
+    (msg,) = precheck_app_config(app, {"strategy.dp-delta": 2.0})
+    assert "'strategy.dp-delta'" in msg
