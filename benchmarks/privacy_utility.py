@@ -48,6 +48,7 @@ def run_config(strategy: str, nodes: int, eps: float, clip: float, out: Path, qu
         "num-server-rounds": rounds(quick),
         "output-dir": str(out),
         "checkpoint": False,
+        "round-timeout": 3600.0,  # a loaded machine must not turn slow replies into missing ones
         "strategy.name": strategy,
         "strategy.min-nodes": nodes,
         "train.local-steps": 3 if quick else 10,
