@@ -25,6 +25,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, 
 from flwr.common.logger import log
 
 from flwr_isoloco.compression import ErrorFeedback, compress, parse_request
+from flwr_isoloco.merging.dp import CLIP_KEY, NOISE_KEY, privatize
 from flwr_isoloco.models.hf import load_model_arrays, travel_state
 
 from .adamw_state import MOMENTS, adamw_to_arrays, adamw_to_flat, arrays_to_adamw, flat_to_adamw
@@ -241,6 +242,7 @@ class _Round:
     wd: float
     clip: float
     request: tuple[str, dict, bool] | None
+    dp: tuple[float, float] | None  # local DP (C, z) the server asked for, or None
 
 
 def _round_settings(cfg: Mapping[str, Any], d: Mapping[str, Any]) -> _Round:
@@ -260,6 +262,7 @@ def _round_settings(cfg: Mapping[str, Any], d: Mapping[str, Any]) -> _Round:
         wd=_get(cfg, "weight-decay", d["weight_decay"], float),
         clip=_get(cfg, "clip-norm", d["clip_norm"], float),
         request=parse_request(cfg),  # bad codec config -> ValueError
+        dp=_local_dp_request(cfg),
     )
     if c.rnd < 1 or c.h < 1 or c.rounds < 1:
         raise ValueError(
@@ -299,18 +302,40 @@ def _inner_steps(
     return losses, tokens, step_lr, cursor
 
 
-def _reply_content(theta, new, request, payload: str, state: RecordDict, key: str) -> RecordDict:
-    """The model part of the reply: ``theta_i``, or ``theta - theta_i`` (compressed if asked)."""
+def _local_dp_request(cfg: Mapping[str, Any]) -> tuple[float, float] | None:
+    """``(C, z)`` when the train config asks for local DP (``dp-clipping-norm`` > 0)."""
+    c = _get(cfg, CLIP_KEY, 0.0, float)
+    z = _get(cfg, NOISE_KEY, 0.0, float)
+    if not (math.isfinite(c) and math.isfinite(z) and c >= 0 and z >= 0):
+        raise ValueError(f"train config {CLIP_KEY!r}={c!r} / {NOISE_KEY!r}={z!r}: need >= 0")
+    return (c, z) if c > 0 else None
+
+
+def _reply_content(
+    theta, new, request, payload: str, state: RecordDict, key: str, dp=None
+) -> RecordDict:
+    """The model part of the reply: ``theta_i``, or ``theta - theta_i`` (compressed if asked).
+
+    With local DP (``dp = (C, z)``) the delta is clipped and noised first (:func:`privatize`),
+    before compression and error feedback (which then only see the private delta)."""
     content = RecordDict()
-    if request is None and payload == "weights":
+    if request is None and payload == "weights" and dp is None:
         content[key] = _fp32_record(new)
         return content
     delta = {k: theta[k].to(new[k].dtype) - new[k] for k in new}
+    echo: dict[str, Any] = {}
+    if dp is not None:
+        delta = privatize(delta, *dp)
+        echo = {CLIP_KEY: dp[0], NOISE_KEY: dp[1]}
     if request is not None:
         content[key] = _compressed_delta(delta, request, state)
+    elif payload == "weights":  # theta_i = theta - private delta
+        content[key] = _fp32_record({k: theta[k].to(d.dtype) - d for k, d in delta.items()})
+        content["config"] = ConfigRecord({"payload": "weights", **echo})
+        return content
     else:
         content[key] = _fp32_record(delta)
-    content["config"] = ConfigRecord({"payload": "delta"})
+    content["config"] = ConfigRecord({"payload": "delta", **echo})
     return content
 
 
@@ -406,7 +431,9 @@ def make_diloco_train_handler(
         _save_adamw(opt, named, context.state, state_layout)
         context.state[WORKER_STATE_KEY] = ConfigRecord({"data-cursor": cursor, "last-round": c.rnd})
         new = {k: v.detach().cpu() for k, v in model.state_dict().items() if k in set(names)}
-        content = _reply_content(theta, new, c.request, payload, context.state, arrayrecord_key)
+        content = _reply_content(
+            theta, new, c.request, payload, context.state, arrayrecord_key, c.dp
+        )
         content["metrics"] = MetricRecord(
             {
                 "num-examples": tokens,

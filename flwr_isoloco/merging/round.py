@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from .device import resolve_device
+from .dp import GaussianSum
 from .merge import merge
 from .rules import MERGE_RULES
 from .spill import SpillStore
@@ -183,8 +184,12 @@ class RoundFold:
         *,
         spill: bool = False,
         spill_dir: str | None = None,
+        dp: GaussianSum | None = None,
     ) -> None:
         self.merger, self.theta, self.server_round = merger, theta, server_round
+        self.dp = dp  # clip each delta, noise the sum (weights forced to 1; dp.py)
+        if dp is not None and not getattr(merger.rule_for_g(), "streaming", False):
+            raise ValueError(f"central DP needs a rule of the mean, not {merger.name!r}")
         self.rule = merger.rule_for_g()
         opts = {} if merger.orthogonalize == "update" else merger.round_options(server_round)
         self.opts = {**opts, "device": merger.device}  # for merge() and OrderFreeMean.result()
@@ -212,6 +217,8 @@ class RoundFold:
         reply.release()
         delta = {k: d[k] for k in self.floats}
         del d
+        if self.dp is not None:
+            delta, weight = self.dp.clip(delta), 1.0
         if self._store is not None:
             self._entry[id(reply)] = self._store.put(delta)
         else:
@@ -263,8 +270,9 @@ class RoundFold:
     def _merge(self, replies: list[Any], weight: Callable[[Any], float]) -> Tensors:
         if self._store is None:
             assert self._acc is not None
-            return finite_or_raise(self._acc.result(self.rule, **self.opts))
-        ws = [weight(r) for r in replies]
+            perturb = self._perturb(len(replies))
+            return finite_or_raise(self._acc.result(self.rule, perturb=perturb, **self.opts))
+        ws = [1.0] * len(replies) if self.dp is not None else [weight(r) for r in replies]
         entries = [self._entry[id(r)] for r in replies]
         out: Tensors = {}
         for key in self.floats:
@@ -273,11 +281,16 @@ class RoundFold:
                 acc = OrderFreeMean()
                 for x, w in zip(xs, ws, strict=True):
                     acc.add({key: x}, w)
-                out[key] = acc.result(self.rule, **self.opts)[key]
+                perturb = self._perturb(len(replies))
+                out[key] = acc.result(self.rule, perturb=perturb, **self.opts)[key]
             else:
                 out[key] = merge(self.rule, [{key: x} for x in xs], ws, **self.opts)[key]
             del xs
         return finite_or_raise(out)
+
+    def _perturb(self, used: int) -> Callable[[str, torch.Tensor], torch.Tensor] | None:
+        dp = self.dp
+        return None if dp is None else (lambda key, mean: dp.release(key, mean, used))
 
     def close(self) -> None:
         """Free the accumulator and remove the spill directory (idempotent)."""

@@ -21,7 +21,7 @@ note at the class).
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import torch
 
@@ -194,9 +194,16 @@ class OrderFreeMean:
         return out if self._dtypes[key] == torch.float64 else out.float()
 
     def result(
-        self, rule: str | MergeRule = "mean", device: str | torch.device | None = "auto", **options
+        self,
+        rule: str | MergeRule = "mean",
+        device: str | torch.device | None = "auto",
+        perturb: Callable[[str, torch.Tensor], torch.Tensor] | None = None,
+        **options,
     ) -> dict[str, torch.Tensor]:
         """``transform(mean)`` per tensor (2-D tensors the rule applies to), else the mean.
+
+        ``perturb(key, mean)``, when given, replaces each mean before the transform (the DP
+        release, :class:`~flwr_isoloco.merging.dp.GaussianSum`).
 
         The transform runs on ``device`` (:func:`~flwr_isoloco.merging.device.resolve_device`:
         ``"auto"`` is CUDA where available), one tensor at a time; results are CPU tensors."""
@@ -212,6 +219,8 @@ class OrderFreeMean:
         out: dict[str, torch.Tensor] = {}
         for k in list(self._hi):
             mean = self.mean(k)
+            if perturb is not None:
+                mean = perturb(k, mean)
             if rule.name != "mean" and rule_applies(k, mean, pattern):
                 mean = scaled_apply(lambda x: rule.transform(x[0], **opts), [mean.to(dev)])
             out[k] = mean.to(device="cpu", dtype=self._dtypes[k])

@@ -50,6 +50,7 @@ from flwr_isoloco.strategies.guard import EmptyRoundGuard
 from flwr_isoloco.strategies.ledger import SentLedger
 from flwr_isoloco.strategies.lifecycle import ResumableStrategy, RoundOutcome
 from flwr_isoloco.strategies.nodes import wait_for_nodes
+from flwr_isoloco.strategies.privacy import DEFAULT_DP_DELTA, StrategyDP
 from flwr_isoloco.strategies.replies import CheckedReply, ReplyValidator
 from flwr_isoloco.strategies.rounds import ReplyStream, check_quorum
 from flwr_isoloco.strategies.train_round import TrainRound
@@ -142,6 +143,22 @@ class DiLoCo(FromRunConfig, DiLoCoState, ResumableStrategy):
         ``"auto"`` (default) is CUDA where ``torch.cuda.is_available()``, else the CPU. The
         model and every result stay on the CPU; one tensor's slices move at a time. A CUDA
         device that is not there is refused here, at construction.
+    dp_noise_multiplier, dp_clipping_norm, dp_delta, dp_max_epsilon :
+        Central DP (:mod:`~flwr_isoloco.strategies.privacy`): each pseudo-
+        gradient clipped to L2 norm ``C = dp_clipping_norm`` (None: off), weights uniform,
+        ``N(0, (z C)^2)`` with ``z = dp_noise_multiplier`` added to the sum before the outer
+        step, divided by the number of nodes sampled. Epsilon at ``dp_delta`` (default 1e-5)
+        is the ``dp-epsilon`` metric; a round that would pass ``dp_max_epsilon`` is not sent
+        (``PrivacyBudgetExhausted``). Mean-based rules only (mean, Iso-C), no ``max_norm_ratio``.
+    dp_seed : int or None
+        Key of the DP noise, drawn per ``(key, round, tensor)``. None (default): a secret key
+        from the OS, kept in the checkpoint (resume draws the same noise). An int makes the
+        noise reproducible, and removable by anyone who knows it: tests and benchmarks only.
+    dp_mode : "central" | "local"
+        ``"local"``: each worker clips its delta to ``C`` and adds ``N(0, (z C)^2)`` itself,
+        before compression and error feedback (the DiLoCo worker does when the train config
+        asks); every merge rule and option is then allowed, replies without the echo are
+        dropped, and ``dp-epsilon`` is each site's own (multiplier ``z / 2``: replace-one).
     """
 
     def __init__(
@@ -180,6 +197,12 @@ class DiLoCo(FromRunConfig, DiLoCoState, ResumableStrategy):
         divergence_factor: float = DEFAULT_DIVERGENCE_FACTOR,
         divergence_key: str | None = None,
         merge_device: str = "auto",
+        dp_noise_multiplier: float | None = None,
+        dp_clipping_norm: float | None = None,
+        dp_delta: float = DEFAULT_DP_DELTA,
+        dp_max_epsilon: float | None = None,
+        dp_seed: int | None = None,
+        dp_mode: str = "central",
     ) -> None:
         self.quorum, self.grace_s = check_quorum(quorum, grace_s)
         self.merge_device = resolve_device(merge_device)  # ValueError: e.g. "cuda" without a GPU
@@ -235,6 +258,10 @@ class DiLoCo(FromRunConfig, DiLoCoState, ResumableStrategy):
         self.weight_reference: float | None = None  # median weight of the last used round
         self._train_stream = ReplyStream("aggregate_train")
         self._eval_stream = ReplyStream("aggregate_evaluate")
+        self.dp = StrategyDP(
+            dp_noise_multiplier, dp_clipping_norm, dp_delta, dp_max_epsilon, dp_seed, dp_mode
+        )
+        self.dp.check_strategy(self)  # refuses rules / options DP cannot bound; weights uniform
 
     # ------------------------------------------------------------------ construction helpers
     def _setup_merge(
@@ -306,6 +333,7 @@ class DiLoCo(FromRunConfig, DiLoCoState, ResumableStrategy):
     def summary(self) -> None:
         """Log the configuration, Flower-style."""
         log_summary(self)
+        log(INFO, "\t└──> Differential privacy: %s", self.dp.describe())
 
     def _sample(self, grid: Grid, fraction: float, min_nodes: int) -> list[int]:
         connected = list(grid.get_node_ids())
@@ -329,10 +357,11 @@ class DiLoCo(FromRunConfig, DiLoCoState, ResumableStrategy):
             return []
         if self.theta is None:
             self._adopt(arrays)
+        self.dp.before_round(self.server_round + 1)  # PrivacyBudgetExhausted before sending
         nodes = self._sample(grid, self.fraction_train, self.min_train_nodes)
         log(INFO, "configure_train: sampled %d nodes", len(nodes))
         config["server-round"] = self.server_round + 1
-        for k, v in self.codec_request.items():
+        for k, v in {**self.codec_request, **self.dp.request()}.items():
             config[k] = v
         record = self._model_record()
         self._bytes_down = payload_nbytes(record) * len(nodes)
@@ -429,6 +458,8 @@ class DiLoCo(FromRunConfig, DiLoCoState, ResumableStrategy):
         sd = super().state_dict()
         if self.weight_reference is not None:
             sd["meta"]["weight_reference"] = self.weight_reference
+        if self.dp.state() is not None:
+            sd["meta"]["dp"] = self.dp.state()
         return sd
 
     @staticmethod
@@ -437,13 +468,25 @@ class DiLoCo(FromRunConfig, DiLoCoState, ResumableStrategy):
 
         spec = DiLoCoState._state_spec()
         spec["weight_reference"] = Field("float", min=0, optional=True)
+        spec["dp"] = Field("dict", optional=True)  # Flower's accountant state (privacy.py)
         return spec
 
     def load_state_dict(
         self, state: Mapping[str, Any], reference: Mapping[str, Any] | None = None
     ) -> None:
-        """:meth:`DiLoCoState.load_state_dict`; restores the reference weight (None if absent)."""
+        """:meth:`DiLoCoState.load_state_dict`; restores the reference weight (None if absent)
+        and the DP accountant (epsilon continues; checked before anything is set)."""
+        from flwr_isoloco.checkpoint_spec import CheckpointError
+
+        meta = state.get("meta") if isinstance(state, Mapping) else None
+        accountant, key = self.dp.accountant, self.dp.noise_key
+        if isinstance(meta, Mapping) and isinstance(meta.get("server_round"), int):
+            try:
+                accountant, key = self.dp.parse_state(meta.get("dp"), meta["server_round"])
+            except ValueError as exc:
+                raise CheckpointError(f"DP accountant: {exc}") from None
         super().load_state_dict(state, reference)
+        self.dp.accountant, self.dp.noise_key = accountant, key
         ref = state["meta"].get("weight_reference")
         self.weight_reference = None if ref is None else float(ref)
 

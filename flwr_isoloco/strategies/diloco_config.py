@@ -76,10 +76,17 @@ DILOCO_RUN_CONFIG: dict[str, Any] = {
     "quorum": 1.0,
     "grace-s": 0.0,
     "merge-device": "auto",
+    "dp-noise-multiplier": 0.0,
+    "dp-clipping-norm": 0.0,
+    "dp-delta": 1e-5,
+    "dp-max-epsilon": 0.0,
+    "dp-mode": "central",
 }
 """``quorum``: fraction of the sampled nodes in (0, 1] (1.0 = all) or a count >= 1; ``grace-s``:
-seconds to wait for the rest once the quorum is in (strategies/rounds.py); ``merge-device``:
-where the server merge computes ("auto" | "cpu" | "cuda" | "cuda:<index>", merging/device.py)."""
+seconds to wait for the rest once the quorum is in (strategies/rounds.py). ``dp-*``: central DP
+(strategies/privacy.py); 0 for the noise multiplier, clipping norm or max epsilon = off.
+``merge-device``: where the server merge computes ("auto" | "cpu" | "cuda" | "cuda:<index>",
+merging/device.py)."""
 ISOLOCO_RUN_CONFIG: dict[str, Any] = {
     **DILOCO_RUN_CONFIG,
     "merge": "",  # "": the preset's rule
@@ -139,6 +146,11 @@ RUN_CONFIG_CHECKS: dict[str, Any] = {
     "quorum": in_range(0, 1 << 31, lo_open=True),
     "grace-s": non_negative,
     "merge-device": parse_device,  # spelling here; a CUDA device must exist at construction
+    "dp-noise-multiplier": non_negative,
+    "dp-clipping-norm": non_negative,
+    "dp-delta": in_range(0, 1, lo_open=True, hi_open=True),
+    "dp-max-epsilon": non_negative,
+    "dp-mode": choices("central", "local"),
 }
 """Value checks per key (types come from the defaults); merge options are checked by the rule."""
 
@@ -213,6 +225,11 @@ def section_kwargs(c: Mapping[str, Any]) -> dict[str, Any]:
         quorum=None if c["quorum"] == 1.0 and isinstance(c["quorum"], float) else c["quorum"],
         grace_s=c["grace-s"],
         merge_device=c["merge-device"],
+        dp_noise_multiplier=c["dp-noise-multiplier"] or None,
+        dp_clipping_norm=c["dp-clipping-norm"] or None,
+        dp_delta=float(c["dp-delta"]),
+        dp_max_epsilon=c["dp-max-epsilon"] or None,
+        dp_mode=c["dp-mode"],
     )
 
 

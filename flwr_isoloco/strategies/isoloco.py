@@ -17,6 +17,7 @@ from flwr_isoloco.outer import ISOLOCO_PRESETS, nesterov_step_limit, resolve_pre
 from flwr_isoloco.strategies.diloco import DiLoCo
 from flwr_isoloco.strategies.diloco_config import DEFAULT_MAX_WEIGHT_RATIO, ISOLOCO_RUN_CONFIG
 from flwr_isoloco.strategies.divergence import DEFAULT_DIVERGENCE_FACTOR
+from flwr_isoloco.strategies.privacy import DEFAULT_DP_DELTA
 
 __all__ = ["IsoLoCo", "ISOLOCO_PRESETS"]
 
@@ -53,6 +54,8 @@ class IsoLoCo(DiLoCo):
     max_weight_ratio, max_empty_rounds, dtype_policy, seed, upload_codec, codec_options,
     error_feedback, quorum, grace_s, on_divergence, divergence_factor, divergence_key,
     merge_device :
+    dp_noise_multiplier, dp_clipping_norm, dp_delta, dp_max_epsilon, dp_seed,
+    dp_mode :
         As in :class:`DiLoCo`.
     """
 
@@ -96,6 +99,12 @@ class IsoLoCo(DiLoCo):
         divergence_factor: float = DEFAULT_DIVERGENCE_FACTOR,
         divergence_key: str | None = None,
         merge_device: str = "auto",
+        dp_noise_multiplier: float | None = None,
+        dp_clipping_norm: float | None = None,
+        dp_delta: float = DEFAULT_DP_DELTA,
+        dp_max_epsilon: float | None = None,
+        dp_seed: int | None = None,
+        dp_mode: str = "central",
     ) -> None:
         p = resolve_preset(preset)
         if merge is None:
@@ -140,6 +149,12 @@ class IsoLoCo(DiLoCo):
             divergence_factor=divergence_factor,
             divergence_key=divergence_key,
             merge_device=merge_device,
+            dp_noise_multiplier=dp_noise_multiplier,
+            dp_clipping_norm=dp_clipping_norm,
+            dp_delta=dp_delta,
+            dp_max_epsilon=dp_max_epsilon,
+            dp_seed=dp_seed,
+            dp_mode=dp_mode,
         )
         if preset != "isoloco-paper":  # the paper's values, chosen by name: no second-guessing
             self._warn_if_beyond_limit()

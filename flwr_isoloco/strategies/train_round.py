@@ -54,7 +54,9 @@ class TrainRound:
         self.collect = bool(self.ratio) and ref is None  # weights bounded when the round closes
         self.cap = self.ratio * ref if self.ratio and ref is not None else None
         spill = self.collect or bool(self.v.max_norm_ratio)
-        self.fold = RoundFold(s.merger, s.theta, server_round, spill=spill)
+        floats = [k for k, t in s.theta.items() if t.is_floating_point()]
+        dp = s.dp.mechanism(server_round, len(s._train_ledger._sent), floats)  # None: DP off
+        self.fold = RoundFold(s.merger, s.theta, server_round, spill=spill, dp=dp)
         self.taken: list[CheckedReply] = []
         self.answered: set[str] = set()
         self._w: dict[int, float] = {}  # id(reply) -> merge weight
@@ -73,6 +75,11 @@ class TrainRound:
         s, v = self.s, self.v
         r = v.check(msg, s.theta, s._train_ledger, self.report)
         if isinstance(r, Rejection):
+            return
+        why = s.dp.reply_problem(r.content)  # local DP: the reply must say it applied it
+        if why is not None:
+            r.release()
+            v.reject(self.report, r.node_id, why)
             return
         w = self._capped(r)
         try:
@@ -152,6 +159,7 @@ class TrainRound:
                     v.reject(report, r.node_id, f"outer step failed, model kept: {exc}")
                 checked = []
         del g
+        s.dp.account(released=new_arrays is not None, sent=s._train_ledger.sent_any())
         report.used = len(checked)
         v.log_summary(report, self.server_round)
         if checked and self.ratio:
@@ -166,6 +174,7 @@ class TrainRound:
             **self._client_metrics(checked),
             **report.as_metrics(),
             **extra,
+            **s.dp.metrics(),
             **(wait.as_metrics() if wait is not None else {}),
             "spill-bytes": self.fold.spill_bytes,
             "bytes-down": s._bytes_down,

@@ -46,6 +46,7 @@ __all__ = ["CHECKPOINT", "SPEC", "app", "run_server"]
 app = ServerApp()
 # Round columns copied from the strategy's aggregated train metrics.
 TRAIN_COLUMNS = ("train-loss", "aggregation-time-s", "pseudo-grad-norm", "bytes-up", "bytes-down")
+DP_COLUMNS = ("dp-epsilon", "dp-clipped-fraction")
 REPLY_COLUMNS = ("replies-used", "replies-rejected", "replies-missing")
 # With a pretrained model: the workers' time and memory (token-weighted means over the nodes).
 HF_COLUMNS = ("worker-time-s", "worker-peak-rss-mb")
@@ -105,6 +106,7 @@ def build(cfg, nodes: list[int]) -> AppRun:
             **{k: tm.get(k) for k in TRAIN_COLUMNS},
             **({k: tm.get(k) for k in HF_COLUMNS} if hf_model else {}),
             **({"server-peak-rss-mb": peak_rss_mb()} if hf_model else {}),
+            **{k: tm[k] for k in DP_COLUMNS if k in tm},  # central DP runs only
         }
 
     def export(arrays: ArrayRecord, out: Path) -> Path:

@@ -77,6 +77,7 @@ NOT_IN_APP = {
     "step with strategy.merge / strategy.outer-lr / strategy.outer-momentum",
 }
 _OPTION_KEYS = ("prune-fraction", "drop-rate", "common-fraction", "ns-steps", "spectral-pattern")
+_DP_KEYS = ("dp-noise-multiplier", "dp-clipping-norm", "dp-max-epsilon", "dp-mode")
 STRATEGY_SECTION: dict[str, Any] = {
     **APP_STRATEGY_KEYS,
     **{k: v for k, v in DILOCO_RUN_CONFIG.items() if k not in {**APP_STRATEGY_KEYS, **NOT_IN_APP}},
@@ -222,7 +223,8 @@ def load_config(run_config: Mapping[str, Any]) -> DictConfig:
     try:  # merge options (prune-fraction, drop-rate, ...) are checked by the merge rule
         build_strategy(cfg)
     except ValueError as exc:
-        opts = [k for k in _OPTION_KEYS if k.replace("-", "_") in str(exc)] or ["merge"]
+        named = (*_OPTION_KEYS, *_DP_KEYS)
+        opts = [k for k in named if k.replace("-", "_") in str(exc)] or ["merge"]
         raise RunConfigError(
             f"run-config key 'strategy.{opts[0]}' (strategy.merge {s.merge or 'default'!r}): {exc}"
         ) from None

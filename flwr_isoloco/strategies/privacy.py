@@ -1,0 +1,318 @@
+"""Central differential privacy for DiLoCo / IsoLoCo: settings, accounting, checkpoint state.
+
+The mechanism (:mod:`flwr_isoloco.merging.dp`) clips each site's pseudo-gradient to ``C`` and
+adds ``N(0, (z C)^2)`` to the round's sum before the outer optimiser, so the outer momentum,
+Iso-C and the model are post-processing. Each round that releases an update is one Gaussian
+mechanism of multiplier ``z`` on a sum whose sensitivity to adding or removing one site's
+whole contribution is ``C``; Flower's :class:`~flwr.serverapp.RdpAccountant` composes them with
+no sampling amplification (the nodes are not Poisson-sampled: ``fraction_train`` draws a fixed
+number without replacement, and a site's presence is visible to the server anyway). The
+accountant's population size is therefore irrelevant and set to 1 (each event ``(z, 1, 1)``).
+With ``dp_mode="local"`` the workers clip and noise their own deltas instead (any merge rule;
+each site's epsilon uses multiplier ``z / 2``, the replace-one sensitivity ``2 C``).
+https://github.com/flwr-isoloco/flwr-isoloco/blob/main/docs/privacy.md has the relation,
+the assumptions and what is not covered (client metrics, evaluation, reply counts).
+"""
+
+from __future__ import annotations
+
+import math
+import secrets
+from logging import INFO
+from typing import Any
+
+from flwr.common.logger import log
+from flwr.serverapp.exception import PrivacyBudgetExhausted  # Flower's own (its DP wrappers')
+
+from flwr_isoloco.merging.dp import CLIP_KEY, NOISE_KEY, GaussianSum
+
+__all__ = [
+    "DEFAULT_DP_DELTA",
+    "DP_MODES",
+    "StrategyDP",
+    "PrivacyBudgetExhausted",
+    "noise_for_epsilon",
+    "require_secagg",
+    "secagg_problems",
+]
+
+DEFAULT_DP_DELTA = 1e-5
+DP_MODES = ("central", "local")
+
+
+NEEDS_EVERY_DELTA_HINT = (
+    "its output is not a function of the sum of the updates, so one site's influence is not "
+    "bounded by clipping; use merge='mean' or an Iso-C rule, or client-side (local) DP "
+    "(dp_mode='local')"
+)
+
+
+def _accountant(delta: float) -> Any:
+    from flwr.serverapp import (
+        NeighboringRelation,
+        PrivacyConfig,
+        RdpAccountant,
+        SamplingMethod,
+    )
+
+    config = PrivacyConfig(
+        target_delta=delta,
+        population_size=1,
+        neighboring_relation=NeighboringRelation.ADD_OR_REMOVE_ONE,
+        sampling_method=SamplingMethod.NO_AMPLIFICATION,
+    )  # max_epsilon is given per check, so a resumed run may raise it
+    return RdpAccountant(config)
+
+
+def _event(z: float) -> Any:
+    from flwr.serverapp import GaussianPrivacyEvent
+
+    return GaussianPrivacyEvent(noise_multiplier=z, sample_size=1, population_size=1)
+
+
+def noise_for_epsilon(epsilon: float, rounds: int, delta: float, tol: float = 1e-3) -> float:
+    """The smallest ``z`` (to ``tol`` relative) with epsilon(``rounds`` releases) <= ``epsilon``
+    at ``delta``, by bisection on Flower's accountant (calibration only, no accounting here)."""
+
+    def eps(z: float) -> float:
+        a = _accountant(delta)
+        a.compose(_event(z), rounds)
+        return a.get_epsilon(delta)
+
+    lo, hi = 1e-3, 1.0
+    while eps(hi) > epsilon:
+        lo, hi = hi, hi * 2
+        if hi > 1e6:
+            raise ValueError(f"no noise multiplier reaches epsilon {epsilon} in {rounds} rounds")
+    while hi - lo > tol * hi:
+        mid = 0.5 * (lo + hi)
+        lo, hi = (mid, hi) if eps(mid) > epsilon else (lo, mid)
+    return hi
+
+
+def _positive(name: str, v: Any, allow_zero: bool = False) -> float | None:
+    if v is None:
+        return None
+    ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+    if not ok or v < 0 or (v == 0 and not allow_zero):
+        raise ValueError(f"{name} must be a finite number > 0 (or None for off), got {v!r}")
+    return float(v) if v > 0 else None
+
+
+class StrategyDP:
+    """The DP settings of one strategy and its accountant (module docstring).
+
+    ``clipping_norm=None``: DP off (then ``noise_multiplier`` must be off too). ``noise_multiplier``
+    None or 0 with a clipping norm: clipping only, epsilon infinite (no accountant).
+    ``mode="central"``: the server clips and noises the sum (:class:`GaussianSum`);
+    ``mode="local"``: each worker clips and noises its own delta before compression
+    (:func:`~flwr_isoloco.merging.dp.privatize`), asked through the train config and echoed in
+    its reply (a reply without the echo is dropped); any merge rule is then post-processing.
+    """
+
+    def __init__(
+        self,
+        noise_multiplier: float | None,
+        clipping_norm: float | None,
+        delta: float,
+        max_epsilon: float | None,
+        noise_seed: int | None = None,
+        mode: str = "central",
+    ) -> None:
+        if mode not in DP_MODES:
+            raise ValueError(f"dp_mode must be one of {DP_MODES}, got {mode!r}")
+        self.mode = mode
+        self.z = _positive("dp_noise_multiplier", noise_multiplier, allow_zero=True)
+        self.c = _positive("dp_clipping_norm", clipping_norm, allow_zero=True)
+        self.max_epsilon = _positive("dp_max_epsilon", max_epsilon, allow_zero=True)
+        if not (isinstance(delta, float) and 0 < delta < 1):
+            raise ValueError(f"dp_delta must be a float in (0, 1), got {delta!r}")
+        self.delta = delta
+        if self.z is not None and self.c is None:
+            raise ValueError("dp_noise_multiplier needs dp_clipping_norm (the sensitivity C)")
+        if self.max_epsilon is not None and self.z is None:
+            raise ValueError("dp_max_epsilon needs dp_noise_multiplier > 0 (no noise: no bound)")
+        if noise_seed is not None and (
+            not isinstance(noise_seed, int) or isinstance(noise_seed, bool)
+        ):
+            raise ValueError(f"dp_seed must be an int or None, got {noise_seed!r}")
+        # The noise key must stay secret: whoever knows it can regenerate and subtract the noise.
+        # None (default): drawn from the OS; kept in the checkpoint so a resumed run draws the
+        # same noise. An int (tests, benchmarks) makes the noise reproducible from it.
+        self.noise_key = secrets.randbits(63) if noise_seed is None else noise_seed
+        self.accountant = None if self.z is None else _accountant(delta)
+        self.last: GaussianSum | None = None
+
+    @property
+    def enabled(self) -> bool:
+        """Whether updates are clipped (and noised when ``z > 0``)."""
+        return self.c is not None
+
+    def check_strategy(self, s: Any) -> None:
+        """Refuse the options under which one site's influence on the release is unbounded."""
+        if not self.enabled or self.mode == "local":
+            return
+        if not getattr(s.merger.rule_for_g(), "streaming", False):
+            raise ValueError(
+                f"central DP (dp_clipping_norm) does not apply to merge={s.merge_name!r}: "
+                + NEEDS_EVERY_DELTA_HINT
+            )
+        if s.train_validator.max_norm_ratio:
+            raise ValueError(
+                "central DP refuses max_norm_ratio: whether a reply is kept would depend on the "
+                "other sites' norms (clipping to dp_clipping_norm already bounds every update)"
+            )
+        if s.weighting == "examples":
+            log(INFO, "DP: merge weights are uniform (w_i = 1), weighting='examples' ignored")
+        s.weighting = "uniform"
+
+    def epsilon(self) -> float:
+        """Epsilon spent so far at ``delta`` (0 before any release, inf without noise)."""
+        if self.accountant is None:
+            return math.inf
+        if self.accountant.num_releases == 0:
+            return 0.0
+        return float(self.accountant.get_epsilon(self.delta))
+
+    def before_round(self, server_round: int) -> None:
+        """``PrivacyBudgetExhausted`` when releasing round ``server_round`` would pass the cap."""
+        if self.accountant is None or self.max_epsilon is None:
+            return
+        if self.accountant.would_exceed(self._event(), self.max_epsilon):
+            raise PrivacyBudgetExhausted(
+                f"round {server_round} would exceed dp_max_epsilon={self.max_epsilon:g} "
+                f"(epsilon so far {self.epsilon():.4g} at delta {self.delta:g} after "
+                f"{self.accountant.num_releases} rounds); the run stops before sending it"
+            )
+
+    def mechanism(self, server_round: int, sampled: int, keys: list[str]) -> GaussianSum | None:
+        """The round's :class:`GaussianSum` (``sampled`` = nodes the round was sent to)."""
+        if not self.enabled or self.mode == "local":
+            return None
+        self.last = GaussianSum(
+            self.c, self.z or 0.0, max(sampled, 1), keys, self.noise_key, server_round
+        )
+        return self.last
+
+    def _event(self) -> Any:
+        """One round's event: ``z`` on a sum of sensitivity ``C`` (central, add/remove one
+        site), or ``z / 2`` for one site's own release (local: any two of its clipped updates
+        differ by up to ``2 C``)."""
+        return _event(self.z / 2 if self.mode == "local" else self.z)
+
+    def account(self, released: bool, sent: bool) -> None:
+        """Account the round: central, when its update reached the outer step; local, when it
+        was sent (a site releases its noised delta by replying, whatever the server does)."""
+        if self.accountant is not None and (released if self.mode == "central" else sent):
+            self.accountant.compose(self._event())
+
+    def request(self) -> dict[str, float]:
+        """Train-config entries asking the workers for local DP (empty in central mode)."""
+        if not self.enabled or self.mode != "local":
+            return {}
+        return {CLIP_KEY: self.c, NOISE_KEY: self.z or 0.0}
+
+    def reply_problem(self, content: Any) -> str | None:
+        """Why a reply cannot be used under local DP: it does not echo the ``(C, z)`` asked."""
+        want = self.request()
+        if not want:
+            return None
+        for crec in content.config_records.values():
+            if all(crec.get(k) == v for k, v in want.items()):
+                return None
+        return (
+            f"reply does not say it applied local DP ({CLIP_KEY}={self.c:g}, "
+            f"{NOISE_KEY}={self.z or 0:g})"
+        )
+
+    def metrics(self) -> dict[str, float]:
+        """``dp-epsilon`` and the round's clipping figures (empty when DP is off)."""
+        if not self.enabled:
+            return {}
+        out: dict[str, float] = {}
+        if self.accountant is not None:  # clipping only: no guarantee, no epsilon reported
+            out["dp-epsilon"] = self.epsilon()
+        if self.mode == "local":
+            out["dp-noise-std"] = (self.z or 0.0) * self.c  # on each site's delta
+        elif self.last is not None:
+            n = len(self.last.norms)
+            out["dp-clipped-fraction"] = self.last.clipped / n if n else 0.0
+            out["dp-noise-std"] = self.last.std_of_mean
+        return out
+
+    def describe(self) -> str:
+        """One line for the strategy summary."""
+        if not self.enabled:
+            return "off"
+        cap = "none" if self.max_epsilon is None else f"{self.max_epsilon:g}"
+        return f"{self.mode}, C {self.c:g} | z {self.z or 0:g} | delta {self.delta:g} | max-epsilon {cap}"
+
+    # ------------------------------------------------------------------ checkpoint
+    def state(self) -> dict[str, Any] | None:
+        """``{"accountant": Flower's accountant state, "noise_key": int}`` (JSON-able), None
+        without noise. The key is secret: a checkpoint with DP is as private as the updates."""
+        if self.accountant is None:
+            return None
+        return {"accountant": self.accountant.state_dict(), "noise_key": self.noise_key}
+
+    def parse_state(self, state: Any, server_round: int) -> tuple[Any, int]:
+        """``(accountant, noise key)`` restored from :meth:`state` (the accountant validated by
+        Flower's ``load_state_dict``; nothing is set here). ``ValueError`` when a checkpoint of ``server_round > 0`` rounds has
+        no accountant but this strategy has noise (its earlier rounds were not private), or the
+        other way round."""
+        if self.accountant is None:
+            if state is not None:
+                raise ValueError("field 'dp' holds an accountant but this strategy has no DP noise")
+            return None, self.noise_key
+        if state is None:
+            if server_round > 0:
+                raise ValueError(
+                    "field 'dp' is absent: the checkpoint's rounds were not accounted, so "
+                    "resuming with dp_noise_multiplier would report a wrong epsilon"
+                )
+            return _accountant(self.delta), self.noise_key
+        key = state.get("noise_key") if isinstance(state, dict) else None
+        if (
+            not isinstance(key, int)
+            or isinstance(key, bool)
+            or not isinstance(state.get("accountant"), dict)
+        ):
+            raise ValueError("field 'dp' must hold 'accountant' (a dict) and 'noise_key' (an int)")
+        fresh = _accountant(self.delta)
+        fresh.load_state_dict(state["accountant"])  # ValueError naming what is wrong
+        if fresh.num_releases > server_round:
+            raise ValueError(
+                f"field 'dp' counts {fresh.num_releases} releases, more than the "
+                f"{server_round} rounds of the checkpoint"
+            )
+        return fresh, key
+
+
+# ---------------------------------------------------------------------- secure aggregation
+def secagg_problems(s: Any) -> list[str]:
+    """The options of DiLoCo/IsoLoCo ``s`` that need to see single replies, so that Flower's
+    SecAgg+ (the server sees only the masked sum) cannot serve them (the table of
+    https://github.com/flwr-isoloco/flwr-isoloco/blob/main/docs/privacy.md).
+    Empty: compatible."""
+    out = []
+    if not getattr(s.merger.rule_for_g(), "streaming", False):
+        out.append(f"merge={s.merge_name!r} needs every delta (use mean or an Iso-C rule)")
+    v = s.train_validator
+    if v.max_norm_ratio or v.max_update_norm:
+        out.append("max_norm_ratio / max_update_norm need each reply's norm (clip on clients)")
+    if s.weighting == "examples" and s.max_weight_ratio:
+        out.append("max_weight_ratio needs every weight (use weighting='uniform' or ratio 0)")
+    if s.upload_codec != "none":
+        out.append(f"upload_codec={s.upload_codec!r}: SecAgg+ masks dense, quantised vectors")
+    if s.quorum is not None or s.grace_s:
+        out.append("quorum / grace_s: SecAgg+ has its own dropout threshold")
+    if s.dp.enabled and s.dp.mode == "central":
+        out.append("central DP clips each update on the server, which cannot see them")
+    return out
+
+
+def require_secagg(s: Any) -> None:
+    """``ValueError`` naming every option of ``s`` that SecAgg+ cannot serve."""
+    problems = secagg_problems(s)
+    if problems:
+        raise ValueError("not compatible with secure aggregation: " + "; ".join(problems))
