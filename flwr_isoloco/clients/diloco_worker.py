@@ -408,8 +408,8 @@ def make_diloco_train_handler(
         model = model_fn(context).to(device)
         load_model_arrays(model, theta)
         names = list(theta)
-        if c.request is None and payload == "weights":
-            theta = None  # a weights reply does not need theta: one model copy less in memory
+        if c.request is None and payload == "weights" and c.dp is None:
+            theta = None  # a plain weights reply does not need theta: one model copy less
         if gradient_checkpointing:
             if not hasattr(model, "gradient_checkpointing_enable"):
                 raise ValueError("gradient_checkpointing needs a Hugging Face model")
