@@ -61,11 +61,13 @@ class RoundMerge:
         options: Mapping[str, Any],
         orthogonalize: str = "gradient",
         seed: int = 0,
+        robust: Any = None,
     ) -> None:
         self.rule, self.name = rule, name
         self.options = dict(options)
         self.orthogonalize = orthogonalize
         self.seed = seed
+        self.robust = robust  # a robust.RobustMerge, or None: replaces the mean (robust.py)
 
     def round_options(self, server_round: int) -> dict[str, Any]:
         """The rule's options for ``server_round`` (DARE: a per-round seed unless given)."""
@@ -102,7 +104,7 @@ class RoundMerge:
         rule = self.rule_for_g() if rule is None else rule
         floats = [k for k, t in theta.items() if t.is_floating_point()]
         opts = {} if self.orthogonalize == "update" else self.round_options(server_round)
-        if getattr(rule, "streaming", False):
+        if getattr(rule, "streaming", False) and self.robust is None:
             merger = StreamingMerger(rule, **opts)
             for r in source:
                 d = r.update(theta)
@@ -118,7 +120,11 @@ class RoundMerge:
             used.append(r)
         if not used:
             return None
-        return finite_or_raise(merge(rule, deltas, [weight(r) for r in used], **opts))
+        ws = [weight(r) for r in used]
+        if self.robust is not None:
+            g = self.robust.merge(rule, opts, floats, lambda i, k: deltas[i][k], ws)
+            return finite_or_raise(g)
+        return finite_or_raise(merge(rule, deltas, ws, **opts))
 
     def merge_or_isolate(
         self,
@@ -185,7 +191,10 @@ class RoundFold:
         self.rule = merger.rule_for_g()
         self.opts = {} if merger.orthogonalize == "update" else merger.round_options(server_round)
         self.floats = [k for k, t in theta.items() if t.is_floating_point()]
-        self.spills = bool(spill) or not getattr(self.rule, "streaming", False)
+        self.robust = getattr(merger, "robust", None)  # needs every delta: always spills
+        self.spills = (
+            bool(spill) or self.robust is not None or not getattr(self.rule, "streaming", False)
+        )
         self._acc = None if self.spills else OrderFreeMean()
         self._store = SpillStore(spill_dir) if self.spills else None
         self._entry: dict[int, int] = {}  # id(reply) -> spill entry
@@ -262,6 +271,12 @@ class RoundFold:
             return finite_or_raise(self._acc.result(self.rule, **self.opts))
         ws = [weight(r) for r in replies]
         entries = [self._entry[id(r)] for r in replies]
+        if self.robust is not None:
+            store = self._store
+            g = self.robust.merge(
+                self.rule, self.opts, self.floats, lambda i, k: store.get(entries[i], k), ws
+            )
+            return finite_or_raise(g)
         out: Tensors = {}
         for key in self.floats:
             xs = [self._store.get(e, key) for e in entries]

@@ -16,6 +16,7 @@ from typing import Any
 
 from flwr_isoloco.compression import CODECS
 from flwr_isoloco.merging import MERGE_RULES
+from flwr_isoloco.merging.robust import ROBUST_OPTIONS, ROBUST_RULES
 from flwr_isoloco.outer import ISOLOCO_PRESETS
 from flwr_isoloco.runconfig import choices, in_range, non_negative, read_run_config
 from flwr_isoloco.strategies.common import PAYLOADS
@@ -74,9 +75,15 @@ DILOCO_RUN_CONFIG: dict[str, Any] = {
     "divergence-factor": DEFAULT_DIVERGENCE_FACTOR,
     "quorum": 1.0,
     "grace-s": 0.0,
+    "robust": "none",
+    "robust-trim": -1.0,
+    "robust-f": -1,
+    "robust-select": -1,
 }
 """``quorum``: fraction of the sampled nodes in (0, 1] (1.0 = all) or a count >= 1; ``grace-s``:
-seconds to wait for the rest once the quorum is in (strategies/rounds.py)."""
+seconds to wait for the rest once the quorum is in (strategies/rounds.py). ``robust``: the
+robust aggregation (merging/robust.py); its options ``robust-trim`` / ``robust-f`` /
+``robust-select`` at -1 take the rule's default."""
 ISOLOCO_RUN_CONFIG: dict[str, Any] = {
     **DILOCO_RUN_CONFIG,
     "merge": "",  # "": the preset's rule
@@ -108,6 +115,16 @@ def _rule_or_preset(value: str) -> None:
         raise ValueError(f"must be one of {sorted(MERGE_RULES)}, or '' for the preset's (IsoLoCo)")
 
 
+def _default_or_trim(value: float) -> None:
+    if value != -1 and not 0 <= value < 0.5:
+        raise ValueError("must be in [0, 0.5), or -1 for the default (0.25)")
+
+
+def _default_or_non_negative(value: int) -> None:
+    if value != -1 and not value >= 0:
+        raise ValueError("must be >= 0, or -1 for the default")
+
+
 RUN_CONFIG_CHECKS: dict[str, Any] = {
     "merge": _rule_or_preset,
     "preset": choices(*ISOLOCO_PRESETS),
@@ -135,6 +152,10 @@ RUN_CONFIG_CHECKS: dict[str, Any] = {
     "divergence-factor": _off_or_at_least_one,
     "quorum": in_range(0, 1 << 31, lo_open=True),
     "grace-s": non_negative,
+    "robust": choices(*ROBUST_RULES),
+    "robust-trim": _default_or_trim,
+    "robust-f": _default_or_non_negative,
+    "robust-select": _default_or_non_negative,
 }
 """Value checks per key (types come from the defaults); merge options are checked by the rule."""
 
@@ -208,7 +229,17 @@ def section_kwargs(c: Mapping[str, Any]) -> dict[str, Any]:
         divergence_factor=c["divergence-factor"],
         quorum=None if c["quorum"] == 1.0 and isinstance(c["quorum"], float) else c["quorum"],
         grace_s=c["grace-s"],
+        robust=c["robust"],
+        robust_options=robust_options(c),
     )
+
+
+def robust_options(c: Mapping[str, Any]) -> dict[str, Any]:
+    """The chosen robust rule's options from ``robust-trim`` / ``robust-f`` / ``robust-select``
+    (-1: the rule's default; a key the rule does not take is ignored)."""
+    allowed = ROBUST_OPTIONS[c["robust"]]
+    keys = {"trim": "robust-trim", "f": "robust-f", "select": "robust-select"}
+    return {o: c[k] for o, k in keys.items() if o in allowed and c[k] != -1}
 
 
 def _is_number(v: object) -> bool:

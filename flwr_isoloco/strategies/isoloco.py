@@ -51,7 +51,8 @@ class IsoLoCo(DiLoCo):
         As in :class:`DiLoCo`.
     orthogonalize, weighting, client_sends, max_update_norm, max_norm_ratio,
     max_weight_ratio, max_empty_rounds, dtype_policy, seed, upload_codec, codec_options,
-    error_feedback, quorum, grace_s, on_divergence, divergence_factor, divergence_key :
+    error_feedback, quorum, grace_s, on_divergence, divergence_factor, divergence_key, robust,
+    robust_options :
         As in :class:`DiLoCo`.
     """
 
@@ -94,6 +95,8 @@ class IsoLoCo(DiLoCo):
         on_divergence: str = "warn",
         divergence_factor: float = DEFAULT_DIVERGENCE_FACTOR,
         divergence_key: str | None = None,
+        robust: str | None = "none",
+        robust_options: Mapping[str, Any] | None = None,
     ) -> None:
         p = resolve_preset(preset)
         if merge is None:
@@ -137,6 +140,8 @@ class IsoLoCo(DiLoCo):
             on_divergence=on_divergence,
             divergence_factor=divergence_factor,
             divergence_key=divergence_key,
+            robust=robust,
+            robust_options=robust_options,
         )
         if preset != "isoloco-paper":  # the paper's values, chosen by name: no second-guessing
             self._warn_if_beyond_limit()
