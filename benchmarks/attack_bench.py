@@ -236,14 +236,14 @@ def write_table(records: list[dict], doc: Path = DOC) -> None:
 
 
 def cells(args) -> list[tuple]:
+    """The cells to run, honest ones first (the cost of each defence without attack)."""
     out = []
     for seed in args.seeds:
         for st in args.strategies:
-            for d in args.defences:
-                out.append((st, "honest", 0, d, seed))
-                for a in args.attacks:
-                    for f in args.f:
-                        out.append((st, a, f, d, seed))
+            out += [(st, "honest", 0, d, seed) for d in args.defences]
+        for d in args.defences:
+            for st in args.strategies:
+                out += [(st, a, f, d, seed) for a in args.attacks for f in args.f]
     return out
 
 
@@ -266,13 +266,16 @@ def main(argv: list[str] | None = None) -> None:
     if args.seeds is None:
         args.seeds = [0] if size != "full" else [0, 1, 2]
     if args.out is None:
-        args.out = RESULTS / f"attack-{size}-{'-'.join(args.strategies)}.json"
+        tag = "-".join(args.strategies)
+        if args.defences != list(DEFENCES):
+            tag += "-" + "-".join(args.defences)
+        args.out = RESULTS / f"attack-{size}-{tag}.json"
     done = json.loads(args.out.read_text()) if args.out.exists() else []
     if not args.table:
         import torch
 
         torch.set_num_threads(1)
-        have = {_key(r) for r in done}
+        have = {_key(r) for r in done + (load_all() if args.out.parent == RESULTS else [])}
         base_cells = {(st, "honest", 0, "none", s) for st in args.strategies for s in args.seeds}
         todo = sorted(base_cells) + [c for c in cells(args) if c not in base_cells]
         for st, a, f, d, seed in todo:

@@ -209,3 +209,5 @@ def test_isoloco_run_config_keys():
         DiLoCo.from_run_config({"strategy.robust": "mean"})
     with pytest.raises(ValueError, match="strategy.robust-trim"):
         DiLoCo.from_run_config({"strategy.robust-trim": 0.6})
+    with pytest.raises(ValueError, match="strategy.robust-select"):
+        DiLoCo.from_run_config({"strategy.robust": "multikrum", "strategy.robust-select": 0})

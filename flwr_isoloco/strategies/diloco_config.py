@@ -125,6 +125,11 @@ def _default_or_non_negative(value: int) -> None:
         raise ValueError("must be >= 0, or -1 for the default")
 
 
+def _default_or_positive(value: int) -> None:
+    if value != -1 and not value >= 1:
+        raise ValueError("must be >= 1, or -1 for the default")
+
+
 RUN_CONFIG_CHECKS: dict[str, Any] = {
     "merge": _rule_or_preset,
     "preset": choices(*ISOLOCO_PRESETS),
@@ -155,7 +160,7 @@ RUN_CONFIG_CHECKS: dict[str, Any] = {
     "robust": choices(*ROBUST_RULES),
     "robust-trim": _default_or_trim,
     "robust-f": _default_or_non_negative,
-    "robust-select": _default_or_non_negative,
+    "robust-select": _default_or_positive,
 }
 """Value checks per key (types come from the defaults); merge options are checked by the rule."""
 
