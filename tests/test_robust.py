@@ -133,6 +133,19 @@ def test_round_fold_median_then_iso_c(tmp_path):
         np.testing.assert_allclose(g[k].numpy(), want, rtol=1e-4, atol=1e-5)
 
 
+def test_round_merge_in_memory_path_equals_the_spilled_one(tmp_path):
+    ds, ws = _deltas(5, seed=6), [1.0, 2.0, 1.0, 1.0, 3.0]
+    spilled, _ = _fold("trimmed-mean", "mean", ds, ws, {"trim": 0.2}, tmp_path)
+    robust = RobustMerge(*resolve_robust("trimmed-mean", {"trim": 0.2}, MERGE_RULES["mean"]))
+    rm = RoundMerge(MERGE_RULES["mean"], "mean", {}, robust=robust)
+    theta = {k: torch.zeros(s) for k, s in SHAPES.items()}
+    replies, used = [_Reply(i, d) for i, d in enumerate(ds)], []
+    g = rm.merge(theta, replies, used, lambda r: ws[r.node_id], 1)
+    assert used == replies
+    for k in SHAPES:
+        torch.testing.assert_close(g[k], spilled[k], rtol=0, atol=0)
+
+
 def test_round_fold_multikrum_and_norm_clip_weighted_mean(tmp_path):
     ds, ws = _deltas(6, seed=5), [1.0, 2.0, 3.0, 1.0, 2.0, 1.0]
     ds[4] = {k: v + 50.0 for k, v in ds[4].items()}

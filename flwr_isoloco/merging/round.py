@@ -13,8 +13,8 @@ orthogonalised-update transform ``u -> rule([u])`` used with ``orthogonalize="up
 
 :class:`RoundFold` is the same merge fed one reply at a time, as replies arrive: a streaming
 rule folds each delta into an :class:`~.streaming.OrderFreeMean` (the result does not depend on
-the arrival order), any other rule (or a round whose weights or norms are only known at the
-end) spills each delta to a private :class:`~.spill.SpillStore` and merges tensor by tensor
+the arrival order), any other rule, a robust aggregation (:mod:`.robust`, which replaces the
+mean), or a round whose weights or norms are only known at the end, spills each delta to a private :class:`~.spill.SpillStore` and merges tensor by tensor
 when the round closes. Server memory is one model copy plus ``O(M x largest tensor)``.
 
 A reply is any object with ``node_id``, ``update(theta) -> dict`` (its ``delta_i``) and
