@@ -205,8 +205,8 @@ def table(records: list[dict], size: str) -> str:
         ]
         lines.append("| attack | f | " + " | ".join(DEFENCES) + " |")
         lines.append("|---|---|" + "---:|" * len(DEFENCES))
-        rows = [("honest", 0)] + [(a, f) for a in ATTACKS for f in (1, 2)]
-        for a, f in rows:
+        cost = {}  # (attack, f, defence) -> mean over seeds of the loss difference
+        for a, f in [("honest", 0)] + [(a, f) for a in ATTACKS for f in (1, 2)]:
             cells = []
             for d in DEFENCES:
                 diffs = [
@@ -214,16 +214,23 @@ def table(records: list[dict], size: str) -> str:
                     for r in mine
                     if (r["attack"], r["f"], r["defence"]) == (a, f, d) and r["seed"] in base
                 ]
-                cells.append(
-                    ""
-                    if not diffs
-                    else f"{statistics.mean(diffs):+.3f}"
-                    if math.isfinite(statistics.mean(diffs))
-                    else "diverged"
-                )
+                if diffs:
+                    cost[a, f, d] = statistics.mean(diffs)
+                cells.append(_cell(cost.get((a, f, d))))
             lines.append(f"| {a} | {f} | " + " | ".join(cells) + " |")
+        for f in (1, 2):  # the worst attack per defence, and how many of the 4 were run
+            worst = []
+            for d in DEFENCES:
+                got = [cost[a, f, d] for a in ATTACKS if (a, f, d) in cost]
+                n = f" ({len(got)}/{len(ATTACKS)})" if 0 < len(got) < len(ATTACKS) else ""
+                worst.append(_cell(max(got) if got else None) + n)
+            lines.append(f"| **worst** | {f} | " + " | ".join(worst) + " |")
         lines.append("")
     return "\n".join(lines)
+
+
+def _cell(v: float | None) -> str:
+    return "" if v is None else f"{v:+.3f}" if math.isfinite(v) else "diverged"
 
 
 def write_table(records: list[dict], doc: Path = DOC) -> None:
