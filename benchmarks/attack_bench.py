@@ -97,11 +97,28 @@ def attack_grid(base, attack: str, f: int, seed: int):
             return ids
 
         def pull_messages(self, message_ids):
-            replies = list(super().pull_messages(message_ids))
-            train = [r for r in replies if r.metadata.reply_to_message_id in self._theta]
+            """The replies asked for. The strategy pulls one id per call: the first pull of a
+            train round takes every train reply of the round at once, attacks, and keeps the
+            others for their own pull (so the attackers see all honest updates)."""
+            ids = list(message_ids)
+            rest = [m for m in ids if m not in self._ready]
+            out = [self._ready.pop(m) for m in ids if m in self._ready]
+            if not rest:
+                return out
+            if any(m in self._theta for m in rest):
+                rest += [m for m in self._theta if m in self._pending and m not in rest]
+            pulled = list(super().pull_messages(rest))
+            train = [r for r in pulled if r.metadata.reply_to_message_id in self._theta]
             if attack != "honest" and train:
                 self._attack(train)
-            return replies
+            for r in pulled:
+                mid = r.metadata.reply_to_message_id
+                self._theta.pop(mid, None)
+                if mid in ids:
+                    out.append(r)
+                else:
+                    self._ready[mid] = r
+            return out
 
         def _attack(self, train):
             bad = set(self.node_ids[NODES - f :])
@@ -127,7 +144,7 @@ def attack_grid(base, attack: str, f: int, seed: int):
                     if weight is not None:
                         r.content["metrics"]["num-examples"] = weight
 
-    AttackGrid._theta, AttackGrid.round = {}, 0
+    AttackGrid._theta, AttackGrid._ready, AttackGrid.round = {}, {}, 0
     return AttackGrid
 
 

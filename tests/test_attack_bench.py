@@ -12,6 +12,7 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
+sys.path.insert(0, str(REPO / "tests"))
 
 import attack_bench  # noqa: E402
 
@@ -29,6 +30,34 @@ def test_attacks_and_alie_z():
     alie = attack_bench.attacked("alie", own, honest, 2, 0)[0]["w"]
     want = torch.tensor([2.0, 0.0, 3.0]) - attack_bench.alie_z(8, 2) * torch.tensor([1.0, 0, 1])
     torch.testing.assert_close(alie, want)
+
+
+def test_attackers_see_every_honest_update_when_pulled_one_by_one():
+    from fakegrid import FakeGrid
+    from flwr.app import ArrayRecord, Message, MessageType, MetricRecord, RecordDict
+
+    def train(msg, ctx):
+        pid = int(ctx.node_config["partition-id"])
+        theta = msg.content["arrays"].to_torch_state_dict()
+        new = {"w": theta["w"] - float(pid)}  # delta_i = pid
+        rec = RecordDict({"arrays": ArrayRecord(new), "metrics": MetricRecord({"num-examples": 1})})
+        return Message(rec, reply_to=msg)
+
+    grid = attack_bench.attack_grid(FakeGrid, "alie", 2, 0)({"train": train}, num_nodes=8)
+    theta = ArrayRecord({"w": torch.zeros(3)})
+    msgs = [
+        Message(RecordDict({"arrays": theta}), dst_node_id=n, message_type=MessageType.TRAIN)
+        for n in grid.node_ids
+    ]
+    ids = list(grid.push_messages(msgs))
+    got = {}
+    for mid in ids:  # as the strategy's ReplyStream: one id per pull
+        (r,) = grid.pull_messages([mid])
+        got[r.metadata.src_node_id] = -float(r.content["arrays"].to_torch_state_dict()["w"][0])
+    honest = torch.arange(6, dtype=torch.float64)  # partitions 0..5; 6 and 7 attack
+    want = float(honest.mean() - attack_bench.alie_z(8, 2) * honest.std(unbiased=False))
+    for n, p in zip(grid.node_ids, range(8), strict=True):
+        assert got[n] == pytest.approx(want if p >= 6 else float(p), abs=1e-6)
 
 
 @pytest.fixture(scope="module")
