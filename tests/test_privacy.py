@@ -363,3 +363,12 @@ def test_lm_app_precheck_names_the_dp_key():
     assert precheck_app_config(app, {**ties, "strategy.dp-mode": "local"}) == []
     (msg,) = precheck_app_config(app, {"strategy.dp-delta": 2.0})
     assert "'strategy.dp-delta'" in msg
+
+
+@pytest.mark.parametrize("robust", ["median", "norm-clip", "krum"])
+def test_central_dp_refuses_a_robust_rule_whose_round_skips_the_noise(robust):
+    from flwr_isoloco.strategies import DiLoCo
+
+    with pytest.raises(ValueError, match="central DP refuses robust"):
+        DiLoCo(dp_clipping_norm=1.0, dp_noise_multiplier=1.0, robust=robust)
+    DiLoCo(dp_clipping_norm=1.0, dp_noise_multiplier=1.0, dp_mode="local", robust=robust)

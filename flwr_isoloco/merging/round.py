@@ -13,8 +13,8 @@ orthogonalised-update transform ``u -> rule([u])`` used with ``orthogonalize="up
 
 :class:`RoundFold` is the same merge fed one reply at a time, as replies arrive: a streaming
 rule folds each delta into an :class:`~.streaming.OrderFreeMean` (the result does not depend on
-the arrival order), any other rule (or a round whose weights or norms are only known at the
-end) spills each delta to a private :class:`~.spill.SpillStore` and merges tensor by tensor
+the arrival order), any other rule, a robust aggregation (:mod:`.robust`, which replaces the
+mean), or a round whose weights or norms are only known at the end, spills each delta to a private :class:`~.spill.SpillStore` and merges tensor by tensor
 when the round closes. Server memory is one model copy plus ``O(M x largest tensor)``.
 
 A reply is any object with ``node_id``, ``update(theta) -> dict`` (its ``delta_i``) and
@@ -64,12 +64,14 @@ class RoundMerge:
         orthogonalize: str = "gradient",
         seed: int = 0,
         device: str | torch.device | None = "auto",
+        robust: Any = None,
     ) -> None:
         self.rule, self.name = rule, name
         self.options = dict(options)
         self.orthogonalize = orthogonalize
         self.seed = seed
         self.device = resolve_device(device)  # where a round's merge computes (results on CPU)
+        self.robust = robust  # a robust.RobustMerge, or None: replaces the mean (robust.py)
 
     def round_options(self, server_round: int) -> dict[str, Any]:
         """The rule's options for ``server_round`` (DARE: a per-round seed unless given)."""
@@ -106,7 +108,7 @@ class RoundMerge:
         rule = self.rule_for_g() if rule is None else rule
         floats = [k for k, t in theta.items() if t.is_floating_point()]
         opts = {} if self.orthogonalize == "update" else self.round_options(server_round)
-        if getattr(rule, "streaming", False):
+        if getattr(rule, "streaming", False) and self.robust is None:
             merger = StreamingMerger(rule, **opts)
             for r in source:
                 d = r.update(theta)
@@ -122,7 +124,11 @@ class RoundMerge:
             used.append(r)
         if not used:
             return None
-        return finite_or_raise(merge(rule, deltas, [weight(r) for r in used], **opts))
+        ws = [weight(r) for r in used]
+        if self.robust is not None:
+            g = self.robust.merge(rule, opts, floats, lambda i, k: deltas[i][k], ws)
+            return finite_or_raise(g)
+        return finite_or_raise(merge(rule, deltas, ws, **opts))
 
     def merge_or_isolate(
         self,
@@ -194,7 +200,12 @@ class RoundFold:
         opts = {} if merger.orthogonalize == "update" else merger.round_options(server_round)
         self.opts = {**opts, "device": merger.device}  # for merge() and OrderFreeMean.result()
         self.floats = [k for k, t in theta.items() if t.is_floating_point()]
-        self.spills = bool(spill) or not getattr(self.rule, "streaming", False)
+        self.robust = getattr(merger, "robust", None)  # needs every delta: always spills
+        if dp is not None and self.robust is not None:
+            raise ValueError("central DP noises the mean; a robust aggregate is not the mean")
+        self.spills = (
+            bool(spill) or self.robust is not None or not getattr(self.rule, "streaming", False)
+        )
         self._acc = None if self.spills else OrderFreeMean()
         self._store = SpillStore(spill_dir) if self.spills else None
         self._entry: dict[int, int] = {}  # id(reply) -> spill entry
@@ -274,6 +285,12 @@ class RoundFold:
             return finite_or_raise(self._acc.result(self.rule, perturb=perturb, **self.opts))
         ws = [1.0] * len(replies) if self.dp is not None else [weight(r) for r in replies]
         entries = [self._entry[id(r)] for r in replies]
+        if self.robust is not None:
+            store = self._store
+            g = self.robust.merge(
+                self.rule, self.opts, self.floats, lambda i, k: store.get(entries[i], k), ws
+            )
+            return finite_or_raise(g)
         out: Tensors = {}
         for key in self.floats:
             xs = [self._store.get(e, key) for e in entries]

@@ -33,6 +33,7 @@ from flwr.serverapp import Grid
 
 from flwr_isoloco.compression import payload_nbytes, request_config
 from flwr_isoloco.merging import MERGE_RULES, resolve_device
+from flwr_isoloco.merging.robust import RobustMerge, resolve_robust
 from flwr_isoloco.merging.round import RoundMerge
 from flwr_isoloco.merging.rules import check_options
 from flwr_isoloco.outer import OuterSGD
@@ -159,6 +160,11 @@ class DiLoCo(FromRunConfig, DiLoCoState, ResumableStrategy):
         before compression and error feedback (the DiLoCo worker does when the train config
         asks); every merge rule and option is then allowed, replies without the echo are
         dropped, and ``dp-epsilon`` is each site's own (multiplier ``z / 2``: replace-one).
+    robust, robust_options :
+        Robust aggregation of the pseudo-gradients, replacing the mean before the rule (Iso-C)
+        and the outer step (:mod:`flwr_isoloco.merging.robust`): ``"none"`` (default),
+        ``"median"``, ``"trimmed-mean"`` (option ``trim``, default 0.25), ``"krum"`` (``f``),
+        ``"multikrum"`` (``f``, ``select``), ``"norm-clip"`` (to the round's median norm).
     """
 
     def __init__(
@@ -203,6 +209,8 @@ class DiLoCo(FromRunConfig, DiLoCoState, ResumableStrategy):
         dp_max_epsilon: float | None = None,
         dp_seed: int | None = None,
         dp_mode: str = "central",
+        robust: str | None = "none",
+        robust_options: Mapping[str, Any] | None = None,
     ) -> None:
         self.quorum, self.grace_s = check_quorum(quorum, grace_s)
         self.merge_device = resolve_device(merge_device)  # ValueError: e.g. "cuda" without a GPU
@@ -221,7 +229,7 @@ class DiLoCo(FromRunConfig, DiLoCoState, ResumableStrategy):
         )
         self.max_weight_ratio = float(max_weight_ratio or 0.0)
         self._guard = EmptyRoundGuard(max_empty_rounds, "aggregate_train")
-        self._setup_merge(merge, merge_options, orthogonalize, seed)
+        self._setup_merge(merge, merge_options, orthogonalize, seed, robust, robust_options)
         self.codec_request = request_config(upload_codec, codec_options, error_feedback)  # checks
         self.upload_codec = upload_codec or "none"
         self._bytes_down = 0
@@ -265,9 +273,16 @@ class DiLoCo(FromRunConfig, DiLoCoState, ResumableStrategy):
 
     # ------------------------------------------------------------------ construction helpers
     def _setup_merge(
-        self, merge: Any, merge_options: Mapping[str, Any] | None, orthogonalize: str, seed: int
+        self,
+        merge: Any,
+        merge_options: Mapping[str, Any] | None,
+        orthogonalize: str,
+        seed: int,
+        robust: str | None = "none",
+        robust_options: Mapping[str, Any] | None = None,
     ) -> None:
-        """The rule, its checked options and the round merge (``ValueError`` naming a problem)."""
+        """The rule, its checked options, the robust aggregation and the round merge
+        (``ValueError`` naming a problem)."""
         self.rule, self.merge_name = self._resolve_rule(merge)
         if orthogonalize == "update" and self.merge_name not in _SPECTRAL_FOR_UPDATE:
             raise ValueError(
@@ -275,12 +290,18 @@ class DiLoCo(FromRunConfig, DiLoCoState, ResumableStrategy):
             )
         self.merge_options = dict(merge_options or {})
         check_options(self.rule, self.merge_options)  # unknown option / bad value -> ValueError
+        rule_for_g = MERGE_RULES["mean"] if orthogonalize == "update" else self.rule
+        self.robust, self.robust_options = resolve_robust(robust, robust_options, rule_for_g)
+        aggregator = (
+            None if self.robust == "none" else RobustMerge(self.robust, self.robust_options)
+        )
         self.merger = RoundMerge(
             self.rule,
             self.merge_name,
             self.merge_options,
             orthogonalize,
             seed,
+            robust=aggregator,
             device=self.merge_device,
         )
 

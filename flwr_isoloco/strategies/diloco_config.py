@@ -17,6 +17,7 @@ from typing import Any
 from flwr_isoloco.compression import CODECS
 from flwr_isoloco.merging import MERGE_RULES
 from flwr_isoloco.merging.device import parse_device
+from flwr_isoloco.merging.robust import ROBUST_OPTIONS, ROBUST_RULES
 from flwr_isoloco.outer import ISOLOCO_PRESETS
 from flwr_isoloco.runconfig import choices, in_range, non_negative, read_run_config
 from flwr_isoloco.strategies.divergence import DEFAULT_DIVERGENCE_FACTOR, DIVERGENCE_MODES
@@ -81,12 +82,17 @@ DILOCO_RUN_CONFIG: dict[str, Any] = {
     "dp-delta": 1e-5,
     "dp-max-epsilon": 0.0,
     "dp-mode": "central",
+    "robust": "none",
+    "robust-trim": -1.0,
+    "robust-f": -1,
+    "robust-select": -1,
 }
 """``quorum``: fraction of the sampled nodes in (0, 1] (1.0 = all) or a count >= 1; ``grace-s``:
-seconds to wait for the rest once the quorum is in (strategies/rounds.py). ``dp-*``: central DP
-(strategies/privacy.py); 0 for the noise multiplier, clipping norm or max epsilon = off.
-``merge-device``: where the server merge computes ("auto" | "cpu" | "cuda" | "cuda:<index>",
-merging/device.py)."""
+seconds to wait for the rest once the quorum is in (strategies/rounds.py). ``robust``: the
+robust aggregation (merging/robust.py); its options ``robust-trim`` / ``robust-f`` /
+``robust-select`` at -1 take the rule's default. ``dp-*``: central DP (strategies/privacy.py);
+0 for the noise multiplier, clipping norm or max epsilon = off. ``merge-device``: where the
+server merge computes ("auto" | "cpu" | "cuda" | "cuda:<index>", merging/device.py)."""
 ISOLOCO_RUN_CONFIG: dict[str, Any] = {
     **DILOCO_RUN_CONFIG,
     "merge": "",  # "": the preset's rule
@@ -116,6 +122,21 @@ def _preset_or_non_negative(value: float) -> None:
 def _rule_or_preset(value: str) -> None:
     if value != "" and value not in MERGE_RULES:
         raise ValueError(f"must be one of {sorted(MERGE_RULES)}, or '' for the preset's (IsoLoCo)")
+
+
+def _default_or_trim(value: float) -> None:
+    if value != -1 and not 0 <= value < 0.5:
+        raise ValueError("must be in [0, 0.5), or -1 for the default (0.25)")
+
+
+def _default_or_non_negative(value: int) -> None:
+    if value != -1 and not value >= 0:
+        raise ValueError("must be >= 0, or -1 for the default")
+
+
+def _default_or_positive(value: int) -> None:
+    if value != -1 and not value >= 1:
+        raise ValueError("must be >= 1, or -1 for the default")
 
 
 RUN_CONFIG_CHECKS: dict[str, Any] = {
@@ -151,6 +172,10 @@ RUN_CONFIG_CHECKS: dict[str, Any] = {
     "dp-delta": in_range(0, 1, lo_open=True, hi_open=True),
     "dp-max-epsilon": non_negative,
     "dp-mode": choices("central", "local"),
+    "robust": choices(*ROBUST_RULES),
+    "robust-trim": _default_or_trim,
+    "robust-f": _default_or_non_negative,
+    "robust-select": _default_or_positive,
 }
 """Value checks per key (types come from the defaults); merge options are checked by the rule."""
 
@@ -230,7 +255,17 @@ def section_kwargs(c: Mapping[str, Any]) -> dict[str, Any]:
         dp_delta=float(c["dp-delta"]),
         dp_max_epsilon=c["dp-max-epsilon"] or None,
         dp_mode=c["dp-mode"],
+        robust=c["robust"],
+        robust_options=robust_options(c),
     )
+
+
+def robust_options(c: Mapping[str, Any]) -> dict[str, Any]:
+    """The chosen robust rule's options from ``robust-trim`` / ``robust-f`` / ``robust-select``
+    (-1: the rule's default; a key the rule does not take is ignored)."""
+    allowed = ROBUST_OPTIONS[c["robust"]]
+    keys = {"trim": "robust-trim", "f": "robust-f", "select": "robust-select"}
+    return {o: c[k] for o, k in keys.items() if o in allowed and c[k] != -1}
 
 
 def _is_number(v: object) -> bool:

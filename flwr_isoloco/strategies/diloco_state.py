@@ -67,10 +67,12 @@ def log_summary(s: Any) -> None:
     log(INFO, "\t│\t└──Minimum available nodes: %d", s.min_available_nodes)
     log(
         INFO,
-        "\t├──> Merge: %s %s (%s)",
+        "\t├──> Merge: %s %s (%s) | robust %s %s",
         s.merge_name,
         s.merge_options,
         s.orthogonalize,
+        s.robust,
+        s.robust_options,
     )
     log(
         INFO,

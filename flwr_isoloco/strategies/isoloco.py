@@ -53,9 +53,8 @@ class IsoLoCo(DiLoCo):
     orthogonalize, weighting, client_sends, max_update_norm, max_norm_ratio,
     max_weight_ratio, max_empty_rounds, dtype_policy, seed, upload_codec, codec_options,
     error_feedback, quorum, grace_s, on_divergence, divergence_factor, divergence_key,
-    merge_device :
-    dp_noise_multiplier, dp_clipping_norm, dp_delta, dp_max_epsilon, dp_seed,
-    dp_mode :
+    merge_device, dp_noise_multiplier, dp_clipping_norm, dp_delta, dp_max_epsilon, dp_seed,
+    dp_mode, robust, robust_options :
         As in :class:`DiLoCo`.
     """
 
@@ -105,6 +104,8 @@ class IsoLoCo(DiLoCo):
         dp_max_epsilon: float | None = None,
         dp_seed: int | None = None,
         dp_mode: str = "central",
+        robust: str | None = "none",
+        robust_options: Mapping[str, Any] | None = None,
     ) -> None:
         p = resolve_preset(preset)
         if merge is None:
@@ -155,6 +156,8 @@ class IsoLoCo(DiLoCo):
             dp_max_epsilon=dp_max_epsilon,
             dp_seed=dp_seed,
             dp_mode=dp_mode,
+            robust=robust,
+            robust_options=robust_options,
         )
         if preset != "isoloco-paper":  # the paper's values, chosen by name: no second-guessing
             self._warn_if_beyond_limit()

@@ -157,6 +157,11 @@ class StrategyDP:
                 f"central DP (dp_clipping_norm) does not apply to merge={s.merge_name!r}: "
                 + NEEDS_EVERY_DELTA_HINT
             )
+        if getattr(s, "robust", "none") != "none":
+            raise ValueError(
+                f"central DP refuses robust={s.robust!r}: its noise is sized for the mean's "
+                "sensitivity C/k, and a robust aggregate has another one (use dp_mode='local')"
+            )
         if s.train_validator.max_norm_ratio:
             raise ValueError(
                 "central DP refuses max_norm_ratio: whether a reply is kept would depend on the "
@@ -306,6 +311,8 @@ def secagg_problems(s: Any) -> list[str]:
         out.append(f"upload_codec={s.upload_codec!r}: SecAgg+ masks dense, quantised vectors")
     if s.quorum is not None or s.grace_s:
         out.append("quorum / grace_s: SecAgg+ has its own dropout threshold")
+    if getattr(s, "robust", "none") != "none":
+        out.append(f"robust={s.robust!r} needs every update (the server sees only the sum)")
     if s.dp.enabled and s.dp.mode == "central":
         out.append("central DP clips each update on the server, which cannot see them")
     return out

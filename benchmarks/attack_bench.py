@@ -1,0 +1,329 @@
+"""Attackers vs defences on the isoloco-lm app (issue 20 item 4).
+
+In-process Flower runs of the app's ServerApp (``run_server``) and ClientApp (the DiLoCo worker,
+a small LLaMA on Shakespeare) on ``tests/fakegrid.FakeGrid`` (as ``tests/test_isoloco_lm_app.py``;
+no Ray, so the grid of cells fits), 8 sites. The last ``f`` sites are attackers that collude
+and see the honest updates of the round (the strongest, omniscient attacker). Each trains
+honestly, then replaces its update ``d = theta - theta_i`` by:
+
+- ``signflip``: ``-10 d``;
+- ``noise``: Gaussian noise of norm ``10 ||d||``;
+- ``alie`` ("a little is enough", Baruch et al. 2019): ``mu - z sigma`` (coordinate-wise mean
+  and std of the honest updates), ``z = Phi^-1((n - s) / n)``, ``s = floor(n / 2 + 1) - f``
+  (n = 8: z = 0 for f = 1, 0.319 for f = 2);
+- ``maxweight``: ``-d`` reported with ``num-examples = 1e12`` (the largest weight allowed).
+
+Defences: ``none`` (weight bound off), ``bound`` (``max-weight-ratio`` 5, the default), and each
+robust rule on top of the bound. Per cell: the final validation loss and its difference with
+the honest run without defence (same strategy, seed, size). Cells are appended to
+``benchmarks/results/attack-<size>-<strategies>.json`` as they finish (done cells are skipped:
+resumable; two invocations for two strategies can run side by side); the tables in
+docs/strategies.md are regenerated from all those files (``--table`` alone does only that).
+
+    nice -n 10 python benchmarks/attack_bench.py --quick            # the headline grid
+    nice -n 10 python benchmarks/attack_bench.py --defences median --attacks signflip  # full
+    python benchmarks/attack_bench.py --table
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "simulations" / "isoloco_lm"))
+sys.path.insert(0, str(REPO / "tests"))
+RESULTS = REPO / "benchmarks" / "results"  # attack-<size>-<strategies>.json, one per invocation
+DOC = REPO / "docs" / "strategies.md"
+BEGIN, END = "<!-- BEGIN ATTACK TABLE -->", "<!-- END ATTACK TABLE -->"
+NODES = 8
+ATTACKS = ("signflip", "noise", "alie", "maxweight")
+DEFENCES = ("none", "bound", "median", "trimmed-mean", "krum", "multikrum", "norm-clip")
+STRATEGIES = ("isoloco", "diloco")
+SIZES = {  # rounds, local steps and model per grid; "test" is the cheap one of the unit test
+    "full": {"num-server-rounds": 20, "train.local-steps": 10, "model.hidden": 64},
+    "quick": {"num-server-rounds": 5, "train.local-steps": 4, "model.hidden": 64},
+    "test": {"num-server-rounds": 2, "train.local-steps": 2, "model.hidden": 32},
+}
+
+
+def alie_z(n: int, f: int) -> float:
+    """Baruch et al.'s ``z_max``: ``Phi^-1((n - s) / n)``, ``s = floor(n/2 + 1) - f``."""
+    s = math.floor(n / 2 + 1) - f
+    return statistics.NormalDist().inv_cdf((n - s) / n)
+
+
+def attacked(kind: str, own, honest: list, f: int, seed: int):
+    """The attacker's update (a dict of tensors) from its honest one and the honest updates."""
+    import torch
+
+    if kind == "signflip":
+        return {k: -10.0 * v for k, v in own.items()}, None
+    if kind == "maxweight":
+        return {k: -v for k, v in own.items()}, 1e12
+    if kind == "noise":
+        g = torch.Generator().manual_seed(seed)
+        z = {k: torch.randn(v.shape, generator=g) for k, v in own.items()}
+        norm = math.sqrt(sum(float(v.double().pow(2).sum()) for v in own.values()))
+        zn = math.sqrt(sum(float(v.double().pow(2).sum()) for v in z.values()))
+        return {k: v * (10 * norm / zn) for k, v in z.items()}, None
+    if kind == "alie":
+        z = alie_z(NODES, f)
+        out = {}
+        for k in own:
+            x = torch.stack([h[k].double() for h in honest])
+            out[k] = (x.mean(0) - z * x.std(0, unbiased=False)).float()
+        return out, None
+    raise ValueError(kind)
+
+
+def attack_grid(base, attack: str, f: int, seed: int):
+    """A FakeGrid whose last ``f`` nodes' train replies are replaced (module docstring)."""
+    from flwr.app import ArrayRecord, MessageType
+
+    class AttackGrid(base):
+        def push_messages(self, messages):
+            messages = list(messages)
+            ids = list(super().push_messages(messages))
+            for mid, m in zip(ids, messages, strict=True):
+                if m.metadata.message_type == MessageType.TRAIN:
+                    self._theta[mid] = m.content["arrays"].to_torch_state_dict()
+            return ids
+
+        def pull_messages(self, message_ids):
+            """The replies asked for. The strategy pulls one id per call: the first pull of a
+            train round takes every train reply of the round at once, attacks, and keeps the
+            others for their own pull (so the attackers see all honest updates)."""
+            ids = list(message_ids)
+            rest = [m for m in ids if m not in self._ready]
+            out = [self._ready.pop(m) for m in ids if m in self._ready]
+            if not rest:
+                return out
+            if any(m in self._theta for m in rest):
+                rest += [m for m in self._theta if m in self._pending and m not in rest]
+            pulled = list(super().pull_messages(rest))
+            train = [r for r in pulled if r.metadata.reply_to_message_id in self._theta]
+            if attack != "honest" and train:
+                self._attack(train)
+            for r in pulled:
+                mid = r.metadata.reply_to_message_id
+                self._theta.pop(mid, None)
+                if mid in ids:
+                    out.append(r)
+                else:
+                    self._ready[mid] = r
+            return out
+
+        def _attack(self, train):
+            bad = set(self.node_ids[NODES - f :])
+            deltas = {}
+            for r in train:
+                if r.has_error():
+                    continue
+                theta = self._theta[r.metadata.reply_to_message_id]
+                mine = r.content["arrays"].to_torch_state_dict()
+                deltas[id(r)] = (theta, {k: theta[k] - mine[k] for k in theta})
+            honest = [
+                d
+                for r in train
+                if id(r) in deltas and r.metadata.src_node_id not in bad
+                for d in [deltas[id(r)][1]]
+            ]
+            self.round += 1
+            for r in train:
+                if r.metadata.src_node_id in bad and id(r) in deltas:
+                    theta, own = deltas[id(r)]
+                    new, weight = attacked(attack, own, honest, f, seed * 1000 + self.round)
+                    r.content["arrays"] = ArrayRecord({k: theta[k] - new[k] for k in theta})
+                    if weight is not None:
+                        r.content["metrics"]["num-examples"] = weight
+
+    AttackGrid._theta, AttackGrid._ready, AttackGrid.round = {}, {}, 0
+    return AttackGrid
+
+
+def run_config(strategy: str, defence: str, seed: int, size: str, out: Path, cache: Path) -> dict:
+    rc = {
+        **SIZES[size],
+        "seed": seed,
+        "output-dir": str(out),
+        "checkpoint": False,
+        "strategy.name": strategy,
+        "strategy.min-nodes": NODES,
+        "strategy.max-weight-ratio": 0.0 if defence == "none" else 5.0,
+        "strategy.robust": defence if defence not in ("none", "bound") else "none",
+        "train.warmup-steps": 2,
+        "model.heads": 2,
+        "data.val-tokens": 4096,
+        "data.cache-dir": str(cache),
+    }
+    return rc
+
+
+def run_cell(strategy, attack, f, defence, seed, size, cache: Path, extra=None) -> dict:
+    """One run; ``extra`` run-config keys override the size's (e.g. a smaller corpus)."""
+    from fakegrid import FakeGrid
+    from isoloco_lm import client_app, server_app
+
+    out = Path(tempfile.mkdtemp(prefix=f"attack-{strategy}-{attack}{f}-{defence}-"))
+    rc = {**run_config(strategy, defence, seed, size, out, cache), **(extra or {})}
+    grid_cls = attack_grid(FakeGrid, attack, f, seed)
+    grid = grid_cls({"train": client_app.train}, num_nodes=NODES, run_config=rc)
+    t0 = time.perf_counter()
+    res_dir = server_app.run_server(grid, rc, settle_s=0.0)
+    res = json.loads((res_dir / "results.json").read_text())
+    return {
+        "strategy": strategy,
+        "attack": attack,
+        "f": f,
+        "defence": defence,
+        "seed": seed,
+        "size": size,
+        "status": res["status"],
+        "val_loss": [r["val-loss"] for r in res["rounds"]],
+        "replies_used": [r["replies-used"] for r in res["rounds"]],
+        "wall_s": round(time.perf_counter() - t0, 2),
+    }
+
+
+def _key(r: dict) -> tuple:
+    return (r["strategy"], r["attack"], r["f"], r["defence"], r["seed"], r["size"])
+
+
+def final(r: dict) -> float:
+    v = r["val_loss"][-1] if r["val_loss"] else None
+    return float("inf") if v is None or not math.isfinite(v) else float(v)
+
+
+def table(records: list[dict], size: str) -> str:
+    """Mean over seeds of final loss minus the honest run without defence, one table per
+    strategy: rows attack x f (and honest), columns defences."""
+    recs = [r for r in records if r["size"] == size]
+    lines = []
+    for st in [s for s in STRATEGIES if any(r["strategy"] == s for r in recs)]:
+        mine = [r for r in recs if r["strategy"] == st]
+        base = {
+            r["seed"]: final(r) for r in mine if r["attack"] == "honest" and r["defence"] == "none"
+        }
+        if not base:
+            continue
+        seeds = sorted(base)
+        ref = statistics.mean(base.values())
+        lines += [
+            f"**{st}** ({size}: {SIZES[size]['num-server-rounds']} rounds, seeds "
+            f"{seeds}; honest run without defence: final val loss {ref:.4f})",
+            "",
+        ]
+        lines.append("| attack | f | " + " | ".join(DEFENCES) + " |")
+        lines.append("|---|---|" + "---:|" * len(DEFENCES))
+        cost = {}  # (attack, f, defence) -> mean over seeds of the loss difference
+        for a, f in [("honest", 0)] + [(a, f) for a in ATTACKS for f in (1, 2)]:
+            cells = []
+            for d in DEFENCES:
+                diffs = [
+                    final(r) - base[r["seed"]]
+                    for r in mine
+                    if (r["attack"], r["f"], r["defence"]) == (a, f, d) and r["seed"] in base
+                ]
+                if diffs:
+                    cost[a, f, d] = statistics.mean(diffs)
+                cells.append(_cell(cost.get((a, f, d))))
+            lines.append(f"| {a} | {f} | " + " | ".join(cells) + " |")
+        for f in (1, 2):  # the worst attack per defence, and how many of the 4 were run
+            worst = []
+            for d in DEFENCES:
+                got = [cost[a, f, d] for a in ATTACKS if (a, f, d) in cost]
+                n = f" ({len(got)}/{len(ATTACKS)})" if 0 < len(got) < len(ATTACKS) else ""
+                worst.append(_cell(max(got) if got else None) + n)
+            lines.append(f"| **worst** | {f} | " + " | ".join(worst) + " |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _cell(v: float | None) -> str:
+    return "" if v is None else f"{v:+.3f}" if math.isfinite(v) else "diverged"
+
+
+def write_table(records: list[dict], doc: Path = DOC) -> None:
+    parts = [table(records, s) for s in ("full", "quick")]
+    text = doc.read_text()
+    head, rest = text.split(BEGIN)
+    _, tail = rest.split(END)
+    body = "\n".join(p for p in parts if p) or "(no results yet)\n"
+    doc.write_text(head + BEGIN + "\n" + body + END + tail)
+
+
+def cells(args) -> list[tuple]:
+    """The cells to run, honest ones first (the cost of each defence without attack)."""
+    out = []
+    for seed in args.seeds:
+        for st in args.strategies:
+            out += [(st, "honest", 0, d, seed) for d in args.defences]
+        for d in args.defences:
+            for st in args.strategies:
+                out += [(st, a, f, d, seed) for a in args.attacks for f in args.f]
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--strategies", nargs="+", default=list(STRATEGIES), choices=STRATEGIES)
+    ap.add_argument("--attacks", nargs="+", default=list(ATTACKS), choices=ATTACKS)
+    ap.add_argument("--defences", nargs="+", default=list(DEFENCES), choices=DEFENCES)
+    ap.add_argument("--f", nargs="+", type=int, default=[1, 2], choices=[1, 2])
+    ap.add_argument("--seeds", nargs="+", type=int, default=None)
+    ap.add_argument("--quick", action="store_true", help="5 rounds, 1 seed")
+    ap.add_argument("--size", choices=sorted(SIZES), default=None)
+    ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument(
+        "--cache", type=Path, default=Path(tempfile.gettempdir()) / "attack-bench-cache"
+    )
+    ap.add_argument("--table", action="store_true", help="only regenerate the doc tables")
+    args = ap.parse_args(argv)
+    size = args.size or ("quick" if args.quick else "full")
+    if args.seeds is None:
+        args.seeds = [0] if size != "full" else [0, 1, 2]
+    if args.out is None:
+        tag = "-".join(args.strategies)
+        if args.defences != list(DEFENCES):
+            tag += "-" + "-".join(args.defences)
+        args.out = RESULTS / f"attack-{size}-{tag}.json"
+    done = json.loads(args.out.read_text()) if args.out.exists() else []
+    if not args.table:
+        import torch
+
+        torch.set_num_threads(1)
+        have = {_key(r) for r in done + (load_all() if args.out.parent == RESULTS else [])}
+        base_cells = {(st, "honest", 0, "none", s) for st in args.strategies for s in args.seeds}
+        todo = sorted(base_cells) + [c for c in cells(args) if c not in base_cells]
+        for st, a, f, d, seed in todo:
+            if (st, a, f, d, seed, size) in have:
+                continue
+            rec = run_cell(st, a, f, d, seed, size, args.cache)
+            print(json.dumps(rec), flush=True)
+            done.append(rec)
+            have.add(_key(rec))
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(json.dumps(done, indent=1))
+    if args.out.parent == RESULTS:
+        write_table(load_all())
+    else:
+        print(table(done, size))
+
+
+def load_all() -> list[dict]:
+    """Every cell in ``benchmarks/results/attack-*.json``."""
+    out = []
+    for p in sorted(RESULTS.glob("attack-*.json")):
+        out += json.loads(p.read_text())
+    return out
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,90 @@
+"""benchmarks/attack_bench.py at its test size: in-process isoloco-lm runs on FakeGrid, 8 sites,
+one sign-flipping site (x10), no defence vs the coordinate median; and the attacks' maths."""
+
+from __future__ import annotations
+
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "benchmarks"))
+sys.path.insert(0, str(REPO / "tests"))
+
+import attack_bench  # noqa: E402
+
+
+def test_attacks_and_alie_z():
+    assert attack_bench.alie_z(8, 1) == 0.0  # s = 4: Phi^-1(1/2)
+    assert math.isclose(attack_bench.alie_z(8, 2), 0.31863936, rel_tol=1e-6)  # Phi^-1(5/8)
+    own = {"w": torch.tensor([1.0, -2.0, 2.0])}
+    honest = [{"w": torch.tensor([1.0, 0.0, 2.0])}, {"w": torch.tensor([3.0, 0.0, 4.0])}]
+    assert torch.equal(attack_bench.attacked("signflip", own, honest, 1, 0)[0]["w"], -10 * own["w"])
+    d, w = attack_bench.attacked("maxweight", own, honest, 1, 0)
+    assert torch.equal(d["w"], -own["w"]) and w == 1e12
+    noise = attack_bench.attacked("noise", own, honest, 1, 0)[0]["w"]
+    assert math.isclose(float(noise.norm()), 30.0, rel_tol=1e-5)  # 10 x ||own|| = 10 x 3
+    alie = attack_bench.attacked("alie", own, honest, 2, 0)[0]["w"]
+    want = torch.tensor([2.0, 0.0, 3.0]) - attack_bench.alie_z(8, 2) * torch.tensor([1.0, 0, 1])
+    torch.testing.assert_close(alie, want)
+
+
+def test_attackers_see_every_honest_update_when_pulled_one_by_one():
+    from fakegrid import FakeGrid
+    from flwr.app import ArrayRecord, Message, MessageType, MetricRecord, RecordDict
+
+    def train(msg, ctx):
+        pid = int(ctx.node_config["partition-id"])
+        theta = msg.content["arrays"].to_torch_state_dict()
+        new = {"w": theta["w"] - float(pid)}  # delta_i = pid
+        rec = RecordDict({"arrays": ArrayRecord(new), "metrics": MetricRecord({"num-examples": 1})})
+        return Message(rec, reply_to=msg)
+
+    grid = attack_bench.attack_grid(FakeGrid, "alie", 2, 0)({"train": train}, num_nodes=8)
+    theta = ArrayRecord({"w": torch.zeros(3)})
+    msgs = [
+        Message(RecordDict({"arrays": theta}), dst_node_id=n, message_type=MessageType.TRAIN)
+        for n in grid.node_ids
+    ]
+    ids = list(grid.push_messages(msgs))
+    got = {}
+    for mid in ids:  # as the strategy's ReplyStream: one id per pull
+        (r,) = grid.pull_messages([mid])
+        got[r.metadata.src_node_id] = -float(r.content["arrays"].to_torch_state_dict()["w"][0])
+    honest = torch.arange(6, dtype=torch.float64)  # partitions 0..5; 6 and 7 attack
+    want = float(honest.mean() - attack_bench.alie_z(8, 2) * honest.std(unbiased=False))
+    for n, p in zip(grid.node_ids, range(8), strict=True):
+        assert got[n] == pytest.approx(want if p >= 6 else float(p), abs=1e-6)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from flwr_isoloco.data.text import load_corpus
+
+    d = tmp_path_factory.mktemp("corpus")
+    for i, text in enumerate(load_corpus("shakespeare")[:3]):
+        (d / f"play{i}.txt").write_text(text[:40_000], encoding="utf-8")
+    extra = {
+        "model.vocab-size": 400,
+        "train.seq-len": 32,
+        "train.batch-size": 4,
+        "data.val-tokens": 1024,
+        "data.corpus": str(d),
+    }
+    return extra, tmp_path_factory.mktemp("cache")
+
+
+def test_sign_flip_costs_less_under_the_median(tiny):
+    torch.set_num_threads(1)
+    extra, cache = tiny
+    cells = [("honest", 0, "none"), ("signflip", 1, "none"), ("signflip", 1, "median")]
+    recs = [attack_bench.run_cell("isoloco", a, f, d, 0, "test", cache, extra) for a, f, d in cells]
+    assert all(r["status"] == "completed" and r["replies_used"] == [8, 8] for r in recs)
+    base, plain, median = (attack_bench.final(r) for r in recs)
+    assert plain - base > 0.05  # the flipped, 10x update costs the undefended run
+    assert abs(median - base) < (plain - base) / 2  # the median keeps most of it out
+    text = attack_bench.table(recs, "test")
+    assert "| signflip | 1 | " in text and "+0.000" in text
