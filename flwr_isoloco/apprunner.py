@@ -70,9 +70,18 @@ __all__ = [
 
 CHECKPOINT = "checkpoint.safetensors"
 NODE_STATE_DIR = "node-state"
-# Keys that may differ between a run and the run that resumes it (apps add their own).
+# Keys that may differ between a run and the run that resumes it (apps add their own): where
+# and how long it runs, not what it computes (the merge device moves the same arithmetic).
 RESUMABLE_DIFFERENCES = frozenset(
-    {"output-dir", "resume-from", "round-timeout", "torch-threads", "checkpoint", "rounds-this-run"}
+    {
+        "output-dir",
+        "resume-from",
+        "round-timeout",
+        "torch-threads",
+        "checkpoint",
+        "rounds-this-run",
+        "strategy.merge-device",
+    }
 )
 # What ``resume-from`` must hold (checked before anything is restored; see load_checkpoint).
 CHECKPOINT_SPEC = {

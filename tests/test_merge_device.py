@@ -104,3 +104,23 @@ def test_run_config_key_reaches_the_strategy_and_is_prechecked():
     assert precheck_app_config(lm, {"strategy.merge-device": "cpu"}) == []
     (problem,) = precheck_app_config(lm, {"strategy.merge-device": "tpu"})
     assert "'strategy.merge-device' has bad value 'tpu'" in problem
+
+
+def test_a_checkpoint_without_or_with_another_merge_device_resumes():
+    """The merge device is where the arithmetic runs, like torch-threads: a checkpoint saved
+    before the key existed, or on another machine, resumes; a changed merge rule does not."""
+    from flwr_isoloco.apprunner import RESUMABLE_DIFFERENCES
+    from flwr_isoloco.runconfig import RunConfigError, check_resumable
+
+    saved = {"seed": 0, "strategy": {"merge": "mean"}}
+    check_resumable(
+        saved,
+        {"seed": 0, "strategy": {"merge": "mean", "merge-device": "cpu"}},
+        RESUMABLE_DIFFERENCES,
+    )
+    with pytest.raises(RunConfigError, match="strategy.merge"):
+        check_resumable(
+            saved,
+            {"seed": 0, "strategy": {"merge": "iso_c", "merge-device": "cpu"}},
+            RESUMABLE_DIFFERENCES,
+        )
