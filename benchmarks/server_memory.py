@@ -15,10 +15,14 @@ For each strategy the peaks are fitted by least squares ``peak = a + slope * M``
 given in units of the model's fp32 size (copies of the model per worker) with its R^2.
 Strategies: ``diloco`` and ``isoloco`` at their defaults, ``ties`` (DiLoCo with
 ``strategy.merge='ties'``). A cell (label, strategy, M, size) already in the JSON for the same
-code revision is skipped, so an interrupted sweep resumes. While a run is in flight the script
-watches the machine's available memory and stops the run (SIGTERM, then SIGKILL, to the
-process groups of its SuperLink and SuperExec) if it drops under ``--min-free-gb`` (3): the cell is recorded
-with ``status: "aborted-low-memory"``.
+code revision that completed (``status: "ok"``) is skipped, so an interrupted sweep resumes;
+each attempt is appended to the JSON (re-read before writing), aborted ones too. While a run
+is in flight the script watches the machine's available memory and stops the run (SIGTERM,
+then SIGKILL, to the process groups of its SuperLink and SuperExec) if it drops under
+``--min-free-gb`` (3): the cell is recorded with ``status: "aborted-low-memory"``
+(``--retries N``: run it again, up to N times, each time once ``--wait-free-gb`` is
+available). Each cell records the 1-minute load average at its
+start and its mean and maximum during the run (other jobs may share the machine).
 
     # after (this checkout), one cell at a time, low priority:
     nice -n 10 .venv/bin/python benchmarks/server_memory.py --label after --workers 4 16 64 128
@@ -139,7 +143,9 @@ def watch(proc: subprocess.Popen, min_free: float, period: float = 0.2) -> dict:
     sim_peak = tree_peak = 0
     aborted = False
     sim: psutil.Process | None = None
+    loads: list[float] = []
     while proc.poll() is None:
+        loads.append(os.getloadavg()[0])
         total = 0
         for p in _tree(root):
             try:
@@ -157,7 +163,9 @@ def watch(proc: subprocess.Popen, min_free: float, period: float = 0.2) -> dict:
             print(f"server_memory: available memory under {min_free} GB: stopping the run")
             stop(root)
         time.sleep(period)
-    return {"sim-peak-gb": sim_peak / GB, "tree-peak-gb": tree_peak / GB, "aborted": aborted}
+    load = {"load-mean": round(sum(loads) / len(loads), 1), "load-max": round(max(loads), 1)}
+    return {"sim-peak-gb": sim_peak / GB, "tree-peak-gb": tree_peak / GB, "aborted": aborted,
+            **(load if loads else {})}  # fmt: skip
 
 
 def run_cell(code_dir: Path, strategy: str, m: int, size: str, min_free: float) -> dict:
@@ -234,14 +242,15 @@ def summarise(data: dict) -> None:
 
 
 def table(data: dict) -> str:
-    lines = ["| label | strategy | M | simulation process peak RSS | whole process tree | round 2 wall | status |",
-             "|---|---|---|---|---|---|---|"]  # fmt: skip
+    lines = ["| label | strategy | M | simulation process peak RSS | whole process tree | round 2 wall | load avg | status |",
+             "|---|---|---|---|---|---|---|---|"]  # fmt: skip
     cells = sorted(data["cells"], key=lambda c: (c["size"], c["label"], c["strategy"], c["M"]))
     for c in cells:
-        r2 = c.get("round2-wall-s")
+        r2, load = c.get("round2-wall-s"), c.get("load-mean")
         lines.append(
             f"| {c['label']} | {c['strategy']} | {c['M']} | {c['sim-peak-gb']:.2f} GB | "
-            f"{c['tree-peak-gb']:.2f} GB | {'-' if r2 is None else f'{r2:.0f} s'} | {c['status']} |"
+            f"{c['tree-peak-gb']:.2f} GB | {'-' if r2 is None else f'{r2:.0f} s'} | "
+            f"{'-' if load is None else load} | {c['status']} |"
         )
     lines += ["", "| label | strategy | slope, simulation (model copies / worker) | R^2 | slope, tree | R^2 |",
               "|---|---|---|---|---|---|"]  # fmt: skip
@@ -256,6 +265,26 @@ def table(data: dict) -> str:
     return "\n".join(lines)
 
 
+def wait_for_memory(gb: float, period: float = 10.0) -> float:
+    """Available GB once it is at least ``gb`` (polls; other jobs may share the machine)."""
+    while (free := psutil.virtual_memory().available / GB) < gb:
+        time.sleep(period)
+    return free
+
+
+def measure(args, code_dir: Path, strategy: str, m: int, size: str, rev: str, model: int) -> dict:
+    """One cell (a run), after waiting for ``--wait-free-gb``; aborted cells are kept too."""
+    free = wait_for_memory(args.wait_free_gb)
+    load = os.getloadavg()[0]
+    print(f"server_memory: {args.label} {strategy} M={m} ({size}, {rev}), {free:.1f} GB free")
+    cell = run_cell(code_dir, strategy, m, size, args.min_free_gb)
+    cell = {"label": args.label, "strategy": strategy, "M": m, "size": size,
+            "revision": rev, "code-dir": str(code_dir), "model-bytes": model,
+            "free-gb-at-start": round(free, 1), "load-at-start": round(load, 1), **cell}  # fmt: skip
+    print("server_memory: " + json.dumps(cell))
+    return cell
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--label", default="after", help="e.g. before | after")
@@ -266,6 +295,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--strategies", nargs="+", default=list(STRATEGIES), choices=list(STRATEGIES))
     ap.add_argument("--quick", action="store_true", help="M in {2, 4}, tiny model")
     ap.add_argument("--min-free-gb", type=float, default=3.0)
+    ap.add_argument(
+        "--wait-free-gb", type=float, default=0.0, help="start a cell only with this much available"
+    )
+    ap.add_argument("--retries", type=int, default=0, help="reruns of a cell stopped for memory")
     ap.add_argument("--out", type=Path, default=OUT)
     ap.add_argument("--table", action="store_true", help="print the JSON's markdown table only")
     args = ap.parse_args(argv)
@@ -281,23 +314,19 @@ def main(argv: list[str] | None = None) -> None:
         for m in workers:
             key = (args.label, strategy, m, size, rev)
             if any((c["label"], c["strategy"], c["M"], c["size"], c["revision"]) == key
-                   for c in data["cells"]):  # fmt: skip
+                   and c["status"] == "ok" for c in data["cells"]):  # fmt: skip
                 print(f"server_memory: {key} already measured; skipped")
                 continue
-            free = psutil.virtual_memory().available / GB
-            print(
-                f"server_memory: {args.label} {strategy} M={m} ({size}, {rev}), {free:.1f} GB free"
-            )
-            cell = run_cell(code_dir, strategy, m, size, args.min_free_gb)
-            cell = {"label": args.label, "strategy": strategy, "M": m, "size": size,
-                    "revision": rev, "code-dir": str(code_dir), "model-bytes": model,
-                    "free-gb-at-start": round(free, 1), **cell}  # fmt: skip
-            print("server_memory: " + json.dumps(cell))
-            data["cells"].append(cell)
-            summarise(data)
-            args.out.parent.mkdir(parents=True, exist_ok=True)
-            args.out.write_text(json.dumps(data, indent=1) + "\n")
-            if cell["status"] == "aborted-low-memory":
+            for _ in range(args.retries + 1):
+                cell = measure(args, code_dir, strategy, m, size, rev, model)
+                data = load(args.out)  # appended to what is there now
+                data["cells"].append(cell)
+                summarise(data)
+                args.out.parent.mkdir(parents=True, exist_ok=True)
+                args.out.write_text(json.dumps(data, indent=1) + "\n")
+                if cell["status"] != "aborted-low-memory":
+                    break
+            else:
                 print("server_memory: stopped: low memory")
                 sys.exit(1)
     print(table(data))
