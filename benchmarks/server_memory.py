@@ -31,6 +31,8 @@ start and its mean and maximum during the run (other jobs may share the machine)
     nice -n 10 .venv/bin/python benchmarks/server_memory.py --label before --code-dir /work/wt/base --workers 4 16
     .venv/bin/python benchmarks/server_memory.py --table       # the markdown table of the JSON
     .venv/bin/python benchmarks/server_memory.py --quick --out /tmp/q.json   # M in {2, 4}, tiny model
+    # TIES's round merge alone in one process (no Flower), row blocks vs every tensor at once:
+    PYTHONPATH=. nice -n 10 .venv/bin/python benchmarks/server_memory.py --in-process --workers 4 16 64
 
 Writes ``benchmarks/results/server_memory.json``.
 """
@@ -285,6 +287,78 @@ def measure(args, code_dir: Path, strategy: str, m: int, size: str, rev: str, mo
     return cell
 
 
+def probe(m: int, rows: bool) -> dict:
+    """TIES's round merge in this process, no Flower: M fake replies (seeded N(0, 1e-3) deltas
+    of the 51 MiB model's shapes) spilled by a RoundFold, then merged. Peak RSS over the
+    baseline (sampled every 10 ms) while spilling and while merging; ``rows=False`` merges as
+    before the row-block form (every worker's tensor read at once), the same-process baseline."""
+    import dataclasses
+    import threading
+
+    import torch
+
+    from flwr_isoloco.merging.round import RoundFold, RoundMerge
+    from flwr_isoloco.merging.rules import MERGE_RULES
+    from flwr_isoloco.models.llama import build_llama, llama_config
+
+    torch.set_num_threads(1)
+    cfg = llama_config(vocab_size=2048, hidden=512, layers=4, heads=8, intermediate=1152)
+    theta = dict(build_llama(cfg, seed=0).state_dict())
+
+    class Reply:
+        def __init__(self, i: int) -> None:
+            self.node_id = i
+
+        def update(self, th):
+            g = torch.Generator().manual_seed(self.node_id)
+            return {k: torch.randn(v.shape, generator=g) * 1e-3 for k, v in th.items()}
+
+        def release(self) -> None:
+            pass
+
+    me, phase, peaks = psutil.Process(), ["idle"], {}
+
+    def sample() -> None:
+        while phase[0] != "done":
+            peaks[phase[0]] = max(peaks.get(phase[0], 0), me.memory_info().rss)
+            time.sleep(0.01)
+
+    rule = MERGE_RULES["ties"] if rows else dataclasses.replace(MERGE_RULES["ties"], rows=None)
+    threading.Thread(target=sample, daemon=True).start()
+    time.sleep(0.2)
+    base = me.memory_info().rss
+    replies = [Reply(i) for i in range(m)]
+    with RoundFold(RoundMerge(rule, "ties", {}), theta, 1, spill=True) as fold:
+        phase[0] = "spill"
+        for r in replies:
+            fold.add(r, 1.0)
+        phase[0] = "merge"
+        t0 = time.perf_counter()
+        fold.finish(replies, lambda r: 1.0, lambda r, why: None)
+        merge_s = time.perf_counter() - t0
+    phase[0] = "done"
+    return {"M": m, "rows": rows, "spill-peak-mib": (peaks["spill"] - base) / 2**20,
+            "merge-peak-mib": (peaks["merge"] - base) / 2**20, "merge-s": merge_s,
+            "load-at-start": os.getloadavg()[0]}  # fmt: skip
+
+
+def in_process(workers: list[int], out: Path) -> None:
+    """:func:`probe` for each M, rows and not, each in a fresh process; appended to ``out``
+    under ``in-process``, with the slope of the merge peak in model copies per worker."""
+    data = load(out)
+    for m in workers:
+        for rows in (False, True):
+            cmd = [sys.executable, __file__, "--probe", str(m)] + ([] if rows else ["--dense"])
+            res = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ})
+            if res.returncode != 0:
+                raise SystemExit(res.stderr)
+            cell = {"revision": revision(REPO), **json.loads(res.stdout.splitlines()[-1])}
+            print("server_memory: in-process " + json.dumps(cell))
+            data = load(out)
+            data.setdefault("in-process", []).append(cell)
+            out.write_text(json.dumps(data, indent=1) + "\n")
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--label", default="after", help="e.g. before | after")
@@ -301,7 +375,16 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--retries", type=int, default=0, help="reruns of a cell stopped for memory")
     ap.add_argument("--out", type=Path, default=OUT)
     ap.add_argument("--table", action="store_true", help="print the JSON's markdown table only")
+    ap.add_argument("--in-process", action="store_true", help="TIES's merge alone, no Flower")
+    ap.add_argument("--probe", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--dense", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.probe:
+        print(json.dumps(probe(args.probe, rows=not args.dense)))
+        return
+    if args.in_process:
+        in_process(args.workers, args.out)
+        return
     data = load(args.out)
     if args.table:
         print(table(data))
