@@ -90,7 +90,8 @@ def revision(code_dir: Path) -> str:
     """``HEAD`` of ``code_dir``, with ``+dirty`` when tracked files differ from it."""
     git = ["git", "-C", str(code_dir)]
     head = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
-    dirty = subprocess.run([*git, "status", "--porcelain", "-uno"], capture_output=True, text=True)
+    status = [*git, "status", "--porcelain", "-uno", "--", ".", ":!benchmarks/results"]
+    dirty = subprocess.run(status, capture_output=True, text=True)  # results: written by runs
     return head.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
 
 
