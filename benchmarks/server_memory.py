@@ -360,6 +360,53 @@ def in_process(workers: list[int], out: Path) -> None:
             out.write_text(json.dumps(data, indent=1) + "\n")
 
 
+def compact(data: dict) -> str:
+    """The docs' table: per (label, strategy), each M's newest completed cell as ``simulation /
+    tree`` peak GB (or why it has none), and the fitted slopes in model copies per worker."""
+    groups: dict[tuple, dict[int, dict]] = {}
+    for c in data["cells"]:
+        if c["size"] != "51MiB":
+            continue
+        row = groups.setdefault((c["label"], c["strategy"]), {})
+        if c["status"] == "ok" or row.get(c["M"], {}).get("status") != "ok":
+            row[c["M"]] = c
+    ms = sorted({m for row in groups.values() for m in row})
+    fits = {(f["label"], f["strategy"]): f for f in data.get("fits", []) if f["size"] == "51MiB"}
+    lines = ["| code | strategy | " + " | ".join(f"M = {m}" for m in ms)
+             + " | slope, simulation (tree) |", "|---|---|" + "---|" * (len(ms) + 1)]  # fmt: skip
+    for (label, strategy), row in sorted(groups.items()):
+        cells = []
+        for m in ms:
+            c = row.get(m)
+            if c is None:
+                cells.append("-")
+            elif c["status"] == "ok":
+                cells.append(f"{c['sim-peak-gb']:.2f} / {c['tree-peak-gb']:.2f}")
+            else:
+                cells.append(
+                    f"{c['status']} ({c['sim-peak-gb']:.1f} / {c['tree-peak-gb']:.1f} so far)"
+                )
+        f = fits.get((label, strategy), {})
+        sim, tree = f.get("sim-peak-gb"), f.get("tree-peak-gb")
+        slope = (
+            "-"
+            if not sim or not tree
+            else (
+                f"{sim['slope-model-copies']:.2f} ({tree['slope-model-copies']:.2f}), {sim['points']} points"
+            )
+        )
+        lines.append(f"| {label} | {strategy} | " + " | ".join(cells) + f" | {slope} |")
+    probes = data.get("in-process", [])
+    if probes:
+        lines += ["", "| TIES merge in one process | M | merge peak over baseline | merge s | load |",
+                  "|---|---|---|---|---|"]  # fmt: skip
+        for c in sorted(probes, key=lambda c: (not c["rows"], c["M"])):
+            how = "row blocks" if c["rows"] else "every tensor at once (before)"
+            lines.append(f"| {how} | {c['M']} | {c['merge-peak-mib']:.0f} MiB | "
+                         f"{c['merge-s']:.1f} | {c['load-at-start']:.1f} |")  # fmt: skip
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--label", default="after", help="e.g. before | after")
@@ -376,6 +423,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--retries", type=int, default=0, help="reruns of a cell stopped for memory")
     ap.add_argument("--out", type=Path, default=OUT)
     ap.add_argument("--table", action="store_true", help="print the JSON's markdown table only")
+    ap.add_argument("--compact", action="store_true", help="the docs' table (peak GB per M)")
     ap.add_argument("--in-process", action="store_true", help="TIES's merge alone, no Flower")
     ap.add_argument("--probe", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--dense", action="store_true", help=argparse.SUPPRESS)
@@ -389,6 +437,9 @@ def main(argv: list[str] | None = None) -> None:
     data = load(args.out)
     if args.table:
         print(table(data))
+        return
+    if args.compact:
+        print(compact(data))
         return
     size = "tiny" if args.quick else "51MiB"
     workers = [2, 4] if args.quick else args.workers
