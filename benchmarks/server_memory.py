@@ -60,7 +60,13 @@ STRATEGIES = {
     "isoloco": ["strategy.name='isoloco'"],
     "ties": ["strategy.name='diloco'", "strategy.merge='ties'"],
 }
-COMMON = ["num-server-rounds=2", "train.local-steps=1", "train.warmup-steps=1"]
+# round-timeout: on 2 shared cores a round of 128 nodes takes longer than the default 600 s
+COMMON = [
+    "num-server-rounds=2",
+    "train.local-steps=1",
+    "train.warmup-steps=1",
+    "round-timeout=3600.0",
+]
 SIZES = {
     # 13,373,952 parameters: 51.0 MiB of fp32 arrays
     "51MiB": ["model.hidden=512", "model.layers=4", "model.heads=8", "model.intermediate=1152"],
