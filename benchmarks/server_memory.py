@@ -388,6 +388,10 @@ def compact(data: dict) -> str:
                 cells.append("-")
             elif c["status"] == "ok":
                 cells.append(f"{c['sim-peak-gb']:.2f} / {c['tree-peak-gb']:.2f}")
+            elif c.get("run-status") == "completed":  # ran, but not every node's reply in time
+                used = " + ".join(str(u) for u in c["replies-used"])
+                cells.append(f"{c['sim-peak-gb']:.2f} / {c['tree-peak-gb']:.2f} "
+                             f"({used} of {c['M']} replies: round timeout)")  # fmt: skip
             else:
                 cells.append(
                     f"{c['status']} ({c['sim-peak-gb']:.1f} / {c['tree-peak-gb']:.1f} so far)"
