@@ -15,10 +15,14 @@ For each strategy the peaks are fitted by least squares ``peak = a + slope * M``
 given in units of the model's fp32 size (copies of the model per worker) with its R^2.
 Strategies: ``diloco`` and ``isoloco`` at their defaults, ``ties`` (DiLoCo with
 ``strategy.merge='ties'``). A cell (label, strategy, M, size) already in the JSON for the same
-code revision is skipped, so an interrupted sweep resumes. While a run is in flight the script
-watches the machine's available memory and stops the run (SIGTERM, then SIGKILL, to the
-process groups of its SuperLink and SuperExec) if it drops under ``--min-free-gb`` (3): the cell is recorded
-with ``status: "aborted-low-memory"``.
+code revision that completed (``status: "ok"``) is skipped, so an interrupted sweep resumes;
+each attempt is appended to the JSON (re-read before writing), aborted ones too. While a run
+is in flight the script watches the machine's available memory and stops the run (SIGTERM,
+then SIGKILL, to the process groups of its SuperLink and SuperExec) if it drops under
+``--min-free-gb`` (3): the cell is recorded with ``status: "aborted-low-memory"``
+(``--retries N``: run it again, up to N times, each time once ``--wait-free-gb`` is
+available). Each cell records the 1-minute load average at its
+start and its mean and maximum during the run (other jobs may share the machine).
 
     # after (this checkout), one cell at a time, low priority:
     nice -n 10 .venv/bin/python benchmarks/server_memory.py --label after --workers 4 16 64 128
@@ -27,6 +31,8 @@ with ``status: "aborted-low-memory"``.
     nice -n 10 .venv/bin/python benchmarks/server_memory.py --label before --code-dir /work/wt/base --workers 4 16
     .venv/bin/python benchmarks/server_memory.py --table       # the markdown table of the JSON
     .venv/bin/python benchmarks/server_memory.py --quick --out /tmp/q.json   # M in {2, 4}, tiny model
+    # TIES's round merge alone in one process (no Flower), row blocks vs every tensor at once:
+    PYTHONPATH=. nice -n 10 .venv/bin/python benchmarks/server_memory.py --in-process --workers 4 16 64
 
 Writes ``benchmarks/results/server_memory.json``.
 """
@@ -54,7 +60,13 @@ STRATEGIES = {
     "isoloco": ["strategy.name='isoloco'"],
     "ties": ["strategy.name='diloco'", "strategy.merge='ties'"],
 }
-COMMON = ["num-server-rounds=2", "train.local-steps=1", "train.warmup-steps=1"]
+# round-timeout: on 2 shared cores a round of 128 nodes takes longer than the default 600 s
+COMMON = [
+    "num-server-rounds=2",
+    "train.local-steps=1",
+    "train.warmup-steps=1",
+    "round-timeout=3600.0",
+]
 SIZES = {
     # 13,373,952 parameters: 51.0 MiB of fp32 arrays
     "51MiB": ["model.hidden=512", "model.layers=4", "model.heads=8", "model.intermediate=1152"],
@@ -84,7 +96,8 @@ def revision(code_dir: Path) -> str:
     """``HEAD`` of ``code_dir``, with ``+dirty`` when tracked files differ from it."""
     git = ["git", "-C", str(code_dir)]
     head = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
-    dirty = subprocess.run([*git, "status", "--porcelain", "-uno"], capture_output=True, text=True)
+    status = [*git, "status", "--porcelain", "-uno", "--", ".", ":!benchmarks/results"]
+    dirty = subprocess.run(status, capture_output=True, text=True)  # results: written by runs
     return head.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
 
 
@@ -139,7 +152,9 @@ def watch(proc: subprocess.Popen, min_free: float, period: float = 0.2) -> dict:
     sim_peak = tree_peak = 0
     aborted = False
     sim: psutil.Process | None = None
+    loads: list[float] = []
     while proc.poll() is None:
+        loads.append(os.getloadavg()[0])
         total = 0
         for p in _tree(root):
             try:
@@ -157,7 +172,9 @@ def watch(proc: subprocess.Popen, min_free: float, period: float = 0.2) -> dict:
             print(f"server_memory: available memory under {min_free} GB: stopping the run")
             stop(root)
         time.sleep(period)
-    return {"sim-peak-gb": sim_peak / GB, "tree-peak-gb": tree_peak / GB, "aborted": aborted}
+    load = {"load-mean": round(sum(loads) / len(loads), 1), "load-max": round(max(loads), 1)}
+    return {"sim-peak-gb": sim_peak / GB, "tree-peak-gb": tree_peak / GB, "aborted": aborted,
+            **(load if loads else {})}  # fmt: skip
 
 
 def run_cell(code_dir: Path, strategy: str, m: int, size: str, min_free: float) -> dict:
@@ -234,14 +251,15 @@ def summarise(data: dict) -> None:
 
 
 def table(data: dict) -> str:
-    lines = ["| label | strategy | M | simulation process peak RSS | whole process tree | round 2 wall | status |",
-             "|---|---|---|---|---|---|---|"]  # fmt: skip
+    lines = ["| label | strategy | M | simulation process peak RSS | whole process tree | round 2 wall | load avg | status |",
+             "|---|---|---|---|---|---|---|---|"]  # fmt: skip
     cells = sorted(data["cells"], key=lambda c: (c["size"], c["label"], c["strategy"], c["M"]))
     for c in cells:
-        r2 = c.get("round2-wall-s")
+        r2, load = c.get("round2-wall-s"), c.get("load-mean")
         lines.append(
             f"| {c['label']} | {c['strategy']} | {c['M']} | {c['sim-peak-gb']:.2f} GB | "
-            f"{c['tree-peak-gb']:.2f} GB | {'-' if r2 is None else f'{r2:.0f} s'} | {c['status']} |"
+            f"{c['tree-peak-gb']:.2f} GB | {'-' if r2 is None else f'{r2:.0f} s'} | "
+            f"{'-' if load is None else load} | {c['status']} |"
         )
     lines += ["", "| label | strategy | slope, simulation (model copies / worker) | R^2 | slope, tree | R^2 |",
               "|---|---|---|---|---|---|"]  # fmt: skip
@@ -256,6 +274,149 @@ def table(data: dict) -> str:
     return "\n".join(lines)
 
 
+def wait_for_memory(gb: float, period: float = 10.0) -> float:
+    """Available GB once it is at least ``gb`` (polls; other jobs may share the machine)."""
+    while (free := psutil.virtual_memory().available / GB) < gb:
+        time.sleep(period)
+    return free
+
+
+def measure(args, code_dir: Path, strategy: str, m: int, size: str, rev: str, model: int) -> dict:
+    """One cell (a run), after waiting for ``--wait-free-gb``; aborted cells are kept too."""
+    free = wait_for_memory(args.wait_free_gb)
+    load = os.getloadavg()[0]
+    print(f"server_memory: {args.label} {strategy} M={m} ({size}, {rev}), {free:.1f} GB free")
+    cell = run_cell(code_dir, strategy, m, size, args.min_free_gb)
+    cell = {"label": args.label, "strategy": strategy, "M": m, "size": size,
+            "revision": rev, "code-dir": str(code_dir), "model-bytes": model,
+            "free-gb-at-start": round(free, 1), "load-at-start": round(load, 1), **cell}  # fmt: skip
+    print("server_memory: " + json.dumps(cell))
+    return cell
+
+
+def probe(m: int, rows: bool) -> dict:
+    """TIES's round merge in this process, no Flower: M fake replies (seeded N(0, 1e-3) deltas
+    of the 51 MiB model's shapes) spilled by a RoundFold, then merged. Peak RSS over the
+    baseline (sampled every 10 ms) while spilling and while merging; ``rows=False`` merges as
+    before the row-block form (every worker's tensor read at once), the same-process baseline."""
+    import dataclasses
+    import threading
+
+    import torch
+
+    from flwr_isoloco.merging.round import RoundFold, RoundMerge
+    from flwr_isoloco.merging.rules import MERGE_RULES
+    from flwr_isoloco.models.llama import build_llama, llama_config
+
+    torch.set_num_threads(1)
+    cfg = llama_config(vocab_size=2048, hidden=512, layers=4, heads=8, intermediate=1152)
+    theta = dict(build_llama(cfg, seed=0).state_dict())
+
+    class Reply:
+        def __init__(self, i: int) -> None:
+            self.node_id = i
+
+        def update(self, th):
+            g = torch.Generator().manual_seed(self.node_id)
+            return {k: torch.randn(v.shape, generator=g) * 1e-3 for k, v in th.items()}
+
+        def release(self) -> None:
+            pass
+
+    me, phase, peaks = psutil.Process(), ["idle"], {}
+
+    def sample() -> None:
+        while phase[0] != "done":
+            peaks[phase[0]] = max(peaks.get(phase[0], 0), me.memory_info().rss)
+            time.sleep(0.01)
+
+    rule = MERGE_RULES["ties"] if rows else dataclasses.replace(MERGE_RULES["ties"], rows=None)
+    threading.Thread(target=sample, daemon=True).start()
+    time.sleep(0.2)
+    base = me.memory_info().rss
+    replies = [Reply(i) for i in range(m)]
+    with RoundFold(RoundMerge(rule, "ties", {}), theta, 1, spill=True) as fold:
+        phase[0] = "spill"
+        for r in replies:
+            fold.add(r, 1.0)
+        phase[0] = "merge"
+        t0 = time.perf_counter()
+        fold.finish(replies, lambda r: 1.0, lambda r, why: None)
+        merge_s = time.perf_counter() - t0
+    phase[0] = "done"
+    return {"M": m, "rows": rows, "spill-peak-mib": (peaks["spill"] - base) / 2**20,
+            "merge-peak-mib": (peaks["merge"] - base) / 2**20, "merge-s": merge_s,
+            "load-at-start": os.getloadavg()[0]}  # fmt: skip
+
+
+def in_process(workers: list[int], out: Path) -> None:
+    """:func:`probe` for each M, rows and not, each in a fresh process; appended to ``out``
+    under ``in-process``, with the slope of the merge peak in model copies per worker."""
+    data = load(out)
+    for m in workers:
+        for rows in (False, True):
+            cmd = [sys.executable, __file__, "--probe", str(m)] + ([] if rows else ["--dense"])
+            res = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ})
+            if res.returncode != 0:
+                raise SystemExit(res.stderr)
+            cell = {"revision": revision(REPO), **json.loads(res.stdout.splitlines()[-1])}
+            print("server_memory: in-process " + json.dumps(cell))
+            data = load(out)
+            data.setdefault("in-process", []).append(cell)
+            out.write_text(json.dumps(data, indent=1) + "\n")
+
+
+def compact(data: dict) -> str:
+    """The docs' table: per (label, strategy), each M's newest completed cell as ``simulation /
+    tree`` peak GB (or why it has none), and the fitted slopes in model copies per worker."""
+    groups: dict[tuple, dict[int, dict]] = {}
+    for c in data["cells"]:
+        if c["size"] != "51MiB":
+            continue
+        row = groups.setdefault((c["label"], c["strategy"]), {})
+        if c["status"] == "ok" or row.get(c["M"], {}).get("status") != "ok":
+            row[c["M"]] = c
+    ms = sorted({m for row in groups.values() for m in row})
+    fits = {(f["label"], f["strategy"]): f for f in data.get("fits", []) if f["size"] == "51MiB"}
+    lines = ["| code | strategy | " + " | ".join(f"M = {m}" for m in ms)
+             + " | slope, simulation (tree) |", "|---|---|" + "---|" * (len(ms) + 1)]  # fmt: skip
+    for (label, strategy), row in sorted(groups.items()):
+        cells = []
+        for m in ms:
+            c = row.get(m)
+            if c is None:
+                cells.append("-")
+            elif c["status"] == "ok":
+                cells.append(f"{c['sim-peak-gb']:.2f} / {c['tree-peak-gb']:.2f}")
+            elif c.get("run-status") == "completed":  # ran, but not every node's reply in time
+                used = " + ".join(str(u) for u in c["replies-used"])
+                cells.append(f"{c['sim-peak-gb']:.2f} / {c['tree-peak-gb']:.2f} "
+                             f"({used} of {c['M']} replies: round timeout)")  # fmt: skip
+            else:
+                cells.append(
+                    f"{c['status']} ({c['sim-peak-gb']:.1f} / {c['tree-peak-gb']:.1f} so far)"
+                )
+        f = fits.get((label, strategy), {})
+        sim, tree = f.get("sim-peak-gb"), f.get("tree-peak-gb")
+        slope = (
+            "-"
+            if not sim or not tree
+            else (
+                f"{sim['slope-model-copies']:.2f} ({tree['slope-model-copies']:.2f}), {sim['points']} points"
+            )
+        )
+        lines.append(f"| {label} | {strategy} | " + " | ".join(cells) + f" | {slope} |")
+    probes = data.get("in-process", [])
+    if probes:
+        lines += ["", "| TIES merge in one process | M | merge peak over baseline | merge s | load |",
+                  "|---|---|---|---|---|"]  # fmt: skip
+        for c in sorted(probes, key=lambda c: (not c["rows"], c["M"])):
+            how = "row blocks" if c["rows"] else "every tensor at once (before)"
+            lines.append(f"| {how} | {c['M']} | {c['merge-peak-mib']:.0f} MiB | "
+                         f"{c['merge-s']:.1f} | {c['load-at-start']:.1f} |")  # fmt: skip
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--label", default="after", help="e.g. before | after")
@@ -266,12 +427,29 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--strategies", nargs="+", default=list(STRATEGIES), choices=list(STRATEGIES))
     ap.add_argument("--quick", action="store_true", help="M in {2, 4}, tiny model")
     ap.add_argument("--min-free-gb", type=float, default=3.0)
+    ap.add_argument(
+        "--wait-free-gb", type=float, default=0.0, help="start a cell only with this much available"
+    )
+    ap.add_argument("--retries", type=int, default=0, help="reruns of a cell stopped for memory")
     ap.add_argument("--out", type=Path, default=OUT)
     ap.add_argument("--table", action="store_true", help="print the JSON's markdown table only")
+    ap.add_argument("--compact", action="store_true", help="the docs' table (peak GB per M)")
+    ap.add_argument("--in-process", action="store_true", help="TIES's merge alone, no Flower")
+    ap.add_argument("--probe", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--dense", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.probe:
+        print(json.dumps(probe(args.probe, rows=not args.dense)))
+        return
+    if args.in_process:
+        in_process(args.workers, args.out)
+        return
     data = load(args.out)
     if args.table:
         print(table(data))
+        return
+    if args.compact:
+        print(compact(data))
         return
     size = "tiny" if args.quick else "51MiB"
     workers = [2, 4] if args.quick else args.workers
@@ -281,23 +459,19 @@ def main(argv: list[str] | None = None) -> None:
         for m in workers:
             key = (args.label, strategy, m, size, rev)
             if any((c["label"], c["strategy"], c["M"], c["size"], c["revision"]) == key
-                   for c in data["cells"]):  # fmt: skip
+                   and c["status"] == "ok" for c in data["cells"]):  # fmt: skip
                 print(f"server_memory: {key} already measured; skipped")
                 continue
-            free = psutil.virtual_memory().available / GB
-            print(
-                f"server_memory: {args.label} {strategy} M={m} ({size}, {rev}), {free:.1f} GB free"
-            )
-            cell = run_cell(code_dir, strategy, m, size, args.min_free_gb)
-            cell = {"label": args.label, "strategy": strategy, "M": m, "size": size,
-                    "revision": rev, "code-dir": str(code_dir), "model-bytes": model,
-                    "free-gb-at-start": round(free, 1), **cell}  # fmt: skip
-            print("server_memory: " + json.dumps(cell))
-            data["cells"].append(cell)
-            summarise(data)
-            args.out.parent.mkdir(parents=True, exist_ok=True)
-            args.out.write_text(json.dumps(data, indent=1) + "\n")
-            if cell["status"] == "aborted-low-memory":
+            for _ in range(args.retries + 1):
+                cell = measure(args, code_dir, strategy, m, size, rev, model)
+                data = load(args.out)  # appended to what is there now
+                data["cells"].append(cell)
+                summarise(data)
+                args.out.parent.mkdir(parents=True, exist_ok=True)
+                args.out.write_text(json.dumps(data, indent=1) + "\n")
+                if cell["status"] != "aborted-low-memory":
+                    break
+            else:
                 print("server_memory: stopped: low memory")
                 sys.exit(1)
     print(table(data))

@@ -304,7 +304,8 @@ def test_failing_merge_drops_the_reply_that_fails_alone(monkeypatch, caplog):
     monkeypatch.setattr(diloco_mod, "merge", picky)
     big = corrupt_arrays(lambda d: {**d, "w": d["w"] * 1000})
     with caplog.at_level(logging.INFO):
-        strat, res, grid = one_round_with(DiLoCo, big, merge="ties", max_weight_ratio=0)
+        # dare: a spilled rule merged through merge() tensor by tensor (TIES reads row blocks)
+        strat, res, grid = one_round_with(DiLoCo, big, merge="dare", max_weight_ratio=0)
     m = res.train_metrics_clientapp[1]
     assert (m["replies-used"], m["replies-rejected"]) == (N - 1, 1)
     bad = grid.node_ids[BAD]

@@ -412,6 +412,42 @@ def test_unwritable_node_state_does_not_lose_replies(tiny, tmp_path):
     assert [r["replies-used"] for r in res["rounds"]] == [3, 3]
 
 
+def test_checkpoint_false_keeps_node_state_in_a_temp_folder_removed_at_the_end(
+    tiny, tmp_path, monkeypatch
+):
+    """No checkpoint, so no folder from the server: each node's AdamW moments still leave
+    ``context.state`` (only a handle stays) for a private per-run temp folder, the run equals
+    the checkpointed one bit for bit, and the folder is gone when the run ends."""
+    import tempfile
+
+    from flwr.app import ArrayRecord
+
+    from flwr_isoloco.clients.node_state import HANDLE_KEY, run_temp_dir
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    rc = {**tiny, "num-server-rounds": 2}
+    _, want = _run({**rc, "output-dir": str(tmp_path / "ckpt")})
+    seen = []
+    real = client_app.train
+
+    def train(msg, ctx):  # what each node holds between rounds, and where its file is
+        reply = real(msg, ctx)
+        seen.append(Path(ctx.state[HANDLE_KEY]["path"]))
+        assert seen[-1].is_file() and not any(
+            isinstance(r, ArrayRecord) for r in ctx.state.values()
+        )
+        return reply
+
+    grid = FakeGrid({"train": train}, num_nodes=3, run_config=rc)
+    rc_b = {**rc, "output-dir": str(tmp_path / "b"), "checkpoint": False}
+    out = server_app.run_server(grid, rc_b, grid.run_id, settle_s=0.0)
+    got = json.loads((out / "results.json").read_text())
+    assert got["status"] == "completed" and not (out / "node-state").exists()
+    assert [r["val-loss"] for r in got["rounds"]] == [r["val-loss"] for r in want["rounds"]]
+    folder = run_temp_dir(grid.run_id, create=False)
+    assert len(seen) == 6 and {p.parent for p in seen} == {folder} and not folder.exists()
+
+
 def test_loss_plot_ticks_whole_rounds_only(monkeypatch):
     """A 3-round run's loss.png labels rounds 0..3, not 0, 0.5, 1, ... (issue 17)."""
     from isoloco_lm import plots

@@ -184,3 +184,40 @@ def test_failed_round_keeps_the_handle(tmp_path):
     send(handler(), _theta0(), 1, mem_ctx)
     b = send(handler(), theta1, 2, mem_ctx).content["arrays"].to_torch_state_dict()
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_temp_dir_keeps_the_state_on_disk_removed_with_the_run(tmp_path, monkeypatch, caplog):
+    """``temp_dir=True`` and no folder configured (the LM app with ``checkpoint=false``): the
+    moments go to this machine's private per-run folder, newest file only, the run is bitwise
+    the in-memory one, and :func:`remove_run_temp_dir` removes the folder."""
+    import tempfile
+
+    from flwr_isoloco.clients.node_state import remove_run_temp_dir, run_temp_dir
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    mem, _ = _rounds(handler(), new_context())
+    folder = run_temp_dir(1)  # makes the private parent only
+    assert folder.parent.parent == tmp_path
+
+    def check(rnd, ctx):
+        if rnd > 1:
+            assert not any(isinstance(r, ArrayRecord) for r in ctx.state.values())
+            h = ctx.state[HANDLE_KEY]
+            assert Path(h["path"]) == folder / f"node-p0-r{rnd - 1}.safetensors"
+            assert sorted(p.name for p in folder.iterdir()) == [Path(h["path"]).name]
+
+    disk, ctx = _rounds(
+        with_node_state(handler(), temp_dir=True), new_context(), before_round=check
+    )
+    assert all(torch.equal(mem[k], disk[k]) for k in mem)
+    assert HANDLE_KEY in ctx.state and ADAMW_STATE_KEY not in ctx.state
+    assert (folder.parent.stat().st_mode & 0o777) == 0o700
+    remove_run_temp_dir(1)
+    assert not folder.exists()
+    # a temp parent others can write is not trusted: the state stays in memory, the reply goes
+    folder.parent.chmod(0o777)
+    ctx = new_context()
+    with caplog.at_level(logging.WARNING):
+        reply = send(with_node_state(handler(), temp_dir=True), _theta0(), 1, ctx)
+    assert not reply.has_error() and isinstance(ctx.state[ADAMW_STATE_KEY], ArrayRecord)
+    assert "no private temp folder" in caplog.text and not folder.exists()

@@ -150,6 +150,72 @@ def test_spilled_round_equals_merge_of_all_deltas(name, tmp_path):
         torch.testing.assert_close(g[k], want[k], rtol=1e-5, atol=1e-6)
 
 
+def _spilled_ties(deltas, weights, tmp_path, opts=None, on_store=None):
+    theta = {k: torch.zeros_like(v) for k, v in deltas[0].items()}
+    rm = RoundMerge(MERGE_RULES["ties"], "ties", opts or {})
+    replies = [_Reply(i, d) for i, d in enumerate(deltas)]
+    with RoundFold(rm, theta, server_round=1, spill=True, spill_dir=str(tmp_path)) as fold:
+        for r in replies:
+            fold.add(r)
+        if on_store is not None:
+            on_store(fold._store)
+        g, used = fold.finish(replies, lambda r: weights[r.node_id], reject=lambda r, w: None)
+    assert used == replies
+    return g
+
+
+@pytest.mark.parametrize("budget", [1 << 22, 3000])
+@pytest.mark.parametrize("scale", [1.0, 1e20, 1e-25])  # 1e20, 1e-25: merge() rescales by 2**k
+def test_spilled_ties_reads_row_blocks_and_equals_merge_bitwise(
+    budget, scale, tmp_path, monkeypatch
+):
+    from flwr_isoloco.merging import rules as rules_mod
+
+    monkeypatch.setattr(rules_mod, "TIES_BLOCK_BUDGET", budget)  # 3000: blocks of 1-2 rows
+    deltas = [{k: v * scale for k, v in d.items()} for d in _deltas(5, seed=4)]
+    deltas[2]["w1"][:, :7] = deltas[0]["w1"][:, :7]  # equal magnitudes at the pruning threshold
+    weights = [1.0, 2.0, 0.0, 3.0, 1.5]  # a zero weight takes no part, as in merge()
+    g = _spilled_ties(deltas, weights, tmp_path, {"prune_fraction": 0.3})
+    want = merge("ties", deltas, weights, prune_fraction=0.3)
+    for k in want:
+        assert torch.equal(g[k], want[k]), k
+
+
+def test_spilled_ties_holds_one_tensor_whatever_the_number_of_workers(tmp_path, monkeypatch):
+    """Bytes read off the spill files and alive at once: one whole tensor plus the block
+    budget, the same at M = 4 and M = 16 (reading every worker's tensor at once: M tensors)."""
+    import weakref
+
+    from flwr_isoloco.merging import rules as rules_mod
+
+    monkeypatch.setattr(rules_mod, "TIES_BLOCK_BUDGET", 1 << 16)
+
+    def peak_held(m):
+        live, peak = [0], [0]
+
+        def track(store):
+            def wrap(fn):
+                def read(*args):
+                    t = fn(*args)
+                    live[0] += t.nbytes
+                    peak[0] = max(peak[0], live[0])
+                    weakref.finalize(t, lambda n=t.nbytes: live.__setitem__(0, live[0] - n))
+                    return t
+
+                return read
+
+            store.get, store.rows = wrap(store.get), wrap(store.rows)
+
+        deltas = _deltas(m, seed=5)
+        _spilled_ties(deltas, [1.0] * m, tmp_path, on_store=track)
+        return peak[0]
+
+    largest = 4 * 256 * 1024  # w1
+    p4, p16 = peak_held(4), peak_held(16)
+    assert p16 <= largest + 4 * (1 << 16) + 4 * 1024 * 16, (p4, p16)  # + the 1-D bias, all M
+    assert p16 < 2 * p4, (p4, p16)
+
+
 # --------------------------------------------------------------------------- federation helpers
 def _model(numel: int = 64) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(0)

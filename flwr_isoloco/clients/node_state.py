@@ -24,14 +24,21 @@ not the one written costs the node its ArrayRecords (a fresh optimiser, logged);
 still sent. A file that cannot be written leaves the state in memory (logged). With no folder
 (the server sends no :data:`STATE_DIR_KEY` and the node sets no ``state-dir``), the handler
 runs unchanged and the state stays in ``context.state``: no files appear where nobody asked
-for them; pass ``default_dir=`` to :func:`with_node_state` to keep them on a disk anyway, or
+for them; pass ``default_dir=`` to :func:`with_node_state` to keep them on a disk anyway,
+``temp_dir=True`` to keep them in this machine's private per-run folder :func:`run_temp_dir`
+(only the newest file per node: nothing to resume from; the ServerApp removes the folder at the
+end of the run with :func:`remove_run_temp_dir`, which in a simulation is every node's), or
 ``offload=False`` to keep the files but the state in memory as well.
 """
 
 from __future__ import annotations
 
 import hashlib
+import os
 import re
+import shutil
+import stat
+import tempfile
 from collections.abc import Callable, Mapping
 from logging import WARNING
 from pathlib import Path
@@ -60,6 +67,8 @@ __all__ = [
     "STATE_DIR_KEY",
     "file_digest",
     "load_state_file",
+    "remove_run_temp_dir",
+    "run_temp_dir",
     "restore_node_state",
     "save_node_state",
     "with_node_state",
@@ -106,6 +115,29 @@ def save_node_state(
     for _, old in _state_files(folder, partition_id)[:-keep]:
         old.unlink(missing_ok=True)
     return path
+
+
+def run_temp_dir(run_id: int, create: bool = True) -> Path:
+    """``<system temp>/flwr-isoloco-<uid>/node-state-run<run_id>``: this machine's folder for
+    the node-state files of run ``run_id`` when nobody configured one. The parent is made
+    private (mode 0700) and must be a folder of this user that no one else can write (not a
+    link), else ``OSError``: a shared temp folder is no place to trust a fixed name."""
+    root = Path(tempfile.gettempdir()) / f"flwr-isoloco-{os.getuid()}"
+    if create:
+        root.mkdir(mode=0o700, exist_ok=True)
+    st = os.lstat(root)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o022:
+        raise OSError(f"{root} is not a private folder of this user")
+    return root / f"node-state-run{int(run_id)}"
+
+
+def remove_run_temp_dir(run_id: int) -> None:
+    """Remove :func:`run_temp_dir` of ``run_id`` with every file in it (idempotent)."""
+    try:
+        folder = run_temp_dir(run_id, create=False)
+    except OSError:
+        return
+    shutil.rmtree(folder, ignore_errors=True)
 
 
 def file_digest(path: Path) -> str:
@@ -171,9 +203,9 @@ def _restore(context: Context, conf: Mapping[str, Any], pid: int) -> None:
         )
 
 
-def _save(context: Context, folder: Path, rnd: int, pid: int) -> Path | None:
+def _save(context: Context, folder: Path, rnd: int, pid: int, keep: int = 2) -> Path | None:
     try:
-        return save_node_state(context.state, folder, pid, rnd)
+        return save_node_state(context.state, folder, pid, rnd, keep=keep)
     except (OSError, ValueError) as exc:  # the reply matters more than the state file
         log(WARNING, "node p%d: cannot save state to %s (%s); reply sent anyway", pid, folder, exc)
         return None
@@ -226,6 +258,20 @@ def _reload(context: Context, pid: int) -> ConfigRecord | None:
     return handle
 
 
+def _temp_folder(context: Context, pid: object) -> tuple[Path | None, int]:
+    """(folder, files kept) for ``temp_dir``: the node's ``state-dir`` if it sets one (keep 2),
+    else :func:`run_temp_dir` (keep 1: no checkpoint to resume from, only the state the next
+    round reads); None when the temp folder is unusable (logged: the state stays in memory)."""
+    local = context.node_config.get(LOCAL_DIR_KEY)
+    if local:
+        return Path(str(local)), 2
+    try:
+        return run_temp_dir(context.run_id), 1
+    except OSError as exc:
+        log(WARNING, "node p%s: no private temp folder (%s); state kept in memory", pid, exc)
+        return None, 2
+
+
 def with_node_state(
     train: Callable[[Message, Context], Message],
     *,
@@ -233,12 +279,13 @@ def with_node_state(
     partition_key: str = "partition-id",
     offload: bool = True,
     default_dir: str | Path | None = None,
+    temp_dir: bool = False,
 ) -> Callable[[Message, Context], Message]:
     """Wrap a ``@app.train`` handler so the node's ``context.state`` is restored on a resumed
     run, saved after each round and, with ``offload``, kept on disk between rounds (module
     docstring). The folder: the node's ``state-dir``, else the server's :data:`STATE_DIR_KEY`,
-    else ``default_dir``; with none of them (or no ``partition-id``) the handler runs
-    unchanged."""
+    else ``default_dir``, else with ``temp_dir`` :func:`run_temp_dir` (newest file only); with
+    none of them (or no ``partition-id``) the handler runs unchanged."""
 
     def handler(msg: Message, context: Context) -> Message:
         conf = msg.content.config_records.get(config_key, {})
@@ -246,6 +293,9 @@ def with_node_state(
         folder = _folder(context, conf, STATE_DIR_KEY) if STATE_DIR_KEY in conf else None
         if folder is None and default_dir is not None:
             folder = _folder(context, {STATE_DIR_KEY: default_dir}, STATE_DIR_KEY)
+        keep = 2
+        if folder is None and temp_dir and pid is not None:
+            folder, keep = _temp_folder(context, pid)
         offloaded = HANDLE_KEY in context.state
         if pid is None or (folder is None and RESUME_ROUND_KEY not in conf and not offloaded):
             return train(msg, context)
@@ -264,7 +314,7 @@ def with_node_state(
                 _drop_arrays(context, handle)
             return reply
         rnd = int(conf.get("server-round", 0))
-        path = _save(context, folder, rnd, pid) if folder is not None else None
+        path = _save(context, folder, rnd, pid, keep) if folder is not None else None
         if offload and path is not None:
             _offload(context, path, rnd, pid)
         return reply

@@ -14,8 +14,11 @@ orthogonalised-update transform ``u -> rule([u])`` used with ``orthogonalize="up
 :class:`RoundFold` is the same merge fed one reply at a time, as replies arrive: a streaming
 rule folds each delta into an :class:`~.streaming.OrderFreeMean` (the result does not depend on
 the arrival order), any other rule, a robust aggregation (:mod:`.robust`, which replaces the
-mean), or a round whose weights or norms are only known at the end, spills each delta to a private :class:`~.spill.SpillStore` and merges tensor by tensor
-when the round closes. Server memory is one model copy plus ``O(M x largest tensor)``.
+mean), or a round whose weights or norms are only known at the end, spills each delta to a
+private :class:`~.spill.SpillStore` and merges tensor by tensor when the round closes. Server
+memory is one model copy plus ``O(M x largest tensor)``; for a rule with a row-block form
+(:attr:`~.rules.MergeRule.rows`: TIES) one model copy plus one tensor plus a fixed block
+budget, whatever ``M``.
 
 A reply is any object with ``node_id``, ``update(theta) -> dict`` (its ``delta_i``) and
 ``release()`` (e.g. :class:`flwr_isoloco.strategies.replies.CheckedReply`); this module imports
@@ -32,10 +35,10 @@ import torch
 from .device import resolve_device
 from .dp import GaussianSum
 from .merge import merge
-from .rules import MERGE_RULES
+from .rules import MERGE_RULES, check_options, rule_applies
 from .spill import SpillStore
 from .streaming import OrderFreeMean, StreamingMerger
-from .validation import all_finite
+from .validation import all_finite, normalised_weights
 
 __all__ = ["DARE_SEED_STRIDE", "RoundFold", "RoundMerge", "finite_or_raise"]
 
@@ -293,6 +296,9 @@ class RoundFold:
             return finite_or_raise(g)
         out: Tensors = {}
         for key in self.floats:
+            if self._by_rows(key):
+                out[key] = self._merge_rows(key, entries, ws)
+                continue
             xs = [self._store.get(e, key) for e in entries]
             if getattr(self.rule, "streaming", False):
                 acc = OrderFreeMean()
@@ -308,6 +314,32 @@ class RoundFold:
     def _perturb(self, used: int) -> Callable[[str, torch.Tensor], torch.Tensor] | None:
         dp = self.dp
         return None if dp is None else (lambda key, mean: dp.release(key, mean, used))
+
+    def _by_rows(self, key: str) -> bool:
+        """Whether ``key`` merges from row blocks read off the spill files (the rule has a
+        ``rows`` form, e.g. TIES, and acts on this tensor)."""
+        if getattr(self.rule, "rows", None) is None:
+            return False
+        _, pattern = check_options(self.rule, self.opts)
+        return rule_applies(key, self.theta[key], pattern)
+
+    def _merge_rows(self, key: str, entries: list[int], ws: list[float]) -> torch.Tensor:
+        """``merge(rule, deltas, ws)[key]`` bit for bit (same weights, dtype and device), with
+        only a block of rows of each worker's tensor in memory (:attr:`MergeRule.rows`)."""
+        assert self._store is not None
+        store, t0 = self._store, self.theta[key]
+        opts, _ = check_options(self.rule, self.opts)
+        norm = normalised_weights(ws, len(ws))
+        used = [e for e, w in zip(entries, norm, strict=True) if w > 0]
+        norm = [w for w in norm if w > 0]  # zero-weight workers take no part, as in merge()
+        dev = self.merger.device  # the strategy's merge device (resolved at construction)
+        cdt = torch.float64 if t0.dtype == torch.float64 else torch.float32
+
+        def read(i: int, r0: int, r1: int | None) -> torch.Tensor:
+            return store.rows(used[i], key, r0, r1).to(device=dev, dtype=cdt)
+
+        merged = self.rule.rows(read, len(used), norm, key=key, **opts)
+        return merged.to(device="cpu", dtype=t0.dtype)
 
     def close(self) -> None:
         """Free the accumulator and remove the spill directory (idempotent)."""

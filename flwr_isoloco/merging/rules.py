@@ -16,7 +16,8 @@ that delta). A rule only touches 2-D tensors whose name matches ``spectral_patte
   by polar factors, singular values kept.
 - ``ties``: keep each worker's ``max(1, int((1 - p) n))`` largest entries
   (:func:`ties_kept_count`), elect the sign of the weighted sum, weighted mean of the kept
-  entries that agree with it (in chunks: O(one tensor) extra memory).
+  entries that agree with it (in chunks: O(one tensor) extra memory; read in row blocks from
+  a spill store, :func:`ties_rows`: O(one tensor) for all M workers together).
 - ``dare``: drop entries with probability p, rescale survivors by 1/(1-p), weighted mean.
 
 Scale: with weights summing to 1, ``iso_c``, ``iso_cts`` and ``tsv_m`` are on the mean scale;
@@ -46,6 +47,7 @@ __all__ = [
     "scaled_apply",
     "iso_cts_sizes",
     "ties_kept_count",
+    "ties_rows",
 ]
 
 Tensors = Sequence[torch.Tensor]
@@ -58,7 +60,11 @@ class MergeRule:
     ``combine(deltas, weights, key=..., **options)`` merges one 2-D tensor from the M workers'
     tensors (fp32) and weights (summing to 1). Streaming rules also have
     ``transform(mean, **options)``, a function of the weighted mean only, so they can be folded
-    reply by reply (:class:`StreamingMerger`). ``options`` maps each option to its default.
+    reply by reply (:class:`StreamingMerger`). Rules that may also have
+    ``rows(read, num, weights, key=..., **options)``: the same result as ``combine`` (bit for
+    bit, after :func:`scaled_apply`), from row blocks ``read(i, r0, r1)`` of worker i's tensor
+    fetched on demand (e.g. from a spill store), so only a block of each worker's tensor is in
+    memory. ``options`` maps each option to its default.
     """
 
     name: str
@@ -66,6 +72,7 @@ class MergeRule:
     transform: Callable[..., torch.Tensor] | None = None
     options: dict = field(default_factory=dict)
     description: str = ""
+    rows: Callable[..., torch.Tensor] | None = None
 
     @property
     def streaming(self) -> bool:
@@ -97,16 +104,28 @@ def scaled_apply(
     """
     top = 0.0
     for x in xs:
-        lo, hi = torch.aminmax(x)
-        top = max(top, -float(lo), float(hi))
-    limit = 2.0 ** (math.frexp(torch.finfo(xs[0].dtype).max)[1] // 4)
-    if top == 0 or (1 / limit <= top <= limit):
+        top = max(top, _largest(x))
+    factors = _scale_factors(top, xs[0].dtype)
+    if factors is None:
         return fn(list(xs), *args, **kwargs)
-    exp = math.frexp(top)[1]  # top = m * 2**exp, m in [0.5, 1)
-    half = exp // 2  # two factors, each a normal number of the dtype
-    down, up = (2.0**-half, 2.0 ** -(exp - half)), (2.0**half, 2.0 ** (exp - half))
+    down, up = factors
     out = fn([x * down[0] * down[1] for x in xs], *args, **kwargs)
     return out * up[0] * up[1]
+
+
+def _largest(x: torch.Tensor) -> float:
+    lo, hi = torch.aminmax(x)
+    return max(-float(lo), float(hi))
+
+
+def _scale_factors(top: float, dtype: torch.dtype):
+    """``(down, up)``, two power-of-two factors each, for :func:`scaled_apply`; None: no scaling."""
+    limit = 2.0 ** (math.frexp(torch.finfo(dtype).max)[1] // 4)
+    if top == 0 or (1 / limit <= top <= limit):
+        return None
+    exp = math.frexp(top)[1]  # top = m * 2**exp, m in [0.5, 1)
+    half = exp // 2  # two factors, each a normal number of the dtype
+    return (2.0**-half, 2.0 ** -(exp - half)), (2.0**half, 2.0 ** (exp - half))
 
 
 def _streaming(transform: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
@@ -275,22 +294,73 @@ def _ties(
     rules = [_prune_rule(d, prune_fraction) for d in deltas]
     flats = [d.reshape(-1) for d in deltas]
     out = torch.empty_like(flats[0])
-    tiny = torch.finfo(out.dtype).tiny
     for start in range(0, out.numel(), TIES_CHUNK):
         stop = start + TIES_CHUNK
         kept = [_pruned_slice(f[start:stop], r, start) for f, r in zip(flats, rules, strict=True)]
-        total = kept[0] * weights[0]
-        for k, w in zip(kept[1:], weights[1:], strict=True):
-            total.add_(k, alpha=w)
-        elected = torch.sign(total)
-        voted = elected != 0
-        num, den = torch.zeros_like(total), torch.zeros_like(total)
-        for k, w in zip(kept, weights, strict=True):
-            agree = (torch.sign(k) == elected) & voted
-            num.add_(torch.where(agree, k, 0.0), alpha=w)
-            den.add_(agree.to(den.dtype), alpha=w)
-        out[start:stop] = torch.where(den > 0, num / den.clamp_min(tiny), 0.0)
+        out[start:stop] = _ties_disjoint_mean(kept, weights)
     return out.view_as(deltas[0])
+
+
+def _ties_disjoint_mean(kept: Sequence[torch.Tensor], weights: Sequence[float]) -> torch.Tensor:
+    """Entry by entry, in worker order: elected sign ``s = sign(sum_i w_i k_i)``, then
+    ``sum_{i: sign k_i = s} w_i k_i / sum_{i: sign k_i = s} w_i`` (0 where s = 0)."""
+    total = kept[0] * weights[0]
+    for k, w in zip(kept[1:], weights[1:], strict=True):
+        total.add_(k, alpha=w)
+    elected = torch.sign(total)
+    voted = elected != 0
+    num, den = torch.zeros_like(total), torch.zeros_like(total)
+    for k, w in zip(kept, weights, strict=True):
+        agree = (torch.sign(k) == elected) & voted
+        num.add_(torch.where(agree, k, 0.0), alpha=w)
+        den.add_(agree.to(den.dtype), alpha=w)
+    return torch.where(den > 0, num / den.clamp_min(torch.finfo(den.dtype).tiny), 0.0)
+
+
+#: Entries of all workers together that :func:`ties_rows` reads at a time (16 MiB in fp32).
+TIES_BLOCK_BUDGET = 1 << 22
+
+
+def ties_rows(
+    read: Callable[[int, int, int | None], torch.Tensor],
+    num: int,
+    weights: Sequence[float],
+    key: str = "",
+    prune_fraction: float = 0.1,
+) -> torch.Tensor:
+    """TIES of ``num`` workers' 2-D tensors read on demand: ``read(i, r0, r1)`` is rows
+    ``r0:r1`` of worker i's tensor (``read(i, 0, None)``: all of it). Equal, bit for bit, to
+    ``scaled_apply(_ties, tensors, weights)``: each worker's pruning rule and largest entry come
+    from one pass over its whole tensor (one tensor in memory at a time), then blocks of
+    ``max(1, TIES_BLOCK_BUDGET // (num * cols))`` rows of every worker are merged entry by
+    entry as :func:`_ties` does. Memory: O(one tensor + TIES_BLOCK_BUDGET), whatever ``num``.
+    """
+    top, rules = 0.0, []
+    for i in range(num):
+        x = read(i, 0, None)
+        rows, cols = x.shape
+        top, dtype, device = max(top, _largest(x)), x.dtype, x.device
+        rules.append(_prune_rule(x, prune_fraction))
+        del x
+    factors = _scale_factors(top, dtype)
+    down, up = factors if factors is not None else ((1.0, 1.0), (1.0, 1.0))
+
+    def block(i: int, r0: int, r1: int | None) -> torch.Tensor:
+        x = read(i, r0, r1)
+        return x if factors is None else x * down[0] * down[1]
+
+    if factors is not None:  # entries beyond 2**+-32 (fp32): prune the scaled tensors
+        rules = [_prune_rule(block(i, 0, None), prune_fraction) for i in range(num)]
+    out = torch.empty(rows * cols, dtype=dtype, device=device)
+    step = max(1, TIES_BLOCK_BUDGET // (num * cols))
+    for r0 in range(0, rows, step):
+        r1 = min(rows, r0 + step)
+        start = r0 * cols
+        kept = [_pruned_slice(block(i, r0, r1).reshape(-1), rules[i], start) for i in range(num)]
+        out[start : r1 * cols] = _ties_disjoint_mean(kept, weights)
+        del kept
+    out = out.view(rows, cols)
+    return out if factors is None else out * up[0] * up[1]
 
 
 def dare_seed(seed: int, key: str) -> int:
@@ -338,7 +408,12 @@ MERGE_RULES: dict[str, MergeRule] = {
     ),
     "tsv_m": MergeRule("tsv_m", _tsv_m, None, {}, "task singular vectors merge"),
     "ties": MergeRule(
-        "ties", _ties, None, {"prune_fraction": 0.1}, "TIES: trim, elect sign, disjoint mean"
+        "ties",
+        _ties,
+        None,
+        {"prune_fraction": 0.1},
+        "TIES: trim, elect sign, disjoint mean",
+        rows=ties_rows,
     ),
     "dare": MergeRule(
         "dare",

@@ -4,8 +4,9 @@ Rules that need every worker's delta at once (TIES, DARE, TSV-M, Iso-CTS, a norm
 would hold ``M`` model copies in memory. Instead each decoded delta is written, as it arrives,
 to its own safetensors file in a directory made by :func:`tempfile.mkdtemp` (mode 0700: only
 this user can read the round's updates), and the merge reads the ``M`` copies of one tensor
-at a time: memory ``O(M x largest tensor)``. The directory is removed by :meth:`SpillStore.close`
-(a context manager: also on error).
+at a time: memory ``O(M x largest tensor)``, or, for a rule that reads row blocks
+(:attr:`~.rules.MergeRule.rows`, e.g. TIES), ``O(largest tensor + a fixed block budget)``.
+The directory is removed by :meth:`SpillStore.close` (a context manager: also on error).
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ __all__ = ["SpillStore"]
 class SpillStore:
     """Deltas on disk, one file per entry, read back one tensor at a time.
 
-    ``put(delta) -> entry``; ``get(entry, key) -> tensor``; ``drop(entry)``; ``close()``.
+    ``put(delta) -> entry``; ``get(entry, key) -> tensor``; ``rows(entry, key, start, stop)``
+    (a block of rows of one tensor); ``drop(entry)``; ``close()``.
     ``dir`` is the parent directory (default: the system temporary directory).
     """
 
@@ -61,6 +63,12 @@ class SpillStore:
         """Tensor ``key`` of ``entry`` (read from disk; only that tensor)."""
         with safe_open(self._files[entry], framework="pt") as f:
             return f.get_tensor(key)
+
+    def rows(self, entry: int, key: str, start: int, stop: int | None) -> torch.Tensor:
+        """Rows ``start:stop`` (first dimension) of tensor ``key`` of ``entry``; only those bytes
+        are read."""
+        with safe_open(self._files[entry], framework="pt") as f:
+            return f.get_slice(key)[start:stop]
 
     def drop(self, entry: int) -> None:
         """Delete one entry's file."""

@@ -6,7 +6,7 @@ supplies the model and the node's batches, and
 :func:`~flwr_isoloco.clients.node_state.with_node_state` keeps the node-state files that make
 ``resume-from`` exact, and between rounds keeps the AdamW moments in them rather than in
 ``context.state`` (in a simulation that lives in the ServerApp's process; docs/strategies.md,
-"The DiLoCo worker"). The node's shard is ``partition-id`` of ``num-partitions`` from its
+"The DiLoCo worker"; with ``checkpoint=false`` in a private per-run temp folder). The node's shard is ``partition-id`` of ``num-partitions`` from its
 ``node_config`` (set by the simulation engine, or ``--node-config`` in deployment). A node whose
 ``node_config`` has a non-empty ``data-path`` (absolute path to a .txt/.md file or a folder of
 them) trains on all of that text instead, encoded with the run's tokenizer; if the path cannot
@@ -88,5 +88,8 @@ def _train(msg: Message, context: Context) -> Message:
     return reply
 
 
-train = with_node_state(_train)  # the handler: resumable node state around the worker
+# The handler: resumable node state around the worker. With checkpoint=false (no folder from
+# the server) the moments go to this machine's private per-run temp folder, which the
+# ServerApp removes at the end of the run, rather than stay in context.state.
+train = with_node_state(_train, temp_dir=True)
 app.train()(train)

@@ -20,6 +20,7 @@ from flwr.common.logger import log
 from flwr.serverapp import Grid, ServerApp
 
 from flwr_isoloco.apprunner import CHECKPOINT, AppRun, AppSpec, run_app
+from flwr_isoloco.clients.node_state import remove_run_temp_dir
 from flwr_isoloco.models.export import export_causal_lm, export_pretrained
 from flwr_isoloco.models.hf import load_model_arrays, model_arrays
 from flwr_isoloco.models.llama import count_parameters
@@ -150,7 +151,10 @@ def run_server(
     grid: Grid, run_config: dict[str, Any], run_id: int = 0, *, settle_s: float = 2.0
 ) -> Path:
     """The whole server side; returns the output folder. Raises on a bad run config."""
-    return run_app(SPEC, grid, run_config, run_id, settle_s=settle_s)
+    try:
+        return run_app(SPEC, grid, run_config, run_id, settle_s=settle_s)
+    finally:  # checkpoint=false: the nodes' state files of this run (client_app.py), if here
+        remove_run_temp_dir(run_id)
 
 
 @app.main()
