@@ -315,12 +315,16 @@ class RoundFold:
         dp = self.dp
         return None if dp is None else (lambda key, mean: dp.release(key, mean, used))
 
+    def _rule_opts(self) -> dict[str, Any]:
+        """The rule's own options (``self.opts`` less the merge device)."""
+        return {k: v for k, v in self.opts.items() if k != "device"}
+
     def _by_rows(self, key: str) -> bool:
         """Whether ``key`` merges from row blocks read off the spill files (the rule has a
         ``rows`` form, e.g. TIES, and acts on this tensor)."""
         if getattr(self.rule, "rows", None) is None:
             return False
-        _, pattern = check_options(self.rule, self.opts)
+        _, pattern = check_options(self.rule, self._rule_opts())
         return rule_applies(key, self.theta[key], pattern)
 
     def _merge_rows(self, key: str, entries: list[int], ws: list[float]) -> torch.Tensor:
@@ -328,7 +332,7 @@ class RoundFold:
         only a block of rows of each worker's tensor in memory (:attr:`MergeRule.rows`)."""
         assert self._store is not None
         store, t0 = self._store, self.theta[key]
-        opts, _ = check_options(self.rule, self.opts)
+        opts, _ = check_options(self.rule, self._rule_opts())
         norm = normalised_weights(ws, len(ws))
         used = [e for e, w in zip(entries, norm, strict=True) if w > 0]
         norm = [w for w in norm if w > 0]  # zero-weight workers take no part, as in merge()
