@@ -112,7 +112,7 @@ def server_main(
     ``scored`` (adapter digest -> (NLL, tokens)) scores equal adapters once (the shared starting adapter,
     gossip's vertices after mixing on a complete graph)."""
     from flwr.app import ArrayRecord, MetricRecord
-    from flwr_isoloco.strategies.common import array_digest
+    from flwr_isoloco.strategies.replies import array_digest
 
     from flwr_isoloco.clients.lora_causal import (
         corpus_tokens,
