@@ -167,6 +167,9 @@ class DiLoCo(FromRunConfig, DiLoCoState, ResumableStrategy):
         ``"multikrum"`` (``f``, ``select``), ``"norm-clip"`` (to the round's median norm).
     """
 
+    secagg: Any = None
+    """None, or the SecAgg+ shim that :func:`~flwr_isoloco.strategies.secagg.use_secagg` set."""
+
     def __init__(
         self,
         *,
@@ -355,6 +358,8 @@ class DiLoCo(FromRunConfig, DiLoCoState, ResumableStrategy):
         """Log the configuration, Flower-style."""
         log_summary(self)
         log(INFO, "\t└──> Differential privacy: %s", self.dp.describe())
+        if self.secagg is not None:
+            log(INFO, "\t└──> Secure aggregation: %s", self.secagg.describe())
 
     def _sample(self, grid: Grid, fraction: float, min_nodes: int) -> list[int]:
         connected = list(grid.get_node_ids())
@@ -434,6 +439,10 @@ class DiLoCo(FromRunConfig, DiLoCoState, ResumableStrategy):
         """Train then evaluate; replies are taken as they arrive (:mod:`.rounds`), each train
         reply folded into the merge at once (:class:`.train_round.TrainRound`); an evaluation
         that sends nothing is skipped (:func:`.evaluation.evaluation_round`)."""
+        if self.secagg is not None:  # the train half under SecAgg+ (strategies/secagg.py)
+            return self.secagg.run_round(
+                self, grid, server_round, train_config, evaluate_config, timeout
+            )
         arrays = self.current_arrays()
         messages = list(self.configure_train(server_round, arrays, train_config, grid))
         del arrays

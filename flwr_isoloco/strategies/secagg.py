@@ -1,0 +1,482 @@
+"""Secure aggregation for DiLoCo and IsoLoCo: each round's train half under Flower's SecAgg+.
+
+:func:`use_secagg` makes a built DiLoCo/IsoLoCo run the train half of every round through
+Flower 1.42's ``SecAggPlusWorkflow`` (its legacy path: a ``LegacyContext`` whose strategy is the
+round's :class:`SecAggRound`, a legacy ``flwr.server.strategy.Strategy``). The strategy's own
+``start`` keeps the loop (resume, global round numbers, ``evaluate_fn``, the divergence guard,
+the round-end hook); only :meth:`DiLoCo.run_round` hands the train half here. Per round:
+
+    configure_fit:  the strategy's configure_train (theta, its train config) as FitIns
+    clients:        delta_i = theta - theta_i, in the NumPyClient layout, through secaggplus_mod
+                    (:mod:`flwr_isoloco.clients.secagg`): clipped to +-c, quantised, masked
+    aggregate_fit:  SecAgg+'s unmasked aggregate  a = sum_i w_i delta_i / sum_i w_i  (+- step)
+                    -> checked -> g = rule([a]) (mean: a; Iso-C of the mean) -> outer step
+
+so the ServerApp never holds a single client's update, only masked vectors and their sum.
+Weights: SecAgg+ weights by the reply's ``num_examples``, quantised to ``w_i / max_weight``;
+with ``weighting="uniform"`` the clients report 1 and ``max_weight`` is 1, so every weight is
+exactly 1 and ``a`` is the plain mean. The quantisation step: each client's entry ``w_i/W x``
+is rounded stochastically to a grid of ``2c / Q`` (``c = clipping_range``,
+``Q = quantization_range``), so ``|a - mean| < (2c / Q) M / sum_i (w_i / W)`` per entry
+(uniform: ``< 2c / Q``, 3.8e-6 at Flower's ``c = 8``, ``Q = 2^22``), provided every
+``|delta_i| <= c`` (larger entries are clipped; the clients report how many, metric
+``secagg-clipped-entries``) and ``M (Q + 1) < modulus_range`` (no wrap-around).
+
+What is still checked: the aggregate's shapes and names (one array per float tensor), finite,
+norm below ``MAX_MERGEABLE_NORM``; each reply's weight (uniform: exactly 1; examples: in
+``(0, max_weight]``, beyond which SecAgg+ clips and mis-weights) and, with local DP, its echo.
+A failed check drops the round's aggregate with a logged reason naming the node(s); the model
+is kept and the round counts as empty (``max_empty_rounds``). A hostile client's bad values
+inside its masked vector are seen only in the sum: that is the price of not seeing them.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from logging import WARNING
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+from flwr.app import ArrayRecord, ConfigRecord, Context, Message, RecordDict
+from flwr.common import FitIns, FitRes, Parameters, ndarray_to_bytes, parameters_to_ndarrays
+from flwr.common.logger import log
+from flwr.server import LegacyContext, ServerConfig
+from flwr.server.client_proxy import ClientProxy
+from flwr.server.strategy import Strategy as LegacyStrategy
+from flwr.server.workflow import SecAggPlusWorkflow
+from flwr.server.workflow.constant import MAIN_CONFIGS_RECORD, MAIN_PARAMS_RECORD
+from flwr.server.workflow.constant import Key as WorkflowKey
+
+from flwr_isoloco.compression import payload_nbytes
+from flwr_isoloco.strategies.evaluation import evaluation_round
+from flwr_isoloco.strategies.lifecycle import RoundOutcome
+from flwr_isoloco.strategies.metrics import metric_record, tensor_norm, weighted_mean_metrics
+from flwr_isoloco.strategies.privacy import require_secagg
+from flwr_isoloco.strategies.replies import MAX_MERGEABLE_NORM, CheckedReply, ReplyReport
+
+if TYPE_CHECKING:
+    from flwr.serverapp import Grid
+
+    from flwr_isoloco.strategies.diloco import DiLoCo
+
+__all__ = [
+    "CLIPPED_METRIC",
+    "FLOAT_KEYS_KEY",
+    "KEYS_KEY",
+    "SecAggRound",
+    "SecAggSettings",
+    "SecAggShim",
+    "WEIGHTING_KEY",
+    "use_secagg",
+]
+
+KEYS_KEY = "secagg-keys"
+"""Train config: the names of the model's arrays, newline-joined, in the order sent."""
+FLOAT_KEYS_KEY = "secagg-float-keys"
+"""Train config: the float tensors whose deltas the reply carries, newline-joined, in order."""
+WEIGHTING_KEY = "secagg-weighting"
+"""Train config: ``"uniform"`` (reply weight 1) or ``"examples"`` (the worker's num-examples)."""
+RANGE_KEY = "secagg-clipping-range"
+"""Train config: SecAgg+'s clipping range, so the client can count the entries it clips."""
+CLIPPED_METRIC = "secagg-clipped-entries"
+"""Reply metric: entries of the delta outside ``+-clipping_range`` (clipped by SecAgg+)."""
+
+
+@dataclass(frozen=True)
+class SecAggSettings:
+    """SecAgg+'s parameters (``SecAggPlusWorkflow``'s, same meaning).
+
+    ``num_shares``: a float is the share of the sampled nodes (1.0: every node, 3 nodes give 3
+    shares), an int a count (> 2). ``reconstruction_threshold``: shares needed to unmask a
+    dropped node (a float: of ``num_shares``, at least 2). ``max_weight``: the largest weight
+    one reply may have (None: 1 with uniform weighting, Flower's 1000 with examples).
+    """
+
+    num_shares: float | int = 1.0
+    reconstruction_threshold: float | int = 0.67
+    clipping_range: float = 8.0
+    quantization_range: int = 1 << 22
+    modulus_range: int = 1 << 32
+    max_weight: float | None = None
+
+    def weight_cap(self, weighting: str) -> float:
+        """``max_weight`` in force for ``weighting``."""
+        if self.max_weight is not None:
+            return float(self.max_weight)
+        return 1.0 if weighting == "uniform" else 1000.0
+
+    def step(self) -> float:
+        """One quantisation step on a client's weighted entry: ``2 c / Q``."""
+        return 2.0 * self.clipping_range / self.quantization_range
+
+    def bound(self, weights: Iterable[float], weighting: str) -> float:
+        """Largest per-entry error of SecAgg+'s weighted mean: ``step M / sum_i (w_i / W)``."""
+        ws = list(weights)
+        cap = self.weight_cap(weighting)
+        return self.step() * len(ws) / sum(w / cap for w in ws) if ws else math.inf
+
+    def check(self) -> None:
+        """``ValueError`` naming a bad value (Flower's workflow checks the rest)."""
+        c, q, mod = self.clipping_range, self.quantization_range, self.modulus_range
+        if isinstance(c, bool) or not isinstance(c, (int, float)) or not (0 < c < math.inf):
+            raise ValueError(f"secagg clipping_range must be a finite number > 0, got {c!r}")
+        if isinstance(q, bool) or not isinstance(q, int) or q < 2:
+            raise ValueError(f"secagg quantization_range must be an int >= 2, got {q!r}")
+        if isinstance(mod, bool) or not isinstance(mod, int) or mod <= q or mod > 1 << 32:
+            raise ValueError(
+                f"secagg modulus_range must be an int in (quantization_range, 2^32], got {mod!r}"
+            )
+        w = self.max_weight
+        if w is not None and (isinstance(w, bool) or not isinstance(w, (int, float)) or w <= 0):
+            raise ValueError(f"secagg max_weight must be a number > 0 or None, got {w!r}")
+
+    def workflow(self, weighting: str, timeout: float | None) -> SecAggPlusWorkflow:
+        """Flower's workflow with these parameters (it checks shares / threshold itself)."""
+        return SecAggPlusWorkflow(
+            self.num_shares,
+            self.reconstruction_threshold,
+            max_weight=self.weight_cap(weighting),
+            clipping_range=float(self.clipping_range),
+            quantization_range=self.quantization_range,
+            modulus_range=self.modulus_range,
+            timeout=timeout,
+        )
+
+    def describe(self) -> str:
+        return (
+            f"SecAgg+ (shares {self.num_shares}, threshold {self.reconstruction_threshold}, "
+            f"clipping +-{self.clipping_range:g}, {self.quantization_range} levels, "
+            f"step {self.step():.3g})"
+        )
+
+
+def use_secagg(strategy: DiLoCo, settings: SecAggSettings | None = None, **kw: Any) -> DiLoCo:
+    """Run ``strategy``'s train rounds under SecAgg+ (module docstring); returns it.
+
+    ``ValueError`` (:func:`~flwr_isoloco.strategies.privacy.require_secagg`) when it uses an
+    option that needs single replies, or a bad SecAgg+ parameter (``kw``: the fields of
+    :class:`SecAggSettings`)."""
+    require_secagg(strategy)
+    settings = settings if settings is not None else SecAggSettings(**kw)
+    settings.check()
+    settings.workflow(strategy.weighting, None)  # Flower's own checks of shares / threshold
+    strategy.secagg = SecAggShim(settings)
+    return strategy
+
+
+class _NodeProxy(ClientProxy):
+    """A node id for the legacy workflow (it only reads ``node_id``)."""
+
+    def __init__(self, node_id: int) -> None:
+        super().__init__(str(node_id))
+        self.node_id = node_id
+
+    def _unused(self, *args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError("SecAggRound's proxies are addresses only")
+
+    get_properties = get_parameters = fit = evaluate = reconnect = _unused
+
+
+def _record_bytes(content: RecordDict) -> int:
+    """Bytes of a message's arrays and of the bytes values of its configs (masked vectors,
+    keys, shares travel as config bytes in SecAgg+)."""
+    n = sum(payload_nbytes(rec) for rec in content.array_records.values())
+    for rec in content.config_records.values():
+        for v in rec.values():
+            if isinstance(v, bytes):
+                n += len(v)
+            elif isinstance(v, list):
+                n += sum(len(b) for b in v if isinstance(b, bytes))
+    return n
+
+
+class _CountingGrid:
+    """The grid, counting the bytes of every SecAgg+ message down and every reply up."""
+
+    def __init__(self, grid: Grid) -> None:
+        self._grid, self.down, self.up = grid, 0, 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._grid, name)
+
+    def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None):
+        messages = list(messages)
+        self.down += sum(_record_bytes(m.content) for m in messages)
+        replies = list(self._grid.send_and_receive(messages, timeout=timeout))
+        self.up += sum(_record_bytes(m.content) for m in replies if m.has_content())
+        return replies
+
+
+class SecAggShim:
+    """What :func:`use_secagg` attaches to a strategy: runs its train half under SecAgg+."""
+
+    def __init__(self, settings: SecAggSettings) -> None:
+        self.settings = settings
+
+    def describe(self) -> str:
+        return self.settings.describe()
+
+    def run_round(
+        self,
+        s: DiLoCo,
+        grid: Grid,
+        server_round: int,
+        train_config: ConfigRecord,
+        evaluate_config: ConfigRecord,
+        timeout: float,
+    ) -> RoundOutcome:
+        """SecAgg+ train round, then the strategy's evaluation (as :meth:`DiLoCo.run_round`)."""
+        adapter = SecAggRound(s, grid, train_config, self.settings)
+        run_id = getattr(getattr(grid, "run", None), "run_id", 0) or 0
+        base = Context(run_id=run_id, node_id=0, node_config={}, state=RecordDict(), run_config={})
+        ctx = LegacyContext(base, config=ServerConfig(num_rounds=server_round), strategy=adapter)
+        ctx.state.config_records[MAIN_CONFIGS_RECORD] = ConfigRecord(
+            {WorkflowKey.CURRENT_ROUND: server_round, WorkflowKey.START_TIME: time.time()}
+        )
+        ctx.state.array_records[MAIN_PARAMS_RECORD] = ArrayRecord()  # the adapter sends theta
+        counting = _CountingGrid(grid)
+        t0 = time.perf_counter()
+        self.settings.workflow(s.weighting, timeout)(counting, ctx)  # type: ignore[arg-type]
+        new_arrays, train_metrics = adapter.outcome(counting, time.perf_counter() - t0)
+        evaluate_metrics = evaluation_round(
+            s._eval_stream,
+            grid,
+            s.configure_evaluate(server_round, s.current_arrays(), evaluate_config, grid),
+            s.aggregate_evaluate,
+            server_round=server_round,
+            timeout=timeout,
+            quorum=s.quorum,
+            grace_s=s.grace_s,
+        )
+        return RoundOutcome(new_arrays, train_metrics, evaluate_metrics)
+
+
+class SecAggRound(LegacyStrategy):
+    """One SecAgg+ train round of strategy ``s``, as the legacy strategy Flower's workflow
+    drives: :meth:`configure_fit` sends ``theta`` (FitIns), :meth:`aggregate_fit` takes the
+    unmasked aggregate and applies the strategy's merge rule and outer step."""
+
+    def __init__(
+        self, s: DiLoCo, grid: Grid, train_config: ConfigRecord, settings: SecAggSettings
+    ) -> None:
+        self.s, self.grid, self.train_config, self.settings = s, grid, train_config, settings
+        self.floats: list[str] = []
+        self.round = 0  # the strategy's round once configure_fit ran
+        self._result: tuple[ArrayRecord | None, dict[str, Any]] | None = None
+
+    # --------------------------------------------------------------- unused legacy parts
+    def initialize_parameters(self, client_manager: Any) -> Parameters | None:
+        return None
+
+    def configure_evaluate(self, server_round: int, parameters: Parameters, client_manager: Any):
+        return []
+
+    def aggregate_evaluate(self, server_round: int, results: Any, failures: Any):
+        return None, {}
+
+    def evaluate(self, server_round: int, parameters: Parameters):
+        return None
+
+    # --------------------------------------------------------------- the round
+    def configure_fit(
+        self, server_round: int, parameters: Parameters, client_manager: Any
+    ) -> list[tuple[ClientProxy, FitIns]]:
+        """The strategy's train messages as FitIns (one shared ``theta``, its names in the
+        config); counts the round as the strategy's, as :meth:`DiLoCo.run_round` does."""
+        s = self.s
+        msgs = list(
+            s.configure_train(server_round, s.current_arrays(), self.train_config, self.grid)
+        )
+        s.server_round += 1
+        self.round = s.server_round
+        assert s.theta is not None
+        self.floats = [k for k, t in s.theta.items() if t.is_floating_point()]
+        if not msgs:
+            return []
+        rec = msgs[0].content.array_records[s.arrayrecord_key]
+        config = dict(msgs[0].content.config_records[s.configrecord_key])
+        config[KEYS_KEY] = "\n".join(rec.keys())
+        config[FLOAT_KEYS_KEY] = "\n".join(self.floats)
+        config[WEIGHTING_KEY] = s.weighting
+        config[RANGE_KEY] = float(self.settings.clipping_range)
+        params = Parameters([ndarray_to_bytes(a.numpy()) for a in rec.values()], "numpy.ndarray")
+        fitins = FitIns(params, config)
+        proxies = [_NodeProxy(m.metadata.dst_node_id) for m in msgs]
+        for p in proxies:  # so that Flower's log line counts them ("out of M")
+            client_manager.register(p)
+        return [(p, fitins) for p in proxies]
+
+    def _node(self, proxy: ClientProxy) -> int:
+        return int(proxy.node_id)
+
+    def _aggregate(self, parameters: Parameters) -> dict[str, torch.Tensor] | str:
+        """The aggregate as the strategy's float tensors, or why it is refused."""
+        s = self.s
+        assert s.theta is not None
+        arrays = parameters_to_ndarrays(parameters)
+        if len(arrays) != len(self.floats):
+            return f"{len(arrays)} arrays, the model has {len(self.floats)} float tensors"
+        out = {}
+        for k, a in zip(self.floats, arrays, strict=True):
+            if tuple(a.shape) != tuple(s.theta[k].shape):
+                return (
+                    f"tensor {k!r} has shape {tuple(a.shape)}, expected {tuple(s.theta[k].shape)}"
+                )
+            if not np.issubdtype(a.dtype, np.floating) or not np.isfinite(a).all():
+                return f"tensor {k!r} is not finite floating-point"
+            out[k] = torch.from_numpy(np.asarray(a, dtype=np.float32)).to(s.theta[k].dtype)
+        norm = tensor_norm(out)
+        if not norm < MAX_MERGEABLE_NORM:
+            return f"aggregate norm {norm:.3g} exceeds {MAX_MERGEABLE_NORM:g}"
+        return out
+
+    def _reply_problem(self, nid: int, fitres: FitRes) -> str | None:
+        """Why reply ``nid`` spoils the aggregate (its weight, its DP echo), or None."""
+        s, w = self.s, fitres.num_examples
+        cap = self.settings.weight_cap(s.weighting)
+        if s.weighting == "uniform" and w != 1:
+            return f"weight {w!r} under uniform weighting (must be 1): the mean is mis-weighted"
+        if isinstance(w, bool) or not isinstance(w, int) or not 0 < w <= cap:
+            return (
+                f"weight {w!r} outside (0, max_weight={cap:g}]: SecAgg+ clipped or mis-weighted it"
+            )
+        return s.dp.reply_problem(RecordDict({"config": ConfigRecord(_scalars(fitres.metrics))}))
+
+    def aggregate_fit(
+        self,
+        server_round: int,
+        results: list[tuple[ClientProxy, FitRes]],
+        failures: list[Any],
+    ) -> tuple[Parameters | None, dict[str, Any]]:
+        """Check, merge (the rule of the mean), outer step; never raises on bad input."""
+        s, v, report = self.s, self.s.train_validator, ReplyReport()
+        report.missing = len(failures)
+        for f in failures:
+            log(WARNING, "aggregate_train (round %d): SecAgg+ failure: %s", self.round, f)
+        replies, problems = [], []
+        for proxy, fitres in results:
+            nid = self._node(proxy)
+            why = self._reply_problem(nid, fitres)
+            if why is not None:
+                problems.append((nid, why))
+            metrics = {k: float(x) for k, x in _numbers(fitres.metrics).items()}
+            clipped = int(metrics.get(CLIPPED_METRIC, 0))
+            if clipped:
+                log(
+                    WARNING,
+                    "aggregate_train: node %d: %d delta entries beyond +-%g clipped by SecAgg+",
+                    nid,
+                    clipped,
+                    self.settings.clipping_range,
+                )
+            weight = float(fitres.num_examples) if s.weighting == "examples" else 1.0
+            replies.append(CheckedReply(nid, weight, metrics, "delta", RecordDict()))
+        agg = self._aggregate(results[0][1].parameters) if results else None
+        if isinstance(agg, str):
+            problems.append((-1, f"the aggregate: {agg}"))
+        extra: dict[str, Any] = {}
+        new_arrays = None
+        if problems or agg is None:
+            for nid, why in problems:
+                log(
+                    WARNING,
+                    "aggregate_train: SecAgg+ aggregate of round %d dropped (node %d: "
+                    "%s); model kept",
+                    self.round,
+                    nid,
+                    why,
+                )
+            for r in replies:
+                v.reject(report, r.node_id, "the round's SecAgg+ aggregate was dropped")
+            replies = []
+        else:
+            new_arrays, extra = self._step(agg, replies, report)
+            if new_arrays is None:
+                replies = []
+        s.dp.account(released=new_arrays is not None, sent=s._train_ledger.sent_any())
+        report.used = len(replies)
+        v.log_summary(report, self.round)
+        exclude = [s.weighted_by_key, CLIPPED_METRIC]
+        metrics = {
+            **weighted_mean_metrics(replies, exclude=exclude),
+            **report.as_metrics(),
+            **extra,
+            **s.dp.metrics(),
+            CLIPPED_METRIC: sum(int(r.metrics.get(CLIPPED_METRIC, 0)) for r in replies),
+        }
+        self._result = (new_arrays, metrics)
+        if s._train_ledger.sent_any():
+            s._guard.record(self.round, report.used, [why for _, why in report.reasons])
+        return None, {}  # the strategy holds the model; the workflow's copy is not used
+
+    def _step(
+        self, agg: Mapping[str, torch.Tensor], replies: list[CheckedReply], report: ReplyReport
+    ) -> tuple[ArrayRecord | None, dict[str, Any]]:
+        """``g = rule([agg])`` and the outer step; a failure drops the round (logged)."""
+        s = self.s
+        assert s.theta is not None
+        t0 = time.perf_counter()
+        used: list[Any] = []
+        try:
+            g = s.merger.merge(s.theta, [_Aggregate(dict(agg))], used, lambda r: 1.0, self.round)
+            if g is None:
+                return None, {}
+            extra = {
+                "pseudo-grad-norm": tensor_norm(g),
+                "secagg-bound": self.settings.bound([r.weight for r in replies], s.weighting),
+            }
+            s._outer_step(g)
+        except (ValueError, RuntimeError) as exc:
+            for r in replies:
+                s.train_validator.reject(report, r.node_id, f"merge / outer step failed: {exc}")
+            return None, {}
+        extra["aggregation-time-s"] = time.perf_counter() - t0
+        return s._model_record(), extra
+
+    def outcome(self, grid: _CountingGrid, wall_s: float) -> tuple[ArrayRecord | None, Any]:
+        """The round's new model (None: kept) and train metrics; a workflow that halted before
+        the aggregate (too few nodes) is an empty round."""
+        s = self.s
+        if self._result is None:
+            if self.round:  # sent, but SecAgg+ halted: no aggregate reached the server
+                log(WARNING, "aggregate_train: SecAgg+ halted in round %d; model kept", self.round)
+                report = ReplyReport(missing=len(s._train_ledger._sent))
+                s.train_validator.log_summary(report, self.round)
+                s.dp.account(released=False, sent=s._train_ledger.sent_any())
+                self._result = (None, {**report.as_metrics(), **s.dp.metrics()})
+                s._guard.record(self.round, 0, ["SecAgg+ halted (too few nodes answered)"])
+            else:
+                return None, None
+        arrays, metrics = self._result
+        metrics = {**metrics, "bytes-up": grid.up, "bytes-down": grid.down, "secagg-time-s": wall_s}
+        return arrays, metric_record(metrics)
+
+
+@dataclass
+class _Aggregate:
+    """SecAgg+'s aggregate as the one "reply" the strategy's merge rule sees."""
+
+    delta: dict[str, torch.Tensor]
+    node_id: int = -1
+
+    def update(self, theta: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return self.delta
+
+    def release(self) -> None:
+        pass
+
+
+def _numbers(values: Mapping[str, Any]) -> dict[str, float]:
+    return {
+        k: v
+        for k, v in values.items()
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+    }
+
+
+def _scalars(values: Mapping[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in values.items() if isinstance(v, (int, float, str, bool))}
