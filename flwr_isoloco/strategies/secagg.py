@@ -354,9 +354,10 @@ class SecAggRound(LegacyStrategy):
     ) -> tuple[Parameters | None, dict[str, Any]]:
         """Check, merge (the rule of the mean), outer step; never raises on bad input."""
         s, v, report = self.s, self.s.train_validator, ReplyReport()
-        report.missing = len(failures)
-        for f in failures:
-            log(WARNING, "aggregate_train (round %d): SecAgg+ failure: %s", self.round, f)
+        # Flower lists a node lost in the masked-vector stage twice: count by what came back
+        report.missing = max(0, len(s._train_ledger._sent) - len(results))
+        for f in dict.fromkeys(str(f).split("\n")[0][:300] for f in failures):
+            log(WARNING, "aggregate_train (round %d): SecAgg+ lost a node: %s", self.round, f)
         replies, problems = [], []
         for proxy, fitres in results:
             nid = self._node(proxy)
