@@ -163,7 +163,10 @@ def use_secagg(strategy: DiLoCo, settings: SecAggSettings | None = None, **kw: A
     require_secagg(strategy)
     settings = settings if settings is not None else SecAggSettings(**kw)
     settings.check()
-    settings.workflow(strategy.weighting, None)  # Flower's own checks of shares / threshold
+    try:  # Flower's own checks of shares / threshold
+        settings.workflow(strategy.weighting, None)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"secagg: {exc}") from None
     strategy.secagg = SecAggShim(settings)
     return strategy
 

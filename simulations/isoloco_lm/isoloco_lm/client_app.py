@@ -28,6 +28,7 @@ from flwr.common.logger import log
 
 from flwr_isoloco.clients.diloco_worker import make_diloco_train_handler
 from flwr_isoloco.clients.node_state import with_node_state
+from flwr_isoloco.clients.secagg import secagg_mod
 
 from .pretrained import is_pretrained, peak_rss_mb
 from .task import (
@@ -39,7 +40,7 @@ from .task import (
     node_batches,
 )
 
-app = ClientApp()
+app = ClientApp(mods=[secagg_mod])  # SecAgg+ train stages only; other messages pass through
 
 
 def _partition(context: Context) -> tuple[int, int]:

@@ -48,6 +48,7 @@ app = ServerApp()
 # Round columns copied from the strategy's aggregated train metrics.
 TRAIN_COLUMNS = ("train-loss", "aggregation-time-s", "pseudo-grad-norm", "bytes-up", "bytes-down")
 DP_COLUMNS = ("dp-epsilon", "dp-clipped-fraction")
+SECAGG_COLUMNS = ("secagg-bound", "secagg-clipped-entries", "secagg-time-s")
 REPLY_COLUMNS = ("replies-used", "replies-rejected", "replies-missing")
 # With a pretrained model: the workers' time and memory (token-weighted means over the nodes).
 HF_COLUMNS = ("worker-time-s", "worker-peak-rss-mb")
@@ -108,6 +109,7 @@ def build(cfg, nodes: list[int]) -> AppRun:
             **({k: tm.get(k) for k in HF_COLUMNS} if hf_model else {}),
             **({"server-peak-rss-mb": peak_rss_mb()} if hf_model else {}),
             **{k: tm[k] for k in DP_COLUMNS if k in tm},  # central DP runs only
+            **{k: tm[k] for k in SECAGG_COLUMNS if k in tm},  # strategy.secagg runs only
         }
 
     def export(arrays: ArrayRecord, out: Path) -> Path:

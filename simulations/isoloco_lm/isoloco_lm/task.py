@@ -68,6 +68,15 @@ APP_STRATEGY_KEYS: dict[str, Any] = {
     "min-nodes": 2,
     "min-train-nodes": -1,
     "min-available-nodes": -1,
+    # Secure aggregation (flwr_isoloco.strategies.secagg): the train rounds under SecAgg+.
+    # num-shares / reconstruction-threshold: <= 1 a fraction, > 1 a count; max-weight 0 = the
+    # default (1 with uniform weighting, else local-steps x batch-size x seq-len tokens).
+    "secagg": False,
+    "secagg-num-shares": 1.0,
+    "secagg-reconstruction-threshold": 0.67,
+    "secagg-clipping-range": 8.0,
+    "secagg-quantization-range": 1 << 22,
+    "secagg-max-weight": 0.0,
 }
 NOT_IN_APP = {
     "fraction-evaluate": "the app evaluates server-side only",
@@ -168,6 +177,11 @@ VALIDATORS = {
     "strategy.min-train-nodes": _default_or_non_negative,
     "strategy.min-available-nodes": _default_or_non_negative,
     "strategy.fraction-train": in_range(0.0, 1.0, lo_open=True),
+    "strategy.secagg-num-shares": positive,
+    "strategy.secagg-reconstruction-threshold": positive,
+    "strategy.secagg-clipping-range": positive,
+    "strategy.secagg-quantization-range": in_range(2, 1 << 31),
+    "strategy.secagg-max-weight": non_negative,
     "train.local-steps": positive,
     "train.lr": positive,
     "train.warmup-steps": non_negative,
@@ -223,6 +237,8 @@ def load_config(run_config: Mapping[str, Any]) -> DictConfig:
     try:  # merge options (prune-fraction, drop-rate, ...) are checked by the merge rule
         build_strategy(cfg)
     except ValueError as exc:
+        if s.secagg and ("secure aggregation" in str(exc) or "secagg" in str(exc).lower()):
+            raise RunConfigError(f"run-config key 'strategy.secagg' = true: {exc}") from None
         named = (*_OPTION_KEYS, *_DP_KEYS)
         opts = [k for k in named if k.replace("-", "_") in str(exc)] or ["merge"]
         raise RunConfigError(
@@ -429,7 +445,32 @@ def build_strategy(cfg: DictConfig):
         section["preset"] = LM_ISOLOCO_PRESET.name
         if s.fast:
             section["fast"] = True
-    return cls.from_section(section)
+    return with_secagg(cfg, cls.from_section(section))
+
+
+def _fraction_or_count(v: float) -> float | int:
+    return float(v) if v <= 1 else int(v)
+
+
+def with_secagg(cfg: DictConfig, strategy: Any) -> Any:
+    """``strategy`` run under SecAgg+ when ``strategy.secagg`` (``ValueError`` naming what it
+    cannot serve), else unchanged."""
+    s = cfg.strategy
+    if not s.secagg:
+        return strategy
+    from flwr_isoloco.strategies.secagg import use_secagg
+
+    t = cfg.train
+    tokens = t["local-steps"] * t["batch-size"] * t["seq-len"]  # one round's num-examples
+    weight = s["secagg-max-weight"] or (1.0 if s.weighting == "uniform" else float(tokens))
+    return use_secagg(
+        strategy,
+        num_shares=_fraction_or_count(s["secagg-num-shares"]),
+        reconstruction_threshold=_fraction_or_count(s["secagg-reconstruction-threshold"]),
+        clipping_range=float(s["secagg-clipping-range"]),
+        quantization_range=int(s["secagg-quantization-range"]),
+        max_weight=weight,
+    )
 
 
 def strategy_merge(cfg: DictConfig) -> str:
