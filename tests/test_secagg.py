@@ -1,4 +1,4 @@
-"""SecAgg+ shim (strategies/secagg.py, clients/secagg.py): whole federations on the fake grid.
+"""SecAgg+ shim (strategies/secagg.py, secagg_mod.py): whole federations on the fake grid.
 
 The plain run and the SecAgg+ run of the same config train the same tiny LLaMA workers; the
 SecAgg+ model must equal the plain one to within the quantisation bound, the server must never
@@ -14,8 +14,8 @@ from flwr.app import ArrayRecord, Message, RecordDict
 from flwr.common import bytes_to_ndarray
 
 from flwr_isoloco.clients import make_diloco_train_handler
-from flwr_isoloco.clients.secagg import secagg_mod
 from flwr_isoloco.models.llama import build_llama, llama_config
+from flwr_isoloco.secagg_mod import secagg_mod
 from flwr_isoloco.strategies import DiLoCo, IsoLoCo
 from flwr_isoloco.strategies.secagg import CLIPPED_METRIC, SecAggSettings, use_secagg
 
@@ -265,3 +265,14 @@ def test_the_mod_passes_plain_messages_through_unchanged():
     a = secagg_mod(msg, ctx(), _worker()).content["arrays"].to_torch_state_dict()
     b = _worker()(msg, ctx()).content["arrays"].to_torch_state_dict()
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_the_mod_names_flowers_record_keys():
+    from flwr.common.secure_aggregation import secaggplus_constants as flower
+
+    from flwr_isoloco import secagg_mod as ours
+
+    assert (ours.RECORD_KEY_CONFIGS, ours.RECORD_KEY_STATE) == (
+        flower.RECORD_KEY_CONFIGS,
+        flower.RECORD_KEY_STATE,
+    )

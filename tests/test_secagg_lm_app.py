@@ -21,8 +21,8 @@ sys.path.insert(0, str(REPO / "tests"))
 from fakegrid import FakeGrid  # noqa: E402
 from isoloco_lm import client_app, server_app, task  # noqa: E402
 
-from flwr_isoloco.clients.secagg import secagg_mod  # noqa: E402
 from flwr_isoloco.runconfig import RunConfigError  # noqa: E402
+from flwr_isoloco.secagg_mod import secagg_mod  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,7 @@ the round-end hook); only :meth:`DiLoCo.run_round` hands the train half here. Pe
 
     configure_fit:  the strategy's configure_train (theta, its train config) as FitIns
     clients:        delta_i = theta - theta_i, in the NumPyClient layout, through secaggplus_mod
-                    (:mod:`flwr_isoloco.clients.secagg`): clipped to +-c, quantised, masked
+                    (:mod:`flwr_isoloco.secagg_mod`): clipped to +-c, quantised, masked
     aggregate_fit:  SecAgg+'s unmasked aggregate  a = sum_i w_i delta_i / sum_i w_i  (+- step)
                     -> checked -> g = rule([a]) (mean: a; Iso-C of the mean) -> outer step
 
@@ -52,6 +52,13 @@ from flwr.server.workflow.constant import MAIN_CONFIGS_RECORD, MAIN_PARAMS_RECOR
 from flwr.server.workflow.constant import Key as WorkflowKey
 
 from flwr_isoloco.compression import payload_nbytes
+from flwr_isoloco.secagg_mod import (
+    CLIPPED_METRIC,
+    FLOAT_KEYS_KEY,
+    KEYS_KEY,
+    RANGE_KEY,
+    WEIGHTING_KEY,
+)
 from flwr_isoloco.strategies.evaluation import evaluation_round
 from flwr_isoloco.strategies.lifecycle import RoundOutcome
 from flwr_isoloco.strategies.metrics import metric_record, tensor_norm, weighted_mean_metrics
@@ -63,27 +70,7 @@ if TYPE_CHECKING:
 
     from flwr_isoloco.strategies.diloco import DiLoCo
 
-__all__ = [
-    "CLIPPED_METRIC",
-    "FLOAT_KEYS_KEY",
-    "KEYS_KEY",
-    "SecAggRound",
-    "SecAggSettings",
-    "SecAggShim",
-    "WEIGHTING_KEY",
-    "use_secagg",
-]
-
-KEYS_KEY = "secagg-keys"
-"""Train config: the names of the model's arrays, newline-joined, in the order sent."""
-FLOAT_KEYS_KEY = "secagg-float-keys"
-"""Train config: the float tensors whose deltas the reply carries, newline-joined, in order."""
-WEIGHTING_KEY = "secagg-weighting"
-"""Train config: ``"uniform"`` (reply weight 1) or ``"examples"`` (the worker's num-examples)."""
-RANGE_KEY = "secagg-clipping-range"
-"""Train config: SecAgg+'s clipping range, so the client can count the entries it clips."""
-CLIPPED_METRIC = "secagg-clipped-entries"
-"""Reply metric: entries of the delta outside ``+-clipping_range`` (clipped by SecAgg+)."""
+__all__ = ["CLIPPED_METRIC", "SecAggRound", "SecAggSettings", "SecAggShim", "use_secagg"]
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,7 @@ from flwr.common.logger import log
 
 from flwr_isoloco.clients.diloco_worker import make_diloco_train_handler
 from flwr_isoloco.clients.node_state import with_node_state
-from flwr_isoloco.clients.secagg import secagg_mod
+from flwr_isoloco.secagg_mod import secagg_mod
 
 from .pretrained import is_pretrained, peak_rss_mb
 from .task import (

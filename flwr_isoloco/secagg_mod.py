@@ -1,4 +1,5 @@
-"""Client side of secure aggregation: a ClientApp mod that runs a DiLoCo worker under SecAgg+.
+"""Client side of secure aggregation: a ClientApp mod that runs a DiLoCo worker under SecAgg+,
+and the config keys the server shim (:mod:`flwr_isoloco.strategies.secagg`) and it share.
 
 ``ClientApp(mods=[secagg_mod])``: a train message that carries SecAgg+'s stage config
 (``secaggplus_configs``, sent by :mod:`flwr_isoloco.strategies.secagg`) goes through Flower's
@@ -18,35 +19,41 @@ of entries beyond the clipping range.
 SecAgg+'s own state (its key pair, the shares) lives in ``context.state`` between stages; it is
 taken out while the worker runs, so node-state files (``with_node_state``) never hold it and a
 resumed node's state is restored as without SecAgg+.
+
+This module imports only Flower's client side at load time: in a deployment every message
+starts a fresh client process, and three of SecAgg+'s four stages need no torch.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
-import numpy as np
-import torch
-from flwr.app import ArrayRecord, ConfigRecord, Context, Message, RecordDict
+from flwr.app import Context, Message
 from flwr.app.message_type import MessageType
 from flwr.client.mod import secaggplus_mod
-from flwr.common import Code, FitRes, Status, ndarrays_to_parameters, parameters_to_ndarrays
-from flwr.common.secure_aggregation.secaggplus_constants import (
-    RECORD_KEY_CONFIGS,
-    RECORD_KEY_STATE,
-)
-from flwr.compat.common import recorddict_compat as compat
 
-from flwr_isoloco.compression import decompress, is_compressed
-from flwr_isoloco.strategies.secagg import (
-    CLIPPED_METRIC,
-    FLOAT_KEYS_KEY,
-    KEYS_KEY,
-    RANGE_KEY,
-    WEIGHTING_KEY,
-)
-from flwr_isoloco.strategies.wire import record_tensors
+__all__ = [
+    "CLIPPED_METRIC",
+    "FLOAT_KEYS_KEY",
+    "KEYS_KEY",
+    "RANGE_KEY",
+    "WEIGHTING_KEY",
+    "secagg_mod",
+]
 
-__all__ = ["secagg_mod"]
+RECORD_KEY_CONFIGS = "secaggplus_configs"  # Flower's secaggplus_constants (checked in a test)
+RECORD_KEY_STATE = "secaggplus_state"
+KEYS_KEY = "secagg-keys"
+"""Train config: the names of the model's arrays, newline-joined, in the order sent."""
+FLOAT_KEYS_KEY = "secagg-float-keys"
+"""Train config: the float tensors whose deltas the reply carries, newline-joined, in order."""
+WEIGHTING_KEY = "secagg-weighting"
+"""Train config: ``"uniform"`` (reply weight 1) or ``"examples"`` (the worker's num-examples)."""
+RANGE_KEY = "secagg-clipping-range"
+"""Train config: SecAgg+'s clipping range, so the client can count the entries it clips."""
+CLIPPED_METRIC = "secagg-clipped-entries"
+"""Reply metric: entries of the delta outside ``+-clipping_range`` (clipped by SecAgg+)."""
+
 
 Handler = Callable[[Message, Context], Message]
 
@@ -62,7 +69,17 @@ def secagg_mod(msg: Message, context: Context, call_next: Handler) -> Message:
 
 
 def _train_as_fitres(msg: Message, context: Context, call_next: Handler) -> Message:
-    """Run the worker on the FitIns and reply its pseudo-gradient as a FitRes."""
+    """Run the worker on the FitIns and reply its pseudo-gradient as a FitRes (the heavy
+    imports are here: the other three SecAgg+ stages start a client process without them)."""
+    import numpy as np
+    import torch
+    from flwr.app import ArrayRecord, ConfigRecord, RecordDict
+    from flwr.common import Code, FitRes, Status, ndarrays_to_parameters, parameters_to_ndarrays
+    from flwr.compat.common import recorddict_compat as compat
+
+    from flwr_isoloco.compression import decompress, is_compressed
+    from flwr_isoloco.strategies.wire import record_tensors
+
     fitins = compat.recorddict_to_fitins(msg.content, keep_input=True)
     config = dict(fitins.config)
     names = str(config.pop(KEYS_KEY, "")).split("\n")
