@@ -276,3 +276,29 @@ def test_the_mod_names_flowers_record_keys():
         flower.RECORD_KEY_CONFIGS,
         flower.RECORD_KEY_STATE,
     )
+
+
+def test_local_dp_under_secagg_checks_each_echo_and_accounts():
+    """Local DP composes with SecAgg+ (each worker noises its own delta; the server sees only
+    the sum): the DP echo travels in each reply's clear metrics and is checked, and the
+    accountant reports epsilon for the round."""
+    kw = {"dp_mode": "local", "dp_clipping_norm": 1.0, "dp_noise_multiplier": 0.5}
+    rs, _, _, _ = _federation(_strategy(**kw), secagg=True, rounds=1)
+    m = rs.train_metrics_clientapp[1]
+    assert (m["replies-used"], m["replies-rejected"]) == (3, 0)
+    assert m["dp-epsilon"] > 0
+
+
+def test_resume_under_secagg_continues_the_global_rounds():
+    """A strategy restored from round 1's state and put under SecAgg+ again runs round 2 only
+    (global numbering, momentum kept: its round-2 g is read back from the restored buffer)."""
+    first = _strategy()
+    _federation(first, secagg=True, rounds=1)
+    again = _strategy()
+    again.load_state_dict(first.state_dict())
+    rs, _, deltas, buffers = _federation(again, secagg=True, rounds=2)
+    assert list(rs.train_metrics_clientapp) == [2] and list(deltas) == [2]
+    b1 = first.outer.momentum_buffer
+    g2 = {k: buffers[2][k] - 0.9 * b1[k] for k in b1}
+    want = _mean(deltas[2])
+    assert all((g2[k].double() - want[k]).abs().max() < STEP + 1e-6 for k in g2)
