@@ -302,3 +302,27 @@ def test_resume_under_secagg_continues_the_global_rounds():
     g2 = {k: buffers[2][k] - 0.9 * b1[k] for k in b1}
     want = _mean(deltas[2])
     assert all((g2[k].double() - want[k]).abs().max() < STEP + 1e-6 for k in g2)
+
+
+def _bad_share_owner_once():
+    done = []
+
+    def fault(reply: Message) -> Message:
+        rec = reply.content.config_records.get("secaggplus_configs")
+        if not done and rec is not None and "nids" in rec:  # round 1's unmask-stage reply
+            rec["nids"] = [12345] * len(rec["nids"])
+            done.append(1)
+        return reply
+
+    return fault
+
+
+def test_a_hostile_unmask_reply_is_a_logged_empty_round_not_a_crash(caplog):
+    """Flower's workflow raises (KeyError) on a share for a node that was never sampled; the
+    shim logs it, keeps the model, counts the round empty, and the next round trains."""
+    rs, grid, _, _ = _federation(
+        _strategy(), secagg=True, rounds=2, faults=[(2, _bad_share_owner_once(), None)]
+    )
+    assert "SecAgg+ failed in round 1 (KeyError" in caplog.text
+    assert rs.train_metrics_clientapp[1]["replies-used"] == 0
+    assert rs.train_metrics_clientapp[2]["replies-used"] == 3

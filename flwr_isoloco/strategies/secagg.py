@@ -230,7 +230,18 @@ class SecAggShim:
         ctx.state.array_records[MAIN_PARAMS_RECORD] = ArrayRecord()  # the adapter sends theta
         counting = _CountingGrid(grid)
         t0 = time.perf_counter()
-        self.settings.workflow(s.weighting, timeout)(counting, ctx)  # type: ignore[arg-type]
+        try:
+            self.settings.workflow(s.weighting, timeout)(counting, ctx)  # type: ignore[arg-type]
+        except Exception as exc:  # noqa: BLE001 - hostile SecAgg+ replies must not end the run
+            if exc is adapter.own_error:  # ours on purpose (NoProgressError, DP budget): raise
+                raise
+            log(
+                WARNING,
+                "aggregate_train: SecAgg+ failed in round %d (%s: %s); model kept",
+                server_round,
+                type(exc).__name__,
+                str(exc)[:300],
+            )
         new_arrays, train_metrics = adapter.outcome(counting, time.perf_counter() - t0)
         evaluate_metrics = evaluation_round(
             s._eval_stream,
@@ -256,6 +267,7 @@ class SecAggRound(LegacyStrategy):
         self.s, self.grid, self.train_config, self.settings = s, grid, train_config, settings
         self.floats: list[str] = []
         self.round = 0  # the strategy's round once configure_fit ran
+        self.own_error: BaseException | None = None  # raised by the strategy, not by Flower
         self._result: tuple[ArrayRecord | None, dict[str, Any]] | None = None
 
     # --------------------------------------------------------------- unused legacy parts
@@ -274,6 +286,29 @@ class SecAggRound(LegacyStrategy):
     # --------------------------------------------------------------- the round
     def configure_fit(
         self, server_round: int, parameters: Parameters, client_manager: Any
+    ) -> list[tuple[ClientProxy, FitIns]]:
+        try:
+            return self._configure_fit(server_round, client_manager)
+        except BaseException as exc:
+            self.own_error = exc
+            raise
+
+    def aggregate_fit(
+        self,
+        server_round: int,
+        results: list[tuple[ClientProxy, FitRes]],
+        failures: list[Any],
+    ) -> tuple[Parameters | None, dict[str, Any]]:
+        """Check, merge (the rule of the mean), outer step; never raises on bad input."""
+        try:
+            self._aggregate_fit(results, failures)
+        except BaseException as exc:
+            self.own_error = exc
+            raise
+        return None, {}  # the strategy holds the model; the workflow's copy is not used
+
+    def _configure_fit(
+        self, server_round: int, client_manager: Any
     ) -> list[tuple[ClientProxy, FitIns]]:
         """The strategy's train messages as FitIns (one shared ``theta``, its names in the
         config); counts the round as the strategy's, as :meth:`DiLoCo.run_round` does."""
@@ -336,13 +371,9 @@ class SecAggRound(LegacyStrategy):
             )
         return s.dp.reply_problem(RecordDict({"config": ConfigRecord(_scalars(fitres.metrics))}))
 
-    def aggregate_fit(
-        self,
-        server_round: int,
-        results: list[tuple[ClientProxy, FitRes]],
-        failures: list[Any],
-    ) -> tuple[Parameters | None, dict[str, Any]]:
-        """Check, merge (the rule of the mean), outer step; never raises on bad input."""
+    def _aggregate_fit(
+        self, results: list[tuple[ClientProxy, FitRes]], failures: list[Any]
+    ) -> None:
         s, v, report = self.s, self.s.train_validator, ReplyReport()
         # Flower lists a node lost in the masked-vector stage twice: count by what came back
         report.missing = max(0, len(s._train_ledger._sent) - len(results))
@@ -402,7 +433,6 @@ class SecAggRound(LegacyStrategy):
         self._result = (new_arrays, metrics)
         if s._train_ledger.sent_any():
             s._guard.record(self.round, report.used, [why for _, why in report.reasons])
-        return None, {}  # the strategy holds the model; the workflow's copy is not used
 
     def _step(
         self, agg: Mapping[str, torch.Tensor], replies: list[CheckedReply], report: ReplyReport
@@ -433,13 +463,13 @@ class SecAggRound(LegacyStrategy):
         the aggregate (too few nodes) is an empty round."""
         s = self.s
         if self._result is None:
-            if self.round:  # sent, but SecAgg+ halted: no aggregate reached the server
+            if self.round:  # sent, but SecAgg+ halted or failed: no aggregate reached us
                 log(WARNING, "aggregate_train: SecAgg+ halted in round %d; model kept", self.round)
                 report = ReplyReport(missing=len(s._train_ledger._sent))
                 s.train_validator.log_summary(report, self.round)
                 s.dp.account(released=False, sent=s._train_ledger.sent_any())
                 self._result = (None, {**report.as_metrics(), **s.dp.metrics()})
-                s._guard.record(self.round, 0, ["SecAgg+ halted (too few nodes answered)"])
+                s._guard.record(self.round, 0, ["SecAgg+ halted (too few or bad replies)"])
             else:
                 return None, None
         arrays, metrics = self._result
