@@ -22,12 +22,9 @@ is rounded stochastically to a grid of ``2c / Q`` (``c = clipping_range``,
 ``|delta_i| <= c`` (larger entries are clipped; the clients report how many, metric
 ``secagg-clipped-entries``) and ``M (Q + 1) < modulus_range`` (no wrap-around).
 
-What is still checked: the aggregate's shapes and names (one array per float tensor), finite,
-norm below ``MAX_MERGEABLE_NORM``; each reply's weight (uniform: exactly 1; examples: in
-``(0, max_weight]``, beyond which SecAgg+ clips and mis-weights) and, with local DP, its echo.
-A failed check drops the round's aggregate with a logged reason naming the node(s); the model
-is kept and the round counts as empty (``max_empty_rounds``). A hostile client's bad values
-inside its masked vector are seen only in the sum: that is the price of not seeing them.
+Still checked: the aggregate (names, shapes, finite, norm) and each reply's weight and local-DP
+echo; a failure, or a malformed SecAgg+ reply that makes Flower's workflow raise, is a logged
+empty round (model kept), never a crash. docs/privacy.md, "Secure aggregation", has the rest.
 """
 
 from __future__ import annotations
