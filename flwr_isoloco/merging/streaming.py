@@ -109,9 +109,11 @@ class StreamingMerger:
         return out
 
 
-#: Entries per pass of :class:`OrderFreeMean`: the fp64 scratch (4 x 512 KiB) and the matching
-#: slices of ``hi`` and ``lo`` stay in cache through the ~10 elementwise steps of a fold.
-CHUNK = 1 << 16
+#: Entries per pass of :class:`OrderFreeMean`: the fp64 scratch (4 x 256 KiB) and the matching
+#: slices of ``hi`` and ``lo`` stay in cache through the ~10 elementwise steps of a fold. Not above
+#: torch's intra-op grain (32768 entries), so each step runs in the calling thread: with more
+#: torch threads, a parallel region per step and chunk cost more than it gained (measured).
+CHUNK = 1 << 15
 
 
 def _two_sum_into(hi: torch.Tensor, lo: torch.Tensor, p: torch.Tensor, s, b) -> None:
