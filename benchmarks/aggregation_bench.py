@@ -14,8 +14,11 @@ given as a share of that run's mean round wall time (rounds 2.., round 1 holds s
 ``--shapes 135m``: instead, every merge rule on M synthetic pseudo-gradients of SmolLM2-135M's
 shapes, as ratios to a memory pass and to ``mean``, with peak extra memory (``rule_cost_135m.py``;
 defaults M = 8, median of 3; ``--quick``: 4 layers and a small vocabulary, one repeat;
-``--base DIR`` with ``base_<rule>`` cases: the same rules by another checkout's merging code,
-in the same process, for before/after ratios):
+``--base DIR`` with ``base_<case>`` cases: the same rules, or a ``round_`` / ``fold_`` case,
+by another checkout's merging code, in the same process, for before/after ratios;
+``round_<rule>`` / ``fold_<rule>``: a server round's order-free fold, key by key / whole model;
+``robust_<name>``: a rule of ``merging/robust.py`` with ``mean``; ``spill_pass``: the spill
+store's write and read-back):
 
     nice -n 10 python benchmarks/aggregation_bench.py --shapes 135m [--threads 2] [--quick]
 """

@@ -28,7 +28,9 @@ import torch
 
 from flwr_isoloco import merging
 from flwr_isoloco.merging import MERGE_RULES, StreamingMerger, iso_c, merge
-from flwr_isoloco.merging.rules import MergeRule
+from flwr_isoloco.merging.robust import ROBUST_RULES, RobustMerge, resolve_robust
+from flwr_isoloco.merging.rules import MergeRule, resolve_rule
+from flwr_isoloco.merging.spill import SpillStore
 from flwr_isoloco.merging.streaming import OrderFreeMean
 from flwr_isoloco.testing.synthetic import llama_delta, llama_shapes
 
@@ -36,7 +38,11 @@ MIB = 2**20
 #: Cases: merge rules (``merge(rule, deltas)``), plus ``iso_c_svd`` (the SVD-only Iso-C, i.e. the
 #: rule before the Gram path, in the same process), ``stream_<rule>`` (:class:`StreamingMerger`)
 #: and ``round_<rule>``: what a server round computes at the defaults from round 2 on, the
-#: replies folded into an :class:`OrderFreeMean` (fp64 double-double) and ``result(rule)``.
+#: replies folded into an :class:`OrderFreeMean` (fp64 double-double) and ``result(rule)``, key
+#: by key (memory O(one tensor)); ``fold_<rule>``: the same with one accumulator for the whole
+#: model, as :class:`~flwr_isoloco.merging.round.RoundFold` holds it (memory 4 x the model);
+#: ``robust_<name>``: a rule of :mod:`flwr_isoloco.merging.robust` with ``mean``;
+#: ``spill_pass``: writing the replies to the spill store and reading them back once.
 DEFAULT_CASES = (
     "memory_pass,mean,round_mean,stream_mean,iso_c,iso_c_svd,round_iso_c,stream_iso_c,"
     "iso_c_matched,round_iso_c_matched,iso_c_ns,ties,dare"
@@ -115,22 +121,14 @@ _BASE = None
 
 def _case(name: str, deltas):
     if name.startswith("base_"):
-        return lambda: _BASE.merge(name[len("base_") :], deltas)
+        rest = name[len("base_") :]
+        if rest.startswith(("round_", "fold_")):  # the base code's order-free accumulator
+            return _fold_case(rest, deltas, _BASE.streaming.OrderFreeMean)
+        return lambda: _BASE.merge(rest, deltas)
     if name == "memory_pass":
         return lambda: _memory_pass(deltas)
-    if name.startswith("round_"):
-
-        def run():  # key by key: the same work as one accumulator, memory O(one tensor)
-            out = {}
-            for key in deltas[0]:
-                acc = OrderFreeMean()
-                for d in deltas:
-                    acc.add({key: d[key]})
-                out[key] = acc.result(name[len("round_") :], device="cpu")[key]
-                acc.release()
-            return out
-
-        return run
+    if name.startswith(("round_", "fold_")):
+        return _fold_case(name, deltas, OrderFreeMean)
     if name.startswith("stream_"):
 
         def run():
@@ -140,8 +138,59 @@ def _case(name: str, deltas):
             return merger.result()
 
         return run
+    if name.startswith("robust_"):
+        return _robust_case(name[len("robust_") :], deltas)
+    if name == "spill_pass":
+        return lambda: _spill_pass(deltas)
     rule = _ISO_C_SVD if name == "iso_c_svd" else name
     return lambda: merge(rule, deltas)
+
+
+def _fold_case(name: str, deltas, accumulator):
+    """``round_<rule>``: key by key, one accumulator per tensor (memory O(one tensor));
+    ``fold_<rule>``: one accumulator for the whole model, as RoundFold holds it."""
+    kind, rule = name.split("_", 1)
+    groups = [[k] for k in deltas[0]] if kind == "round" else [list(deltas[0])]
+
+    def run():
+        out = {}
+        for keys in groups:
+            acc = accumulator()
+            for d in deltas:
+                acc.add({k: d[k] for k in keys})
+            out.update(acc.result(rule, device="cpu"))
+            acc.release()
+        return out
+
+    return run
+
+
+def _robust_case(robust: str, deltas):
+    """A robust rule as a strategy round calls it (:meth:`RobustMerge.merge` over the round's
+    deltas, rule ``mean``, unit weights), reading the deltas from memory (the strategies read
+    them from the spill store: add ``spill_pass``)."""
+    rule = resolve_rule("mean")
+    name, opts = resolve_robust(robust, None, rule)
+    keys = list(deltas[0])
+
+    def run():
+        return RobustMerge(name, opts).merge(
+            rule, {"device": "cpu"}, keys, lambda i, k: deltas[i][k], [1.0] * len(deltas)
+        )
+
+    return run
+
+
+def _spill_pass(deltas):
+    """What a spilling round adds: write each delta to the spill store, read every tensor of
+    every delta back once."""
+    total = 0.0
+    with SpillStore() as store:
+        entries = [store.put(d) for d in deltas]
+        for key in deltas[0]:
+            for e in entries:
+                total += float(store.get(e, key).sum())
+    return total
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -254,9 +303,13 @@ def run(args, save=lambda report: None) -> dict:
     for c in cases:
         if c.startswith("base_") and _BASE is None:
             raise SystemExit(f"case {c!r} needs --base")
-        if c not in ("memory_pass", "iso_c_svd"):
-            prefixed = c.startswith(("stream_", "round_", "base_"))
-            rule = c.split("_", 1)[1] if prefixed else c
+        if c.startswith("robust_"):
+            if c[len("robust_") :] not in ROBUST_RULES[1:]:
+                raise SystemExit(f"unknown case {c!r}")
+        elif c not in ("memory_pass", "iso_c_svd", "spill_pass"):
+            rule = c[len("base_") :] if c.startswith("base_") else c
+            if rule.startswith(("stream_", "round_", "fold_")):
+                rule = rule.split("_", 1)[1]
             if rule not in MERGE_RULES:
                 raise SystemExit(f"unknown case {c!r}")
     print(f"{params / 1e6:.1f}M parameters ({len(shapes)} tensors), M = {args.workers}")
