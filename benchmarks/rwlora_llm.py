@@ -112,7 +112,6 @@ def server_main(
     ``scored`` (adapter digest -> (NLL, tokens)) scores equal adapters once (the shared starting adapter,
     gossip's vertices after mixing on a complete graph)."""
     from flwr.app import ArrayRecord, MetricRecord
-    from flwr_isoloco.strategies.replies import array_digest
 
     from flwr_isoloco.clients.lora_causal import (
         corpus_tokens,
@@ -121,6 +120,7 @@ def server_main(
         perplexity,
     )
     from flwr_isoloco.models.classifier import load_adapter_state_dict
+    from flwr_isoloco.strategies.replies import array_digest
 
     built = get_causal_model(cfg.lora, slot="server")
     _, val = corpus_tokens(built.tokenizer, cfg.corpus, cfg.val_fraction, cfg.cache_dir or None)

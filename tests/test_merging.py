@@ -477,3 +477,12 @@ def test_ns_steps_beyond_the_schedule_keep_converging():
     ]
     assert all(b <= a * 1.01 + 1e-12 for a, b in zip(errs, errs[1:], strict=False)), errs
     assert errs[-1] < 1e-2, errs
+
+
+@pytest.mark.parametrize("rule", sorted(MERGE_RULES))
+def test_an_empty_matrix_takes_the_mean_under_every_rule(rule):
+    """A 3 x 0 tensor has no spectrum: every rule returns it (empty) instead of failing."""
+    deltas = [{"e": torch.zeros(3, 0), "v": torch.full((2,), float(i))} for i in range(3)]
+    out = merge(rule, deltas)
+    assert out["e"].shape == (3, 0) and out["e"].dtype == torch.float32
+    assert torch.isfinite(out["v"]).all()

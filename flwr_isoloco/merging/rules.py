@@ -495,5 +495,11 @@ def check_options(rule: MergeRule, options: dict) -> tuple[dict, re.Pattern | No
 
 
 def rule_applies(key: str, tensor: torch.Tensor, pattern: re.Pattern | None) -> bool:
-    """True for 2-D tensors whose name matches ``pattern`` (all 2-D when None)."""
-    return tensor.ndim == 2 and (pattern is None or pattern.search(key) is not None)
+    """True for non-empty 2-D tensors whose name matches ``pattern`` (all 2-D when None).
+
+    An empty matrix (e.g. 3 x 0) has no singular values: it takes the mean (itself empty)."""
+    return (
+        tensor.ndim == 2
+        and tensor.numel() > 0
+        and (pattern is None or pattern.search(key) is not None)
+    )
