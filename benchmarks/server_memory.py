@@ -228,6 +228,7 @@ def run_cell(
     min_free: float,
     synthetic: bool = False,
     rounds: int = 2,
+    extra: list[str] | None = None,
 ) -> dict:
     """One run of ``M = m`` nodes; ``synthetic``: the LM app's ServerApp with the
     benchmark-only workers (:func:`synthetic_app`) on ``SYNTHETIC_SIZES[size]``."""
@@ -239,6 +240,7 @@ def run_cell(
     sizes = SYNTHETIC_SIZES if synthetic else SIZES
     cmd = [str(code_dir / "scripts" / "run_app.sh"), str(app), str(out / "run")]
     cmd += [f"num-server-rounds={rounds}", *common, *sizes[size], *STRATEGIES[strategy]]
+    cmd += extra or []
     t0 = time.time()
     with open(out.parent / f"{out.name}.log", "w") as log:
         # cwd: Ray's workers put the driver's working folder on sys.path, so from another
@@ -334,7 +336,8 @@ def measure(args, code_dir: Path, strategy: str, m: int, size: str, rev: str, mo
     load = os.getloadavg()[0]
     print(f"server_memory: {args.label} {strategy} M={m} ({size}, {rev}), {free:.1f} GB free")
     synthetic = size in SYNTHETIC_SIZES
-    cell = run_cell(code_dir, strategy, m, size, args.min_free_gb, synthetic, args.rounds)
+    extra = [f"data.cache-dir='{args.cache_dir}'"] if synthetic and args.cache_dir else []
+    cell = run_cell(code_dir, strategy, m, size, args.min_free_gb, synthetic, args.rounds, extra)
     if synthetic and cell.get("model-parameters"):
         model = 4 * cell["model-parameters"]  # fp32 arrays of the pretrained model
     cell = {"workers": "synthetic" if synthetic else "trained", "label": args.label, "strategy": strategy, "M": m, "size": size,
@@ -494,6 +497,12 @@ def main(argv: list[str] | None = None) -> None:
         "ServerApp with benchmark-only workers (apps/server_load/client_app.py)",
     )
     ap.add_argument("--rounds", type=int, default=2, help="server rounds per run")
+    ap.add_argument(
+        "--cache-dir",
+        default="",
+        help="--synthetic: data.cache-dir (the converted "
+        "GGUF and the tokenised corpus; default the app's)",
+    )
     ap.add_argument("--table", action="store_true", help="print the JSON's markdown table only")
     ap.add_argument("--compact", action="store_true", help="the docs' table (peak GB per M)")
     ap.add_argument("--in-process", action="store_true", help="TIES's merge alone, no Flower")
