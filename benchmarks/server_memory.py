@@ -470,6 +470,33 @@ def compact(data: dict) -> str:
     return "\n".join(lines)
 
 
+def synthetic_table(data: dict) -> str:
+    """The docs' table of ``--synthetic`` cells: per M, peak GB of the simulation process / the
+    tree, round walls, the server's own time, replies used, load; then the fitted slopes."""
+    lines = ["| strategy | M | simulation / tree peak | in model copies | round wall s | server s "
+             "(aggregation-time-s) | replies used | load mean | status |",
+             "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    cells = [c for c in data["cells"] if c.get("workers") == "synthetic"]
+    for c in sorted(cells, key=lambda c: (c["strategy"], c["M"])):
+        gb = c["model-bytes"] / GB or float("nan")
+        walls = " + ".join(f"{w:.0f}" for w in c.get("round-wall-s") or [])
+        agg = " + ".join(f"{a:.0f}" for a in c.get("aggregation-time-s") or [] if a is not None)
+        used = " + ".join(str(u) for u in c.get("replies-used") or [])
+        lines.append(
+            f"| {c['strategy']} | {c['M']} | {c['sim-peak-gb']:.2f} / {c['tree-peak-gb']:.2f} GB"
+            f" | {c['sim-peak-gb'] / gb:.1f} / {c['tree-peak-gb'] / gb:.1f} | {walls or '-'} | "
+            f"{agg or '-'} | {used or '-'} | {c.get('load-mean', '-')} | {c['status']} |"
+        )
+    for f in data.get("fits", []):
+        sim, tree = f["sim-peak-gb"], f["tree-peak-gb"]
+        if f["size"] in SYNTHETIC_SIZES and sim and tree:
+            lines.append(f"\nslope ({f['strategy']}, {sim['points']} points): "
+                         f"{sim['slope-model-copies']:.3f} model copies per worker in the "
+                         f"simulation process (R^2 {sim['r2']:.3f}), "
+                         f"{tree['slope-model-copies']:.3f} for the tree (R^2 {tree['r2']:.3f})")  # fmt: skip
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--label", default="after", help="e.g. before | after")
@@ -522,7 +549,7 @@ def main(argv: list[str] | None = None) -> None:
         print(table(data))
         return
     if args.compact:
-        print(compact(data))
+        print(synthetic_table(data) if args.synthetic else compact(data))
         return
     if args.synthetic:
         size = "tiny-synthetic" if args.quick else "smollm2"
