@@ -34,7 +34,15 @@ start and its mean and maximum during the run (other jobs may share the machine)
     # TIES's round merge alone in one process (no Flower), row blocks vs every tensor at once:
     PYTHONPATH=. nice -n 10 .venv/bin/python benchmarks/server_memory.py --in-process --workers 4 16 64
 
-Writes ``benchmarks/results/server_memory.json``.
+At 135M (``--synthetic``): the LM app's ServerApp on SmolLM2-135M (``SYNTHETIC_SIZES``) with
+benchmark-only workers that train nothing (``benchmarks/apps/server_load/client_app.py``, put
+into a temporary copy of the app by :func:`synthetic_app`); ``--rounds`` server rounds:
+
+    PYTHONPATH=. nice -n 10 .venv/bin/python benchmarks/server_memory.py --synthetic \
+        --strategies isoloco --workers 4 16 64 --rounds 1 --cache-dir /abs/cache --wait-free-gb 12
+    .venv/bin/python benchmarks/server_memory.py --synthetic --compact
+
+Writes ``benchmarks/results/server_memory.json`` (``--synthetic``: ``server_memory_135m.json``).
 """
 
 from __future__ import annotations
