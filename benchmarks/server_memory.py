@@ -34,7 +34,15 @@ start and its mean and maximum during the run (other jobs may share the machine)
     # TIES's round merge alone in one process (no Flower), row blocks vs every tensor at once:
     PYTHONPATH=. nice -n 10 .venv/bin/python benchmarks/server_memory.py --in-process --workers 4 16 64
 
-Writes ``benchmarks/results/server_memory.json``.
+At 135M (``--synthetic``): the LM app's ServerApp on SmolLM2-135M (``SYNTHETIC_SIZES``) with
+benchmark-only workers that train nothing (``benchmarks/apps/server_load/client_app.py``, put
+into a temporary copy of the app by :func:`synthetic_app`); ``--rounds`` server rounds:
+
+    PYTHONPATH=. nice -n 10 .venv/bin/python benchmarks/server_memory.py --synthetic \
+        --strategies isoloco --workers 4 16 64 --rounds 1 --cache-dir /abs/cache --wait-free-gb 12
+    .venv/bin/python benchmarks/server_memory.py --synthetic --compact
+
+Writes ``benchmarks/results/server_memory.json`` (``--synthetic``: ``server_memory_135m.json``).
 """
 
 from __future__ import annotations
@@ -75,6 +83,16 @@ SIZES = {
              "train.seq-len=32", "data.val-tokens=1024"],
 }  # fmt: skip
 GB = 1e9
+SYNTHETIC_CLIENT = REPO / "benchmarks" / "apps" / "server_load" / "client_app.py"
+# --synthetic: the LM app's ServerApp on a pretrained model, benchmark-only workers
+# (apps/server_load/client_app.py). Server-side evaluation on 1,280 held-out tokens (2 batches
+# of the app's own rows x seq; the batch, not their count, sets its memory) instead of 16,384
+# (~90 s of CPU per evaluation at 135M); every other key at the app's defaults.
+SYNTHETIC_SIZES = {
+    "smollm2": ["model.name-or-path='smollm2'", "data.val-tokens=1280"],
+    "tiny-synthetic": SIZES["tiny"],
+}
+OUT_SYNTHETIC = REPO / "benchmarks" / "results" / "server_memory_135m.json"
 
 
 def model_bytes(size: str) -> int:
@@ -177,12 +195,60 @@ def watch(proc: subprocess.Popen, min_free: float, period: float = 0.2) -> dict:
             **(load if loads else {})}  # fmt: skip
 
 
-def run_cell(code_dir: Path, strategy: str, m: int, size: str, min_free: float) -> dict:
+def synthetic_app(dest: Path, code_dir: Path) -> Path:
+    """``simulations/isoloco_lm`` copied under ``dest`` with the benchmark-only ClientApp
+    (``benchmarks/apps/server_load/client_app.py``) as its ``clientapp``; the ServerApp, its
+    config schema and defaults are the app's own, unchanged."""
+    app = dest / "isoloco_lm_server_load"
+    ignore = shutil.ignore_patterns("__pycache__", "*.png")
+    shutil.copytree(code_dir / "simulations" / "isoloco_lm", app, ignore=ignore)
+    client = code_dir / SYNTHETIC_CLIENT.relative_to(REPO)
+    shutil.copy(client, app / "isoloco_lm" / "synthetic_client.py")
+    toml = app / "pyproject.toml"
+    old = 'clientapp = "isoloco_lm.client_app:app"'
+    if old not in toml.read_text():
+        raise SystemExit(f"server_memory: {toml} does not name {old!r}")
+    toml.write_text(toml.read_text().replace(old, 'clientapp = "isoloco_lm.synthetic_client:app"'))
+    return app
+
+
+def _read_results(out: Path, cell: dict) -> None:
+    """The run's per-round columns from its results.json, into ``cell``."""
+    try:
+        res = json.loads((out / "results.json").read_text())
+        rounds = res.get("rounds", [])
+        cell["run-status"] = res.get("status")
+        cell["round2-wall-s"] = rounds[1]["round-wall-s"] if len(rounds) > 1 else None
+        for k in ("replies-used", "replies-rejected", "replies-missing", "round-wall-s",
+                  "aggregation-time-s", "wait-s", "eval-time-s", "spill-bytes"):  # fmt: skip
+            cell[k] = [r.get(k) for r in rounds]
+        cell["val-loss"] = rounds[-1].get("val-loss") if rounds else None
+        cell["model-parameters"] = res.get("model-parameters")
+    except (OSError, ValueError, KeyError, IndexError):
+        cell["run-status"] = "no results.json"
+
+
+def run_cell(
+    code_dir: Path,
+    strategy: str,
+    m: int,
+    size: str,
+    min_free: float,
+    synthetic: bool = False,
+    rounds: int = 2,
+    extra: list[str] | None = None,
+) -> dict:
+    """One run of ``M = m`` nodes; ``synthetic``: the LM app's ServerApp with the
+    benchmark-only workers (:func:`synthetic_app`) on ``SYNTHETIC_SIZES[size]``."""
     out = Path(tempfile.mkdtemp(prefix=f"server-memory-{strategy}-{m}-"))
     env = {**os.environ, "NUM_SUPERNODES": str(m), "CPUS_PER_CLIENT": "1"}
     env["PYTHONPATH"] = str(code_dir)
-    cmd = [str(code_dir / "scripts" / "run_app.sh"), str(code_dir / "simulations" / "isoloco_lm")]
-    cmd += [str(out), *COMMON, *SIZES[size], *STRATEGIES[strategy]]
+    app = synthetic_app(out, code_dir) if synthetic else code_dir / "simulations" / "isoloco_lm"
+    common = [c for c in COMMON if not c.startswith("num-server-rounds=")]
+    sizes = SYNTHETIC_SIZES if synthetic else SIZES
+    cmd = [str(code_dir / "scripts" / "run_app.sh"), str(app), str(out / "run")]
+    cmd += [f"num-server-rounds={rounds}", *common, *sizes[size], *STRATEGIES[strategy]]
+    cmd += extra or []
     t0 = time.time()
     with open(out.parent / f"{out.name}.log", "w") as log:
         # cwd: Ray's workers put the driver's working folder on sys.path, so from another
@@ -194,25 +260,16 @@ def run_cell(code_dir: Path, strategy: str, m: int, size: str, min_free: float) 
             stop(psutil.Process(proc.pid))
             raise
     cell = {"wall-s": round(time.time() - t0, 1), "returncode": proc.returncode, **peaks}
-    try:
-        res = json.loads((out / "results.json").read_text())
-        rounds = res.get("rounds", [])
-        cell["run-status"] = res.get("status")
-        cell["round2-wall-s"] = rounds[1]["round-wall-s"] if len(rounds) > 1 else None
-        for k in ("replies-used", "replies-rejected", "replies-missing"):
-            cell[k] = [r.get(k) for r in rounds]
-        cell["val-loss"] = rounds[-1].get("val-loss") if rounds else None
-    except (OSError, ValueError, KeyError, IndexError):
-        cell["run-status"] = "no results.json"
+    _read_results(out / "run", cell)
     ok = proc.returncode == 0 and cell.get("run-status") == "completed"
-    ok = ok and cell.get("replies-used") == [m, m]  # every node trained: the model moved
+    ok = ok and cell.get("replies-used") == [m] * rounds  # every node answered: the model moved
     cell["status"] = "aborted-low-memory" if peaks["aborted"] else ("ok" if ok else "failed")
     if cell["status"] == "ok":
         shutil.rmtree(out, ignore_errors=True)  # node-state files: up to 2 x M x 2 x model
         (out.parent / f"{out.name}.log").unlink(missing_ok=True)
     else:
         cell["log"] = str(out.parent / f"{out.name}.log")
-        shutil.rmtree(out / "node-state", ignore_errors=True)
+        shutil.rmtree(out / "run" / "node-state", ignore_errors=True)
     return cell
 
 
@@ -286,8 +343,12 @@ def measure(args, code_dir: Path, strategy: str, m: int, size: str, rev: str, mo
     free = wait_for_memory(args.wait_free_gb)
     load = os.getloadavg()[0]
     print(f"server_memory: {args.label} {strategy} M={m} ({size}, {rev}), {free:.1f} GB free")
-    cell = run_cell(code_dir, strategy, m, size, args.min_free_gb)
-    cell = {"label": args.label, "strategy": strategy, "M": m, "size": size,
+    synthetic = size in SYNTHETIC_SIZES
+    extra = [f"data.cache-dir='{args.cache_dir}'"] if synthetic and args.cache_dir else []
+    cell = run_cell(code_dir, strategy, m, size, args.min_free_gb, synthetic, args.rounds, extra)
+    if synthetic and cell.get("model-parameters"):
+        model = 4 * cell["model-parameters"]  # fp32 arrays of the pretrained model
+    cell = {"workers": "synthetic" if synthetic else "trained", "label": args.label, "strategy": strategy, "M": m, "size": size,
             "revision": rev, "code-dir": str(code_dir), "model-bytes": model,
             "free-gb-at-start": round(free, 1), "load-at-start": round(load, 1), **cell}  # fmt: skip
     print("server_memory: " + json.dumps(cell))
@@ -417,6 +478,33 @@ def compact(data: dict) -> str:
     return "\n".join(lines)
 
 
+def synthetic_table(data: dict) -> str:
+    """The docs' table of ``--synthetic`` cells: per M, peak GB of the simulation process / the
+    tree, round walls, the server's own time, replies used, load; then the fitted slopes."""
+    lines = ["| strategy | M | simulation / tree peak | in model copies | round wall s | server s "
+             "(aggregation-time-s) | replies used | load mean | status |",
+             "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    cells = [c for c in data["cells"] if c.get("workers") == "synthetic"]
+    for c in sorted(cells, key=lambda c: (c["strategy"], c["M"])):
+        gb = c["model-bytes"] / GB or float("nan")
+        walls = " + ".join(f"{w:.0f}" for w in c.get("round-wall-s") or [])
+        agg = " + ".join(f"{a:.0f}" for a in c.get("aggregation-time-s") or [] if a is not None)
+        used = " + ".join(str(u) for u in c.get("replies-used") or [])
+        lines.append(
+            f"| {c['strategy']} | {c['M']} | {c['sim-peak-gb']:.2f} / {c['tree-peak-gb']:.2f} GB"
+            f" | {c['sim-peak-gb'] / gb:.1f} / {c['tree-peak-gb'] / gb:.1f} | {walls or '-'} | "
+            f"{agg or '-'} | {used or '-'} | {c.get('load-mean', '-')} | {c['status']} |"
+        )
+    for f in data.get("fits", []):
+        sim, tree = f["sim-peak-gb"], f["tree-peak-gb"]
+        if f["size"] in SYNTHETIC_SIZES and sim and tree:
+            lines.append(f"\nslope ({f['strategy']}, {sim['points']} points): "
+                         f"{sim['slope-model-copies']:.3f} model copies per worker in the "
+                         f"simulation process (R^2 {sim['r2']:.3f}), "
+                         f"{tree['slope-model-copies']:.3f} for the tree (R^2 {tree['r2']:.3f})")  # fmt: skip
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--label", default="after", help="e.g. before | after")
@@ -431,13 +519,33 @@ def main(argv: list[str] | None = None) -> None:
         "--wait-free-gb", type=float, default=0.0, help="start a cell only with this much available"
     )
     ap.add_argument("--retries", type=int, default=0, help="reruns of a cell stopped for memory")
-    ap.add_argument("--out", type=Path, default=OUT)
+    ap.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help=f"default {OUT.name}, or {OUT_SYNTHETIC.name} with --synthetic",
+    )
+    ap.add_argument(
+        "--synthetic",
+        action="store_true",
+        help="SmolLM2-135M on the LM app's "
+        "ServerApp with benchmark-only workers (apps/server_load/client_app.py)",
+    )
+    ap.add_argument("--rounds", type=int, default=2, help="server rounds per run")
+    ap.add_argument(
+        "--cache-dir",
+        default="",
+        help="--synthetic: data.cache-dir (the converted "
+        "GGUF and the tokenised corpus; default the app's)",
+    )
     ap.add_argument("--table", action="store_true", help="print the JSON's markdown table only")
     ap.add_argument("--compact", action="store_true", help="the docs' table (peak GB per M)")
     ap.add_argument("--in-process", action="store_true", help="TIES's merge alone, no Flower")
     ap.add_argument("--probe", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--dense", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.out is None:
+        args.out = OUT_SYNTHETIC if args.synthetic else OUT
     if args.probe:
         print(json.dumps(probe(args.probe, rows=not args.dense)))
         return
@@ -449,12 +557,16 @@ def main(argv: list[str] | None = None) -> None:
         print(table(data))
         return
     if args.compact:
-        print(compact(data))
+        print(synthetic_table(data) if args.synthetic else compact(data))
         return
-    size = "tiny" if args.quick else "51MiB"
+    if args.synthetic:
+        size = "tiny-synthetic" if args.quick else "smollm2"
+    else:
+        size = "tiny" if args.quick else "51MiB"
     workers = [2, 4] if args.quick else args.workers
     code_dir = args.code_dir.resolve()
-    rev, model = revision(code_dir), model_bytes(size)
+    rev = revision(code_dir)
+    model = model_bytes("tiny" if size == "tiny-synthetic" else size) if size != "smollm2" else 0
     for strategy in args.strategies:
         for m in workers:
             key = (args.label, strategy, m, size, rev)

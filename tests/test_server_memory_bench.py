@@ -68,3 +68,36 @@ def test_stop_ends_every_process_group_under_the_run():
     server_memory.stop(root)
     proc.wait(timeout=30)
     assert not any(k.is_running() and k.status() != psutil.STATUS_ZOMBIE for k in kids)
+
+
+def test_synthetic_app_is_the_lm_app_with_the_benchmark_workers(tmp_path):
+    app = server_memory.synthetic_app(tmp_path, REPO)
+    toml = (app / "pyproject.toml").read_text()
+    assert 'clientapp = "isoloco_lm.synthetic_client:app"' in toml
+    assert 'serverapp = "isoloco_lm.server_app:app"' in toml
+    lm = REPO / "simulations" / "isoloco_lm"
+    assert (app / "isoloco_lm" / "server_app.py").read_bytes() == (
+        lm / "isoloco_lm" / "server_app.py"
+    ).read_bytes()
+    assert (lm / "pyproject.toml").read_text().count("synthetic") == 0  # the user's app as is
+
+
+def test_synthetic_pseudo_gradient_is_seeded_and_shaped_like_the_message():
+    import torch
+    from flwr.app import ArrayRecord
+
+    sys.path.insert(0, str(REPO / "benchmarks" / "apps" / "server_load"))
+    import client_app as synthetic
+
+    rec = ArrayRecord({"w": torch.ones(3, 5), "h": torch.ones(4).half(), "n": torch.arange(2)})
+    a, b = synthetic.pseudo_gradient(rec, 7), synthetic.pseudo_gradient(rec, 7)
+    assert {k: (tuple(v.shape), v.dtype) for k, v in a.items()} == {
+        "w": ((3, 5), torch.float32),
+        "h": ((4,), torch.float16),
+        "n": ((2,), torch.int64),
+    }
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert not torch.equal(a["w"], synthetic.pseudo_gradient(rec, 8)["w"])
+    g = torch.Generator().manual_seed(7)
+    assert torch.equal(a["w"], torch.randn(3, 5, generator=g) * synthetic.SCALE)
+    assert torch.equal(a["n"], torch.zeros(2, dtype=torch.int64))

@@ -299,16 +299,16 @@ class RoundFold:
             if self._by_rows(key):
                 out[key] = self._merge_rows(key, entries, ws)
                 continue
-            xs = [self._store.get(e, key) for e in entries]
-            if getattr(self.rule, "streaming", False):
+            if getattr(self.rule, "streaming", False):  # one spilled delta read at a time
                 acc = OrderFreeMean()
-                for x, w in zip(xs, ws, strict=True):
-                    acc.add({key: x}, w)
+                for e, w in zip(entries, ws, strict=True):
+                    acc.add({key: self._store.get(e, key)}, w)
                 perturb = self._perturb(len(replies))
                 out[key] = acc.result(self.rule, perturb=perturb, **self.opts)[key]
             else:
+                xs = [self._store.get(e, key) for e in entries]
                 out[key] = merge(self.rule, [{key: x} for x in xs], ws, **self.opts)[key]
-            del xs
+                del xs
         return finite_or_raise(out)
 
     def _perturb(self, used: int) -> Callable[[str, torch.Tensor], torch.Tensor] | None:

@@ -263,7 +263,7 @@ class DiLoCo(FromRunConfig, DiLoCoState, ResumableStrategy):
         )
         self._train_ledger, self._eval_ledger = SentLedger(), SentLedger()
         self._rng = random.Random(seed)
-        self.theta: dict[str, torch.Tensor] | None = None  # fp32 master copy
+        self.theta = None  # fp32 master copy (a property: see _model_record)
         self._dtypes: dict[str, torch.dtype] = {}
         self.server_round = 0  # rounds aggregated so far (continues across resume)
         self.weight_reference: float | None = None  # median weight of the last used round
@@ -330,9 +330,26 @@ class DiLoCo(FromRunConfig, DiLoCoState, ResumableStrategy):
             for k, v in sd.items()
         }
 
+    @property
+    def theta(self) -> dict[str, torch.Tensor] | None:
+        """The fp32 master copy of the model (replaced each step, never changed in place)."""
+        return self.__dict__.get("_theta")
+
+    @theta.setter
+    def theta(self, value: dict[str, torch.Tensor] | None) -> None:
+        self.__dict__["_theta"] = value
+        self.__dict__["_record"] = None  # the record of the old theta is not this model's
+
     def _model_record(self) -> ArrayRecord:
+        """``theta`` in the model's dtypes, built once per ``theta``: the record sent, the
+        round's result, the evaluated and checkpointed model are then one copy, not one each."""
         assert self.theta is not None
-        return ArrayRecord({k: v.to(self._dtypes.get(k, v.dtype)) for k, v in self.theta.items()})
+        cached = self.__dict__.get("_record")
+        if cached is not None and cached[0] is self._dtypes:  # dtypes: replaced, never changed
+            return cached[1]
+        record = ArrayRecord({k: v.to(self._dtypes.get(k, v.dtype)) for k, v in self.theta.items()})
+        self.__dict__["_record"] = (self._dtypes, record)
+        return record
 
     @property
     def completed_rounds(self) -> int:

@@ -23,6 +23,7 @@ from flwr_isoloco.runconfig import choices, in_range, non_negative, read_run_con
 from flwr_isoloco.strategies.divergence import DEFAULT_DIVERGENCE_FACTOR, DIVERGENCE_MODES
 from flwr_isoloco.strategies.evaluation import check_count, check_fraction
 from flwr_isoloco.strategies.replies import PAYLOADS
+from flwr_isoloco.strategies.rounds import quorum_arg
 
 __all__ = [
     "DILOCO_RUN_CONFIG",
@@ -247,7 +248,7 @@ def section_kwargs(c: Mapping[str, Any]) -> dict[str, Any]:
         error_feedback=c["error-feedback"],
         on_divergence=c["on-divergence"],
         divergence_factor=c["divergence-factor"],
-        quorum=None if c["quorum"] == 1.0 and isinstance(c["quorum"], float) else c["quorum"],
+        quorum=quorum_arg(c["quorum"]),
         grace_s=c["grace-s"],
         merge_device=c["merge-device"],
         dp_noise_multiplier=c["dp-noise-multiplier"] or None,

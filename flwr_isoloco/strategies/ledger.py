@@ -2,14 +2,16 @@
 
 A reply is matched to its instruction by ``reply.metadata.reply_to_message_id``; the node is the
 instruction's ``dst_node_id``, not the reply's ``src_node_id`` (a killed SuperNode's error reply
-comes from the SuperLink, ``src_node_id == 1``).
+comes from the SuperLink, ``src_node_id == 1``). The ledger keeps each instruction's
+``Metadata`` only, not the message: its content (the model sent, one copy for every node) is
+then freed once the grid has it, not held until the next round.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 
-from flwr.app import Message
+from flwr.app import Message, Metadata
 
 __all__ = ["SentLedger"]
 
@@ -18,12 +20,14 @@ class SentLedger:
     """Remembers which node each instruction went to, to attribute replies correctly."""
 
     def __init__(self) -> None:
-        self._sent: list[Message] = []
+        self._sent: list[Metadata] = []
 
     def remember(self, messages: Iterable[Message]) -> list[Message]:
-        """Record ``messages`` (their ids are filled in later by ``grid.push_messages``)."""
-        self._sent = list(messages)
-        return self._sent
+        """Record ``messages``' metadata (the same objects: ``grid.push_messages`` fills their
+        ids in later) and return the messages."""
+        messages = list(messages)
+        self._sent = [m.metadata for m in messages]
+        return messages
 
     def sent_any(self) -> bool:
         """Whether the last round sent any instruction."""
@@ -33,8 +37,8 @@ class SentLedger:
         """The node a reply answers for."""
         target = reply.metadata.reply_to_message_id
         for m in self._sent:
-            if target and m.metadata.message_id == target:
-                return m.metadata.dst_node_id
+            if target and m.message_id == target:
+                return m.dst_node_id
         return reply.metadata.src_node_id
 
     def missing(self, replies: Iterable[Message]) -> list[int]:
@@ -43,8 +47,4 @@ class SentLedger:
 
     def unanswered(self, answered: set[str]) -> list[int]:
         """Nodes whose (pushed) instruction's id is not among the ``answered`` message ids."""
-        return [
-            m.metadata.dst_node_id
-            for m in self._sent
-            if m.metadata.message_id and m.metadata.message_id not in answered
-        ]
+        return [m.dst_node_id for m in self._sent if m.message_id and m.message_id not in answered]

@@ -29,7 +29,7 @@ from flwr.app import Message
 from flwr.common.logger import log
 from flwr.serverapp import Grid
 
-__all__ = ["ReplyStream", "RoundWait", "check_quorum", "quorum_count"]
+__all__ = ["ReplyStream", "RoundWait", "check_quorum", "quorum_arg", "quorum_count"]
 
 POLL_S = 0.1
 """Seconds between two sweeps over the unanswered messages when none answered."""
@@ -53,6 +53,12 @@ def check_quorum(quorum: object, grace_s: object) -> tuple[float | int | None, f
     if isinstance(g, bool) or not isinstance(g, (int, float)) or not (0 <= g < math.inf):
         raise ValueError(f"grace_s must be a finite number >= 0, got {grace_s!r}")
     return q, float(g)
+
+
+def quorum_arg(value: float | int) -> float | int | None:
+    """A run config's ``quorum`` key as the constructor's ``quorum=``: the float 1.0 (the
+    default: every reply) is None; any other value as given (:func:`check_quorum` checks it)."""
+    return None if isinstance(value, float) and value == 1.0 else value
 
 
 def quorum_count(quorum: float | int | None, sent: int) -> int:

@@ -15,6 +15,8 @@ from logging import INFO
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+import torch
 from flwr.app import ArrayRecord, Context
 from flwr.common.logger import log
 from flwr.serverapp import Grid, ServerApp
@@ -66,6 +68,15 @@ def summary(row: dict[str, Any]) -> str:
         f"{row['replies-rejected']} rejected, {row['replies-missing']} missing | "
         f"aggregation {row.get('aggregation-time-s') or 0.0:.3f} s"
     )
+
+
+def shape_reference(arrays: ArrayRecord) -> dict[str, torch.Tensor]:
+    """``arrays``' names, shapes and dtypes as tensors on the meta device (no data): what a
+    resumed strategy's state is checked against, without a second copy of the model."""
+    return {
+        k: torch.empty(a.shape, dtype=torch.from_numpy(np.empty(0, a.dtype)).dtype, device="meta")
+        for k, a in arrays.items()
+    }
 
 
 def build(cfg, nodes: list[int]) -> AppRun:
@@ -132,7 +143,7 @@ def build(cfg, nodes: list[int]) -> AppRun:
             "val-tokens-evaluated": sum(b[:, 1:].numel() for b in val),
             **({"model": cfg.model["name-or-path"], "model-source": src} if hf_model else {}),
         },
-        restore_kwargs={"reference": initial.to_torch_state_dict()},
+        restore_kwargs={"reference": shape_reference(initial)},
         plot=lambda res, out: plot_losses(
             res["rounds"], out / "loss.png", title, initial=res["initial"]
         ),

@@ -30,6 +30,8 @@ from flwr_isoloco.runconfig import (
     positive,
     read_run_config,
 )
+from flwr_isoloco.strategies.diloco_config import RUN_CONFIG_CHECKS
+from flwr_isoloco.strategies.rounds import check_quorum, quorum_arg
 
 STRATEGIES = ("rwlora", "gossip", "fedavg")
 
@@ -59,6 +61,8 @@ DEFAULTS: dict[str, Any] = {
         "dead-after": 2,
         "dead-backoff": 8,
         "dead-backoff-max": 128,
+        "quorum": 1.0,
+        "grace-s": 0.0,
     },
     "lora": {
         "r": 8,
@@ -108,6 +112,9 @@ VALIDATORS = {
     "strategy.dead-after": non_negative,
     "strategy.dead-backoff": positive,
     "strategy.dead-backoff-max": positive,
+    # the strategies' own checks (as the isoloco_lm app); GossipLoRA's check_quorum then
+    "strategy.quorum": RUN_CONFIG_CHECKS["quorum"],
+    "strategy.grace-s": RUN_CONFIG_CHECKS["grace-s"],
     "lora.r": positive,
     "lora.alpha": positive,
     "lora.dropout": in_range(0.0, 1.0, hi_open=True),
@@ -138,11 +145,37 @@ def load_config(run_config: dict[str, Any]) -> DictConfig:
             f"run-config key 'strategy.dead-backoff-max' = {s['dead-backoff-max']} must be >= "
             f"'strategy.dead-backoff' = {s['dead-backoff']}"
         )
+    _check_quorum_keys(s)
     if cfg.strategy.name != "rwlora" and cfg.strategy["carry-optimizer-state"]:
         raise RunConfigError(
             "run-config key 'strategy.carry-optimizer-state' is only supported by 'rwlora'"
         )
     return cfg
+
+
+def _check_quorum_keys(s: DictConfig) -> None:
+    """``strategy.quorum`` / ``strategy.grace-s`` mean something for 'gossip' only: RW-LoRA
+    sends each hop to one node (its reason: ``RWLoRA.REFUSED_ARGS``), the FedAvg baseline
+    waits for every reply."""
+    from flwr_isoloco.strategies.rwlora import RWLoRA
+
+    if s.name == "gossip":
+        try:
+            check_quorum(quorum_arg(s.quorum), s["grace-s"])
+        except ValueError as exc:  # e.g. 1.5: neither a fraction nor a count
+            raise RunConfigError(f"run-config key 'strategy.quorum': {exc}") from None
+    for key, default in (("quorum", 1.0), ("grace-s", 0.0)):
+        if s.name == "gossip" or s[key] == default:
+            continue
+        why = (
+            RWLoRA.REFUSED_ARGS[key.replace("-", "_")]
+            if s.name == "rwlora"
+            else "the FedAvg baseline waits for every reply (Flower's send_and_receive)"
+        )
+        raise RunConfigError(
+            f"run-config key 'strategy.{key}' = {s[key]!r} applies to strategy.name 'gossip' "
+            f"only; {s.name!r}: {why}"
+        )
 
 
 def lora_spec(cfg: DictConfig) -> LoRASpec:
@@ -225,7 +258,8 @@ def build_strategy(cfg: DictConfig, n: int):
     )
     try:
         if s.name == "gossip":
-            return GossipLoRA(s.graph, **common)
+            q = quorum_arg(s.quorum)
+            return GossipLoRA(s.graph, quorum=q, grace_s=s["grace-s"], **common)
         return RWLoRA(
             s.graph,
             transition=s.transition,
