@@ -29,8 +29,10 @@ from __future__ import annotations
 
 import argparse
 import functools
+import itertools
 import json
 import math
+import os
 import shutil
 import statistics
 import sys
@@ -198,6 +200,9 @@ def lean_client() -> None:
     client_app.load_config = lambda rc: _client_config(tuple(sorted(dict(rc).items())))
 
 
+_RUN_IDS = itertools.count(os.getpid() * 10_000 + 1)
+
+
 def run_cell(strategy, attack, f, defence, seed, size, cache: Path, extra=None) -> dict:
     """One run; ``extra`` run-config keys override the size's (e.g. a smaller corpus)."""
     from fakegrid import FakeGrid
@@ -210,13 +215,16 @@ def run_cell(strategy, attack, f, defence, seed, size, cache: Path, extra=None) 
     out = Path(tempfile.mkdtemp(prefix=f"attack-{strategy}-{attack}{f}-{defence}-"))
     rc = {**run_config(strategy, defence, seed, size, out, cache), **(extra or {})}
     grid_cls = attack_grid(FakeGrid, attack, f, seed)
-    grid = grid_cls({"train": client_app.train}, num_nodes=NODES, run_config=rc)
+    # A run id of this process and cell: the nodes' state files live in a per-run temp folder,
+    # and FakeGrid's default id is shared by every in-process run on the machine.
+    run_id = next(_RUN_IDS)
+    grid = grid_cls({"train": client_app.train}, num_nodes=NODES, run_config=rc, run_id=run_id)
     t0 = time.perf_counter()
     try:
-        res_dir = run_app(lean_spec(), grid, rc, 0, settle_s=0.0)
+        res_dir = run_app(lean_spec(), grid, rc, run_id, settle_s=0.0)
         res = json.loads((res_dir / "results.json").read_text())
     finally:
-        remove_run_temp_dir(0)
+        remove_run_temp_dir(run_id)
         shutil.rmtree(out, ignore_errors=True)
     return {
         "strategy": strategy,
