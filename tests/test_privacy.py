@@ -248,9 +248,19 @@ def test_run_config_keys_build_the_mechanism():
         s = cls.from_run_config(rc)
         assert (s.dp.z, s.dp.c, s.dp.delta, s.dp.max_epsilon) == (1.5, 0.25, 1e-6, 9.0)
     off = DiLoCo.from_run_config({})
-    assert not off.dp.enabled and off.dp.accountant is None
+    assert not off.dp.enabled and off.dp.accountant is None and off.dp.quantile is None
     with pytest.raises(ValueError, match="strategy.dp-delta"):
         DiLoCo.from_run_config({"strategy.dp-delta": 2.0})
+    adaptive = {
+        **rc,
+        "strategy.dp-adaptive-quantile": 0.4,
+        "strategy.dp-clip-lr": 0.1,
+        "strategy.dp-clip-count-std": 2.0,
+    }
+    s = IsoLoCo.from_run_config(adaptive)
+    assert (s.dp.quantile, s.dp.clip_lr, s.dp.count_std) == (0.4, 0.1, 2.0)
+    with pytest.raises(ValueError, match="strategy.dp-adaptive-quantile"):
+        DiLoCo.from_run_config({**adaptive, "strategy.dp-adaptive-quantile": 1.0})
 
 
 def test_noise_for_epsilon_calibrates_on_flowers_accountant():
