@@ -249,9 +249,13 @@ def final(r: dict) -> float:
     return float("inf") if v is None or not math.isfinite(v) else float(v)
 
 
+GOAL = {0: 0.02, 1: 0.05, 2: 0.15}  # issue 20: the most a defence may cost, by f
+
+
 def table(records: list[dict], size: str) -> str:
-    """Mean over seeds of final loss minus the honest run without defence, one table per
-    strategy: rows attack x f (and honest), columns defences."""
+    """Final loss minus the honest run without defence (same seed), one table per strategy:
+    rows attack x f (and honest), columns the defences run. With several seeds a cell is
+    ``mean ± sd (seed 0 / seed 1 / ...)``; the goal lines use the worst seed."""
     recs = [r for r in records if r["size"] == size]
     lines = []
     for st in [s for s in STRATEGIES if any(r["strategy"] == s for r in recs)]:
@@ -262,36 +266,73 @@ def table(records: list[dict], size: str) -> str:
         if not base:
             continue
         seeds = sorted(base)
-        ref = statistics.mean(base.values())
+        defences = [d for d in DEFENCES if any(r["defence"] == d for r in mine)]
         lines += [
-            f"**{st}** ({size}: {SIZES[size]['num-server-rounds']} rounds, seeds "
-            f"{seeds}; honest run without defence: final val loss {ref:.4f})",
+            f"**{st}** ({size}: {SIZES[size]['num-server-rounds']} rounds x "
+            f"{SIZES[size]['train.local-steps']} local steps, seeds {seeds}; honest run without "
+            "defence: final val loss " + " / ".join(f"{base[s]:.4f}" for s in seeds) + ")",
             "",
+            "| attack | f | " + " | ".join(defences) + " |",
+            "|---|---|" + "---:|" * len(defences),
         ]
-        lines.append("| attack | f | " + " | ".join(DEFENCES) + " |")
-        lines.append("|---|---|" + "---:|" * len(DEFENCES))
-        cost = {}  # (attack, f, defence) -> mean over seeds of the loss difference
+        diffs = {}  # (attack, f, defence) -> {seed: loss difference}
+        for r in mine:
+            if r["seed"] in base:
+                k = (r["attack"], r["f"], r["defence"])
+                diffs.setdefault(k, {})[r["seed"]] = final(r) - base[r["seed"]]
         for a, f in [("honest", 0)] + [(a, f) for a in ATTACKS for f in (1, 2)]:
-            cells = []
-            for d in DEFENCES:
-                diffs = [
-                    final(r) - base[r["seed"]]
-                    for r in mine
-                    if (r["attack"], r["f"], r["defence"]) == (a, f, d) and r["seed"] in base
-                ]
-                if diffs:
-                    cost[a, f, d] = statistics.mean(diffs)
-                cells.append(_cell(cost.get((a, f, d))))
+            cells = [_cells(diffs.get((a, f, d)), seeds) for d in defences]
             lines.append(f"| {a} | {f} | " + " | ".join(cells) + " |")
-        for f in (1, 2):  # the worst attack per defence, and how many of the 4 were run
+        for f in (1, 2):  # the worst attack per defence (mean over seeds), and how many ran
             worst = []
-            for d in DEFENCES:
-                got = [cost[a, f, d] for a in ATTACKS if (a, f, d) in cost]
+            for d in defences:
+                got = [
+                    statistics.mean(diffs[a, f, d].values()) for a in ATTACKS if (a, f, d) in diffs
+                ]
                 n = f" ({len(got)}/{len(ATTACKS)})" if 0 < len(got) < len(ATTACKS) else ""
                 worst.append(_cell(max(got) if got else None) + n)
             lines.append(f"| **worst** | {f} | " + " | ".join(worst) + " |")
-        lines.append("")
+        lines += ["", *goal_lines(diffs, defences, seeds), ""]
     return "\n".join(lines)
+
+
+def goal_lines(diffs: dict, defences: list[str], seeds: list[int]) -> list[str]:
+    """Per defence with an honest run: the issue's goal (:data:`GOAL`) on the worst seed and
+    the worst attack, and how much of the grid that covers."""
+    out = []
+    for d in defences:
+        if d == "none" or ("honest", 0, d) not in diffs:
+            continue
+        parts = []
+        for f in (0, 1, 2):
+            keys = [("honest", 0, d)] if f == 0 else [(a, f, d) for a in ATTACKS]
+            got = [(v, k[0], s) for k in keys if k in diffs for s, v in diffs[k].items()]
+            if not got:
+                continue
+            v, a, s = max(got)
+            n_att = len({k for k in keys if k in diffs})
+            n_cells = len(got)
+            what = "honest" if f == 0 else f"f = {f}"
+            ok = "yes" if v <= GOAL[f] else "**no**"
+            cover = "" if f == 0 else f", {n_att}/{len(ATTACKS)} attacks"
+            parts.append(
+                f"{what} <= {GOAL[f]}: {ok} (worst {_cell(v)}, {a} seed {s}; {n_cells} runs{cover})"
+            )
+        out.append(f"- goal with `{d}`: " + "; ".join(parts))
+    return out
+
+
+def _cells(by_seed: dict | None, seeds: list[int]) -> str:
+    if not by_seed:
+        return ""
+    vals = [by_seed[s] for s in seeds if s in by_seed]
+    if len(seeds) == 1:
+        return _cell(vals[0])
+    mean = statistics.mean(vals)
+    sd = statistics.stdev(vals) if len(vals) > 1 and all(map(math.isfinite, vals)) else None
+    each = " / ".join(_cell(by_seed.get(s)) or "-" for s in seeds)
+    spread = "" if sd is None else f" ± {sd:.3f}"
+    return f"{_cell(mean)}{spread} ({each})"
 
 
 def _cell(v: float | None) -> str:
