@@ -28,8 +28,12 @@ docs/strategies.md are regenerated from all those files (``--table`` alone does 
 from __future__ import annotations
 
 import argparse
+import functools
+import itertools
 import json
 import math
+import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -48,6 +52,8 @@ DEFENCES = ("none", "bound", "median", "trimmed-mean", "krum", "multikrum", "nor
 STRATEGIES = ("isoloco", "diloco")
 SIZES = {  # rounds, local steps and model per grid; "test" is the cheap one of the unit test
     "full": {"num-server-rounds": 20, "train.local-steps": 10, "model.hidden": 64},
+    # the issue's 20 rounds at 2 local steps: what a shared 2-core machine affords
+    "headline": {"num-server-rounds": 20, "train.local-steps": 2, "model.hidden": 64},
     "quick": {"num-server-rounds": 5, "train.local-steps": 4, "model.hidden": 64},
     "test": {"num-server-rounds": 2, "train.local-steps": 2, "model.hidden": 32},
 }
@@ -166,18 +172,60 @@ def run_config(strategy: str, defence: str, seed: int, size: str, out: Path, cac
     return rc
 
 
+def lean_spec():
+    """The app's ``SPEC`` without the per-round loss plot and the final export: neither is
+    read by the table, and neither feeds back into training (same losses bit for bit)."""
+    from dataclasses import replace
+
+    from isoloco_lm import server_app
+
+    def build(cfg, nodes):
+        return replace(server_app.SPEC.build(cfg, nodes), plot=None, export=None)
+
+    return replace(server_app.SPEC, build=build)
+
+
+@functools.lru_cache(maxsize=8)
+def _client_config(items: tuple):
+    from isoloco_lm import task
+
+    return task.load_config(dict(items))
+
+
+def lean_client() -> None:
+    """The ClientApp validates its run config (omegaconf) on every message; every node of a
+    cell has the same one, so it is validated once per distinct config (a pure function)."""
+    from isoloco_lm import client_app
+
+    client_app.load_config = lambda rc: _client_config(tuple(sorted(dict(rc).items())))
+
+
+_RUN_IDS = itertools.count(os.getpid() * 10_000 + 1)
+
+
 def run_cell(strategy, attack, f, defence, seed, size, cache: Path, extra=None) -> dict:
     """One run; ``extra`` run-config keys override the size's (e.g. a smaller corpus)."""
     from fakegrid import FakeGrid
-    from isoloco_lm import client_app, server_app
+    from isoloco_lm import client_app
 
+    from flwr_isoloco.apprunner import run_app
+    from flwr_isoloco.clients.node_state import remove_run_temp_dir
+
+    lean_client()
     out = Path(tempfile.mkdtemp(prefix=f"attack-{strategy}-{attack}{f}-{defence}-"))
     rc = {**run_config(strategy, defence, seed, size, out, cache), **(extra or {})}
     grid_cls = attack_grid(FakeGrid, attack, f, seed)
-    grid = grid_cls({"train": client_app.train}, num_nodes=NODES, run_config=rc)
+    # A run id of this process and cell: the nodes' state files live in a per-run temp folder,
+    # and FakeGrid's default id is shared by every in-process run on the machine.
+    run_id = next(_RUN_IDS)
+    grid = grid_cls({"train": client_app.train}, num_nodes=NODES, run_config=rc, run_id=run_id)
     t0 = time.perf_counter()
-    res_dir = server_app.run_server(grid, rc, settle_s=0.0)
-    res = json.loads((res_dir / "results.json").read_text())
+    try:
+        res_dir = run_app(lean_spec(), grid, rc, run_id, settle_s=0.0)
+        res = json.loads((res_dir / "results.json").read_text())
+    finally:
+        remove_run_temp_dir(run_id)
+        shutil.rmtree(out, ignore_errors=True)
     return {
         "strategy": strategy,
         "attack": attack,
@@ -201,9 +249,13 @@ def final(r: dict) -> float:
     return float("inf") if v is None or not math.isfinite(v) else float(v)
 
 
+GOAL = {0: 0.02, 1: 0.05, 2: 0.15}  # issue 20: the most a defence may cost, by f
+
+
 def table(records: list[dict], size: str) -> str:
-    """Mean over seeds of final loss minus the honest run without defence, one table per
-    strategy: rows attack x f (and honest), columns defences."""
+    """Final loss minus the honest run without defence (same seed), one table per strategy:
+    rows attack x f (and honest), columns the defences run. With several seeds a cell is
+    ``mean ± sd (seed 0 / seed 1 / ...)``; the goal lines use the worst seed."""
     recs = [r for r in records if r["size"] == size]
     lines = []
     for st in [s for s in STRATEGIES if any(r["strategy"] == s for r in recs)]:
@@ -214,36 +266,73 @@ def table(records: list[dict], size: str) -> str:
         if not base:
             continue
         seeds = sorted(base)
-        ref = statistics.mean(base.values())
+        defences = [d for d in DEFENCES if any(r["defence"] == d for r in mine)]
         lines += [
-            f"**{st}** ({size}: {SIZES[size]['num-server-rounds']} rounds, seeds "
-            f"{seeds}; honest run without defence: final val loss {ref:.4f})",
+            f"**{st}** ({size}: {SIZES[size]['num-server-rounds']} rounds x "
+            f"{SIZES[size]['train.local-steps']} local steps, seeds {seeds}; honest run without "
+            "defence: final val loss " + " / ".join(f"{base[s]:.4f}" for s in seeds) + ")",
             "",
+            "| attack | f | " + " | ".join(defences) + " |",
+            "|---|---|" + "---:|" * len(defences),
         ]
-        lines.append("| attack | f | " + " | ".join(DEFENCES) + " |")
-        lines.append("|---|---|" + "---:|" * len(DEFENCES))
-        cost = {}  # (attack, f, defence) -> mean over seeds of the loss difference
+        diffs = {}  # (attack, f, defence) -> {seed: loss difference}
+        for r in mine:
+            if r["seed"] in base:
+                k = (r["attack"], r["f"], r["defence"])
+                diffs.setdefault(k, {})[r["seed"]] = final(r) - base[r["seed"]]
         for a, f in [("honest", 0)] + [(a, f) for a in ATTACKS for f in (1, 2)]:
-            cells = []
-            for d in DEFENCES:
-                diffs = [
-                    final(r) - base[r["seed"]]
-                    for r in mine
-                    if (r["attack"], r["f"], r["defence"]) == (a, f, d) and r["seed"] in base
-                ]
-                if diffs:
-                    cost[a, f, d] = statistics.mean(diffs)
-                cells.append(_cell(cost.get((a, f, d))))
+            cells = [_cells(diffs.get((a, f, d)), seeds) for d in defences]
             lines.append(f"| {a} | {f} | " + " | ".join(cells) + " |")
-        for f in (1, 2):  # the worst attack per defence, and how many of the 4 were run
+        for f in (1, 2):  # the worst attack per defence (mean over seeds), and how many ran
             worst = []
-            for d in DEFENCES:
-                got = [cost[a, f, d] for a in ATTACKS if (a, f, d) in cost]
+            for d in defences:
+                got = [
+                    statistics.mean(diffs[a, f, d].values()) for a in ATTACKS if (a, f, d) in diffs
+                ]
                 n = f" ({len(got)}/{len(ATTACKS)})" if 0 < len(got) < len(ATTACKS) else ""
                 worst.append(_cell(max(got) if got else None) + n)
             lines.append(f"| **worst** | {f} | " + " | ".join(worst) + " |")
-        lines.append("")
+        lines += ["", *goal_lines(diffs, defences, seeds), ""]
     return "\n".join(lines)
+
+
+def goal_lines(diffs: dict, defences: list[str], seeds: list[int]) -> list[str]:
+    """Per defence with an honest run: the issue's goal (:data:`GOAL`) on the worst seed and
+    the worst attack, and how much of the grid that covers."""
+    out = []
+    for d in defences:
+        if d == "none" or ("honest", 0, d) not in diffs:
+            continue
+        parts = []
+        for f in (0, 1, 2):
+            keys = [("honest", 0, d)] if f == 0 else [(a, f, d) for a in ATTACKS]
+            got = [(v, k[0], s) for k in keys if k in diffs for s, v in diffs[k].items()]
+            if not got:
+                continue
+            v, a, s = max(got)
+            n_att = len({k for k in keys if k in diffs})
+            n_cells = len(got)
+            what = "honest" if f == 0 else f"f = {f}"
+            ok = "yes" if v <= GOAL[f] else "**no**"
+            cover = "" if f == 0 else f", {n_att}/{len(ATTACKS)} attacks"
+            parts.append(
+                f"{what} <= {GOAL[f]}: {ok} (worst {_cell(v)}, {a} seed {s}; {n_cells} runs{cover})"
+            )
+        out.append(f"- goal with `{d}`: " + "; ".join(parts))
+    return out
+
+
+def _cells(by_seed: dict | None, seeds: list[int]) -> str:
+    if not by_seed:
+        return ""
+    vals = [by_seed[s] for s in seeds if s in by_seed]
+    if len(seeds) == 1:
+        return _cell(vals[0])
+    mean = statistics.mean(vals)
+    sd = statistics.stdev(vals) if len(vals) > 1 and all(map(math.isfinite, vals)) else None
+    each = " / ".join(_cell(by_seed.get(s)) or "-" for s in seeds)
+    spread = "" if sd is None else f" ± {sd:.3f}"
+    return f"{_cell(mean)}{spread} ({each})"
 
 
 def _cell(v: float | None) -> str:
@@ -251,7 +340,7 @@ def _cell(v: float | None) -> str:
 
 
 def write_table(records: list[dict], doc: Path = DOC) -> None:
-    parts = [table(records, s) for s in ("full", "quick")]
+    parts = [table(records, s) for s in ("full", "headline", "quick")]
     text = doc.read_text()
     head, rest = text.split(BEGIN)
     _, tail = rest.split(END)
@@ -264,7 +353,7 @@ def cells(args) -> list[tuple]:
     out = []
     for seed in args.seeds:
         for st in args.strategies:
-            out += [(st, "honest", 0, d, seed) for d in args.defences]
+            out += [(st, "honest", 0, d, seed) for d in args.honest_defences]
         for d in args.defences:
             for st in args.strategies:
                 out += [(st, a, f, d, seed) for a in args.attacks for f in args.f]
@@ -276,6 +365,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--strategies", nargs="+", default=list(STRATEGIES), choices=STRATEGIES)
     ap.add_argument("--attacks", nargs="+", default=list(ATTACKS), choices=ATTACKS)
     ap.add_argument("--defences", nargs="+", default=list(DEFENCES), choices=DEFENCES)
+    ap.add_argument(
+        "--honest-defences", nargs="+", default=None, choices=DEFENCES, help="(--defences)"
+    )
     ap.add_argument("--f", nargs="+", type=int, default=[1, 2], choices=[1, 2])
     ap.add_argument("--seeds", nargs="+", type=int, default=None)
     ap.add_argument("--quick", action="store_true", help="5 rounds, 1 seed")
@@ -288,7 +380,9 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     size = args.size or ("quick" if args.quick else "full")
     if args.seeds is None:
-        args.seeds = [0] if size != "full" else [0, 1, 2]
+        args.seeds = [0] if size not in ("full", "headline") else [0, 1, 2]
+    if args.honest_defences is None:
+        args.honest_defences = args.defences
     if args.out is None:
         tag = "-".join(args.strategies)
         if args.defences != list(DEFENCES):

@@ -1,4 +1,4 @@
-"""Privacy-utility table: central DP at epsilon in {inf, 8, 2} (delta 1e-5) on the isoloco-lm app.
+"""Privacy-utility table: central DP at epsilon in {inf, 8, 2, 0.5} (delta 1e-5) on the isoloco-lm app.
 
 Real Flower runs (Ray simulation through ``flwr.simulation.run_simulation``) of the app's
 ServerApp (``run_server``) and its DiLoCo worker, M simulated sites, a small LLaMA. Per cell
@@ -33,7 +33,7 @@ sys.path.insert(0, str(REPO / "simulations" / "isoloco_lm"))
 RESULTS = REPO / "benchmarks" / "results" / "privacy_utility.json"
 DOC = REPO / "docs" / "privacy.md"
 BEGIN, END = "<!-- BEGIN PRIVACY UTILITY TABLE -->", "<!-- END PRIVACY UTILITY TABLE -->"
-EPSILONS = (math.inf, 8.0, 2.0)
+EPSILONS = (math.inf, 8.0, 2.0, 0.5)
 DELTA = 1e-5
 ENV = "PRIVACY_UTILITY_RC"
 

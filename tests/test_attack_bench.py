@@ -88,3 +88,28 @@ def test_sign_flip_costs_less_under_the_median(tiny):
     assert abs(median - base) < (plain - base) / 2  # the median keeps most of it out
     text = attack_bench.table(recs, "test")
     assert "| signflip | 1 | " in text and "+0.000" in text
+
+
+def test_table_lists_every_seed_and_checks_the_goal_on_the_worst():
+    def rec(attack, f, defence, seed, loss):
+        return {
+            "strategy": "isoloco",
+            "attack": attack,
+            "f": f,
+            "defence": defence,
+            "seed": seed,
+            "size": "headline",
+            "val_loss": [9.0, loss],
+        }
+
+    recs = [rec("honest", 0, "none", s, 5.0 + s) for s in (0, 1)]
+    recs += [rec("honest", 0, "multikrum", s, 5.01 + s) for s in (0, 1)]
+    recs += [rec("signflip", 1, "multikrum", 0, 5.02), rec("signflip", 1, "multikrum", 1, 6.06)]
+    recs += [rec("signflip", 2, "none", 0, float("nan"))]
+    text = attack_bench.table(recs, "headline")
+    assert "| attack | f | none | multikrum |" in text  # only the defences run
+    assert "| signflip | 1 |  | +0.040 ± 0.028 (+0.020 / +0.060) |" in text
+    assert "| signflip | 2 | diverged (diverged / -) |  |" in text
+    goal = next(line for line in text.splitlines() if line.startswith("- goal with `multikrum`"))
+    assert "honest <= 0.02: yes (worst +0.010" in goal
+    assert "f = 1 <= 0.05: **no** (worst +0.060, signflip seed 1; 2 runs, 1/4 attacks)" in goal

@@ -51,7 +51,7 @@ from flwr_isoloco.strategies.guard import EmptyRoundGuard
 from flwr_isoloco.strategies.ledger import SentLedger
 from flwr_isoloco.strategies.lifecycle import ResumableStrategy, RoundOutcome
 from flwr_isoloco.strategies.nodes import wait_for_nodes
-from flwr_isoloco.strategies.privacy import DEFAULT_DP_DELTA, StrategyDP
+from flwr_isoloco.strategies.privacy import DEFAULT_CLIP_LR, DEFAULT_DP_DELTA, StrategyDP
 from flwr_isoloco.strategies.replies import CheckedReply, ReplyValidator
 from flwr_isoloco.strategies.rounds import ReplyStream, check_quorum
 from flwr_isoloco.strategies.train_round import TrainRound
@@ -160,6 +160,12 @@ class DiLoCo(FromRunConfig, DiLoCoState, ResumableStrategy):
         before compression and error feedback (the DiLoCo worker does when the train config
         asks); every merge rule and option is then allowed, replies without the echo are
         dropped, and ``dp-epsilon`` is each site's own (multiplier ``z / 2``: replace-one).
+    dp_adaptive_quantile, dp_clip_lr, dp_clip_count_std :
+        Adaptive clipping (central DP with noise; Andrew et al. 2021): ``dp_clipping_norm`` is
+        the initial ``C``, moved after each round towards the ``dp_adaptive_quantile`` quantile
+        of the update norms, ``C <- C exp(-dp_clip_lr (b - q))``, ``b`` the unclipped fraction
+        noised with std ``dp_clip_count_std`` (required, ``> z / 2``). ``z`` stays the
+        accounted multiplier; the update sum gets ``(z^-2 - (2 dp_clip_count_std)^-2)^-1/2``.
     robust, robust_options :
         Robust aggregation of the pseudo-gradients, replacing the mean before the rule (Iso-C)
         and the outer step (:mod:`flwr_isoloco.merging.robust`): ``"none"`` (default),
@@ -212,6 +218,9 @@ class DiLoCo(FromRunConfig, DiLoCoState, ResumableStrategy):
         dp_max_epsilon: float | None = None,
         dp_seed: int | None = None,
         dp_mode: str = "central",
+        dp_adaptive_quantile: float | None = None,
+        dp_clip_lr: float = DEFAULT_CLIP_LR,
+        dp_clip_count_std: float | None = None,
         robust: str | None = "none",
         robust_options: Mapping[str, Any] | None = None,
     ) -> None:
@@ -270,7 +279,15 @@ class DiLoCo(FromRunConfig, DiLoCoState, ResumableStrategy):
         self._train_stream = ReplyStream("aggregate_train")
         self._eval_stream = ReplyStream("aggregate_evaluate")
         self.dp = StrategyDP(
-            dp_noise_multiplier, dp_clipping_norm, dp_delta, dp_max_epsilon, dp_seed, dp_mode
+            dp_noise_multiplier,
+            dp_clipping_norm,
+            dp_delta,
+            dp_max_epsilon,
+            dp_seed,
+            dp_mode,
+            dp_adaptive_quantile,
+            dp_clip_lr,
+            dp_clip_count_std,
         )
         self.dp.check_strategy(self)  # refuses rules / options DP cannot bound; weights uniform
 
@@ -526,14 +543,14 @@ class DiLoCo(FromRunConfig, DiLoCoState, ResumableStrategy):
         from flwr_isoloco.checkpoint_spec import CheckpointError
 
         meta = state.get("meta") if isinstance(state, Mapping) else None
-        accountant, key = self.dp.accountant, self.dp.noise_key
+        dp = self.dp.accountant, self.dp.noise_key, self.dp.c
         if isinstance(meta, Mapping) and isinstance(meta.get("server_round"), int):
             try:
-                accountant, key = self.dp.parse_state(meta.get("dp"), meta["server_round"])
+                dp = self.dp.parse_state(meta.get("dp"), meta["server_round"])
             except ValueError as exc:
                 raise CheckpointError(f"DP accountant: {exc}") from None
         super().load_state_dict(state, reference)
-        self.dp.accountant, self.dp.noise_key = accountant, key
+        self.dp.restore(dp)
         ref = state["meta"].get("weight_reference")
         self.weight_reference = None if ref is None else float(ref)
 

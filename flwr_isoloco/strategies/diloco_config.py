@@ -19,7 +19,7 @@ from flwr_isoloco.merging import MERGE_RULES
 from flwr_isoloco.merging.device import parse_device
 from flwr_isoloco.merging.robust import ROBUST_OPTIONS, ROBUST_RULES
 from flwr_isoloco.outer import ISOLOCO_PRESETS
-from flwr_isoloco.runconfig import choices, in_range, non_negative, read_run_config
+from flwr_isoloco.runconfig import choices, in_range, non_negative, positive, read_run_config
 from flwr_isoloco.strategies.divergence import DEFAULT_DIVERGENCE_FACTOR, DIVERGENCE_MODES
 from flwr_isoloco.strategies.evaluation import check_count, check_fraction
 from flwr_isoloco.strategies.replies import PAYLOADS
@@ -83,6 +83,9 @@ DILOCO_RUN_CONFIG: dict[str, Any] = {
     "dp-delta": 1e-5,
     "dp-max-epsilon": 0.0,
     "dp-mode": "central",
+    "dp-adaptive-quantile": 0.0,
+    "dp-clip-lr": 0.2,
+    "dp-clip-count-std": 0.0,
     "robust": "none",
     "robust-trim": -1.0,
     "robust-f": -1,
@@ -92,7 +95,8 @@ DILOCO_RUN_CONFIG: dict[str, Any] = {
 seconds to wait for the rest once the quorum is in (strategies/rounds.py). ``robust``: the
 robust aggregation (merging/robust.py); its options ``robust-trim`` / ``robust-f`` /
 ``robust-select`` at -1 take the rule's default. ``dp-*``: central DP (strategies/privacy.py);
-0 for the noise multiplier, clipping norm or max epsilon = off. ``merge-device``: where the
+0 for the noise multiplier, clipping norm or max epsilon = off; ``dp-adaptive-quantile`` 0 =
+fixed clipping norm, else adaptive clipping with ``dp-clip-lr`` and ``dp-clip-count-std``. ``merge-device``: where the
 server merge computes ("auto" | "cpu" | "cuda" | "cuda:<index>", merging/device.py)."""
 ISOLOCO_RUN_CONFIG: dict[str, Any] = {
     **DILOCO_RUN_CONFIG,
@@ -173,6 +177,9 @@ RUN_CONFIG_CHECKS: dict[str, Any] = {
     "dp-delta": in_range(0, 1, lo_open=True, hi_open=True),
     "dp-max-epsilon": non_negative,
     "dp-mode": choices("central", "local"),
+    "dp-adaptive-quantile": in_range(0, 1, hi_open=True),
+    "dp-clip-lr": positive,
+    "dp-clip-count-std": non_negative,
     "robust": choices(*ROBUST_RULES),
     "robust-trim": _default_or_trim,
     "robust-f": _default_or_non_negative,
@@ -256,6 +263,9 @@ def section_kwargs(c: Mapping[str, Any]) -> dict[str, Any]:
         dp_delta=float(c["dp-delta"]),
         dp_max_epsilon=c["dp-max-epsilon"] or None,
         dp_mode=c["dp-mode"],
+        dp_adaptive_quantile=c["dp-adaptive-quantile"] or None,
+        dp_clip_lr=c["dp-clip-lr"],
+        dp_clip_count_std=c["dp-clip-count-std"] or None,
         robust=c["robust"],
         robust_options=robust_options(c),
     )

@@ -17,7 +17,7 @@ from flwr_isoloco.outer import ISOLOCO_PRESETS, nesterov_step_limit, resolve_pre
 from flwr_isoloco.strategies.diloco import DiLoCo
 from flwr_isoloco.strategies.diloco_config import DEFAULT_MAX_WEIGHT_RATIO, ISOLOCO_RUN_CONFIG
 from flwr_isoloco.strategies.divergence import DEFAULT_DIVERGENCE_FACTOR
-from flwr_isoloco.strategies.privacy import DEFAULT_DP_DELTA
+from flwr_isoloco.strategies.privacy import DEFAULT_CLIP_LR, DEFAULT_DP_DELTA
 
 __all__ = ["IsoLoCo", "ISOLOCO_PRESETS"]
 
@@ -54,7 +54,7 @@ class IsoLoCo(DiLoCo):
     max_weight_ratio, max_empty_rounds, dtype_policy, seed, upload_codec, codec_options,
     error_feedback, quorum, grace_s, on_divergence, divergence_factor, divergence_key,
     merge_device, dp_noise_multiplier, dp_clipping_norm, dp_delta, dp_max_epsilon, dp_seed,
-    dp_mode, robust, robust_options :
+    dp_mode, dp_adaptive_quantile, dp_clip_lr, dp_clip_count_std, robust, robust_options :
         As in :class:`DiLoCo`.
     """
 
@@ -104,6 +104,9 @@ class IsoLoCo(DiLoCo):
         dp_max_epsilon: float | None = None,
         dp_seed: int | None = None,
         dp_mode: str = "central",
+        dp_adaptive_quantile: float | None = None,
+        dp_clip_lr: float = DEFAULT_CLIP_LR,
+        dp_clip_count_std: float | None = None,
         robust: str | None = "none",
         robust_options: Mapping[str, Any] | None = None,
     ) -> None:
@@ -156,6 +159,9 @@ class IsoLoCo(DiLoCo):
             dp_max_epsilon=dp_max_epsilon,
             dp_seed=dp_seed,
             dp_mode=dp_mode,
+            dp_adaptive_quantile=dp_adaptive_quantile,
+            dp_clip_lr=dp_clip_lr,
+            dp_clip_count_std=dp_clip_count_std,
             robust=robust,
             robust_options=robust_options,
         )

@@ -10,6 +10,15 @@ number without replacement, and a site's presence is visible to the server anywa
 accountant's population size is therefore irrelevant and set to 1 (each event ``(z, 1, 1)``).
 With ``dp_mode="local"`` the workers clip and noise their own deltas instead (any merge rule;
 each site's epsilon uses multiplier ``z / 2``, the replace-one sensitivity ``2 C``).
+
+Adaptive clipping (``dp_adaptive_quantile``, Andrew et al. 2021, "Differentially private
+learning with adaptive clipping"): after round ``t`` the server, which clipped every update
+itself, releases the noised fraction of sampled sites whose update was *not* clipped,
+``b = (sum_i 1[||delta_i|| <= C_t] + N(0, sigma_b^2)) / k`` (a missing or rejected site is a
+zero update: bit 1), and sets ``C_{t+1} = C_t exp(-eta (b - gamma))``. The two Gaussian
+releases of a round compose to one of multiplier ``z`` when the update sum is noised with
+``z_delta = (z^-2 - (2 sigma_b)^-2)^(-1/2)`` (the centred bits have sensitivity 1/2; Flower's
+``compute_adaptive_noise_params``), so the accountant still composes one ``z`` per round.
 https://github.com/flwr-isoloco/flwr-isoloco/blob/main/docs/privacy.md has the relation,
 the assumptions and what is not covered (client metrics, evaluation, reply counts).
 """
@@ -21,6 +30,7 @@ import secrets
 from logging import INFO
 from typing import Any
 
+import torch
 from flwr.common.logger import log
 from flwr.serverapp.exception import PrivacyBudgetExhausted  # Flower's own (its DP wrappers')
 
@@ -38,6 +48,8 @@ __all__ = [
 
 DEFAULT_DP_DELTA = 1e-5
 DP_MODES = ("central", "local")
+DEFAULT_CLIP_LR = 0.2  # Andrew et al.'s eta (and Flower's clip_norm_lr)
+COUNT_NOISE_INDEX = 2**31 - 1  # noise stream of the clipped count (tensors use 0, 1, ...)
 
 
 NEEDS_EVERY_DELTA_HINT = (
@@ -90,6 +102,15 @@ def noise_for_epsilon(epsilon: float, rounds: int, delta: float, tol: float = 1e
     return hi
 
 
+def update_noise_multiplier(z: float, count_std: float) -> float:
+    """``z_delta`` for the update sum so that it and the count noise ``count_std`` compose to
+    multiplier ``z`` (Flower's ``compute_adaptive_noise_params``, which checks
+    ``z < 2 count_std``)."""
+    from flwr.supercore.differential_privacy import compute_adaptive_noise_params
+
+    return compute_adaptive_noise_params(z, 1, count_std)[1]
+
+
 def _positive(name: str, v: Any, allow_zero: bool = False) -> float | None:
     if v is None:
         return None
@@ -108,6 +129,9 @@ class StrategyDP:
     ``mode="local"``: each worker clips and noises its own delta before compression
     (:func:`~flwr_isoloco.merging.dp.privatize`), asked through the train config and echoed in
     its reply (a reply without the echo is dropped); any merge rule is then post-processing.
+    ``adaptive_quantile`` (central mode, with noise): ``C`` is the initial clipping norm and
+    follows the ``adaptive_quantile`` quantile of the update norms (module docstring), with
+    step ``clip_lr`` and count noise ``clip_count_std`` (required: ``z < 2 clip_count_std``).
     """
 
     def __init__(
@@ -118,6 +142,9 @@ class StrategyDP:
         max_epsilon: float | None,
         noise_seed: int | None = None,
         mode: str = "central",
+        adaptive_quantile: float | None = None,
+        clip_lr: float = DEFAULT_CLIP_LR,
+        clip_count_std: float | None = None,
     ) -> None:
         if mode not in DP_MODES:
             raise ValueError(f"dp_mode must be one of {DP_MODES}, got {mode!r}")
@@ -142,6 +169,35 @@ class StrategyDP:
         self.noise_key = secrets.randbits(63) if noise_seed is None else noise_seed
         self.accountant = None if self.z is None else _accountant(delta)
         self.last: GaussianSum | None = None
+        self.quantile, self.clip_lr, self.count_std = None, float(clip_lr), None
+        self.z_update = self.z  # the update sum's multiplier (z_delta under adaptive clipping)
+        if adaptive_quantile is not None:
+            self._adaptive(adaptive_quantile, clip_lr, clip_count_std)
+
+    def _adaptive(self, quantile: Any, lr: Any, count_std: Any) -> None:
+        if self.mode != "central" or self.z is None:
+            raise ValueError(
+                "dp_adaptive_quantile needs central DP with noise (dp_mode='central', "
+                "dp_noise_multiplier > 0): the server clips, counts and noises the count"
+            )
+        num = (int, float)
+        if not isinstance(quantile, num) or isinstance(quantile, bool) or not 0 < quantile < 1:
+            raise ValueError(f"dp_adaptive_quantile must be in (0, 1), got {quantile!r}")
+        if _positive("dp_clip_lr", lr) is None:
+            raise ValueError(f"dp_clip_lr must be a finite number > 0, got {lr!r}")
+        if count_std is None or _positive("dp_clip_count_std", count_std) is None:
+            raise ValueError(
+                "dp_adaptive_quantile needs dp_clip_count_std > 0, the std of the noise on the "
+                "clipped count (Andrew et al. suggest k / 20 for k sampled sites)"
+            )
+        if not self.z < 2 * count_std:
+            raise ValueError(
+                f"dp_clip_count_std={count_std:g} is too small for dp_noise_multiplier="
+                f"{self.z:g}: the count alone would spend more than the budget (needs "
+                f"z < 2 dp_clip_count_std)"
+            )
+        self.quantile, self.clip_lr, self.count_std = float(quantile), float(lr), float(count_std)
+        self.z_update = update_noise_multiplier(self.z, self.count_std)
 
     @property
     def enabled(self) -> bool:
@@ -195,7 +251,7 @@ class StrategyDP:
         if not self.enabled or self.mode == "local":
             return None
         self.last = GaussianSum(
-            self.c, self.z or 0.0, max(sampled, 1), keys, self.noise_key, server_round
+            self.c, self.z_update or 0.0, max(sampled, 1), keys, self.noise_key, server_round
         )
         return self.last
 
@@ -210,6 +266,21 @@ class StrategyDP:
         was sent (a site releases its noised delta by replying, whatever the server does)."""
         if self.accountant is not None and (released if self.mode == "central" else sent):
             self.accountant.compose(self._event())
+            if self.quantile is not None and self.last is not None:
+                self.c = self.next_clipping_norm(self.last)
+
+    def next_clipping_norm(self, gs: GaussianSum) -> float:
+        """``C exp(-eta (b - gamma))`` with ``b`` the noised unclipped fraction of the round of
+        ``gs``: ``(k - clipped + N(0, sigma_b^2)) / k`` (module docstring), the noise drawn
+        from ``(key, round, COUNT_NOISE_INDEX)``."""
+        from flwr_isoloco.merging.dp import noise_like
+
+        assert self.quantile is not None and self.count_std is not None
+        noise = noise_like(
+            torch.zeros(()), self.count_std, self.noise_key, gs.server_round, COUNT_NOISE_INDEX
+        )
+        unclipped = (gs.k - gs.clipped + float(noise)) / gs.k
+        return gs.c * math.exp(-self.clip_lr * (unclipped - self.quantile))
 
     def request(self) -> dict[str, float]:
         """Train-config entries asking the workers for local DP (empty in central mode)."""
@@ -243,6 +314,8 @@ class StrategyDP:
             n = len(self.last.norms)
             out["dp-clipped-fraction"] = self.last.clipped / n if n else 0.0
             out["dp-noise-std"] = self.last.std_of_mean
+            if self.quantile is not None:  # the round's C; self.c is already the next one
+                out["dp-clipping-norm"] = self.last.c
         return out
 
     def describe(self) -> str:
@@ -250,7 +323,16 @@ class StrategyDP:
         if not self.enabled:
             return "off"
         cap = "none" if self.max_epsilon is None else f"{self.max_epsilon:g}"
-        return f"{self.mode}, C {self.c:g} | z {self.z or 0:g} | delta {self.delta:g} | max-epsilon {cap}"
+        adapt = ""
+        if self.quantile is not None:
+            adapt = (
+                f" | adaptive C: quantile {self.quantile:g}, lr {self.clip_lr:g}, count std "
+                f"{self.count_std:g}, update z {self.z_update:.4g}"
+            )
+        return (
+            f"{self.mode}, C {self.c:g} | z {self.z or 0:g} | delta {self.delta:g} | "
+            f"max-epsilon {cap}{adapt}"
+        )
 
     # ------------------------------------------------------------------ checkpoint
     def state(self) -> dict[str, Any] | None:
@@ -258,24 +340,32 @@ class StrategyDP:
         without noise. The key is secret: a checkpoint with DP is as private as the updates."""
         if self.accountant is None:
             return None
-        return {"accountant": self.accountant.state_dict(), "noise_key": self.noise_key}
+        out = {"accountant": self.accountant.state_dict(), "noise_key": self.noise_key}
+        if self.quantile is not None:
+            out["clipping_norm"] = self.c  # a float: JSON keeps it bit for bit
+        return out
 
-    def parse_state(self, state: Any, server_round: int) -> tuple[Any, int]:
-        """``(accountant, noise key)`` restored from :meth:`state` (the accountant validated by
-        Flower's ``load_state_dict``; nothing is set here). ``ValueError`` when a checkpoint of ``server_round > 0`` rounds has
+    def restore(self, parsed: tuple[Any, int, float]) -> None:
+        """Set what :meth:`parse_state` returned."""
+        self.accountant, self.noise_key, self.c = parsed
+
+    def parse_state(self, state: Any, server_round: int) -> tuple[Any, int, float]:
+        """``(accountant, noise key, clipping norm)`` restored from :meth:`state` (the
+        accountant validated by Flower's ``load_state_dict``; nothing is set here; the
+        clipping norm is the constructor's unless adaptive clipping saved one). ``ValueError`` when a checkpoint of ``server_round > 0`` rounds has
         no accountant but this strategy has noise (its earlier rounds were not private), or the
         other way round."""
         if self.accountant is None:
             if state is not None:
                 raise ValueError("field 'dp' holds an accountant but this strategy has no DP noise")
-            return None, self.noise_key
+            return None, self.noise_key, self.c
         if state is None:
             if server_round > 0:
                 raise ValueError(
                     "field 'dp' is absent: the checkpoint's rounds were not accounted, so "
                     "resuming with dp_noise_multiplier would report a wrong epsilon"
                 )
-            return _accountant(self.delta), self.noise_key
+            return _accountant(self.delta), self.noise_key, self.c
         key = state.get("noise_key") if isinstance(state, dict) else None
         if (
             not isinstance(key, int)
@@ -290,7 +380,23 @@ class StrategyDP:
                 f"field 'dp' counts {fresh.num_releases} releases, more than the "
                 f"{server_round} rounds of the checkpoint"
             )
-        return fresh, key
+        return fresh, key, self._saved_clip(state)
+
+    def _saved_clip(self, state: dict) -> float:
+        """The adaptive clipping norm of a checkpoint (``ValueError`` if it is missing, not a
+        finite positive float, or present without adaptive clipping)."""
+        c = state.get("clipping_norm")
+        if self.quantile is None:
+            if c is not None:
+                raise ValueError(
+                    "field 'dp' holds an adaptive clipping norm, but this strategy "
+                    "clips at a fixed dp_clipping_norm"
+                )
+            return self.c
+        ok = isinstance(c, float) and math.isfinite(c) and c > 0
+        if not ok:
+            raise ValueError(f"field 'dp.clipping_norm' must be a float > 0, got {c!r}")
+        return c
 
 
 # ---------------------------------------------------------------------- secure aggregation

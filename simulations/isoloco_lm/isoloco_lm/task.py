@@ -86,7 +86,15 @@ NOT_IN_APP = {
     "step with strategy.merge / strategy.outer-lr / strategy.outer-momentum",
 }
 _OPTION_KEYS = ("prune-fraction", "drop-rate", "common-fraction", "ns-steps", "spectral-pattern")
-_DP_KEYS = ("dp-noise-multiplier", "dp-clipping-norm", "dp-max-epsilon", "dp-mode")
+_DP_KEYS = (
+    "dp-noise-multiplier",
+    "dp-clipping-norm",
+    "dp-max-epsilon",
+    "dp-mode",
+    "dp-adaptive-quantile",
+    "dp-clip-lr",
+    "dp-clip-count-std",
+)
 STRATEGY_SECTION: dict[str, Any] = {
     **APP_STRATEGY_KEYS,
     **{k: v for k, v in DILOCO_RUN_CONFIG.items() if k not in {**APP_STRATEGY_KEYS, **NOT_IN_APP}},
