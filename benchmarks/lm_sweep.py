@@ -427,6 +427,12 @@ def parse_args(argv=None):
     )
     ap.add_argument("--tune", action="store_true", help="run the tuning grid (seed 0)")
     ap.add_argument(
+        "--grid-points",
+        type=int,
+        default=None,
+        help="horizon --tune: only the first N points of each grid (centre first), no extension",
+    )
+    ap.add_argument(
         "--tune-inner",
         action="store_true",
         help=f"horizon: tune the inner lr at T = {hz.INNER_TUNE_HORIZON} (M = 8, seed 0; "

@@ -43,12 +43,20 @@ GRIDS: dict[str, tuple[list[float], float | None]] = {
     "iso_c-sgd": ([2.8, 3.96, 5.6, 7.92, 11.2], 0.0),
     "dp-adamw": ([7.5e-4, 1.5e-3, 3e-3, 6e-3], None),
 }
+CENTRES = {"diloco": 0.25, "isoloco": 1.8, "iso_c-sgd": 5.6, "dp-adamw": 1.5e-3}  # issue-11 optima
 METHODS = ("fedavg", "diloco", "isoloco", "iso_c-sgd", "dp-adamw")
 SEEDS = {1: (0, 1), 8: (0, 1, 2), 32: (0, 1)}  # 2 seeds per cell, 3 at M = 8
 
 
 def _r3(x: float) -> float:
     return float(f"{x:.3g}")
+
+
+def centre_out(method: str) -> list[float]:
+    """The initial grid of ``method``, its centre (the issue-11 optimum) first, then outwards:
+    with ``--grid-points 1`` every method runs at the old optimum first (a first comparison)."""
+    c = CENTRES[method]
+    return sorted(GRIDS[method][0], key=lambda x: (abs(math.log(x / c)), x))
 
 
 def _inner(rec: dict[str, Any]) -> float:
@@ -206,10 +214,11 @@ def tune_outer(method: str, horizon: int, args, ensure_cell, load_records) -> No
         hp = _grid_hp(outer_lr, mu, lr_in, source)
         ensure_cell(method, TUNE_WORKERS, 0, hp, args, path, "horizon", horizon, grid=True)
 
+    points = centre_out(method)[: args.grid_points] if method in GRIDS else []
     if method == "dp-adamw":
-        for lr in GRIDS[method][0]:
+        for lr in points:
             run(None, None, lr, "grid")
-        for _ in range(MAX_EXTENSIONS):
+        for _ in range(MAX_EXTENSIONS if len(points) == len(GRIDS[method][0]) else 0):
             lr_best, _, side = inner_lr(load_records(path), method, horizon, quick)
             recs = grid_records(load_records(path), method, horizon, quick)
             new = next_inner_lr([_inner(r) for r in recs], lr_best) if side else None
@@ -221,11 +230,11 @@ def tune_outer(method: str, horizon: int, args, ensure_cell, load_records) -> No
         print(f"[lm_sweep] {method}: outer values fixed, nothing to tune at T = {horizon}")
         return
     lr_in = inner_lr(load_records(path), method, horizon, quick)[0]
-    lrs, mu = GRIDS[method]
-    for lr in lrs:
+    mu = GRIDS[method][1]
+    for lr in points:
         run(lr, mu, lr_in, "grid")
     probed = not mu
-    for _ in range(2 * MAX_EXTENSIONS + 1):
+    for _ in range(2 * MAX_EXTENSIONS + 1 if len(points) == len(GRIDS[method][0]) else 0):
         recs = grid_records(load_records(path), method, horizon, quick)
         recs = [r for r in recs if _inner(r) == lr_in]
         point = next_outer_point(recs)

@@ -27,6 +27,10 @@ WATCH=$!
 trap 'kill $WATCH 2>/dev/null; commit' EXIT
 step() { $PY "$@"; commit; }
 
+# 0. a first comparison: every method at T = 200, M = 8, seed 0 at the issue-11 optimum (the
+#    centre of its grid, so these are the grids' first points)
+step --tune --grid-points 1 --horizon 200 --methods dp-adamw isoloco diloco iso_c-sgd
+step --horizon 200 --workers 8 --seeds 0 --methods fedavg
 # 1. outer (dp-adamw: peak) lr at M = 8, T = 200 then 600, at the default inner lr 3e-3
 step --tune --horizon 200 --methods dp-adamw isoloco diloco iso_c-sgd
 step --tune --horizon 600 --methods dp-adamw isoloco diloco iso_c-sgd
