@@ -136,7 +136,8 @@ def inner_lr(
         if best is None:
             return DEFAULT_INNER_LR, "default", None
         lrs = [_inner(r) for r in grid_records(tuning, method, horizon, quick)]
-        return _inner(best), f"tuned-T{horizon}-M8", edge(lrs, _inner(best))
+        src = f"tuned-T{horizon}-M8" if len(set(lrs)) > 1 else f"grid-centre-T{horizon}"
+        return _inner(best), src, edge(lrs, _inner(best))
     recs = inner_records(tuning, method, quick)
     lrs = [_inner(r) for r in recs]
     if len(set(lrs)) < 2:
@@ -164,12 +165,13 @@ def cell_hp(tuning: list[dict[str, Any]], method: str, horizon: int, quick: bool
         for r in recs
         if _inner(r) == lr_in and r["outer_momentum"] == best["outer_momentum"]
     ]
+    grid = len(set(lrs)) > 1  # a single point (--grid-points 1) is not a tuned value
     return {
         **hp,
         "outer_lr": best["outer_lr"],
         "outer_momentum": best["outer_momentum"],
-        "tuned": True,
-        "hp_source": f"tuned-T{horizon}-M8",
+        "tuned": grid,
+        "hp_source": f"tuned-T{horizon}-M8" if grid else f"grid-centre-T{horizon}",
         "tuned_on_edge": edge(lrs, best["outer_lr"]),
     }
 

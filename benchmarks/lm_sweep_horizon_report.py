@@ -152,7 +152,12 @@ def cost_table(cells: list[dict], tuning: list[dict]) -> str:
     """Measured wall time per run (not copied), by (T, M, method kind), with load averages."""
     groups: dict[tuple, list[dict]] = defaultdict(list)
     for r in [*cells, *tuning]:
-        if r.get("protocol") == "horizon" and not r.get("quick") and "copied_from" not in r:
+        if (
+            r.get("protocol") == "horizon"
+            and not r.get("quick")
+            and "copied_from" not in r
+            and "wall_s" in r
+        ):
             kind = "dp-adamw (in process)" if r["method"] == "dp-adamw" else "Flower (Ray)"
             groups[(r["horizon"], r["workers"], kind)].append(r)
     rows = [
@@ -225,7 +230,7 @@ def report(cells: list[dict], tuning: list[dict], img_dir: Path, img_rel: str) -
     plan = planned()
     done = sum(k in cur for k in plan)
     runs = [r for r in cells + tuning if not r.get("quick") and "copied_from" not in r]
-    wall = sum(r["wall_s"] for r in runs if r.get("protocol") == "horizon")
+    wall = sum(r.get("wall_s", 0.0) for r in runs if r.get("protocol") == "horizon")
     return "\n".join(
         [
             BEGIN,

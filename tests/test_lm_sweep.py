@@ -175,7 +175,7 @@ def test_quick_sweep_records_resumes_and_repeats(tmp_path):
     hq = ["--protocol", "horizon", "--quick", "--horizon", "4", "--tuning-file", str(ht)]
     lm_sweep.main([*hq, "--tune", "--methods", "dp-adamw", "fedavg", "--out", str(h)])
     grid = json.loads(ht.read_text())
-    assert [r["inner_lr"] for r in grid][:4] == [7.5e-4, 1.5e-3, 3e-3, 6e-3]
+    assert [r["inner_lr"] for r in grid][:4] == [1.5e-3, 7.5e-4, 3e-3, 6e-3]  # centre first
     assert all(r["workers"] == 8 and r["horizon"] == 4 and r["grid"] for r in grid)
     best = min(grid, key=lambda r: r["val_loss"])["inner_lr"]
     cells = [*hq, "--methods", "isoloco", "dp-adamw", "--workers", "4", "--num-cpus", "2"]
@@ -367,6 +367,8 @@ def test_horizon_cells_take_the_optimum_at_their_inner_lr_tuned_at_600_steps():
         None,
     )
     assert hz.cell_hp(tun, "isoloco", 200, False)["hp_source"] == "default"  # T = 200 untuned
+    one = hz.cell_hp([_hrec("isoloco", 1.8, 0.8, 3.8, horizon=200)], "isoloco", 200, False)
+    assert (one["outer_lr"], one["tuned"], one["hp_source"]) == (1.8, False, "grid-centre-T200")
     # the inner grid at the anchor (1.8, 0.8): 6e-3 wins, so cells use it and the outer
     # optimum is taken among the records at 6e-3 only
     tun += [_hrec("isoloco", 1.8, 0.8, v, inner=i) for i, v in ((1.5e-3, 3.9), (6e-3, 3.7))]
@@ -427,3 +429,40 @@ def test_old_records_keep_their_cell_key_so_the_issue_11_sweep_resumes():
                 tuple(size.get("corpora") or lib.DATA["corpora"]),
             )
             assert lm_sweep.cell_key(rec) == key  # what ensure_cell looks up for this cell
+
+
+def test_horizon_report_pairs_seeds_and_marks_pending_cells(tmp_path):
+    import lm_sweep_horizon_report as hrep
+
+    tuning = [
+        _hrec("isoloco", lr, 0.8, v, horizon=200)
+        for lr, v in ((1.27, 4.0), (1.8, 3.9), (2.55, 3.95))
+    ]
+    tuning += [
+        _hrec("diloco", lr, 0.8, v, horizon=200)
+        for lr, v in ((0.177, 4.7), (0.25, 4.6), (0.354, 4.65))
+    ]
+    for r in tuning:
+        r["test_loss"] = r["val_loss"] + 0.05
+    cells = [
+        {**_hrec(m, lr, 0.8, 0.0, horizon=200), "seed": s, "test_loss": base + 0.01 * s}
+        for m, lr, base in (("isoloco", 1.8, 3.9), ("diloco", 0.25, 4.5))
+        for s in (1, 2)
+    ]
+    cells.append({**_hrec("diloco", 0.5, 0.8, 0.0, horizon=200), "seed": 1, "test_loss": 9.0})
+    cur = hrep.current(cells, tuning)
+    # seed 0 from the grid's optimum, seeds 1-2 from the cells file; the stale lr 0.5 is out
+    assert sorted(k for k in cur if k[0] == "diloco") == [("diloco", 200, 8, s) for s in (0, 1, 2)]
+    assert cur[("diloco", 200, 8, 1)]["test_loss"] == 4.51
+    assert [round(x, 6) for _, x in hrep.pair(cur, "diloco", "isoloco", 200, 8)] == [0.7, 0.6, 0.6]
+    gap = hrep.gap_table(cur)
+    assert "| 8 | 200 | +0.6333 (sd 0.0577; 3/3 seeds: s0: +0.700, s1: +0.600, s2: +0.600)" in gap
+    assert "| 1 | 200 | pending | pending | pending |" in gap
+    table = hrep.loss_table(cur)
+    assert (
+        "| 200 | 8 | isoloco | 3/3 | 3.9267 |" in table
+        and "| 600 | 8 | fedavg | 0/3 | pending |" in table
+    )
+    block = hrep.report(cells, tuning, tmp_path, "img")
+    assert block.startswith(hrep.BEGIN) and (tmp_path / "lm_horizon_gap.png").is_file()
+    assert "6 of 105 planned" in block and "isoloco, T = 200, M = 8" in block
