@@ -58,19 +58,24 @@ def _fmt_sd(xs: list[float]) -> str:
 
 
 def loss_table(cur: dict[tuple, dict]) -> str:
-    rows = [
+    """Mean test loss per (T, M) row and method column, ``(seeds done / planned)``; then one
+    row per existing cell with its values and every seed."""
+    rows = ["| T | M | " + " | ".join(hz.METHODS) + " |", "|---" * (2 + len(hz.METHODS)) + "|"]
+    detail = [
         "| T | M | method | seeds | test loss mean | sd | outer lr / mu | inner lr | test per seed |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for t in lib.HORIZONS:
         for w in WORKERS:
+            cells = []
             for m in hz.METHODS:
                 need = hz.SEEDS[w]
                 got = [cur[(m, t, w, s)] for s in need if (m, t, w, s) in cur]
                 if not got:
-                    rows.append(f"| {t} | {w} | {m} | 0/{len(need)} | pending | | | | |")
+                    cells.append(f"pending (0/{len(need)})")
                     continue
                 test = [r["test_loss"] for r in got]
+                cells.append(f"{statistics.mean(test):.4f} ({len(got)}/{len(need)})")
                 r0 = got[0]
                 hp = (
                     "-"
@@ -78,11 +83,13 @@ def loss_table(cur: dict[tuple, dict]) -> str:
                     else f"{r0['outer_lr']:g} / {r0['outer_momentum']:g}"
                 )
                 per = ", ".join(f"s{r['seed']}: {r['test_loss']:.4f}" for r in got)
-                rows.append(
+                detail.append(
                     f"| {t} | {w} | {m} | {len(got)}/{len(need)} | {statistics.mean(test):.4f} | "
-                    f"{_fmt_sd(test)} | {hp} | {hz._inner(r0):g} | {per} |"
+                    f"{_fmt_sd(test)} | {hp} ({r0.get('hp_source', '')}) | {hz._inner(r0):g} "
+                    f"({r0.get('inner_lr_source', '')}) | {per} |"
                 )
-    return "\n".join(rows)
+            rows.append(f"| {t} | {w} | " + " | ".join(cells) + " |")
+    return "\n".join(rows) + "\n\nCells that exist:\n\n" + "\n".join(detail)
 
 
 def pair(cur: dict[tuple, dict], a: str, b: str, t: int, w: int) -> list[tuple[int, float]]:

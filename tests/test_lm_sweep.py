@@ -461,7 +461,8 @@ def test_horizon_report_pairs_seeds_and_marks_pending_cells(tmp_path):
     table = hrep.loss_table(cur)
     assert (
         "| 200 | 8 | isoloco | 3/3 | 3.9267 |" in table
-        and "| 600 | 8 | fedavg | 0/3 | pending |" in table
+        and "| 200 | 8 | pending (0/3) | 4.5600 (3/3) | 3.9267 (3/3) | pending (0/3) |" in table
+        and "| 600 | 32 | pending (0/2) |" in table
     )
     block = hrep.report(cells, tuning, tmp_path, "img")
     assert block.startswith(hrep.BEGIN) and (tmp_path / "lm_horizon_gap.png").is_file()
