@@ -42,7 +42,8 @@ def current(cells: list[dict], tuning: list[dict]) -> dict[tuple, dict]:
         want = (hp["outer_lr"], hp["outer_momentum"], hp["inner_lr"])
         if (r["outer_lr"], r["outer_momentum"], hz._inner(r)) != want:
             continue
-        out.setdefault((r["method"], r["horizon"], r["workers"], r["seed"]), r)
+        src = {k: hp[k] for k in ("hp_source", "inner_lr_source")}  # today's, not the grid's
+        out.setdefault((r["method"], r["horizon"], r["workers"], r["seed"]), {**r, **src})
     return out
 
 
