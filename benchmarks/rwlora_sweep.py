@@ -332,7 +332,10 @@ def find_done(records: list[dict], cell: dict, rc: dict) -> dict | None:
         (
             r
             for r in records
-            if all(r.get(k, KEY_DEFAULTS.get(k)) == cell[k] for k in KEY_FIELDS)
+            if all(
+                r.get(k, KEY_DEFAULTS.get(k)) == cell.get(k, KEY_DEFAULTS.get(k))
+                for k in KEY_FIELDS
+            )
             and same_config(r.get("run_config", {}), rc)
         ),
         None,
