@@ -145,7 +145,15 @@ def partition_keys(partition: str) -> dict[str, Any]:
 def sizing(args) -> dict[str, Any]:
     """:data:`SIZES` (``quick`` or ``full``) with the CLI's budget / evaluation overrides."""
     size = dict(SIZES["quick" if args.quick else "full"])
-    for key in ("updates", "eval_every", "gossip_eval_every", "lr", "eval_split", "per_class"):
+    for key in (
+        "updates",
+        "eval_every",
+        "gossip_eval_every",
+        "lr",
+        "eval_split",
+        "per_class",
+        "eval_examples",
+    ):
         if getattr(args, key, None) is not None:
             size[key] = getattr(args, key)
     return size
@@ -469,6 +477,12 @@ def parse_args(argv=None):
         choices=EVAL_SPLITS,
         default="test",
         help="score the test set, or the clients' joined validation tails (tuning)",
+    )
+    ap.add_argument(
+        "--eval-examples",
+        type=int,
+        default=None,
+        help="sentences scored per evaluation (default: the sizing's; 0 = all)",
     )
     ap.add_argument(
         "--per-class", action="store_true", help="also record each label's accuracy (recall)"
