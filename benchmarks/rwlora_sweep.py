@@ -76,6 +76,8 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "avg0.9": {"strategy.average-decay": 0.9},
     "avg0.95": {"strategy.average-decay": 0.95},
     "mom0.5": {"strategy.hop-momentum": 0.5},
+    "tail1": {"strategy.tail-average-from": 1},
+    "k2-tail1": {"local_steps": 2, "strategy.tail-average-from": 1},
     "k1-avg0.9": {"local_steps": 1, "strategy.average-decay": 0.9},
     "k2-avg0.9": {"local_steps": 2, "strategy.average-decay": 0.9},
     "lrdecay8-avg0.9": {"strategy.lr-decay-hops": 8.0, "strategy.average-decay": 0.9},

@@ -158,3 +158,41 @@ def test_resume_with_momentum_and_average_is_exact(tmp_path):
 def test_bad_variant_options(kw, what):
     with pytest.raises(ValueError, match=what):
         walk(**kw)
+
+
+@pytest.mark.parametrize("start", [1, 4])
+def test_tail_average_is_the_mean_of_the_tokens_from_hop_h(start):
+    s = walk(tail_average_from=start)
+    res = run(s, FakeGrid(HANDLERS, num_nodes=6), 9)
+    tokens, x = [], init_adapter()
+    for v in s.trajectory:  # the plain walk's tokens (training is unchanged)
+        x = client_update(x, v, 2)
+        tokens.append({k: t.double() for k, t in x.items()})
+    tail = tokens[start - 1 :]
+    close(s.token, tokens[-1])
+    close(res.arrays, {k: sum(t[k] for t in tail) / len(tail) for k in tail[0]})
+    assert (
+        s.bytes_p2p
+        == 2
+        * walk()
+        .start(
+            grid=FakeGrid(HANDLERS, num_nodes=6),
+            initial_arrays=res.arrays.__class__(init_adapter()),
+            num_rounds=9,
+            timeout=5,
+        )
+        .train_metrics_clientapp[9]["bytes-p2p-total"]
+    )  # the average travels in P2P
+
+
+def test_tail_average_is_the_token_before_hop_h():
+    s = walk(tail_average_from=6)
+    run(s, FakeGrid(HANDLERS, num_nodes=6), 5)
+    assert s.average is None
+    assert_token_arrays = s.current_arrays().to_torch_state_dict()
+    for k, t in s.token.to_torch_state_dict().items():
+        assert torch.equal(assert_token_arrays[k], t)
+    with pytest.raises(ValueError, match="choose one"):
+        walk(tail_average_from=2, average_decay=0.9)
+    with pytest.raises(ValueError, match="tail_average_from"):
+        walk(tail_average_from=-1)

@@ -115,7 +115,10 @@ class RWLoRA(RWLoRAVariants, RWLoRAHops, RWLoRAState, GraphStrategy):
         ``mu`` in [0, 1) of the momentum across hops (default 0 = off).
     average_decay : float
         ``beta`` in [0, 1) of the exponential average of the token, evaluated and exported
-        instead of the last iterate (default 0 = off). These three:
+        instead of the last iterate (default 0 = off).
+    tail_average_from : int
+        ``H``: evaluate and export the mean of the tokens from hop ``H`` on instead (default
+        0 = off; not with ``average_decay``). These four:
         :mod:`~flwr_isoloco.strategies.rwlora_variants`.
     round_end_fn : callable, optional
         ``fn(server_round, strategy)`` after each round (checkpointing).
@@ -157,10 +160,11 @@ class RWLoRA(RWLoRAVariants, RWLoRAHops, RWLoRAState, GraphStrategy):
         lr_decay_hops: float = 0.0,
         hop_momentum: float = 0.0,
         average_decay: float = 0.0,
+        tail_average_from: int = 0,
         **kwargs: Any,
     ) -> None:
         super().__init__(graph, num_vertices=num_vertices, local_steps=local_steps, **kwargs)
-        self._init_variants(lr, lr_decay_hops, hop_momentum, average_decay)
+        self._init_variants(lr, lr_decay_hops, hop_momentum, average_decay, tail_average_from)
         self.transition = transition
         self.target = target
         self.lazy = bool(lazy)

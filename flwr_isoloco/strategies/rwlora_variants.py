@@ -9,9 +9,11 @@ so the token, the messages and the bytes are those of the plain walk, bit for bi
 - **Momentum across hops** (``hop_momentum = mu > 0``): with the hop's update
   ``u_t = token_{t-1} - reply_t`` (the checked reply), ``m_t = mu m_{t-1} + u_t`` and the new
   token is ``token_{t-1} - m_t`` (heavy ball on the walk's adapter; ``m_0 = 0``).
-- **Averaged token** (``average_decay = beta > 0``): ``avg_1 = token_1``,
-  ``avg_t = beta avg_{t-1} + (1 - beta) token_t``; :meth:`current_arrays` (what the app
-  evaluates and exports) is ``avg`` instead of the last iterate. The walk trains the token.
+- **Averaged token**, exponential (``average_decay = beta > 0``): ``avg_1 = token_1``,
+  ``avg_t = beta avg_{t-1} + (1 - beta) token_t``; or a tail average (``tail_average_from =
+  H >= 1``): ``avg_t = mean(token_H, ..., token_t)`` for ``t >= H`` (``H = 1``: every token,
+  Polyak-Ruppert). :meth:`current_arrays` (what the app evaluates and exports) is ``avg``
+  instead of the last iterate (before hop ``H``: the token). The walk trains the token.
 
 Momentum and the average are kept on the server: in Flower every token crosses the server
 anyway, so they cost no message bytes. A peer-to-peer deployment would have to carry each with
@@ -32,9 +34,19 @@ __all__ = ["RWLoRAVariants", "check_variant_options"]
 
 
 def check_variant_options(
-    lr: float | None, lr_decay_hops: float, hop_momentum: float, average_decay: float
+    lr: float | None,
+    lr_decay_hops: float,
+    hop_momentum: float,
+    average_decay: float,
+    tail_average_from: int = 0,
 ) -> None:
     """``ValueError`` naming the bad option (``lr`` is needed only with ``lr_decay_hops``)."""
+    if isinstance(tail_average_from, bool) or not isinstance(tail_average_from, int):
+        raise ValueError(f"tail_average_from must be an int >= 0, got {tail_average_from!r}")
+    if tail_average_from < 0:
+        raise ValueError(f"tail_average_from must be an int >= 0, got {tail_average_from!r}")
+    if tail_average_from and average_decay:
+        raise ValueError("tail_average_from and average_decay: choose one average")
     if not (math.isfinite(lr_decay_hops) and lr_decay_hops >= 0):
         raise ValueError(f"lr_decay_hops must be a finite number >= 0, got {lr_decay_hops!r}")
     if lr_decay_hops > 0 and not (isinstance(lr, (int, float)) and math.isfinite(lr) and lr > 0):
@@ -48,9 +60,17 @@ class RWLoRAVariants:
     """Mixin of :class:`~flwr_isoloco.strategies.RWLoRA`: the options of the module docstring."""
 
     def _init_variants(
-        self, lr: float | None, lr_decay_hops: float, hop_momentum: float, average_decay: float
+        self,
+        lr: float | None,
+        lr_decay_hops: float,
+        hop_momentum: float,
+        average_decay: float,
+        tail_average_from: int = 0,
     ) -> None:
-        check_variant_options(lr, float(lr_decay_hops), float(hop_momentum), float(average_decay))
+        check_variant_options(
+            lr, float(lr_decay_hops), float(hop_momentum), float(average_decay), tail_average_from
+        )
+        self.tail_average_from = tail_average_from
         self.lr = None if lr is None else float(lr)
         self.lr_decay_hops = float(lr_decay_hops)
         self.hop_momentum = float(hop_momentum)
@@ -66,7 +86,8 @@ class RWLoRAVariants:
 
     def carried_adapters(self) -> int:
         """Adapters a peer-to-peer walk would carry besides the token (momentum, average)."""
-        return int(self.hop_momentum > 0) + int(self.average_decay > 0)
+        averaged = self.average_decay > 0 or self.tail_average_from > 0
+        return int(self.hop_momentum > 0) + int(averaged)
 
     def _variant_token(
         self, old: Mapping[str, torch.Tensor], new: Mapping[str, torch.Tensor]
@@ -80,8 +101,13 @@ class RWLoRAVariants:
                 k: u[k] if prev is None else self.hop_momentum * prev[k] + u[k] for k in u
             }
             token = {k: old[k].float() - self.momentum[k] for k in old}
-        if self.average_decay > 0:
-            b, prev = self.average_decay, self.average
+        b, prev = self.average_decay, self.average
+        t = len(self.trajectory) + 1  # this hop's index (1 = the first accepted hop)
+        if self.tail_average_from > 0 and t >= self.tail_average_from:
+            b = 1.0 - 1.0 / (t - self.tail_average_from + 1)  # running mean from hop H
+        elif self.tail_average_from > 0:
+            return token
+        if b > 0 or self.tail_average_from > 0:
             self.average = {
                 k: token[k].clone() if prev is None else b * prev[k] + (1.0 - b) * token[k]
                 for k in token

@@ -34,7 +34,7 @@ from flwr_isoloco.runconfig import (
 
 STRATEGIES = ("rwlora", "gossip", "fedavg")
 EVAL_SPLITS = ("test", "val")
-VARIANT_KEYS = ("lr-decay-hops", "hop-momentum", "average-decay")
+VARIANT_KEYS = ("lr-decay-hops", "hop-momentum", "average-decay", "tail-average-from")
 
 DEFAULTS: dict[str, Any] = {
     "num-server-rounds": 20,
@@ -66,6 +66,7 @@ DEFAULTS: dict[str, Any] = {
         "lr-decay-hops": 0.0,
         "hop-momentum": 0.0,
         "average-decay": 0.0,
+        "tail-average-from": 0,
     },
     "lora": {
         "r": 8,
@@ -119,6 +120,7 @@ VALIDATORS = {
     "strategy.lr-decay-hops": non_negative,
     "strategy.hop-momentum": in_range(0.0, 1.0, hi_open=True),
     "strategy.average-decay": in_range(0.0, 1.0, hi_open=True),
+    "strategy.tail-average-from": non_negative,
     "lora.r": positive,
     "lora.alpha": positive,
     "lora.dropout": in_range(0.0, 1.0, hi_open=True),
@@ -156,6 +158,11 @@ def load_config(run_config: dict[str, Any]) -> DictConfig:
                 raise RunConfigError(
                     f"run-config key 'strategy.{key}' is only supported by 'rwlora'"
                 )
+    if s["tail-average-from"] and s["average-decay"]:
+        raise RunConfigError(
+            "run-config keys 'strategy.tail-average-from' and 'strategy.average-decay': "
+            "choose one average"
+        )
     if cfg.data["eval-split"] == "val" and not cfg.data["val-fraction"]:
         raise RunConfigError(
             "run-config key 'data.eval-split' = 'val' needs 'data.val-fraction' > 0"
@@ -263,6 +270,7 @@ def build_strategy(cfg: DictConfig, n: int):
             lr_decay_hops=s["lr-decay-hops"],
             hop_momentum=s["hop-momentum"],
             average_decay=s["average-decay"],
+            tail_average_from=s["tail-average-from"],
             **common,
         )
     except ValueError as exc:
