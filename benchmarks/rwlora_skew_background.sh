@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 21 (3): RW-LoRA variants under Dirichlet(0.5) label skew, resumable, one run at a time.
 # Sized for 2 shared cores at load ~15 (docs/results-rwlora.md, "Label skew"):
-# 1. screening: each variant once (ring, seed 0, 160 updates) on the validation split (the
+# 1. screening: each variant once (those of SCREEN before the choice, LATE after the finals) (ring, seed 0, 160 updates) on the validation split (the
 #    clients' joined validation tails, never trained on, disjoint from the test set; 300 of
 #    them, every 40 updates), with per-class accuracy;
 # 2. the variant with the best validation accuracy at the budget (ties: mean of the last three
@@ -16,20 +16,24 @@ OUT=benchmarks/results/rwlora_sweep.json
 PY="nice -n 19 env PYTHONPATH=$PWD .venv/bin/python"
 SWEEP="$PY benchmarks/rwlora_sweep.py --methods rwlora --out $OUT --engine fake --per-class"
 commit() { git add "$OUT" && git commit -q -m "rwlora skew: $1" -- "$OUT" || true; }
-SCREEN=${SCREEN:-"avg0.9 paper k2 mom0.5 lrdecay8"}
-for v in $SCREEN; do
-  $SWEEP --graphs ring --partitions dirichlet-0.5 --seeds 0 --variants "$v" --eval-split val \
-      --updates 160 --eval-every 40 --eval-examples 300 \
-      && commit "screening $v (ring, dirichlet-0.5, seed 0, val split)"
-  [ -n "${SCREEN_ONLY_UNTIL:-}" ] && [ "$v" = "$SCREEN_ONLY_UNTIL" ] && break
-done
-BEST=${BEST:-$($PY benchmarks/rwlora_sweep_report.py --best-variant)}
-echo "[skew] best variant on the validation split: $BEST"
+SCREEN=${SCREEN:-"avg0.9 paper tail1"}       # screened before the choice
+LATE=${LATE:-"k2 mom0.5 lrdecay8"}            # screened after the finals (time)
+screen() {
+  for v in "$@"; do
+    $SWEEP --graphs ring --partitions dirichlet-0.5 --seeds 0 --variants "$v" --eval-split val \
+        --updates 160 --eval-every 40 --eval-examples 300 \
+        && commit "screening $v (ring, dirichlet-0.5, seed 0, val split)"
+  done
+}
+screen $SCREEN
+BEST=${BEST:-$($PY benchmarks/rwlora_sweep_report.py --best-variant --variants $SCREEN)}
+echo "[skew] best variant on the validation split among $SCREEN: $BEST"
 for sp in "0 dirichlet-0.5" "0 iid" "1 dirichlet-0.5" "2 dirichlet-0.5" "1 iid" "2 iid"; do
   set -- $sp
   $SWEEP --graphs ring --partitions "$2" --seeds "$1" --variants "$BEST" --eval-every 160 \
       && commit "$BEST, ring, $2, seed $1 (test split)"
 done
+screen $LATE
 for s in 0 1 2; do
   for g in complete regular-3; do
     $SWEEP --graphs $g --partitions dirichlet-0.5 --seeds $s --variants "$BEST" --eval-every 160 \
