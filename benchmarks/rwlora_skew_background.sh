@@ -16,7 +16,7 @@ OUT=benchmarks/results/rwlora_sweep.json
 PY="nice -n 19 env PYTHONPATH=$PWD .venv/bin/python"
 SWEEP="$PY benchmarks/rwlora_sweep.py --methods rwlora --out $OUT --engine fake --per-class"
 commit() { git add "$OUT" && git commit -q -m "rwlora skew: $1" -- "$OUT" || true; }
-SCREEN=${SCREEN:-"avg0.9 paper tail1"}       # screened before the choice
+SCREEN=${SCREEN:-"avg0.9 paper tail1 carry"}  # screened before the choice
 LATE=${LATE:-"k2 mom0.5 lrdecay8"}            # screened after the finals (time)
 screen() {
   for v in "$@"; do

@@ -77,6 +77,9 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "avg0.95": {"strategy.average-decay": 0.95},
     "mom0.5": {"strategy.hop-momentum": 0.5},
     "tail1": {"strategy.tail-average-from": 1},
+    # the AdamW state travels with the token (an option of the paper's code, not a new one)
+    "carry": {"strategy.carry-optimizer-state": True},
+    "carry-tail1": {"strategy.carry-optimizer-state": True, "strategy.tail-average-from": 1},
     "k2-tail1": {"local_steps": 2, "strategy.tail-average-from": 1},
     "k1-avg0.9": {"local_steps": 1, "strategy.average-decay": 0.9},
     "k2-avg0.9": {"local_steps": 2, "strategy.average-decay": 0.9},

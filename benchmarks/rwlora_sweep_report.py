@@ -45,7 +45,7 @@ KEY = (
 SKEW_IMG = ROOT / "docs" / "img" / "rwlora_skew_updates.png"
 DEFAULT_LR = 2e-3  # the sizing's inner lr (rwlora_sweep.SIZES); the main tables use it
 # the screened variants, in the background script's order; their options from the sweep
-SCREENED = ["paper", "avg0.9", "tail1", "k2", "mom0.5", "lrdecay8"]
+SCREENED = ["paper", "avg0.9", "tail1", "carry", "k2", "mom0.5", "lrdecay8"]
 VARIANT_OPTIONS = {
     "paper": {},
     "avg0.9": {"average-decay": 0.9},
@@ -55,6 +55,8 @@ VARIANT_OPTIONS = {
     "lrdecay8": {"lr-decay-hops": 8},
     "mom0.5": {"hop-momentum": 0.5},
     "tail1": {"tail-average-from": 1},
+    "carry": {"carry-optimizer-state": 1},
+    "carry-tail1": {"carry-optimizer-state": 1, "tail-average-from": 1},
     "k2-tail1": {"local-steps": 2, "tail-average-from": 1},
 }
 GRAPH_ORDER = {"complete": 0, "ring": 1, "regular-3": 2, "none": 3}
