@@ -17,7 +17,7 @@ PY="nice -n 19 env PYTHONPATH=$PWD .venv/bin/python"
 SWEEP="$PY benchmarks/rwlora_sweep.py --methods rwlora --out $OUT --engine fake --per-class"
 commit() { git add "$OUT" && git commit -q -m "rwlora skew: $1" -- "$OUT" || true; }
 SCREEN=${SCREEN:-"avg0.9 paper tail1 carry"}  # screened before the choice
-LATE=${LATE:-"k2 mom0.5 lrdecay8"}            # screened after the finals (time)
+LATE=${LATE:-"mom0.5 lrdecay8 k2"}            # screened after the finals (time)
 screen() {
   for v in "$@"; do
     $SWEEP --graphs ring --partitions dirichlet-0.5 --seeds 0 --variants "$v" --eval-split val \
@@ -28,12 +28,15 @@ screen() {
 screen $SCREEN
 BEST=${BEST:-$($PY benchmarks/rwlora_sweep_report.py --best-variant --variants $SCREEN)}
 echo "[skew] best variant on the validation split among $SCREEN: $BEST"
-for sp in "0 dirichlet-0.5" "0 iid" "1 dirichlet-0.5" "2 dirichlet-0.5" "1 iid" "2 iid"; do
+[ "$BEST" = paper ] && SPLITS="" || SPLITS="0 dirichlet-0.5,0 iid,1 dirichlet-0.5,2 dirichlet-0.5,1 iid,2 iid"
+IFS=, read -ra SPLITS <<< "$SPLITS"  # the paper's walk: its test cells are the main sweep's
+for sp in "${SPLITS[@]}"; do
   set -- $sp
   $SWEEP --graphs ring --partitions "$2" --seeds "$1" --variants "$BEST" --eval-every 160 \
       && commit "$BEST, ring, $2, seed $1 (test split)"
 done
 screen $LATE
+[ "$BEST" = paper ] && exit 0
 for s in 0 1 2; do
   for g in complete regular-3; do
     $SWEEP --graphs $g --partitions dirichlet-0.5 --seeds $s --variants "$BEST" --eval-every 160 \
