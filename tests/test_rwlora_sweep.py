@@ -343,7 +343,7 @@ def _skew(
     rec = _rec(method, "ring", seed, (None, None), acc)
     rec.update(variant=variant, eval_split=split, partition=partition, visit_counts={"0": 64})
     rec["curve"] = [
-        {"updates": 40 * i, "acc": a, "mb_p2p": 0.3 * i, "acc_class_0": 1.0, "acc_class_1": 0.0}
+        {"updates": 40 * i, "acc": a, "mb_p2p": 0.3 * i, "acc_class_0": a, "acc_class_1": a}
         for i, a in enumerate(curve_accs)
     ]
     rec["best_acc"] = max(curve_accs)
@@ -364,9 +364,15 @@ def test_best_variant_and_skew_tables(tmp_path):
     assert R.rwlora_sweep_skew.best_variant(loaded, 2e-3) == "avg0.9"
     assert R.rwlora_sweep_skew.best_variant(loaded, 2e-3, ["paper", "k2"]) == "k2"
     assert R.main(["--results", str(path), "--best-variant"]) is None
+    # a constant predictor scores its class's share in plain accuracy, 0.5 balanced: no winner
+    const = _skew("carry", 0.567, [0.5, 0.567, 0.567, 0.567])
+    for c in const["curve"]:
+        c.update(acc_class_0=0.0, acc_class_1=1.0)
+    assert R.rwlora_sweep_skew.best_variant([loaded[0], const], 2e-3) == "paper"
     text = R.render(loaded)
     assert (
-        "| avg0.9 **(best)** | average-decay=0.9 | 0.700 | 0.667 | 0.700 | 1.000 / 0.000 |" in text
+        "| avg0.9 **(best)** | average-decay=0.9 | 0.700 | 0.700 | 0.667 | 0.700 | 0.700 / 0.700 |"
+        in text
     )
     assert "| lrdecay8 | lr-decay-hops=8 | pending |" in text
     assert (
