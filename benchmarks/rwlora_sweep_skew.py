@@ -101,17 +101,27 @@ def _cell(recs, lr, method, variant, graph, part, seed) -> dict | None:
     return got[-1] if got else None
 
 
-def result_table(recs: list[dict], lr: float, best: str | None) -> str:
-    """Final test accuracy per seed: best variant vs paper's walk vs gossip vs FedAvg."""
+def finalists(recs: list[dict], lr: float) -> list[str]:
+    """The best screened variant and every other variant with test-split records (finals),
+    the paper's walk excluded."""
+    tested = [
+        r["variant"]
+        for r in recs
+        if r["method"] == "rwlora" and _is(r, lr, clients=8, rank=8, eval_split="test")
+    ]
+    out = dict.fromkeys([best_variant(recs, lr), *tested])
+    return [v for v in out if v not in (None, "paper")]
+
+
+def result_table(recs: list[dict], lr: float, variants: list[str]) -> str:
+    """Final test accuracy per seed: the variants vs paper's walk vs gossip vs FedAvg."""
     series = [
-        (f"RW-LoRA, {best}", "rwlora", best, "final_acc"),
+        *((f"RW-LoRA, {v}", "rwlora", v, "final_acc") for v in variants),
         ("RW-LoRA, paper's walk", "rwlora", "paper", "final_acc"),
         ("gossip, averaged adapter", "gossip", "paper", "final_acc"),
         ("gossip, mean of vertices", "gossip", "paper", "final_acc_vertex_mean"),
         ("FedAvg-LoRA", "fedavg", "paper", "final_acc"),
     ]
-    if best in (None, "paper"):
-        series = series[1:]
     lines = [
         "| partition | graph | method | "
         + " | ".join(f"seed {s}" for s in SEEDS)
@@ -125,7 +135,7 @@ def result_table(recs: list[dict], lr: float, best: str | None) -> str:
                 for s in SEEDS:
                     r = _cell(recs, lr, method, variant, graph, part, s)
                     vals.append(None if r is None else r.get(field))
-                if (all(v is None for v in vals) and variant != best) or (
+                if (all(v is None for v in vals) and variant not in variants) or (
                     method == "fedavg" and graph != GRAPHS[0]  # no graph: shown once
                 ):
                     continue
@@ -165,7 +175,8 @@ def class_curve_table(recs: list[dict], lr: float, variants: list[str]) -> str:
 
 def render(recs: list[dict], lr: float, planned: list[str], options: dict) -> str:
     best = best_variant(recs, lr)
-    shown = list(dict.fromkeys(["paper", *([best] if best else [])]))
+    finals = finalists(recs, lr)
+    shown = list(dict.fromkeys(["paper", *([best] if best else []), *finals]))
     return "\n".join(
         [
             "#### Label skew: screening of the RW-LoRA variants (ring, Dirichlet(0.5), seed 0, "
@@ -173,9 +184,10 @@ def render(recs: list[dict], lr: float, planned: list[str], options: dict) -> st
             screening_table(recs, lr, planned, options),
             "\n#### Label skew: per-class accuracy along the walk (same runs, validation split)\n",
             class_curve_table(recs, lr, shown),
-            f"\n#### Label skew: best variant ({best or 'pending'}) vs the paper's walk vs gossip "
-            "vs FedAvg-LoRA, final test accuracy at the budget (8 clients, rank 8)\n",
-            result_table(recs, lr, best),
+            f"\n#### Label skew: variants ({', '.join(finals) or 'pending'}; best on validation: "
+            f"{best or 'pending'}) vs the paper's walk vs gossip vs FedAvg-LoRA, final test "
+            "accuracy at 320 updates (8 clients, rank 8)\n",
+            result_table(recs, lr, finals),
             "",
         ]
     )
@@ -211,8 +223,8 @@ def plot(recs: list[dict], lr: float, path) -> Any:
         ("rwlora", "paper", "acc", "RW-LoRA, paper's walk"),
         ("gossip", "paper", "acc", "gossip, averaged"),
     ]
-    if best not in (None, "paper"):
-        series.insert(0, ("rwlora", best, "acc", f"RW-LoRA, {best}"))
+    finals = finalists(recs, lr)
+    series[:0] = [("rwlora", v, "acc", f"RW-LoRA, {v}") for v in finals]
     for method, variant, key, label in series:
         grp = [_cell(recs, lr, method, variant, "ring", SKEW, s) for s in SEEDS]
         curves = [[(c["updates"], c[key]) for c in r["curve"]] for r in grp if r is not None]
@@ -233,7 +245,7 @@ def plot(recs: list[dict], lr: float, path) -> Any:
         )
     axes[1].set_title("ring, Dirichlet(0.5): test accuracy, before / after")
     for r in scr:
-        if r["variant"] not in ("paper", best):
+        if r["variant"] not in ("paper", best, *finals):
             continue
         keys = sorted(k for k in r["curve"][-1] if k.startswith("acc_class_"))
         for k, ls in zip(keys, ("-", "--"), strict=False):
