@@ -189,9 +189,9 @@ def test_tail_average_is_the_token_before_hop_h():
     s = walk(tail_average_from=6)
     run(s, FakeGrid(HANDLERS, num_nodes=6), 5)
     assert s.average is None
-    assert_token_arrays = s.current_arrays().to_torch_state_dict()
+    shown = s.current_arrays().to_torch_state_dict()
     for k, t in s.token.to_torch_state_dict().items():
-        assert torch.equal(assert_token_arrays[k], t)
+        assert torch.equal(shown[k], t)
     with pytest.raises(ValueError, match="choose one"):
         walk(tail_average_from=2, average_decay=0.9)
     with pytest.raises(ValueError, match="tail_average_from"):
