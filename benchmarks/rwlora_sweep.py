@@ -52,7 +52,40 @@ SWEEP_VERSION = 1
 METHODS = ("rwlora", "gossip", "fedavg")
 GRAPHS = {"complete": "complete", "ring": "ring", "regular-3": "random_regular:d=3"}
 TARGETS = (0.65, 0.70, 0.75, 0.80)
-KEY_FIELDS = ("method", "graph", "clients", "partition", "rank", "seed", "quick")
+KEY_FIELDS = (
+    "method",
+    "graph",
+    "clients",
+    "partition",
+    "rank",
+    "seed",
+    "quick",
+    "variant",
+    "eval_split",
+)
+# fields added after the first records: the value an older record (without them) stands for
+KEY_DEFAULTS = {"variant": "paper", "eval_split": "test"}
+# RW-LoRA variants (docs/results-rwlora.md, "Label skew"): sizing overrides (``local_steps``)
+# and run-config keys of the app (flwr_isoloco/strategies/rwlora_variants.py). ``paper`` is
+# the paper's walk: no key added, so its run config is that of the first records.
+VARIANTS: dict[str, dict[str, Any]] = {
+    "paper": {},
+    "k1": {"local_steps": 1},
+    "k2": {"local_steps": 2},
+    "lrdecay8": {"strategy.lr-decay-hops": 8.0},
+    "avg0.9": {"strategy.average-decay": 0.9},
+    "avg0.95": {"strategy.average-decay": 0.95},
+    "mom0.5": {"strategy.hop-momentum": 0.5},
+    "tail1": {"strategy.tail-average-from": 1},
+    # the AdamW state travels with the token (an option of the paper's code, not a new one)
+    "carry": {"strategy.carry-optimizer-state": True},
+    "carry-tail1": {"strategy.carry-optimizer-state": True, "strategy.tail-average-from": 1},
+    "k2-tail1": {"local_steps": 2, "strategy.tail-average-from": 1},
+    "k1-avg0.9": {"local_steps": 1, "strategy.average-decay": 0.9},
+    "k2-avg0.9": {"local_steps": 2, "strategy.average-decay": 0.9},
+    "lrdecay8-avg0.9": {"strategy.lr-decay-hops": 8.0, "strategy.average-decay": 0.9},
+}
+EVAL_SPLITS = ("test", "val")
 # run-config keys that do not change the computation (excluded when matching a done cell)
 NEUTRAL_KEYS = ("output-dir", "torch-threads")
 
@@ -68,6 +101,8 @@ SIZES: dict[str, dict[str, Any]] = {
         "max_examples": 0,
         "eval_every": 40,
         "gossip_eval_every": 160,
+        "eval_split": "test",
+        "per_class": False,
     },
     "quick": {
         "updates": 16,
@@ -79,6 +114,8 @@ SIZES: dict[str, dict[str, Any]] = {
         "max_examples": 48,
         "eval_every": 8,
         "gossip_eval_every": 8,
+        "eval_split": "test",
+        "per_class": False,
     },
 }
 QUICK_CLIENTS = 4
@@ -113,15 +150,26 @@ def partition_keys(partition: str) -> dict[str, Any]:
 def sizing(args) -> dict[str, Any]:
     """:data:`SIZES` (``quick`` or ``full``) with the CLI's budget / evaluation overrides."""
     size = dict(SIZES["quick" if args.quick else "full"])
-    for key in ("updates", "eval_every", "gossip_eval_every", "lr"):
+    for key in (
+        "updates",
+        "eval_every",
+        "gossip_eval_every",
+        "lr",
+        "eval_split",
+        "per_class",
+        "eval_examples",
+    ):
         if getattr(args, key, None) is not None:
             size[key] = getattr(args, key)
     return size
 
 
-def cells(methods, graphs, clients, partitions, ranks, seeds) -> list[dict[str, Any]]:
+def cells(
+    methods, graphs, clients, partitions, ranks, seeds, variants=("paper",)
+) -> list[dict[str, Any]]:
     """Cells in run order: seed-major (a full comparison at seed 0 comes first); FedAvg once
-    per (clients, partition, rank, seed) with graph ``none``."""
+    per (clients, partition, rank, seed) with graph ``none``; the variants are RW-LoRA's
+    (gossip and FedAvg run as ``paper``)."""
     out: list[dict[str, Any]] = []
     for seed in seeds:
         for n in clients:
@@ -129,23 +177,34 @@ def cells(methods, graphs, clients, partitions, ranks, seeds) -> list[dict[str, 
                 for rank in ranks:
                     for method in methods:
                         for graph in graphs if method != "fedavg" else ["none"]:
-                            cell = dict(
-                                method=method,
-                                graph=graph,
-                                clients=n,
-                                partition=part,
-                                rank=rank,
-                                seed=seed,
-                            )
-                            if cell not in out:
-                                out.append(cell)
+                            for variant in variants if method == "rwlora" else ["paper"]:
+                                cell = dict(
+                                    method=method,
+                                    graph=graph,
+                                    clients=n,
+                                    partition=part,
+                                    rank=rank,
+                                    seed=seed,
+                                    variant=variant,
+                                )
+                                if cell not in out:
+                                    out.append(cell)
     return out
+
+
+def variant_sizing(cell: dict[str, Any], size: dict[str, Any]) -> dict[str, Any]:
+    """``size`` with the cell's variant's sizing overrides (``local_steps``)."""
+    extra = VARIANTS[cell.get("variant", "paper")]
+    return {**size, **{k: v for k, v in extra.items() if "." not in k}}
 
 
 def run_config(cell: dict[str, Any], size: dict[str, Any], threads: int) -> dict[str, Any]:
     """The app's run config for one cell (via ``rwlora_experiments.run_config``): ``U`` updates
     for every method, evaluation every ``eval_every`` updates (``gossip_eval_every`` for gossip,
-    whose evaluation scores every vertex's adapter too)."""
+    whose evaluation scores every vertex's adapter too); the variant's keys; ``size``'s
+    ``eval_split`` / ``per_class`` add ``data.eval-split`` / ``eval-per-class`` when not the
+    defaults (so the first records' run configs still match)."""
+    size = variant_sizing(cell, size)
     method, n, k = cell["method"], cell["clients"], size["local_steps"]
     per_round = k if method == "rwlora" else n * k
     every = size["gossip_eval_every"] if method == "gossip" else size["eval_every"]
@@ -178,6 +237,11 @@ def run_config(cell: dict[str, Any], size: dict[str, Any], threads: int) -> dict
     rc.update(
         {"strategy.num-clients": n, "strategy.lazy": False, **partition_keys(cell["partition"])}
     )
+    rc.update({k: v for k, v in VARIANTS[cell.get("variant", "paper")].items() if "." in k})
+    if size.get("eval_split", "test") != "test":
+        rc["data.eval-split"] = size["eval_split"]
+    if size.get("per_class"):
+        rc["eval-per-class"] = True
     return rc
 
 
@@ -187,6 +251,7 @@ def estimate_s(cell: dict[str, Any], size: dict[str, Any], ray_cpus: int = 2) ->
     (gossip: the average and the ``n`` vertices' own). Training: ``U`` updates one client at
     a time (RW-LoRA), or ``ceil(n / ray_cpus) K`` update times per round (clients in parallel)."""
     rc = run_config(cell, size, 1)
+    size = variant_sizing(cell, size)
     rounds, every, n = rc["num-server-rounds"], rc["eval-every"], cell["clients"]
     points = 1 + rounds // every + (1 if rounds % every else 0)
     per_point = n + 1 if cell["method"] == "gossip" else 1
@@ -247,6 +312,11 @@ def summarise(res: dict[str, Any], budget: int, targets=TARGETS) -> dict[str, An
                 "mb_p2p": r["bytes-p2p"] / 1e6,
                 "acc": r["test-accuracy"],
                 "acc_vertex_mean": r.get("test-accuracy-vertex-mean"),
+                **{
+                    f"acc_class_{k.rsplit('-', 1)[1]}": x
+                    for k, x in r.items()
+                    if k.startswith("test-accuracy-class-")
+                },
             }
             for r in rows
         ],
@@ -275,7 +345,10 @@ def find_done(records: list[dict], cell: dict, rc: dict) -> dict | None:
         (
             r
             for r in records
-            if all(r.get(k) == cell[k] for k in KEY_FIELDS)
+            if all(
+                r.get(k, KEY_DEFAULTS.get(k)) == cell.get(k, KEY_DEFAULTS.get(k))
+                for k in KEY_FIELDS
+            )
             and same_config(r.get("run_config", {}), rc)
         ),
         None,
@@ -303,6 +376,7 @@ def run_cell(cell: dict[str, Any], args) -> dict[str, Any]:
     return {
         **cell,
         "quick": bool(args.quick),
+        "eval_split": size["eval_split"],
         **summarise(res, size["updates"]),
         "budget_updates": size["updates"],
         "lr": size["lr"],
@@ -340,7 +414,8 @@ def ensure_cell(cell: dict[str, Any], args) -> tuple[dict[str, Any], bool]:
     size = sizing(args)
     rc = run_config(cell, size, args.threads)
     rc.pop("output-dir", None)
-    done = find_done(load_records(args.out), {**cell, "quick": bool(args.quick)}, rc)
+    key = {**cell, "quick": bool(args.quick), "eval_split": size["eval_split"]}
+    done = find_done(load_records(args.out), key, rc)
     if done is not None:
         print(f"[rwlora_sweep] skip (done): {cell}", flush=True)
         return done, False
@@ -395,6 +470,28 @@ def parse_args(argv=None):
         default=None,
         help=f"inner AdamW lr of every method (default: {SIZES['full']['lr']:g})",
     )
+    ap.add_argument(
+        "--variants",
+        nargs="+",
+        default=["paper"],
+        choices=list(VARIANTS),
+        help="RW-LoRA variants (default: the paper's walk)",
+    )
+    ap.add_argument(
+        "--eval-split",
+        choices=EVAL_SPLITS,
+        default="test",
+        help="score the test set, or the clients' joined validation tails (tuning)",
+    )
+    ap.add_argument(
+        "--eval-examples",
+        type=int,
+        default=None,
+        help="sentences scored per evaluation (default: the sizing's; 0 = all)",
+    )
+    ap.add_argument(
+        "--per-class", action="store_true", help="also record each label's accuracy (recall)"
+    )
     ap.add_argument("--out", type=Path, default=RESULTS)
     ap.add_argument("--quick", action="store_true", help="tiny sizing, in-process (tests)")
     ap.add_argument(
@@ -436,7 +533,17 @@ def planned_cells(args) -> list[dict[str, Any]]:
     groups = (
         SUITES[args.suite]
         if args.suite
-        else [(args.methods, args.graphs, args.clients, args.partitions, args.ranks, args.seeds)]
+        else [
+            (
+                args.methods,
+                args.graphs,
+                args.clients,
+                args.partitions,
+                args.ranks,
+                args.seeds,
+                args.variants,
+            )
+        ]
     )
     out: list[dict[str, Any]] = []
     for g in groups:
@@ -454,7 +561,8 @@ def main(argv=None) -> None:
         for c in todo:
             rc = run_config(c, size, args.threads)
             rc.pop("output-dir", None)
-            done = find_done(records, {**c, "quick": bool(args.quick)}, rc)
+            key = {**c, "quick": bool(args.quick), "eval_split": size["eval_split"]}
+            done = find_done(records, key, rc)
             est = estimate_s(c, size, args.ray_cpus)
             left += 0.0 if done else est
             print("done" if done else "todo", f"{est:6.0f} s", json.dumps(c))

@@ -18,16 +18,47 @@ import argparse
 import json
 import re
 import statistics
+import sys
 from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import rwlora_sweep_skew  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results" / "rwlora_sweep.json"
 DOC = ROOT / "docs" / "results-rwlora.md"
 IMG = ROOT / "docs" / "img" / "rwlora_sweep_updates.png"
 BEGIN, END = "<!-- rwlora-sweep:begin -->", "<!-- rwlora-sweep:end -->"
-KEY = ("method", "graph", "clients", "partition", "rank", "seed", "quick", "lr")
+KEY = (
+    "method",
+    "graph",
+    "clients",
+    "partition",
+    "rank",
+    "seed",
+    "quick",
+    "lr",
+    "variant",
+    "eval_split",
+)
+SKEW_IMG = ROOT / "docs" / "img" / "rwlora_skew_updates.png"
 DEFAULT_LR = 2e-3  # the sizing's inner lr (rwlora_sweep.SIZES); the main tables use it
+# the screened variants, in the background script's order; their options from the sweep
+SCREENED = ["paper", "avg0.9", "tail1", "carry", "k2", "mom0.5", "lrdecay8"]
+VARIANT_OPTIONS = {
+    "paper": {},
+    "avg0.9": {"average-decay": 0.9},
+    "avg0.95": {"average-decay": 0.95},
+    "k1": {"local-steps": 1},
+    "k2": {"local-steps": 2},
+    "lrdecay8": {"lr-decay-hops": 8},
+    "mom0.5": {"hop-momentum": 0.5},
+    "tail1": {"tail-average-from": 1},
+    "carry": {"carry-optimizer-state": 1},
+    "carry-tail1": {"carry-optimizer-state": 1, "tail-average-from": 1},
+    "k2-tail1": {"local-steps": 2, "tail-average-from": 1},
+}
 GRAPH_ORDER = {"complete": 0, "ring": 1, "regular-3": 2, "none": 3}
 # (label, method, field suffix): gossip is scored two ways
 SERIES = (
@@ -45,6 +76,8 @@ def load(path: Path, quick: bool = False) -> list[dict[str, Any]]:
     cells: dict[tuple, dict] = {}
     for r in recs:
         r.setdefault("lr", r.get("run_config", {}).get("train.lr"))
+        r.setdefault("variant", "paper")  # records before the variants: the paper's walk
+        r.setdefault("eval_split", "test")
         if bool(r.get("quick")) == quick:
             cells[tuple(r.get(k) for k in KEY)] = r
     return list(cells.values())
@@ -163,9 +196,15 @@ def per_seed(recs: list[dict], **where) -> str:
 
 
 def render(recs: list[dict]) -> str:
-    """All tables of the doc as Markdown."""
+    """All tables of the doc as Markdown: the paper's walk on the test split first, then the
+    label-skew variants (:mod:`rwlora_sweep_skew`)."""
     if not recs:
         return "_No sweep records yet._\n"
+    skew = rwlora_sweep_skew.render(recs, DEFAULT_LR, SCREENED, VARIANT_OPTIONS)
+    everything, recs = (
+        recs,
+        [r for r in recs if r["variant"] == "paper" and r["eval_split"] == "test"],
+    )
     main = dict(clients=8, rank=8, lr=DEFAULT_LR)
     lead = ("partition", "graph")
     parts = [
@@ -209,8 +248,11 @@ def render(recs: list[dict]) -> str:
             "\n#### Inner learning rate (8 clients, ring, rank 8): local updates to each target\n",
             table(recs, "updates_to_target", 0, ("partition", "lr"), **probe),
         ]
-    total = sum(r["wall_s"] for r in recs)
-    parts.append(f"\nRecords: {len(recs)} runs, {total / 3600:.2f} h of run wall time in all.\n")
+    parts.append("\n" + skew)
+    total = sum(r["wall_s"] for r in everything)
+    parts.append(
+        f"\nRecords: {len(everything)} runs, {total / 3600:.2f} h of run wall time in all.\n"
+    )
     return "\n".join(p for p in parts if p) + "\n"
 
 
@@ -302,16 +344,30 @@ def main(argv=None) -> None:
     ap.add_argument("--results", type=Path, default=RESULTS)
     ap.add_argument("--doc", type=Path, default=DOC)
     ap.add_argument("--img", type=Path, default=IMG)
+    ap.add_argument("--skew-img", type=Path, default=SKEW_IMG)
     ap.add_argument("--quick", action="store_true", help="report the quick records instead")
     ap.add_argument("--stdout", action="store_true", help="print the tables; write nothing")
+    ap.add_argument(
+        "--best-variant",
+        action="store_true",
+        help="print the best screened variant (label skew, validation split) and exit",
+    )
+    ap.add_argument("--variants", nargs="+", default=None, help="with --best-variant: among these")
     args = ap.parse_args(argv)
     recs = load(args.results, args.quick)
+    if args.best_variant:
+        best = rwlora_sweep_skew.best_variant(recs, DEFAULT_LR, args.variants)
+        if best is None:
+            raise SystemExit("no screened variant recorded")
+        print(best)
+        return
     text = render(recs)
     if args.stdout:
         print(text)
         return
     write_doc(args.doc, text)
-    plot(recs, args.img)
+    plot([r for r in recs if r["variant"] == "paper" and r["eval_split"] == "test"], args.img)
+    rwlora_sweep_skew.plot(recs, DEFAULT_LR, args.skew_img)
     print(f"[rwlora_sweep_report] {len(recs)} records -> {args.doc}, {args.img}")
 
 

@@ -310,3 +310,77 @@ def test_parallel_shards_lose_no_record(tmp_path):
         (t, j) for t in (0, 1, 2) for j in range(15)
     ]
     assert [p.name for p in tmp_path.iterdir()] == ["shared.json"]  # no lock or temp file left
+
+
+def test_variants_make_their_own_cells_and_old_records_stay_the_papers_walk():
+    cell = dict(method="rwlora", graph="ring", clients=8, partition="dirichlet-0.5", rank=8, seed=0)
+    full = S.SIZES["full"]
+    paper = S.run_config({**cell, "variant": "paper"}, full, 1)
+    assert paper == S.run_config(cell, full, 1)  # no key added: the first records still match
+    k2 = S.run_config({**cell, "variant": "k2"}, full, 1)
+    assert k2["strategy.local-steps"] == 2 and k2["num-server-rounds"] == 160
+    assert k2["eval-every"] == 20  # every 40 updates, as the paper's walk
+    avg = S.run_config({**cell, "variant": "avg0.9"}, full, 1)
+    assert avg["strategy.average-decay"] == 0.9 and avg["num-server-rounds"] == 64
+    val = S.run_config(cell, {**full, "eval_split": "val", "per_class": True}, 1)
+    assert val["data.eval-split"] == "val" and val["eval-per-class"] is True
+    old = [{**cell, "quick": False, "run_config": paper}]  # a record without variant/eval_split
+    key = {**cell, "quick": False, "variant": "paper", "eval_split": "test"}
+    assert S.find_done(old, key, paper) is old[0]
+    assert S.find_done(old, {**key, "variant": "avg0.9"}, avg) is None
+    assert S.find_done(old, {**key, "eval_split": "val"}, val) is None
+    got = S.cells(["rwlora", "gossip"], ["ring"], [8], ["iid"], [8], [0], ["paper", "k2"])
+    assert [(c["method"], c["variant"]) for c in got] == [
+        ("rwlora", "paper"),
+        ("rwlora", "k2"),
+        ("gossip", "paper"),  # variants are RW-LoRA's
+    ]
+
+
+def _skew(
+    variant, acc, curve_accs, split="val", seed=0, partition="dirichlet-0.5", method="rwlora"
+):
+    rec = _rec(method, "ring", seed, (None, None), acc)
+    rec.update(variant=variant, eval_split=split, partition=partition, visit_counts={"0": 64})
+    rec["curve"] = [
+        {"updates": 40 * i, "acc": a, "mb_p2p": 0.3 * i, "acc_class_0": a, "acc_class_1": a}
+        for i, a in enumerate(curve_accs)
+    ]
+    rec["best_acc"] = max(curve_accs)
+    return rec
+
+
+def test_best_variant_and_skew_tables(tmp_path):
+    recs = [
+        _skew("paper", 0.50, [0.5, 0.6, 0.5, 0.50]),
+        _skew("avg0.9", 0.70, [0.5, 0.6, 0.7, 0.70]),
+        _skew("k2", 0.70, [0.5, 0.6, 0.6, 0.70]),  # same final, lower mean of the last 3
+        _skew("avg0.9", 0.74, [0.5, 0.7, 0.74], split="test", seed=1),
+        _skew("paper", 0.51, [0.5, 0.51], split="test", seed=1),
+    ]
+    path = tmp_path / "s.json"
+    path.write_text(json.dumps(recs))
+    loaded = R.load(path)
+    assert R.rwlora_sweep_skew.best_variant(loaded, 2e-3) == "avg0.9"
+    assert R.rwlora_sweep_skew.best_variant(loaded, 2e-3, ["paper", "k2"]) == "k2"
+    assert R.main(["--results", str(path), "--best-variant"]) is None
+    # a constant predictor scores its class's share in plain accuracy, 0.5 balanced: no winner
+    const = _skew("carry", 0.567, [0.5, 0.567, 0.567, 0.567])
+    for c in const["curve"]:
+        c.update(acc_class_0=0.0, acc_class_1=1.0)
+    assert R.rwlora_sweep_skew.best_variant([loaded[0], const], 2e-3) == "paper"
+    text = R.render(loaded)
+    assert (
+        "| avg0.9 **(best)** | average-decay=0.9 | 0.700 | 0.700 | 0.667 | 0.700 | 0.700 / 0.700 |"
+        in text
+    )
+    assert "| lrdecay8 | lr-decay-hops=8 | pending |" in text
+    assert (
+        "| dirichlet-0.5 | ring | RW-LoRA, avg0.9 | pending | 0.740 | pending | 0.740 (1 seed) |"
+        in text
+    )
+    assert "| dirichlet-0.5 | ring | RW-LoRA, paper's walk | pending | 0.510 | pending |" in text
+    main_part = text.split("#### Label skew")[0]
+    assert "0.740" not in main_part and "0.700" not in main_part  # variants: their own section
+    png = R.rwlora_sweep_skew.plot(loaded, 2e-3, tmp_path / "k.png")
+    assert png is not None and png.stat().st_size > 1000

@@ -51,6 +51,7 @@ from .graph_base import GraphStrategy, graph_summary
 from .ledger import SentLedger
 from .rwlora_hops import RWLoRAHops
 from .rwlora_state import RWLoRAState
+from .rwlora_variants import RWLoRAVariants
 from .vertices import QUERY_VERTEX_KEY, VertexMap, discover_vertices
 from .wire import (
     _record_of,
@@ -65,7 +66,7 @@ _REEXPORTED = (QUERY_VERTEX_KEY, _record_of)  # older imports from this module
 # ----------------------------------------------------------------------------- RW-LoRA
 
 
-class RWLoRA(RWLoRAHops, RWLoRAState, GraphStrategy):
+class RWLoRA(RWLoRAVariants, RWLoRAHops, RWLoRAState, GraphStrategy):
     """Random-walk LoRA: the token visits one vertex per round (Message API strategy).
 
     Parameters
@@ -105,6 +106,20 @@ class RWLoRA(RWLoRAHops, RWLoRAState, GraphStrategy):
         ``dead_backoff_max`` (default 128) (:class:`flwr_isoloco.walk.VertexHealth`).
     max_empty_rounds : int
         Consecutive rounds without an accepted hop that stop the run (default 3; 0 = off).
+    lr : float, optional
+        The clients' base lr ``lr0`` (needed only with ``lr_decay_hops``).
+    lr_decay_hops : float
+        ``t0`` of the decaying lr ``lr0 / sqrt(1 + t / t0)`` sent as ``lr`` at hop ``t``
+        (default 0 = off: no ``lr`` in the config, the client's own lr).
+    hop_momentum : float
+        ``mu`` in [0, 1) of the momentum across hops (default 0 = off).
+    average_decay : float
+        ``beta`` in [0, 1) of the exponential average of the token, evaluated and exported
+        instead of the last iterate (default 0 = off).
+    tail_average_from : int
+        ``H``: evaluate and export the mean of the tokens from hop ``H`` on instead (default
+        0 = off; not with ``average_decay``). These four:
+        :mod:`~flwr_isoloco.strategies.rwlora_variants`.
     round_end_fn : callable, optional
         ``fn(server_round, strategy)`` after each round (checkpointing).
     Other keyword arguments as in :class:`GraphStrategy` / Flower's FedAvg.
@@ -141,9 +156,15 @@ class RWLoRA(RWLoRAHops, RWLoRAState, GraphStrategy):
         dead_after: int = 2,
         dead_backoff: int = 8,
         dead_backoff_max: int = 128,
+        lr: float | None = None,
+        lr_decay_hops: float = 0.0,
+        hop_momentum: float = 0.0,
+        average_decay: float = 0.0,
+        tail_average_from: int = 0,
         **kwargs: Any,
     ) -> None:
         super().__init__(graph, num_vertices=num_vertices, local_steps=local_steps, **kwargs)
+        self._init_variants(lr, lr_decay_hops, hop_momentum, average_decay, tail_average_from)
         self.transition = transition
         self.target = target
         self.lazy = bool(lazy)
@@ -210,10 +231,14 @@ class RWLoRA(RWLoRAHops, RWLoRAState, GraphStrategy):
         )
         log(
             INFO,
-            "\t└──> K=%d local steps per visit, seed %d, carry optimizer state: %s",
+            "\t└──> K=%d local steps per visit, seed %d, carry optimizer state: %s; "
+            "lr decay t0 %g, hop momentum %g, average decay %g",
             self.local_steps,
             self.seed,
             self.carry_optimizer_state,
+            self.lr_decay_hops,
+            self.hop_momentum,
+            self.average_decay,
         )
 
     # ----------------------------------------------------------------- setup
@@ -248,6 +273,10 @@ class RWLoRA(RWLoRAHops, RWLoRAState, GraphStrategy):
             )
 
     def current_arrays(self) -> ArrayRecord:
+        """The averaged token when ``average_decay > 0`` (after the first hop), else the token."""
+        avg = self.averaged_arrays()
+        if avg is not None:
+            return avg
         return self.token if self.token is not None else ArrayRecord()
 
     # ----------------------------------------------------------------- one hop
@@ -305,6 +334,8 @@ class RWLoRA(RWLoRAHops, RWLoRAState, GraphStrategy):
         cfg["local-steps"] = self.local_steps
         cfg["walk-vertex"] = self._vertex_metric(v)
         cfg["carry-optimizer-state"] = self.carry_optimizer_state
+        if (lr := self.hop_lr()) is not None:
+            cfg["lr"] = lr
         content = RecordDict({self.arrayrecord_key: self.token, self.configrecord_key: cfg})
         if self.carry_optimizer_state and self.optimizer_state is not None:
             content[self.optimizer_key] = self.optimizer_state

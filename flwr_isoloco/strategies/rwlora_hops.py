@@ -44,7 +44,8 @@ class RWLoRAHops:
             sent += record_nbytes(self.optimizer_state)
         moved = self.walk.position != v  # a lazy self-loop stays on the node in P2P
         self.bytes_relayed += sent
-        self.bytes_p2p += sent if moved else 0
+        carried = self.carried_adapters() * record_nbytes(self.token)  # momentum, average
+        self.bytes_p2p += sent + carried if moved else 0
         for r in replies:
             if r.has_content():
                 self.bytes_relayed += record_nbytes(*r.content.array_records.values())
@@ -131,6 +132,7 @@ class RWLoRAHops:
             new = {k: expected[k].float() - update[k] for k in expected}
         else:
             new = {k: t.float() for k, t in reply.tensors().items()}
+        new = self._variant_token(expected, {k: new[k] for k in expected})
         self.token = _record_of({k: new[k] for k in expected})
         if self.carry_optimizer_state:
             if opt_rec is None:

@@ -1,6 +1,7 @@
 """RW-LoRA's checkpoint state: ``state_dict``, its checks and its restoration (no pickle).
 
-``{"tensors": {"token", "optimizer"}, "meta": JSON-able}``: the walk (position, generator),
+``{"tensors": {"token", "optimizer"[, "momentum", "average"]}, "meta": JSON-able}`` (the
+variants' groups only when in use, :mod:`.rwlora_variants`): the walk (position, generator),
 the trajectory, this round's re-route exclusions, failure counts and log, local updates,
 bytes, recent update norms, dead-vertex health, relays, the empty-round streak and the carried
 optimiser scalars. :meth:`GraphStrategy.load_state_dict` checks the shared fields; the
@@ -31,6 +32,7 @@ class RWLoRAState:
             "tensors": {
                 "token": record_tensors(self.token),
                 "optimizer": record_tensors(self.optimizer_state),
+                **self._variant_state(),
             },
             "meta": {
                 "kind": self.what,
@@ -87,6 +89,9 @@ class RWLoRAState:
         check_tensors(token, reference, "token")
         if not token:
             raise CheckpointError("tensor group 'token' is empty")
+        for group in ("momentum", "average"):  # the variants' adapters: the token's names
+            if tensors.get(group):
+                check_tensors(tensors[group], reference or token, group)
         opt = tensors.get("optimizer") or {}
         check_tensors(opt, optimizer_reference if opt else None, "optimizer")
         for key, t in opt.items():
@@ -107,6 +112,7 @@ class RWLoRAState:
                 f"{self.vertices}; cannot resume the same walk"
             )
         self._preload_state(state)
+        self._load_variant_state(tensors)
         opt = tensors.get("optimizer") or {}
         self.optimizer_state = _record_of(opt) if opt else None
         oc = meta.get("optimizer_config")

@@ -82,11 +82,30 @@ def _evaluator(cfg, strategy, model, tokenizer, texts, labels):
     the mean over each vertex's own adapter; equal adapters, e.g. at round 0, scored once)."""
     name = cfg.strategy.name
 
+    per_class = cfg["eval-per-class"]
+    classes = sorted(set(labels))
+    by_class = {c: [i for i, y in enumerate(labels) if y == c] for c in classes}
+
     def accuracy(arrays: ArrayRecord) -> dict[str, float]:
         classifier.load_adapter_state_dict(model, arrays.to_torch_state_dict())
-        return classifier.evaluate(
-            model, tokenizer, texts, labels, max_length=cfg.model["max-length"]
-        )
+        if not per_class:
+            return classifier.evaluate(
+                model, tokenizer, texts, labels, max_length=cfg.model["max-length"]
+            )
+        # one pass per label: recall of class c; overall = the rows-weighted mean
+        res: dict[str, float] = {"accuracy": 0.0, "loss": 0.0}
+        for c, idx in by_class.items():
+            r = classifier.evaluate(
+                model,
+                tokenizer,
+                [texts[i] for i in idx],
+                [c] * len(idx),
+                max_length=cfg.model["max-length"],
+            )
+            res[f"accuracy-class-{c}"] = r["accuracy"]
+            res["accuracy"] += r["accuracy"] * len(idx) / len(labels)
+            res["loss"] += r["loss"] * len(idx) / len(labels)
+        return res
 
     def evaluate(rnd: int, arrays: ArrayRecord) -> dict[str, float] | None:
         if rnd and rnd % cfg["eval-every"] and rnd != cfg["num-server-rounds"]:
@@ -101,6 +120,7 @@ def _evaluator(cfg, strategy, model, tokenizer, texts, labels):
 
         res = score(arrays)
         m = {"test-accuracy": res["accuracy"], "test-loss": res["loss"]}
+        m.update({f"test-{k}": x for k, x in res.items() if k.startswith("accuracy-class-")})
         if name == "gossip":  # each vertex's own adapter, not the A/B average (round 0: the same)
             own = [score(a) for a in strategy.vertex_adapters().values()]
             m["test-accuracy-vertex-mean"] = sum(r["accuracy"] for r in own) / len(own)
@@ -114,7 +134,7 @@ def build(cfg, nodes: list[int]) -> AppRun:
     """Evaluator, strategy for the connected clients, and the app's row, plots and export."""
     name, n = cfg.strategy.name, len(nodes)
     random.seed(cfg.seed)  # FedAvg samples with Python's global random (restored on resume)
-    model, tokenizer, texts, labels, initial_adapter = load_evaluator(cfg)
+    model, tokenizer, texts, labels, initial_adapter = load_evaluator(cfg, n)
     strategy = build_strategy(cfg, n)
     cursors: dict[str, int] = {}  # partition -> data cursor, for the visit plot
 
@@ -160,6 +180,7 @@ def build(cfg, nodes: list[int]) -> AppRun:
             "num-clients": n,
             "adapter-bytes": sum(t.numel() * 4 for t in initial_adapter.values()),
             "test-examples": len(texts),
+            "eval-split": cfg.data["eval-split"],
         },
         restore_kwargs=restore,
         plot=plot,

@@ -11,6 +11,7 @@ import math
 import os
 from typing import Any
 
+import numpy as np
 from omegaconf import DictConfig
 
 from flwr_isoloco.clients.adamw_state import MOMENTS
@@ -34,6 +35,8 @@ from flwr_isoloco.strategies.diloco_config import RUN_CONFIG_CHECKS
 from flwr_isoloco.strategies.rounds import check_quorum, quorum_arg
 
 STRATEGIES = ("rwlora", "gossip", "fedavg")
+EVAL_SPLITS = ("test", "val")
+VARIANT_KEYS = ("lr-decay-hops", "hop-momentum", "average-decay", "tail-average-from")
 
 DEFAULTS: dict[str, Any] = {
     "num-server-rounds": 20,
@@ -44,6 +47,7 @@ DEFAULTS: dict[str, Any] = {
     "checkpoint": True,
     "torch-threads": 1,
     "eval-every": 10,
+    "eval-per-class": False,
     "strategy": {
         "name": "rwlora",
         "num-clients": 0,
@@ -63,6 +67,10 @@ DEFAULTS: dict[str, Any] = {
         "dead-backoff-max": 128,
         "quorum": 1.0,
         "grace-s": 0.0,
+        "lr-decay-hops": 0.0,
+        "hop-momentum": 0.0,
+        "average-decay": 0.0,
+        "tail-average-from": 0,
     },
     "lora": {
         "r": 8,
@@ -81,6 +89,7 @@ DEFAULTS: dict[str, Any] = {
         "eval-examples": 300,
         "max-examples": 0,
         "val-fraction": 0.1,
+        "eval-split": "test",
     },
 }
 
@@ -115,6 +124,10 @@ VALIDATORS = {
     # the strategies' own checks (as the isoloco_lm app); GossipLoRA's check_quorum then
     "strategy.quorum": RUN_CONFIG_CHECKS["quorum"],
     "strategy.grace-s": RUN_CONFIG_CHECKS["grace-s"],
+    "strategy.lr-decay-hops": non_negative,
+    "strategy.hop-momentum": in_range(0.0, 1.0, hi_open=True),
+    "strategy.average-decay": in_range(0.0, 1.0, hi_open=True),
+    "strategy.tail-average-from": non_negative,
     "lora.r": positive,
     "lora.alpha": positive,
     "lora.dropout": in_range(0.0, 1.0, hi_open=True),
@@ -128,6 +141,7 @@ VALIDATORS = {
     "data.eval-examples": non_negative,
     "data.max-examples": non_negative,
     "data.val-fraction": in_range(0.0, 1.0, hi_open=True),
+    "data.eval-split": choices(*EVAL_SPLITS),
     "data.source": _data_source_ok,
 }
 
@@ -146,6 +160,21 @@ def load_config(run_config: dict[str, Any]) -> DictConfig:
             f"'strategy.dead-backoff' = {s['dead-backoff']}"
         )
     _check_quorum_keys(s)
+    if cfg.strategy.name != "rwlora":
+        for key in VARIANT_KEYS:
+            if cfg.strategy[key]:
+                raise RunConfigError(
+                    f"run-config key 'strategy.{key}' is only supported by 'rwlora'"
+                )
+    if s["tail-average-from"] and s["average-decay"]:
+        raise RunConfigError(
+            "run-config keys 'strategy.tail-average-from' and 'strategy.average-decay': "
+            "choose one average"
+        )
+    if cfg.data["eval-split"] == "val" and not cfg.data["val-fraction"]:
+        raise RunConfigError(
+            "run-config key 'data.eval-split' = 'val' needs 'data.val-fraction' > 0"
+        )
     if cfg.strategy.name != "rwlora" and cfg.strategy["carry-optimizer-state"]:
         raise RunConfigError(
             "run-config key 'strategy.carry-optimizer-state' is only supported by 'rwlora'"
@@ -271,6 +300,11 @@ def build_strategy(cfg: DictConfig, n: int):
             dead_after=s["dead-after"],
             dead_backoff=s["dead-backoff"],
             dead_backoff_max=s["dead-backoff-max"],
+            lr=cfg.train.lr,
+            lr_decay_hops=s["lr-decay-hops"],
+            hop_momentum=s["hop-momentum"],
+            average_decay=s["average-decay"],
+            tail_average_from=s["tail-average-from"],
             **common,
         )
     except ValueError as exc:
@@ -292,13 +326,34 @@ def optimizer_shapes(model) -> dict[str, tuple[int, ...]]:
     }
 
 
-def load_evaluator(cfg: DictConfig):
-    """``(model, tokenizer, test texts, test labels, initial adapter)`` for server-side tests:
-    the server's own model copy, and the adapter as initialised (not the cached model's)."""
+def validation_split(cfg: DictConfig, n: int) -> tuple[list[str], list[int]]:
+    """The clients' validation tails joined (partitions 0..n-1, as :func:`load_node_data` cuts
+    them: rows no client trains on, disjoint from the test set), shuffled with the run seed,
+    the first ``data.eval-examples`` (0 = all)."""
+    from flwr_isoloco.clients.lora_client import load_node_data
+
+    texts, labels = [], []
+    for pid in range(n):
+        nd = load_node_data(client_config(cfg), pid, n)
+        texts += nd.val_texts
+        labels += nd.val_labels
+    order = np.random.default_rng([cfg.seed, 4099]).permutation(len(texts))
+    cap = cfg.data["eval-examples"] or len(order)
+    return [texts[i] for i in order[:cap]], [labels[i] for i in order[:cap]]
+
+
+def load_evaluator(cfg: DictConfig, n: int = 0):
+    """``(model, tokenizer, texts, labels, initial adapter)`` for server-side scoring: the
+    server's own model copy, the adapter as initialised (not the cached model's), and the
+    rows of ``data.eval-split``: the test set, or (``val``, ``n`` clients) the
+    :func:`validation_split`, for tuning without touching the test set."""
     d = cfg.data
-    test = sentiment.load_test(d.source, d["test-size"], cfg.seed, d["eval-examples"])
     spec = lora_spec(cfg)
     model = classifier.get_model(spec, slot="server")  # not the clients' copy
     tokenizer = classifier.load_tokenizer(spec.model)
-    texts, labels = list(test["text"]), [int(y) for y in test["label"]]
+    if d["eval-split"] == "val":
+        texts, labels = validation_split(cfg, n)
+    else:
+        test = sentiment.load_test(d.source, d["test-size"], cfg.seed, d["eval-examples"])
+        texts, labels = list(test["text"]), [int(y) for y in test["label"]]
     return model, tokenizer, texts, labels, classifier.initial_adapter(spec)

@@ -1,0 +1,269 @@
+"""The label-skew part of docs/results-rwlora.md: RW-LoRA variants under Dirichlet(0.5).
+
+Used by ``rwlora_sweep_report.py`` (tables in the doc's marked block, the plot, and
+``--best-variant``, which the background script calls after the screening).
+
+- **Screening**: each variant once (ring, 8 clients, rank 8, seed 0, Dirichlet(0.5)) scored on
+  the validation split (``eval_split`` ``val``: the clients' joined validation tails). The
+  best variant has the highest *balanced* validation accuracy at the budget, ties broken by
+  the mean of the last three evaluations, and must beat the paper's walk (:func:`best_variant`).
+- **Result**: the best variant on the test split, every seed, next to the paper's walk,
+  gossip and FedAvg-LoRA of the main sweep (same cells); cells not yet run say ``pending``.
+- **Why**: per-class accuracy (each label's recall) along the walk, from the records'
+  ``acc_class_<c>`` curve fields.
+"""
+
+from __future__ import annotations
+
+import statistics
+from typing import Any
+
+SKEW = "dirichlet-0.5"
+SCREEN = dict(clients=8, rank=8, graph="ring", partition=SKEW, seed=0, eval_split="val")
+SEEDS = (0, 1, 2)
+GRAPHS = ("ring", "complete", "regular-3")
+
+
+def _is(r: dict, lr: float, **where) -> bool:
+    return r.get("lr") == lr and all(r.get(k) == v for k, v in where.items())
+
+
+def screening(recs: list[dict], lr: float) -> list[dict]:
+    """The screening records (RW-LoRA, :data:`SCREEN`), in record order."""
+    return [r for r in recs if r["method"] == "rwlora" and _is(r, lr, **SCREEN)]
+
+
+def balanced(c: dict) -> float:
+    """Balanced accuracy of one evaluation: the mean of the per-class accuracies (recalls),
+    0.5 for any constant predictor; the plain accuracy where no per-class field was recorded.
+    (The validation split is not balanced: 56.7 % positive at seed 0, so a constant
+    "positive" scores 0.567 in plain accuracy.)"""
+    keys = [k for k in c if k.startswith("acc_class_")]
+    return statistics.mean(c[k] for k in keys) if keys else c["acc"]
+
+
+def _last3(r: dict) -> float:
+    return statistics.mean(balanced(c) for c in r["curve"][-3:])
+
+
+def _score(r: dict) -> tuple[float, float]:
+    return (balanced(r["curve"][-1]), _last3(r))
+
+
+def best_variant(recs: list[dict], lr: float, variants: list[str] | None = None) -> str | None:
+    """The variant whose screening run has the highest balanced validation accuracy at the
+    budget (then the mean over the last three evaluations), among ``variants`` (all screened
+    if None); ``paper`` unless a variant beats the paper's walk strictly; None if none."""
+    cand = [r for r in screening(recs, lr) if variants is None or r["variant"] in variants]
+    if not cand:
+        return None
+    top = max(cand, key=_score)
+    paper = [r for r in cand if r["variant"] == "paper"]
+    if paper and _score(top) <= _score(paper[-1]):
+        return "paper"
+    return top["variant"]
+
+
+def _class_cols(c: dict) -> str:
+    keys = sorted(k for k in c if k.startswith("acc_class_"))
+    return " / ".join(f"{c[k]:.3f}" for k in keys) if keys else "-"
+
+
+def screening_table(recs: list[dict], lr: float, planned: list[str], options: dict) -> str:
+    rows = {r["variant"]: r for r in screening(recs, lr)}
+    best = best_variant(recs, lr)
+    lines = [
+        "| variant | options | val acc at budget | balanced acc at budget | balanced, mean of "
+        "last 3 | best acc | per class at budget (neg / pos) | MB P2P per hop | wall s |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for v in dict.fromkeys([*planned, *rows]):
+        opt = ", ".join(f"{k}={x:g}" for k, x in options.get(v, {}).items()) or "-"
+        r = rows.get(v)
+        if r is None:
+            lines.append(f"| {v} | {opt} | pending | | | | | | |")
+            continue
+        hops = sum(r["visit_counts"].values()) if r.get("visit_counts") else None
+        per_hop = r["curve"][-1]["mb_p2p"] / hops if hops else float("nan")
+        mark = " **(best)**" if v == best else ""
+        lines.append(
+            f"| {v}{mark} | {opt} | {r['final_acc']:.3f} | {balanced(r['curve'][-1]):.3f}"
+            f" | {_last3(r):.3f} | {r['best_acc']:.3f}"
+            f" | {_class_cols(r['curve'][-1])} | {per_hop:.3f} | {r['wall_s']:.0f} |"
+        )
+    return "\n".join(lines)
+
+
+def _cell(recs, lr, method, variant, graph, part, seed) -> dict | None:
+    where = dict(clients=8, rank=8, partition=part, seed=seed, eval_split="test")
+    where.update(graph="none" if method == "fedavg" else graph, variant=variant)
+    got = [r for r in recs if r["method"] == method and _is(r, lr, **where)]
+    return got[-1] if got else None
+
+
+def finalists(recs: list[dict], lr: float) -> list[str]:
+    """The best screened variant and every other variant with test-split records (finals),
+    the paper's walk excluded."""
+    tested = [
+        r["variant"]
+        for r in recs
+        if r["method"] == "rwlora" and _is(r, lr, clients=8, rank=8, eval_split="test")
+    ]
+    out = dict.fromkeys([best_variant(recs, lr), *tested])
+    return [v for v in out if v not in (None, "paper")]
+
+
+def result_table(recs: list[dict], lr: float, variants: list[str]) -> str:
+    """Final test accuracy per seed: the variants vs paper's walk vs gossip vs FedAvg."""
+    series = [
+        *((f"RW-LoRA, {v}", "rwlora", v, "final_acc") for v in variants),
+        ("RW-LoRA, paper's walk", "rwlora", "paper", "final_acc"),
+        ("gossip, averaged adapter", "gossip", "paper", "final_acc"),
+        ("gossip, mean of vertices", "gossip", "paper", "final_acc_vertex_mean"),
+        ("FedAvg-LoRA", "fedavg", "paper", "final_acc"),
+    ]
+    lines = [
+        "| partition | graph | method | "
+        + " | ".join(f"seed {s}" for s in SEEDS)
+        + " | mean ± sd |",
+        "|---|---|---|" + "---|" * (len(SEEDS) + 1),
+    ]
+    for part in (SKEW, "iid"):
+        for graph in GRAPHS:
+            for label, method, variant, field in series:
+                vals = []
+                for s in SEEDS:
+                    r = _cell(recs, lr, method, variant, graph, part, s)
+                    vals.append(None if r is None else r.get(field))
+                if (all(v is None for v in vals) and variant not in variants) or (
+                    method == "fedavg" and graph != GRAPHS[0]  # no graph: shown once
+                ):
+                    continue
+                cells = ["pending" if v is None else f"{v:.3f}" for v in vals]
+                got = [v for v in vals if v is not None]
+                if not got:
+                    summary = "pending"
+                elif len(got) == 1:
+                    summary = f"{got[0]:.3f} (1 seed)"
+                else:
+                    summary = f"{statistics.mean(got):.3f} ± {statistics.stdev(got):.3f}"
+                    summary += f" ({len(got)} seeds)" if len(got) < len(SEEDS) else ""
+                g = "none" if method == "fedavg" else graph
+                lines.append(f"| {part} | {g} | {label} | {' | '.join(cells)} | {summary} |")
+    return "\n".join(lines)
+
+
+def class_curve_table(recs: list[dict], lr: float, variants: list[str]) -> str:
+    """Per-class accuracy along the walk (screening records: ring, seed 0, validation)."""
+    rows = {r["variant"]: r for r in screening(recs, lr)}
+    have = [v for v in variants if v in rows]
+    if not have:
+        return "_pending_"
+    lines = [
+        "| updates | " + " | ".join(f"{v}: acc (neg / pos)" for v in have) + " |",
+        "|---|" + "---|" * len(have),
+    ]
+    n = min(len(rows[v]["curve"]) for v in have)
+    for i in range(n):
+        c0 = rows[have[0]]["curve"][i]
+        cols = [
+            f"{rows[v]['curve'][i]['acc']:.3f} ({_class_cols(rows[v]['curve'][i])})" for v in have
+        ]
+        lines.append(f"| {c0['updates']} | " + " | ".join(cols) + " |")
+    return "\n".join(lines)
+
+
+def render(recs: list[dict], lr: float, planned: list[str], options: dict) -> str:
+    best = best_variant(recs, lr)
+    finals = finalists(recs, lr)
+    shown = list(dict.fromkeys(["paper", *([best] if best else []), *finals]))
+    return "\n".join(
+        [
+            "#### Label skew: screening of the RW-LoRA variants (ring, Dirichlet(0.5), seed 0, "
+            "validation split)\n",
+            screening_table(recs, lr, planned, options),
+            "\n#### Label skew: per-class accuracy along the walk (same runs, validation split)\n",
+            class_curve_table(recs, lr, shown),
+            f"\n#### Label skew: variants ({', '.join(finals) or 'pending'}; best on validation: "
+            f"{best or 'pending'}) vs the paper's walk vs gossip vs FedAvg-LoRA, final test "
+            "accuracy at 320 updates (8 clients, rank 8)\n",
+            result_table(recs, lr, finals),
+            "",
+        ]
+    )
+
+
+def plot(recs: list[dict], lr: float, path) -> Any:
+    """Three panels: the screening's validation curves; test accuracy vs updates under skew on
+    the ring (seed mean, min..max band) for the paper's walk, the best variant, gossip; the
+    per-class accuracy of the paper's walk and the best variant (validation)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from flwr_isoloco.plotting import save_figure
+
+    scr = screening(recs, lr)
+    if not scr:
+        return None
+    best = best_variant(recs, lr)
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.0))
+    for r in scr:
+        axes[0].plot(
+            [c["updates"] for c in r["curve"]],
+            [c["acc"] for c in r["curve"]],
+            marker="o",
+            ms=2.5,
+            lw=2.2 if r["variant"] == best else 1.0,
+            label=r["variant"],
+        )
+    axes[0].set_title("screening: ring, Dirichlet(0.5), seed 0 (validation)")
+    series = [
+        ("rwlora", "paper", "acc", "RW-LoRA, paper's walk"),
+        ("gossip", "paper", "acc", "gossip, averaged"),
+    ]
+    finals = finalists(recs, lr)
+    series[:0] = [("rwlora", v, "acc", f"RW-LoRA, {v}") for v in finals]
+    for method, variant, key, label in series:
+        grp = [_cell(recs, lr, method, variant, "ring", SKEW, s) for s in SEEDS]
+        curves = [[(c["updates"], c[key]) for c in r["curve"]] for r in grp if r is not None]
+        if not curves:
+            continue
+        n = min(len(c) for c in curves)
+        xs = [p[0] for p in curves[0][:n]]
+        ys = [[c[t][1] for c in curves] for t in range(n)]
+        (line,) = axes[1].plot(
+            xs,
+            [statistics.mean(y) for y in ys],
+            marker="o",
+            ms=2.5,
+            label=f"{label} ({len(curves)} seeds)",
+        )
+        axes[1].fill_between(
+            xs, [min(y) for y in ys], [max(y) for y in ys], alpha=0.15, color=line.get_color()
+        )
+    axes[1].set_title("ring, Dirichlet(0.5): test accuracy, before / after")
+    for r in scr:
+        if r["variant"] not in ("paper", best, *finals):
+            continue
+        keys = sorted(k for k in r["curve"][-1] if k.startswith("acc_class_"))
+        for k, ls in zip(keys, ("-", "--"), strict=False):
+            axes[2].plot(
+                [c["updates"] for c in r["curve"]],
+                [c[k] for c in r["curve"]],
+                ls=ls,
+                marker="o",
+                ms=2.5,
+                label=f"{r['variant']}, class {k.rsplit('_', 1)[1]}",
+            )
+    axes[2].set_title("per-class accuracy along the walk (validation)")
+    for ax in axes:
+        ax.set_xlabel("local updates (all clients)")
+        ax.set_ylabel("accuracy")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    out = save_figure(fig, path)
+    plt.close(fig)
+    return out
