@@ -24,7 +24,7 @@ is rounded stochastically to a grid of ``2c / Q`` (``c = clipping_range``,
 
 Still checked: the aggregate (names, shapes, finite, norm) and each reply's weight and local-DP
 echo; a failure, or a malformed SecAgg+ reply that makes Flower's workflow raise, is a logged
-empty round (model kept), never a crash. docs/privacy.md, "Secure aggregation", has the rest.
+empty round (model kept), never a crash. the privacy guide (docs, "Secure aggregation"), "Secure aggregation", has the rest.
 """
 
 from __future__ import annotations
