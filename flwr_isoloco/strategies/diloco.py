@@ -496,7 +496,18 @@ class DiLoCo(FromRunConfig, DiLoCoState, ResumableStrategy):
             new_arrays, train_metrics = train.finish(wait)
         finally:
             train.close()
-        evaluate_metrics = evaluation_round(
+        return RoundOutcome(
+            new_arrays,
+            train_metrics,
+            self.evaluate_half(grid, server_round, evaluate_config, timeout),
+        )
+
+    def evaluate_half(
+        self, grid: Grid, server_round: int, evaluate_config: Any, timeout: float | None
+    ) -> Any:
+        """The round's federated evaluation of the current model (replies as they arrive,
+        with the strategy's quorum and grace window); None when it sends nothing."""
+        return evaluation_round(
             self._eval_stream,
             grid,
             self.configure_evaluate(server_round, self.current_arrays(), evaluate_config, grid),
@@ -506,7 +517,6 @@ class DiLoCo(FromRunConfig, DiLoCoState, ResumableStrategy):
             quorum=self.quorum,
             grace_s=self.grace_s,
         )
-        return RoundOutcome(new_arrays, train_metrics, evaluate_metrics)
 
     def aggregate_evaluate(
         self, server_round: int, replies: Iterable[Message]

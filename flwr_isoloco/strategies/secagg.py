@@ -56,7 +56,6 @@ from flwr_isoloco.secagg_mod import (
     RANGE_KEY,
     WEIGHTING_KEY,
 )
-from flwr_isoloco.strategies.evaluation import evaluation_round
 from flwr_isoloco.strategies.lifecycle import RoundOutcome
 from flwr_isoloco.strategies.metrics import metric_record, tensor_norm, weighted_mean_metrics
 from flwr_isoloco.strategies.privacy import require_secagg
@@ -240,16 +239,7 @@ class SecAggShim:
                 str(exc)[:300],
             )
         new_arrays, train_metrics = adapter.outcome(counting, time.perf_counter() - t0)
-        evaluate_metrics = evaluation_round(
-            s._eval_stream,
-            grid,
-            s.configure_evaluate(server_round, s.current_arrays(), evaluate_config, grid),
-            s.aggregate_evaluate,
-            server_round=server_round,
-            timeout=timeout,
-            quorum=s.quorum,
-            grace_s=s.grace_s,
-        )
+        evaluate_metrics = s.evaluate_half(grid, server_round, evaluate_config, timeout)
         return RoundOutcome(new_arrays, train_metrics, evaluate_metrics)
 
 
