@@ -48,8 +48,9 @@ DP_ARGUMENTS = (
 """Constructor arguments of :class:`~flwr_isoloco.strategies.privacy.StrategyDP`, in its order."""
 
 
-def resolve_rule(merge_rule: Any) -> tuple[Any, str]:
-    """``(rule, name)`` from a name in ``MERGE_RULES`` or a MergeRule (``ValueError`` else)."""
+def rule_and_name(merge_rule: Any) -> tuple[Any, str]:
+    """``(rule, name)`` from a name in ``MERGE_RULES`` or any object with a ``name`` and a
+    ``streaming`` (a MergeRule or one of its kind); ``ValueError`` else."""
     if isinstance(merge_rule, str):
         if merge_rule not in MERGE_RULES:
             raise ValueError(
@@ -73,7 +74,7 @@ def setup_merge(
 ) -> None:
     """Set strategy ``s``'s rule, its checked options, the robust aggregation and the round
     merge (on ``s.merge_device``); ``ValueError`` naming a problem."""
-    s.rule, s.merge_name = resolve_rule(merge)
+    s.rule, s.merge_name = rule_and_name(merge)
     if orthogonalize == "update" and s.merge_name not in SPECTRAL_FOR_UPDATE:
         raise ValueError(
             f"orthogonalize='update' needs merge in {SPECTRAL_FOR_UPDATE}, got {s.merge_name!r}"
