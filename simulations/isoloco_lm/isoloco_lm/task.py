@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from omegaconf import DictConfig
 
-from flwr_isoloco.clients.hf_lm import batch_generator as batch_generator  # re-exported: the batches' seeding
+from flwr_isoloco.clients.hf_lm import batch_generator as batch_generator  # re-exported
 from flwr_isoloco.data.text import prepare_tokens, shard_tokens
 from flwr_isoloco.merging import MERGE_RULES
 from flwr_isoloco.models.llama import build_llama, llama_config
