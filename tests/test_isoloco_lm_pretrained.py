@@ -4,33 +4,21 @@ the checkpoint and the export. (A `flwr run` of the same configuration through
 scripts/run_app.sh takes ~1-2.5 min, over this file's test budget; it is not repeated here.)"""
 
 import json
-import sys
-from pathlib import Path
 
 import pytest
 import torch
+from fakegrid import FakeGrid
+from isoloco_lm import client_app, server_app, task
+from lm_app import write_corpus
 from safetensors import safe_open
+from tiny_hf import save_tiny_llama
 
 from flwr_isoloco.runconfig import RunConfigError
-
-REPO = Path(__file__).resolve().parents[1]
-APP_DIR = REPO / "simulations" / "isoloco_lm"
-sys.path.insert(0, str(APP_DIR))
-sys.path.insert(0, str(REPO / "tests"))
-
-from fakegrid import FakeGrid  # noqa: E402
-from isoloco_lm import client_app, server_app, task  # noqa: E402
-from tiny_hf import save_tiny_llama  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
-    from flwr_isoloco.data.text import load_corpus
-
-    d = tmp_path_factory.mktemp("corpus")
-    for i, text in enumerate(load_corpus("shakespeare")[:2]):
-        (d / f"play{i}.txt").write_text(text[:20_000], encoding="utf-8")
-    return d
+    return write_corpus(tmp_path_factory.mktemp("corpus"), plays=2, chars=20_000)
 
 
 @pytest.fixture(scope="module", params=[torch.float32, torch.bfloat16], ids=["fp32", "bf16"])

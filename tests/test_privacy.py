@@ -47,6 +47,21 @@ def _model(side: int = 8) -> dict[str, torch.Tensor]:
     return {"w": torch.randn(side, side, generator=g), "b": torch.zeros(side)}
 
 
+def _start(strategy, num_nodes: int, num_rounds: int):
+    """``strategy`` run for ``num_rounds`` on ``num_nodes`` :func:`_client` nodes from :func:`_model`."""
+    return strategy.start(
+        grid=FakeGrid(_client(), num_nodes=num_nodes),
+        initial_arrays=ArrayRecord(_model()),
+        num_rounds=num_rounds,
+    )
+
+
+def _through_checkpoint(strategy, tmp_path):
+    """``strategy.state_dict()`` written to a checkpoint file and read back: ``(tensors, meta)``."""
+    sd = strategy.state_dict()
+    return load_checkpoint(save_checkpoint(tmp_path / "ck.safetensors", sd["tensors"], sd["meta"]))
+
+
 def _flower_epsilon(z: float, rounds: int, delta: float, population: int) -> float:
     """An accountant built here from Flower's public API, fed ``rounds`` Gaussian events."""
     config = PrivacyConfig(
@@ -82,11 +97,7 @@ def test_zero_updates_release_noise_of_std_z_c_over_m():
 def test_epsilon_per_round_equals_flowers_accountant(cls):
     z, delta, rounds = 1.1, 1e-5, 4
     s = cls(**QUIET, dp_noise_multiplier=z, dp_clipping_norm=0.05, dp_delta=delta)
-    res = s.start(
-        grid=FakeGrid(_client(), num_nodes=3),
-        initial_arrays=ArrayRecord(_model()),
-        num_rounds=rounds,
-    )
+    res = _start(s, 3, rounds)
     for r in range(1, rounds + 1):
         got = res.train_metrics_clientapp[r]["dp-epsilon"]
         # no amplification: the population size given to the accountant changes nothing
@@ -160,23 +171,15 @@ def test_resume_continues_epsilon_and_the_noise(tmp_path):
     kw = dict(**QUIET, dp_noise_multiplier=0.9, dp_clipping_norm=0.03, seed=3)
     first = DiLoCo(**kw)
     assert first.dp.noise_key != DiLoCo(**kw).dp.noise_key  # drawn from the OS, per strategy
-    first.start(
-        grid=FakeGrid(_client(), num_nodes=3), initial_arrays=ArrayRecord(_model()), num_rounds=2
-    )
-    sd = first.state_dict()
-    path = save_checkpoint(tmp_path / "ck.safetensors", sd["tensors"], sd["meta"])
-    tensors, meta = load_checkpoint(path)
+    _start(first, 3, 2)
+    tensors, meta = _through_checkpoint(first, tmp_path)
     second = DiLoCo(**kw)
     second.load_state_dict({"tensors": tensors, "meta": meta})
     assert second.dp.noise_key == first.dp.noise_key
     assert second.dp.epsilon() == pytest.approx(first.dp.epsilon())
-    rest = second.start(
-        grid=FakeGrid(_client(), num_nodes=3), initial_arrays=ArrayRecord(_model()), num_rounds=4
-    )
+    rest = _start(second, 3, 4)
     straight = DiLoCo(**kw, dp_seed=first.dp.noise_key)
-    full = straight.start(
-        grid=FakeGrid(_client(), num_nodes=3), initial_arrays=ArrayRecord(_model()), num_rounds=4
-    )
+    full = _start(straight, 3, 4)
     for r in (3, 4):
         assert rest.train_metrics_clientapp[r]["dp-epsilon"] == pytest.approx(
             full.train_metrics_clientapp[r]["dp-epsilon"], rel=1e-12
@@ -191,9 +194,7 @@ def test_resume_continues_epsilon_and_the_noise(tmp_path):
 def test_checkpoint_dp_state_is_checked():
     kw = dict(**QUIET, dp_noise_multiplier=0.9, dp_clipping_norm=0.03)
     s = DiLoCo(**kw)
-    s.start(
-        grid=FakeGrid(_client(), num_nodes=2), initial_arrays=ArrayRecord(_model()), num_rounds=1
-    )
+    _start(s, 2, 1)
     sd = s.state_dict()
     no_dp = {"tensors": sd["tensors"], "meta": {k: v for k, v in sd["meta"].items() if k != "dp"}}
     with pytest.raises(CheckpointError, match="not accounted"):
@@ -354,9 +355,7 @@ def test_local_dp_allows_every_rule_and_drops_replies_without_the_echo():
         # each site's own release: multiplier z / 2 (replace-one sensitivity 2 C)
         assert m["dp-epsilon"] == pytest.approx(_flower_epsilon(z / 2, r, 1e-5, 1), rel=1e-12)
     plain = DiLoCo(**QUIET, dp_mode="local", dp_noise_multiplier=z, dp_clipping_norm=c)
-    res = plain.start(
-        grid=FakeGrid(_client(), num_nodes=2), initial_arrays=ArrayRecord(_model()), num_rounds=1
-    )
+    res = _start(plain, 2, 1)
     assert res.train_metrics_clientapp[1]["replies-rejected"] == 2  # no echo: not private
 
 
@@ -388,6 +387,19 @@ def test_central_dp_refuses_a_robust_rule_whose_round_skips_the_noise(robust):
 def _z_update(z: float, count_std: float) -> float:
     """Andrew et al.'s split, written here: z^-2 = z_delta^-2 + (2 sigma_b)^-2."""
     return (z**-2 - (2 * count_std) ** -2) ** -0.5
+
+
+def _adaptive(z: float, c0: float, q: float, count_std: float, **kw):
+    """Arguments of central DP with adaptive clipping: multiplier ``z``, initial ``C = c0``,
+    target quantile ``q``, count noise ``count_std`` (on the :data:`QUIET` federation)."""
+    return dict(
+        **QUIET,
+        dp_noise_multiplier=z,
+        dp_clipping_norm=c0,
+        dp_adaptive_quantile=q,
+        dp_clip_count_std=count_std,
+        **kw,
+    )
 
 
 def test_adaptive_clipping_norm_moves_to_the_quantile():
@@ -430,20 +442,8 @@ def test_adaptive_clipping_epsilon_and_noise_per_round():
     from flwr_isoloco.strategies.privacy import COUNT_NOISE_INDEX
 
     z, std, q, lr, c0, key, rounds, k = 1.1, 1.0, 0.5, 0.3, 0.05, 11, 4, 3
-    s = DiLoCo(
-        **QUIET,
-        dp_noise_multiplier=z,
-        dp_clipping_norm=c0,
-        dp_seed=key,
-        dp_adaptive_quantile=q,
-        dp_clip_lr=lr,
-        dp_clip_count_std=std,
-    )
-    res = s.start(
-        grid=FakeGrid(_client(), num_nodes=k),
-        initial_arrays=ArrayRecord(_model()),
-        num_rounds=rounds,
-    )
+    s = DiLoCo(**_adaptive(z, c0, q, std, dp_seed=key, dp_clip_lr=lr))
+    res = _start(s, k, rounds)
     c = c0
     for r in range(1, rounds + 1):
         m = res.train_metrics_clientapp[r]
@@ -458,32 +458,17 @@ def test_adaptive_clipping_epsilon_and_noise_per_round():
 
 
 def test_adaptive_clipping_resume_keeps_the_clipping_norm_bitwise(tmp_path):
-    kw = dict(
-        **QUIET,
-        dp_noise_multiplier=0.9,
-        dp_clipping_norm=0.03,
-        seed=3,
-        dp_adaptive_quantile=0.5,
-        dp_clip_count_std=1.0,
-    )
+    kw = _adaptive(0.9, 0.03, 0.5, 1.0, seed=3)
     first = DiLoCo(**kw)
-    first.start(
-        grid=FakeGrid(_client(), num_nodes=3), initial_arrays=ArrayRecord(_model()), num_rounds=2
-    )
+    _start(first, 3, 2)
     assert first.dp.c != 0.03
-    sd = first.state_dict()
-    path = save_checkpoint(tmp_path / "ck.safetensors", sd["tensors"], sd["meta"])
-    tensors, meta = load_checkpoint(path)
+    tensors, meta = _through_checkpoint(first, tmp_path)
     second = DiLoCo(**kw)
     second.load_state_dict({"tensors": tensors, "meta": meta})
     assert second.dp.c == first.dp.c  # bit for bit through the checkpoint's JSON
-    rest = second.start(
-        grid=FakeGrid(_client(), num_nodes=3), initial_arrays=ArrayRecord(_model()), num_rounds=4
-    )
+    rest = _start(second, 3, 4)
     straight = DiLoCo(**kw, dp_seed=first.dp.noise_key)
-    full = straight.start(
-        grid=FakeGrid(_client(), num_nodes=3), initial_arrays=ArrayRecord(_model()), num_rounds=4
-    )
+    full = _start(straight, 3, 4)
     for r in (3, 4):
         got, want = rest.train_metrics_clientapp[r], full.train_metrics_clientapp[r]
         assert got["dp-clipping-norm"] == want["dp-clipping-norm"]

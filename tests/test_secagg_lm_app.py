@@ -7,48 +7,23 @@ refusals name the key."""
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
 import pytest
 import torch
+from fakegrid import FakeGrid
+from isoloco_lm import client_app, server_app, task
+from lm_app import tiny_config, write_corpus
 
-REPO = Path(__file__).resolve().parents[1]
-APP_DIR = REPO / "simulations" / "isoloco_lm"
-sys.path.insert(0, str(APP_DIR))
-sys.path.insert(0, str(REPO / "tests"))
-
-from fakegrid import FakeGrid  # noqa: E402
-from isoloco_lm import client_app, server_app, task  # noqa: E402
-
-from flwr_isoloco.runconfig import RunConfigError  # noqa: E402
-from flwr_isoloco.secagg_mod import secagg_mod  # noqa: E402
+from flwr_isoloco.runconfig import RunConfigError
+from flwr_isoloco.secagg_mod import secagg_mod
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    from flwr_isoloco.data.text import load_corpus
-
     torch.set_num_threads(1)
-    d = tmp_path_factory.mktemp("corpus")
-    for i, text in enumerate(load_corpus("shakespeare")[:3]):
-        (d / f"play{i}.txt").write_text(text[:40_000], encoding="utf-8")
-    return {
-        "num-server-rounds": 2,
-        "model.hidden": 32,
-        "model.heads": 2,
-        "model.vocab-size": 400,
-        "train.seq-len": 32,
-        "train.batch-size": 4,
-        "train.local-steps": 3,
-        "train.warmup-steps": 2,
-        "data.val-tokens": 1024,
-        "data.corpus": str(d),
-        "data.cache-dir": str(tmp_path_factory.mktemp("cache")),
-        "strategy.min-nodes": 3,
-        "strategy.weighting": "uniform",
-        "checkpoint": False,
-    }
+    corpus = write_corpus(tmp_path_factory.mktemp("corpus"))
+    rc = tiny_config(corpus, tmp_path_factory.mktemp("cache"), num_server_rounds=2)
+    return {**rc, "strategy.weighting": "uniform", "checkpoint": False}
 
 
 def _run(rc, out):

@@ -24,11 +24,12 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.common.logger import log
 
-from flwr_isoloco.compression import ErrorFeedback, compress, parse_request
-from flwr_isoloco.merging.dp import CLIP_KEY, NOISE_KEY, privatize
-from flwr_isoloco.models.hf import load_model_arrays, travel_state
+from flwr_isoloco.compression import parse_request
+from flwr_isoloco.merging.dp import CLIP_KEY, NOISE_KEY
+from flwr_isoloco.models.hf import load_model_arrays
 
 from .adamw_state import MOMENTS, adamw_to_arrays, adamw_to_flat, arrays_to_adamw, flat_to_adamw
+from .worker_reply import RESIDUAL_STATE_KEY, reply_content
 
 __all__ = [
     "make_diloco_train_handler",
@@ -42,7 +43,6 @@ __all__ = [
 
 ADAMW_STATE_KEY = "diloco.adamw"
 WORKER_STATE_KEY = "diloco.worker"
-RESIDUAL_STATE_KEY = "diloco.residual"
 
 ModelFn = Callable[[Context], torch.nn.Module]
 DataFn = Callable[[Context], Any]
@@ -159,10 +159,6 @@ def _batch_at(data: Any, index: int, seed: int) -> Any:
     return data[int(torch.randperm(n, generator=g)[pos])]
 
 
-def _fp32_record(sd: Mapping[str, torch.Tensor]) -> ArrayRecord:
-    return ArrayRecord(travel_state(sd))  # bf16 cannot travel in an ArrayRecord: fp32
-
-
 def _chunks(batch: Any, micro_batch: int) -> list[Any]:
     """``batch`` split along dim 0 into pieces of ``micro_batch`` rows (0: the whole batch)."""
     if micro_batch <= 0:
@@ -200,33 +196,6 @@ def _accumulate(model, named, batch, loss_fn, micro_batch: int) -> tuple[torch.T
         if p.grad is not None:
             p.grad.div_(count)
     return (total / count).float(), count
-
-
-def _compressed_delta(
-    delta: dict[str, torch.Tensor], request: tuple[str, dict, bool], state: RecordDict
-) -> ArrayRecord:
-    """``delta`` encoded as asked; with error feedback the residual round-trips ``state``.
-
-    A stored residual whose keys or shapes do not match the delta is discarded (warning), as a
-    mismatched AdamW state is; without error feedback any stored residual is removed.
-    """
-    codec, options, use_ef = request
-    if not use_ef:
-        if RESIDUAL_STATE_KEY in state:
-            del state[RESIDUAL_STATE_KEY]
-        return compress(delta, codec, **options)
-    ef = ErrorFeedback(codec, **options)
-    rec = state.get(RESIDUAL_STATE_KEY)
-    if isinstance(rec, ArrayRecord):
-        saved = rec.to_torch_state_dict()
-        bad = [k for k, v in saved.items() if k not in delta or v.shape != delta[k].shape]
-        if bad:
-            log(WARNING, "DiLoCo worker: residual for %r does not match the model; dropped", bad[0])
-        else:
-            ef.load_state_dict({"residual": saved})
-    out = ef.compress(delta)
-    state[RESIDUAL_STATE_KEY] = ArrayRecord(ef.state_dict()["residual"])
-    return out
 
 
 @dataclass(frozen=True)
@@ -311,37 +280,69 @@ def _local_dp_request(cfg: Mapping[str, Any]) -> tuple[float, float] | None:
     return (c, z) if c > 0 else None
 
 
-def _reply_content(
-    theta, new, request, payload: str, state: RecordDict, key: str, dp=None
-) -> RecordDict:
-    """The model part of the reply: ``theta_i``, or ``theta - theta_i`` (compressed if asked).
+def _received_model(
+    msg: Message, context: Context, model_fn: ModelFn, key: str, device: Any
+) -> tuple[dict[str, torch.Tensor], torch.nn.Module]:
+    """The message's arrays ``theta`` and the node's model (on ``device``) with them loaded."""
+    if key not in msg.content.array_records:
+        raise ValueError(f"train message has no ArrayRecord {key!r}")
+    theta = msg.content.array_records[key].to_torch_state_dict()
+    model = model_fn(context).to(device)
+    load_model_arrays(model, theta)
+    return theta, model
 
-    With local DP (``dp = (C, z)``) the delta is clipped and noised first (:func:`privatize`),
-    before compression and error feedback (which then only see the private delta)."""
-    content = RecordDict()
-    if request is None and payload == "weights" and dp is None:
-        content[key] = _fp32_record(new)
-        return content
-    delta = {k: theta[k].to(new[k].dtype) - new[k] for k in new}
-    echo: dict[str, Any] = {}
-    if dp is not None:
-        delta = privatize(delta, *dp)
-        echo = {CLIP_KEY: dp[0], NOISE_KEY: dp[1]}
-    if request is not None:
-        content[key] = _compressed_delta(delta, request, state)
-    elif payload == "weights":  # theta_i = theta - private delta
-        content[key] = _fp32_record({k: theta[k].to(d.dtype) - d for k, d in delta.items()})
-        content["config"] = ConfigRecord({"payload": "weights", **echo})
-        return content
-    else:
-        content[key] = _fp32_record(delta)
-    content["config"] = ConfigRecord({"payload": "delta", **echo})
-    return content
+
+def _prepare_training(
+    model: torch.nn.Module, gradient_checkpointing: bool
+) -> list[tuple[str, torch.nn.Parameter]]:
+    """Train mode, activations recomputed in the backward pass if asked (a Hugging Face
+    model's method); the trainable parameters by name."""
+    if gradient_checkpointing:
+        if not hasattr(model, "gradient_checkpointing_enable"):
+            raise ValueError("gradient_checkpointing needs a Hugging Face model")
+        model.gradient_checkpointing_enable()
+    model.train()
+    return _trainable(model)
+
+
+def _adamw(
+    named: list[tuple[str, torch.nn.Parameter]],
+    lr: float,
+    betas: tuple[float, float],
+    weight_decay: float,
+    state: RecordDict,
+) -> torch.optim.AdamW:
+    """AdamW over ``named`` (eps 1e-8), its moments restored from ``state`` when usable."""
+    opt = torch.optim.AdamW(
+        [p for _, p in named], lr=lr, betas=betas, weight_decay=weight_decay, eps=1e-8
+    )
+    _load_adamw(opt, named, state)
+    return opt
+
+
+def _data_cursor(state: RecordDict) -> int:
+    """Batches the node has drawn so far (0 on its first round)."""
+    wstate = state.get(WORKER_STATE_KEY)
+    return int(wstate["data-cursor"]) if isinstance(wstate, ConfigRecord) else 0
+
+
+def _train_metrics(tokens: int, losses: list[float], step_lr: float, h: int) -> MetricRecord:
+    """The reply's metrics: ``num-examples`` = predicted tokens, mean loss, last lr, H."""
+    metrics = {"num-examples": tokens, "train-loss": sum(losses) / len(losses), "lr": step_lr}
+    return MetricRecord({**metrics, "inner-steps": h})
 
 
 def _one_of(name: str, value: str, options: tuple[str, ...]) -> None:
     if value not in options:
         raise ValueError(f"{name} must be " + " or ".join(map(repr, options)) + f", got {value!r}")
+
+
+def _check_handler_options(micro_batch: object, payload: str, state_layout: str) -> None:
+    """``ValueError`` naming the first of the train handler's options that is not allowed."""
+    if isinstance(micro_batch, bool) or not isinstance(micro_batch, int) or micro_batch < 0:
+        raise ValueError(f"micro_batch must be an int >= 0, got {micro_batch!r}")
+    _one_of("payload", payload, ("weights", "delta"))
+    _one_of("state_layout", state_layout, ("flat", "named"))
 
 
 def make_diloco_train_handler(
@@ -392,36 +393,20 @@ def make_diloco_train_handler(
     shapes checked; a tied tensor arrives once and the tie holds), and the reply has the same
     names as the message.
     """
-    if isinstance(micro_batch, bool) or not isinstance(micro_batch, int) or micro_batch < 0:
-        raise ValueError(f"micro_batch must be an int >= 0, got {micro_batch!r}")
-    _one_of("payload", payload, ("weights", "delta"))
-    _one_of("state_layout", state_layout, ("flat", "named"))
+    _check_handler_options(micro_batch, payload, state_layout)
     defaults = dict(local_steps=local_steps, num_server_rounds=num_server_rounds, lr=lr)
     defaults |= dict(warmup_steps=warmup_steps, min_lr_ratio=min_lr_ratio)
     defaults |= dict(weight_decay=weight_decay, clip_norm=clip_norm)
 
     def train(msg: Message, context: Context) -> Message:
         c = _round_settings(_config(msg, configrecord_key), defaults)
-        if arrayrecord_key not in msg.content.array_records:
-            raise ValueError(f"train message has no ArrayRecord {arrayrecord_key!r}")
-        theta = msg.content.array_records[arrayrecord_key].to_torch_state_dict()
-        model = model_fn(context).to(device)
-        load_model_arrays(model, theta)
+        theta, model = _received_model(msg, context, model_fn, arrayrecord_key, device)
         names = list(theta)
         if c.request is None and payload == "weights" and c.dp is None:
             theta = None  # a plain weights reply does not need theta: one model copy less
-        if gradient_checkpointing:
-            if not hasattr(model, "gradient_checkpointing_enable"):
-                raise ValueError("gradient_checkpointing needs a Hugging Face model")
-            model.gradient_checkpointing_enable()
-        model.train()
-        named = _trainable(model)
-        opt = torch.optim.AdamW(
-            [p for _, p in named], lr=c.lr, betas=betas, weight_decay=c.wd, eps=1e-8
-        )
-        _load_adamw(opt, named, context.state)
-        wstate = context.state.get(WORKER_STATE_KEY)
-        cursor = int(wstate["data-cursor"]) if isinstance(wstate, ConfigRecord) else 0
+        named = _prepare_training(model, gradient_checkpointing)
+        opt = _adamw(named, c.lr, betas, c.wd, context.state)
+        cursor = _data_cursor(context.state)
         node_seed = seed * 1_000_003 + int(context.node_config.get("partition-id", context.node_id))
         data = data_fn(context)
         torch.manual_seed(node_seed * 7919 + c.rnd)  # dropout etc., reproducible per round
@@ -431,17 +416,10 @@ def make_diloco_train_handler(
         _save_adamw(opt, named, context.state, state_layout)
         context.state[WORKER_STATE_KEY] = ConfigRecord({"data-cursor": cursor, "last-round": c.rnd})
         new = {k: v.detach().cpu() for k, v in model.state_dict().items() if k in set(names)}
-        content = _reply_content(
+        content = reply_content(
             theta, new, c.request, payload, context.state, arrayrecord_key, c.dp
         )
-        content["metrics"] = MetricRecord(
-            {
-                "num-examples": tokens,
-                "train-loss": sum(losses) / len(losses),
-                "lr": step_lr,
-                "inner-steps": c.h,
-            }
-        )
+        content["metrics"] = _train_metrics(tokens, losses, step_lr, c.h)
         return Message(content, reply_to=msg)
 
     return train

@@ -28,7 +28,6 @@ larger for uniform weights), see https://github.com/flwr-isoloco/flwr-isoloco/bl
 from __future__ import annotations
 
 import math
-import re
 import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -36,6 +35,8 @@ from dataclasses import dataclass, field
 import torch
 
 from .iso_range import iso_c_matched
+from .options import COMMON_OPTIONS as COMMON_OPTIONS  # re-exported: defined in .options
+from .options import check_options, rule_applies
 from .polar import NS_LOWER, NS_MAX_STEPS, NS_TOL, gram_polar, iso_c, thin_svd
 
 __all__ = [
@@ -424,9 +425,6 @@ MERGE_RULES: dict[str, MergeRule] = {
     ),
 }
 
-#: Options every rule accepts.
-COMMON_OPTIONS = {"spectral_pattern": None}
-
 
 def resolve_rule(rule: str | MergeRule) -> MergeRule:
     if isinstance(rule, MergeRule):
@@ -434,72 +432,3 @@ def resolve_rule(rule: str | MergeRule) -> MergeRule:
     if isinstance(rule, str) and rule in MERGE_RULES:
         return MERGE_RULES[rule]
     raise ValueError(f"unknown merge rule {rule!r}; known: {', '.join(MERGE_RULES)}")
-
-
-def _fraction(name: str, value: object, low_open: bool, high_open: bool) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise ValueError(f"option {name}={value!r} must be a number")
-    ok_low = value > 0 if low_open else value >= 0
-    ok_high = value < 1 if high_open else value <= 1
-    if not (ok_low and ok_high):
-        lo, hi = "(" if low_open else "[", ")" if high_open else "]"
-        raise ValueError(f"option {name}={value!r} must be in {lo}0, 1{hi}")
-    return float(value)
-
-
-def check_options(rule: MergeRule, options: dict) -> tuple[dict, re.Pattern | None]:
-    """Validate option names and values; return the rule's options and the compiled pattern."""
-    allowed = {**COMMON_OPTIONS, **rule.options}
-    for name in options:
-        if name not in allowed:
-            raise ValueError(
-                f"unknown option {name!r} for merge rule {rule.name!r}; "
-                f"accepted: {', '.join(sorted(allowed)) or 'none'}"
-            )
-    opts = {k: options.get(k, v) for k, v in rule.options.items()}
-    for name, value in opts.items():
-        if name in ("prune_fraction", "drop_rate"):
-            opts[name] = _fraction(name, value, low_open=False, high_open=True)
-        elif name in ("common_fraction",):
-            opts[name] = _fraction(name, value, low_open=True, high_open=False)
-        elif name == "ns_lower":
-            if value is None:
-                continue
-            opts[name] = _fraction(name, value, low_open=True, high_open=True)
-        elif name in ("ns_tol",):
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-                raise ValueError(f"option ns_tol={value!r} must be a number > 0")
-        elif name in ("seed", "ns_max_steps", "ns_steps"):
-            if value is None and name == "ns_steps":
-                continue
-            if (
-                isinstance(value, bool)
-                or not isinstance(value, int)
-                or value < (0 if name == "seed" else 1)
-            ):
-                raise ValueError(
-                    f"option {name}={value!r} must be an int >= {0 if name == 'seed' else 1}"
-                )
-    pattern = options.get("spectral_pattern")
-    compiled = None
-    if pattern is not None:
-        if not isinstance(pattern, str):
-            raise ValueError(f"option spectral_pattern={pattern!r} must be a regex string")
-        try:
-            compiled = re.compile(pattern)
-        except re.error as exc:
-            raise ValueError(
-                f"option spectral_pattern={pattern!r} is not a valid regex: {exc}"
-            ) from None
-    return opts, compiled
-
-
-def rule_applies(key: str, tensor: torch.Tensor, pattern: re.Pattern | None) -> bool:
-    """True for non-empty 2-D tensors whose name matches ``pattern`` (all 2-D when None).
-
-    An empty matrix (e.g. 3 x 0) has no singular values: it takes the mean (itself empty)."""
-    return (
-        tensor.ndim == 2
-        and tensor.numel() > 0
-        and (pattern is None or pattern.search(key) is not None)
-    )

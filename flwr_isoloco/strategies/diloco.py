@@ -20,7 +20,6 @@ content-digest order (not node-id order); node sampling and DARE masks come from
 
 from __future__ import annotations
 
-import math
 import random
 from collections.abc import Callable, Iterable, Mapping
 from logging import INFO, WARNING
@@ -32,17 +31,20 @@ from flwr.common.logger import log
 from flwr.serverapp import Grid
 
 from flwr_isoloco.compression import payload_nbytes, request_config
-from flwr_isoloco.merging import MERGE_RULES, resolve_device
-from flwr_isoloco.merging.robust import RobustMerge, resolve_robust
-from flwr_isoloco.merging.round import RoundMerge
-from flwr_isoloco.merging.rules import check_options
-from flwr_isoloco.outer import OuterSGD
+from flwr_isoloco.merging import resolve_device
 from flwr_isoloco.strategies.diloco_config import (
     DEFAULT_MAX_WEIGHT_RATIO,
     DILOCO_RUN_CONFIG,
     ISOLOCO_RUN_CONFIG,
     FromRunConfig,
     check_arguments,
+)
+from flwr_isoloco.strategies.diloco_setup import (
+    DP_ARGUMENTS,
+    PLAIN_ARGUMENTS,
+    outer_optimizer,
+    setup_merge,
+    validators,
 )
 from flwr_isoloco.strategies.diloco_state import DiLoCoState, log_summary
 from flwr_isoloco.strategies.divergence import DEFAULT_DIVERGENCE_FACTOR
@@ -52,44 +54,11 @@ from flwr_isoloco.strategies.ledger import SentLedger
 from flwr_isoloco.strategies.lifecycle import ResumableStrategy, RoundOutcome
 from flwr_isoloco.strategies.nodes import wait_for_nodes
 from flwr_isoloco.strategies.privacy import DEFAULT_CLIP_LR, DEFAULT_DP_DELTA, StrategyDP
-from flwr_isoloco.strategies.replies import CheckedReply, ReplyValidator
+from flwr_isoloco.strategies.replies import CheckedReply
 from flwr_isoloco.strategies.rounds import ReplyStream, check_quorum
 from flwr_isoloco.strategies.train_round import TrainRound
 
 __all__ = ["DiLoCo", "DILOCO_RUN_CONFIG", "ISOLOCO_RUN_CONFIG"]
-
-_SPECTRAL_FOR_UPDATE = ("iso_c", "iso_c_ns")
-
-
-def _is_number(v: object) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-
-
-def _validators(
-    arrayrecord_key: str,
-    weighted_by_key: str,
-    dtype_policy: str,
-    max_update_norm: float | None,
-    max_norm_ratio: float | None,
-    client_sends: str,
-) -> tuple[ReplyValidator, ReplyValidator]:
-    """The train validator (arrays, dtype policy, norm bounds) and the evaluate one."""
-    train = ReplyValidator(
-        arrayrecord_key=arrayrecord_key,
-        weighted_by_key=weighted_by_key,
-        dtype_policy=dtype_policy,
-        max_update_norm=max_update_norm,
-        max_norm_ratio=max_norm_ratio,
-        default_payload=client_sends,
-        what="aggregate_train",
-    )
-    evaluate = ReplyValidator(
-        arrayrecord_key=arrayrecord_key,
-        weighted_by_key=weighted_by_key,
-        require_arrays=False,
-        what="aggregate_evaluate",
-    )  # aggregation as the graph strategies' federated evaluation (evaluation.py)
-    return train, evaluate
 
 
 class DiLoCo(FromRunConfig, DiLoCoState, ResumableStrategy):
@@ -224,24 +193,14 @@ class DiLoCo(FromRunConfig, DiLoCoState, ResumableStrategy):
         robust: str | None = "none",
         robust_options: Mapping[str, Any] | None = None,
     ) -> None:
+        args = dict(locals())  # every argument by name, for the checks and setters below
         self.quorum, self.grace_s = check_quorum(quorum, grace_s)
         self.merge_device = resolve_device(merge_device)  # ValueError: e.g. "cuda" without a GPU
         self.set_divergence_guard(on_divergence, divergence_factor, divergence_key)
-        check_arguments(
-            fraction_train=fraction_train,
-            fraction_evaluate=fraction_evaluate,
-            min_train_nodes=min_train_nodes,
-            min_evaluate_nodes=min_evaluate_nodes,
-            min_available_nodes=min_available_nodes,
-            orthogonalize=orthogonalize,
-            weighting=weighting,
-            client_sends=client_sends,
-            seed=seed,
-            max_weight_ratio=max_weight_ratio,
-        )
+        check_arguments(**args)  # fractions, node counts, choices, seed, max_weight_ratio
         self.max_weight_ratio = float(max_weight_ratio or 0.0)
         self._guard = EmptyRoundGuard(max_empty_rounds, "aggregate_train")
-        self._setup_merge(merge, merge_options, orthogonalize, seed, robust, robust_options)
+        setup_merge(self, merge, merge_options, orthogonalize, seed, robust, robust_options)
         self.codec_request = request_config(upload_codec, codec_options, error_feedback)  # checks
         self.upload_codec = upload_codec or "none"
         self._bytes_down = 0
@@ -249,27 +208,18 @@ class DiLoCo(FromRunConfig, DiLoCoState, ResumableStrategy):
         self.fraction_evaluate = float(fraction_evaluate)
         self.min_train_nodes = 0 if fraction_train == 0 else min_train_nodes
         self.min_evaluate_nodes = 0 if fraction_evaluate == 0 else min_evaluate_nodes
-        self.min_available_nodes = min_available_nodes
-        self.weighted_by_key = weighted_by_key
-        self.arrayrecord_key = arrayrecord_key
-        self.configrecord_key = configrecord_key
-        self.train_metrics_aggr_fn = train_metrics_aggr_fn
-        self.evaluate_metrics_aggr_fn = evaluate_metrics_aggr_fn
-        self.orthogonalize = orthogonalize
-        self.weighting = weighting
-        self.client_sends = client_sends
-        self.seed = seed
-        # OuterSGD validates lr / momentum (ValueError naming them).
-        mu = float(outer_momentum) if _is_number(outer_momentum) else outer_momentum
-        self.outer = OuterSGD(outer_lr, mu, bool(nesterov) and _is_number(mu) and mu > 0)
-        self.train_validator, self.eval_validator = _validators(
-            arrayrecord_key,
-            weighted_by_key,
-            dtype_policy,
-            max_update_norm or None,
-            max_norm_ratio or None,
-            client_sends,
+        for name in PLAIN_ARGUMENTS:  # weighted_by_key, the record keys, seed...: as given
+            setattr(self, name, args[name])
+        self.outer = outer_optimizer(outer_lr, outer_momentum, nesterov)
+        self.train_validator, self.eval_validator = validators(
+            self, dtype_policy, max_update_norm, max_norm_ratio
         )
+        self._reset_bookkeeping(seed)
+        self.dp = StrategyDP(*(args[name] for name in DP_ARGUMENTS))
+        self.dp.check_strategy(self)  # refuses rules / options DP cannot bound; weights uniform
+
+    def _reset_bookkeeping(self, seed: int) -> None:
+        """No model, no round aggregated yet; sampling from ``seed``; empty ledgers, streams."""
         self._train_ledger, self._eval_ledger = SentLedger(), SentLedger()
         self._rng = random.Random(seed)
         self.theta = None  # fp32 master copy (a property: see _model_record)
@@ -278,65 +228,6 @@ class DiLoCo(FromRunConfig, DiLoCoState, ResumableStrategy):
         self.weight_reference: float | None = None  # median weight of the last used round
         self._train_stream = ReplyStream("aggregate_train")
         self._eval_stream = ReplyStream("aggregate_evaluate")
-        self.dp = StrategyDP(
-            dp_noise_multiplier,
-            dp_clipping_norm,
-            dp_delta,
-            dp_max_epsilon,
-            dp_seed,
-            dp_mode,
-            dp_adaptive_quantile,
-            dp_clip_lr,
-            dp_clip_count_std,
-        )
-        self.dp.check_strategy(self)  # refuses rules / options DP cannot bound; weights uniform
-
-    # ------------------------------------------------------------------ construction helpers
-    def _setup_merge(
-        self,
-        merge: Any,
-        merge_options: Mapping[str, Any] | None,
-        orthogonalize: str,
-        seed: int,
-        robust: str | None = "none",
-        robust_options: Mapping[str, Any] | None = None,
-    ) -> None:
-        """The rule, its checked options, the robust aggregation and the round merge
-        (``ValueError`` naming a problem)."""
-        self.rule, self.merge_name = self._resolve_rule(merge)
-        if orthogonalize == "update" and self.merge_name not in _SPECTRAL_FOR_UPDATE:
-            raise ValueError(
-                f"orthogonalize='update' needs merge in {_SPECTRAL_FOR_UPDATE}, got {self.merge_name!r}"
-            )
-        self.merge_options = dict(merge_options or {})
-        check_options(self.rule, self.merge_options)  # unknown option / bad value -> ValueError
-        rule_for_g = MERGE_RULES["mean"] if orthogonalize == "update" else self.rule
-        self.robust, self.robust_options = resolve_robust(robust, robust_options, rule_for_g)
-        aggregator = (
-            None if self.robust == "none" else RobustMerge(self.robust, self.robust_options)
-        )
-        self.merger = RoundMerge(
-            self.rule,
-            self.merge_name,
-            self.merge_options,
-            orthogonalize,
-            seed,
-            robust=aggregator,
-            device=self.merge_device,
-        )
-
-    @staticmethod
-    def _resolve_rule(merge_rule: Any) -> tuple[Any, str]:
-        if isinstance(merge_rule, str):
-            if merge_rule not in MERGE_RULES:
-                raise ValueError(
-                    f"unknown merge rule {merge_rule!r}; expected one of {sorted(MERGE_RULES)}"
-                )
-            return MERGE_RULES[merge_rule], merge_rule
-        name = getattr(merge_rule, "name", None)
-        if name is None or not hasattr(merge_rule, "streaming"):
-            raise ValueError(f"merge must be a rule name or a MergeRule, got {merge_rule!r}")
-        return merge_rule, str(name)
 
     # ------------------------------------------------------------------ model bookkeeping
     def _adopt(self, arrays: ArrayRecord) -> None:

@@ -6,6 +6,7 @@ is https://github.com/flwr-isoloco/flwr-isoloco/blob/main/docs/algorithms.md 3 a
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Mapping
 from logging import WARNING
 from typing import Any
@@ -20,6 +21,9 @@ from flwr_isoloco.strategies.divergence import DEFAULT_DIVERGENCE_FACTOR
 from flwr_isoloco.strategies.privacy import DEFAULT_CLIP_LR, DEFAULT_DP_DELTA
 
 __all__ = ["IsoLoCo", "ISOLOCO_PRESETS"]
+
+_DILOCO_ARGUMENTS = tuple(inspect.signature(DiLoCo.__init__).parameters)[1:]
+"""DiLoCo's constructor arguments (after ``self``), each passed on by name."""
 
 
 class IsoLoCo(DiLoCo):
@@ -110,6 +114,7 @@ class IsoLoCo(DiLoCo):
         robust: str | None = "none",
         robust_options: Mapping[str, Any] | None = None,
     ) -> None:
+        args = dict(locals())  # the arguments by name: DiLoCo's, plus preset and fast
         p = resolve_preset(preset)
         if merge is None:
             # iso_c_ns and orthogonalize="update" take the exact-SVD rule's Newton-Schulz /
@@ -119,52 +124,13 @@ class IsoLoCo(DiLoCo):
             raise ValueError("give either merge= or fast=True, not both")
         self.fast = fast
         self.preset = preset
-        super().__init__(
-            fraction_train=fraction_train,
-            fraction_evaluate=fraction_evaluate,
-            min_train_nodes=min_train_nodes,
-            min_evaluate_nodes=min_evaluate_nodes,
-            min_available_nodes=min_available_nodes,
-            weighted_by_key=weighted_by_key,
-            arrayrecord_key=arrayrecord_key,
-            configrecord_key=configrecord_key,
-            train_metrics_aggr_fn=train_metrics_aggr_fn,
-            evaluate_metrics_aggr_fn=evaluate_metrics_aggr_fn,
+        args.update(
             merge=merge,
-            merge_options=merge_options,
             outer_lr=p.outer_lr if outer_lr is None else outer_lr,
             outer_momentum=p.outer_momentum if outer_momentum is None else outer_momentum,
             nesterov=p.nesterov if nesterov is None else nesterov,
-            orthogonalize=orthogonalize,
-            weighting=weighting,
-            client_sends=client_sends,
-            max_update_norm=max_update_norm,
-            max_norm_ratio=max_norm_ratio,
-            max_weight_ratio=max_weight_ratio,
-            max_empty_rounds=max_empty_rounds,
-            dtype_policy=dtype_policy,
-            seed=seed,
-            upload_codec=upload_codec,
-            codec_options=codec_options,
-            error_feedback=error_feedback,
-            quorum=quorum,
-            grace_s=grace_s,
-            on_divergence=on_divergence,
-            divergence_factor=divergence_factor,
-            divergence_key=divergence_key,
-            merge_device=merge_device,
-            dp_noise_multiplier=dp_noise_multiplier,
-            dp_clipping_norm=dp_clipping_norm,
-            dp_delta=dp_delta,
-            dp_max_epsilon=dp_max_epsilon,
-            dp_seed=dp_seed,
-            dp_mode=dp_mode,
-            dp_adaptive_quantile=dp_adaptive_quantile,
-            dp_clip_lr=dp_clip_lr,
-            dp_clip_count_std=dp_clip_count_std,
-            robust=robust,
-            robust_options=robust_options,
         )
+        super().__init__(**{name: args[name] for name in _DILOCO_ARGUMENTS})
         if preset != "isoloco-paper":  # the paper's values, chosen by name: no second-guessing
             self._warn_if_beyond_limit()
 

@@ -11,12 +11,11 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from omegaconf import DictConfig
 
-from flwr_isoloco.clients.hf_lm import batch_generator
-from flwr_isoloco.data.text import load_corpus, prepare_tokens, sample_batch, shard_tokens
+from flwr_isoloco.clients.hf_lm import batch_generator as batch_generator  # re-exported
+from flwr_isoloco.data.text import prepare_tokens, shard_tokens
 from flwr_isoloco.merging import MERGE_RULES
 from flwr_isoloco.models.llama import build_llama, llama_config
 from flwr_isoloco.outer import ISOLOCO_PRESETS
@@ -39,6 +38,13 @@ from flwr_isoloco.strategies.diloco_config import (
 )
 
 from . import pretrained
+
+# a node's own text (node-config data-path): defined in node_data, re-exported here
+from .node_data import DATA_PATH_KEY as DATA_PATH_KEY
+from .node_data import NodeDataError as NodeDataError
+from .node_data import local_batches as local_batches
+from .node_data import local_tokens as local_tokens
+from .node_data import window_batches
 from .tuned import OuterValues, outer_values
 
 STRATEGIES = ("isoloco", "diloco", "fedavg")
@@ -331,80 +337,9 @@ def text_data(cfg: DictConfig):
 def node_batches(cfg: DictConfig, partition_id: int, num_partitions: int):
     """``batch(i)``: the node's i-th training batch, random windows of its contiguous shard,
     seeded by (seed, partition, i) so a resumed node draws exactly the same batches."""
-    shard = shard_tokens(text_data(cfg).train, partition_id, num_partitions)
-    bs, seq, seed = cfg.train["batch-size"], cfg.train["seq-len"], cfg.seed
-
-    def batch(index: int) -> torch.Tensor:
-        g = batch_generator(seed, partition_id, index)
-        return sample_batch(shard, bs, seq, g)
-
-    return batch
-
-
-# A node's own text: ``--node-config "... data-path='/abs/site/data'"`` (a .txt/.md file or a
-# folder of them). The node trains on all of it, encoded with the run's tokenizer (the one
-# trained on the training split of ``data.corpus``), so server and nodes share one vocabulary.
-DATA_PATH_KEY = "data-path"
-
-
-class NodeDataError(ValueError):
-    """A node's ``data-path`` cannot be used (missing, unreadable, empty, too short)."""
-
-
-@functools.lru_cache(maxsize=4)
-def _encode_local(text: str, tokenizer_path: str) -> np.ndarray:
-    # Per-process memo (simulation actors reuse it across rounds).
-    from tokenizers import Tokenizer
-
-    tok = Tokenizer.from_file(tokenizer_path)
-    return np.asarray(tok.encode(text).ids, dtype=np.int32)
-
-
-def local_tokens(cfg: DictConfig, data_path: str, partition_id: int) -> np.ndarray:
-    """All of the node's own text at ``data_path``, encoded with the run's tokenizer (no
-    sharding). Raises :class:`NodeDataError` naming the node's partition-id and the path."""
-
-    def fail(reason: str) -> NodeDataError:
-        return NodeDataError(
-            f"node partition-id {partition_id}: node-config {DATA_PATH_KEY}={data_path!r}: {reason}"
-        )
-
-    path = os.path.expanduser(data_path)
-    if not os.path.isabs(path):
-        raise fail("must be an absolute path to a .txt/.md file or a folder of them")
-    if not os.path.exists(path):
-        raise fail("no such file or directory")
-    try:
-        docs = load_corpus(path)  # the same local-path loader (and cleaning) as data.corpus
-    except (OSError, ValueError) as exc:
-        raise fail(f"cannot read it ({type(exc).__name__}: {exc})") from exc
-    text = "\n".join(docs)  # joined as split_text joins the corpus documents
-    if not text.strip():
-        raise fail("holds no text")
-    if pretrained.is_pretrained(cfg):
-        tokens = pretrained.encode(cfg, _cache(cfg), text)
-    else:
-        tokens = _encode_local(text, str(text_data(cfg).tokenizer_path))
-    need = cfg.train["seq-len"] + 2
-    if len(tokens) < need:
-        raise fail(
-            f"{len(tokens)} tokens are too few for train.seq-len {cfg.train['seq-len']} "
-            f"(need at least {need})"
-        )
-    return tokens
-
-
-def local_batches(cfg: DictConfig, data_path: str, partition_id: int):
-    """Like :func:`node_batches`, but random windows of the node's own text (``data-path``),
-    seeded the same way; the text is read and encoded now, so a bad path fails at once."""
-    tokens = local_tokens(cfg, data_path, partition_id)
-    bs, seq, seed = cfg.train["batch-size"], cfg.train["seq-len"], cfg.seed
-
-    def batch(index: int) -> torch.Tensor:
-        g = batch_generator(seed, partition_id, index)
-        return sample_batch(tokens, bs, seq, g)
-
-    return batch
+    return window_batches(
+        cfg, shard_tokens(text_data(cfg).train, partition_id, num_partitions), partition_id
+    )
 
 
 def validation_batches(cfg: DictConfig) -> list[torch.Tensor]:

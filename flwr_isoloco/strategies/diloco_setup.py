@@ -1,0 +1,125 @@
+"""DiLoCo's construction helpers: the merge rule and round merge, the outer optimiser, the
+reply validators, and the names of the constructor arguments stored or passed on as given.
+
+The argument checks themselves are :func:`~flwr_isoloco.strategies.diloco_config.check_arguments`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from flwr_isoloco.merging import MERGE_RULES
+from flwr_isoloco.merging.robust import RobustMerge, resolve_robust
+from flwr_isoloco.merging.round import RoundMerge
+from flwr_isoloco.merging.rules import check_options
+from flwr_isoloco.outer import OuterSGD
+from flwr_isoloco.strategies.diloco_config import _is_number
+from flwr_isoloco.strategies.replies import ReplyValidator
+
+SPECTRAL_FOR_UPDATE = ("iso_c", "iso_c_ns")
+"""The rules that ``orthogonalize="update"`` applies to the outer update."""
+
+PLAIN_ARGUMENTS = (
+    "min_available_nodes",
+    "weighted_by_key",
+    "arrayrecord_key",
+    "configrecord_key",
+    "train_metrics_aggr_fn",
+    "evaluate_metrics_aggr_fn",
+    "orthogonalize",
+    "weighting",
+    "client_sends",
+    "seed",
+)
+"""Constructor arguments the strategy keeps as attributes of the same name, as given."""
+
+DP_ARGUMENTS = (
+    "dp_noise_multiplier",
+    "dp_clipping_norm",
+    "dp_delta",
+    "dp_max_epsilon",
+    "dp_seed",
+    "dp_mode",
+    "dp_adaptive_quantile",
+    "dp_clip_lr",
+    "dp_clip_count_std",
+)
+"""Constructor arguments of :class:`~flwr_isoloco.strategies.privacy.StrategyDP`, in its order."""
+
+
+def rule_and_name(merge_rule: Any) -> tuple[Any, str]:
+    """``(rule, name)`` from a name in ``MERGE_RULES`` or any object with a ``name`` and a
+    ``streaming`` (a MergeRule or one of its kind); ``ValueError`` else."""
+    if isinstance(merge_rule, str):
+        if merge_rule not in MERGE_RULES:
+            raise ValueError(
+                f"unknown merge rule {merge_rule!r}; expected one of {sorted(MERGE_RULES)}"
+            )
+        return MERGE_RULES[merge_rule], merge_rule
+    name = getattr(merge_rule, "name", None)
+    if name is None or not hasattr(merge_rule, "streaming"):
+        raise ValueError(f"merge must be a rule name or a MergeRule, got {merge_rule!r}")
+    return merge_rule, str(name)
+
+
+def setup_merge(
+    s: Any,
+    merge: Any,
+    merge_options: Mapping[str, Any] | None,
+    orthogonalize: str,
+    seed: int,
+    robust: str | None = "none",
+    robust_options: Mapping[str, Any] | None = None,
+) -> None:
+    """Set strategy ``s``'s rule, its checked options, the robust aggregation and the round
+    merge (on ``s.merge_device``); ``ValueError`` naming a problem."""
+    s.rule, s.merge_name = rule_and_name(merge)
+    if orthogonalize == "update" and s.merge_name not in SPECTRAL_FOR_UPDATE:
+        raise ValueError(
+            f"orthogonalize='update' needs merge in {SPECTRAL_FOR_UPDATE}, got {s.merge_name!r}"
+        )
+    s.merge_options = dict(merge_options or {})
+    check_options(s.rule, s.merge_options)  # unknown option / bad value -> ValueError
+    rule_for_g = MERGE_RULES["mean"] if orthogonalize == "update" else s.rule
+    s.robust, s.robust_options = resolve_robust(robust, robust_options, rule_for_g)
+    aggregator = None if s.robust == "none" else RobustMerge(s.robust, s.robust_options)
+    s.merger = RoundMerge(
+        s.rule,
+        s.merge_name,
+        s.merge_options,
+        orthogonalize,
+        seed,
+        robust=aggregator,
+        device=s.merge_device,
+    )
+
+
+def outer_optimizer(outer_lr: Any, outer_momentum: Any, nesterov: Any) -> OuterSGD:
+    """The outer SGD; Nesterov only with a momentum ``> 0`` (OuterSGD checks lr / momentum,
+    ``ValueError`` naming them)."""
+    mu = float(outer_momentum) if _is_number(outer_momentum) else outer_momentum
+    return OuterSGD(outer_lr, mu, bool(nesterov) and _is_number(mu) and mu > 0)
+
+
+def validators(
+    s: Any, dtype_policy: str, max_update_norm: float | None, max_norm_ratio: float | None
+) -> tuple[ReplyValidator, ReplyValidator]:
+    """The train validator (arrays, dtype policy, norm bounds; 0 = off) and the evaluate one,
+    on strategy ``s``'s record keys and default payload."""
+    train = ReplyValidator(
+        arrayrecord_key=s.arrayrecord_key,
+        weighted_by_key=s.weighted_by_key,
+        dtype_policy=dtype_policy,
+        max_update_norm=max_update_norm or None,
+        max_norm_ratio=max_norm_ratio or None,
+        default_payload=s.client_sends,
+        what="aggregate_train",
+    )
+    evaluate = ReplyValidator(
+        arrayrecord_key=s.arrayrecord_key,
+        weighted_by_key=s.weighted_by_key,
+        require_arrays=False,
+        what="aggregate_evaluate",
+    )  # aggregation as the graph strategies' federated evaluation (evaluation.py)
+    return train, evaluate
