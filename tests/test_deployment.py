@@ -1,7 +1,8 @@
 """Loopback deployment tests: TLS SuperLink + authenticated SuperNodes on 127.0.0.1, `flwr run`.
 
-Select alone with ``pytest -m deployment``. The real-app tests share one deployment (3
-SuperNodes, module scope); each kill test SIGKILLs one SuperNode mid-run and restarts it after.
+Select alone with ``pytest -m deployment``. The real-app tests and the quorum test share one
+deployment (3 SuperNodes, module scope); each kill test SIGKILLs one SuperNode mid-run and
+restarts it after.
 Every process started is stopped by PID, also when a test fails.
 """
 
@@ -335,14 +336,14 @@ def test_rwlora_token_survives_a_supernode_sigkill(deployment, tmp_path):
 QUORUM_APP = REPO / "tests" / "deploy_quorum_app"
 
 
-def test_quorum_and_grace_window_over_tls(tmp_path):
+def test_quorum_and_grace_window_over_tls(deployment, tmp_path):
     """3 SuperNodes, partition 2 sleeps 6 s per message; quorum 2, grace 1 s, 5 rounds: every
     round closes without it, its late replies are discarded, never merged (the model is the
-    2-node FedAvg)."""
+    2-node FedAvg). Runs on the real apps' deployment (its extra state-dir is unused here)."""
+    _restore_all_nodes(deployment)
     out = tmp_path / "out"
-    with loopback_deployment(tmp_path / "dep", num_supernodes=3) as dep:
-        run = dep.run_app(QUORUM_APP, {"output-dir": str(out)}, 300)
-        assert run.status == "finished:completed", run.output + run.logs + dep.diagnostics()
+    run = deployment.run_app(QUORUM_APP, {"output-dir": str(out)}, 300)
+    assert run.status == "finished:completed", run.output + run.logs + deployment.diagnostics()
     results = json.loads((out / "results.json").read_text())
     for r in ("1", "2", "3", "4", "5"):
         m = results["train_metrics"][r]
