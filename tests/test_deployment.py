@@ -1,8 +1,9 @@
 """Loopback deployment tests: TLS SuperLink + authenticated SuperNodes on 127.0.0.1, `flwr run`.
 
-Select alone with ``pytest -m deployment``. The real-app tests share one deployment (3
-SuperNodes, module scope); each kill test SIGKILLs one SuperNode mid-run and restarts it after.
-Every process started is stopped by PID, also when a test fails.
+Select alone with ``pytest -m deployment``. The real-app tests (IsoLoCo plain and with int8
+uploads, RW-LoRA) and the quorum test share one deployment (3 SuperNodes, module scope); each
+kill test SIGKILLs one SuperNode mid-run and restarts it after. Every process started is
+stopped by PID, also when a test fails.
 """
 
 from __future__ import annotations
@@ -264,6 +265,32 @@ def test_isoloco_survives_a_supernode_sigkill(deployment, tmp_path):
         _restore_all_nodes(deployment)
 
 
+def test_isoloco_int8_uploads_over_tls(deployment, tmp_path):
+    """Compressed uploads (``strategy.upload-codec='int8'``), 1 round: every reply used,
+    bytes-up about a quarter of bytes-down (int8 codes + one fp32 scale per tensor)."""
+    _restore_all_nodes(deployment)
+    out = tmp_path / "isoloco-int8"
+    cfg = {
+        **ISOLOCO_CONFIG,
+        "num-server-rounds": 1,
+        "output-dir": str(out),
+        "strategy.upload-codec": "int8",
+    }
+    run = deployment.run_app(ISOLOCO_APP, cfg, 600)
+    assert run.status == "finished:completed", run.output + run.logs + deployment.diagnostics()
+    results = json.loads((out / "results.json").read_text())
+    rounds = results["rounds"]
+    assert [r["replies-used"] for r in rounds] == [3]
+    ratio = [r["bytes-up"] / r["bytes-down"] for r in rounds]  # both over the same 3 nodes
+    assert all(0.24 < q < 0.3 for q in ratio), ratio
+    assert rounds[-1]["val-loss"] < results["initial"]["val-loss"]
+    print(
+        f"\nint8 over TLS: bytes-up {rounds[0]['bytes-up']} vs down {rounds[0]['bytes-down']}"
+        f" (ratio {ratio[0]:.4f}), final val loss {rounds[-1]['val-loss']:.4f},"
+        f" wall {run.wall_s:.1f} s"
+    )
+
+
 def _rwlora_summary(results: dict) -> dict:
     rounds = results["rounds"]
     hops = [r for r in rounds if r["round"] > 0]
@@ -335,14 +362,14 @@ def test_rwlora_token_survives_a_supernode_sigkill(deployment, tmp_path):
 QUORUM_APP = REPO / "tests" / "deploy_quorum_app"
 
 
-def test_quorum_and_grace_window_over_tls(tmp_path):
+def test_quorum_and_grace_window_over_tls(deployment, tmp_path):
     """3 SuperNodes, partition 2 sleeps 6 s per message; quorum 2, grace 1 s, 5 rounds: every
     round closes without it, its late replies are discarded, never merged (the model is the
-    2-node FedAvg)."""
+    2-node FedAvg). Runs on the real apps' deployment (its extra state-dir is unused here)."""
+    _restore_all_nodes(deployment)
     out = tmp_path / "out"
-    with loopback_deployment(tmp_path / "dep", num_supernodes=3) as dep:
-        run = dep.run_app(QUORUM_APP, {"output-dir": str(out)}, 300)
-        assert run.status == "finished:completed", run.output + run.logs + dep.diagnostics()
+    run = deployment.run_app(QUORUM_APP, {"output-dir": str(out)}, 300)
+    assert run.status == "finished:completed", run.output + run.logs + deployment.diagnostics()
     results = json.loads((out / "results.json").read_text())
     for r in ("1", "2", "3", "4", "5"):
         m = results["train_metrics"][r]

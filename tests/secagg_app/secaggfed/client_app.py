@@ -28,7 +28,7 @@ def train(msg: Message, context: Context) -> Message:
         lambda _c: node_batches(pid),
         lr=1e-2,
         local_steps=2,
-        num_server_rounds=2,
+        num_server_rounds=int(context.run_config["num-server-rounds"]),
         warmup_steps=0,
     )
     theta = msg.content["arrays"].to_torch_state_dict()
