@@ -18,7 +18,7 @@ robust rule on top of the bound. Per cell: the final validation loss and its dif
 the honest run without defence (same strategy, seed, size). Cells are appended to
 ``benchmarks/results/attack-<size>-<strategies>.json`` as they finish (done cells are skipped:
 resumable; two invocations for two strategies can run side by side); the tables in
-docs/strategies.md are regenerated from all those files (``--table`` alone does only that).
+docs/strategies.md and docs/privacy.md are regenerated from all those files (``--table`` alone does only that).
 
     nice -n 10 python benchmarks/attack_bench.py --quick            # the headline grid
     nice -n 10 python benchmarks/attack_bench.py --defences median --attacks signflip  # full
@@ -44,11 +44,20 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "simulations" / "isoloco_lm"))
 sys.path.insert(0, str(REPO / "tests"))
 RESULTS = REPO / "benchmarks" / "results"  # attack-<size>-<strategies>.json, one per invocation
-DOC = REPO / "docs" / "strategies.md"
+DOCS = {  # the docs whose attack table block is regenerated, and the grids each shows
+    REPO / "docs" / "strategies.md": ("full", "headline", "quick"),
+    REPO / "docs" / "privacy.md": ("full", "headline"),
+}
 BEGIN, END = "<!-- BEGIN ATTACK TABLE -->", "<!-- END ATTACK TABLE -->"
 NODES = 8
 ATTACKS = ("signflip", "noise", "alie", "maxweight")
 DEFENCES = ("none", "bound", "median", "trimmed-mean", "krum", "multikrum", "norm-clip")
+OPTIONS = {
+    "trim": "strategy.robust-trim",
+    "f": "strategy.robust-f",
+    "select": "strategy.robust-select",
+}
+"""``rule:option=value`` (e.g. ``multikrum:select=7``) runs a rule with that ``robust_options``."""
 STRATEGIES = ("isoloco", "diloco")
 SIZES = {  # rounds, local steps and model per grid; "test" is the cheap one of the unit test
     "full": {"num-server-rounds": 20, "train.local-steps": 10, "model.hidden": 64},
@@ -154,7 +163,35 @@ def attack_grid(base, attack: str, f: int, seed: int):
     return AttackGrid
 
 
+def parse_defence(defence: str) -> tuple[str, dict]:
+    """``(rule, run-config keys)`` of ``rule[:option=value,...]``; ``ValueError`` if unknown."""
+    rule, _, opts = defence.partition(":")
+    if rule not in DEFENCES:
+        raise ValueError(f"unknown defence {rule!r} (allowed: {DEFENCES})")
+    keys = {}
+    for item in filter(None, opts.split(",")):
+        k, _, v = item.partition("=")
+        if k not in OPTIONS or rule in ("none", "bound"):
+            raise ValueError(f"unknown option {k!r} of defence {rule!r} (allowed: {list(OPTIONS)})")
+        keys[OPTIONS[k]] = float(v) if k == "trim" else int(v)
+    return rule, keys
+
+
+def _defence_arg(defence: str) -> str:
+    try:
+        parse_defence(defence)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return defence
+
+
+def defence_order(names) -> list[str]:
+    """The defences in :data:`DEFENCES` order, each rule's option variants after it."""
+    return sorted(set(names), key=lambda d: (DEFENCES.index(parse_defence(d)[0]), d))
+
+
 def run_config(strategy: str, defence: str, seed: int, size: str, out: Path, cache: Path) -> dict:
+    rule, options = parse_defence(defence)
     rc = {
         **SIZES[size],
         "seed": seed,
@@ -162,8 +199,9 @@ def run_config(strategy: str, defence: str, seed: int, size: str, out: Path, cac
         "checkpoint": False,
         "strategy.name": strategy,
         "strategy.min-nodes": NODES,
-        "strategy.max-weight-ratio": 0.0 if defence == "none" else 5.0,
-        "strategy.robust": defence if defence not in ("none", "bound") else "none",
+        "strategy.max-weight-ratio": 0.0 if rule == "none" else 5.0,
+        "strategy.robust": rule if rule not in ("none", "bound") else "none",
+        **options,
         "train.warmup-steps": 2,
         "model.heads": 2,
         "data.val-tokens": 4096,
@@ -266,7 +304,7 @@ def table(records: list[dict], size: str) -> str:
         if not base:
             continue
         seeds = sorted(base)
-        defences = [d for d in DEFENCES if any(r["defence"] == d for r in mine)]
+        defences = defence_order(r["defence"] for r in mine)
         lines += [
             f"**{st}** ({size}: {SIZES[size]['num-server-rounds']} rounds x "
             f"{SIZES[size]['train.local-steps']} local steps, seeds {seeds}; honest run without "
@@ -339,13 +377,16 @@ def _cell(v: float | None) -> str:
     return "" if v is None else f"{v:+.3f}" if math.isfinite(v) else "diverged"
 
 
-def write_table(records: list[dict], doc: Path = DOC) -> None:
-    parts = [table(records, s) for s in ("full", "headline", "quick")]
-    text = doc.read_text()
-    head, rest = text.split(BEGIN)
-    _, tail = rest.split(END)
-    body = "\n".join(p for p in parts if p) or "(no results yet)\n"
-    doc.write_text(head + BEGIN + "\n" + body + END + tail)
+def write_table(records: list[dict], docs: dict[Path, tuple[str, ...]] | None = None) -> None:
+    """Each doc's block between ``BEGIN`` and ``END``: the grids it names (strategies.md every
+    grid, privacy.md the 20-round ones)."""
+    for doc, sizes in (docs or DOCS).items():
+        parts = [table(records, s) for s in sizes]
+        text = doc.read_text()
+        head, rest = text.split(BEGIN)
+        _, tail = rest.split(END)
+        body = "\n".join(p for p in parts if p) or "(no results yet)\n"
+        doc.write_text(head + BEGIN + "\n" + body + END + tail)
 
 
 def cells(args) -> list[tuple]:
@@ -363,11 +404,11 @@ def cells(args) -> list[tuple]:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--strategies", nargs="+", default=list(STRATEGIES), choices=STRATEGIES)
-    ap.add_argument("--attacks", nargs="+", default=list(ATTACKS), choices=ATTACKS)
-    ap.add_argument("--defences", nargs="+", default=list(DEFENCES), choices=DEFENCES)
     ap.add_argument(
-        "--honest-defences", nargs="+", default=None, choices=DEFENCES, help="(--defences)"
+        "--attacks", nargs="*", default=list(ATTACKS), choices=ATTACKS, help="none: honest only"
     )
+    ap.add_argument("--defences", nargs="+", default=list(DEFENCES), type=_defence_arg)
+    ap.add_argument("--honest-defences", nargs="+", default=None, type=_defence_arg)
     ap.add_argument("--f", nargs="+", type=int, default=[1, 2], choices=[1, 2])
     ap.add_argument("--seeds", nargs="+", type=int, default=None)
     ap.add_argument("--quick", action="store_true", help="5 rounds, 1 seed")

@@ -113,3 +113,45 @@ def test_table_lists_every_seed_and_checks_the_goal_on_the_worst():
     goal = next(line for line in text.splitlines() if line.startswith("- goal with `multikrum`"))
     assert "honest <= 0.02: yes (worst +0.010" in goal
     assert "f = 1 <= 0.05: **no** (worst +0.060, signflip seed 1; 2 runs, 1/4 attacks)" in goal
+
+
+def test_defence_variants_set_the_robust_options_and_sort_after_their_rule(tmp_path):
+    rc = attack_bench.run_config("isoloco", "multikrum:select=7,f=1", 0, "test", tmp_path, tmp_path)
+    assert rc["strategy.robust"] == "multikrum" and rc["strategy.max-weight-ratio"] == 5.0
+    assert rc["strategy.robust-select"] == 7 and rc["strategy.robust-f"] == 1
+    assert (
+        attack_bench.run_config(
+            "isoloco", "trimmed-mean:trim=0.125", 0, "test", tmp_path, tmp_path
+        )["strategy.robust-trim"]
+        == 0.125
+    )
+    for bad in ("mean", "median:trim=0.1x", "bound:f=1", "krum:k=2"):
+        with pytest.raises(ValueError):
+            attack_bench.parse_defence(bad)
+    got = attack_bench.defence_order(["norm-clip", "multikrum:select=7", "none", "multikrum"])
+    assert got == ["none", "multikrum", "multikrum:select=7", "norm-clip"]
+
+
+def test_write_table_fills_each_doc_with_its_grids(tmp_path):
+    def rec(defence, size, loss):
+        return {
+            "strategy": "diloco",
+            "attack": "honest",
+            "f": 0,
+            "defence": defence,
+            "seed": 0,
+            "size": size,
+            "val_loss": [loss],
+        }
+
+    recs = [rec("none", s, 5.0) for s in ("headline", "quick")] + [rec("median", "quick", 5.5)]
+    docs = {}
+    for name, sizes in (("a.md", ("headline", "quick")), ("b.md", ("headline",))):
+        p = tmp_path / name
+        p.write_text(f"head\n{attack_bench.BEGIN}\nold\n{attack_bench.END}\ntail\n")
+        docs[p] = sizes
+    attack_bench.write_table(recs, docs)
+    a, b = ((tmp_path / n).read_text() for n in ("a.md", "b.md"))
+    assert a.startswith("head\n") and a.endswith("tail\n") and "old" not in a
+    assert "(headline: 20 rounds" in a and "(quick: 5 rounds" in a and "+0.500" in a
+    assert "(headline: 20 rounds" in b and "quick" not in b
