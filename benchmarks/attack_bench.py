@@ -429,6 +429,7 @@ def main(argv: list[str] | None = None) -> None:
         if args.defences != list(DEFENCES):
             tag += "-" + "-".join(args.defences)
         args.out = RESULTS / f"attack-{size}-{tag}.json"
+    args.out = args.out.resolve()  # a relative --out into results/ still skips its done cells
     done = json.loads(args.out.read_text()) if args.out.exists() else []
     if not args.table:
         import torch
