@@ -60,6 +60,7 @@ import time
 from pathlib import Path
 
 import psutil
+from server_memory_report import GB, compact, fit, summarise, synthetic_table, table  # noqa: F401
 
 REPO = Path(__file__).resolve().parents[1]
 OUT = REPO / "benchmarks" / "results" / "server_memory.json"
@@ -82,7 +83,6 @@ SIZES = {
     "tiny": ["model.hidden=32", "model.layers=1", "model.heads=2", "train.batch-size=2",
              "train.seq-len=32", "data.val-tokens=1024"],
 }  # fmt: skip
-GB = 1e9
 SYNTHETIC_CLIENT = REPO / "benchmarks" / "apps" / "server_load" / "client_app.py"
 # --synthetic: the LM app's ServerApp on a pretrained model, benchmark-only workers
 # (apps/server_load/client_app.py). Server-side evaluation on 1,280 held-out tokens (2 batches
@@ -273,62 +273,8 @@ def run_cell(
     return cell
 
 
-def fit(cells: list[dict], key: str, model: int) -> dict | None:
-    """Least squares ``peak = a + slope * M``; slope in model copies per worker, with R^2."""
-    pts = [(c["M"], c[key] * GB) for c in cells if c.get("status") == "ok"]
-    if len({m for m, _ in pts}) < 2:
-        return None
-    n = len(pts)
-    mx, my = sum(m for m, _ in pts) / n, sum(y for _, y in pts) / n
-    sxx = sum((m - mx) ** 2 for m, _ in pts)
-    slope = sum((m - mx) * (y - my) for m, y in pts) / sxx
-    a = my - slope * mx
-    ss_tot = sum((y - my) ** 2 for _, y in pts)
-    ss_res = sum((y - a - slope * m) ** 2 for m, y in pts)
-    r2 = 1.0 - ss_res / ss_tot if ss_tot > 0 else 1.0
-    return {"slope-model-copies": slope / model, "intercept-gb": a / GB, "r2": r2, "points": n}
-
-
 def load(path: Path) -> dict:
     return json.loads(path.read_text()) if path.exists() else {"cells": []}
-
-
-def summarise(data: dict) -> None:
-    """Refit every (label, strategy, size) group of ``data`` in place."""
-    groups: dict[tuple, list[dict]] = {}
-    for c in data["cells"]:
-        groups.setdefault((c["label"], c["strategy"], c["size"]), []).append(c)
-    data["fits"] = []
-    for (label, strategy, size), cells in sorted(groups.items()):
-        model = cells[0]["model-bytes"]
-        row = {"label": label, "strategy": strategy, "size": size}
-        for key in ("sim-peak-gb", "tree-peak-gb"):
-            row[key] = fit(cells, key, model)
-        data["fits"].append(row)
-
-
-def table(data: dict) -> str:
-    lines = ["| label | strategy | M | simulation process peak RSS | whole process tree | round 2 wall | load avg | status |",
-             "|---|---|---|---|---|---|---|---|"]  # fmt: skip
-    cells = sorted(data["cells"], key=lambda c: (c["size"], c["label"], c["strategy"], c["M"]))
-    for c in cells:
-        r2, load = c.get("round2-wall-s"), c.get("load-mean")
-        lines.append(
-            f"| {c['label']} | {c['strategy']} | {c['M']} | {c['sim-peak-gb']:.2f} GB | "
-            f"{c['tree-peak-gb']:.2f} GB | {'-' if r2 is None else f'{r2:.0f} s'} | "
-            f"{'-' if load is None else load} | {c['status']} |"
-        )
-    lines += ["", "| label | strategy | slope, simulation (model copies / worker) | R^2 | slope, tree | R^2 |",
-              "|---|---|---|---|---|---|"]  # fmt: skip
-    for f in data.get("fits", []):
-        s, t = f["sim-peak-gb"], f["tree-peak-gb"]
-        if s is None or t is None:
-            continue
-        lines.append(
-            f"| {f['label']} | {f['strategy']} | {s['slope-model-copies']:.2f} | {s['r2']:.3f} | "
-            f"{t['slope-model-copies']:.2f} | {t['r2']:.3f} |"
-        )
-    return "\n".join(lines)
 
 
 def wait_for_memory(gb: float, period: float = 10.0) -> float:
@@ -427,85 +373,7 @@ def in_process(workers: list[int], out: Path) -> None:
             out.write_text(json.dumps(data, indent=1) + "\n")
 
 
-def compact(data: dict) -> str:
-    """The docs' table: per (label, strategy), each M's newest completed cell as ``simulation /
-    tree`` peak GB (or why it has none), and the fitted slopes in model copies per worker."""
-    groups: dict[tuple, dict[int, dict]] = {}
-    for c in data["cells"]:
-        if c["size"] != "51MiB":
-            continue
-        row = groups.setdefault((c["label"], c["strategy"]), {})
-        if c["status"] == "ok" or row.get(c["M"], {}).get("status") != "ok":
-            row[c["M"]] = c
-    ms = sorted({m for row in groups.values() for m in row})
-    fits = {(f["label"], f["strategy"]): f for f in data.get("fits", []) if f["size"] == "51MiB"}
-    lines = ["| code | strategy | " + " | ".join(f"M = {m}" for m in ms)
-             + " | slope, simulation (tree) |", "|---|---|" + "---|" * (len(ms) + 1)]  # fmt: skip
-    for (label, strategy), row in sorted(groups.items()):
-        cells = []
-        for m in ms:
-            c = row.get(m)
-            if c is None:
-                cells.append("-")
-            elif c["status"] == "ok":
-                cells.append(f"{c['sim-peak-gb']:.2f} / {c['tree-peak-gb']:.2f}")
-            elif c.get("run-status") == "completed":  # ran, but not every node's reply in time
-                used = " + ".join(str(u) for u in c["replies-used"])
-                cells.append(f"{c['sim-peak-gb']:.2f} / {c['tree-peak-gb']:.2f} "
-                             f"({used} of {c['M']} replies: round timeout)")  # fmt: skip
-            else:
-                cells.append(
-                    f"{c['status']} ({c['sim-peak-gb']:.1f} / {c['tree-peak-gb']:.1f} so far)"
-                )
-        f = fits.get((label, strategy), {})
-        sim, tree = f.get("sim-peak-gb"), f.get("tree-peak-gb")
-        slope = (
-            "-"
-            if not sim or not tree
-            else (
-                f"{sim['slope-model-copies']:.2f} ({tree['slope-model-copies']:.2f}), {sim['points']} points"
-            )
-        )
-        lines.append(f"| {label} | {strategy} | " + " | ".join(cells) + f" | {slope} |")
-    probes = data.get("in-process", [])
-    if probes:
-        lines += ["", "| TIES merge in one process | M | merge peak over baseline | merge s | load |",
-                  "|---|---|---|---|---|"]  # fmt: skip
-        for c in sorted(probes, key=lambda c: (not c["rows"], c["M"])):
-            how = "row blocks" if c["rows"] else "every tensor at once (before)"
-            lines.append(f"| {how} | {c['M']} | {c['merge-peak-mib']:.0f} MiB | "
-                         f"{c['merge-s']:.1f} | {c['load-at-start']:.1f} |")  # fmt: skip
-    return "\n".join(lines)
-
-
-def synthetic_table(data: dict) -> str:
-    """The docs' table of ``--synthetic`` cells: per M, peak GB of the simulation process / the
-    tree, round walls, the server's own time, replies used, load; then the fitted slopes."""
-    lines = ["| strategy | M | simulation / tree peak | in model copies | round wall s | server s "
-             "(aggregation-time-s) | replies used | load mean | status |",
-             "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
-    cells = [c for c in data["cells"] if c.get("workers") == "synthetic"]
-    for c in sorted(cells, key=lambda c: (c["strategy"], c["M"])):
-        gb = c["model-bytes"] / GB or float("nan")
-        walls = " + ".join(f"{w:.0f}" for w in c.get("round-wall-s") or [])
-        agg = " + ".join(f"{a:.0f}" for a in c.get("aggregation-time-s") or [] if a is not None)
-        used = " + ".join(str(u) for u in c.get("replies-used") or [])
-        lines.append(
-            f"| {c['strategy']} | {c['M']} | {c['sim-peak-gb']:.2f} / {c['tree-peak-gb']:.2f} GB"
-            f" | {c['sim-peak-gb'] / gb:.1f} / {c['tree-peak-gb'] / gb:.1f} | {walls or '-'} | "
-            f"{agg or '-'} | {used or '-'} | {c.get('load-mean', '-')} | {c['status']} |"
-        )
-    for f in data.get("fits", []):
-        sim, tree = f["sim-peak-gb"], f["tree-peak-gb"]
-        if f["size"] in SYNTHETIC_SIZES and sim and tree:
-            lines.append(f"\nslope ({f['strategy']}, {sim['points']} points): "
-                         f"{sim['slope-model-copies']:.3f} model copies per worker in the "
-                         f"simulation process (R^2 {sim['r2']:.3f}), "
-                         f"{tree['slope-model-copies']:.3f} for the tree (R^2 {tree['r2']:.3f})")  # fmt: skip
-    return "\n".join(lines)
-
-
-def main(argv: list[str] | None = None) -> None:
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--label", default="after", help="e.g. before | after")
     ap.add_argument(
@@ -543,22 +411,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--in-process", action="store_true", help="TIES's merge alone, no Flower")
     ap.add_argument("--probe", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--dense", action="store_true", help=argparse.SUPPRESS)
-    args = ap.parse_args(argv)
-    if args.out is None:
-        args.out = OUT_SYNTHETIC if args.synthetic else OUT
-    if args.probe:
-        print(json.dumps(probe(args.probe, rows=not args.dense)))
-        return
-    if args.in_process:
-        in_process(args.workers, args.out)
-        return
-    data = load(args.out)
-    if args.table:
-        print(table(data))
-        return
-    if args.compact:
-        print(synthetic_table(data) if args.synthetic else compact(data))
-        return
+    return ap
+
+
+def sweep(args, data: dict) -> dict:
+    """Every (strategy, M) cell not yet measured ``ok`` at this revision, each attempt appended to
+    ``args.out`` at once (re-read first); exits 1 once a cell is stopped for memory
+    ``--retries + 1`` times."""
     if args.synthetic:
         size = "tiny-synthetic" if args.quick else "smollm2"
     else:
@@ -586,7 +445,27 @@ def main(argv: list[str] | None = None) -> None:
             else:
                 print("server_memory: stopped: low memory")
                 sys.exit(1)
-    print(table(data))
+    return data
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = _parser().parse_args(argv)
+    if args.out is None:
+        args.out = OUT_SYNTHETIC if args.synthetic else OUT
+    if args.probe:
+        print(json.dumps(probe(args.probe, rows=not args.dense)))
+        return
+    if args.in_process:
+        in_process(args.workers, args.out)
+        return
+    data = load(args.out)
+    if args.table:
+        print(table(data))
+        return
+    if args.compact:
+        print(synthetic_table(data) if args.synthetic else compact(data))
+        return
+    print(table(sweep(args, data)))
 
 
 if __name__ == "__main__":
