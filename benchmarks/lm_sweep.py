@@ -27,7 +27,6 @@ Protocol ``horizon`` (issue 21; ``lm_sweep_horizon.py`` holds its tuning rules) 
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import sys
@@ -42,25 +41,21 @@ os.environ.setdefault("FLWR_DISABLE_UPDATE_CHECK", "1")
 
 import lm_sweep_horizon as hz  # noqa: E402
 import lm_sweep_lib as lib  # noqa: E402
+from lm_sweep_records import (  # noqa: E402, F401  (re-exported: lm_inner_lr, rwlora_sweep, tests)
+    KEY_FIELDS,
+    append_record,
+    cell_key,
+    find_cell,
+    find_twin,
+    load_records,
+    same_run_methods,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results" / "lm_sweep.json"
 TUNING = REPO / "benchmarks" / "results" / "lm_tuning.json"
 HORIZON_RESULTS = REPO / "benchmarks" / "results" / "lm_horizon.json"
 HORIZON_TUNING = REPO / "benchmarks" / "results" / "lm_horizon_tuning.json"
-KEY_FIELDS = (
-    "method",
-    "protocol",
-    "workers",
-    "seed",
-    "outer_lr",
-    "outer_momentum",
-    "inner_steps",
-    "rounds",
-    "quick",
-    "inner_lr",
-    "corpora",
-)
 RATIO = math.sqrt(2.0)  # grid spacing, and the step of each automatic extension
 MAX_EXTENSIONS = 4
 TUNE_WORKERS = 8
@@ -80,60 +75,6 @@ EXTRA_POINTS = {"diloco": [(1.0, 0.0)]}
 
 def _round3(x: float) -> float:
     return float(f"{x:.3g}")
-
-
-# ----------------------------------------------------------------------------- records
-def load_records(path: Path) -> list[dict[str, Any]]:
-    return json.loads(path.read_text()) if path.is_file() else []
-
-
-def append_record(path: Path, record: dict[str, Any]) -> None:
-    """Append ``record`` to the JSON list at ``path`` at once (atomic replace)."""
-    records = load_records(path)
-    records.append(record)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(records, indent=1) + "\n")
-    os.replace(tmp, path)
-
-
-def _key_value(rec: dict[str, Any], field: str) -> Any:
-    """``rec[field]``; ``inner_lr`` from ``rec["size"]`` and ``corpora`` as a tuple for records
-    written before those fields were part of the key (issue-11 records)."""
-    if field == "inner_lr":
-        return rec.get("inner_lr", (rec.get("size") or {}).get("inner_lr"))
-    if field == "corpora":
-        return tuple(rec["corpora"]) if rec.get("corpora") else None
-    return rec.get(field)
-
-
-def cell_key(rec: dict[str, Any]) -> tuple:
-    return tuple(_key_value(rec, k) for k in KEY_FIELDS)
-
-
-def find_cell(records: list[dict[str, Any]], key: tuple) -> dict[str, Any] | None:
-    return next((r for r in records if cell_key(r) == key), None)
-
-
-def same_run_methods(method: str, outer_momentum: float | None) -> list[str]:
-    """Methods that run the identical computation as ``method`` at this momentum: with
-    ``mu = 0`` the Nesterov switch is off, so only the merge rule matters (FedAvg is DiLoCo at
-    lr 1, mu 0; Iso-C SGD is IsoLoCo at mu 0)."""
-    if method == "dp-adamw" or outer_momentum != 0.0:
-        return [method]
-    rule = lib.METHODS[method][0]
-    return [m for m, (r, _, _) in lib.METHODS.items() if r == rule]
-
-
-def find_twin(key: tuple, paths: list[Path]) -> dict[str, Any] | None:
-    """A finished record of the same computation under another method name (or file)."""
-    fields = dict(zip(KEY_FIELDS, key, strict=False))
-    for path in paths:
-        for m in same_run_methods(fields["method"], fields["outer_momentum"]):
-            rec = find_cell(load_records(path), (m, *key[1:]))
-            if rec is not None:
-                return rec
-    return None
 
 
 # ----------------------------------------------------------------------------- tuned values
@@ -387,7 +328,7 @@ def tune(method: str, workers: int, args) -> None:
 
 
 # ----------------------------------------------------------------------------- CLI
-def parse_args(argv=None):
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument(
         "--methods", nargs="+", default=["isoloco", "diloco"], choices=list(lib.METHODS)
@@ -448,7 +389,13 @@ def parse_args(argv=None):
         action="store_true",
         help="build the model anew for every message (for the overhead measurement)",
     )
-    args = ap.parse_args(argv)
+    return ap
+
+
+def parse_args(argv=None):
+    """The CLI's arguments with the protocol's defaults filled in; every (M, T) sizing checked
+    (:func:`lm_sweep_lib.protocol_size`) before any cell runs."""
+    args = _parser().parse_args(argv)
     horizon = args.protocol == "horizon"
     if args.out is None:
         args.out = HORIZON_RESULTS if horizon else RESULTS
