@@ -118,7 +118,7 @@ def main_shapes(args) -> None:
     print(f"written to {out}")
 
 
-def main() -> None:
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -140,7 +140,64 @@ def main() -> None:
         default=None,
         help="--shapes 135m: a checkout whose flwr_isoloco/merging the base_<rule> cases run",
     )
-    args = ap.parse_args()
+    return ap
+
+
+def time_aggregation(theta: dict, trained: list[dict], repeats: int) -> dict[str, list[float]]:
+    """Seconds of each strategy's ``aggregate_train`` per repeat (after one warm-up pass), the
+    ``len(trained)`` replies delivered by the in-process grid; strategies interleaved."""
+    workers = len(trained)
+
+    def train_handler(msg: Message, context) -> Message:
+        sd = trained[int(context.node_config["partition-id"])]
+        content = RecordDict(
+            {"arrays": ArrayRecord(sd), "metrics": MetricRecord({"num-examples": 1024})}
+        )
+        return Message(content, reply_to=msg)
+
+    grid = FakeGrid({"train": train_handler}, num_nodes=workers)
+    makers = strategies(workers)
+    live = {name: make() for name, make in makers.items()}
+    arrays = ArrayRecord(theta)
+    times: dict[str, list[float]] = {name: [] for name in makers}
+    for rep in range(repeats + 1):  # first pass is warm-up (not recorded)
+        for name, strat in live.items():
+            replies = list(
+                grid.send_and_receive(strat.configure_train(rep + 1, arrays, ConfigRecord(), grid))
+            )
+            assert len(replies) == workers
+            t = time.perf_counter()
+            new, metrics = strat.aggregate_train(rep + 1, replies)
+            dt = time.perf_counter() - t
+            assert new is not None, name
+            if rep > 0:
+                times[name].append(dt)
+        # keep every strategy at the same starting point each repeat
+        live = {name: make() for name, make in makers.items()}
+    return times
+
+
+def demo_run(results: Path) -> tuple[dict, float]:
+    """A real demo run's summary and its mean round wall: over rounds 2.. (round 1 holds
+    start-up), over every round when there is only one."""
+    res = json.loads(results.read_text())
+    walls = [r["round-wall-s"] for r in res["rounds"][1:]] or [
+        r["round-wall-s"] for r in res["rounds"]
+    ]
+    wall = statistics.mean(walls)
+    run = {
+        "results": str(results),
+        "strategy": res["config"]["strategy"]["name"],
+        "mean-round-wall-s": wall,
+        "measured-aggregation-s-in-run": statistics.mean(
+            r["aggregation-time-s"] for r in res["rounds"]
+        ),
+    }
+    return run, wall
+
+
+def main() -> None:
+    args = _parser().parse_args()
     torch.set_num_threads(args.threads)
     if args.shapes == "135m":
         import rule_cost_135m
@@ -157,34 +214,7 @@ def main() -> None:
     theta, trained = worker_models(cfg, args.workers, args.steps)
     prep_s = time.perf_counter() - t0
     n_params = sum(v.numel() for v in theta.values())
-
-    def train_handler(msg: Message, context) -> Message:
-        sd = trained[int(context.node_config["partition-id"])]
-        content = RecordDict(
-            {"arrays": ArrayRecord(sd), "metrics": MetricRecord({"num-examples": 1024})}
-        )
-        return Message(content, reply_to=msg)
-
-    grid = FakeGrid({"train": train_handler}, num_nodes=args.workers)
-    makers = strategies(args.workers)
-    live = {name: make() for name, make in makers.items()}
-    arrays = ArrayRecord(theta)
-    times: dict[str, list[float]] = {name: [] for name in makers}
-    for rep in range(args.repeats + 1):  # first pass is warm-up (not recorded)
-        for name, strat in live.items():
-            replies = list(
-                grid.send_and_receive(strat.configure_train(rep + 1, arrays, ConfigRecord(), grid))
-            )
-            assert len(replies) == args.workers
-            t = time.perf_counter()
-            new, metrics = strat.aggregate_train(rep + 1, replies)
-            dt = time.perf_counter() - t
-            assert new is not None, name
-            if rep > 0:
-                times[name].append(dt)
-        # keep every strategy at the same starting point each repeat
-        live = {name: make() for name, make in makers.items()}
-
+    times = time_aggregation(theta, trained, args.repeats)
     med = {name: statistics.median(ts) for name, ts in times.items()}
     base = med["FedAvg (Flower)"]
     report = {
@@ -210,19 +240,7 @@ def main() -> None:
         "ratio-to-fedavg": {name: m / base for name, m in med.items()},
     }
     if args.results:
-        res = json.loads(args.results.read_text())
-        walls = [r["round-wall-s"] for r in res["rounds"][1:]] or [
-            r["round-wall-s"] for r in res["rounds"]
-        ]
-        wall = statistics.mean(walls)
-        report["demo-run"] = {
-            "results": str(args.results),
-            "strategy": res["config"]["strategy"]["name"],
-            "mean-round-wall-s": wall,
-            "measured-aggregation-s-in-run": statistics.mean(
-                r["aggregation-time-s"] for r in res["rounds"]
-            ),
-        }
+        report["demo-run"], wall = demo_run(args.results)
         report["share-of-round-wall"] = {name: m / wall for name, m in med.items()}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2))

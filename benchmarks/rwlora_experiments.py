@@ -199,7 +199,7 @@ def markdown_table(summary: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main() -> None:
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--engine", choices=("ray", "fake"), default="ray")
     ap.add_argument("--graphs", default="complete,ring")
@@ -230,31 +230,13 @@ def main() -> None:
     ap.add_argument("--img", default=str(ROOT / "docs" / "img"))
     ap.add_argument("--work", default="/tmp/rwlora_experiments")
     ap.add_argument("--quick", action="store_true", help="tiny budgets (smoke test)")
-    args = ap.parse_args()
-    if args.quick:
-        args.clients, args.rw_updates, args.gossip_updates, args.fedavg_updates = 4, 20, 40, 40
-        args.eval_every_updates, args.eval_examples, args.max_examples = 20, 32, 40
-        args.batch_size, args.max_length = 4, 32
+    return ap
 
-    out_dir, img_dir = Path(args.out), Path(args.img)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    img_dir.mkdir(parents=True, exist_ok=True)
-    graphs = [g for g in args.graphs.split(",") if g]
-    methods = [m for m in args.methods.split(",") if m]
-    summary_path = out_dir / ("rwlora_summary_quick.json" if args.quick else "rwlora_summary.json")
-    summary: dict = {
-        "engine": args.engine,
-        "settings": {k: v for k, v in vars(args).items() if k not in ("out", "img", "work")},
-        "target": args.target,
-        "clients": args.clients,
-        "graphs": graphs,
-        "runs": {},
-        "table": [],
-    }
-    if summary_path.exists() and not args.quick:  # resume a partly done sweep
-        old = json.loads(summary_path.read_text())
-        if old.get("settings") == summary["settings"]:
-            summary["runs"] = old.get("runs", {})
+
+def run_all(args, summary: dict, methods: list[str], graphs: list[str], summary_path: Path) -> None:
+    """Each (method, graph) run not yet in ``summary["runs"]``, ``summary`` written to
+    ``summary_path`` after each (FedAvg runs once, under the graph ``any``)."""
+    out_dir = summary_path.parent
     for method in methods:
         for graph in graphs if method != "fedavg" else ["complete"]:
             key = f"{method}_{graph if method != 'fedavg' else 'server'}"
@@ -281,19 +263,24 @@ def main() -> None:
             best = max((r["test-accuracy"] for r in rows if "test-accuracy" in r), default=None)
             print(f"[rwlora-exp] {key}: {wall:.0f}s, best acc {best}", flush=True)
             summary_path.write_text(json.dumps(summary, indent=1))
+
+
+def summary_table(summary: dict, graphs: list[str], target: float) -> list[dict]:
+    """One row per (graph, run): local updates and bytes to ``target`` (and to 0.65 .. 0.8) by
+    :func:`reach`, final and best accuracy (A/B adapter and, for gossip, the vertices' own)."""
     table = []
     for g in graphs:
         for run in summary["runs"].values():
             if run["graph"] not in (g, "any"):
                 continue
             rows = [r for r in run["rounds"] if "test-accuracy" in r]
-            hit = reach(rows, args.target)
+            hit = reach(rows, target)
             own = [r["test-accuracy-vertex-mean"] for r in rows if "test-accuracy-vertex-mean" in r]
             table.append(
                 {
                     "graph": g,
                     "method": run["method"],
-                    "target": args.target,
+                    "target": target,
                     "updates-to": {
                         str(t): reach(rows, t).get("local-updates") for t in (0.65, 0.7, 0.75, 0.8)
                     },
@@ -308,7 +295,37 @@ def main() -> None:
                     "wall-s": run["wall-s"],
                 }
             )
-    summary["table"] = table
+    return table
+
+
+def main() -> None:
+    args = _parser().parse_args()
+    if args.quick:
+        args.clients, args.rw_updates, args.gossip_updates, args.fedavg_updates = 4, 20, 40, 40
+        args.eval_every_updates, args.eval_examples, args.max_examples = 20, 32, 40
+        args.batch_size, args.max_length = 4, 32
+
+    out_dir, img_dir = Path(args.out), Path(args.img)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    img_dir.mkdir(parents=True, exist_ok=True)
+    graphs = [g for g in args.graphs.split(",") if g]
+    methods = [m for m in args.methods.split(",") if m]
+    summary_path = out_dir / ("rwlora_summary_quick.json" if args.quick else "rwlora_summary.json")
+    summary: dict = {
+        "engine": args.engine,
+        "settings": {k: v for k, v in vars(args).items() if k not in ("out", "img", "work")},
+        "target": args.target,
+        "clients": args.clients,
+        "graphs": graphs,
+        "runs": {},
+        "table": [],
+    }
+    if summary_path.exists() and not args.quick:  # resume a partly done sweep
+        old = json.loads(summary_path.read_text())
+        if old.get("settings") == summary["settings"]:
+            summary["runs"] = old.get("runs", {})
+    run_all(args, summary, methods, graphs, summary_path)
+    summary["table"] = summary_table(summary, graphs, args.target)
     summary_path.write_text(json.dumps(summary, indent=1))
     plot(summary, img_dir / ("rwlora_quick" if args.quick else "rwlora"))
     md = markdown_table(summary)
