@@ -25,7 +25,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 from fakegrid import FakeGrid  # noqa: E402
 from flwr.app import ArrayRecord  # noqa: E402
-from test_rwlora_strategy import HANDLERS, init_adapter  # noqa: E402
+from rwlora_helpers import HANDLERS, init_adapter  # noqa: E402
 
 from flwr_isoloco.graphs import (  # noqa: E402
     RandomWalk,

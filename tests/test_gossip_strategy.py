@@ -6,7 +6,7 @@ import torch
 from fakegrid import FakeGrid, corrupt_arrays
 from flwr.app import ArrayRecord, MetricRecord
 from flwr.serverapp.strategy import Strategy
-from test_rwlora_strategy import HANDLERS, NBYTES, SHAPES, arm, client_update, init_adapter
+from rwlora_helpers import HANDLERS, NBYTES, SHAPES, arm, client_update, init_adapter
 
 from flwr_isoloco.checkpoint import load_checkpoint, save_checkpoint
 from flwr_isoloco.graphs import build_graph, metropolis_mixing_weights

@@ -8,7 +8,7 @@ import pytest
 import torch
 from fakegrid import FakeGrid
 from flwr.app import ConfigRecord, Message, MetricRecord, RecordDict
-from test_rwlora_strategy import (
+from rwlora_helpers import (
     HANDLERS,
     NBYTES,
     arm,

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 from fakegrid import FakeGrid, corrupt_arrays
-from test_rwlora_strategy import (
+from rwlora_helpers import (
     HANDLERS,
     NBYTES,
     arm,
