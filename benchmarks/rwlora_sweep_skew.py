@@ -156,6 +156,32 @@ def result_table(recs: list[dict], lr: float, variants: list[str]) -> str:
     return "\n".join(lines)
 
 
+def bytes_line(recs: list[dict], lr: float, variants: list[str]) -> str:
+    """MB sent up to the budget (the last evaluation of the first recorded test cell on the
+    ring, skew then IID, per series): what each variant costs in communication."""
+    series = [*((f"RW-LoRA, {v}", "rwlora", v) for v in variants)]
+    series += [("RW-LoRA, paper's walk", "rwlora", "paper"), ("gossip", "gossip", "paper")]
+    parts = []
+    for label, method, variant in series:
+        r = next(
+            (
+                x
+                for part in (SKEW, "iid")
+                for s in SEEDS
+                if (x := _cell(recs, lr, method, variant, "ring", part, s)) is not None
+            ),
+            None,
+        )
+        if r is not None:
+            c = r["curve"][-1]
+            hops = sum((r.get("visit_counts") or {}).values()) if method == "rwlora" else 0
+            parts.append(
+                f"{label} {c['mb_p2p']:.1f} MB P2P / {c['mb_relayed']:.1f} MB relayed"
+                + (f" ({hops} hops)" if hops else "")
+            )
+    return "- Bytes for the 320 updates (ring): " + "; ".join(parts) + "." if parts else ""
+
+
 def class_curve_table(recs: list[dict], lr: float, variants: list[str]) -> str:
     """Per-class accuracy along the walk (screening records: ring, seed 0, validation)."""
     rows = {r["variant"]: r for r in screening(recs, lr)}
@@ -319,6 +345,8 @@ def render(recs: list[dict], lr: float, planned: list[str], options: dict) -> st
             f"{best or 'pending'}) vs the paper's walk vs gossip vs FedAvg-LoRA, final test "
             "accuracy at 320 updates (8 clients, rank 8)\n",
             result_table(recs, lr, finals),
+            "",
+            bytes_line(recs, lr, finals),
             "",
         ]
     )

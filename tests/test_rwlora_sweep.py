@@ -343,7 +343,14 @@ def _skew(
     rec = _rec(method, "ring", seed, (None, None), acc)
     rec.update(variant=variant, eval_split=split, partition=partition, visit_counts={"0": 64})
     rec["curve"] = [
-        {"updates": 40 * i, "acc": a, "mb_p2p": 0.3 * i, "acc_class_0": a, "acc_class_1": a}
+        {
+            "updates": 40 * i,
+            "acc": a,
+            "mb_p2p": 0.3 * i,
+            "mb_relayed": 0.6 * i,
+            "acc_class_0": a,
+            "acc_class_1": a,
+        }
         for i, a in enumerate(curve_accs)
     ]
     rec["best_acc"] = max(curve_accs)
@@ -416,3 +423,7 @@ def test_class_dynamics_counts_single_class_evaluations(tmp_path):
     summary = K.class_dynamics_summary(recs, 2e-3, ["paper", "k2"])
     assert "- `paper`, test split: single-class evaluations ring 2/3 (1 runs)" in summary
     assert "all three graphs 1/2 (1 runs)." in summary and "seed 1 0.600" in summary
+    assert K.bytes_line(recs, 2e-3, ["k2"]) == (
+        "- Bytes for the 320 updates (ring): RW-LoRA, k2 0.6 MB P2P / 1.2 MB relayed (64 hops);"
+        " RW-LoRA, paper's walk 0.9 MB P2P / 1.8 MB relayed (64 hops)."
+    )
