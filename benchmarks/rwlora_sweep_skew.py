@@ -182,6 +182,36 @@ def bytes_line(recs: list[dict], lr: float, variants: list[str]) -> str:
     return "- Bytes for the 320 updates (ring): " + "; ".join(parts) + "." if parts else ""
 
 
+def compute_line(recs: list[dict], lr: float) -> str:
+    """Run wall time of this section's runs (the records' ``wall_s``): the screening runs
+    (validation split) and the variants' test-split finals, with the load-average range."""
+    scr = screening(recs, lr)
+    fin = [
+        r
+        for r in recs
+        if r["method"] == "rwlora"
+        and r["variant"] != "paper"
+        and _is(r, lr, clients=8, rank=8, eval_split="test")
+    ]
+    runs = scr + fin
+    if not runs:
+        return ""
+    loads = [r[k] for r in runs for k in ("load_avg_start", "load_avg_end") if k in r]
+    span = f", load average {min(loads):.1f} to {max(loads):.1f}" if loads else ""
+    per = {}
+    for r in fin:
+        per.setdefault(r["variant"], []).append(r["wall_s"])
+    each = "; ".join(
+        f"{v} {len(w)} runs, {sum(w):,.0f} s, {min(w):.0f}-{max(w):.0f} s each"
+        for v, w in per.items()
+    )
+    return (
+        f"- Compute for this section (records' `wall_s`): {sum(r['wall_s'] for r in runs):,.0f} s"
+        f" = screening {len(scr)} runs, {sum(r['wall_s'] for r in scr):,.0f} s + finals"
+        f" {len(fin)} runs, {sum(r['wall_s'] for r in fin):,.0f} s ({each}){span}."
+    )
+
+
 def class_curve_table(recs: list[dict], lr: float, variants: list[str]) -> str:
     """Per-class accuracy along the walk (screening records: ring, seed 0, validation)."""
     rows = {r["variant"]: r for r in screening(recs, lr)}
@@ -347,6 +377,7 @@ def render(recs: list[dict], lr: float, planned: list[str], options: dict) -> st
             result_table(recs, lr, finals),
             "",
             bytes_line(recs, lr, finals),
+            compute_line(recs, lr),
             "",
         ]
     )
