@@ -25,6 +25,9 @@ GRAPHS = ("ring", "complete", "regular-3")
 # an evaluation is "single-class" when some class's recall is below this: the token answers
 # (almost) one label for every sentence
 ONE_CLASS = 0.2
+# a final balanced accuracy below this is "at chance": 0.5 plus about 3 standard errors of
+# one accuracy on 1,000 test sentences (0.016 at 0.5)
+CHANCE = 0.55
 
 
 def _is(r: dict, lr: float, **where) -> bool:
@@ -153,6 +156,30 @@ def result_table(recs: list[dict], lr: float, variants: list[str]) -> str:
                     summary += f" ({len(got)} seeds)" if len(got) < len(SEEDS) else ""
                 g = "none" if method == "fedavg" else graph
                 lines.append(f"| {part} | {g} | {label} | {' | '.join(cells)} | {summary} |")
+    return "\n".join(lines)
+
+
+def holds_line(recs: list[dict], lr: float, variants: list[str]) -> str:
+    """Per variant, its test cells under skew (every graph and seed): how many end with a
+    final balanced accuracy of at least :data:`CHANCE`, and which end below (at chance)."""
+    lines = []
+    for v in variants:
+        runs = {(g, s): _cell(recs, lr, "rwlora", v, g, SKEW, s) for g in GRAPHS for s in SEEDS}
+        ds = {k: class_dynamics(r) for k, r in runs.items() if r is not None}
+        bal = {
+            k: d["final_balanced"] for k, d in ds.items() if d and d["final_balanced"] is not None
+        }
+        if not bal:
+            continue
+        up = [b for b in bal.values() if b >= CHANCE]
+        low = ", ".join(f"{g} s{s} {b:.3f}" for (g, s), b in bal.items() if b < CHANCE)
+        lines.append(
+            f"- `{v}`: final balanced test accuracy >= {CHANCE:g} in {len(up)} of {len(bal)}"
+            " cells under Dirichlet(0.5)"
+            + (f" (lowest {min(up):.3f})" if up else "")
+            + (f"; at chance (< {CHANCE:g}): {low}" if low else "")
+            + "."
+        )
     return "\n".join(lines)
 
 
@@ -376,6 +403,7 @@ def render(recs: list[dict], lr: float, planned: list[str], options: dict) -> st
             "accuracy at 320 updates (8 clients, rank 8)\n",
             result_table(recs, lr, finals),
             "",
+            holds_line(recs, lr, finals),
             bytes_line(recs, lr, finals),
             compute_line(recs, lr),
             "",

@@ -427,6 +427,10 @@ def test_class_dynamics_counts_single_class_evaluations(tmp_path):
         "- Bytes for the 320 updates (ring): RW-LoRA, k2 0.6 MB P2P / 1.2 MB relayed (64 hops);"
         " RW-LoRA, paper's walk 0.9 MB P2P / 1.8 MB relayed (64 hops)."
     )
+    assert K.holds_line(recs, 2e-3, ["paper", "k2"]) == (  # the paper's: no per-class fields
+        "- `k2`: final balanced test accuracy >= 0.55 in 1 of 1 cells under Dirichlet(0.5)"
+        " (lowest 0.800)."
+    )
     assert K.compute_line(recs, 2e-3) == (  # the paper's walk's test cell is the main sweep's
         "- Compute for this section (records' `wall_s`): 100 s = screening 0 runs, 0 s + finals"
         " 1 runs, 100 s (k2 1 runs, 100 s, 100-100 s each)."
