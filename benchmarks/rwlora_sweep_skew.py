@@ -199,8 +199,8 @@ def bytes_line(recs: list[dict], lr: float, variants: list[str]) -> str:
             ),
             None,
         )
-        if r is not None:
-            c = r["curve"][-1]
+        c = {} if r is None else r["curve"][-1]
+        if "mb_p2p" in c and "mb_relayed" in c:
             hops = sum((r.get("visit_counts") or {}).values()) if method == "rwlora" else 0
             parts.append(
                 f"{label} {c['mb_p2p']:.1f} MB P2P / {c['mb_relayed']:.1f} MB relayed"
