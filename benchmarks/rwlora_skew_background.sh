@@ -10,12 +10,32 @@
 #    main sweep (same cells, already recorded); then the other graphs under skew.
 # Every finished run is appended to benchmarks/results/rwlora_sweep.json and committed.
 #   nohup bash benchmarks/rwlora_skew_background.sh > /tmp/rw_skew.log 2>&1 &
+# FINALS=<variant> runs only that variant's finals (test split), in the order the claims need:
+# Dirichlet(0.5) on ring, complete, regular-3, then IID ring, seeds 0, 1, 2 each; NICE sets
+# the niceness (default 19):
+#   FINALS=k2 NICE=15 nohup bash benchmarks/rwlora_skew_background.sh > /tmp/rw_k2.log 2>&1 &
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=benchmarks/results/rwlora_sweep.json
-PY="nice -n 19 env PYTHONPATH=$PWD .venv/bin/python"
+PY="nice -n ${NICE:-19} env PYTHONPATH=$PWD .venv/bin/python"
 SWEEP="$PY benchmarks/rwlora_sweep.py --methods rwlora --out $OUT --engine fake --per-class"
-commit() { git add "$OUT" && git commit -q -m "rwlora skew: $1" -- "$OUT" || true; }
+commit() {  # retried: another commit in the same worktree may hold the index lock
+  for _ in 1 2 3 4 5; do
+    git add "$OUT" && git commit -q -m "rwlora skew: $1" -- "$OUT" && return 0
+    sleep 5
+  done
+  return 0
+}
+final() {  # final VARIANT GRAPH PARTITION SEED: one test-split cell of the sweep's protocol
+  $SWEEP --graphs "$2" --partitions "$3" --seeds "$4" --variants "$1" --eval-every 160 \
+      && commit "$1, $2, $3, seed $4 (test split)"
+}
+if [ -n "${FINALS:-}" ]; then
+  for gp in "ring dirichlet-0.5" "complete dirichlet-0.5" "regular-3 dirichlet-0.5" "ring iid"; do
+    for s in 0 1 2; do final "$FINALS" $gp $s; done
+  done
+  exit 0
+fi
 SCREEN=${SCREEN:-"avg0.9 paper tail1 carry"}  # screened before the choice
 LATE=${LATE:-"mom0.5 lrdecay8 k2"}            # screened after the finals (time)
 screen() {

@@ -22,6 +22,12 @@ SKEW = "dirichlet-0.5"
 SCREEN = dict(clients=8, rank=8, graph="ring", partition=SKEW, seed=0, eval_split="val")
 SEEDS = (0, 1, 2)
 GRAPHS = ("ring", "complete", "regular-3")
+# an evaluation is "single-class" when some class's recall is below this: the token answers
+# (almost) one label for every sentence
+ONE_CLASS = 0.2
+# a final balanced accuracy below this is "at chance": 0.5 plus about 3 standard errors of
+# one accuracy on 1,000 test sentences (0.016 at 0.5)
+CHANCE = 0.55
 
 
 def _is(r: dict, lr: float, **where) -> bool:
@@ -153,6 +159,86 @@ def result_table(recs: list[dict], lr: float, variants: list[str]) -> str:
     return "\n".join(lines)
 
 
+def holds_line(recs: list[dict], lr: float, variants: list[str]) -> str:
+    """Per variant, its test cells under skew (every graph and seed): how many end with a
+    final balanced accuracy of at least :data:`CHANCE`, and which end below (at chance)."""
+    lines = []
+    for v in variants:
+        runs = {(g, s): _cell(recs, lr, "rwlora", v, g, SKEW, s) for g in GRAPHS for s in SEEDS}
+        ds = {k: class_dynamics(r) for k, r in runs.items() if r is not None}
+        bal = {
+            k: d["final_balanced"] for k, d in ds.items() if d and d["final_balanced"] is not None
+        }
+        if not bal:
+            continue
+        up = [b for b in bal.values() if b >= CHANCE]
+        low = ", ".join(f"{g} s{s} {b:.3f}" for (g, s), b in bal.items() if b < CHANCE)
+        lines.append(
+            f"- `{v}`: final balanced test accuracy >= {CHANCE:g} in {len(up)} of {len(bal)}"
+            " cells under Dirichlet(0.5)"
+            + (f" (lowest {min(up):.3f})" if up else "")
+            + (f"; at chance (< {CHANCE:g}): {low}" if low else "")
+            + "."
+        )
+    return "\n".join(lines)
+
+
+def bytes_line(recs: list[dict], lr: float, variants: list[str]) -> str:
+    """MB sent up to the budget (the last evaluation of the first recorded test cell on the
+    ring, skew then IID, per series): what each variant costs in communication."""
+    series = [*((f"RW-LoRA, {v}", "rwlora", v) for v in variants)]
+    series += [("RW-LoRA, paper's walk", "rwlora", "paper"), ("gossip", "gossip", "paper")]
+    parts = []
+    for label, method, variant in series:
+        r = next(
+            (
+                x
+                for part in (SKEW, "iid")
+                for s in SEEDS
+                if (x := _cell(recs, lr, method, variant, "ring", part, s)) is not None
+            ),
+            None,
+        )
+        c = {} if r is None else r["curve"][-1]
+        if "mb_p2p" in c and "mb_relayed" in c:
+            hops = sum((r.get("visit_counts") or {}).values()) if method == "rwlora" else 0
+            parts.append(
+                f"{label} {c['mb_p2p']:.1f} MB P2P / {c['mb_relayed']:.1f} MB relayed"
+                + (f" ({hops} hops)" if hops else "")
+            )
+    return "- Bytes for the 320 updates (ring): " + "; ".join(parts) + "." if parts else ""
+
+
+def compute_line(recs: list[dict], lr: float) -> str:
+    """Run wall time of this section's runs (the records' ``wall_s``): the screening runs
+    (validation split) and the variants' test-split finals, with the load-average range."""
+    scr = screening(recs, lr)
+    fin = [
+        r
+        for r in recs
+        if r["method"] == "rwlora"
+        and r["variant"] != "paper"
+        and _is(r, lr, clients=8, rank=8, eval_split="test")
+    ]
+    runs = scr + fin
+    if not runs:
+        return ""
+    loads = [r[k] for r in runs for k in ("load_avg_start", "load_avg_end") if k in r]
+    span = f", load average {min(loads):.1f} to {max(loads):.1f}" if loads else ""
+    per = {}
+    for r in fin:
+        per.setdefault(r["variant"], []).append(r["wall_s"])
+    each = "; ".join(
+        f"{v} {len(w)} runs, {sum(w):,.0f} s, {min(w):.0f}-{max(w):.0f} s each"
+        for v, w in per.items()
+    )
+    return (
+        f"- Compute for this section (records' `wall_s`): {sum(r['wall_s'] for r in runs):,.0f} s"
+        f" = screening {len(scr)} runs, {sum(r['wall_s'] for r in scr):,.0f} s + finals"
+        f" {len(fin)} runs, {sum(r['wall_s'] for r in fin):,.0f} s ({each}){span}."
+    )
+
+
 def class_curve_table(recs: list[dict], lr: float, variants: list[str]) -> str:
     """Per-class accuracy along the walk (screening records: ring, seed 0, validation)."""
     rows = {r["variant"]: r for r in screening(recs, lr)}
@@ -173,6 +259,129 @@ def class_curve_table(recs: list[dict], lr: float, variants: list[str]) -> str:
     return "\n".join(lines)
 
 
+def _recalls(c: dict) -> list[float]:
+    return [c[k] for k in sorted(k for k in c if k.startswith("acc_class_"))]
+
+
+def test_shares(recs: list[dict], lr: float) -> dict[int, float]:
+    """Positive share of each seed's test set (the test set depends on the seed only), from
+    any per-class test evaluation whose recalls differ: ``acc = r0 + p (r1 - r0)``."""
+    out: dict[int, float] = {}
+    for r in recs:
+        if r.get("eval_split") != "test" or r.get("lr") != lr:
+            continue
+        for c in r["curve"]:
+            rec = _recalls(c)
+            if len(rec) == 2 and abs(rec[1] - rec[0]) > 0.3:
+                n = r.get("test_examples") or 1000
+                out[r["seed"]] = round((c["acc"] - rec[0]) / (rec[1] - rec[0]) * n) / n
+    return out
+
+
+def class_dynamics(r: dict, share: float | None = None) -> dict | None:
+    """Per-class recall along one run, evaluations after round 0 (the initial adapter is the
+    same for every variant): ``n`` of them, ``one_class`` = how many have some class's recall
+    below :data:`ONE_CLASS`, ``steps`` (text per evaluation), ``final_balanced``. A run that
+    recorded no per-class field counts the evaluations whose accuracy equals a constant
+    answer's (``share`` or ``1 - share``, the test set's positive share, within half a
+    sentence): then ``final_balanced`` is None and ``constant`` True. None if neither."""
+    evals = [c for c in r["curve"] if c["updates"] > 0]
+    if evals and all(_recalls(c) for c in evals):
+        return dict(
+            n=len(evals),
+            one_class=sum(min(_recalls(c)) < ONE_CLASS for c in evals),
+            final_balanced=balanced(evals[-1]),
+            constant=False,
+            steps=", ".join(
+                f"{c['updates']}: " + " / ".join(f"{x:.2f}" for x in _recalls(c)) for c in evals
+            ),
+        )
+    if not evals or share is None:
+        return None
+    tol = 0.5 / (r.get("test_examples") or 1000)
+    words = []
+    for c in evals:
+        a = c["acc"]
+        words.append(
+            "pos" if abs(a - share) <= tol else "neg" if abs(a - 1 + share) <= tol else f"{a:.3f}"
+        )
+    return dict(
+        n=len(evals),
+        one_class=sum(w in ("pos", "neg") for w in words),
+        final_balanced=None,
+        constant=True,
+        steps=", ".join(f"{c['updates']}: {w}" for c, w in zip(evals, words, strict=True)),
+    )
+
+
+def _dynamics_runs(recs: list[dict], lr: float, variants: list[str]) -> list[tuple]:
+    """(variant, split, seed, dynamics or None, worst) for the ring under skew: the screening
+    run (validation, seed 0) and every test seed; ``worst`` marks the test seed with the
+    lowest final accuracy."""
+    shares = test_shares(recs, lr)
+    out = []
+    for v in variants:
+        scr = [r for r in screening(recs, lr) if r["variant"] == v]
+        out.append((v, "val", 0, class_dynamics(scr[-1]) if scr else None, False))
+        test = {s: _cell(recs, lr, "rwlora", v, "ring", SKEW, s) for s in SEEDS}
+        got = {s: r for s, r in test.items() if r is not None}
+        worst = min(got, key=lambda s: got[s]["final_acc"]) if len(got) > 1 else None
+        for s in SEEDS:
+            d = None if test[s] is None else class_dynamics(test[s], shares.get(s))
+            out.append((v, "test", s, d if test[s] is not None else None, s == worst))
+    return out
+
+
+def class_dynamics_table(recs: list[dict], lr: float, variants: list[str]) -> str:
+    """Per-class recall at every evaluation after round 0, ring, Dirichlet(0.5): screening run
+    and test seeds of each variant; how many evaluations are single-class ("pos" / "neg": a
+    run without per-class fields whose accuracy equals the constant answer's)."""
+    lines = [
+        f"| variant | split | seed | single-class evaluations (a recall < {ONE_CLASS:g}) "
+        "| recall neg / pos at each evaluation (updates: ...) | final balanced acc |",
+        "|---|---|---|---|---|---|",
+    ]
+    for v, split, seed, d, worst in _dynamics_runs(recs, lr, variants):
+        tag = f"{seed} (worst)" if worst else str(seed)
+        if d is None:
+            lines.append(f"| {v} | {split} | {tag} | pending | | |")
+            continue
+        one = f"{d['one_class']}/{d['n']}" + (" (constant answer's acc)" if d["constant"] else "")
+        bal = "-" if d["final_balanced"] is None else f"{d['final_balanced']:.3f}"
+        lines.append(f"| {v} | {split} | {tag} | {one} | {d['steps']} | {bal} |")
+    return "\n".join(lines)
+
+
+def class_dynamics_summary(recs: list[dict], lr: float, variants: list[str]) -> str:
+    """One line per variant: single-class evaluations summed over its test seeds, on the ring
+    and on every graph under skew."""
+    shares = test_shares(recs, lr)
+    lines = []
+    for v in variants:
+        parts = []
+        for graphs, where in ((("ring",), "ring"), (GRAPHS, "all three graphs")):
+            ds = [
+                class_dynamics(r, shares.get(s))
+                for g in graphs
+                for s in SEEDS
+                if (r := _cell(recs, lr, "rwlora", v, g, SKEW, s)) is not None
+            ]
+            ds = [d for d in ds if d is not None]
+            if ds:
+                one, n = sum(d["one_class"] for d in ds), sum(d["n"] for d in ds)
+                parts.append(f"{where} {one}/{n} ({len(ds)} runs)")
+        if parts:
+            lines.append(f"- `{v}`, test split: single-class evaluations {', '.join(parts)}.")
+    if shares:
+        got = ", ".join(f"seed {s} {p:.3f}" for s, p in sorted(shares.items()))
+        lines.append(
+            f"- Test sets' positive share (from the per-class records): {got}; a run without "
+            "per-class fields counts as single-class where its accuracy equals a constant "
+            "answer's (the share or 1 - share, within half a sentence)."
+        )
+    return "\n".join(lines)
+
+
 def render(recs: list[dict], lr: float, planned: list[str], options: dict) -> str:
     best = best_variant(recs, lr)
     finals = finalists(recs, lr)
@@ -184,10 +393,19 @@ def render(recs: list[dict], lr: float, planned: list[str], options: dict) -> st
             screening_table(recs, lr, planned, options),
             "\n#### Label skew: per-class accuracy along the walk (same runs, validation split)\n",
             class_curve_table(recs, lr, shown),
+            "\n#### Label skew: per-class recall along the walk, ring, Dirichlet(0.5) "
+            "(screening run and every test seed)\n",
+            class_dynamics_table(recs, lr, shown),
+            "",
+            class_dynamics_summary(recs, lr, shown),
             f"\n#### Label skew: variants ({', '.join(finals) or 'pending'}; best on validation: "
             f"{best or 'pending'}) vs the paper's walk vs gossip vs FedAvg-LoRA, final test "
             "accuracy at 320 updates (8 clients, rank 8)\n",
             result_table(recs, lr, finals),
+            "",
+            holds_line(recs, lr, finals),
+            bytes_line(recs, lr, finals),
+            compute_line(recs, lr),
             "",
         ]
     )

@@ -343,7 +343,14 @@ def _skew(
     rec = _rec(method, "ring", seed, (None, None), acc)
     rec.update(variant=variant, eval_split=split, partition=partition, visit_counts={"0": 64})
     rec["curve"] = [
-        {"updates": 40 * i, "acc": a, "mb_p2p": 0.3 * i, "acc_class_0": a, "acc_class_1": a}
+        {
+            "updates": 40 * i,
+            "acc": a,
+            "mb_p2p": 0.3 * i,
+            "mb_relayed": 0.6 * i,
+            "acc_class_0": a,
+            "acc_class_1": a,
+        }
         for i, a in enumerate(curve_accs)
     ]
     rec["best_acc"] = max(curve_accs)
@@ -384,3 +391,47 @@ def test_best_variant_and_skew_tables(tmp_path):
     assert "0.740" not in main_part and "0.700" not in main_part  # variants: their own section
     png = R.rwlora_sweep_skew.plot(loaded, 2e-3, tmp_path / "k.png")
     assert png is not None and png.stat().st_size > 1000
+
+
+def test_class_dynamics_counts_single_class_evaluations(tmp_path):
+    """Recall < 0.2 counts as single-class; a run without per-class fields is matched to a
+    constant answer's accuracy, the test set's positive share recovered from another run."""
+    k2 = _skew("k2", 0.82, [0.5, 0.4, 0.82], split="test", seed=1)
+    k2["test_examples"] = 1000
+    for c, (r0, r1) in zip(k2["curve"], [(0.5, 0.5), (1.0, 0.0), (0.7, 0.9)], strict=True):
+        c.update(acc_class_0=r0, acc_class_1=r1)  # acc = 0.4 r0 + 0.6 r1: 60 % positive
+    paper = _skew("paper", 0.55, [0.5, 0.4, 0.6, 0.55], split="test", seed=1)
+    for c in paper["curve"]:
+        del c["acc_class_0"], c["acc_class_1"]
+    path = tmp_path / "s.json"
+    path.write_text(json.dumps([k2, paper]))
+    recs = R.load(path)
+    k2, paper = recs
+    K = R.rwlora_sweep_skew
+    assert K.test_shares(recs, 2e-3) == {1: 0.6}
+    d = K.class_dynamics(k2)
+    assert (d["n"], d["one_class"], d["constant"]) == (2, 1, False)
+    assert d["final_balanced"] == pytest.approx(0.8)
+    assert K.class_dynamics(paper) is None  # no share known: nothing to match
+    table = K.class_dynamics_table(recs, 2e-3, ["paper", "k2"])
+    assert (
+        "| paper | test | 1 | 2/3 (constant answer's acc) | 40: neg, 80: pos, 120: 0.550 | - |"
+        in table
+    )
+    assert "| k2 | test | 1 | 1/2 | 40: 1.00 / 0.00, 80: 0.70 / 0.90 | 0.800 |" in table
+    assert "| k2 | val | 0 | pending | | |" in table
+    summary = K.class_dynamics_summary(recs, 2e-3, ["paper", "k2"])
+    assert "- `paper`, test split: single-class evaluations ring 2/3 (1 runs)" in summary
+    assert "all three graphs 1/2 (1 runs)." in summary and "seed 1 0.600" in summary
+    assert K.bytes_line(recs, 2e-3, ["k2"]) == (
+        "- Bytes for the 320 updates (ring): RW-LoRA, k2 0.6 MB P2P / 1.2 MB relayed (64 hops);"
+        " RW-LoRA, paper's walk 0.9 MB P2P / 1.8 MB relayed (64 hops)."
+    )
+    assert K.holds_line(recs, 2e-3, ["paper", "k2"]) == (  # the paper's: no per-class fields
+        "- `k2`: final balanced test accuracy >= 0.55 in 1 of 1 cells under Dirichlet(0.5)"
+        " (lowest 0.800)."
+    )
+    assert K.compute_line(recs, 2e-3) == (  # the paper's walk's test cell is the main sweep's
+        "- Compute for this section (records' `wall_s`): 100 s = screening 0 runs, 0 s + finals"
+        " 1 runs, 100 s (k2 1 runs, 100 s, 100-100 s each)."
+    )
