@@ -51,11 +51,21 @@ DOCS = {  # the docs whose attack table block is regenerated, and the grids each
 BEGIN, END = "<!-- BEGIN ATTACK TABLE -->", "<!-- END ATTACK TABLE -->"
 NODES = 8
 ATTACKS = ("signflip", "noise", "alie", "maxweight")
-DEFENCES = ("none", "bound", "median", "trimmed-mean", "krum", "multikrum", "norm-clip")
+DEFENCES = (
+    "none",
+    "bound",
+    "median",
+    "trimmed-mean",
+    "krum",
+    "multikrum",
+    "norm-clip",
+    "distance-filter",
+)
 OPTIONS = {
     "trim": "strategy.robust-trim",
     "f": "strategy.robust-f",
     "select": "strategy.robust-select",
+    "factor": "strategy.robust-factor",
 }
 """``rule:option=value`` (e.g. ``multikrum:select=7``) runs a rule with that ``robust_options``."""
 STRATEGIES = ("isoloco", "diloco")
@@ -274,8 +284,15 @@ def run_cell(strategy, attack, f, defence, seed, size, cache: Path, extra=None) 
         "status": res["status"],
         "val_loss": [r["val-loss"] for r in res["rounds"]],
         "replies_used": [r["replies-used"] for r in res["rounds"]],
+        **_kept(res["rounds"]),
         "wall_s": round(time.perf_counter() - t0, 2),
     }
+
+
+def _kept(rounds: list[dict]) -> dict:
+    """``robust_kept``: per round, the updates a choosing rule merged (absent for the others)."""
+    kept = [r.get("robust-kept") for r in rounds]
+    return {"robust_kept": kept} if any(k is not None for k in kept) else {}
 
 
 def _key(r: dict) -> tuple:

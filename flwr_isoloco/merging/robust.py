@@ -13,14 +13,20 @@ replaces the (weighted) mean that the rule (``mean``, Iso-C, ...) then transform
   ``f`` defaults to ``floor((M - 3) / 2)``, the most Krum tolerates (``M > 2f + 2``).
 - ``"norm-clip"``: ``delta_i <- delta_i * min(1, median_j ||delta_j|| / ||delta_i||)`` (the
   round's own median), then ``g = rule(clipped; w)``.
+- ``"distance-filter"``: ``r_i = ||delta_i - m||`` with ``m`` the coordinate-wise median; keep
+  every ``i`` with ``r_i <= factor * median_j r_j`` (``factor >= 1``, default 2), then
+  ``g = rule(kept; w)``. An honest round whose updates are spread alike keeps every update (so
+  ``g`` is the plain merge); an update far from the median is left out.
 
 ``median`` and ``trimmed-mean`` need a streaming rule (a function of the mean); ``krum``,
-``multikrum`` and ``norm-clip`` only choose or scale the inputs and work with any rule.
+``multikrum``, ``norm-clip`` and ``distance-filter`` only choose or scale the inputs and work
+with any rule.
 
 Memory: every function reads the ``M`` copies of one tensor at a time through
 ``get(i, key)`` (a :class:`~.spill.SpillStore` in a strategy round), so the round costs
-``O(M x largest tensor)``. Krum's ``M x M`` distances and norm-clip's norms are accumulated
-tensor by tensor in a first pass over the store; the merge is a second pass.
+``O(M x largest tensor)``. Krum's ``M x M`` distances, norm-clip's norms and the filter's
+distances to the median are accumulated tensor by tensor in a first pass over the store; the
+merge is a second pass.
 """
 
 from __future__ import annotations
@@ -41,13 +47,22 @@ __all__ = [
     "RobustMerge",
     "clip_factors",
     "coordinate_median",
+    "distance_keep",
     "krum_select",
     "pairwise_sq_distances",
     "resolve_robust",
     "trimmed_mean",
 ]
 
-ROBUST_RULES = ("none", "median", "trimmed-mean", "krum", "multikrum", "norm-clip")
+ROBUST_RULES = (
+    "none",
+    "median",
+    "trimmed-mean",
+    "krum",
+    "multikrum",
+    "norm-clip",
+    "distance-filter",
+)
 ROBUST_OPTIONS: dict[str, dict[str, Any]] = {
     "none": {},
     "median": {},
@@ -55,6 +70,7 @@ ROBUST_OPTIONS: dict[str, dict[str, Any]] = {
     "krum": {"f": None},
     "multikrum": {"f": None, "select": None},
     "norm-clip": {},
+    "distance-filter": {"factor": 2.0},
 }
 """Each rule's options and defaults (``None``: computed from the round's ``M``)."""
 _NEED_MEAN = ("median", "trimmed-mean")
@@ -113,6 +129,12 @@ def clip_factors(norms: Sequence[float]) -> list[float]:
     return [1.0 if n <= med or n == 0 else med / n for n in norms]
 
 
+def distance_keep(dist: Sequence[float], factor: float) -> list[int]:
+    """Indices ``i`` with ``dist[i] <= factor * median(dist)`` (``factor >= 1``: at least half)."""
+    bar = factor * statistics.median(dist)
+    return [i for i, d in enumerate(dist) if d <= bar]
+
+
 # ---------------------------------------------------------------------------- configuration
 def resolve_robust(
     robust: str | None, options: Mapping[str, Any] | None, rule: Any
@@ -135,6 +157,10 @@ def resolve_robust(
         t = opts["trim"]
         if not (isinstance(t, (int, float)) and not isinstance(t, bool) and 0 <= t < 0.5):
             raise ValueError(f"robust_options trim must be in [0, 0.5), got {t!r}")
+    if name == "distance-filter":
+        v = opts["factor"]
+        if not (isinstance(v, (int, float)) and not isinstance(v, bool) and 1 <= v < math.inf):
+            raise ValueError(f"robust_options factor must be a finite number >= 1, got {v!r}")
     for k, lo in (("f", 0), ("select", 1)):
         v = opts.get(k)
         if v is not None and not (isinstance(v, int) and not isinstance(v, bool) and v >= lo):
@@ -156,7 +182,7 @@ class RobustMerge:
 
     def __init__(self, name: str, options: Mapping[str, Any]) -> None:
         self.name, self.options = name, dict(options)
-        self.last_kept: list[int] | None = None  # krum / multikrum: the indices kept last round
+        self.last_kept: list[int] | None = None  # krum, multikrum, filter: indices kept last round
         self.last_factors: list[float] | None = None  # norm-clip: the clip factors last round
 
     def krum_params(self, m: int) -> tuple[int, int]:
@@ -209,6 +235,16 @@ class RobustMerge:
                     sq[i] += float(get(i, key).double().pow(2).sum())
             scale = clip_factors([math.sqrt(s) for s in sq])
             self.last_factors = scale
+        elif self.name == "distance-filter":
+            sq = [0.0] * n
+            for key in keys:
+                xs = [get(i, key) for i in range(n)]
+                med = coordinate_median(xs)
+                for i, x in enumerate(xs):
+                    sq[i] += float((x.double() - med.double()).pow(2).sum())
+                del xs, med
+            kept = distance_keep([math.sqrt(s) for s in sq], float(self.options["factor"]))
+            self.last_kept = kept
         out = {}
         for key in keys:
             xs = [{key: get(i, key) * scale[i] if scale[i] != 1.0 else get(i, key)} for i in kept]
