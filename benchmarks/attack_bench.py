@@ -11,7 +11,11 @@ honestly, then replaces its update ``d = theta - theta_i`` by:
 - ``alie`` ("a little is enough", Baruch et al. 2019): ``mu - z sigma`` (coordinate-wise mean
   and std of the honest updates), ``z = Phi^-1((n - s) / n)``, ``s = floor(n / 2 + 1) - f``
   (n = 8: z = 0 for f = 1, 0.319 for f = 2);
-- ``maxweight``: ``-d`` reported with ``num-examples = 1e12`` (the largest weight allowed).
+- ``maxweight``: ``-d`` reported with ``num-examples = 1e12`` (the largest weight allowed);
+- ``edge``: the attack adapted to ``distance-filter``: ``m - R mu / ||mu||`` with ``m`` the
+  honest updates' coordinate-wise median, ``mu`` their mean and ``R = 0.9 x 2 x`` the median
+  distance of the honest updates to ``m`` (just inside the filter's default radius), reported
+  with ``num-examples = 1e12``.
 
 Defences: ``none`` (weight bound off), ``bound`` (``max-weight-ratio`` 5, the default), and each
 robust rule on top of the bound. Per cell: the final validation loss and its difference with
@@ -50,7 +54,8 @@ DOCS = {  # the docs whose attack table block is regenerated, and the grids each
 }
 BEGIN, END = "<!-- BEGIN ATTACK TABLE -->", "<!-- END ATTACK TABLE -->"
 NODES = 8
-ATTACKS = ("signflip", "noise", "alie", "maxweight")
+ATTACKS = ("signflip", "noise", "alie", "maxweight", "edge")
+EDGE_MARGIN = 0.9 * 2.0  # edge: 0.9 x distance-filter's default factor
 DEFENCES = (
     "none",
     "bound",
@@ -105,7 +110,24 @@ def attacked(kind: str, own, honest: list, f: int, seed: int):
             x = torch.stack([h[k].double() for h in honest])
             out[k] = (x.mean(0) - z * x.std(0, unbiased=False)).float()
         return out, None
+    if kind == "edge":
+        return edge(honest), 1e12
     raise ValueError(kind)
+
+
+def edge(honest: list) -> dict:
+    """``m - R mu / ||mu||`` (module docstring): the reverse of the honest mean's direction, at
+    distance ``R`` from the honest median."""
+    import torch
+
+    from flwr_isoloco.merging.robust import coordinate_median
+
+    med = {k: coordinate_median([h[k].double() for h in honest]) for k in honest[0]}
+    mu = {k: torch.stack([h[k].double() for h in honest]).mean(0) for k in honest[0]}
+    r = [math.sqrt(sum(float((h[k].double() - med[k]).pow(2).sum()) for k in med)) for h in honest]
+    nmu = math.sqrt(sum(float(v.pow(2).sum()) for v in mu.values()))
+    big_r = EDGE_MARGIN * statistics.median(r)
+    return {k: (med[k] - big_r * mu[k] / nmu).float() for k in med}
 
 
 def attack_grid(base, attack: str, f: int, seed: int):

@@ -30,6 +30,14 @@ def test_attacks_and_alie_z():
     alie = attack_bench.attacked("alie", own, honest, 2, 0)[0]["w"]
     want = torch.tensor([2.0, 0.0, 3.0]) - attack_bench.alie_z(8, 2) * torch.tensor([1.0, 0, 1])
     torch.testing.assert_close(alie, want)
+    three = honest + [{"w": torch.tensor([2.0, 3.0, 0.0])}]  # median (2, 0, 2), mean (2, 1, 2)
+    e, w = attack_bench.attacked("edge", own, three, 1, 0)
+    r = sorted(
+        float((h["w"] - torch.tensor([2.0, 0, 2])).norm()) for h in three
+    )  # sqrt2,sqrt2,sqrt13
+    want = torch.tensor([2.0, 0, 2]) - 1.8 * r[1] * torch.tensor([2.0, 1, 2]) / 3.0
+    torch.testing.assert_close(e["w"], want)
+    assert w == 1e12
 
 
 def test_attackers_see_every_honest_update_when_pulled_one_by_one():
