@@ -32,10 +32,8 @@ def test_attacks_and_alie_z():
     torch.testing.assert_close(alie, want)
     three = honest + [{"w": torch.tensor([2.0, 3.0, 0.0])}]  # median (2, 0, 2), mean (2, 1, 2)
     e, w = attack_bench.attacked("edge", own, three, 1, 0)
-    r = sorted(
-        float((h["w"] - torch.tensor([2.0, 0, 2])).norm()) for h in three
-    )  # sqrt2,sqrt2,sqrt13
-    want = torch.tensor([2.0, 0, 2]) - 1.8 * r[1] * torch.tensor([2.0, 1, 2]) / 3.0
+    # distances to the median: 1, sqrt 5, sqrt 13 (median sqrt 5); R = 0.9 x 2 x sqrt 5
+    want = torch.tensor([2.0, 0, 2]) - 1.8 * math.sqrt(5) * torch.tensor([2.0, 1, 2]) / 3.0
     torch.testing.assert_close(e["w"], want)
     assert w == 1e12
 
