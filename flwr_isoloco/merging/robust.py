@@ -22,9 +22,11 @@ replaces the (weighted) mean that the rule (``mean``, Iso-C, ...) then transform
 ``multikrum``, ``norm-clip`` and ``distance-filter`` only choose or scale the inputs and work
 with any rule.
 
-Memory: every function reads the ``M`` copies of one tensor at a time through
-``get(i, key)`` (a :class:`~.spill.SpillStore` in a strategy round), so the round costs
-``O(M x largest tensor)``. Krum's ``M x M`` distances, norm-clip's norms and the filter's
+Memory: in a strategy round (a :class:`~.spill.SpillStore`) the per-coordinate statistics
+(median, trimmed mean, the filter's median, Krum's distances) read the ``M`` copies of one block
+of rows at a time (:attr:`RobustMerge.block_bytes`, 256 MiB in fp32), and a rule of the mean
+adds the chosen updates one at a time, so the round costs ``O(largest tensor + block)``, not
+``O(M x largest tensor)``; called with ``get`` alone (updates in memory) it reads whole tensors. Krum's ``M x M`` distances, norm-clip's norms and the filter's
 distances to the median are accumulated tensor by tensor in a first pass over the store; the
 merge is a second pass.
 """
@@ -33,14 +35,16 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 import torch
 from flwr.serverapp.strategy.fedtrimmedavg import trim_mean
 
+from .device import resolve_device
 from .merge import merge
+from .validation import normalised_weights
 
 __all__ = [
     "ROBUST_RULES",
@@ -77,6 +81,7 @@ _NEED_MEAN = ("median", "trimmed-mean")
 
 Tensors = dict[str, torch.Tensor]
 Getter = Callable[[int, str], torch.Tensor]
+RowGetter = Callable[[int, str, int, int], torch.Tensor]  # (i, key, start, stop): rows of a tensor
 
 
 # ---------------------------------------------------------------------------- pure maths
@@ -180,6 +185,10 @@ def _rule_of(rule: Any, key: str, agg: torch.Tensor, opts: Mapping[str, Any]) ->
 class RobustMerge:
     """``A`` of the module docstring for one strategy: ``merge(rule, opts, keys, get, ws)``."""
 
+    block_bytes = 256 * 2**20
+    """The most one row block's ``M`` copies take in fp32 (:meth:`blocks`); sorting and the
+    fp64 distances need a few times that."""
+
     def __init__(self, name: str, options: Mapping[str, Any]) -> None:
         self.name, self.options = name, dict(options)
         self.last_kept: list[int] | None = None  # krum, multikrum, filter: indices kept last round
@@ -201,30 +210,29 @@ class RobustMerge:
         keys: Sequence[str],
         get: Getter,
         weights: Sequence[float],
+        rows: RowGetter | None = None,
+        shapes: Mapping[str, Sequence[int]] | None = None,
     ) -> Tensors:
-        """``g`` over the ``len(weights)`` updates ``get(i, key)``, one tensor at a time."""
+        """``g`` over the ``len(weights)`` updates ``get(i, key)``, one tensor at a time; with
+        ``rows(i, key, start, stop)`` and ``shapes``, the per-coordinate statistics read blocks
+        of rows (:meth:`blocks`) and a rule of the mean adds the kept updates one at a time."""
         n = len(weights)
         if n == 0:
             raise ValueError("robust merge of no update")
         if self.name in _NEED_MEAN:
             out = {}
             for key in keys:
-                xs = [get(i, key) for i in range(n)]
-                dtype = xs[0].dtype
-                agg = (
-                    coordinate_median(xs)
-                    if self.name == "median"
-                    else trimmed_mean(xs, float(self.options["trim"]))
-                )
-                del xs
-                out[key] = _rule_of(rule, key, agg.to(dtype), opts)
+                parts = [self._statistic(xs) for xs in self.blocks(key, n, get, rows, shapes)]
+                agg = parts[0] if len(parts) == 1 else torch.cat(parts)
+                out[key] = _rule_of(rule, key, agg, opts)
             return out
         scale = [1.0] * n
         kept = list(range(n))
         if self.name in ("krum", "multikrum"):
             dist = torch.zeros(n, n, dtype=torch.float64)
             for key in keys:
-                dist += pairwise_sq_distances([get(i, key) for i in range(n)])
+                for xs in self.blocks(key, n, get, rows, shapes):
+                    dist += pairwise_sq_distances(xs)
             f, sel = self.krum_params(n)
             kept = sorted(krum_select(dist, f, sel))
             self.last_kept = kept
@@ -238,15 +246,78 @@ class RobustMerge:
         elif self.name == "distance-filter":
             sq = [0.0] * n
             for key in keys:
-                xs = [get(i, key) for i in range(n)]
-                med = coordinate_median(xs)
-                for i, x in enumerate(xs):
-                    sq[i] += float((x.double() - med.double()).pow(2).sum())
-                del xs, med
+                for xs in self.blocks(key, n, get, rows, shapes):
+                    med = coordinate_median(xs).double()
+                    for i, x in enumerate(xs):
+                        sq[i] += float((x.double() - med).pow(2).sum())
             kept = distance_keep([math.sqrt(s) for s in sq], float(self.options["factor"]))
             self.last_kept = kept
+        ws = [weights[i] for i in kept]
         out = {}
         for key in keys:
+            if rows is not None and getattr(rule, "streaming", False):
+                out[key] = _kept_mean(rule, key, opts, get, kept, ws, scale)
+                continue
             xs = [{key: get(i, key) * scale[i] if scale[i] != 1.0 else get(i, key)} for i in kept]
-            out[key] = merge(rule, xs, [weights[i] for i in kept], **opts)[key]
+            out[key] = merge(rule, xs, ws, **opts)[key]
         return out
+
+    def _statistic(self, xs: list[torch.Tensor]) -> torch.Tensor:
+        """median / trimmed mean of one block's copies, in their dtype."""
+        if self.name == "median":
+            return coordinate_median(xs).to(xs[0].dtype)
+        return trimmed_mean(xs, float(self.options["trim"])).to(xs[0].dtype)
+
+    def blocks(
+        self,
+        key: str,
+        n: int,
+        get: Getter,
+        rows: RowGetter | None,
+        shapes: Mapping[str, Sequence[int]] | None,
+    ) -> Iterator[list[torch.Tensor]]:
+        """The ``n`` copies of successive row blocks of tensor ``key``, each block's stack at
+        most :attr:`block_bytes` in fp32 (one row at least); the whole tensor without ``rows``.
+        Every statistic here is per coordinate (or, for distances, a sum over coordinates), so
+        the blocks give the whole tensor's values."""
+        shape = None if shapes is None else tuple(shapes[key])
+        if rows is None or not shape:
+            yield [get(i, key) for i in range(n)]
+            return
+        step = max(1, self.block_bytes // (4 * n * max(1, math.prod(shape[1:]))))
+        if step >= shape[0]:
+            yield [get(i, key) for i in range(n)]
+            return
+        for a in range(0, shape[0], step):
+            yield [rows(i, key, a, min(a + step, shape[0])) for i in range(n)]
+
+
+def _kept_mean(
+    rule: Any,
+    key: str,
+    opts: Mapping[str, Any],
+    get: Getter,
+    kept: Sequence[int],
+    ws: Sequence[float],
+    scale: Sequence[float],
+) -> torch.Tensor:
+    """``merge(rule, kept updates, ws)[key]`` for a rule of the mean, bit for bit, reading one
+    update at a time: ``merge`` forms ``sum_i w_i d_i`` left to right in the compute dtype (an
+    elementwise fold), then transforms it; here the fold reads each ``d_i`` when it is added."""
+    norm = normalised_weights(ws, len(ws))
+    dev = resolve_device(opts.get("device", "auto"))
+    acc, dtype = None, None
+    for i, w in zip(kept, norm, strict=True):
+        if w <= 0:
+            continue  # as in merge(): zero-weight updates take no part
+        x = get(i, key)
+        x = x * scale[i] if scale[i] != 1.0 else x
+        if acc is None:
+            dtype = x.dtype
+            cdt = torch.float64 if dtype == torch.float64 else torch.float32
+            acc = x.detach().to(device=dev, dtype=cdt) * w
+        else:
+            acc.add_(x.detach().to(device=dev, dtype=acc.dtype), alpha=w)
+        del x
+    assert acc is not None and dtype is not None  # normalised weights are not all zero
+    return _rule_of(rule, key, acc, opts).to(dtype)

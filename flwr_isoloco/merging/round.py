@@ -293,7 +293,13 @@ class RoundFold:
             store = self._store
             self.robust.last_kept = None
             g = self.robust.merge(
-                self.rule, self.opts, self.floats, lambda i, k: store.get(entries[i], k), ws
+                self.rule,
+                self.opts,
+                self.floats,
+                lambda i, k: store.get(entries[i], k),
+                ws,
+                rows=lambda i, k, a, b: store.rows(entries[i], k, a, b),
+                shapes={k: self.theta[k].shape for k in self.floats},
             )
             kept = self.robust.last_kept
             self.left_out = (
