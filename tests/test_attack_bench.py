@@ -118,7 +118,7 @@ def test_table_lists_every_seed_and_checks_the_goal_on_the_worst():
     assert "| signflip | 2 | diverged (diverged / -) |  |" in text
     goal = next(line for line in text.splitlines() if line.startswith("- goal with `multikrum`"))
     assert "honest <= 0.02: yes (worst +0.010" in goal
-    assert "f = 1 <= 0.05: **no** (worst +0.060, signflip seed 1; 2 runs, 1/4 attacks)" in goal
+    assert "f = 1 <= 0.05: **no** (worst +0.060, signflip seed 1; 2 runs, 1/5 attacks)" in goal
 
 
 def test_defence_variants_set_the_robust_options_and_sort_after_their_rule(tmp_path):
