@@ -24,7 +24,7 @@ with any rule.
 
 Memory: in a strategy round (a :class:`~.spill.SpillStore`) the per-coordinate statistics
 (median, trimmed mean, the filter's median, Krum's distances) read the ``M`` copies of one block
-of rows at a time (:attr:`RobustMerge.block_bytes`, 256 MiB in fp32), and a rule of the mean
+of rows at a time (:attr:`RobustMerge.block_bytes`, 64 MiB in fp32), and a rule of the mean
 adds the chosen updates one at a time, so the round costs ``O(largest tensor + block)``, not
 ``O(M x largest tensor)``; called with ``get`` alone (updates in memory) it reads whole tensors. Krum's ``M x M`` distances, norm-clip's norms and the filter's
 distances to the median are accumulated tensor by tensor in a first pass over the store; the
@@ -185,7 +185,7 @@ def _rule_of(rule: Any, key: str, agg: torch.Tensor, opts: Mapping[str, Any]) ->
 class RobustMerge:
     """``A`` of the module docstring for one strategy: ``merge(rule, opts, keys, get, ws)``."""
 
-    block_bytes = 256 * 2**20
+    block_bytes = 64 * 2**20
     """The most one row block's ``M`` copies take in fp32 (:meth:`blocks`); sorting and the
     fp64 distances need a few times that."""
 
