@@ -71,8 +71,11 @@ OPTIONS = {
     "f": "strategy.robust-f",
     "select": "strategy.robust-select",
     "factor": "strategy.robust-factor",
+    "ratio": "strategy.max-weight-ratio",
 }
-"""``rule:option=value`` (e.g. ``multikrum:select=7``) runs a rule with that ``robust_options``."""
+"""``rule:option=value`` (e.g. ``multikrum:select=7``) runs a rule with that ``robust_options``;
+``ratio`` sets the weight bound's ``max-weight-ratio`` (default 5; e.g. ``bound:ratio=1``)."""
+FLOAT_OPTIONS = ("trim", "factor", "ratio")
 STRATEGIES = ("isoloco", "diloco")
 SIZES = {  # rounds, local steps and model per grid; "test" is the cheap one of the unit test
     "full": {"num-server-rounds": 20, "train.local-steps": 10, "model.hidden": 64},
@@ -203,9 +206,9 @@ def parse_defence(defence: str) -> tuple[str, dict]:
     keys = {}
     for item in filter(None, opts.split(",")):
         k, _, v = item.partition("=")
-        if k not in OPTIONS or rule in ("none", "bound"):
+        if k not in OPTIONS or rule == "none" or (rule == "bound" and k != "ratio"):
             raise ValueError(f"unknown option {k!r} of defence {rule!r} (allowed: {list(OPTIONS)})")
-        keys[OPTIONS[k]] = float(v) if k == "trim" else int(v)
+        keys[OPTIONS[k]] = float(v) if k in FLOAT_OPTIONS else int(v)
     return rule, keys
 
 

@@ -131,7 +131,17 @@ def test_defence_variants_set_the_robust_options_and_sort_after_their_rule(tmp_p
         )["strategy.robust-trim"]
         == 0.125
     )
-    for bad in ("mean", "median:trim=0.1x", "bound:f=1", "krum:k=2"):
+    rc = attack_bench.run_config(
+        "diloco", "distance-filter:ratio=1,factor=3", 0, "test", tmp_path, tmp_path
+    )
+    assert rc["strategy.max-weight-ratio"] == 1.0 and rc["strategy.robust-factor"] == 3.0
+    assert (
+        attack_bench.run_config("diloco", "bound:ratio=1", 0, "test", tmp_path, tmp_path)[
+            "strategy.max-weight-ratio"
+        ]
+        == 1.0
+    )
+    for bad in ("mean", "median:trim=0.1x", "bound:f=1", "krum:k=2", "none:ratio=1"):
         with pytest.raises(ValueError):
             attack_bench.parse_defence(bad)
     got = attack_bench.defence_order(["norm-clip", "multikrum:select=7", "none", "multikrum"])
