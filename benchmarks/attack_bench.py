@@ -44,6 +44,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from flwr_isoloco.merging.robust import ROBUST_OPTIONS, ROBUST_RULES
+
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "simulations" / "isoloco_lm"))
 sys.path.insert(0, str(REPO / "tests"))
@@ -55,17 +57,8 @@ DOCS = {  # the docs whose attack table block is regenerated, and the grids each
 BEGIN, END = "<!-- BEGIN ATTACK TABLE -->", "<!-- END ATTACK TABLE -->"
 NODES = 8
 ATTACKS = ("signflip", "noise", "alie", "maxweight", "edge")
-EDGE_MARGIN = 0.9 * 2.0  # edge: 0.9 x distance-filter's default factor
-DEFENCES = (
-    "none",
-    "bound",
-    "median",
-    "trimmed-mean",
-    "krum",
-    "multikrum",
-    "norm-clip",
-    "distance-filter",
-)
+EDGE_MARGIN = 0.9 * ROBUST_OPTIONS["distance-filter"]["factor"]  # just inside its default radius
+DEFENCES = ("none", "bound", *ROBUST_RULES[1:])  # the weight bound alone, then each robust rule
 OPTIONS = {
     "trim": "strategy.robust-trim",
     "f": "strategy.robust-f",
