@@ -369,16 +369,20 @@ def table(records: list[dict], size: str) -> str:
     return "\n".join(lines)
 
 
+ISSUE_ATTACKS = ATTACKS[:4]  # the goal's attacks; edge (adapted to distance-filter) is ours
+
+
 def goal_lines(diffs: dict, defences: list[str], seeds: list[int]) -> list[str]:
     """Per defence with an honest run: the issue's goal (:data:`GOAL`) on the worst seed and
-    the worst attack, and how much of the grid that covers."""
+    the worst of the issue's attacks (:data:`ISSUE_ATTACKS`), how much of the grid that
+    covers, then the worst ``edge`` cell apart."""
     out = []
     for d in defences:
         if d == "none" or ("honest", 0, d) not in diffs:
             continue
         parts = []
         for f in (0, 1, 2):
-            keys = [("honest", 0, d)] if f == 0 else [(a, f, d) for a in ATTACKS]
+            keys = [("honest", 0, d)] if f == 0 else [(a, f, d) for a in ISSUE_ATTACKS]
             got = [(v, k[0], s) for k in keys if k in diffs for s, v in diffs[k].items()]
             if not got:
                 continue
@@ -387,10 +391,17 @@ def goal_lines(diffs: dict, defences: list[str], seeds: list[int]) -> list[str]:
             n_cells = len(got)
             what = "honest" if f == 0 else f"f = {f}"
             ok = "yes" if v <= GOAL[f] else "**no**"
-            cover = "" if f == 0 else f", {n_att}/{len(ATTACKS)} attacks"
+            cover = "" if f == 0 else f", {n_att}/{len(ISSUE_ATTACKS)} attacks"
             parts.append(
                 f"{what} <= {GOAL[f]}: {ok} (worst {_cell(v)}, {a} seed {s}; {n_cells} runs{cover})"
             )
+        edge = [
+            f"f = {f} {_cell(max(diffs['edge', f, d].values()))}"
+            for f in (1, 2)
+            if ("edge", f, d) in diffs
+        ]
+        if edge:
+            parts.append("edge (worst seed): " + ", ".join(edge))
         out.append(f"- goal with `{d}`: " + "; ".join(parts))
     return out
 

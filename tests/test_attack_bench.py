@@ -112,13 +112,16 @@ def test_table_lists_every_seed_and_checks_the_goal_on_the_worst():
     recs += [rec("honest", 0, "multikrum", s, 5.01 + s) for s in (0, 1)]
     recs += [rec("signflip", 1, "multikrum", 0, 5.02), rec("signflip", 1, "multikrum", 1, 6.06)]
     recs += [rec("signflip", 2, "none", 0, float("nan"))]
+    recs += [rec("edge", 1, "multikrum", 0, 5.5), rec("edge", 1, "multikrum", 1, 6.2)]
     text = attack_bench.table(recs, "headline")
     assert "| attack | f | none | multikrum |" in text  # only the defences run
     assert "| signflip | 1 |  | +0.040 ± 0.028 (+0.020 / +0.060) |" in text
     assert "| signflip | 2 | diverged (diverged / -) |  |" in text
     goal = next(line for line in text.splitlines() if line.startswith("- goal with `multikrum`"))
     assert "honest <= 0.02: yes (worst +0.010" in goal
-    assert "f = 1 <= 0.05: **no** (worst +0.060, signflip seed 1; 2 runs, 1/5 attacks)" in goal
+    # the goal counts the four attacks; edge is reported apart, worst seed
+    assert "f = 1 <= 0.05: **no** (worst +0.060, signflip seed 1; 2 runs, 1/4 attacks)" in goal
+    assert goal.endswith("; edge (worst seed): f = 1 +0.500"), goal
 
 
 def test_defence_variants_set_the_robust_options_and_sort_after_their_rule(tmp_path):
