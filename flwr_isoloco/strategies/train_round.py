@@ -152,8 +152,9 @@ class TrainRound:
         self._log_left_out(g is not None)
         if g is not None:
             extra["pseudo-grad-norm"] = tensor_norm(g)
-            if s.robust in ("krum", "multikrum", "distance-filter"):
-                extra["robust-kept"] = len(checked) - len(self.fold.left_out)
+            kept = getattr(self.fold.robust, "last_kept", None)  # the choosing rules set it
+            if kept is not None:
+                extra["robust-kept"] = len(kept)
             try:
                 s._outer_step(g)
                 new_arrays = s._model_record()
