@@ -11,7 +11,11 @@ honestly, then replaces its update ``d = theta - theta_i`` by:
 - ``alie`` ("a little is enough", Baruch et al. 2019): ``mu - z sigma`` (coordinate-wise mean
   and std of the honest updates), ``z = Phi^-1((n - s) / n)``, ``s = floor(n / 2 + 1) - f``
   (n = 8: z = 0 for f = 1, 0.319 for f = 2);
-- ``maxweight``: ``-d`` reported with ``num-examples = 1e12`` (the largest weight allowed).
+- ``maxweight``: ``-d`` reported with ``num-examples = 1e12`` (the largest weight allowed);
+- ``edge``: the attack adapted to ``distance-filter``: ``m - R mu / ||mu||`` with ``m`` the
+  honest updates' coordinate-wise median, ``mu`` their mean and ``R = 0.9 x 2 x`` the median
+  distance of the honest updates to ``m`` (just inside the filter's default radius), reported
+  with ``num-examples = 1e12``.
 
 Defences: ``none`` (weight bound off), ``bound`` (``max-weight-ratio`` 5, the default), and each
 robust rule on top of the bound. Per cell: the final validation loss and its difference with
@@ -40,6 +44,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from flwr_isoloco.merging.robust import ROBUST_OPTIONS, ROBUST_RULES
+
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "simulations" / "isoloco_lm"))
 sys.path.insert(0, str(REPO / "tests"))
@@ -50,14 +56,19 @@ DOCS = {  # the docs whose attack table block is regenerated, and the grids each
 }
 BEGIN, END = "<!-- BEGIN ATTACK TABLE -->", "<!-- END ATTACK TABLE -->"
 NODES = 8
-ATTACKS = ("signflip", "noise", "alie", "maxweight")
-DEFENCES = ("none", "bound", "median", "trimmed-mean", "krum", "multikrum", "norm-clip")
+ATTACKS = ("signflip", "noise", "alie", "maxweight", "edge")
+EDGE_MARGIN = 0.9 * ROBUST_OPTIONS["distance-filter"]["factor"]  # just inside its default radius
+DEFENCES = ("none", "bound", *ROBUST_RULES[1:])  # the weight bound alone, then each robust rule
 OPTIONS = {
     "trim": "strategy.robust-trim",
     "f": "strategy.robust-f",
     "select": "strategy.robust-select",
+    "factor": "strategy.robust-factor",
+    "ratio": "strategy.max-weight-ratio",
 }
-"""``rule:option=value`` (e.g. ``multikrum:select=7``) runs a rule with that ``robust_options``."""
+"""``rule:option=value`` (e.g. ``multikrum:select=7``) runs a rule with that ``robust_options``;
+``ratio`` sets the weight bound's ``max-weight-ratio`` (default 5; e.g. ``bound:ratio=1``)."""
+FLOAT_OPTIONS = ("trim", "factor", "ratio")
 STRATEGIES = ("isoloco", "diloco")
 SIZES = {  # rounds, local steps and model per grid; "test" is the cheap one of the unit test
     "full": {"num-server-rounds": 20, "train.local-steps": 10, "model.hidden": 64},
@@ -95,7 +106,24 @@ def attacked(kind: str, own, honest: list, f: int, seed: int):
             x = torch.stack([h[k].double() for h in honest])
             out[k] = (x.mean(0) - z * x.std(0, unbiased=False)).float()
         return out, None
+    if kind == "edge":
+        return edge(honest), 1e12
     raise ValueError(kind)
+
+
+def edge(honest: list) -> dict:
+    """``m - R mu / ||mu||`` (module docstring): the reverse of the honest mean's direction, at
+    distance ``R`` from the honest median."""
+    import torch
+
+    from flwr_isoloco.merging.robust import coordinate_median
+
+    med = {k: coordinate_median([h[k].double() for h in honest]) for k in honest[0]}
+    mu = {k: torch.stack([h[k].double() for h in honest]).mean(0) for k in honest[0]}
+    r = [math.sqrt(sum(float((h[k].double() - med[k]).pow(2).sum()) for k in med)) for h in honest]
+    nmu = math.sqrt(sum(float(v.pow(2).sum()) for v in mu.values()))
+    big_r = EDGE_MARGIN * statistics.median(r)
+    return {k: (med[k] - big_r * mu[k] / nmu).float() for k in med}
 
 
 def attack_grid(base, attack: str, f: int, seed: int):
@@ -171,9 +199,9 @@ def parse_defence(defence: str) -> tuple[str, dict]:
     keys = {}
     for item in filter(None, opts.split(",")):
         k, _, v = item.partition("=")
-        if k not in OPTIONS or rule in ("none", "bound"):
+        if k not in OPTIONS or rule == "none" or (rule == "bound" and k != "ratio"):
             raise ValueError(f"unknown option {k!r} of defence {rule!r} (allowed: {list(OPTIONS)})")
-        keys[OPTIONS[k]] = float(v) if k == "trim" else int(v)
+        keys[OPTIONS[k]] = float(v) if k in FLOAT_OPTIONS else int(v)
     return rule, keys
 
 
@@ -274,8 +302,15 @@ def run_cell(strategy, attack, f, defence, seed, size, cache: Path, extra=None) 
         "status": res["status"],
         "val_loss": [r["val-loss"] for r in res["rounds"]],
         "replies_used": [r["replies-used"] for r in res["rounds"]],
+        **_kept(res["rounds"]),
         "wall_s": round(time.perf_counter() - t0, 2),
     }
+
+
+def _kept(rounds: list[dict]) -> dict:
+    """``robust_kept``: per round, the updates a choosing rule merged (absent for the others)."""
+    kept = [r.get("robust-kept") for r in rounds]
+    return {"robust_kept": kept} if any(k is not None for k in kept) else {}
 
 
 def _key(r: dict) -> tuple:
@@ -334,16 +369,20 @@ def table(records: list[dict], size: str) -> str:
     return "\n".join(lines)
 
 
+ISSUE_ATTACKS = ATTACKS[:4]  # the goal's attacks; edge (adapted to distance-filter) is ours
+
+
 def goal_lines(diffs: dict, defences: list[str], seeds: list[int]) -> list[str]:
     """Per defence with an honest run: the issue's goal (:data:`GOAL`) on the worst seed and
-    the worst attack, and how much of the grid that covers."""
+    the worst of the issue's attacks (:data:`ISSUE_ATTACKS`), how much of the grid that
+    covers, then the worst ``edge`` cell apart."""
     out = []
     for d in defences:
         if d == "none" or ("honest", 0, d) not in diffs:
             continue
         parts = []
         for f in (0, 1, 2):
-            keys = [("honest", 0, d)] if f == 0 else [(a, f, d) for a in ATTACKS]
+            keys = [("honest", 0, d)] if f == 0 else [(a, f, d) for a in ISSUE_ATTACKS]
             got = [(v, k[0], s) for k in keys if k in diffs for s, v in diffs[k].items()]
             if not got:
                 continue
@@ -352,10 +391,17 @@ def goal_lines(diffs: dict, defences: list[str], seeds: list[int]) -> list[str]:
             n_cells = len(got)
             what = "honest" if f == 0 else f"f = {f}"
             ok = "yes" if v <= GOAL[f] else "**no**"
-            cover = "" if f == 0 else f", {n_att}/{len(ATTACKS)} attacks"
+            cover = "" if f == 0 else f", {n_att}/{len(ISSUE_ATTACKS)} attacks"
             parts.append(
                 f"{what} <= {GOAL[f]}: {ok} (worst {_cell(v)}, {a} seed {s}; {n_cells} runs{cover})"
             )
+        edge = [
+            f"f = {f} {_cell(max(diffs['edge', f, d].values()))}"
+            for f in (1, 2)
+            if ("edge", f, d) in diffs
+        ]
+        if edge:
+            parts.append("edge (worst seed): " + ", ".join(edge))
         out.append(f"- goal with `{d}`: " + "; ".join(parts))
     return out
 

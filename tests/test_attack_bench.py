@@ -30,6 +30,12 @@ def test_attacks_and_alie_z():
     alie = attack_bench.attacked("alie", own, honest, 2, 0)[0]["w"]
     want = torch.tensor([2.0, 0.0, 3.0]) - attack_bench.alie_z(8, 2) * torch.tensor([1.0, 0, 1])
     torch.testing.assert_close(alie, want)
+    three = honest + [{"w": torch.tensor([2.0, 3.0, 0.0])}]  # median (2, 0, 2), mean (2, 1, 2)
+    e, w = attack_bench.attacked("edge", own, three, 1, 0)
+    # distances to the median: 1, sqrt 5, sqrt 13 (median sqrt 5); R = 0.9 x 2 x sqrt 5
+    want = torch.tensor([2.0, 0, 2]) - 1.8 * math.sqrt(5) * torch.tensor([2.0, 1, 2]) / 3.0
+    torch.testing.assert_close(e["w"], want)
+    assert w == 1e12
 
 
 def test_attackers_see_every_honest_update_when_pulled_one_by_one():
@@ -106,13 +112,16 @@ def test_table_lists_every_seed_and_checks_the_goal_on_the_worst():
     recs += [rec("honest", 0, "multikrum", s, 5.01 + s) for s in (0, 1)]
     recs += [rec("signflip", 1, "multikrum", 0, 5.02), rec("signflip", 1, "multikrum", 1, 6.06)]
     recs += [rec("signflip", 2, "none", 0, float("nan"))]
+    recs += [rec("edge", 1, "multikrum", 0, 5.5), rec("edge", 1, "multikrum", 1, 6.2)]
     text = attack_bench.table(recs, "headline")
     assert "| attack | f | none | multikrum |" in text  # only the defences run
     assert "| signflip | 1 |  | +0.040 ± 0.028 (+0.020 / +0.060) |" in text
     assert "| signflip | 2 | diverged (diverged / -) |  |" in text
     goal = next(line for line in text.splitlines() if line.startswith("- goal with `multikrum`"))
     assert "honest <= 0.02: yes (worst +0.010" in goal
+    # the goal counts the four attacks; edge is reported apart, worst seed
     assert "f = 1 <= 0.05: **no** (worst +0.060, signflip seed 1; 2 runs, 1/4 attacks)" in goal
+    assert goal.endswith("; edge (worst seed): f = 1 +0.500"), goal
 
 
 def test_defence_variants_set_the_robust_options_and_sort_after_their_rule(tmp_path):
@@ -125,7 +134,17 @@ def test_defence_variants_set_the_robust_options_and_sort_after_their_rule(tmp_p
         )["strategy.robust-trim"]
         == 0.125
     )
-    for bad in ("mean", "median:trim=0.1x", "bound:f=1", "krum:k=2"):
+    rc = attack_bench.run_config(
+        "diloco", "distance-filter:ratio=1,factor=3", 0, "test", tmp_path, tmp_path
+    )
+    assert rc["strategy.max-weight-ratio"] == 1.0 and rc["strategy.robust-factor"] == 3.0
+    assert (
+        attack_bench.run_config("diloco", "bound:ratio=1", 0, "test", tmp_path, tmp_path)[
+            "strategy.max-weight-ratio"
+        ]
+        == 1.0
+    )
+    for bad in ("mean", "median:trim=0.1x", "bound:f=1", "krum:k=2", "none:ratio=1"):
         with pytest.raises(ValueError):
             attack_bench.parse_defence(bad)
     got = attack_bench.defence_order(["norm-clip", "multikrum:select=7", "none", "multikrum"])

@@ -19,6 +19,7 @@ from flwr_isoloco.merging.robust import (
     RobustMerge,
     clip_factors,
     coordinate_median,
+    distance_keep,
     krum_select,
     pairwise_sq_distances,
     resolve_robust,
@@ -86,6 +87,9 @@ def test_resolve_robust_refuses_bad_input():
         ("trimmed-mean", {"trim": 0.5}, r"trim must be in \[0, 0.5\)"),
         ("krum", {"f": -1}, "f must be an int >= 0"),
         ("multikrum", {"select": 0}, "select must be an int >= 1"),
+        ("distance-filter", {"factor": 0.9}, "factor must be a finite number >= 1"),
+        ("distance-filter", {"factor": float("inf")}, "factor must be a finite number >= 1"),
+        ("distance-filter", {"factor": True}, "factor must be a finite number >= 1"),
     ):
         with pytest.raises(ValueError, match=match):
             resolve_robust(name, opts, MERGE_RULES["mean"])
@@ -169,6 +173,80 @@ def test_round_fold_multikrum_and_norm_clip_weighted_mean(tmp_path):
         np.testing.assert_allclose(g[k].numpy(), want, rtol=1e-5, atol=1e-5)
 
 
+def test_round_fold_distance_filter_against_numpy(tmp_path):
+    ds, ws = _deltas(7, seed=8), [1.0, 2.0, 1.0, 3.0, 1.0, 1.0, 2.0]
+    ds[5] = {k: -10 * v for k, v in ds[5].items()}  # far from the median: left out
+    flat = np.stack([_flat(d) for d in ds])
+    r = np.linalg.norm(flat - np.median(flat, axis=0), axis=1)  # whole-update distances
+    for factor in (1.0, 2.0, 1e6):
+        kept = [i for i in range(7) if r[i] <= factor * np.median(r)]
+        g, robust = _fold("distance-filter", "mean", ds, ws, {"factor": factor}, tmp_path)
+        assert robust.last_kept == kept
+        assert (5 in kept) == (factor == 1e6) and len(kept) >= 4  # factor >= 1: half at least
+        for k in SHAPES:
+            want = sum(ws[i] * ds[i][k].double().numpy() for i in kept) / sum(ws[i] for i in kept)
+            np.testing.assert_allclose(g[k].numpy(), want, rtol=1e-5, atol=1e-5)
+    assert distance_keep([1.0, 1.0, 1.0, 9.0], 2.0) == [0, 1, 2]
+    assert distance_keep([0.0, 0.0, 0.0, 1e-9], 2.0) == [0, 1, 2]
+
+
+def test_distance_filter_keeps_alike_updates_and_equals_the_plain_merge(tmp_path):
+    g0 = torch.Generator().manual_seed(9)
+    base = {k: torch.randn(s, generator=g0) for k, s in SHAPES.items()}
+    ds = [
+        {k: v + 0.1 * torch.randn(v.shape, generator=g0) for k, v in base.items()} for _ in range(8)
+    ]
+    ws = [1.0] * 8
+    g, robust = _fold("distance-filter", "iso_c", ds, ws, tmp_path=tmp_path)
+    assert robust.last_kept == list(range(8))
+    rm = RoundMerge(MERGE_RULES["iso_c"], "iso_c", {})
+    theta = {k: torch.zeros(s) for k, s in SHAPES.items()}
+    plain = rm.merge(theta, [_Reply(i, d) for i, d in enumerate(ds)], [], lambda r: 1.0, 1)
+    for k in SHAPES:
+        torch.testing.assert_close(g[k], plain[k], rtol=1e-4, atol=1e-5)  # fp32 vs fp64 mean
+
+
+@pytest.mark.parametrize(
+    "name, rule, options",
+    [
+        ("median", "iso_c", None),
+        ("trimmed-mean", "mean", {"trim": 0.2}),
+        ("distance-filter", "iso_c", None),
+        ("multikrum", "iso_c", {"f": 1}),
+        ("norm-clip", "mean", None),
+    ],
+)
+def test_row_blocks_and_one_at_a_time_give_the_whole_tensor_result(
+    name, rule, options, tmp_path, monkeypatch
+):
+    """The spilled round reads blocks of 2 rows (w: 12 x 8, v: 5 x 7; b whole) and adds the kept
+    updates one at a time; the in-memory path stacks whole tensors: the same bits."""
+    ds, ws = _deltas(6, seed=11), [1.0, 2.0, 1.0, 3.0, 1.0, 1.0]
+    ds[3] = {k: -10 * v for k, v in ds[3].items()}
+    monkeypatch.setattr(RobustMerge, "block_bytes", 4 * 6 * 8 * 2)
+    seen = []
+    blocks = RobustMerge.blocks
+
+    def spy(self, key, n, get, rows, shapes):
+        for xs in blocks(self, key, n, get, rows, shapes):
+            seen.append((key, xs[0].shape[0] if xs[0].dim() else 0))
+            yield xs
+
+    monkeypatch.setattr(RobustMerge, "blocks", spy)
+    g, robust = _fold(name, rule, ds, ws, options, tmp_path)
+    if name != "norm-clip":
+        assert ("w", 2) in seen and ("b", 9) in seen and ("w", 12) not in seen, seen
+    whole = RobustMerge(*resolve_robust(name, options, MERGE_RULES[rule]))
+    rm = RoundMerge(MERGE_RULES[rule], rule, {}, robust=whole)
+    theta = {k: torch.zeros(s) for k, s in SHAPES.items()}
+    want = rm.merge(theta, [_Reply(i, d) for i, d in enumerate(ds)], [], lambda r: ws[r.node_id], 1)
+    assert robust.last_kept == whole.last_kept
+    if name in ("distance-filter", "multikrum"):
+        assert 3 not in robust.last_kept
+    for k in SHAPES:
+        torch.testing.assert_close(g[k], want[k], rtol=0, atol=0)
+
+
 # --------------------------------------------------------------------------- federation
 def _client(bad: int, scale: float):
     def train(msg: Message, ctx) -> Message:
@@ -188,8 +266,10 @@ def _client(bad: int, scale: float):
     return {"train": train, "evaluate": evaluate}
 
 
-@pytest.mark.parametrize("robust", ["median", "trimmed-mean", "krum", "multikrum", "norm-clip"])
-def test_diloco_one_attacker_is_contained(robust):
+@pytest.mark.parametrize(
+    "robust", ["median", "trimmed-mean", "krum", "multikrum", "norm-clip", "distance-filter"]
+)
+def test_diloco_one_attacker_is_contained(robust, caplog):
     n, bad = 5, 4
     grid = FakeGrid(_client(bad, 1.0), num_nodes=n)
     kw = dict(min_train_nodes=1, min_evaluate_nodes=1, min_available_nodes=1)
@@ -203,6 +283,10 @@ def test_diloco_one_attacker_is_contained(robust):
     # step within the largest honest one (norm-clip: clipped, weight 5, -> +0.0056), while the
     # plain mean moves theta by about +5.5
     assert abs(got) <= max(honest) + 1e-6, (robust, got)
+    if robust == "distance-filter":  # the left-out node is named, and the metric counts
+        assert res.train_metrics_clientapp[1]["robust-kept"] == n - 1
+        named = [r.getMessage() for r in caplog.records if "left out node" in r.getMessage()]
+        assert len(named) == 1 and "robust=distance-filter" in named[0], named
     plain = DiLoCo(**kw, outer_lr=1.0, outer_momentum=0.0)
     res = plain.start(
         grid=FakeGrid(_client(bad, 1.0), num_nodes=n),
@@ -224,3 +308,12 @@ def test_isoloco_run_config_keys():
         DiLoCo.from_run_config({"strategy.robust-trim": 0.6})
     with pytest.raises(ValueError, match="strategy.robust-select"):
         DiLoCo.from_run_config({"strategy.robust": "multikrum", "strategy.robust-select": 0})
+    s = DiLoCo.from_run_config({"strategy.robust": "distance-filter", "strategy.robust-factor": 3})
+    assert (s.robust, s.robust_options) == ("distance-filter", {"factor": 3})
+    assert DiLoCo.from_run_config({"strategy.robust": "distance-filter"}).robust_options == {
+        "factor": 2.0
+    }
+    with pytest.raises(ValueError, match="strategy.robust-factor"):
+        DiLoCo.from_run_config(
+            {"strategy.robust": "distance-filter", "strategy.robust-factor": 0.5}
+        )

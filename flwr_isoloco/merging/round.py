@@ -213,6 +213,7 @@ class RoundFold:
         self._store = SpillStore(spill_dir) if self.spills else None
         self._entry: dict[int, int] = {}  # id(reply) -> spill entry
         self.folded: list[Any] = []  # replies taken, in arrival order
+        self.left_out: list[Any] = []  # replies the robust rule did not choose (last merge)
 
     def __enter__(self) -> RoundFold:
         return self
@@ -290,8 +291,19 @@ class RoundFold:
         entries = [self._entry[id(r)] for r in replies]
         if self.robust is not None:
             store = self._store
+            self.robust.last_kept = None
             g = self.robust.merge(
-                self.rule, self.opts, self.floats, lambda i, k: store.get(entries[i], k), ws
+                self.rule,
+                self.opts,
+                self.floats,
+                lambda i, k: store.get(entries[i], k),
+                ws,
+                rows=lambda i, k, a, b: store.rows(entries[i], k, a, b),
+                shapes={k: self.theta[k].shape for k in self.floats},
+            )
+            kept = self.robust.last_kept
+            self.left_out = (
+                [] if kept is None else [r for i, r in enumerate(replies) if i not in kept]
             )
             return finite_or_raise(g)
         out: Tensors = {}

@@ -139,7 +139,9 @@ class DiLoCo(FromRunConfig, DiLoCoState, ResumableStrategy):
         Robust aggregation of the pseudo-gradients, replacing the mean before the rule (Iso-C)
         and the outer step (:mod:`flwr_isoloco.merging.robust`): ``"none"`` (default),
         ``"median"``, ``"trimmed-mean"`` (option ``trim``, default 0.25), ``"krum"`` (``f``),
-        ``"multikrum"`` (``f``, ``select``), ``"norm-clip"`` (to the round's median norm).
+        ``"multikrum"`` (``f``, ``select``), ``"norm-clip"`` (to the round's median norm),
+        ``"distance-filter"`` (``factor``, default 2: leaves out updates farther from the
+        coordinate-wise median than ``factor x`` the median such distance).
     """
 
     secagg: Any = None

@@ -90,11 +90,12 @@ DILOCO_RUN_CONFIG: dict[str, Any] = {
     "robust-trim": -1.0,
     "robust-f": -1,
     "robust-select": -1,
+    "robust-factor": -1.0,
 }
 """``quorum``: fraction of the sampled nodes in (0, 1] (1.0 = all) or a count >= 1; ``grace-s``:
 seconds to wait for the rest once the quorum is in (strategies/rounds.py). ``robust``: the
 robust aggregation (merging/robust.py); its options ``robust-trim`` / ``robust-f`` /
-``robust-select`` at -1 take the rule's default. ``dp-*``: central DP (strategies/privacy.py);
+``robust-select`` / ``robust-factor`` at -1 take the rule's default. ``dp-*``: central DP (strategies/privacy.py);
 0 for the noise multiplier, clipping norm or max epsilon = off; ``dp-adaptive-quantile`` 0 =
 fixed clipping norm, else adaptive clipping with ``dp-clip-lr`` and ``dp-clip-count-std``. ``merge-device``: where the
 server merge computes ("auto" | "cpu" | "cuda" | "cuda:<index>", merging/device.py)."""
@@ -144,6 +145,11 @@ def _default_or_positive(value: int) -> None:
         raise ValueError("must be >= 1, or -1 for the default")
 
 
+def _default_or_factor(value: float) -> None:
+    if value != -1 and not 1 <= value < math.inf:
+        raise ValueError("must be a finite number >= 1, or -1 for the default (2.0)")
+
+
 RUN_CONFIG_CHECKS: dict[str, Any] = {
     "merge": _rule_or_preset,
     "preset": choices(*ISOLOCO_PRESETS),
@@ -184,6 +190,7 @@ RUN_CONFIG_CHECKS: dict[str, Any] = {
     "robust-trim": _default_or_trim,
     "robust-f": _default_or_non_negative,
     "robust-select": _default_or_positive,
+    "robust-factor": _default_or_factor,
 }
 """Value checks per key (types come from the defaults); merge options are checked by the rule."""
 
@@ -272,10 +279,15 @@ def section_kwargs(c: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def robust_options(c: Mapping[str, Any]) -> dict[str, Any]:
-    """The chosen robust rule's options from ``robust-trim`` / ``robust-f`` / ``robust-select``
-    (-1: the rule's default; a key the rule does not take is ignored)."""
+    """The chosen robust rule's options from ``robust-trim`` / ``robust-f`` / ``robust-select`` /
+    ``robust-factor`` (-1: the rule's default; a key the rule does not take is ignored)."""
     allowed = ROBUST_OPTIONS[c["robust"]]
-    keys = {"trim": "robust-trim", "f": "robust-f", "select": "robust-select"}
+    keys = {
+        "trim": "robust-trim",
+        "f": "robust-f",
+        "select": "robust-select",
+        "factor": "robust-factor",
+    }
     return {o: c[k] for o, k in keys.items() if o in allowed and c[k] != -1}
 
 

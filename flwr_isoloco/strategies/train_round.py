@@ -149,8 +149,12 @@ class TrainRound:
             ),
         )
         new_arrays, extra = None, {}
+        self._log_left_out(g is not None)
         if g is not None:
             extra["pseudo-grad-norm"] = tensor_norm(g)
+            kept = getattr(self.fold.robust, "last_kept", None)  # the choosing rules set it
+            if kept is not None:
+                extra["robust-kept"] = len(kept)
             try:
                 s._outer_step(g)
                 new_arrays = s._model_record()
@@ -183,6 +187,18 @@ class TrainRound:
         if s._train_ledger.sent_any():
             s._guard.record(self.server_round, report.used, [why for _, why in report.reasons])
         return new_arrays, metric_record(metrics)
+
+    def _log_left_out(self, merged: bool) -> None:
+        """Name the nodes whose update the robust rule did not choose (they stay 'used': they
+        passed every check; the rule decided, as a median decides, what counts)."""
+        if merged and self.fold.left_out:
+            log(
+                WARNING,
+                "aggregate_train: round %d: robust=%s left out node(s) %s",
+                self.server_round,
+                self.s.robust,
+                ", ".join(str(r.node_id) for r in self.fold.left_out),
+            )
 
     def _client_metrics(self, checked: list[CheckedReply]) -> dict[str, Any]:
         s = self.s

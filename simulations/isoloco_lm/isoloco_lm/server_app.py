@@ -51,6 +51,7 @@ app = ServerApp()
 TRAIN_COLUMNS = ("train-loss", "aggregation-time-s", "pseudo-grad-norm", "bytes-up", "bytes-down")
 DP_COLUMNS = ("dp-epsilon", "dp-clipped-fraction")
 SECAGG_COLUMNS = ("secagg-bound", "secagg-clipped-entries", "secagg-time-s")
+ROBUST_COLUMNS = ("robust-kept",)  # krum, multikrum, distance-filter: updates merged
 REPLY_COLUMNS = ("replies-used", "replies-rejected", "replies-missing")
 # With a pretrained model: the workers' time and memory (token-weighted means over the nodes).
 HF_COLUMNS = ("worker-time-s", "worker-peak-rss-mb")
@@ -121,6 +122,7 @@ def build(cfg, nodes: list[int]) -> AppRun:
             **({"server-peak-rss-mb": peak_rss_mb()} if hf_model else {}),
             **{k: tm[k] for k in DP_COLUMNS if k in tm},  # central DP runs only
             **{k: tm[k] for k in SECAGG_COLUMNS if k in tm},  # strategy.secagg runs only
+            **{k: tm[k] for k in ROBUST_COLUMNS if k in tm},
         }
 
     def export(arrays: ArrayRecord, out: Path) -> Path:
