@@ -19,12 +19,12 @@ can recompute it), so the loader also refuses non-finite tensors and, given a ``
 ``spec`` (:class:`Field`), meta fields that are missing or of the wrong type or range.
 Files of format ``/1`` (no digest) are refused.
 
-Writing streams the file (:mod:`~flwr_isoloco.safetensors_stream`: the header, then each
-tensor's bytes from its own memory; the bytes ``safetensors.torch.save`` would return), so a
-save holds no copy of the model, to a temporary file ``.<name>.<random>.tmp`` in the same
-directory; that is fsynced, then ``os.replace``d over the target, so a crash leaves either the
-old or the new checkpoint, never a torn one; the next write to the same target removes such leftovers of earlier,
-interrupted writes (only names of exactly that pattern).
+Writing streams the file to a temporary file ``.<name>.<random>.tmp`` in the same directory
+(:mod:`~flwr_isoloco.safetensors_stream`: the header, then each tensor's bytes from its own
+memory, so a save holds no copy of the model; the bytes are those ``safetensors.torch.save``
+would return), fsyncs it, then ``os.replace``s it over the target, so a crash leaves either the
+old or the new checkpoint, never a torn one; the next write to the same target removes such
+leftovers of earlier, interrupted writes (only names of exactly that pattern).
 """
 
 from __future__ import annotations
