@@ -217,6 +217,7 @@ def main(argv: list[str] | None = None) -> None:
     if not args.table:
         res = {
             "label": args.label,
+            "command": " ".join(["benchmarks/server_stages.py", *(argv or sys.argv[1:])]),
             **run(args.nodes, args.rounds, args.cache_dir, args.threads, args.tiny),
         }
         data = json.loads(args.out.read_text()) if args.out.exists() else {"runs": []}

@@ -105,7 +105,8 @@ class AppRun:
         A :class:`~flwr_isoloco.strategies.lifecycle.ResumableStrategy` with ``state_dict``,
         ``load_state_dict(sd, **restore_kwargs)`` and ``completed_rounds``.
     initial_arrays
-        The model (or adapter) before training.
+        The model (or adapter) before training; None once handed to the strategy
+        (:meth:`take_initial_arrays`).
     evaluate
         ``evaluate(server_round, arrays) -> metrics | None``: the server-side evaluation
         (None: not this round).
@@ -126,7 +127,7 @@ class AppRun:
     """
 
     strategy: Any
-    initial_arrays: ArrayRecord
+    initial_arrays: ArrayRecord | None
     evaluate: Callable[[int, ArrayRecord], Mapping[str, Any] | None]
     row: Callable[[int, dict[str, Any], dict[str, Any]], dict[str, Any]]
     summary: Callable[[dict[str, Any]], str]
@@ -138,6 +139,14 @@ class AppRun:
     app_state: Callable[[], dict[str, Any]] = dict
     load_app_state: Callable[[dict[str, Any]], None] = lambda state: None
     app_state_spec: Mapping[str, Field] = field(default_factory=dict)
+
+    def take_initial_arrays(self) -> ArrayRecord:
+        """``initial_arrays``, handed over once: the strategy builds its own state from it, so
+        the run does not keep this copy of the model (or adapter) until it ends."""
+        if self.initial_arrays is None:
+            raise RuntimeError("initial_arrays were already handed to the strategy")
+        arrays, self.initial_arrays = self.initial_arrays, None
+        return arrays
 
 
 @dataclass
@@ -414,7 +423,7 @@ def _run(spec, grid, cfg, out, conf, resume, checkpoint, settle_s, holder) -> No
         try:
             result = run.strategy.start(
                 grid=grid,
-                initial_arrays=run.initial_arrays,
+                initial_arrays=run.take_initial_arrays(),  # not held by the runner
                 num_rounds=stop_at,  # global: the strategy runs rounds done + 1 .. stop_at
                 timeout=cfg["round-timeout"],
                 train_config=ConfigRecord(train_config),

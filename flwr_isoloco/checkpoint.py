@@ -19,10 +19,12 @@ can recompute it), so the loader also refuses non-finite tensors and, given a ``
 ``spec`` (:class:`Field`), meta fields that are missing or of the wrong type or range.
 Files of format ``/1`` (no digest) are refused.
 
-Writing goes to a temporary file ``.<name>.<random>.tmp`` in the same directory, is fsynced,
-then ``os.replace``d over the target, so a crash leaves either the old or the new checkpoint,
-never a torn one; the next write to the same target removes such leftovers of earlier,
-interrupted writes (only names of exactly that pattern).
+Writing streams the file to a temporary file ``.<name>.<random>.tmp`` in the same directory
+(:mod:`~flwr_isoloco.safetensors_stream`: the header, then each tensor's bytes from its own
+memory, so a save holds no copy of the model; the bytes are those ``safetensors.torch.save``
+would return), fsyncs it, then ``os.replace``s it over the target, so a crash leaves either the
+old or the new checkpoint, never a torn one; the next write to the same target removes such
+leftovers of earlier, interrupted writes (only names of exactly that pattern).
 """
 
 from __future__ import annotations
@@ -34,14 +36,13 @@ import os
 import random
 import re
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import numpy as np
 import torch
 from safetensors import safe_open
-from safetensors.torch import save as st_save
 
 from .checkpoint_spec import (
     CheckpointError,
@@ -51,6 +52,7 @@ from .checkpoint_spec import (
     checkpoint_error,
     restoring,
 )
+from .safetensors_stream import ordered, write_safetensors
 
 __all__ = [
     "CheckpointError",
@@ -60,6 +62,7 @@ __all__ = [
     "checkpoint_error",
     "restoring",
     "save_checkpoint",
+    "write_atomic",
     "write_bytes_atomic",
     "write_json_atomic",
     "load_checkpoint",
@@ -172,25 +175,22 @@ def save_checkpoint(
     path: str | os.PathLike, tensors: Mapping[str, Any], meta: Mapping[str, Any]
 ) -> Path:
     """Atomically write ``tensors`` (nested dict of tensors) and ``meta`` (JSON-able) to ``path``,
-    with the sha256 digest of every tensor and of the meta in the header."""
+    with the sha256 digest of every tensor and of the meta in the header.
+
+    The tensors are read twice (digests, then the bytes written) and not copied, so they must
+    not change during the call; tied weights are written once per key, as if cloned."""
     path = Path(path)
     flat, empty = flatten_tensors(tensors)
     try:
         meta_json = json.dumps(meta, allow_nan=True)
     except (TypeError, ValueError) as exc:
         raise CheckpointError(f"checkpoint meta is not JSON-serialisable: {exc}") from None
-    # safetensors refuses shared storage (tied weights) and non-contiguous views: copy those.
-    seen: set[tuple[int, int]] = set()
-    ready: dict[str, torch.Tensor] = {}
-    for key, t in flat.items():
-        t = t.detach().to("cpu")
-        ident = (t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
-        if ident in seen or not t.is_contiguous() or t.untyped_storage().nbytes() != t.nbytes:
-            t = t.clone().contiguous()
-        seen.add((t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()))
-        ready[key] = t
-    blob = st_save(ready, metadata=_header(ready, meta_json, json.dumps(empty)))
-    write_bytes_atomic(path, blob)
+    try:
+        header = _header(flat, meta_json, json.dumps(empty))
+        ordered(flat)  # every dtype storable: refuse before the temporary file exists
+    except ValueError as exc:
+        raise CheckpointError(f"checkpoint cannot be written: {exc}") from None
+    write_atomic(path, lambda fh: write_safetensors(fh, flat, header))
     return path
 
 
@@ -214,12 +214,21 @@ def _remove_leftovers(path: Path) -> None:
 
 
 def write_bytes_atomic(path: str | os.PathLike, data: bytes, mode: int | None = None) -> None:
-    """Write ``data`` to ``path`` so a reader sees the old or the new file, never a torn one.
+    """Write ``data`` to ``path`` so a reader sees the old or the new file, never a torn one
+    (:func:`write_atomic`)."""
+    write_atomic(path, lambda fh: fh.write(data), mode)
+
+
+def write_atomic(
+    path: str | os.PathLike, write: Callable[[BinaryIO], object], mode: int | None = None
+) -> None:
+    """Call ``write(fh)`` on a temporary file that then replaces ``path`` atomically.
 
     Removes earlier interrupted writes' temporary files for this target (see
-    :func:`_remove_leftovers`), then: temporary file in the same folder, fsync, ``os.replace``,
-    fsync the folder. The file mode is ``mkstemp``'s 0600 (checkpoints: owner only) unless
-    ``mode`` is given (results: ``0o644``).
+    :func:`_remove_leftovers`), then: temporary file in the same folder, ``write``, fsync,
+    ``os.replace``, fsync the folder. The file mode is ``mkstemp``'s 0600 (checkpoints: owner
+    only) unless ``mode`` is given (results: ``0o644``). If ``write`` raises, the temporary
+    file is removed and ``path`` is untouched.
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -229,7 +238,7 @@ def write_bytes_atomic(path: str | os.PathLike, data: bytes, mode: int | None = 
         if mode is not None:
             os.fchmod(fd, mode)
         with os.fdopen(fd, "wb") as fh:
-            fh.write(data)
+            write(fh)
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, path)

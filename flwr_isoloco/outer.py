@@ -157,14 +157,17 @@ class OuterSGD:
                 raise ValueError(f"key {name!r}: update_transform changed the shape or type")
         return {name: result[name].to(u.dtype) for name, u in updates.items()}
 
-    def state_dict(self) -> dict:
-        """Hyper-parameters, step count and momentum buffers (``{"momentum_buffer": {name: t}}``)."""
+    def state_dict(self, copy: bool = True) -> dict:
+        """Hyper-parameters, step count and momentum buffers (``{"momentum_buffer": {name: t}}``);
+        ``copy=False``: the buffers themselves (:meth:`step` replaces them, never changes them)."""
         return {
             "lr": self.lr,
             "momentum": self.momentum,
             "nesterov": self.nesterov,
             "steps": self.steps,
-            "momentum_buffer": {k: v.clone() for k, v in self.momentum_buffer.items()},
+            "momentum_buffer": {
+                k: v.clone() if copy else v for k, v in self.momentum_buffer.items()
+            },
         }
 
     def load_state_dict(self, state: Mapping) -> None:

@@ -22,12 +22,13 @@ __all__ = ["DiLoCoState", "log_summary"]
 
 
 def _split_state(tree: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Split a nested dict into (tensors only, everything else) with the same nesting."""
+    """Split a nested dict into (tensors only, everything else) with the same nesting; the
+    tensors are the same objects, not copies."""
     tensors: dict[str, Any] = {}
     meta: dict[str, Any] = {}
     for k, v in tree.items():
         if isinstance(v, torch.Tensor):
-            tensors[k] = v.detach().clone()
+            tensors[k] = v.detach()
         elif isinstance(v, Mapping):
             t, m = _split_state(v)
             if t or not m:
@@ -111,13 +112,18 @@ class DiLoCoState:
         Holds ``theta`` (fp32 master), model dtypes, the outer optimiser (buffers, steps, hyper
         parameters), ``server_round`` and the sampling RNG. Save with
         ``flwr_isoloco.checkpoint.save_checkpoint(path, sd["tensors"], sd["meta"])``.
+
+        The tensors are the strategy's own, not copies (at 135M a copy of ``theta`` and the
+        momentum is 1 GiB): each outer step replaces ``theta`` and the buffers with new tensors
+        and never changes them in place, so the dict stays this round's state after later
+        rounds; :meth:`load_state_dict` copies what it restores. Do not modify them in place.
         """
         if self.theta is None:
             raise ValueError("state_dict(): no global model yet (start() not called)")
-        outer_t, outer_m = _split_state(self.outer.state_dict())
+        outer_t, outer_m = _split_state(self.outer.state_dict(copy=False))
         version, internal, gauss = self._rng.getstate()
         return {
-            "tensors": {"theta": {k: v.clone() for k, v in self.theta.items()}, "outer": outer_t},
+            "tensors": {"theta": dict(self.theta), "outer": outer_t},
             "meta": {
                 "server_round": self.server_round,
                 "dtypes": {k: str(v).replace("torch.", "") for k, v in self._dtypes.items()},

@@ -182,6 +182,7 @@ class ResumableStrategy(Strategy):
         result = Result()
         t0 = time.time()
         self.prepare(grid, initial_arrays, timeout)
+        del initial_arrays  # the strategy holds its own state now: not a model copy per run
         done = self.completed_rounds
         if done >= num_rounds:
             log(INFO, "%s: all %d rounds already done", self.__class__.__name__, num_rounds)
