@@ -23,12 +23,12 @@ replaces the (weighted) mean that the rule (``mean``, Iso-C, ...) then transform
 with any rule.
 
 Memory: in a strategy round (a :class:`~.spill.SpillStore`) the per-coordinate statistics
-(median, trimmed mean, the filter's median, Krum's distances) read the ``M`` copies of one block
-of rows at a time (:attr:`RobustMerge.block_bytes`, 64 MiB in fp32), and a rule of the mean
-adds the chosen updates one at a time, so the round costs ``O(largest tensor + block)``, not
-``O(M x largest tensor)``; called with ``get`` alone (updates in memory) it reads whole tensors. Krum's ``M x M`` distances, norm-clip's norms and the filter's
-distances to the median are accumulated tensor by tensor in a first pass over the store; the
-merge is a second pass.
+(median, trimmed mean, the filter's median and distances, Krum's distances) read the ``M``
+copies of one block of rows at a time (:attr:`RobustMerge.block_bytes`, 64 MiB in fp32), and a
+rule of the mean adds the chosen updates one at a time, so the round costs
+``O(largest tensor + block)``, not ``O(M x largest tensor)``; called with ``get`` alone (updates
+in memory) it reads whole tensors. The choice (Krum's ``M x M`` distances, norm-clip's norms,
+the filter's distances) is a first pass over the store; the merge is a second pass.
 """
 
 from __future__ import annotations
