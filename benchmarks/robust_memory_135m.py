@@ -61,8 +61,7 @@ def one(store, entries, shapes, rule_name: str, blocks: bool) -> tuple[dict, flo
             shapes=shapes if blocks else None,
         )
 
-    g, s, peak = _measure(run)
-    return g, s, peak
+    return _measure(run)
 
 
 def main(argv: list[str] | None = None) -> None:
