@@ -11,7 +11,11 @@ Tuning, all at M = 8 and seed 0, chosen on the validation split:
   sqrt(2) apart centred on the issue-11 M = 8 optimum at its momentum (0.8 won there for both
   momentum methods), then one probe at momentum :data:`MOMENTUM_PROBE` at the best lr, and the
   grid grows by sqrt(2) while the optimum is on its edge (``lm_sweep.extension``). The grid runs
-  at the method's current inner lr (below), so it is rerun when that changes.
+  at the method's current inner lr (below), so it is rerun when that changes. Beyond
+  ``T =`` :data:`INNER_TUNE_HORIZON` (the longest horizon, whose runs cost the most) the grid
+  is narrower (:func:`initial_grid`): three lrs, the optimum of the next shorter T and one step
+  either side, extended the same way, so the optimum is still inside it; and the momentum probe
+  is left out where it lost at every shorter T (:func:`probe_lost_before`).
 - **inner lr** of the workers, once per method at ``T =`` :data:`INNER_TUNE_HORIZON`
   (``--tune-inner``): :data:`INNER_GRID` at the method's outer optimum found with the default
   inner lr, extended by a factor 2 while the optimum is on its edge. Used at every T.
@@ -57,6 +61,56 @@ def centre_out(method: str) -> list[float]:
     with ``--grid-points 1`` every method runs at the old optimum first (a first comparison)."""
     c = CENTRES[method]
     return sorted(GRIDS[method][0], key=lambda x: (abs(math.log(x / c)), x))
+
+
+def _ratio(method: str) -> float:
+    return INNER_RATIO if method == "dp-adamw" else OUTER_RATIO
+
+
+def _shorter(tuning: list[dict[str, Any]], method: str, horizon: int, quick: bool) -> list[int]:
+    """Shorter horizons with records of ``method``, longest first."""
+    recs = [r for r in tuning if r["method"] == method and r.get("horizon", horizon) < horizon]
+    found = {r["horizon"] for r in recs if grid_records(tuning, method, r["horizon"], quick)}
+    return sorted(found, reverse=True)
+
+
+def initial_grid(
+    tuning: list[dict[str, Any]], method: str, horizon: int, lr_in: float, quick: bool
+) -> list[float]:
+    """The first lrs to run at ``T = horizon``, centre first: :func:`centre_out` up to
+    ``T =`` :data:`INNER_TUNE_HORIZON`; beyond it, the optimum c of the next shorter T (at
+    ``lr_in``) and c / r, c * r (r = sqrt(2); dp-adamw: 2 on its peak lr)."""
+    prev = _shorter(tuning, method, horizon, quick) if horizon > inner_horizon(quick) else []
+    for t in prev[:1]:
+        recs = grid_records(tuning, method, t, quick)
+        if method == "dp-adamw":
+            best = _best(recs)
+            c = None if best is None else _inner(best)
+        else:
+            best = outer_optimum(tuning, method, t, lr_in, quick)
+            c = None if best is None else best["outer_lr"]
+        if c is not None:
+            r = _ratio(method)
+            return [c, _r3(c / r), _r3(c * r)]
+    return centre_out(method)
+
+
+def probe_lost_before(
+    tuning: list[dict[str, Any]], method: str, horizon: int, lr_in: float, quick: bool
+) -> bool:
+    """True when ``T = horizon`` is beyond :data:`INNER_TUNE_HORIZON` and at every shorter T
+    (at least one) the momentum probe at ``lr_in`` lost to that grid's best at the grid's
+    momentum; a shorter T without a probe makes this False."""
+    if horizon <= inner_horizon(quick):
+        return False
+    shorter = _shorter(tuning, method, horizon, quick)
+    for t in shorter:
+        recs = [r for r in grid_records(tuning, method, t, quick) if _inner(r) == lr_in]
+        probe = [r for r in recs if r["outer_momentum"] == MOMENTUM_PROBE]
+        base = _best([r for r in recs if r["outer_momentum"] != MOMENTUM_PROBE])
+        if not probe or base is None or _best(probe)["val_loss"] <= base["val_loss"]:
+            return False
+    return bool(shorter)
 
 
 def _inner(rec: dict[str, Any]) -> float:
@@ -216,11 +270,17 @@ def tune_outer(method: str, horizon: int, args, ensure_cell, load_records) -> No
         hp = _grid_hp(outer_lr, mu, lr_in, source)
         ensure_cell(method, TUNE_WORKERS, 0, hp, args, path, "horizon", horizon, grid=True)
 
-    points = centre_out(method)[: args.grid_points] if method in GRIDS else []
+    if method not in GRIDS:
+        print(f"[lm_sweep] {method}: outer values fixed, nothing to tune at T = {horizon}")
+        return
+    lr_in = inner_lr(load_records(path), method, horizon, quick)[0]
+    grid = initial_grid(load_records(path), method, horizon, lr_in, quick)
+    points = grid[: args.grid_points]
+    full = len(points) == len(grid)  # --grid-points N: only those, no extension
     if method == "dp-adamw":
         for lr in points:
             run(None, None, lr, "grid")
-        for _ in range(MAX_EXTENSIONS if len(points) == len(GRIDS[method][0]) else 0):
+        for _ in range(MAX_EXTENSIONS if full else 0):
             lr_best, _, side = inner_lr(load_records(path), method, horizon, quick)
             recs = grid_records(load_records(path), method, horizon, quick)
             new = next_inner_lr([_inner(r) for r in recs], lr_best) if side else None
@@ -228,15 +288,11 @@ def tune_outer(method: str, horizon: int, args, ensure_cell, load_records) -> No
                 break
             run(None, None, new, "grid-extension")
         return
-    if method not in GRIDS:
-        print(f"[lm_sweep] {method}: outer values fixed, nothing to tune at T = {horizon}")
-        return
-    lr_in = inner_lr(load_records(path), method, horizon, quick)[0]
     mu = GRIDS[method][1]
     for lr in points:
         run(lr, mu, lr_in, "grid")
-    probed = not mu
-    for _ in range(2 * MAX_EXTENSIONS + 1 if len(points) == len(GRIDS[method][0]) else 0):
+    probed = not mu or probe_lost_before(load_records(path), method, horizon, lr_in, quick)
+    for _ in range(2 * MAX_EXTENSIONS + 1 if full else 0):
         recs = grid_records(load_records(path), method, horizon, quick)
         recs = [r for r in recs if _inner(r) == lr_in]
         point = next_outer_point(recs)
