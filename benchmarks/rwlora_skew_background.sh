@@ -11,7 +11,8 @@
 # Every finished run is appended to benchmarks/results/rwlora_sweep.json and committed.
 #   nohup bash benchmarks/rwlora_skew_background.sh > /tmp/rw_skew.log 2>&1 &
 # FINALS=<variant> runs only that variant's finals (test split), in the order the claims need:
-# Dirichlet(0.5) on ring, complete, regular-3, then IID ring, seeds 0, 1, 2 each; NICE sets
+# Dirichlet(0.5) on ring, complete, regular-3, then IID ring, complete, regular-3, seeds 0, 1, 2
+# each (cells already recorded are skipped); NICE sets
 # the niceness (default 19):
 #   FINALS=k2 NICE=15 nohup bash benchmarks/rwlora_skew_background.sh > /tmp/rw_k2.log 2>&1 &
 set -uo pipefail
@@ -31,7 +32,8 @@ final() {  # final VARIANT GRAPH PARTITION SEED: one test-split cell of the swee
       && commit "$1, $2, $3, seed $4 (test split)"
 }
 if [ -n "${FINALS:-}" ]; then
-  for gp in "ring dirichlet-0.5" "complete dirichlet-0.5" "regular-3 dirichlet-0.5" "ring iid"; do
+  for gp in "ring dirichlet-0.5" "complete dirichlet-0.5" "regular-3 dirichlet-0.5" "ring iid" \
+      "complete iid" "regular-3 iid"; do
     for s in 0 1 2; do final "$FINALS" $gp $s; done
   done
   exit 0
