@@ -68,10 +68,11 @@ def _ratio(method: str) -> float:
 
 
 def _shorter(tuning: list[dict[str, Any]], method: str, horizon: int, quick: bool) -> list[int]:
-    """Shorter horizons with records of ``method``, longest first."""
-    recs = [r for r in tuning if r["method"] == method and r.get("horizon", horizon) < horizon]
-    found = {r["horizon"] for r in recs if grid_records(tuning, method, r["horizon"], quick)}
-    return sorted(found, reverse=True)
+    """Horizons shorter than ``horizon`` with :func:`grid_records` of ``method``, longest first."""
+    ts = {r["horizon"] for r in tuning if r["method"] == method and r.get("horizon") is not None}
+    return sorted(
+        (t for t in ts if t < horizon and grid_records(tuning, method, t, quick)), reverse=True
+    )
 
 
 def initial_grid(
@@ -81,18 +82,18 @@ def initial_grid(
     ``T =`` :data:`INNER_TUNE_HORIZON`; beyond it, the optimum c of the next shorter T (at
     ``lr_in``) and c / r, c * r (r = sqrt(2); dp-adamw: 2 on its peak lr)."""
     prev = _shorter(tuning, method, horizon, quick) if horizon > inner_horizon(quick) else []
-    for t in prev[:1]:
-        recs = grid_records(tuning, method, t, quick)
-        if method == "dp-adamw":
-            best = _best(recs)
-            c = None if best is None else _inner(best)
-        else:
-            best = outer_optimum(tuning, method, t, lr_in, quick)
-            c = None if best is None else best["outer_lr"]
-        if c is not None:
-            r = _ratio(method)
-            return [c, _r3(c / r), _r3(c * r)]
-    return centre_out(method)
+    if not prev:
+        return centre_out(method)
+    if method == "dp-adamw":
+        best = _best(grid_records(tuning, method, prev[0], quick))
+        c = _inner(best)  # prev[0] has grid records, so best is not None
+    else:
+        best = outer_optimum(tuning, method, prev[0], lr_in, quick)
+        c = None if best is None else best["outer_lr"]
+    if c is None:  # no grid at ``lr_in`` there yet
+        return centre_out(method)
+    r = _ratio(method)
+    return [c, _r3(c / r), _r3(c * r)]
 
 
 def probe_lost_before(
@@ -273,8 +274,9 @@ def tune_outer(method: str, horizon: int, args, ensure_cell, load_records) -> No
     if method not in GRIDS:
         print(f"[lm_sweep] {method}: outer values fixed, nothing to tune at T = {horizon}")
         return
-    lr_in = inner_lr(load_records(path), method, horizon, quick)[0]
-    grid = initial_grid(load_records(path), method, horizon, lr_in, quick)
+    tuning = load_records(path)
+    lr_in = inner_lr(tuning, method, horizon, quick)[0]
+    grid = initial_grid(tuning, method, horizon, lr_in, quick)
     points = grid[: args.grid_points]
     full = len(points) == len(grid)  # --grid-points N: only those, no extension
     if method == "dp-adamw":
