@@ -45,4 +45,5 @@ step --horizon 200 600 --workers 1 32 --seeds 0 1 --methods $ALL
 # 5. the longest horizon
 step --tune --horizon 1080 --methods dp-adamw isoloco diloco iso_c-sgd
 step --horizon 1080 --workers 8 --seeds 0 1 2 --methods $ALL
-step --horizon 1080 --workers 1 32 --seeds 0 1 --methods $ALL
+# seed-major at M = 1 / 32: one seed of every method at both M before the second seed
+for seed in 0 1; do step --horizon 1080 --workers 32 1 --seeds $seed --methods $ALL; done
