@@ -184,7 +184,7 @@ def cost_table(cells: list[dict], tuning: list[dict]) -> str:
 
 def plot_gap(cur: dict[tuple, dict], path: Path) -> None:
     """DiLoCo - IsoLoCo and IsoLoCo - DP-AdamW vs T per M (mean, sd bars); hollow markers:
-    fewer seeds than planned; pending (T, M) points listed under the axes."""
+    fewer seeds than planned; pending (T, M) points, if any, listed under the axes."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -193,7 +193,7 @@ def plot_gap(cur: dict[tuple, dict], path: Path) -> None:
     from flwr_isoloco.plotting import save_figure
 
     fig, ax = plt.subplots(figsize=(7.2, 4.4))
-    pending = []
+    pending, partial_any = [], False
     for (a, b, _), style in zip(PAIRS[:2], ("-", "--"), strict=True):
         for w, color in zip(WORKERS, ("C0", "C1", "C2"), strict=True):
             pts = []
@@ -216,18 +216,20 @@ def plot_gap(cur: dict[tuple, dict], path: Path) -> None:
                 label=f"{a} - {b}, M = {w}",
             )
             for t, y, _, partial in pts:
+                partial_any = partial_any or partial
                 ax.plot(t, y, "o", color=color, mfc="white" if partial else color)
     ax.axhline(0.0, color="grey", lw=0.8)
     ax.set_xticks(list(lib.HORIZONS))
     ax.set_xlabel("total inner steps T (H = 10: T / 10 outer steps)")
     ax.set_ylabel("test-loss difference (nats/token)")
-    ax.set_title("hollow: fewer seeds than planned", fontsize=8)
+    title = "paired by seed; bars: sd over seeds"
+    ax.set_title(title + ("; hollow: fewer seeds than planned" if partial_any else ""), fontsize=8)
     ax.grid(alpha=0.3)
     if ax.get_legend_handles_labels()[0]:
         ax.legend(fontsize=7)
-    note = "pending: " + "; ".join(pending) if pending else "no cell pending"
-    fig.text(0.01, 0.005, note[:400], fontsize=6, wrap=True)
-    fig.tight_layout(rect=(0, 0.08, 1, 1))
+    if pending:
+        fig.text(0.01, 0.005, ("pending: " + "; ".join(pending))[:400], fontsize=6, wrap=True)
+    fig.tight_layout(rect=(0, 0.08 if pending else 0, 1, 1))
     save_figure(fig, path)
     plt.close(fig)
 
