@@ -117,6 +117,7 @@ class OuterSGD:
             u = updates[name]
             theta = p.detach().to(u.dtype)
             out[name] = theta.sub(u, alpha=self.lr).to(p.dtype)
+        self._check_finite(out, new_buffers)
         self.momentum_buffer.update(new_buffers)
         self.steps += 1
         return out
@@ -145,6 +146,15 @@ class OuterSGD:
                 raise ValueError(f"key {name!r}: grad has non-finite values")
 
     @staticmethod
+    def _check_finite(out: Mapping[str, torch.Tensor], buffers: Mapping[str, torch.Tensor]) -> None:
+        """Refuse a step whose result overflowed (finite inputs, ``lr * u`` or ``mu * b`` beyond
+        the dtype's range): nothing has been committed yet, so raising changes nothing."""
+        for kind, tensors in (("new parameter", out), ("momentum buffer", buffers)):
+            for name, t in tensors.items():
+                if not all_finite(t):
+                    raise ValueError(f"key {name!r}: {kind} has non-finite values")
+
+    @staticmethod
     def _apply_transform(
         fn: UpdateTransform, updates: dict[str, torch.Tensor]
     ) -> dict[str, torch.Tensor]:
@@ -155,6 +165,8 @@ class OuterSGD:
             r = result[name]
             if not isinstance(r, torch.Tensor) or r.shape != u.shape:
                 raise ValueError(f"key {name!r}: update_transform changed the shape or type")
+            if not r.is_floating_point() or not all_finite(r):
+                raise ValueError(f"key {name!r}: update_transform returned non-finite values")
         return {name: result[name].to(u.dtype) for name, u in updates.items()}
 
     def state_dict(self, copy: bool = True) -> dict:

@@ -145,6 +145,32 @@ def test_bad_update_transform_output():
     assert opt.steps == 0
 
 
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_non_finite_transform_output_raises_and_changes_nothing(bad):
+    """The docstring's promise: a non-finite transform output raises, momentum and steps stay."""
+    opt = OuterSGD(lr=0.1, momentum=0.9, nesterov=True)
+    params = opt.step(_params(), _grads(0))
+    before = {k: v.clone() for k, v in opt.momentum_buffer.items()}
+
+    def poison(u):
+        return {k: torch.full_like(v, bad) for k, v in u.items()}
+
+    with pytest.raises(ValueError, match="non-finite"):
+        opt.step(params, _grads(1), update_transform=poison)
+    assert opt.steps == 1
+    for k in before:
+        assert torch.equal(before[k], opt.momentum_buffer[k])
+
+
+def test_overflowing_step_raises_and_changes_nothing():
+    """Finite inputs whose ``theta - lr * u`` overflows fp32: refused, state kept."""
+    opt = OuterSGD(lr=1e30, momentum=0.9)
+    params = {"w": torch.ones(3)}
+    with pytest.raises(ValueError, match="non-finite"):
+        opt.step(params, {"w": torch.full((3,), 1e20)})
+    assert opt.steps == 0 and opt.momentum_buffer == {}
+
+
 def test_load_state_dict_rejects_garbage():
     with pytest.raises(ValueError, match="missing"):
         OuterSGD(lr=0.1).load_state_dict({"lr": 0.1})
