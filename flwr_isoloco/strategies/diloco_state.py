@@ -3,9 +3,11 @@
 ``{"tensors": {"theta": fp32 master, "outer": momentum buffers}, "meta": JSON-able}``; meta
 holds ``server_round``, the model dtypes, the outer optimiser's scalars, the sampling RNG and
 the merge settings, which a resumed run must share (a checkpoint that disagrees is refused),
-and the divergence guard's reference loss (so a resumed run compares its first round with the
-last one before the checkpoint). :meth:`DiLoCoState.round_snapshot` is the lighter copy that
-``on_divergence="skip"`` restores: ``theta`` and the outer optimiser only.
+the divergence guard's reference loss (so a resumed run compares its first round with the
+last one before the checkpoint) and the empty-round streak (so ``max_empty_rounds`` counts
+across a resume). :meth:`DiLoCoState.round_snapshot` is the lighter copy that
+``on_divergence="skip"`` restores: ``theta``, the outer optimiser, and what the skipped round's
+replies moved (the weight bound's reference weight, the adaptive DP clipping norm).
 """
 
 from __future__ import annotations
@@ -105,6 +107,7 @@ class DiLoCoState:
     theta: dict[str, torch.Tensor] | None
     server_round: int
     divergence_guard: Any  # ResumableStrategy's
+    _guard: Any  # DiLoCo's EmptyRoundGuard
 
     def state_dict(self) -> dict[str, Any]:
         """``{"tensors": nested dict of tensors, "meta": JSON-able dict}`` (no pickle needed).
@@ -133,23 +136,37 @@ class DiLoCoState:
                 "merge_options": self.merge_options,
                 "orthogonalize": self.orthogonalize,
                 "divergence": self.divergence_guard.state(),
+                "empty_streak": self._guard.streak,
             },
         }
 
     def round_snapshot(self) -> dict[str, Any]:
-        """``theta`` and the outer optimiser (momentum buffers, step count), cloned: what
-        ``on_divergence="skip"`` puts back. Round counter, sampling RNG and guards go on."""
+        """What ``on_divergence="skip"`` puts back, cloned: ``theta``, the outer optimiser
+        (momentum buffers, step count), the weight bound's reference weight (the median weight
+        of the last used round: the skipped round's must not bound the next one) and the
+        adaptive DP clipping norm ``C`` (moved by the skipped round's update norms). Round
+        counter, sampling RNG, guards and the DP accountant go on: the round was sent and its
+        noisy sum released, so its privacy cost stays counted."""
         if self.theta is None:
             raise ValueError("round_snapshot(): no global model yet")
+        dp = getattr(self, "dp", None)
         return {
             "theta": {k: v.clone() for k, v in self.theta.items()},
             "outer": self.outer.state_dict(),
+            "weight_reference": getattr(self, "weight_reference", None),
+            "dp_clipping_norm": None if dp is None else dp.c,
         }
 
     def restore_round_snapshot(self, snapshot: Mapping[str, Any]) -> None:
-        """Put back :meth:`round_snapshot` (bitwise: the model and momentum from before)."""
+        """Put back :meth:`round_snapshot` (bitwise: the model, momentum, reference weight and
+        clipping norm from before the round)."""
         self.theta = dict(snapshot["theta"])
         self.outer.load_state_dict(snapshot["outer"])
+        if "weight_reference" in snapshot:
+            self.weight_reference = snapshot["weight_reference"]
+        dp = getattr(self, "dp", None)
+        if dp is not None and snapshot.get("dp_clipping_norm") is not None:
+            dp.c = snapshot["dp_clipping_norm"]
 
     @staticmethod
     def _state_spec() -> dict[str, Any]:
@@ -167,6 +184,7 @@ class DiLoCoState:
             "merge_options": Field("dict", optional=True),
             "orthogonalize": Field("str", optional=True),
             "divergence": Field("dict", optional=True, values=Field("float")),
+            "empty_streak": Field("int", min=0, optional=True),
         }
 
     def _check_settings(self, meta: Mapping[str, Any]) -> None:
@@ -262,3 +280,4 @@ class DiLoCoState:
         self._rng.setstate(rng.getstate())
         self.server_round = meta["server_round"]
         self.divergence_guard.load_state(meta.get("divergence", {}))
+        self._guard.streak = meta.get("empty_streak", 0)  # absent in older checkpoints

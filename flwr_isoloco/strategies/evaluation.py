@@ -1,8 +1,10 @@
 """Federated (client-side) evaluation, shared by the strategies.
 
 Each evaluation round sends the current model to ``k = max(floor(fraction * N), min_nodes)``
-of the ``N`` candidate nodes (capped at ``N``; drawn with the strategy's seeded generator, in
-node-id order, so a run repeats) and aggregates the replies' scalar metrics as
+of the ``N`` candidate nodes (capped at ``N``; drawn with the strategy's seeded generator from
+the candidates in the caller's order: the graph strategies give them in vertex order, so a
+resumed run, whose nodes have new ids, samples the same vertices; the generator's state is
+in the checkpoint, :meth:`FederatedEvaluation.rng_state`) and aggregates the replies' scalar metrics as
 
     m = sum_i w_i m_i / sum_i w_i,   w_i = num-examples_i
 
@@ -28,7 +30,14 @@ from .replies import ReplyValidator
 if TYPE_CHECKING:
     from .rounds import ReplyStream
 
-__all__ = ["FederatedEvaluation", "check_fraction", "check_count", "evaluation_round"]
+__all__ = [
+    "FederatedEvaluation",
+    "check_fraction",
+    "check_count",
+    "evaluation_round",
+    "rng_from_json",
+    "rng_to_json",
+]
 
 AggrFn = Callable[[list[RecordDict], str], MetricRecord]
 
@@ -46,6 +55,30 @@ def check_count(name: str, value: object, minimum: int = 0) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
         raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
     return value
+
+
+def rng_to_json(rng: random.Random) -> list:
+    """``rng``'s state as JSON: ``[version, [625 ints], gauss]`` (``random.getstate``)."""
+    version, internal, gauss = rng.getstate()
+    return [version, list(internal), gauss]
+
+
+def rng_from_json(value: object) -> random.Random:
+    """A generator in the state :func:`rng_to_json` wrote; ``ValueError`` for anything else
+    (a checkpoint is hostile input: ``random.setstate`` checks the length and the types)."""
+    if not isinstance(value, (list, tuple)) or len(value) != 3:
+        raise ValueError(f"not a generator state [version, state, gauss]: {str(value)[:60]}")
+    version, internal, gauss = value
+    if not isinstance(internal, (list, tuple)) or not all(
+        isinstance(x, int) and not isinstance(x, bool) for x in internal
+    ):
+        raise ValueError("generator state: the internal state must be a list of ints")
+    rng = random.Random()
+    try:
+        rng.setstate((version, tuple(internal), gauss))
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise ValueError(f"not a valid generator state ({exc})") from None
+    return rng
 
 
 class FederatedEvaluation:
@@ -85,10 +118,11 @@ class FederatedEvaluation:
     def configure(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, nodes: list[int]
     ) -> list[Message]:
-        """EVALUATE messages with ``arrays`` for a seeded sample of ``nodes``."""
+        """EVALUATE messages with ``arrays`` for a seeded sample of ``nodes``, drawn in the
+        order given (a deterministic one: the graph strategies' vertex order)."""
         if self.fraction == 0.0 or not nodes:
             return []
-        chosen = self._rng.sample(sorted(nodes), self.sample_size(len(nodes)))
+        chosen = self._rng.sample(list(nodes), self.sample_size(len(nodes)))
         config["server-round"] = server_round
         record = RecordDict({self.arrayrecord_key: arrays, self.configrecord_key: config})
         msgs = [
@@ -96,6 +130,14 @@ class FederatedEvaluation:
             for n in chosen
         ]
         return self.ledger.remember(msgs)
+
+    def rng_state(self) -> list:
+        """The sampling generator's state, JSON-able (:func:`rng_to_json`), for checkpoints."""
+        return rng_to_json(self._rng)
+
+    def load_rng_state(self, value: object) -> None:
+        """Restore :meth:`rng_state` (``ValueError`` on anything else; nothing set then)."""
+        self._rng = rng_from_json(value)
 
     def aggregate(self, replies: Iterable[Message]) -> MetricRecord | None:
         """Weighted mean of the valid replies' metrics (never raises on a bad reply)."""

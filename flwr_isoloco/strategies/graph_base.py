@@ -14,7 +14,7 @@ from flwr.common.logger import log
 from flwr.serverapp import Grid
 
 from ..graphs import build_graph, deferred_graph, vertex_list
-from .evaluation import FederatedEvaluation, check_count, evaluation_round
+from .evaluation import FederatedEvaluation, check_count, evaluation_round, rng_from_json
 from .guard import EmptyRoundGuard, NoProgressError
 from .lifecycle import ResumableStrategy, RoundOutcome
 from .nodes import wait_for_nodes
@@ -281,8 +281,9 @@ class GraphStrategy(ResumableStrategy):
         if self.fraction_evaluate == 0.0 or self.vmap is None:
             return []
         listed = set(grid.get_node_ids())
-        live = set(self.vertices)
-        nodes = sorted(n for v, n in self.vmap.node_of.items() if n in listed and v in live)
+        node_of = self.vmap.node_of
+        # vertex order, not node-id order: after a resume the nodes have new ids
+        nodes = [node_of[v] for v in self.vertices if node_of.get(v) in listed]
         record = self.current_arrays() if self.live_graph is not None else arrays
         return self.evaluation.configure(server_round, record, config, nodes)
 
@@ -417,8 +418,14 @@ class GraphStrategy(ResumableStrategy):
                 "bytes_relayed": count,
                 "bytes_p2p": count,
                 "empty_streak": Field("int", min=0, optional=True),
+                "eval_rng": Field("list", length=3, optional=True),
             },
         )
+        if "eval_rng" in meta:
+            try:
+                rng_from_json(meta["eval_rng"])
+            except ValueError as exc:
+                raise CheckpointError(f"field 'eval_rng': {exc}") from None
         for name, at in (("failures_by_vertex", 1), ("failure_log", 0)):
             for i, entry in enumerate(meta.get(name, [])):
                 key = f"{name}[{i}][{at}]"
@@ -440,7 +447,8 @@ class GraphStrategy(ResumableStrategy):
         """Subclasses check their tensors (and their own meta fields) here."""
 
     def _ledger_meta(self) -> dict[str, Any]:
-        """The hop ledger (failures, local updates, bytes) as JSON-able checkpoint meta."""
+        """The hop ledger (failures, local updates, bytes) and the evaluation sampler's
+        generator as JSON-able checkpoint meta."""
         return {
             "failures": self.failures,
             "failures_by_vertex": [[v, n] for v, n in self.failures_by_vertex.items()],
@@ -448,6 +456,7 @@ class GraphStrategy(ResumableStrategy):
             "local_updates": self.local_updates,
             "bytes_relayed": self.bytes_relayed,
             "bytes_p2p": self.bytes_p2p,
+            "eval_rng": self.evaluation.rng_state(),  # a resumed run samples the same nodes
         }
 
     def _load_ledger(self, meta: Mapping[str, Any]) -> None:
@@ -458,6 +467,8 @@ class GraphStrategy(ResumableStrategy):
         self.local_updates = int(meta["local_updates"])
         self.bytes_relayed = int(meta["bytes_relayed"])
         self.bytes_p2p = int(meta["bytes_p2p"])
+        if "eval_rng" in meta:  # absent in older checkpoints: the seed's generator goes on
+            self.evaluation.load_rng_state(meta["eval_rng"])
 
     def _preload_state(self, state: Mapping[str, Any]) -> None:
         pass
