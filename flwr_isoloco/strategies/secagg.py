@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
-from flwr.app import ArrayRecord, ConfigRecord, Context, Message, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.common import FitIns, FitRes, Parameters, ndarray_to_bytes, parameters_to_ndarrays
 from flwr.common.logger import log
 from flwr.server import LegacyContext, ServerConfig
@@ -57,7 +57,7 @@ from flwr_isoloco.secagg_mod import (
     WEIGHTING_KEY,
 )
 from flwr_isoloco.strategies.lifecycle import RoundOutcome
-from flwr_isoloco.strategies.metrics import metric_record, tensor_norm, weighted_mean_metrics
+from flwr_isoloco.strategies.metrics import metric_record, tensor_norm, train_client_metrics
 from flwr_isoloco.strategies.privacy import require_secagg
 from flwr_isoloco.strategies.replies import MAX_MERGEABLE_NORM, CheckedReply, ReplyReport
 
@@ -383,7 +383,9 @@ class SecAggRound(LegacyStrategy):
                     self.settings.clipping_range,
                 )
             weight = float(fitres.num_examples) if s.weighting == "examples" else 1.0
-            replies.append(CheckedReply(nid, weight, metrics, "delta", RecordDict()))
+            # what an app's train_metrics_aggr_fn reads, as in a plain round's reply
+            content = RecordDict({"metrics": MetricRecord({**metrics, s.weighted_by_key: weight})})
+            replies.append(CheckedReply(nid, weight, metrics, "delta", content))
         agg = self._aggregate(results[0][1].parameters) if results else None
         if isinstance(agg, str):
             problems.append((-1, f"the aggregate: {agg}"))
@@ -409,9 +411,15 @@ class SecAggRound(LegacyStrategy):
         s.dp.account(released=new_arrays is not None, sent=s._train_ledger.sent_any())
         report.used = len(replies)
         v.log_summary(report, self.round)
-        exclude = [s.weighted_by_key, CLIPPED_METRIC]
         metrics = {
-            **weighted_mean_metrics(replies, exclude=exclude),
+            # the plain round's epilogue; SecAgg+ merges with weights w_i (no further bound)
+            **train_client_metrics(
+                replies,
+                [r.weight for r in replies],
+                s.weighted_by_key,
+                s.train_metrics_aggr_fn,
+                exclude=[CLIPPED_METRIC],
+            ),
             **report.as_metrics(),
             **extra,
             **s.dp.metrics(),

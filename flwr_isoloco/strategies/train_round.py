@@ -30,7 +30,7 @@ from flwr.common.logger import log
 
 from flwr_isoloco.merging.round import RoundFold
 from flwr_isoloco.merging.weights import bounded_weights
-from flwr_isoloco.strategies.metrics import metric_record, tensor_norm, weighted_mean_metrics
+from flwr_isoloco.strategies.metrics import metric_record, tensor_norm, train_client_metrics
 from flwr_isoloco.strategies.replies import CheckedReply, Rejection, ReplyReport
 
 if TYPE_CHECKING:
@@ -201,10 +201,10 @@ class TrainRound:
             )
 
     def _client_metrics(self, checked: list[CheckedReply]) -> dict[str, Any]:
+        """:func:`~.metrics.train_client_metrics`, weighted by the bounded merge weights."""
         s = self.s
-        if s.train_metrics_aggr_fn is not None and checked:
-            return dict(s.train_metrics_aggr_fn([r.content for r in checked], s.weighted_by_key))
-        return weighted_mean_metrics(checked, exclude=[s.weighted_by_key])
+        weights = [self._w[id(r)] for r in checked]
+        return train_client_metrics(checked, weights, s.weighted_by_key, s.train_metrics_aggr_fn)
 
     def close(self) -> None:
         """Remove the spill directory (also when the round failed)."""
