@@ -177,3 +177,24 @@ def test_flat_layout_keeps_unstepped_parameters_fresh_and_refuses_bad_arrays():
         with pytest.raises(ValueError, match=match):
             flat_to_adamw(fresh, named, arrays)
         assert not fresh.state
+
+
+def test_flat_layout_pads_unstepped_parameters_on_their_device():
+    """A model off the CPU (here the ``meta`` device: no GPU needed) with one parameter that
+    never stepped: its zero moments are made on that device, so the flat arrays concatenate."""
+    with torch.device("meta"):
+        m = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+    named = list(m.named_parameters())
+    opt = torch.optim.AdamW([p for _, p in named])
+    p0 = named[0][1]
+    opt.state[p0] = {
+        "step": torch.tensor(1.0),
+        "exp_avg": torch.zeros_like(p0),
+        "exp_avg_sq": torch.zeros_like(p0),
+    }
+    flat = adamw_to_flat(opt, named)
+    total = sum(p.numel() for _, p in named)
+    for moment in MOMENTS:
+        assert flat[moment].device.type == "meta" and flat[moment].shape == (total,)
+        assert flat[moment].dtype == torch.float32
+    assert flat["step"].tolist() == [1.0, 0.0, 0.0, 0.0]

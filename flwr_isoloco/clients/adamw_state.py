@@ -122,7 +122,9 @@ def arrays_to_adamw(
 def adamw_to_flat(opt: torch.optim.Optimizer, named: Named) -> dict[str, torch.Tensor]:
     """The state of ``opt`` for ``named`` in the flat layout: ``exp_avg``, ``exp_avg_sq`` (fp32,
     length ``sum(p.numel())``, ``named`` order) and ``step`` (fp32, ``len(named)``). A parameter
-    without state has zero moments and step 0, which is what AdamW creates on its first step."""
+    without state has zero moments and step 0, which is what AdamW creates on its first step;
+    those zeros are made on the parameter's device (fp32, as every moment here), where AdamW
+    keeps the other parameters' moments, so the concatenation works on any device."""
     if not named:
         return {}
     steps = torch.zeros(len(named), dtype=torch.float32)
@@ -134,7 +136,9 @@ def adamw_to_flat(opt: torch.optim.Optimizer, named: Named) -> dict[str, torch.T
         for m in MOMENTS:
             t = st.get(m)
             parts[m].append(
-                torch.zeros(p.numel()) if t is None else t.detach().reshape(-1).to(torch.float32)
+                torch.zeros(p.numel(), device=p.device, dtype=torch.float32)
+                if t is None
+                else t.detach().reshape(-1).to(torch.float32)
             )
     return {**{m: torch.cat(parts[m]) for m in MOMENTS}, "step": steps}
 
