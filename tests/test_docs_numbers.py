@@ -181,14 +181,14 @@ def parse_tables(path: Path) -> list[Table]:
             generated = False
         if (
             not fence
-            and line.startswith("|")
+            and line.lstrip().startswith("|")
             and i + 1 < len(lines)
-            and re.match(r"^\|\s*:?-{2,}", lines[i + 1])
-        ):
+            and re.match(r"^\s*\|\s*:?-{2,}", lines[i + 1])
+        ):  # a table, also one indented inside a list item
             start = i
             rows = []
             i += 2
-            while i < len(lines) and lines[i].startswith("|"):
+            while i < len(lines) and lines[i].lstrip().startswith("|"):
                 rows.append(_cells(lines[i]))
                 i += 1
             above = [h for h in heads if h < start]
