@@ -55,6 +55,7 @@ from flwr_isoloco.checkpoint import (
 )
 from flwr_isoloco.clients.node_state import RESUME_DIR_KEY, RESUME_ROUND_KEY, STATE_DIR_KEY
 from flwr_isoloco.runconfig import RunConfigError, check_resumable, prepare_output_dir
+from flwr_isoloco.strategies.dp_journal import attach_dp_journal
 from flwr_isoloco.strategies.guard import NoProgressError
 from flwr_isoloco.strategies.nodes import wait_for_nodes
 
@@ -395,6 +396,7 @@ def _run(spec, grid, cfg, out, conf, resume, checkpoint, settle_s, holder) -> No
     if cfg.get("rounds-this-run"):
         stop_at = min(stop_at, done + cfg["rounds-this-run"])
     run = spec.build(cfg, _nodes(spec, cfg, grid, settle_s, stop_at > done))
+    attach_dp_journal(run.strategy, out, resume)  # DP releases, before restore charges them
     if meta is not None:
         try:
             restore(run, resume, tensors, meta)

@@ -120,9 +120,11 @@ def test_resume_continues_epsilon_and_the_noise(tmp_path):
     kw = dict(**QUIET, dp_noise_multiplier=0.9, dp_clipping_norm=0.03, seed=3)
     first = DiLoCo(**kw)
     assert first.dp.noise_key != DiLoCo(**kw).dp.noise_key  # drawn from the OS, per strategy
+    first.dp.attach_journal(tmp_path / "dp-journal.json")
     start_run(first, 3, 2)
     tensors, meta = through_checkpoint(first, tmp_path)
     second = DiLoCo(**kw)
+    second.dp.attach_journal(tmp_path / "dp-journal.json")
     second.load_state_dict({"tensors": tensors, "meta": meta})
     assert second.dp.noise_key == first.dp.noise_key
     assert second.dp.epsilon() == pytest.approx(first.dp.epsilon())
@@ -140,11 +142,29 @@ def test_resume_continues_epsilon_and_the_noise(tmp_path):
         torch.testing.assert_close(a[k], b[k], rtol=0, atol=0)
 
 
-def test_checkpoint_dp_state_is_checked():
+def test_checkpoint_dp_state_is_checked(tmp_path):
     kw = dict(**QUIET, dp_noise_multiplier=0.9, dp_clipping_norm=0.03)
     s = DiLoCo(**kw)
+    journal = tmp_path / "dp-journal.json"
+    s.dp.attach_journal(journal)
     start_run(s, 2, 1)
     sd = s.state_dict()
+    with pytest.raises(CheckpointError, match="needs its DP journal"):
+        DiLoCo(**kw).load_state_dict(sd)  # no journal attached
+    other = DiLoCo(**kw)
+    other.dp.attach_journal(tmp_path / "elsewhere.json")
+    with pytest.raises(CheckpointError, match="needs its DP journal .none at"):
+        other.load_state_dict(sd)
+    other = DiLoCo(**kw)
+    start_run(other, 2, 1)  # another run's journal in the file
+    other.dp.attach_journal(tmp_path / "theirs.json").record(other.dp.run_id, 1, 0)
+    other = DiLoCo(**kw)
+    other.dp.attach_journal(tmp_path / "theirs.json")
+    with pytest.raises(CheckpointError, match="another run's"):
+        other.load_state_dict(sd)
+    no_run = {**sd["meta"], "dp": {k: v for k, v in sd["meta"]["dp"].items() if k != "run"}}
+    with pytest.raises(CheckpointError, match="predates the DP journal"):
+        DiLoCo(**kw).load_state_dict({"tensors": sd["tensors"], "meta": no_run})
     no_dp = {"tensors": sd["tensors"], "meta": {k: v for k, v in sd["meta"].items() if k != "dp"}}
     with pytest.raises(CheckpointError, match="not accounted"):
         DiLoCo(**kw).load_state_dict(no_dp)
@@ -161,6 +181,7 @@ def test_checkpoint_dp_state_is_checked():
     with pytest.raises(CheckpointError, match="noise_key"):
         DiLoCo(**kw).load_state_dict({"tensors": sd["tensors"], "meta": no_key})
     target = DiLoCo(**kw)
+    target.dp.attach_journal(journal)
     with pytest.raises(CheckpointError, match="more than the 1 rounds"):
         target.load_state_dict({"tensors": sd["tensors"], "meta": many})
     assert target.theta is None and target.dp.accountant.num_releases == 0  # nothing set
@@ -242,6 +263,8 @@ def test_secagg_compatibility_names_every_option_that_needs_single_replies():
 def test_central_dp_refuses_a_robust_rule_whose_round_skips_the_noise(robust):
     from flwr_isoloco.strategies import DiLoCo
 
-    with pytest.raises(ValueError, match="central DP refuses robust"):
+    with pytest.raises(
+        ValueError, match="central DP .dp_clipping_norm=1. refuses robust=.*robust=.none."
+    ):
         DiLoCo(dp_clipping_norm=1.0, dp_noise_multiplier=1.0, robust=robust)
     DiLoCo(dp_clipping_norm=1.0, dp_noise_multiplier=1.0, dp_mode="local", robust=robust)

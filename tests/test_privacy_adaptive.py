@@ -90,10 +90,12 @@ def test_adaptive_clipping_epsilon_and_noise_per_round():
 def test_adaptive_clipping_resume_keeps_the_clipping_norm_bitwise(tmp_path):
     kw = _adaptive(0.9, 0.03, 0.5, 1.0, seed=3)
     first = DiLoCo(**kw)
+    first.dp.attach_journal(tmp_path / "dp-journal.json")
     start_run(first, 3, 2)
     assert first.dp.c != 0.03
     tensors, meta = through_checkpoint(first, tmp_path)
     second = DiLoCo(**kw)
+    second.dp.attach_journal(tmp_path / "dp-journal.json")
     second.load_state_dict({"tensors": tensors, "meta": meta})
     assert second.dp.c == first.dp.c  # bit for bit through the checkpoint's JSON
     rest = start_run(second, 3, 4)
@@ -109,11 +111,15 @@ def test_adaptive_clipping_resume_keeps_the_clipping_norm_bitwise(tmp_path):
     dp = meta["dp"]
     for bad in (None, -1.0, float("nan"), "0.1"):
         forged = {**meta, "dp": {**dp, "clipping_norm": bad}}
+        target = DiLoCo(**kw)
+        target.dp.attach_journal(tmp_path / "dp-journal.json")
         with pytest.raises(CheckpointError, match="clipping_norm"):
-            DiLoCo(**kw).load_state_dict({"tensors": tensors, "meta": forged})
+            target.load_state_dict({"tensors": tensors, "meta": forged})
     fixed = {k: v for k, v in kw.items() if k not in ("dp_adaptive_quantile", "dp_clip_count_std")}
+    target = DiLoCo(**fixed)
+    target.dp.attach_journal(tmp_path / "dp-journal.json")
     with pytest.raises(CheckpointError, match="adaptive clipping norm"):
-        DiLoCo(**fixed).load_state_dict({"tensors": tensors, "meta": meta})
+        target.load_state_dict({"tensors": tensors, "meta": meta})
 
 
 def test_bad_adaptive_clipping_arguments_are_refused():

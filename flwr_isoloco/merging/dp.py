@@ -13,8 +13,11 @@ Adding or removing one site changes the sum by at most ``C`` in L2 norm, so this
 Gaussian mechanism of noise multiplier ``z`` on a sensitivity-``C`` query; whatever is computed
 from ``g`` afterwards (Iso-C, outer momentum, the model) is post-processing.
 
-Noise is a function of ``(seed, round, tensor index)`` only (:func:`noise_like`), so a round
-merged again (a failed merge retried on fewer replies) or a resumed run draws the same noise.
+Noise is a function of ``(seed, round, tensor index, attempt)`` only (:func:`noise_like`): a
+round merged again in one process (a failed merge retried on fewer replies) draws the same
+noise, and ``attempt`` (how many releases of that round the DP journal already holds,
+:mod:`flwr_isoloco.strategies.dp_journal`) makes a round redone after a crash draw new noise, so
+two different sums are never released under one noise.
 
 :func:`privatize` is the local (client-side) variant: one site clips and noises its own delta.
 """
@@ -59,10 +62,14 @@ def clip_to_norm(delta: Mapping[str, torch.Tensor], c: float) -> tuple[Tensors, 
 
 
 def noise_like(
-    t: torch.Tensor, std: float, seed: int, server_round: int, index: int
+    t: torch.Tensor, std: float, seed: int, server_round: int, index: int, attempt: int = 0
 ) -> torch.Tensor:
-    """``N(0, std^2)`` of ``t``'s shape in fp64, drawn from ``(seed, server_round, index)``."""
-    state = np.random.SeedSequence([int(seed) & (2**63 - 1), int(server_round), int(index)])
+    """``N(0, std^2)`` of ``t``'s shape in fp64, drawn from ``(seed, server_round, index)`` and,
+    for ``attempt > 0`` (a round redone after a release), ``attempt`` too."""
+    entropy = [int(seed) & (2**63 - 1), int(server_round), int(index)]
+    if attempt:
+        entropy.append(int(attempt))
+    state = np.random.SeedSequence(entropy)
     gen = torch.Generator().manual_seed(int(state.generate_state(1, np.uint64)[0] >> 1))
     return torch.randn(t.shape, generator=gen, dtype=torch.float64).mul_(std)
 
@@ -71,7 +78,8 @@ class GaussianSum:
     """One round's mechanism: :meth:`clip` each delta, :meth:`release` each mean tensor.
 
     ``denominator`` is ``k``, the number of sites sampled this round. ``keys`` fixes the tensor
-    order that indexes the noise (the model's float entries, in model order).
+    order that indexes the noise (the model's float entries, in model order); ``attempt``
+    keys the noise of a round redone after a crash (module docstring).
     """
 
     def __init__(
@@ -82,6 +90,7 @@ class GaussianSum:
         keys: Sequence[str],
         seed: int,
         server_round: int,
+        attempt: int = 0,
     ) -> None:
         if not (clipping_norm > 0 and math.isfinite(clipping_norm)):
             raise ValueError(f"clipping norm must be > 0 and finite, got {clipping_norm!r}")
@@ -91,7 +100,7 @@ class GaussianSum:
             raise ValueError(f"denominator must be >= 1, got {denominator!r}")
         self.c, self.z, self.k = float(clipping_norm), float(noise_multiplier), int(denominator)
         self.index = {key: i for i, key in enumerate(keys)}
-        self.seed, self.server_round = seed, server_round
+        self.seed, self.server_round, self.attempt = seed, server_round, int(attempt)
         self.clipped = 0  # deltas scaled down this round
         self.norms: list[float] = []
 
@@ -99,6 +108,14 @@ class GaussianSum:
     def std_of_mean(self) -> float:
         """Per-entry noise std of the released mean: ``z C / k``."""
         return self.z * self.c / self.k
+
+    @property
+    def centred_count(self) -> float:
+        """``sum_i (1[||delta_i|| <= C] - 1/2)`` over the deltas clipped this round: a site
+        with no delta in it (missing, rejected, or removed from the data) adds 0, any other
+        +-1/2, so adding or removing one site moves it by at most 1/2 (Andrew et al. 2021)."""
+        n = len(self.norms)
+        return (n - self.clipped) - n / 2
 
     def clip(self, delta: Mapping[str, torch.Tensor]) -> Tensors:
         """``c_i`` (module docstring); counts the deltas that were scaled down."""
@@ -114,9 +131,8 @@ class GaussianSum:
         their sum)."""
         total = mean.double() * used
         if self.z > 0:
-            total += noise_like(
-                mean, self.z * self.c, self.seed, self.server_round, self.index[key]
-            )
+            std, i = self.z * self.c, self.index[key]
+            total += noise_like(mean, std, self.seed, self.server_round, i, self.attempt)
         return total.div_(self.k).to(mean.dtype)
 
 

@@ -13,28 +13,32 @@ each site's epsilon uses multiplier ``z / 2``, the replace-one sensitivity ``2 C
 
 Adaptive clipping (``dp_adaptive_quantile``, Andrew et al. 2021, "Differentially private
 learning with adaptive clipping"): after round ``t`` the server, which clipped every update
-itself, releases the noised fraction of sampled sites whose update was *not* clipped,
-``b = (sum_i 1[||delta_i|| <= C_t] + N(0, sigma_b^2)) / k`` (a missing or rejected site is a
-zero update: bit 1), and sets ``C_{t+1} = C_t exp(-eta (b - gamma))``. The two Gaussian
-releases of a round compose to one of multiplier ``z`` when the update sum is noised with
-``z_delta = (z^-2 - (2 sigma_b)^-2)^(-1/2)`` (the centred bits have sensitivity 1/2; Flower's
+itself, releases the noised *centred* count of the updates it clipped,
+``s = sum_{i folded} (1[||delta_i|| <= C_t] - 1/2) + N(0, sigma_b^2)`` (a missing, rejected or
+removed site adds 0, any other +-1/2: sensitivity 1/2), estimates the unclipped fraction as
+``b = s / k + 1/2`` with ``k`` the sites sampled (public, fixed before any reply: adding ``k/2``
+is post-processing) and sets ``C_{t+1} = C_t exp(-eta (b - gamma))``. The two Gaussian releases
+of a round (sensitivity ``C_t``, std ``z_delta C_t``; sensitivity 1/2, std ``sigma_b``)
+compose to one of multiplier ``z`` when ``z_delta = (z^-2 - (2 sigma_b)^-2)^(-1/2)`` (Flower's
 ``compute_adaptive_noise_params``), so the accountant still composes one ``z`` per round.
-https://github.com/flwr-isoloco/flwr-isoloco/blob/main/docs/privacy.md has the relation,
-the assumptions and what is not covered (client metrics, evaluation, reply counts).
+Every release is journaled before it leaves the server and its noise keyed by the attempt
+(:mod:`~flwr_isoloco.strategies.dp_journal`): a round redone after a crash never reuses
+released noise, and the release the checkpoint missed is charged on resume.
+https://github.com/flwr-isoloco/flwr-isoloco/blob/main/docs/privacy.md has the derivation,
+the relation, the assumptions and what is not covered (client metrics, evaluation, counts).
 """
 
 from __future__ import annotations
 
 import math
 import secrets
-from logging import INFO
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
-from flwr.common.logger import log
 from flwr.serverapp.exception import PrivacyBudgetExhausted  # Flower's own (its DP wrappers')
 
 from flwr_isoloco.merging.dp import CLIP_KEY, NOISE_KEY, GaussianSum
+from flwr_isoloco.strategies.dp_journal import DPJournal, charge_unsaved
 
 __all__ = [
     "DEFAULT_DP_DELTA",
@@ -104,11 +108,23 @@ def noise_for_epsilon(epsilon: float, rounds: int, delta: float, tol: float = 1e
 
 def update_noise_multiplier(z: float, count_std: float) -> float:
     """``z_delta`` for the update sum so that it and the count noise ``count_std`` compose to
-    multiplier ``z`` (Flower's ``compute_adaptive_noise_params``, which checks
-    ``z < 2 count_std``)."""
+    multiplier ``z``: RDP of Gaussians adds, ``(sens/std)^2`` per mechanism, so with the sum's
+    ``(1 / z_delta)^2`` and the centred count's ``(1/2 / count_std)^2``,
+    ``z^-2 = z_delta^-2 + (2 count_std)^-2`` (Flower's ``compute_adaptive_noise_params``,
+    which checks ``z < 2 count_std``). Valid only because the count is centred
+    (:meth:`StrategyDP.next_clipping_norm`)."""
     from flwr.supercore.differential_privacy import compute_adaptive_noise_params
 
     return compute_adaptive_noise_params(z, 1, count_std)[1]
+
+
+class ParsedDP(NamedTuple):
+    """What :meth:`StrategyDP.parse_state` read (``run_id`` None: keep the current one)."""
+
+    accountant: Any
+    noise_key: int
+    c: float | None
+    run_id: str | None = None
 
 
 def _positive(name: str, v: Any, allow_zero: bool = False) -> float | None:
@@ -167,6 +183,9 @@ class StrategyDP:
         # None (default): drawn from the OS; kept in the checkpoint so a resumed run draws the
         # same noise. An int (tests, benchmarks) makes the noise reproducible from it.
         self.noise_key = secrets.randbits(63) if noise_seed is None else noise_seed
+        # The run's id in the DP journal and the checkpoint; attempt: the noise's attempt key.
+        self.run_id, self.journal, self.attempt = secrets.token_hex(8), None, 0
+        self.uniform_forced = False  # weighting='examples' was overridden (said in describe())
         self.accountant = None if self.z is None else _accountant(delta)
         self.last: GaussianSum | None = None
         self.quantile, self.clip_lr, self.count_std = None, float(clip_lr), None
@@ -215,16 +234,19 @@ class StrategyDP:
             )
         if getattr(s, "robust", "none") != "none":
             raise ValueError(
-                f"central DP refuses robust={s.robust!r}: its noise is sized for the mean's "
-                "sensitivity C/k, and a robust aggregate has another one (use dp_mode='local')"
+                f"central DP (dp_clipping_norm={self.c:g}) refuses robust={s.robust!r}: its "
+                "noise is sized for the mean's sensitivity C/k, and a robust aggregate has "
+                "another one; set robust='none', or use client-side DP (dp_mode='local'), "
+                "under which robust rules are allowed"
             )
         if s.train_validator.max_norm_ratio:
             raise ValueError(
                 "central DP refuses max_norm_ratio: whether a reply is kept would depend on the "
                 "other sites' norms (clipping to dp_clipping_norm already bounds every update)"
             )
-        if s.weighting == "examples":
-            log(INFO, "DP: merge weights are uniform (w_i = 1), weighting='examples' ignored")
+        # Said once, in the strategy summary (describe()): not per construction, since every
+        # ClientApp rebuilds the strategy from the run config.
+        self.uniform_forced = s.weighting == "examples"
         s.weighting = "uniform"
 
     def epsilon(self) -> float:
@@ -236,23 +258,47 @@ class StrategyDP:
         return float(self.accountant.get_epsilon(self.delta))
 
     def before_round(self, server_round: int) -> None:
-        """``PrivacyBudgetExhausted`` when releasing round ``server_round`` would pass the cap."""
-        if self.accountant is None or self.max_epsilon is None:
+        """``PrivacyBudgetExhausted`` when releasing round ``server_round`` would pass the cap;
+        local DP: then the round is journaled (its train messages are its release)."""
+        if self.accountant is None:
             return
-        if self.accountant.would_exceed(self._event(), self.max_epsilon):
+        if self.max_epsilon is not None and self.accountant.would_exceed(
+            self._event(), self.max_epsilon
+        ):
             raise PrivacyBudgetExhausted(
                 f"round {server_round} would exceed dp_max_epsilon={self.max_epsilon:g} "
                 f"(epsilon so far {self.epsilon():.4g} at delta {self.delta:g} after "
                 f"{self.accountant.num_releases} rounds); the run stops before sending it"
             )
+        if self.mode == "local":
+            self._journal(server_round)
+
+    def attach_journal(self, path: Any, read_from: Any = None) -> DPJournal:
+        """Record every release in the journal at ``path`` (continuing the one at
+        ``read_from``, default ``path``) before it leaves the server
+        (:mod:`~flwr_isoloco.strategies.dp_journal`). Call before :meth:`parse_state` (the
+        strategy's ``load_state_dict``) and before the first round; a strategy with DP noise
+        cannot be resumed without it."""
+        self.journal = DPJournal(path, read_from)
+        return self.journal
+
+    def _journal(self, server_round: int, attempt: int | None = None) -> None:
+        """Write the release ``(server_round, attempt)`` (default: the next attempt) to the
+        journal, if attached, before it happens: an ``OSError`` stops the release."""
+        if self.journal is not None:
+            if attempt is None:
+                attempt = self.journal.attempts(self.run_id, server_round)
+            self.journal.record(self.run_id, server_round, attempt)
 
     def mechanism(self, server_round: int, sampled: int, keys: list[str]) -> GaussianSum | None:
         """The round's :class:`GaussianSum` (``sampled`` = nodes the round was sent to)."""
         if not self.enabled or self.mode == "local":
             return None
-        self.last = GaussianSum(
-            self.c, self.z_update or 0.0, max(sampled, 1), keys, self.noise_key, server_round
-        )
+        # attempt: releases of this round already journaled (a redo after a crash): new noise
+        j = self.journal
+        self.attempt = 0 if j is None else j.attempts(self.run_id, server_round)
+        z, k = self.z_update or 0.0, max(sampled, 1)
+        self.last = GaussianSum(self.c, z, k, keys, self.noise_key, server_round, self.attempt)
         return self.last
 
     def _event(self) -> Any:
@@ -265,21 +311,30 @@ class StrategyDP:
         """Account the round: central, when its update reached the outer step; local, when it
         was sent (a site releases its noised delta by replying, whatever the server does)."""
         if self.accountant is not None and (released if self.mode == "central" else sent):
+            if self.mode == "central" and self.last is not None:  # before it leaves the server
+                self._journal(self.last.server_round, self.last.attempt)
             self.accountant.compose(self._event())
             if self.quantile is not None and self.last is not None:
                 self.c = self.next_clipping_norm(self.last)
 
     def next_clipping_norm(self, gs: GaussianSum) -> float:
-        """``C exp(-eta (b - gamma))`` with ``b`` the noised unclipped fraction of the round of
-        ``gs``: ``(k - clipped + N(0, sigma_b^2)) / k`` (module docstring), the noise drawn
-        from ``(key, round, COUNT_NOISE_INDEX)``."""
+        """``C exp(-eta (b - gamma))`` with ``b = (centred + N(0, sigma_b^2)) / k + 1/2`` the
+        noised unclipped fraction of the round of ``gs``, ``centred = sum_i (1[||delta_i|| <=
+        C] - 1/2)`` over the deltas it clipped (sensitivity 1/2: a site without a delta adds
+        0; module docstring), the noise drawn from ``(key, round, COUNT_NOISE_INDEX,
+        attempt)``. With every sampled site in the round, ``b = (k - clipped + noise) / k``."""
         from flwr_isoloco.merging.dp import noise_like
 
         assert self.quantile is not None and self.count_std is not None
         noise = noise_like(
-            torch.zeros(()), self.count_std, self.noise_key, gs.server_round, COUNT_NOISE_INDEX
+            torch.zeros(()),
+            self.count_std,
+            self.noise_key,
+            gs.server_round,
+            COUNT_NOISE_INDEX,
+            gs.attempt,
         )
-        unclipped = (gs.k - gs.clipped + float(noise)) / gs.k
+        unclipped = (gs.centred_count + float(noise)) / gs.k + 0.5
         return gs.c * math.exp(-self.clip_lr * (unclipped - self.quantile))
 
     def request(self) -> dict[str, float]:
@@ -329,9 +384,10 @@ class StrategyDP:
                 f" | adaptive C: quantile {self.quantile:g}, lr {self.clip_lr:g}, count std "
                 f"{self.count_std:g}, update z {self.z_update:.4g}"
             )
+        uniform = " | weights uniform (w_i = 1; weighting='examples' ignored)"
         return (
             f"{self.mode}, C {self.c:g} | z {self.z or 0:g} | delta {self.delta:g} | "
-            f"max-epsilon {cap}{adapt}"
+            f"max-epsilon {cap}{adapt}{uniform if self.uniform_forced else ''}"
         )
 
     # ------------------------------------------------------------------ checkpoint
@@ -340,32 +396,41 @@ class StrategyDP:
         without noise. The key is secret: a checkpoint with DP is as private as the updates."""
         if self.accountant is None:
             return None
-        out = {"accountant": self.accountant.state_dict(), "noise_key": self.noise_key}
+        out = {
+            "accountant": self.accountant.state_dict(),
+            "noise_key": self.noise_key,
+            "run": self.run_id,  # names the run in its DP journal
+        }
         if self.quantile is not None:
             out["clipping_norm"] = self.c  # a float: JSON keeps it bit for bit
         return out
 
-    def restore(self, parsed: tuple[Any, int, float]) -> None:
-        """Set what :meth:`parse_state` returned."""
-        self.accountant, self.noise_key, self.c = parsed
+    def restore(self, parsed: tuple) -> None:
+        """Set what :meth:`parse_state` returned (or ``(accountant, key, c)`` as they are)."""
+        p = ParsedDP(*parsed)
+        self.accountant, self.noise_key, self.c = p.accountant, p.noise_key, p.c
+        if p.run_id is not None:
+            self.run_id = p.run_id
 
-    def parse_state(self, state: Any, server_round: int) -> tuple[Any, int, float]:
-        """``(accountant, noise key, clipping norm)`` restored from :meth:`state` (the
-        accountant validated by Flower's ``load_state_dict``; nothing is set here; the
-        clipping norm is the constructor's unless adaptive clipping saved one). ``ValueError`` when a checkpoint of ``server_round > 0`` rounds has
-        no accountant but this strategy has noise (its earlier rounds were not private), or the
-        other way round."""
+    def parse_state(self, state: Any, server_round: int) -> ParsedDP:
+        """``(accountant, noise key, clipping norm, run id)`` restored from :meth:`state` (the
+        accountant validated by Flower's ``load_state_dict``, then charged with the journal's
+        releases after ``server_round``: :meth:`_charge_journal`; nothing is set here; the
+        clipping norm is the constructor's unless adaptive clipping saved one). ``ValueError``
+        when a checkpoint of ``server_round > 0`` rounds has no accountant but this strategy
+        has noise (its earlier rounds were not private), or the other way round, or when the
+        run's DP journal is not attached or not the run's."""
         if self.accountant is None:
             if state is not None:
                 raise ValueError("field 'dp' holds an accountant but this strategy has no DP noise")
-            return None, self.noise_key, self.c
+            return ParsedDP(None, self.noise_key, self.c)
         if state is None:
             if server_round > 0:
                 raise ValueError(
                     "field 'dp' is absent: the checkpoint's rounds were not accounted, so "
                     "resuming with dp_noise_multiplier would report a wrong epsilon"
                 )
-            return _accountant(self.delta), self.noise_key, self.c
+            return ParsedDP(_accountant(self.delta), self.noise_key, self.c)
         key = state.get("noise_key") if isinstance(state, dict) else None
         if (
             not isinstance(key, int)
@@ -375,12 +440,13 @@ class StrategyDP:
             raise ValueError("field 'dp' must hold 'accountant' (a dict) and 'noise_key' (an int)")
         fresh = _accountant(self.delta)
         fresh.load_state_dict(state["accountant"])  # ValueError naming what is wrong
-        if fresh.num_releases > server_round:
-            raise ValueError(
-                f"field 'dp' counts {fresh.num_releases} releases, more than the "
-                f"{server_round} rounds of the checkpoint"
-            )
-        return fresh, key, self._saved_clip(state)
+        run = state.get("run")
+        self._charge_journal(fresh, run, server_round)
+        return ParsedDP(fresh, key, self._saved_clip(state), run)
+
+    def _charge_journal(self, accountant: Any, run: Any, server_round: int) -> None:
+        """:func:`~flwr_isoloco.strategies.dp_journal.charge_unsaved` with this run's event."""
+        charge_unsaved(self.journal, accountant, run, server_round, self._event(), self.delta)
 
     def _saved_clip(self, state: dict) -> float:
         """The adaptive clipping norm of a checkpoint (``ValueError`` if it is missing, not a

@@ -1,0 +1,161 @@
+"""Issue 34, item 2: a round released, then lost with a crash before its checkpoint, and redone
+on resume, must not be released again under the same noise, and both releases count
+(flwr_isoloco/strategies/dp_journal.py)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from fakegrid import FakeGrid
+from flwr.app import ArrayRecord, Message, MetricRecord, RecordDict
+from privacy_helpers import QUIET, flower_epsilon
+
+from flwr_isoloco.checkpoint import load_checkpoint, save_checkpoint
+from flwr_isoloco.strategies import DiLoCo
+
+STEP, C, Z, K = 1.0, 0.05, 1.0, 3
+
+
+def _app(missing_in_round: int | None = None):
+    """Node ``pid`` replies ``theta + STEP`` (every update clipped to ``C``); node 0 raises in
+    round ``missing_in_round`` (its reply is missing)."""
+
+    def train(msg: Message, ctx) -> Message:
+        pid = int(ctx.node_config["partition-id"])
+        if pid == 0 and int(msg.content["config"]["server-round"]) == missing_in_round:
+            raise RuntimeError("node 0 is down")
+        theta = msg.content["arrays"].to_torch_state_dict()
+        new = {k: v + STEP for k, v in theta.items()}
+        return Message(
+            RecordDict({"arrays": ArrayRecord(new), "m": MetricRecord({"num-examples": 1})}),
+            reply_to=msg,
+        )
+
+    return {"train": train}
+
+
+def _strategy(tmp_path, **kw) -> DiLoCo:
+    s = DiLoCo(
+        **QUIET,
+        outer_lr=1.0,
+        outer_momentum=0.0,  # theta_r = theta_{r-1} - g_r: each release is readable off theta
+        dp_noise_multiplier=Z,
+        dp_clipping_norm=C,
+        **kw,
+    )
+    attach = getattr(s.dp, "attach_journal", None)  # (absent before issue 34)
+    if attach is not None:
+        attach(tmp_path / "dp-journal.json")
+    return s
+
+
+class _Crash(RuntimeError):
+    pass
+
+
+def _first_run(tmp_path, **kw):
+    """Rounds 1-2; round 1 checkpointed, the crash after round 2's release, before its
+    checkpoint. Returns the released model of round 2 and the checkpoint path."""
+    s = _strategy(tmp_path, **kw)
+    seen = {}
+
+    def hook(rnd, arrays, *_):
+        seen[rnd] = arrays.to_torch_state_dict()["w"].double()
+        if rnd == 2:
+            raise _Crash("server killed before writing round 2's checkpoint")
+        sd = s.state_dict()
+        save_checkpoint(tmp_path / "ck.safetensors", sd["tensors"], sd["meta"])
+
+    with pytest.raises(_Crash):
+        s.start(
+            grid=FakeGrid(_app(), num_nodes=K),
+            initial_arrays=ArrayRecord({"w": torch.zeros(8, 8)}),
+            num_rounds=2,
+            on_round_end=hook,
+        )
+    return seen[2], tmp_path / "ck.safetensors"
+
+
+def _resume(tmp_path, path, missing_in_round=None, **kw):
+    tensors, meta = load_checkpoint(path)
+    s = _strategy(tmp_path, **kw)
+    s.load_state_dict({"tensors": tensors, "meta": meta})
+    res = s.start(
+        grid=FakeGrid(_app(missing_in_round), num_nodes=K),
+        initial_arrays=ArrayRecord({"w": torch.zeros(8, 8)}),
+        num_rounds=2,
+    )
+    return s, res
+
+
+def test_a_round_redone_after_a_crash_draws_new_noise_and_both_releases_count(tmp_path):
+    """The redo of round 2 misses node 0. Same noise: the two released models would differ by
+    exactly node 0's clipped update / k (its update without noise); epsilon must count round
+    1, round 2 and its redo."""
+    first, path = _first_run(tmp_path)
+    s, res = _resume(tmp_path, path, missing_in_round=2)
+    redo = res.arrays.to_torch_state_dict()["w"].double()
+    n = redo.numel()
+    node0 = torch.full_like(redo, -STEP).mul_(C / (STEP * math.sqrt(n)))  # clip(delta_0)
+    leak = (redo - first) - node0 / K  # 0 when the noise is replayed
+    noise_norm = Z * C * math.sqrt(2 * n) / K  # of (N - N') / k
+    assert float(leak.norm()) > 0.3 * noise_norm
+    assert s.dp.accountant.num_releases == 3
+    want = flower_epsilon(Z, 3, 1e-5, 1)
+    assert res.train_metrics_clientapp[2]["dp-epsilon"] == pytest.approx(want, rel=1e-12)
+    doc = json.loads((tmp_path / "dp-journal.json").read_text())
+    assert [(r["round"], r["attempt"]) for r in doc["releases"]] == [(1, 0), (2, 0), (2, 1)]
+
+
+def test_local_dp_charges_the_round_sent_before_the_crash(tmp_path):
+    """Local DP: the sites release when they answer the train messages, so the journal
+    records the round before they are sent and the resume charges it (``z / 2`` each)."""
+    _, path = _first_run(tmp_path, dp_mode="local")
+    s, res = _resume(tmp_path, path, dp_mode="local")
+    assert s.dp.accountant.num_releases == 3
+    want = flower_epsilon(Z / 2, 3, 1e-5, 1)
+    assert res.train_metrics_clientapp[2]["dp-epsilon"] == pytest.approx(want, rel=1e-12)
+
+
+def test_no_release_when_the_journal_cannot_be_written(tmp_path):
+    """The journal is written before the release: if it cannot be, the round's model does not
+    leave the server (no hook, no result) and the error says why."""
+    s = DiLoCo(**QUIET, dp_noise_multiplier=Z, dp_clipping_norm=C)
+    s.dp.attach_journal(tmp_path / "gone" / "dp-journal.json")
+    (tmp_path / "gone").write_text("")  # its folder became a file: the write fails
+    seen = []
+    with pytest.raises(OSError):
+        s.start(
+            grid=FakeGrid(_app(), num_nodes=K),
+            initial_arrays=ArrayRecord({"w": torch.zeros(8, 8)}),
+            num_rounds=1,
+            on_round_end=lambda *a: seen.append(a),
+        )
+    assert seen == [] and s.dp.accountant.num_releases == 0
+
+
+def test_the_app_runner_journal_follows_resume_from(tmp_path):
+    """``attach_dp_journal(strategy, out, resume)``: written to ``out``; on resume, read from
+    the checkpoint's folder (another output folder continues it)."""
+    from flwr_isoloco.strategies.dp_journal import JOURNAL, attach_dp_journal
+
+    a, b = tmp_path / "a", tmp_path / "b"
+    first = DiLoCo(**QUIET, dp_noise_multiplier=Z, dp_clipping_norm=C)
+    attach_dp_journal(first, a, None)
+    grid = FakeGrid(_app(), num_nodes=K)
+    first.start(grid=grid, initial_arrays=ArrayRecord({"w": torch.zeros(2)}), num_rounds=1)
+    sd = first.state_dict()
+    save_checkpoint(a / "ck.safetensors", sd["tensors"], sd["meta"])
+    second = DiLoCo(**QUIET, dp_noise_multiplier=Z, dp_clipping_norm=C)
+    attach_dp_journal(second, b, a / "ck.safetensors")
+    tensors, meta = load_checkpoint(a / "ck.safetensors")
+    second.load_state_dict({"tensors": tensors, "meta": meta})
+    second.start(grid=grid, initial_arrays=ArrayRecord({"w": torch.zeros(2)}), num_rounds=2)
+    doc = json.loads((b / JOURNAL).read_text())
+    assert [r["round"] for r in doc["releases"]] == [1, 2] and doc["run"] == first.dp.run_id
+    plain = DiLoCo(**QUIET)
+    attach_dp_journal(plain, tmp_path / "c", None)  # no DP noise: no journal
+    assert getattr(plain.dp, "journal", None) is None
