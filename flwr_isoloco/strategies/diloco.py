@@ -121,9 +121,11 @@ class DiLoCo(FromRunConfig, DiLoCoState, ResumableStrategy):
         is the ``dp-epsilon`` metric; a round that would pass ``dp_max_epsilon`` is not sent
         (``PrivacyBudgetExhausted``). Mean-based rules only (mean, Iso-C), no ``max_norm_ratio``.
     dp_seed : int or None
-        Key of the DP noise, drawn per ``(key, round, tensor)``. None (default): a secret key
-        from the OS, kept in the checkpoint (resume draws the same noise). An int makes the
-        noise reproducible, and removable by anyone who knows it: tests and benchmarks only.
+        Key of the DP noise, drawn per ``(key, round, tensor, attempt)``. None (default): a
+        secret key from the OS, kept in the checkpoint (resume draws the same noise; a round
+        redone after a crash draws new noise, and resuming needs the DP journal:
+        ``strategy.dp.attach_journal(path)``, :mod:`~flwr_isoloco.strategies.dp_journal`). An
+        int makes the noise reproducible, and removable by anyone who knows it: tests only.
     dp_mode : "central" | "local"
         ``"local"``: each worker clips its delta to ``C`` and adds ``N(0, (z C)^2)`` itself,
         before compression and error feedback (the DiLoCo worker does when the train config
