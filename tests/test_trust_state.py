@@ -193,3 +193,8 @@ def test_skip_restores_the_adaptive_clipping_norm():
     assert norms[1] != 0.05  # round 1 moved C
     assert norms[2] == norms[1]  # the skipped round 2 did not
     assert s.dp.accountant.num_releases == 2  # but its release stays accounted
+
+
+def test_dead_weights_fn_is_gone():
+    """``DiLoCo._weights_fn`` was never called (TrainRound keeps the merge weights)."""
+    assert not hasattr(DiLoCo, "_weights_fn")

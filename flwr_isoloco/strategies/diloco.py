@@ -52,7 +52,7 @@ from flwr_isoloco.strategies.evaluation import aggregate_metrics, evaluation_rou
 from flwr_isoloco.strategies.guard import EmptyRoundGuard
 from flwr_isoloco.strategies.ledger import SentLedger
 from flwr_isoloco.strategies.lifecycle import ResumableStrategy, RoundOutcome
-from flwr_isoloco.strategies.nodes import wait_for_nodes
+from flwr_isoloco.strategies.nodes import DEFAULT_NODE_WAIT_S, nodes_for_round
 from flwr_isoloco.strategies.privacy import DEFAULT_CLIP_LR, DEFAULT_DP_DELTA, StrategyDP
 from flwr_isoloco.strategies.replies import CheckedReply
 from flwr_isoloco.strategies.rounds import ReplyStream, check_quorum
@@ -273,7 +273,9 @@ class DiLoCo(FromRunConfig, DiLoCoState, ResumableStrategy):
         return self._model_record()
 
     def prepare(self, grid: Grid, initial_arrays: ArrayRecord, timeout: float) -> None:
-        """Adopt ``initial_arrays``; a restored strategy keeps its ``theta`` (same keys)."""
+        """Adopt ``initial_arrays``; a restored strategy keeps its ``theta`` (same keys).
+        ``timeout`` also bounds each round's wait for nodes (:meth:`_sample`)."""
+        self._round_timeout = timeout
         if self.theta is None:
             self._adopt(initial_arrays)
         elif set(self.theta) != set(initial_arrays.keys()):
@@ -291,10 +293,20 @@ class DiLoCo(FromRunConfig, DiLoCoState, ResumableStrategy):
             log(INFO, "\t└──> Secure aggregation: %s", self.secagg.describe())
 
     def _sample(self, grid: Grid, fraction: float, min_nodes: int) -> list[int]:
+        """``k = max(floor(fraction N), min_nodes)`` of the ``N`` connected nodes, drawn with
+        the seeded generator, once ``max(min_available_nodes, k)`` are connected. The wait is
+        bounded by the round timeout given to ``start`` (:func:`.nodes.nodes_for_round`): then
+        the run goes on with the connected nodes if they make the ``quorum``, else it stops
+        with :class:`~flwr_isoloco.strategies.nodes.NodeWaitError` (the run ends failed)."""
         connected = list(grid.get_node_ids())
         k = max(int(len(connected) * fraction), min_nodes)
-        # As Flower's sample_nodes: wait (for ever) for max(min_available_nodes, k) nodes.
-        all_nodes = wait_for_nodes(grid, max(self.min_available_nodes, k), what="DiLoCo")
+        all_nodes = nodes_for_round(
+            grid,
+            max(self.min_available_nodes, k),
+            timeout_s=getattr(self, "_round_timeout", None) or DEFAULT_NODE_WAIT_S,
+            quorum=self.quorum,
+            what="DiLoCo",
+        )
         k = min(k, len(all_nodes))
         return self._rng.sample(all_nodes, k)
 
@@ -462,10 +474,6 @@ class DiLoCo(FromRunConfig, DiLoCoState, ResumableStrategy):
     # ------------------------------------------------------------------ maths glue
     def _weight(self, reply: CheckedReply) -> float:
         return 1.0 if self.weighting == "uniform" else reply.weight
-
-    def _weights_fn(self, weights: Mapping[int, float] | None):
-        """Merge weight of a reply: ``weights[node]`` when bounded, else :meth:`_weight`."""
-        return self._weight if weights is None else (lambda r: weights[r.node_id])
 
     def _outer_step(self, g: Mapping[str, torch.Tensor]) -> None:
         """``theta <- theta - lr u`` (OuterSGD; ``u`` orthogonalised with "update")."""

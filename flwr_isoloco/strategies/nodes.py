@@ -8,7 +8,15 @@ is there if that is ``>= max(min_nodes, 1)`` (a late node can still join a later
 otherwise raises :class:`NodeWaitError` (``strict=True``) or logs a warning and returns
 (``strict=False``: callers that can run on fewer nodes, such as the graph strategies, which
 drop the vertices that have no node). ``timeout_s=None`` waits for ever, as Flower's own
-``sample_nodes`` does.
+``sample_nodes`` does. Time is ``time.monotonic`` / ``time.sleep``, or the grid's
+``time_source`` when it has one (the fake grid's virtual clock), as in the round driver.
+
+:func:`nodes_for_round` is the bounded wait of a round (DiLoCo / IsoLoCo, before sampling):
+wait up to ``timeout_s`` for ``need`` nodes; then go on with the ``n`` connected ones when
+``n >= quorum_count(quorum, need)`` (a quorum is set), else raise :class:`NodeWaitError`
+naming what was missing, which ends the run ``failed`` with that reason (the app runner
+records it in ``results.json``). A site that died with ``min-nodes`` equal to the number of
+sites thus stops the run after one timeout instead of leaving it waiting for ever.
 """
 
 from __future__ import annotations
@@ -19,12 +27,16 @@ from logging import INFO, WARNING
 from flwr.common.logger import log
 from flwr.serverapp import Grid
 
-__all__ = ["NodeWaitError", "wait_for_nodes"]
+from .rounds import quorum_count
+
+__all__ = ["DEFAULT_NODE_WAIT_S", "NodeWaitError", "nodes_for_round", "wait_for_nodes"]
 
 POLL_S = 0.25
 """Seconds between two looks at the grid."""
 LOG_EVERY_S = 5.0
 """Seconds between two "waiting for nodes" log lines."""
+DEFAULT_NODE_WAIT_S = 3600.0
+"""A round's node wait when no round timeout is known (Flower's default round timeout)."""
 
 
 class NodeWaitError(RuntimeError):
@@ -59,11 +71,12 @@ def wait_for_nodes(
     what : str
         Label for log lines and the error.
     """
-    t0 = time.monotonic()
+    clock = getattr(grid, "time_source", None) or time
+    t0 = clock.monotonic()
     last, since, logged = -1, t0, t0 - LOG_EVERY_S
     while True:
         nodes = sorted(grid.get_node_ids())
-        now = time.monotonic()
+        now = clock.monotonic()
         if len(nodes) != last:
             last, since = len(nodes), now
         if len(nodes) >= min_nodes and now - since >= settle_s:
@@ -81,4 +94,42 @@ def wait_for_nodes(
         if now - logged >= LOG_EVERY_S and len(nodes) < min_nodes:
             log(INFO, "%s: waiting for nodes: %d of %d connected", what, len(nodes), min_nodes)
             logged = now
-        time.sleep(POLL_S)
+        clock.sleep(POLL_S)
+
+
+def nodes_for_round(
+    grid: Grid,
+    need: int,
+    *,
+    timeout_s: float | None,
+    quorum: float | int | None = None,
+    what: str = "server",
+) -> list[int]:
+    """The connected nodes (sorted) to sample a round from, waiting at most ``timeout_s``.
+
+    ``need`` nodes connected: returned at once (as Flower's ``sample_nodes``). Still fewer
+    after ``timeout_s``: with a ``quorum`` (a fraction in (0, 1] of ``need``, rounded up, or a
+    count) the ``n`` connected ones when ``n >= max(quorum_count(quorum, need), 1)``, logged;
+    otherwise :class:`NodeWaitError` saying how many of how many came and what to change.
+    ``timeout_s=None`` waits for ever (no bound: only for callers that have none)."""
+    nodes = wait_for_nodes(grid, need, timeout_s=timeout_s, strict=False, what=what)
+    if len(nodes) >= need:
+        return nodes
+    floor = need if quorum is None else max(quorum_count(quorum, need), 1)
+    if len(nodes) >= floor:
+        log(
+            WARNING,
+            "%s: going on with the %d connected nodes of %d wanted (quorum %s = %d)",
+            what,
+            len(nodes),
+            need,
+            quorum,
+            floor,
+        )
+        return nodes
+    rule = "no quorum is set" if quorum is None else f"the quorum {quorum!r} needs {floor}"
+    raise NodeWaitError(
+        f"{what}: only {len(nodes)} of the {need} nodes the round needs connected after "
+        f"{timeout_s:g} s ({rule}); a site is down or unreachable: restart it, or lower "
+        "min-nodes / set a quorum so the run can go on without it"
+    )
