@@ -159,3 +159,65 @@ def test_the_app_runner_journal_follows_resume_from(tmp_path):
     plain = DiLoCo(**QUIET)
     attach_dp_journal(plain, tmp_path / "c", None)  # no DP noise: no journal
     assert getattr(plain.dp, "journal", None) is None
+
+
+def _tiny_spec():
+    """An app on the app runner: DiLoCo with central DP, no evaluation, rows of dp-epsilon."""
+    from omegaconf import OmegaConf
+
+    from flwr_isoloco.apprunner import AppRun, AppSpec
+
+    base = {
+        "num-server-rounds": 2,
+        "rounds-this-run": 0,
+        "resume-from": "",
+        "checkpoint": True,
+        "round-timeout": 60.0,
+        "torch-threads": 0,
+        "output-dir": "",
+    }
+
+    def build(cfg, nodes):
+        s = DiLoCo(**QUIET, dp_noise_multiplier=Z, dp_clipping_norm=C)
+        return AppRun(
+            strategy=s,
+            initial_arrays=ArrayRecord({"w": torch.zeros(4)}),
+            evaluate=lambda rnd, arrays: None,
+            row=lambda rnd, tm, em: {"dp-epsilon": tm["dp-epsilon"]},
+            summary=lambda row: "",
+        )
+
+    return AppSpec(
+        name="dp_journal_test",
+        label="dp-journal-test",
+        load_config=lambda rc: OmegaConf.create({**base, **rc}),
+        nodes=lambda cfg: (K, True, 10.0),
+        build=build,
+    )
+
+
+def test_the_app_runner_charges_a_release_lost_before_its_checkpoint(tmp_path, monkeypatch):
+    """Through ``run_app``: the checkpoint of round 2 fails to be written (the crash), a resume
+    from round 1's checkpoint into another folder charges round 2's first release."""
+    import flwr_isoloco.apprunner as runner
+
+    real = runner.save_checkpoint
+
+    def crash_at_round_2(path, tensors, meta):
+        if meta["round"] == 2:
+            raise _Crash("killed while writing round 2's checkpoint")
+        return real(path, tensors, meta)
+
+    monkeypatch.setattr(runner, "save_checkpoint", crash_at_round_2)
+    a, b = tmp_path / "a", tmp_path / "b"
+    with pytest.raises(_Crash):
+        runner.run_app(
+            _tiny_spec(), FakeGrid(_app(), num_nodes=K), {"output-dir": str(a)}, settle_s=0
+        )
+    monkeypatch.undo()
+    resume = {"output-dir": str(b), "resume-from": str(a / runner.CHECKPOINT)}
+    runner.run_app(_tiny_spec(), FakeGrid(_app(2), num_nodes=K), resume, settle_s=0)
+    rows = json.loads((b / "results.json").read_text())["rounds"]
+    assert rows[1]["dp-epsilon"] == pytest.approx(flower_epsilon(Z, 3, 1e-5, 1), rel=1e-12)
+    doc = json.loads((b / "dp-journal.json").read_text())
+    assert [(r["round"], r["attempt"]) for r in doc["releases"]] == [(1, 0), (2, 0), (2, 1)]
