@@ -440,9 +440,9 @@ class StrategyDP:
             raise ValueError("field 'dp' must hold 'accountant' (a dict) and 'noise_key' (an int)")
         fresh = _accountant(self.delta)
         fresh.load_state_dict(state["accountant"])  # ValueError naming what is wrong
-        run = state.get("run")
-        self._charge_journal(fresh, run, server_round)
-        return ParsedDP(fresh, key, self._saved_clip(state), run)
+        run, c = state.get("run"), self._saved_clip(state)
+        self._charge_journal(fresh, run, server_round)  # last: it logs what it charges
+        return ParsedDP(fresh, key, c, run)
 
     def _charge_journal(self, accountant: Any, run: Any, server_round: int) -> None:
         """:func:`~flwr_isoloco.strategies.dp_journal.charge_unsaved` with this run's event."""
