@@ -22,6 +22,13 @@ adds an MLP on the same data. ``--quick``: 1 seed, fewer rounds. Results:
 
     PYTHONPATH=. .venv/bin/python benchmarks/isoloco_dropin.py --diagnose --sweep [--quick]
     PYTHONPATH=. .venv/bin/python benchmarks/isoloco_dropin.py --lr-grid   # the preset's lr
+    PYTHONPATH=. .venv/bin/python benchmarks/isoloco_dropin.py --bn --docs  # BatchNorm table
+
+``--bn``: the BatchNorm CNN (``model="cnn-bn"``) for FedAvg, ``DiLoCo()``, ``IsoLoCo()`` and
+both with ``buffers="none"`` (the outer step owning the running statistics, as before), seeds
+0-2, IID and Dirichlet(0.5), plus the running-variance case (``--negative-variance``), written to
+``benchmarks/results/isoloco_dropin_bn.json``; ``--docs`` writes the table into
+docs/strategies.md ("Buffers"; ``--table --bn --docs`` from the saved JSON, no run).
 """
 
 from __future__ import annotations
@@ -50,6 +57,8 @@ from flwr_isoloco.merging.rules import MergeRule, _streaming  # noqa: E402
 from flwr_isoloco.strategies import DiLoCo, IsoLoCo  # noqa: E402
 
 OUT = REPO / "benchmarks" / "results" / "isoloco_dropin.json"
+OUT_BN = REPO / "benchmarks" / "results" / "isoloco_dropin_bn.json"
+"""``--bn`` / ``--negative-variance`` records (their own file: the other sweeps are rerun apart)."""
 
 
 def _paper(**kw):
@@ -86,6 +95,17 @@ SWEEP: dict[str, Callable[[], object]] = {
     "IsoLoCo()": lambda: IsoLoCo(),
     "IsoLoCo(preset='isoloco-paper')": lambda: _paper(),
 }
+BN_SWEEP: dict[str, Callable[[], object]] = {
+    "FedAvg": lambda: FedAvg(),
+    "DiLoCo()": lambda: DiLoCo(),
+    "IsoLoCo()": lambda: IsoLoCo(),
+    "DiLoCo(buffers='none')": lambda: DiLoCo(buffers="none"),
+    "IsoLoCo(buffers='none')": lambda: IsoLoCo(buffers="none"),
+}
+"""The BatchNorm CNN (``model="cnn-bn"``): the defaults, which merge the running statistics as
+FedAvg does, and ``buffers="none"``, the outer step owning them (the behaviour before)."""
+BN_BEGIN, BN_END = "<!-- BEGIN BUFFERS TABLE -->", "<!-- END BUFFERS TABLE -->"
+DOC = REPO / "docs" / "strategies.md"
 
 
 def _sd(arrays: ArrayRecord) -> dict[str, torch.Tensor]:
@@ -224,12 +244,16 @@ def lr_scan(rounds: int, seed: int = 0) -> dict:
 
 
 def sweep(
-    rounds: int, seeds: list[int], model: str = "cnn", parts: tuple[str, ...] = ("iid", "dirichlet")
+    rounds: int,
+    seeds: list[int],
+    model: str = "cnn",
+    parts: tuple[str, ...] = ("iid", "dirichlet"),
+    variants: dict[str, Callable[[], object]] | None = None,
 ) -> dict:
     res: dict = {}
     for part in parts:
         for seed in seeds:
-            for name, factory in SWEEP.items():
+            for name, factory in (variants or SWEEP).items():
                 r = run_digits(factory, part, seed, rounds, model=model)
                 res.setdefault(part, {}).setdefault(name, {})[str(seed)] = r["final"]
                 print(f"[sweep {model}] {part} seed {seed} {name}: {r['final']:.3f}", flush=True)
@@ -325,28 +349,114 @@ def lm_case(rounds: int, out_dir: Path, only: list[str] | None = None) -> dict:
     return res
 
 
-def check(res: dict, tol: float = 0.01) -> list[str]:
-    """Cells where IsoLoCo() < FedAvg - tol (seed-paired)."""
+NEGVAR_VARIANTS: dict[str, Callable[..., object]] = {
+    "DiLoCo()": lambda **kw: DiLoCo(**kw),
+    "IsoLoCo()": lambda **kw: IsoLoCo(**kw),
+    "IsoLoCo(preset='isoloco-paper')": lambda **kw: _paper(**kw),
+}
+
+
+def negative_variance(rounds: int = 5, **strategy_kw) -> dict:
+    """The running-variance case of issue 34: a BatchNorm buffer ``running_var`` at 1.0 on the
+    server, every node (3, equal weights) reports 0.2 (and ``running_mean`` 0.5) each round while
+    its weight shrinks by 0.9. FedAvg gives 0.2 from round 1 on; the server's ``running_var``
+    after each round is recorded per strategy (an outer step that owns it extrapolates it)."""
+    from fakegrid import FakeGrid
+    from flwr.app import Message, MetricRecord
+
+    def train(msg, ctx):
+        th = msg.content["arrays"].to_torch_state_dict()
+        new = {
+            "fc.weight": th["fc.weight"] * 0.9,
+            "bn.running_var": torch.full_like(th["bn.running_var"], 0.2),
+            "bn.running_mean": torch.full_like(th["bn.running_mean"], 0.5),
+        }
+        metrics = MetricRecord({"num-examples": 10})
+        return Message(RecordDict({"arrays": ArrayRecord(new), "metrics": metrics}), reply_to=msg)
+
+    kw = dict(min_train_nodes=1, min_evaluate_nodes=1, min_available_nodes=1, fraction_evaluate=0)
+    init = {"fc.weight": torch.ones(3, 4), "bn.running_var": torch.ones(4)}
+    init["bn.running_mean"] = torch.zeros(4)
+    res = {}
+    for name, factory in NEGVAR_VARIANTS.items():
+        s = factory(**kw, **strategy_kw)
+        seen: list[float] = []
+        step = s._outer_step
+
+        def recorded(g, s=s, step=step, seen=seen):
+            step(g)
+            seen.append(round(float(s.theta["bn.running_var"][0]), 4))
+
+        s._outer_step = recorded
+        s.start(
+            grid=FakeGrid({"train": train}, num_nodes=3),
+            initial_arrays=ArrayRecord(init),
+            num_rounds=rounds,
+        )
+        res[name] = seen
+        print(f"[negative-variance] {name}: running_var per round {seen}", flush=True)
+    return res
+
+
+def check(res: dict, tol: float = 0.01, names: tuple[str, ...] = ("IsoLoCo()",)) -> list[str]:
+    """Cells where a strategy in ``names`` < FedAvg - tol (seed-paired)."""
     bad = []
     for part, cells in res.items():
         for seed, fed in cells["FedAvg"].items():
-            iso = cells["IsoLoCo()"][seed]
-            if iso < fed - tol:
-                bad.append(f"{part} seed {seed}: IsoLoCo() {iso:.3f} < FedAvg {fed:.3f} - {tol}")
+            for name in names:
+                got = cells[name][seed]
+                if got < fed - tol:
+                    bad.append(f"{part} seed {seed}: {name} {got:.3f} < FedAvg {fed:.3f} - {tol}")
     return bad
 
 
-def table(res: dict) -> str:
+def table(res: dict, variants: dict | None = None) -> str:
     """Markdown: one row per strategy, one column per (shard, seed) cell, final test accuracy."""
     cells = [
         (p, seed) for p in ("iid", "dirichlet") if p in res for seed in sorted(res[p]["FedAvg"])
     ]
     head = "| strategy | " + " | ".join(f"{p} s{seed}" for p, seed in cells) + " |"
     rows = [head, "|---" * (len(cells) + 1) + "|"]
-    for name in [n for n in SWEEP if n in res[cells[0][0]]]:
+    for name in [n for n in (variants or SWEEP) if n in res[cells[0][0]]]:
         vals = " | ".join(f"{res[p][name][seed]:.3f}" for p, seed in cells)
         rows.append(f"| {name} | {vals} |")
     return "\n".join(rows)
+
+
+def bn_docs(saved: dict, doc: Path = DOC) -> None:
+    """Write the BatchNorm table (``saved["sweep_bn"]``) and the running-variance record
+    between the BUFFERS TABLE markers of docs/strategies.md."""
+    cfg = saved.get("config_bn", {})
+    lines = [
+        f'Final test accuracy, `examples/digits` `model="cnn-bn"`, {cfg.get("nodes", 4)} nodes,'
+        f" {cfg.get('rounds', 10)} rounds (`benchmarks/results/isoloco_dropin_bn.json`, "
+        "`sweep_bn`):",
+        "",
+        table(saved["sweep_bn"], BN_SWEEP),
+        "",
+        "Cells below FedAvg - 0.01 (`DiLoCo()`, `IsoLoCo()`): "
+        + ("; ".join(saved.get("sweep_bn_failures", [])) or "none")
+        + ".",
+    ]
+    nv = saved.get("negative_variance")
+    if nv:
+        lines += [
+            "",
+            "Server `running_var` after rounds 1-5 when it starts at 1.0 and every node "
+            "reports 0.2 (`negative_variance`; FedAvg: 0.2 from round 1):",
+            "",
+            '| strategy | outer step owns the buffers (before) | default `buffers="auto"` |',
+            "|---|---|---|",
+        ]
+        before = saved.get("negative_variance_before", {})
+        for name, seen in nv.items():
+            old = " / ".join(f"{v:g}" for v in before.get(name, [])) or "-"
+            lines.append(f"| {name} | {old} | {' / '.join(f'{v:g}' for v in seen)} |")
+    text = doc.read_text()
+    head, rest = text.split(BN_BEGIN)
+    _, tail = rest.split(BN_END)
+    doc.write_text(head + BN_BEGIN + "\n" + "\n".join(lines) + "\n" + BN_END + tail)
+    print(f"wrote the buffers table into {doc}")
 
 
 def main() -> None:
@@ -361,14 +471,21 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="1 seed, 6 rounds")
     ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("--parts", nargs="+", default=["iid", "dirichlet"], help="shardings to sweep")
-    ap.add_argument("--out", type=Path, default=OUT)
+    ap.add_argument("--out", type=Path, default=None, help=f"{OUT.name}; --bn: {OUT_BN.name}")
     ap.add_argument("--table", action="store_true", help="print the sweeps in --out as markdown")
+    ap.add_argument("--negative-variance", action="store_true", help="issue 34's running_var")
+    ap.add_argument("--bn", action="store_true", help="the BatchNorm CNN sweep (+ running_var)")
+    ap.add_argument("--docs", action="store_true", help="write the BatchNorm table into docs")
     args = ap.parse_args()
+    if args.out is None:
+        args.out = OUT_BN if args.bn or args.negative_variance else OUT
     if args.table:
         saved = json.loads(args.out.read_text())
-        for key in ("sweep", "sweep_mlp"):
+        for key in ("sweep", "sweep_mlp", "sweep_bn"):
             if key in saved:
-                print(f"{key}:\n{table(saved[key])}\n")
+                print(f"{key}:\n{table(saved[key], BN_SWEEP if key == 'sweep_bn' else None)}\n")
+        if args.docs:
+            bn_docs(saved)
         return
     torch.set_num_threads(1)
     FLOWER_LOGGER.setLevel(logging.WARNING)
@@ -391,6 +508,13 @@ def main() -> None:
         out["bigram_fedavg"] = bigram_case(
             lambda: FedAvg(fraction_train=1.0, min_available_nodes=2)
         )
+    if args.bn:
+        out["config_bn"] = {**out["config"], "model": "cnn-bn"}
+        out["sweep_bn"] = sweep(rounds, seeds, "cnn-bn", tuple(args.parts), BN_SWEEP)
+        out["sweep_bn_failures"] = check(out["sweep_bn"], names=("DiLoCo()", "IsoLoCo()"))
+    if args.negative_variance or args.bn:
+        out["negative_variance"] = negative_variance()
+        out["negative_variance_before"] = negative_variance(buffers="none")
     if args.lm:
         import tempfile
 
@@ -399,6 +523,8 @@ def main() -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(out, indent=1, sort_keys=True) + "\n")
     print(f"wrote {args.out}")
+    if args.docs and "sweep_bn" in out:
+        bn_docs(out)
 
 
 if __name__ == "__main__":

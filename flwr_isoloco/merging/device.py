@@ -1,17 +1,29 @@
-"""Where the server merge computes: :func:`resolve_device`.
+"""Where the server merge computes: :func:`resolve_device`; out-of-memory errors told apart.
 
 The merge moves each tensor's M worker slices to the device, merges there and brings the result
 back to the CPU, so only one tensor's slices (and its temporaries) live on the device at a time.
 ``"auto"`` (the default) uses CUDA where ``torch.cuda.is_available()``, else the CPU; results on
 the CPU are the same code path, bit for bit, whichever of ``None``, ``"auto"`` or ``"cpu"`` led
 there.
+
+Out of memory is the server's problem, not the replies': :func:`is_out_of_memory` tells such an
+error (``torch.OutOfMemoryError``, a ``RuntimeError`` is its base) from one caused by the data
+(a bad delta, an SVD that does not converge), so a round merge can retry on the CPU instead of
+rejecting every reply, and raise :class:`MergeOutOfMemoryError` (not a ``RuntimeError``: no
+caller mistakes it for a bad reply) when the CPU runs out too.
 """
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["resolve_device", "parse_device", "DEVICE_CHOICES"]
+__all__ = [
+    "DEVICE_CHOICES",
+    "MergeOutOfMemoryError",
+    "is_out_of_memory",
+    "parse_device",
+    "resolve_device",
+]
 
 #: Spellings :func:`resolve_device` accepts besides a ``torch.device``.
 DEVICE_CHOICES = ("auto", "cpu", "cuda", "cuda:<index>")
@@ -63,3 +75,20 @@ def resolve_device(option: str | torch.device | None = "auto") -> torch.device:
                 f"merge device {option!r}: only {torch.cuda.device_count()} CUDA device(s)"
             )
     return dev
+
+
+_OOM_MESSAGES = ("out of memory", "can't allocate memory", "not enough memory")
+"""Lower-case parts of the messages of allocators that ran out (CUDA, MPS, torch's CPU
+allocator), for the ``RuntimeError`` that are not ``torch.OutOfMemoryError``."""
+
+
+class MergeOutOfMemoryError(MemoryError):
+    """The round merge ran out of memory on the CPU as well (the replies are not at fault)."""
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    """Whether ``exc`` says an allocator ran out: ``torch.OutOfMemoryError``, ``MemoryError``,
+    or a ``RuntimeError`` whose message says so (:data:`_OOM_MESSAGES`)."""
+    if isinstance(exc, (torch.OutOfMemoryError, MemoryError)):
+        return True
+    return isinstance(exc, RuntimeError) and any(m in str(exc).lower() for m in _OOM_MESSAGES)

@@ -27,12 +27,13 @@ no Flower.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+import logging
+from collections.abc import Callable, Collection, Iterable, Mapping
 from typing import Any
 
 import torch
 
-from .device import resolve_device
+from .device import MergeOutOfMemoryError, is_out_of_memory, resolve_device
 from .dp import GaussianSum
 from .merge import merge
 from .rules import MERGE_RULES, check_options, rule_applies
@@ -46,6 +47,8 @@ DARE_SEED_STRIDE = 1_000_003
 """DARE's seed in round ``r`` is ``seed * DARE_SEED_STRIDE + r`` (a prime stride: no overlap)."""
 
 Tensors = dict[str, torch.Tensor]
+
+_log = logging.getLogger("flwr")  # Flower's logger, by name (this module imports no Flower)
 
 
 def finite_or_raise(g: Tensors) -> Tensors:
@@ -102,23 +105,32 @@ class RoundMerge:
         weight: Callable[[Any], float],
         server_round: int,
         rule: Any = None,
+        buffers: Collection[str] = (),
     ) -> Tensors | None:
         """``g`` over ``source`` (float entries of ``theta`` only); appends the replies used.
 
-        ``rule`` defaults to :meth:`rule_for_g`. None when ``source`` is empty. Raises
-        ``ValueError`` when the rule fails or gives non-finite values.
+        ``rule`` defaults to :meth:`rule_for_g`; keys in ``buffers`` (:mod:`.buffers`) take the
+        weighted mean, never the rule. None when ``source`` is empty. Raises ``ValueError``
+        when the rule fails or gives non-finite values.
         """
         rule = self.rule_for_g() if rule is None else rule
         floats = [k for k, t in theta.items() if t.is_floating_point()]
+        plain = [k for k in floats if k in buffers]
+        params = [k for k in floats if k not in buffers]
         opts = {} if self.orthogonalize == "update" else self.round_options(server_round)
         if getattr(rule, "streaming", False) and self.robust is None:
-            merger = StreamingMerger(rule, **opts)
+            merger, means = StreamingMerger(rule, **opts), StreamingMerger(MERGE_RULES["mean"])
             for r in source:
                 d = r.update(theta)
                 r.release()
                 used.append(r)  # before add(): a reply that makes add() fail is a suspect
-                merger.add({k: d[k] for k in floats}, weight(r))
-            return finite_or_raise(merger.result()) if used else None
+                for acc, keys in ((merger, params), (means, plain)):
+                    if keys:
+                        acc.add({k: d[k] for k in keys}, weight(r))
+            if not used:
+                return None
+            g = {**(merger.result() if params else {}), **(means.result() if plain else {})}
+            return finite_or_raise(g)
         deltas = []
         for r in source:
             d = r.update(theta)
@@ -131,48 +143,10 @@ class RoundMerge:
         if self.robust is not None:
             g = self.robust.merge(rule, opts, floats, lambda i, k: deltas[i][k], ws)
             return finite_or_raise(g)
-        return finite_or_raise(merge(rule, deltas, ws, **opts))
-
-    def merge_or_isolate(
-        self,
-        theta: Mapping[str, torch.Tensor],
-        source: Iterable[Any],
-        used: list[Any],
-        weight: Callable[[Any], float],
-        server_round: int,
-        reject: Callable[[Any, str], None],
-        on_failure: Callable[[Exception], None] | None = None,
-    ) -> Tensors | None:
-        """``g`` over all replies; if that merge fails, drop the replies that fail alone.
-
-        A merge can fail on finite input (e.g. an SVD that does not converge): then each reply
-        is merged on its own, those that fail or give non-finite values are passed to
-        ``reject(reply, reason)``, and the rest are merged again. ``used`` ends up holding
-        exactly the replies in ``g``.
-        """
-        try:
-            return self.merge(theta, source, used, weight, server_round)
-        except (ValueError, RuntimeError) as exc:
-            rest = [] if isinstance(source, list) else list(source)  # finish a streamed source
-            if on_failure is not None:
-                on_failure(exc)
-        suspects, used[:] = used + rest, []
-        for r in suspects:
-            try:
-                self.merge(theta, [r], [], weight, server_round)
-                used.append(r)
-            except (ValueError, RuntimeError) as exc:
-                reject(r, f"merge fails on this reply: {exc}")
-        if not used:
-            return None
-        kept, used[:] = list(used), []
-        try:
-            return self.merge(theta, kept, used, weight, server_round)
-        except (ValueError, RuntimeError) as exc:
-            for r in kept:
-                reject(r, f"merge of the round failed, model kept: {exc}")
-            used[:] = []
-            return None
+        g = merge(rule, [{k: d[k] for k in params} for d in deltas], ws, **opts) if params else {}
+        if plain:
+            g.update(merge(MERGE_RULES["mean"], [{k: d[k] for k in plain} for d in deltas], ws))
+        return finite_or_raise(g)
 
 
 class RoundFold:
@@ -181,8 +155,18 @@ class RoundFold:
     ``add(reply, weight)`` takes the reply's delta (``reply.update(theta)``, float entries),
     releases the reply's tensors and folds the delta (``weight`` is its merge weight) or spills
     it (``weight`` may then be None: it is asked again at :meth:`finish`). ``spill=True``
-    forces spilling (weights or norms known only at the end). :meth:`finish` returns ``g``;
+    forces spilling (weights or norms known only at the end, or a subset of the replies to be
+    chosen at :meth:`finish`: a folded mean cannot drop a reply). :meth:`finish` returns ``g``;
     :meth:`close` removes the spill directory (:meth:`finish` calls it; use ``with``).
+
+    ``buffers`` (:mod:`.buffers`): float keys merged as FedAvg merges them, the weighted mean
+    of the deltas (same weights, same DP clipping and noise), never the rule. With a robust
+    aggregation they take the same robust aggregate as the rest (the same choice of updates);
+    the rules act on 2-D tensors only, so 1-D running statistics stay that aggregate.
+
+    Out of memory (:func:`~.device.is_out_of_memory`) is not the replies' fault: the merge is
+    retried on the CPU for the round (a logged warning), and a CPU that runs out too raises
+    :class:`~.device.MergeOutOfMemoryError`, which no caller takes for a bad reply.
     """
 
     def __init__(
@@ -194,6 +178,7 @@ class RoundFold:
         spill: bool = False,
         spill_dir: str | None = None,
         dp: GaussianSum | None = None,
+        buffers: Collection[str] = (),
     ) -> None:
         self.merger, self.theta, self.server_round = merger, theta, server_round
         self.dp = dp  # clip each delta, noise the sum (weights forced to 1; dp.py)
@@ -201,8 +186,10 @@ class RoundFold:
             raise ValueError(f"central DP needs a rule of the mean, not {merger.name!r}")
         self.rule = merger.rule_for_g()
         opts = {} if merger.orthogonalize == "update" else merger.round_options(server_round)
+        self.device = merger.device  # the CPU after an out-of-memory error (_merge)
         self.opts = {**opts, "device": merger.device}  # for merge() and OrderFreeMean.result()
         self.floats = [k for k, t in theta.items() if t.is_floating_point()]
+        self.buffers = frozenset(k for k in self.floats if k in buffers)  # the mean, no rule
         self.robust = getattr(merger, "robust", None)  # needs every delta: always spills
         if dp is not None and self.robust is not None:
             raise ValueError("central DP noises the mean; a robust aggregate is not the mean")
@@ -251,10 +238,15 @@ class RoundFold:
         """``(g, used)`` over the replies in ``keep`` (a subset of :attr:`folded`, in the order
         where order matters: content-digest order). A failed merge of spilled deltas drops the
         replies that fail alone (``reject(reply, reason)``) and merges the rest; a failed
-        streaming merge drops the round's replies (their deltas are folded already)."""
+        streaming merge drops the round's replies (their deltas are folded already).
+
+        Without spilling, ``keep`` must be every folded reply: the folded mean has them all, so
+        a strict subset would be reported as used while the others are in ``g``
+        (``ValueError``; fold with ``spill=True`` to choose at the end)."""
         try:
             if not keep:
                 return None, []
+            self._check_keep(keep)
             try:
                 return self._merge(keep, weight), list(keep)
             except (ValueError, RuntimeError) as exc:
@@ -282,11 +274,49 @@ class RoundFold:
         finally:
             self.close()
 
+    def _check_keep(self, keep: list[Any]) -> None:
+        """``keep`` is a subset of :attr:`folded` (the whole of it unless spilled)."""
+        folded = {id(r) for r in self.folded}
+        ids = [id(r) for r in keep]
+        if len(set(ids)) != len(ids) or not folded.issuperset(ids):
+            raise ValueError("finish(keep): keep must name folded replies, each once")
+        if self._store is None and len(ids) != len(folded):
+            raise ValueError(
+                f"finish(keep): {len(ids)} of {len(folded)} folded replies kept, but their "
+                "deltas are folded into one mean; fold with spill=True to keep a subset"
+            )
+
     def _merge(self, replies: list[Any], weight: Callable[[Any], float]) -> Tensors:
+        """:meth:`_merge_on` on the merge device; on out of memory, again on the CPU (the rest
+        of the round stays there), and :class:`MergeOutOfMemoryError` if the CPU runs out."""
+        try:
+            return self._merge_on(replies, weight)
+        except (RuntimeError, MemoryError) as exc:
+            if not is_out_of_memory(exc):
+                raise
+            if self.device.type == "cpu":
+                raise MergeOutOfMemoryError(f"round merge out of memory on the CPU: {exc}") from exc
+            _log.warning(
+                "round %d: merge out of memory on %s (%s); merging this round on the CPU",
+                self.server_round,
+                self.device,
+                exc,
+            )
+            self.device = torch.device("cpu")
+            self.opts = {**self.opts, "device": self.device}
+        try:
+            return self._merge_on(replies, weight)
+        except (RuntimeError, MemoryError) as exc:
+            if is_out_of_memory(exc):
+                raise MergeOutOfMemoryError(f"round merge out of memory on the CPU: {exc}") from exc
+            raise
+
+    def _merge_on(self, replies: list[Any], weight: Callable[[Any], float]) -> Tensors:
         if self._store is None:
             assert self._acc is not None
             perturb = self._perturb(len(replies))
-            return finite_or_raise(self._acc.result(self.rule, perturb=perturb, **self.opts))
+            g = self._acc.result(self.rule, perturb=perturb, plain=self.buffers, **self.opts)
+            return finite_or_raise(g)
         ws = [1.0] * len(replies) if self.dp is not None else [weight(r) for r in replies]
         entries = [self._entry[id(r)] for r in replies]
         if self.robust is not None:
@@ -311,12 +341,12 @@ class RoundFold:
             if self._by_rows(key):
                 out[key] = self._merge_rows(key, entries, ws)
                 continue
-            if getattr(self.rule, "streaming", False):  # one spilled delta read at a time
-                acc = OrderFreeMean()
+            if key in self.buffers or getattr(self.rule, "streaming", False):
+                acc = OrderFreeMean()  # one spilled delta read at a time
                 for e, w in zip(entries, ws, strict=True):
                     acc.add({key: self._store.get(e, key)}, w)
-                perturb = self._perturb(len(replies))
-                out[key] = acc.result(self.rule, perturb=perturb, **self.opts)[key]
+                perturb, plain = self._perturb(len(replies)), self.buffers
+                out[key] = acc.result(self.rule, perturb=perturb, plain=plain, **self.opts)[key]
             else:
                 xs = [self._store.get(e, key) for e in entries]
                 out[key] = merge(self.rule, [{key: x} for x in xs], ws, **self.opts)[key]
@@ -334,7 +364,7 @@ class RoundFold:
     def _by_rows(self, key: str) -> bool:
         """Whether ``key`` merges from row blocks read off the spill files (the rule has a
         ``rows`` form, e.g. TIES, and acts on this tensor)."""
-        if getattr(self.rule, "rows", None) is None:
+        if getattr(self.rule, "rows", None) is None or key in self.buffers:
             return False
         _, pattern = check_options(self.rule, self._rule_opts())
         return rule_applies(key, self.theta[key], pattern)
@@ -348,7 +378,7 @@ class RoundFold:
         norm = normalised_weights(ws, len(ws))
         used = [e for e, w in zip(entries, norm, strict=True) if w > 0]
         norm = [w for w in norm if w > 0]  # zero-weight workers take no part, as in merge()
-        dev = self.merger.device  # the strategy's merge device (resolved at construction)
+        dev = self.device  # the strategy's merge device, or the CPU after out of memory
         cdt = torch.float64 if t0.dtype == torch.float64 else torch.float32
 
         def read(i: int, r0: int, r1: int | None) -> torch.Tensor:

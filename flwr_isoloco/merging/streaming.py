@@ -21,7 +21,7 @@ note at the class).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Container, Mapping
 
 import torch
 
@@ -249,12 +249,14 @@ class OrderFreeMean:
         rule: str | MergeRule = "mean",
         device: str | torch.device | None = "auto",
         perturb: Callable[[str, torch.Tensor], torch.Tensor] | None = None,
+        plain: Container[str] = (),
         **options,
     ) -> dict[str, torch.Tensor]:
         """``transform(mean)`` per tensor (2-D tensors the rule applies to), else the mean.
 
         ``perturb(key, mean)``, when given, replaces each mean before the transform (the DP
-        release, :class:`~flwr_isoloco.merging.dp.GaussianSum`).
+        release, :class:`~flwr_isoloco.merging.dp.GaussianSum`). Keys in ``plain`` (buffers,
+        :mod:`.buffers`) are the mean (perturbed as the rest), never transformed.
 
         The transform runs on ``device`` (:func:`~flwr_isoloco.merging.device.resolve_device`:
         ``"auto"`` is CUDA where available), one tensor at a time; results are CPU tensors."""
@@ -272,7 +274,7 @@ class OrderFreeMean:
             mean = self.mean(k)
             if perturb is not None:
                 mean = perturb(k, mean)
-            if rule.name != "mean" and rule_applies(k, mean, pattern):
+            if rule.name != "mean" and k not in plain and rule_applies(k, mean, pattern):
                 mean = scaled_apply(lambda x: rule.transform(x[0], **opts), [mean.to(dev)])
             out[k] = mean.to(device="cpu", dtype=self._dtypes[k])
         return out

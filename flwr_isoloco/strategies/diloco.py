@@ -32,6 +32,7 @@ from flwr.serverapp import Grid
 
 from flwr_isoloco.compression import payload_nbytes, request_config
 from flwr_isoloco.merging import resolve_device
+from flwr_isoloco.merging.buffers import check_buffers_spec
 from flwr_isoloco.strategies.diloco_config import (
     DEFAULT_MAX_WEIGHT_RATIO,
     DILOCO_RUN_CONFIG,
@@ -42,6 +43,7 @@ from flwr_isoloco.strategies.diloco_config import (
 from flwr_isoloco.strategies.diloco_setup import (
     DP_ARGUMENTS,
     PLAIN_ARGUMENTS,
+    buffer_keys,
     outer_optimizer,
     setup_merge,
     validators,
@@ -144,6 +146,14 @@ class DiLoCo(FromRunConfig, DiLoCoState, ResumableStrategy):
         ``"multikrum"`` (``f``, ``select``), ``"norm-clip"`` (to the round's median norm),
         ``"distance-filter"`` (``factor``, default 2: leaves out updates farther from the
         coordinate-wise median than ``factor x`` the median such distance).
+    buffers : "auto" | "none" | regex | names | callable | nn.Module
+        The float tensors that are not trained by gradients (BatchNorm running statistics):
+        merged as FedAvg merges them, ``theta_b <- sum_i w_i theta_b,i / sum_i w_i`` (the
+        round's merge weights; no merge rule, no outer step, no momentum); the outer step owns
+        the rest. ``"auto"`` (default): names ending in ``running_*`` / ``moving_*`` and the
+        like (:mod:`flwr_isoloco.merging.buffers`); ``"none"``: every float tensor is a
+        parameter; a regex, a list of names, ``fn(name, tensor) -> bool`` or a module whose
+        ``named_buffers()`` they are. Under central DP they are in the clipped, noised delta.
     """
 
     secagg: Any = None
@@ -196,6 +206,7 @@ class DiLoCo(FromRunConfig, DiLoCoState, ResumableStrategy):
         dp_clip_count_std: float | None = None,
         robust: str | None = "none",
         robust_options: Mapping[str, Any] | None = None,
+        buffers: Any = "auto",
     ) -> None:
         args = dict(locals())  # every argument by name, for the checks and setters below
         self.quorum, self.grace_s = check_quorum(quorum, grace_s)
@@ -205,6 +216,7 @@ class DiLoCo(FromRunConfig, DiLoCoState, ResumableStrategy):
         self.max_weight_ratio = float(max_weight_ratio or 0.0)
         self._guard = EmptyRoundGuard(max_empty_rounds, "aggregate_train")
         setup_merge(self, merge, merge_options, orthogonalize, seed, robust, robust_options)
+        self.buffers = check_buffers_spec(buffers)  # float tensors the outer step does not own
         self.codec_request = request_config(upload_codec, codec_options, error_feedback)  # checks
         self.upload_codec = upload_codec or "none"
         self._bytes_down = 0
@@ -476,9 +488,14 @@ class DiLoCo(FromRunConfig, DiLoCoState, ResumableStrategy):
         return 1.0 if self.weighting == "uniform" else reply.weight
 
     def _outer_step(self, g: Mapping[str, torch.Tensor]) -> None:
-        """``theta <- theta - lr u`` (OuterSGD; ``u`` orthogonalised with "update")."""
+        """``theta <- theta - lr u`` (OuterSGD; ``u`` orthogonalised with "update") for the
+        parameters; ``theta_b <- theta_b - g_b`` (the nodes' weighted mean) for the buffers."""
         assert self.theta is not None
-        params = {k: self.theta[k] for k in g}
+        buffers = buffer_keys(self)
+        params = {k: self.theta[k] for k in g if k not in buffers}
         transform = self.merger.update_transform(self.server_round)
-        new = self.outer.step(params, g, update_transform=transform)
+        new = self.outer.step(params, {k: g[k] for k in params}, update_transform=transform)
+        new.update({k: self.theta[k] - g[k].to(self.theta[k].dtype) for k in g if k in buffers})
+        for k in buffers:  # a checkpoint from before buffers were told apart may hold some
+            self.outer.momentum_buffer.pop(k, None)
         self.theta = {**self.theta, **{k: v.float() for k, v in new.items()}}

@@ -16,6 +16,7 @@ from typing import Any
 
 from flwr_isoloco.compression import CODECS
 from flwr_isoloco.merging import MERGE_RULES
+from flwr_isoloco.merging.buffers import check_buffers_spec
 from flwr_isoloco.merging.device import parse_device
 from flwr_isoloco.merging.robust import ROBUST_OPTIONS, ROBUST_RULES
 from flwr_isoloco.outer import ISOLOCO_PRESETS
@@ -91,6 +92,7 @@ DILOCO_RUN_CONFIG: dict[str, Any] = {
     "robust-f": -1,
     "robust-select": -1,
     "robust-factor": -1.0,
+    "buffers": "auto",
 }
 """``quorum``: fraction of the sampled nodes in (0, 1] (1.0 = all) or a count >= 1; ``grace-s``:
 seconds to wait for the rest once the quorum is in (strategies/rounds.py). ``robust``: the
@@ -98,7 +100,9 @@ robust aggregation (merging/robust.py); its options ``robust-trim`` / ``robust-f
 ``robust-select`` / ``robust-factor`` at -1 take the rule's default. ``dp-*``: central DP (strategies/privacy.py);
 0 for the noise multiplier, clipping norm or max epsilon = off; ``dp-adaptive-quantile`` 0 =
 fixed clipping norm, else adaptive clipping with ``dp-clip-lr`` and ``dp-clip-count-std``. ``merge-device``: where the
-server merge computes ("auto" | "cpu" | "cuda" | "cuda:<index>", merging/device.py)."""
+server merge computes ("auto" | "cpu" | "cuda" | "cuda:<index>", merging/device.py). ``buffers``:
+the tensors merged as FedAvg does, outside the outer step ("auto" | "none" | a regex;
+merging/buffers.py)."""
 ISOLOCO_RUN_CONFIG: dict[str, Any] = {
     **DILOCO_RUN_CONFIG,
     "merge": "",  # "": the preset's rule
@@ -191,6 +195,7 @@ RUN_CONFIG_CHECKS: dict[str, Any] = {
     "robust-f": _default_or_non_negative,
     "robust-select": _default_or_positive,
     "robust-factor": _default_or_factor,
+    "buffers": check_buffers_spec,
 }
 """Value checks per key (types come from the defaults); merge options are checked by the rule."""
 
@@ -275,6 +280,7 @@ def section_kwargs(c: Mapping[str, Any]) -> dict[str, Any]:
         dp_clip_count_std=c["dp-clip-count-std"] or None,
         robust=c["robust"],
         robust_options=robust_options(c),
+        buffers=c["buffers"],
     )
 
 

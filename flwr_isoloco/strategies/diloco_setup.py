@@ -10,6 +10,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from flwr_isoloco.merging import MERGE_RULES
+from flwr_isoloco.merging.buffers import resolve_buffers
 from flwr_isoloco.merging.robust import RobustMerge, resolve_robust
 from flwr_isoloco.merging.round import RoundMerge
 from flwr_isoloco.merging.rules import check_options
@@ -93,6 +94,19 @@ def setup_merge(
         robust=aggregator,
         device=s.merge_device,
     )
+
+
+def buffer_keys(s: Any) -> frozenset[str]:
+    """The float keys of strategy ``s``'s model that are buffers (``s.buffers``,
+    :func:`~flwr_isoloco.merging.buffers.resolve_buffers`), resolved once per set of keys."""
+    if s.theta is None:
+        return frozenset()
+    keys = tuple(s.theta)
+    cached = s.__dict__.get("_buffer_keys")
+    if cached is None or cached[0] != keys or cached[1] is not s.buffers:
+        cached = (keys, s.buffers, resolve_buffers(s.buffers, s.theta))
+        s.__dict__["_buffer_keys"] = cached
+    return cached[2]
 
 
 def outer_optimizer(outer_lr: Any, outer_momentum: Any, nesterov: Any) -> OuterSGD:

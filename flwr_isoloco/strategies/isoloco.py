@@ -58,7 +58,8 @@ class IsoLoCo(DiLoCo):
     max_weight_ratio, max_empty_rounds, dtype_policy, seed, upload_codec, codec_options,
     error_feedback, quorum, grace_s, on_divergence, divergence_factor, divergence_key,
     merge_device, dp_noise_multiplier, dp_clipping_norm, dp_delta, dp_max_epsilon, dp_seed,
-    dp_mode, dp_adaptive_quantile, dp_clip_lr, dp_clip_count_std, robust, robust_options :
+    dp_mode, dp_adaptive_quantile, dp_clip_lr, dp_clip_count_std, robust, robust_options,
+    buffers :
         As in :class:`DiLoCo`.
     """
 
@@ -113,6 +114,7 @@ class IsoLoCo(DiLoCo):
         dp_clip_count_std: float | None = None,
         robust: str | None = "none",
         robust_options: Mapping[str, Any] | None = None,
+        buffers: Any = "auto",
     ) -> None:
         args = dict(locals())  # the arguments by name: DiLoCo's, plus preset and fast
         p = resolve_preset(preset)

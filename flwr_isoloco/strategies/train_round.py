@@ -28,8 +28,10 @@ from typing import TYPE_CHECKING, Any
 from flwr.app import ArrayRecord, Message, MetricRecord
 from flwr.common.logger import log
 
+from flwr_isoloco.merging.device import is_out_of_memory
 from flwr_isoloco.merging.round import RoundFold
 from flwr_isoloco.merging.weights import bounded_weights
+from flwr_isoloco.strategies.diloco_setup import buffer_keys
 from flwr_isoloco.strategies.metrics import metric_record, tensor_norm, train_client_metrics
 from flwr_isoloco.strategies.replies import CheckedReply, Rejection, ReplyReport
 
@@ -56,7 +58,8 @@ class TrainRound:
         spill = self.collect or bool(self.v.max_norm_ratio)
         floats = [k for k, t in s.theta.items() if t.is_floating_point()]
         dp = s.dp.mechanism(server_round, len(s._train_ledger._sent), floats)  # None: DP off
-        self.fold = RoundFold(s.merger, s.theta, server_round, spill=spill, dp=dp)
+        buffers = buffer_keys(s)  # merged as FedAvg does, outside the outer step
+        self.fold = RoundFold(s.merger, s.theta, server_round, spill=spill, dp=dp, buffers=buffers)
         self.taken: list[CheckedReply] = []
         self.answered: set[str] = set()
         self._w: dict[int, float] = {}  # id(reply) -> merge weight
@@ -86,6 +89,8 @@ class TrainRound:
             self.fold.add(r, w)
         except (ValueError, RuntimeError) as exc:
             r.release()
+            if is_out_of_memory(exc):  # the server's memory, not this reply's data
+                raise
             v.reject(self.report, r.node_id, f"merge refused this delta: {exc}")
             return
         r.strip()
@@ -159,6 +164,8 @@ class TrainRound:
                 s._outer_step(g)
                 new_arrays = s._model_record()
             except (ValueError, RuntimeError) as exc:
+                if is_out_of_memory(exc):  # not the replies' fault: fail loudly
+                    raise
                 for r in checked:
                     v.reject(report, r.node_id, f"outer step failed, model kept: {exc}")
                 checked = []

@@ -19,26 +19,37 @@ TEST_FRACTION = 0.2
 SPLIT_SEED = 0
 
 
+MODELS = ("cnn", "mlp", "cnn-bn")
+
+
 class Net(nn.Module):
     """``model="cnn"``: two 3x3 conv layers (16, 32 channels, max-pool 2 each), then
-    128 -> 64 -> 10. ``model="mlp"``: 64 -> 64 -> 10. Initialised from ``seed``."""
+    128 -> 64 -> 10. ``model="mlp"``: 64 -> 64 -> 10. ``model="cnn-bn"``: the CNN with a
+    ``BatchNorm2d`` after each conv layer (running statistics in the state_dict: buffers, which
+    DiLoCo / IsoLoCo merge as FedAvg does). Initialised from ``seed``."""
 
     def __init__(self, seed: int = 0, model: str = "cnn") -> None:
         super().__init__()
-        if model not in ("cnn", "mlp"):
-            raise ValueError(f"model must be 'cnn' or 'mlp', got {model!r}")
+        if model not in MODELS:
+            raise ValueError(f"model must be one of {MODELS}, got {model!r}")
         torch.manual_seed(seed)
         self.model = model
-        if model == "cnn":
+        conv = model != "mlp"
+        if conv:
             self.conv1 = nn.Conv2d(1, 16, 3, padding=1)
             self.conv2 = nn.Conv2d(16, 32, 3, padding=1)
-        self.fc1 = nn.Linear(32 * 2 * 2 if model == "cnn" else 64, 64)
+        if model == "cnn-bn":
+            self.bn1, self.bn2 = nn.BatchNorm2d(16), nn.BatchNorm2d(32)
+        self.fc1 = nn.Linear(32 * 2 * 2 if conv else 64, 64)
         self.fc2 = nn.Linear(64, 10)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.model == "cnn":
-            x = nn.functional.max_pool2d(torch.relu(self.conv1(x)), 2)
-            x = nn.functional.max_pool2d(torch.relu(self.conv2(x)), 2)
+        if self.model != "mlp":
+            bn = self.model == "cnn-bn"
+            x = self.conv1(x)
+            x = nn.functional.max_pool2d(torch.relu(self.bn1(x) if bn else x), 2)
+            x = self.conv2(x)
+            x = nn.functional.max_pool2d(torch.relu(self.bn2(x) if bn else x), 2)
         return self.fc2(torch.relu(self.fc1(x.flatten(1))))
 
 

@@ -1,0 +1,96 @@
+"""Which floating tensors of a model are *buffers*: state not trained by gradients.
+
+The server sees a state_dict only (an ArrayRecord), so every floating tensor looks alike. A
+BatchNorm layer's ``running_mean`` / ``running_var`` are not parameters: each node's training
+sets them to its own data's statistics. The outer optimiser must not own them: its momentum and
+step size extrapolate the change of a statistic (a running variance of 1.0 that every node
+reports as 0.2 becomes ``1 - 0.7 (0.8 + 0.9 x 0.8) = -0.064`` after one Nesterov step at lr 0.7,
+mu 0.9, and BatchNorm then returns NaN in eval mode). A buffer is merged as FedAvg merges it::
+
+    theta_b <- theta_b - sum_i w_i (theta_b - theta_b,i) / sum_i w_i = sum_i w_i theta_b,i / W
+
+the weighted mean of the nodes' values (the round's bounded merge weights), with no merge rule
+(Iso-C, TIES...), no outer step and no momentum.
+
+:func:`resolve_buffers` turns a ``buffers`` specification into the set of names:
+
+- ``"auto"`` (default): :data:`DEFAULT_BUFFER_PATTERN`, the common names of running statistics:
+  a last name component ``running_*`` (torch BatchNorm / InstanceNorm / SyncBatchNorm:
+  ``running_mean``, ``running_var``), ``moving_*`` (Keras-style ``moving_mean``,
+  ``moving_variance``), any tensor under a ``batch_stats`` component (Flax), and spectral
+  norm's power-iteration vectors (``weight_u`` / ``weight_v``, or ``..._u`` / ``..._v`` under
+  ``parametrizations``). Integer tensors (``num_batches_tracked``) are never in the outer step.
+- ``None`` / ``"none"``: no buffers (every floating tensor is a parameter: the behaviour before
+  buffers were told apart).
+- any other string: a regular expression, searched in each name (``re.search``).
+- a callable ``fn(name, tensor) -> bool``.
+- an ``nn.Module``: the names of its ``named_buffers()`` (those in the state_dict).
+- an iterable of names (each must be a floating tensor of the model).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import torch
+
+__all__ = ["DEFAULT_BUFFER_PATTERN", "check_buffers_spec", "resolve_buffers"]
+
+DEFAULT_BUFFER_PATTERN = (
+    r"(^|\.)(running_[^.]*|moving_[^.]*|weight_[uv])$"
+    r"|(^|\.)batch_stats\."
+    r"|(^|\.)parametrizations\.[^.]+\.\d+\._[uv]$"
+)
+"""The names ``buffers="auto"`` treats as buffers (module docstring)."""
+
+_NONE = ("none", "")
+
+
+def check_buffers_spec(spec: Any) -> Any:
+    """``spec`` itself when it is a valid ``buffers`` argument; ``ValueError`` else (a regex
+    that does not compile, a name that is not a string)."""
+    if spec is None or isinstance(spec, torch.nn.Module) or callable(spec):
+        return spec
+    if isinstance(spec, str):
+        if spec.strip().lower() not in ("auto", *_NONE):
+            try:
+                re.compile(spec)
+            except re.error as exc:
+                raise ValueError(f"buffers={spec!r} is not a regular expression: {exc}") from None
+        return spec
+    if isinstance(spec, Iterable) and not isinstance(spec, (bytes, Mapping)):
+        names = list(spec)
+        bad = [n for n in names if not isinstance(n, str)]
+        if bad:
+            raise ValueError(f"buffers: names must be strings, got {bad[0]!r}")
+        return tuple(names)
+    raise ValueError(
+        "buffers must be 'auto', 'none', a regex, names, a callable (name, tensor) -> bool "
+        f"or an nn.Module, got {spec!r}"
+    )
+
+
+def resolve_buffers(spec: Any, theta: Mapping[str, torch.Tensor]) -> frozenset[str]:
+    """The floating tensors of ``theta`` that ``spec`` names as buffers (module docstring).
+
+    Raises ``ValueError`` for a listed name that is not a floating tensor of ``theta``."""
+    floats = [k for k, t in theta.items() if t.is_floating_point()]
+    if spec is None or (isinstance(spec, str) and spec.strip().lower() in _NONE):
+        return frozenset()
+    if isinstance(spec, torch.nn.Module):
+        own = {name for name, _ in spec.named_buffers()}
+        return frozenset(k for k in floats if k in own)
+    if isinstance(spec, str):
+        pattern = DEFAULT_BUFFER_PATTERN if spec.strip().lower() == "auto" else spec
+        found = re.compile(pattern)
+        return frozenset(k for k in floats if found.search(k))
+    if callable(spec):
+        fn: Callable[[str, torch.Tensor], bool] = spec
+        return frozenset(k for k in floats if fn(k, theta[k]))
+    names = frozenset(spec)
+    missing = sorted(names - set(floats))
+    if missing:
+        raise ValueError(f"buffers: {missing[0]!r} is not a floating tensor of the model")
+    return names
