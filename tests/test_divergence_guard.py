@@ -77,10 +77,12 @@ def test_warn_logs_round_losses_and_factor_and_keeps_the_update(caplog):
         res = run(diloco(), 3, Scripted([1.0, 0.9, 2.0, 1.9]))
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     flagged = [w for w in warnings if "divergence guard" in w]
-    assert len(flagged) == 1, warnings
+    assert len(flagged) == 2, warnings
     assert "round 2: loss 0.9 -> 2 " in flagged[0] and "factor 1.5" in flagged[0]
     assert "update kept" in flagged[0]
-    assert _diverged(res) == [0, 1, 0]  # round 3 (1.9) is compared with round 2's kept 2.0
+    # round 3 (1.9) is no jump from round 2's kept 2.0, but still above 1.5 x the best 0.9
+    assert "round 3: loss 2 -> 1.9 (above 1.5 x the best loss so far 0.9" in flagged[1]
+    assert _diverged(res) == [0, 1, 1]
     assert _diverged(plain) == [0, 0, 0]  # factor 0: only non-finite losses count
     a, b = plain.arrays.to_torch_state_dict(), res.arrays.to_torch_state_dict()
     assert _equal(a, b)  # "warn" changes nothing but the log and the metric
@@ -134,7 +136,7 @@ def test_resume_restores_the_reference_loss(tmp_path):
     first = diloco(on_divergence="skip")
     run(first, 2, Scripted([1.0, 0.5, 0.6]))
     sd = first.state_dict()
-    assert sd["meta"]["divergence"] == {"reference": 0.6}
+    assert sd["meta"]["divergence"] == {"reference": 0.6, "best": 0.5}
     save_checkpoint(tmp_path / "c.safetensors", sd["tensors"], sd["meta"])
     tensors, meta = load_checkpoint(tmp_path / "c.safetensors")
     second = diloco(on_divergence="skip")
@@ -216,3 +218,75 @@ def test_graph_strategies_warn_and_refuse_skip(cls, caplog):
     s.set_divergence_guard("stop")
     with pytest.raises(DivergenceError):
         run(s, 2, Scripted([1.0, math.nan]))
+
+
+# --------------------------------------------------------------------- slow collapse (issue 34)
+ISSUE_34 = [0.39, 0.42, 0.5, 0.6, 0.72, 0.86, 1.07]
+"""A test loss climbing 0.39 -> 1.07 (issue 34, item 7) in steps of at most x1.25."""
+
+
+def test_a_slow_collapse_is_flagged_against_the_best_loss():
+    assert max(b / a for a, b in zip(ISSUE_34[:-1], ISSUE_34[1:], strict=True)) < 1.5  # no jump
+    g = DivergenceGuard("warn")
+    g.observe({"loss": ISSUE_34[0]})
+    flags = [g.check(r, {"loss": v}) for r, v in enumerate(ISSUE_34[1:], start=1)]
+    assert flags == [False, False, True, True, True, True]  # from 0.6 > 1.5 x 0.39 on
+    assert g.best == 0.39 and g.reference == 1.07
+
+
+def test_a_slow_collapse_stops_a_run_and_skip_keeps_the_best_model():
+    with pytest.raises(DivergenceError, match="round 3"):
+        run(diloco(on_divergence="stop"), 6, Scripted(ISSUE_34))
+    s = diloco(on_divergence="skip")
+    # every round after round 2 keeps collapsing: each is undone and re-evaluated at 0.5
+    res = run(s, 4, Scripted([0.39, 0.42, 0.5, 0.6, 0.5, 0.62, 0.5]))
+    assert _diverged(res) == [0, 0, 1, 1]
+    assert s.divergence_guard.best == 0.39 and s.outer.steps == 2
+
+
+def test_collapse_factor_is_checked_documented_and_can_be_off():
+    g = DivergenceGuard("warn", collapse_factor=0)
+    g.observe({"loss": ISSUE_34[0]})
+    assert not any(g.check(r, {"loss": v}) for r, v in enumerate(ISSUE_34[1:], start=1))
+    assert not DivergenceGuard("warn", factor=0).diverged(100.0)  # factor 0: non-finite only
+    for bad in (0.5, -1, math.inf, True, "2"):
+        with pytest.raises(ValueError, match="collapse_factor"):
+            DivergenceGuard("warn", collapse_factor=bad)
+    s = diloco()
+    s.set_divergence_guard("warn", 1.5, None, collapse_factor=3.0)
+    assert s.divergence_guard.collapse_factor == 3.0
+
+
+def _record_curves(name: str, path: list) -> list[list[float]]:
+    import json
+    from pathlib import Path
+
+    data = json.loads((Path(__file__).parents[1] / "benchmarks" / "results" / name).read_text())
+    for step in path:
+        data = data[step]
+    return data
+
+
+def test_healthy_record_curves_are_not_flagged_and_a_diverging_one_is():
+    """The default factors against our records: the 54 LM runs of compression_loss.json and
+    the sentiment runs of rwlora_summary.json are healthy (largest loss / best so far: 1.07,
+    1.15) and raise no flag; weight_bound.json's attack-off DiLoCo diverges slowly (7.50 ->
+    14.68, at most x1.14 a round) and is flagged."""
+    curves = [run["val-loss"] for run in _record_curves("compression_loss.json", ["runs"])]
+    summary = _record_curves("rwlora_summary.json", ["runs"])
+    curves += [
+        [r["test-loss"] for r in run["rounds"] if "test-loss" in r] for run in summary.values()
+    ]
+    assert len(curves) >= 55
+    for curve in curves:
+        g = DivergenceGuard("warn")
+        g.observe({"loss": curve[0]})
+        assert not any(g.check(r, {"loss": v}) for r, v in enumerate(curve[1:], start=1)), curve
+    bad = [
+        c
+        for c in _record_curves("weight_bound.json", [])
+        if c.get("case") == "attack-off" and c.get("strategy") == "diloco"
+    ][0]["val_loss"]
+    g = DivergenceGuard("warn")
+    g.observe({"loss": bad[0]})
+    assert any(g.check(r, {"loss": v}) for r, v in enumerate(bad[1:], start=1))

@@ -108,8 +108,10 @@ class DiLoCo(FromRunConfig, DiLoCoState, ResumableStrategy):
         replies are decoded before validation; plain fp32 replies stay accepted.
     on_divergence, divergence_factor, divergence_key :
         The divergence guard (:mod:`~flwr_isoloco.strategies.divergence`): ``"warn"``
-        (default) | ``"skip"`` | ``"stop"`` when the ``evaluate_fn`` loss is non-finite or
-        above ``divergence_factor`` (default 1.5; 0 = non-finite only) x the previous round's.
+        (default) | ``"skip"`` | ``"stop"`` when the ``evaluate_fn`` loss is non-finite,
+        above ``divergence_factor`` (default 1.5; 0 = non-finite only) x the previous round's,
+        or above 1.5 x the best so far (a slow collapse; ``collapse_factor`` of
+        ``set_divergence_guard``).
     merge_device : "auto" | "cpu" | "cuda" | "cuda:<index>"
         Where the server merge computes (:func:`~flwr_isoloco.merging.resolve_device`):
         ``"auto"`` (default) is CUDA where ``torch.cuda.is_available()``, else the CPU. The

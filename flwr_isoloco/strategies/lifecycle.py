@@ -21,7 +21,8 @@ Apps write results rows and checkpoints there; ``strategy.state_dict()`` then ho
 
 Between ``evaluate_fn`` and the hook the divergence guard
 (:mod:`~flwr_isoloco.strategies.divergence`, :meth:`ResumableStrategy.set_divergence_guard`)
-compares the round's evaluation loss with the previous one: ``"warn"`` logs, ``"skip"``
+compares the round's evaluation loss with the previous one and with the best one so far (a
+slow collapse): ``"warn"`` logs, ``"skip"``
 restores :meth:`~ResumableStrategy.round_snapshot` (taken before :meth:`run_round`) and
 evaluates the restored model again, ``"stop"`` raises after the hook.
 """
@@ -41,7 +42,11 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result, Strategy
 from flwr.serverapp.strategy.strategy_utils import log_strategy_start_info
 
-from flwr_isoloco.strategies.divergence import DEFAULT_DIVERGENCE_FACTOR, DivergenceGuard
+from flwr_isoloco.strategies.divergence import (
+    DEFAULT_COLLAPSE_FACTOR,
+    DEFAULT_DIVERGENCE_FACTOR,
+    DivergenceGuard,
+)
 
 __all__ = ["ResumableStrategy", "RoundEndFn", "RoundOutcome"]
 
@@ -82,15 +87,20 @@ class ResumableStrategy(Strategy):
         on_divergence: str = "warn",
         divergence_factor: float = DEFAULT_DIVERGENCE_FACTOR,
         divergence_key: str | None = None,
+        collapse_factor: float = DEFAULT_COLLAPSE_FACTOR,
     ) -> None:
         """Set the divergence guard (:mod:`~flwr_isoloco.strategies.divergence`).
 
         ``on_divergence``: ``"warn"`` | ``"skip"`` | ``"stop"``; ``divergence_factor``: a round
         whose ``evaluate_fn`` loss is above ``factor x`` the previous one's (or not finite)
         diverged (``>= 1``; 0 = only non-finite); ``divergence_key``: the loss's metric name
-        (None: the first of ``LOSS_KEYS`` present). ``"skip"`` needs :meth:`round_snapshot`.
+        (None: the first of ``LOSS_KEYS`` present); ``collapse_factor``: a round whose loss is
+        above ``collapse_factor x`` the best one so far diverged too (default 1.5; 0 = off).
+        ``"skip"`` needs :meth:`round_snapshot`.
         """
-        guard = DivergenceGuard(on_divergence, divergence_factor, divergence_key)
+        guard = DivergenceGuard(
+            on_divergence, divergence_factor, divergence_key, collapse_factor=collapse_factor
+        )
         if on_divergence == "skip" and not self._can_snapshot():
             raise ValueError(
                 f"on_divergence='skip' needs {type(self).__name__} to restore a round "
