@@ -20,9 +20,25 @@ from .task import model_fn_for, model_source, text_splits, tokenizer_for
 app = ServerApp()
 
 
+def check_output_dir(out: str) -> None:
+    """``output-dir`` must be absolute (the ServerApp runs in the SuperLink's folder); empty
+    means nothing is written, which is said at once rather than found out after training."""
+    if out and not os.path.isabs(out):
+        raise ValueError(
+            f"output-dir must be an absolute path (the ServerApp runs in the SuperLink's "
+            f"folder), got {out!r}"
+        )
+    if not out:
+        print(
+            "hf_causal_lm: output-dir is empty: the trained model and result.json will not be "
+            "written (add --run-config \"output-dir='/absolute/path'\")"
+        )
+
+
 @app.main()
 def main(grid: Grid, context: Context) -> None:
     rc = context.run_config
+    check_output_dir(rc["output-dir"])  # before any model is loaded or trained
     source = model_source(rc["model"], rc["cache-dir"])  # converts a GGUF before any node
     model, tok = model_fn_for(source)(), tokenizer_for(source)
     _, val_ds = text_splits(rc["text"], rc["val-docs"])

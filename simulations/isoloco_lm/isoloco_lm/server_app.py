@@ -57,9 +57,22 @@ REPLY_COLUMNS = ("replies-used", "replies-rejected", "replies-missing")
 HF_COLUMNS = ("worker-time-s", "worker-peak-rss-mb")
 
 
+PPL_CAP_LOSS = 50.0
+"""``val-ppl = exp(min(val-loss, 50))``: beyond a loss of 50 the number is the cap, not the
+model's perplexity (and exp would overflow a float near 710)."""
+
+
+def ppl_text(loss: float, ppl: float) -> str:
+    """The perplexity for a log line: ``91.3``, or ``>5.2e+21 (capped)`` when the loss is above
+    :data:`PPL_CAP_LOSS` (the metric then holds the cap, not ``exp(loss)``)."""
+    if loss > PPL_CAP_LOSS:
+        return f">{math.exp(PPL_CAP_LOSS):.1e} (capped)"
+    return f"{ppl:.1f}"
+
+
 def summary(row: dict[str, Any]) -> str:
     """``val loss 4.5139 ppl 91.3 | train loss 4.61 | replies 4 used, 0 rejected, ...``."""
-    text = f"val loss {row['val-loss']:.4f} ppl {row['val-ppl']:.1f}"
+    text = f"val loss {row['val-loss']:.4f} ppl {ppl_text(row['val-loss'], row['val-ppl'])}"
     if row["round"] == 0:
         return text
     train = "n/a" if row.get("train-loss") is None else f"{row['train-loss']:.4f}"
@@ -109,7 +122,7 @@ def build(cfg, nodes: list[int]) -> AppRun:
     def evaluate(server_round: int, arrays: ArrayRecord) -> dict[str, float]:
         load_model_arrays(model, arrays)
         loss = evaluate_model(model, val)
-        return {"val-loss": loss, "val-ppl": math.exp(min(loss, 50.0))}
+        return {"val-loss": loss, "val-ppl": math.exp(min(loss, PPL_CAP_LOSS))}
 
     def row(server_round: int, tm: dict[str, Any], em: dict[str, Any]) -> dict[str, Any]:
         return {
