@@ -423,6 +423,22 @@ def table(res: dict, variants: dict | None = None) -> str:
     return "\n".join(rows)
 
 
+def code_version() -> str:
+    """The commit measured: ``git rev-parse HEAD`` (``+dirty`` when flwr_isoloco/ or the app has
+    uncommitted changes), or ``$BENCH_COMMIT`` where the tree is an exported snapshot."""
+    import os
+    import subprocess
+
+    def git(*a: str) -> str:
+        return subprocess.run(["git", *a], cwd=REPO, capture_output=True, text=True).stdout
+
+    head = git("rev-parse", "HEAD").strip()
+    if not head:
+        return os.environ.get("BENCH_COMMIT", "unknown")
+    dirty = git("status", "--porcelain", "flwr_isoloco", "examples/digits").strip()
+    return head + ("+dirty" if dirty else "")
+
+
 def bn_docs(saved: dict, doc: Path = DOC) -> None:
     """Write the BatchNorm table (``saved["sweep_bn"]``) and the running-variance record
     between the BUFFERS TABLE markers of docs/strategies.md."""
@@ -509,7 +525,7 @@ def main() -> None:
             lambda: FedAvg(fraction_train=1.0, min_available_nodes=2)
         )
     if args.bn:
-        out["config_bn"] = {**out["config"], "model": "cnn-bn"}
+        out["config_bn"] = {**out["config"], "model": "cnn-bn", "commit": code_version()}
         out["sweep_bn"] = sweep(rounds, seeds, "cnn-bn", tuple(args.parts), BN_SWEEP)
         out["sweep_bn_failures"] = check(out["sweep_bn"], names=("DiLoCo()", "IsoLoCo()"))
     if args.negative_variance or args.bn:
