@@ -98,3 +98,16 @@ def test_secagg_round_calls_the_app_s_train_metrics_aggr_fn():
     key, metrics = calls[0]
     assert key == "num-examples" and len(metrics) == 3
     assert all(x["num-examples"] == 1.0 and "train-loss" in x for x in metrics)
+
+
+def test_secagg_round_out_of_memory_fails_loudly_not_blamed_on_the_replies(monkeypatch):
+    """An out-of-memory merge under SecAgg+ is the server's fault: it raises (as the plain
+    round does, issue 34 item 4) instead of rejecting every reply of the round."""
+    s = _strategy()
+
+    def oom(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    monkeypatch.setattr(s.merger, "merge", oom)
+    with pytest.raises(torch.OutOfMemoryError):
+        _federation(s, secagg=True, rounds=1)

@@ -49,6 +49,7 @@ from flwr.server.workflow.constant import MAIN_CONFIGS_RECORD, MAIN_PARAMS_RECOR
 from flwr.server.workflow.constant import Key as WorkflowKey
 
 from flwr_isoloco.compression import payload_nbytes
+from flwr_isoloco.merging.device import is_out_of_memory
 from flwr_isoloco.secagg_mod import (
     CLIPPED_METRIC,
     FLOAT_KEYS_KEY,
@@ -56,6 +57,7 @@ from flwr_isoloco.secagg_mod import (
     RANGE_KEY,
     WEIGHTING_KEY,
 )
+from flwr_isoloco.strategies.diloco_setup import buffer_keys
 from flwr_isoloco.strategies.lifecycle import RoundOutcome
 from flwr_isoloco.strategies.metrics import metric_record, tensor_norm, train_client_metrics
 from flwr_isoloco.strategies.privacy import require_secagg
@@ -438,7 +440,10 @@ class SecAggRound(LegacyStrategy):
         t0 = time.perf_counter()
         used: list[Any] = []
         try:
-            g = s.merger.merge(s.theta, [_Aggregate(dict(agg))], used, lambda r: 1.0, self.round)
+            aggregate = [_Aggregate(dict(agg))]
+            g = s.merger.merge(
+                s.theta, aggregate, used, lambda r: 1.0, self.round, buffers=buffer_keys(s)
+            )
             if g is None:
                 return None, {}
             extra = {
@@ -447,6 +452,8 @@ class SecAggRound(LegacyStrategy):
             }
             s._outer_step(g)
         except (ValueError, RuntimeError) as exc:
+            if is_out_of_memory(exc):  # the server's fault, not the replies': fail loudly
+                raise
             for r in replies:
                 s.train_validator.reject(report, r.node_id, f"merge / outer step failed: {exc}")
             return None, {}
