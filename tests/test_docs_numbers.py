@@ -131,8 +131,6 @@ UNITS = {"ms": 1e-3, "%": 1e-2, "MB": 1e6, "kB": 1e3, "GB": 1e9}
 # (file, heading, first header cell) -> why a measured table has no record yet. The test fails
 # once such a table matches its records (or is gone), so an entry can only be removed.
 NO_RECORD: dict[tuple[str, str, str], str] = {
-    ("privacy.md", "Adaptive clipping (central DP)", "z"): "epsilons computed with Flower's "
-    "accountant by `python tests/test_dp_epsilon_oracle.py`, printed and not kept as a record",
     (
         "deployment.md",
         "Measured (loopback, 2 shared cores)",

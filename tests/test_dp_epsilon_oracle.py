@@ -199,8 +199,31 @@ def epsilon_table() -> list[tuple[float, float, int, float, float]]:
 
 
 if __name__ == "__main__":
+    import json
+    from pathlib import Path
+
     logging.disable(logging.WARNING)
-    print("| z | sigma_b | rounds | reported dp-epsilon | epsilon of the releases |")
-    print("|---|---|---|---|---|")
+    records = []
+    print("| z | sigma_b | rounds | reported dp-epsilon | epsilon of the releases | before |")
+    print("|---|---|---|---|---|---|")
     for z, sb, t, rep, true in epsilon_table():
-        print(f"| {z:g} | {sb:g} | {t} | {rep:.2f} | {true:.2f} |")
+        z_delta = (z**-2 - (2 * sb) ** -2) ** -0.5
+        before = oracle_epsilon([(1.0, z_delta), (1.0, sb)], t, DELTA)  # count sensitivity 1
+        print(f"| {z:g} | {sb:g} | {t} | {rep:.2f} | {true:.2f} | {before:.2f} |")
+        records.append(
+            {
+                "z": z,
+                "sigma_b": sb,
+                "rounds": t,
+                "delta": DELTA,
+                "dp-epsilon": rep,
+                "epsilon-of-releases": true,
+                "epsilon-of-releases-before-fix": before,
+            }
+        )
+    out = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "dp_epsilon.json"
+    out.write_text(
+        json.dumps({"command": "python tests/test_dp_epsilon_oracle.py", "rows": records}, indent=2)
+        + "\n"
+    )
+    print(f"wrote {out}")
