@@ -12,7 +12,14 @@ import pytest
 import torch
 
 from flwr_isoloco.merging import MERGE_RULES, StreamingMerger, iso_c, merge
-from flwr_isoloco.merging.iso_range import iso_c_matched, iso_c_range, numerical_rank
+from flwr_isoloco.merging.iso_range import iso_c_matched as _capped
+from flwr_isoloco.merging.iso_range import iso_c_range, numerical_rank
+
+
+def iso_c_matched(x, **kw):
+    """The uncapped form (``max_gain=None``), which these tests check; the capped default:
+    tests/test_label_skew.py."""
+    return _capped(x, max_gain=None, **kw)
 
 
 def _rank_deficient(m=10, n=64, rank=4, seed=0) -> torch.Tensor:
@@ -78,11 +85,11 @@ def test_registered_rule_streams_and_leaves_1d_tensors_to_the_mean():
         {"w": _rank_deficient(rank=2, seed=i).float(), "b": torch.randn(5, generator=g)}
         for i in range(3)
     ]
-    out = merge("iso_c_matched", deltas)
+    out = merge("iso_c_matched", deltas, max_gain=None)
     mean_w = sum(d["w"] for d in deltas) / 3
     assert torch.allclose(out["w"], iso_c_matched(mean_w), atol=1e-5)
     assert torch.allclose(out["b"], sum(d["b"] for d in deltas) / 3, atol=1e-6)
-    sm = StreamingMerger("iso_c_matched")
+    sm = StreamingMerger("iso_c_matched", max_gain=None)
     for d in deltas:
         sm.add(d, 1.0)
     assert torch.allclose(sm.result()["w"], out["w"], atol=1e-5)

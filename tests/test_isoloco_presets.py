@@ -82,11 +82,26 @@ def test_explicit_arguments_override_the_preset():
     assert (s.outer.lr, s.outer.momentum) == (0.5, 0.8)
     s = IsoLoCo(outer_momentum=0.0)
     assert s.outer.momentum == 0.0 and not s.outer.nesterov
-    assert IsoLoCo(fast=True).merge_name == "iso_c_ns"
+    assert IsoLoCo(preset="isoloco-paper", fast=True).merge_name == "iso_c_ns"
     assert IsoLoCo(merge="mean").merge_name == "mean"
     assert IsoLoCo(orthogonalize="update").merge_name == "iso_c"
-    assert IsoLoCo.from_run_config({"strategy.fast": True}).merge_name == "iso_c_ns"
+    fast = {"strategy.fast": True, "strategy.preset": "isoloco-paper"}
+    assert IsoLoCo.from_run_config(fast).merge_name == "iso_c_ns"
     assert IsoLoCo.from_run_config({"strategy.merge": "ties"}).merge_name == "ties"
+
+
+def test_fast_under_the_default_preset_is_refused_not_a_silent_change_of_rule():
+    """fast=True used to swap the "dropin" rule (iso_c_matched at lr 0.5) for iso_c_ns, another
+    rule at another scale, without a word (issue 34, item 6). The Newton-Schulz form exists for
+    iso_c only: under "dropin" it is an error naming the two ways to get what one meant."""
+    with pytest.raises(ValueError, match=r"fast=True is iso_c_ns.*'dropin'.*iso_c_matched"):
+        IsoLoCo(fast=True)
+    with pytest.raises(ValueError, match=r"preset='isoloco-paper', fast=True"):
+        IsoLoCo.from_run_config({"strategy.fast": True})
+    paper = IsoLoCo(preset="isoloco-paper", fast=True)
+    assert (paper.merge_name, paper.outer.lr, paper.outer.momentum) == ("iso_c_ns", 1.8, 0.8)
+    chosen = IsoLoCo(merge="iso_c_ns")  # the rule by name, with the dropin preset's lr
+    assert (chosen.merge_name, chosen.outer.lr) == ("iso_c_ns", 0.5)
 
 
 def test_unknown_preset_is_refused_naming_the_known_ones():

@@ -48,6 +48,14 @@ def check_options(rule: MergeRule, options: dict) -> tuple[dict, re.Pattern | No
             if value is None:
                 continue
             opts[name] = _fraction(name, value, low_open=True, high_open=True)
+        elif name == "max_gain":
+            if value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ValueError(f"option max_gain={value!r} must be a number >= 1 or None")
+            if not (math.isfinite(value) and value >= 1):
+                raise ValueError(f"option max_gain={value!r} must be a finite number >= 1 or None")
+            opts[name] = float(value)
         elif name in ("ns_tol",):
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
                 raise ValueError(f"option ns_tol={value!r} must be a number > 0")

@@ -8,6 +8,8 @@ that delta). A rule only touches 2-D tensors whose name matches ``spectral_patte
 - ``mean``: ``sum_i w_i d_i``.
 - ``iso_c`` / ``iso_c_ns``: Iso-C of the weighted mean (exact: Gram eigendecomposition where
   its accuracy bound holds, else SVD / Newton-Schulz polar factor).
+- ``iso_c_matched`` (the ``"dropin"`` preset's): Iso-C at the mean's Frobenius norm with no
+  singular direction raised by more than ``max_gain`` (:mod:`.iso_range`).
 - ``iso_cts``: common subspace (top k of the mean) + each worker's top ``s = (r-k)/M`` directions
   of ``w_i d_i`` outside it, with the authors' ``k = r - round((r - int(f r)) / M) * M``
   (:func:`iso_cts_sizes`); orthonormalised by polar factors; every singular value set to their
@@ -34,7 +36,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .iso_range import iso_c_matched
+from .iso_range import MAX_GAIN, iso_c_matched
 from .options import COMMON_OPTIONS as COMMON_OPTIONS  # re-exported: defined in .options
 from .options import check_options, rule_applies
 from .polar import NS_LOWER, NS_MAX_STEPS, NS_TOL, gram_polar, iso_c, thin_svd
@@ -391,7 +393,11 @@ MERGE_RULES: dict[str, MergeRule] = {
         "iso_c", _streaming(_iso_c), _iso_c, {}, "Iso-C of the mean, exact (Gram eigh / SVD)"
     ),
     "iso_c_matched": MergeRule(
-        "iso_c_matched", _streaming(iso_c_matched), iso_c_matched, {}, "Iso-C, range, mean's norm"
+        "iso_c_matched",
+        _streaming(iso_c_matched),
+        iso_c_matched,
+        {"max_gain": MAX_GAIN},
+        "Iso-C at the mean's norm, no direction raised by more than max_gain (None: unbounded)",
     ),
     "iso_c_ns": MergeRule(
         "iso_c_ns",

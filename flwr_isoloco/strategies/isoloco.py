@@ -29,9 +29,10 @@ _DILOCO_ARGUMENTS = tuple(inspect.signature(DiLoCo.__init__).parameters)[1:]
 class IsoLoCo(DiLoCo):
     """DiLoCo with Iso-C merging: ``g = rule(weighted mean)`` on 2-D tensors, mean elsewhere.
 
-    ``rule`` is ``iso_c_matched`` (``"dropin"``: ``||g||_F / sqrt(k) U_k V_k^T`` on the ``k``
-    numerically non-zero singular directions) or ``iso_c`` (``"isoloco-paper"``:
-    ``mean(s) U V^T``); then the outer Nesterov step ``theta <- theta - lr u``.
+    ``rule`` is ``iso_c_matched`` (``"dropin"``: ``U diag(min(t, 2 s)) V^T`` at the mean's
+    Frobenius norm, no singular direction raised more than 2 x) or ``iso_c``
+    (``"isoloco-paper"``: ``mean(s) U V^T``); then the outer Nesterov step
+    ``theta <- theta - lr u``.
 
     Parameters (keyword-only; as :class:`DiLoCo`, plus ``preset`` and ``fast``)
     ----------
@@ -44,7 +45,9 @@ class IsoLoCo(DiLoCo):
         ``outer_lr=1.8``, ``outer_momentum=0.8``, Nesterov (tuned for LLaMA pre-training with
         AdamW inner steps; diverges where local training converges within a round).
     fast : bool
-        Merge with ``iso_c_ns`` (Iso-C by Newton-Schulz) instead of the preset's rule.
+        Merge with ``iso_c_ns``, Iso-C by Newton-Schulz: the fast form of the
+        ``"isoloco-paper"`` preset's ``iso_c``. Under ``"dropin"`` (whose rule has no
+        Newton-Schulz form) a ``ValueError``, not a silent change of rule.
     fraction_train, fraction_evaluate, min_train_nodes, min_evaluate_nodes,
     min_available_nodes, weighted_by_key, arrayrecord_key, configrecord_key,
     train_metrics_aggr_fn, evaluate_metrics_aggr_fn :
@@ -119,6 +122,13 @@ class IsoLoCo(DiLoCo):
         args = dict(locals())  # the arguments by name: DiLoCo's, plus preset and fast
         p = resolve_preset(preset)
         if merge is None:
+            if fast and p.merge != "iso_c":  # fast=True must not change the rule behind one's back
+                raise ValueError(
+                    f"fast=True is iso_c_ns, the Newton-Schulz form of iso_c (preset "
+                    f"'isoloco-paper'); preset {preset!r} merges with {p.merge!r}, which has no "
+                    "Newton-Schulz form. Use IsoLoCo(preset='isoloco-paper', fast=True), or "
+                    "merge='iso_c_ns' to take that rule with this preset's outer lr and momentum"
+                )
             # iso_c_ns and orthogonalize="update" take the exact-SVD rule's Newton-Schulz /
             # update form; neither has a range-restricted variant (iso_c_ns needs none)
             merge = "iso_c_ns" if fast else "iso_c" if orthogonalize == "update" else p.merge
