@@ -312,12 +312,11 @@ def lr_grid(rounds: int, seeds: list[int]) -> dict:
 
 LM_VARIANTS = {
     "FedAvg": {"strategy.name": "fedavg"},
-    "IsoLoCo() (dropin preset)": {"strategy.name": "isoloco"},
+    # the LM app's own default is the paper preset: name each preset explicitly
+    "IsoLoCo() (dropin preset)": {"strategy.name": "isoloco", "strategy.preset": "dropin"},
     "IsoLoCo(preset='isoloco-paper')": {
         "strategy.name": "isoloco",
-        "strategy.merge": "iso_c",
-        "strategy.outer-lr": 1.8,
-        "strategy.outer-momentum": 0.8,
+        "strategy.preset": "isoloco-paper",
     },
 }
 

@@ -280,7 +280,9 @@ def test_isoloco_defaults_and_fast_switch():
         0.8,
         True,
     )
-    assert IsoLoCo(fast=True).merge_name == "iso_c_ns"
+    assert IsoLoCo(preset="isoloco-paper", fast=True).merge_name == "iso_c_ns"
+    with pytest.raises(ValueError, match="fast=True is iso_c_ns"):
+        IsoLoCo(fast=True)  # the dropin rule has no Newton-Schulz form: refused, not swapped
     d = DiLoCo()
     assert (d.merge_name, d.outer.lr, d.outer.momentum, d.outer.nesterov) == (
         "mean",
@@ -306,8 +308,8 @@ def test_from_run_config_reads_documented_keys():
     assert s.merge_name == "ties" and s.merge_options == {"prune_fraction": 0.2}
     assert (s.outer.lr, s.outer.momentum, s.outer.nesterov) == (0.5, 0.0, False)
     assert s.fraction_train == 0.5 and s.train_validator.max_norm_ratio == 10.0
-    iso = IsoLoCo.from_run_config({"strategy.fast": True})
-    assert iso.merge_name == "iso_c_ns" and iso.outer.lr == 0.5  # the "dropin" preset's lr
+    with pytest.raises(ValueError, match="fast=True is iso_c_ns"):
+        IsoLoCo.from_run_config({"strategy.fast": True})  # under "dropin": refused
     iso = IsoLoCo.from_run_config({"strategy.fast": True, "strategy.preset": "isoloco-paper"})
     assert iso.merge_name == "iso_c_ns" and iso.outer.lr == 1.8
 
