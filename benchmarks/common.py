@@ -1,0 +1,108 @@
+"""What the benchmark scripts share: the checkout's folders, the import path they need, the LM
+app in a Ray simulation, JSON record files, and the generated blocks they write into the docs.
+
+A script in ``benchmarks/<study>/`` reaches this module with::
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common.py
+    import common  # noqa: E402
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+"""The checkout's root."""
+RESULTS = REPO / "benchmarks" / "results"
+"""The records the docs and tests cite by name (they stay here whatever the script's folder)."""
+LM_APP = REPO / "simulations" / "isoloco_lm"
+"""The LM app (its ``isoloco_lm`` package is imported by the scripts that drive it)."""
+
+
+def on_path(*folders: str) -> None:
+    """Put ``REPO / folder`` first on ``sys.path`` for each folder, the first named first
+    (``"simulations/isoloco_lm"`` for the LM app, ``"tests"`` for FakeGrid and test helpers)."""
+    paths = [str(REPO / f) for f in folders]
+    sys.path[:0] = [p for p in paths if p not in sys.path]
+
+
+def ray_simulation(
+    server_app: Any,
+    client_app: Any,
+    nodes: int,
+    *,
+    cpus_per_node: float = 1.0,
+    init_args: dict[str, Any] | None = None,
+) -> None:
+    """``flwr.simulation.run_simulation`` on the Ray backend with ``nodes`` SuperNodes of
+    ``cpus_per_node`` CPUs and no GPU; Ray starts with ``init_args`` (default: 2 CPUs), never
+    a dashboard."""
+    from flwr.simulation import run_simulation
+
+    run_simulation(
+        server_app=server_app,
+        client_app=client_app,
+        num_supernodes=nodes,
+        backend_config={
+            "client_resources": {"num_cpus": cpus_per_node, "num_gpus": 0.0},
+            "init_args": {"include_dashboard": False, **(init_args or {"num_cpus": 2})},
+        },
+    )
+
+
+def run_lm_app(rc: dict[str, Any], client_app: Any, nodes: int) -> tuple[dict[str, Any], float]:
+    """The LM app's server (``server_app.run_server`` on run config ``rc``, 2 s to settle)
+    with ``client_app`` in a Ray simulation of ``nodes`` SuperNodes; returns the run's
+    ``results.json`` (under ``rc["output-dir"]``) and the simulation's wall seconds.
+    ``isoloco_lm`` must be importable (:func:`on_path` ``"simulations/isoloco_lm"``)."""
+    from flwr.serverapp import ServerApp
+    from isoloco_lm import server_app
+
+    server = ServerApp()
+
+    @server.main()
+    def main(grid, context):
+        server_app.run_server(grid, rc, settle_s=2.0)
+
+    t0 = time.perf_counter()
+    ray_simulation(server, client_app, nodes)
+    wall = time.perf_counter() - t0
+    return json.loads((Path(rc["output-dir"]) / "results.json").read_text()), wall
+
+
+def load_records(path: Path) -> list[dict[str, Any]]:
+    """The JSON list of records at ``path`` (empty when there is no file yet)."""
+    return json.loads(path.read_text()) if path.is_file() else []
+
+
+def append_record(path: Path, record: dict[str, Any]) -> None:
+    """Append ``record`` to the JSON list at ``path`` at once (atomic replace)."""
+    records = load_records(path)
+    records.append(record)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(records, indent=1) + "\n")
+    os.replace(tmp, path)
+
+
+def splice(text: str, begin: str, end: str, body: str) -> str:
+    """``text`` with what stands between the markers ``begin`` and ``end`` (each there once)
+    replaced by ``body`` on lines of its own."""
+    head, rest = text.split(begin)
+    _, tail = rest.split(end)
+    return f"{head}{begin}\n{body}\n{end}{tail}"
+
+
+def write_block(doc: Path, begin: str, end: str, body: str) -> None:
+    """Rewrite the generated block of ``doc`` between ``begin`` and ``end`` (:func:`splice`)."""
+    doc.write_text(splice(doc.read_text(), begin, end, body))
+
+
+def rule(columns: int) -> str:
+    """A markdown table's separator row for ``columns`` columns."""
+    return "|---" * columns + "|"
