@@ -31,6 +31,16 @@ def on_path(*folders: str) -> None:
     sys.path[:0] = [p for p in paths if p not in sys.path]
 
 
+def offline_env() -> None:
+    """No telemetry, no update check, no Hugging Face downloads, quiet tokenizers (each only
+    where the environment does not set it already)."""
+    os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
+    os.environ.setdefault("FLWR_DISABLE_UPDATE_CHECK", "1")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
 def ray_simulation(
     server_app: Any,
     client_app: Any,

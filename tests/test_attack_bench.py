@@ -1,4 +1,4 @@
-"""benchmarks/attack_bench.py at its test size: in-process isoloco-lm runs on FakeGrid, 8 sites,
+"""benchmarks/privacy/attack_bench.py at its test size: in-process isoloco-lm runs on FakeGrid, 8 sites,
 one sign-flipping site (x10), no defence vs the coordinate median; and the attacks' maths."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "benchmarks"))
+sys.path.insert(0, str(REPO / "benchmarks" / "privacy"))
 sys.path.insert(0, str(REPO / "tests"))
 
 import attack_bench  # noqa: E402

@@ -50,7 +50,7 @@ def test_docs_buffers_table_is_what_the_records_give(tmp_path):
 
     repo = EXAMPLE.parents[1]
     spec = importlib.util.spec_from_file_location(
-        "isoloco_dropin", repo / "benchmarks" / "isoloco_dropin.py"
+        "isoloco_dropin", repo / "benchmarks" / "dropin" / "isoloco_dropin.py"
     )
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)

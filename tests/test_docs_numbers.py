@@ -2,8 +2,8 @@
 
 A table's numbers are looked up in the records its section names: from the heading above the
 table to the next heading, every ``benchmarks/results/<file>`` or bare ``<file>.json`` that
-exists, and every ``benchmarks/<script>.py`` whose records start with the script's name
-(``merge_bench.py`` -> ``merge_bench.json``). A measurement table whose section names no record
+exists, and every ``benchmarks/<study>/<script>.py`` whose records start with the script's name
+(``merging/merge_bench.py`` -> ``merge_bench.json``). A measurement table whose section names no record
 fails. A printed number matches a recorded one when it equals it rounded to the printed digits
 (``0.842`` matches 0.8416666). Left out, each for a stated reason:
 
@@ -15,7 +15,7 @@ fails. A printed number matches a recorded one when it equals it rounded to the 
 - ``NO_RECORD``: the few measured tables that have no record yet, each with its reason; the
   list can only shrink (an entry whose table now matches its records, or is gone, fails).
 
-Also: the blocks ``benchmarks/docs_claims.py`` writes into README.md and docs/results-lm.md are
+Also: the blocks ``benchmarks/docs/docs_claims.py`` writes into README.md and docs/results-lm.md are
 what their records give, and the IsoLoCo preset tables say what ``ISOLOCO_PRESETS`` holds.
 """
 
@@ -135,7 +135,7 @@ NO_RECORD: dict[tuple[str, str, str], str] = {
         "deployment.md",
         "Measured (loopback, 2 shared cores)",
         "app",
-    ): "benchmarks/kill_experiment.py prints its result and keeps no record; a rerun needs the "
+    ): "benchmarks/faults/kill_experiment.py prints its result and keeps no record; a rerun needs the "
     "loopback TLS deployment (minutes of several processes)",
     (
         "algorithms.md",
@@ -262,7 +262,7 @@ def cited_records(section: str) -> list[str]:
     """The records a section names: by file name, or by the script that writes them."""
     names = records()
     cited = {n for n in names if re.search(rf"(?<![\w-]){re.escape(n)}", section)}
-    for script in re.findall(r"benchmarks/(\w+)\.py", section):
+    for script in re.findall(r"benchmarks/(?:\w+/)?(\w+)\.py", section):
         cited.update(n for n in names if n.startswith(script + ".") or n.startswith(script + "_"))
     return sorted(cited)
 
@@ -399,7 +399,7 @@ def test_printed_rounding():
 
 def _docs_claims():
     spec = importlib.util.spec_from_file_location(
-        "docs_claims", REPO / "benchmarks" / "docs_claims.py"
+        "docs_claims", REPO / "benchmarks" / "docs" / "docs_claims.py"
     )
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
@@ -408,7 +408,7 @@ def _docs_claims():
 
 def test_generated_claims_match_their_records():
     stale = _docs_claims().stale()
-    assert not stale, f"rerun `python benchmarks/docs_claims.py`: {stale}"
+    assert not stale, f"rerun `python benchmarks/docs/docs_claims.py`: {stale}"
 
 
 def _source_presets() -> dict[str, tuple[str, float, float, bool]]:
@@ -495,7 +495,7 @@ def test_user_guide_defaults_match_the_signatures():
 
 def test_bigram_record_is_of_the_current_default_preset():
     """The README's bigram sentence quotes `IsoLoCo()`: the record must have run the preset the
-    code has now (else rerun benchmarks/swap_fedavg_bigram.py, then benchmarks/docs_claims.py)."""
+    code has now (else rerun benchmarks/dropin/swap_fedavg_bigram.py, then benchmarks/docs/docs_claims.py)."""
     isoloco = _init_defaults("flwr_isoloco/strategies/isoloco.py", "IsoLoCo")
     merge, lr, mu, _nesterov = _source_presets()[isoloco["preset"]]
     run = json.loads((RESULTS / "swap_fedavg_bigram.json").read_text())["runs"]["IsoLoCo()"]

@@ -97,10 +97,10 @@ def test_bad_strategy_values_are_refused_at_the_boundary(rc, pattern):
 
 def test_tuned_outer_values_are_the_sweep_s_optimum():
     """The app's per-rule table (isoloco_lm/tuned.py) equals what the LM sweep picks as tuned
-    (benchmarks/lm_sweep.py tuned_hp at M = 8 on benchmarks/results/lm_tuning.json)."""
+    (benchmarks/lm/lm_sweep.py tuned_hp at M = 8 on benchmarks/results/lm_tuning.json)."""
     import json
 
-    sys.path.insert(0, str(ROOT / "benchmarks"))
+    sys.path.insert(0, str(ROOT / "benchmarks" / "lm"))
     import lm_sweep
     import lm_sweep_lib
     from isoloco_lm import tuned

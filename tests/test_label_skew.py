@@ -3,7 +3,7 @@ than ``max_gain``.
 
 The uncapped ``iso_c_matched`` raised the weak directions of the mean 100-2000 x, and a truly
 rank-1 classifier pseudo-gradient (two classes: its rows are opposite) that is numerically rank 2
-got half its step in the round-off direction (benchmarks/label_skew.py --diagnose). Checked here
+got half its step in the round-off direction (benchmarks/dropin/label_skew.py --diagnose). Checked here
 against an independent numpy computation (SVD + bisection for the level), on that classifier
 case, on the option's checks, and end to end on the breast-cancer app with Dirichlet(0.1)
 shards, where the uncapped merge collapsed (seed 1: 0.657, FedAvg 0.874).
@@ -92,10 +92,10 @@ def test_max_gain_is_the_registered_option_and_is_checked():
 
 
 def test_dropin_survives_dirichlet_shards_of_the_breast_cancer_app():
-    """IsoLoCo() >= FedAvg - 0.01 on benchmarks/label_skew.py's breast-cancer MLP (Adam, 5
+    """IsoLoCo() >= FedAvg - 0.01 on benchmarks/dropin/label_skew.py's breast-cancer MLP (Adam, 5
     nodes, Dirichlet(0.1) shards, seed 1, 15 rounds), where the uncapped merge ended at 0.657
     against FedAvg's 0.874. About 2 s."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks" / "dropin"))
     import label_skew
 
     from flwr_isoloco.strategies import IsoLoCo
@@ -115,7 +115,7 @@ def test_the_docs_block_is_what_the_record_gives():
     benchmarks/results/label_skew.json: they must not drift from it."""
     import json
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks" / "dropin"))
     import label_skew
 
     saved = json.loads(label_skew.OUT.read_text())

@@ -1,4 +1,4 @@
-"""benchmarks/lm_sweep.py --protocol horizon (issue 21): sizing, the no-repeat budget, how cells
+"""benchmarks/lm/lm_sweep.py --protocol horizon (issue 21): sizing, the no-repeat budget, how cells
 take their tuned outer and inner lrs, the grids (extension, momentum probe, the narrower grid of
 the longest horizon) and the report. All pure: no run is started."""
 
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks" / "lm"))
 
 import lm_sweep_horizon as hz  # noqa: E402
 import lm_sweep_horizon_report as hrep  # noqa: E402

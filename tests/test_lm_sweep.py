@@ -1,4 +1,4 @@
-"""benchmarks/lm_sweep.py (issue 11): protocol, tuning-grid logic, resumability, determinism
+"""benchmarks/lm/lm_sweep.py (issue 11): protocol, tuning-grid logic, resumability, determinism
 (the horizon protocol's pure tests are in tests/test_lm_horizon.py).
 
 The pure tests run in milliseconds; ``test_quick_sweep_*`` does three real ``--quick`` Flower
@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks" / "lm"))
 
 import lm_sweep  # noqa: E402
 import lm_sweep_lib as lib  # noqa: E402

@@ -168,10 +168,10 @@ def test_adapter_export_merges_into_a_plain_causal_lm(tiny, tmp_path):
 
 @pytest.mark.slow
 def test_rwlora_and_gossip_on_the_causal_lm_through_ray(tiny):
-    """benchmarks/rwlora_llm.py as run for the results, on the tiny model: equal local updates,
+    """benchmarks/rwlora/rwlora_llm.py as run for the results, on the tiny model: equal local updates,
     the same bytes through the server per update, held-out perplexity before and after."""
     cfg, base = tiny
-    sys.path.insert(0, str(ROOT / "benchmarks"))
+    sys.path.insert(0, str(ROOT / "benchmarks" / "rwlora"))
     import rwlora_llm
 
     out = base / "rwlora_llm.json"

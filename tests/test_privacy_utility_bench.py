@@ -1,4 +1,4 @@
-"""benchmarks/privacy_utility.py without Ray: its run configs are valid for the LM app, the noise
+"""benchmarks/privacy/privacy_utility.py without Ray: its run configs are valid for the LM app, the noise
 is calibrated on Flower's accountant, and the docs table is regenerated from the results file."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "simulations" / "isoloco_lm"))
 _spec = importlib.util.spec_from_file_location(
-    "privacy_utility", REPO / "benchmarks" / "privacy_utility.py"
+    "privacy_utility", REPO / "benchmarks" / "privacy" / "privacy_utility.py"
 )
 pu = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(pu)

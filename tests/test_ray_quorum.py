@@ -1,4 +1,4 @@
-"""Quorum and grace window in a real Ray simulation (benchmarks/straggler.py --quick).
+"""Quorum and grace window in a real Ray simulation (benchmarks/faults/straggler.py --quick).
 
 3 nodes, one answering 10x slower; quorum 2, grace 1 s, 3 rounds. Slow (two Ray starts).
 """
@@ -12,7 +12,7 @@ import pytest
 
 pytestmark = pytest.mark.slow
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks" / "faults"))
 
 
 def test_straggler_is_late_discarded_and_the_model_is_the_fast_merge():

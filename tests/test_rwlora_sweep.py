@@ -1,4 +1,4 @@
-"""benchmarks/rwlora_sweep.py (issue 11, RW-LoRA part): records, resume, target logic, report."""
+"""benchmarks/rwlora/rwlora_sweep.py (issue 11, RW-LoRA part): records, resume, target logic, report."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
+sys.path.insert(0, str(ROOT / "benchmarks" / "rwlora"))
 
 import rwlora_sweep as S  # noqa: E402
 import rwlora_sweep_report as R  # noqa: E402

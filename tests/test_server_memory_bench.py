@@ -1,4 +1,4 @@
-"""benchmarks/server_memory.py --quick: real Ray simulations at M = 2 and 4 with a tiny model;
+"""benchmarks/memory/server_memory.py --quick: real Ray simulations at M = 2 and 4 with a tiny model;
 the JSON holds both cells with sampled peaks, a fit, and a rerun skips the measured cells."""
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-SCRIPT = REPO / "benchmarks" / "server_memory.py"
+SCRIPT = REPO / "benchmarks" / "memory" / "server_memory.py"
 
-sys.path.insert(0, str(REPO / "benchmarks"))
+sys.path.insert(0, str(REPO / "benchmarks" / "memory"))
 import server_memory  # noqa: E402
 
 
@@ -86,7 +86,7 @@ def test_synthetic_pseudo_gradient_is_seeded_and_shaped_like_the_message():
     import torch
     from flwr.app import ArrayRecord
 
-    sys.path.insert(0, str(REPO / "benchmarks" / "apps" / "server_load"))
+    sys.path.insert(0, str(REPO / "benchmarks" / "memory" / "apps" / "server_load"))
     import client_app as synthetic
 
     rec = ArrayRecord({"w": torch.ones(3, 5), "h": torch.ones(4).half(), "n": torch.arange(2)})

@@ -1,4 +1,4 @@
-"""benchmarks/weight_bound_bench.py --quick: real Ray runs, one malicious site, bound off vs on."""
+"""benchmarks/privacy/weight_bound_bench.py --quick: real Ray runs, one malicious site, bound off vs on."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ def test_quick_attack_bound_off_vs_on(tmp_path):
     out = tmp_path / "wb.json"
     cmd = [
         sys.executable,
-        str(REPO / "benchmarks" / "weight_bound_bench.py"),
+        str(REPO / "benchmarks" / "privacy" / "weight_bound_bench.py"),
         "--quick",
         "--strategies",
         "isoloco",

@@ -22,7 +22,7 @@ Three parts, each writing its own JSON under ``benchmarks/results/``:
     (see ``LOSS_CONFIG``). Resumable: each finished run is appended to the JSON at once and a
     rerun skips the cells already there.
 
-    nice -n 10 python benchmarks/compression_bench.py roundtrip|bytes|loss|table
+    nice -n 10 python benchmarks/compression/compression_bench.py roundtrip|bytes|loss|table
 """
 
 from __future__ import annotations
@@ -38,9 +38,12 @@ from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(REPO), str(REPO / "simulations" / "isoloco_lm"), str(REPO / "tests")]
-RESULTS = REPO / "benchmarks" / "results"
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common.py
+import common  # noqa: E402
+
+REPO = common.REPO
+common.on_path("", "simulations/isoloco_lm", "tests")
+RESULTS = common.RESULTS
 APP = REPO / "simulations" / "isoloco_lm"
 CACHE = REPO / ".flwr" / "compression-cache"  # gitignored
 

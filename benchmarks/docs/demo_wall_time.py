@@ -6,7 +6,7 @@ seconds ``demo.sh`` printed, the CPU count, the 1-minute load average before and
 commit and whether the working tree had uncommitted changes, and the validation loss the demo
 printed. The README's and docs/results-lm.md's demo times are read from this file.
 
-    .venv/bin/python benchmarks/demo_wall_time.py
+    .venv/bin/python benchmarks/docs/demo_wall_time.py
 """
 
 from __future__ import annotations
@@ -20,8 +20,11 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-OUT = REPO / "benchmarks" / "results" / "demo_wall_time.json"
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common.py
+import common  # noqa: E402
+
+REPO = common.REPO
+OUT = common.RESULTS / "demo_wall_time.json"
 DEMO_LINE = re.compile(
     r"demo: (\d+) rounds of (\S+) on (\d+) nodes in (\d+) s: validation loss "
     r"([0-9.]+) -> ([0-9.]+) \(perplexity ([0-9.]+)\)"

@@ -4,13 +4,13 @@ Each block sits between ``<!-- docs_claims:<name>:begin ... -->`` and
 ``<!-- docs_claims:<name>:end -->`` and is written from one file of ``benchmarks/results/``:
 
 - ``demo-time`` (README.md) and ``demo-time-lm`` (docs/results-lm.md): the last run in
-  ``demo_wall_time.json`` (``benchmarks/demo_wall_time.py``);
-- ``bigram`` (README.md): ``swap_fedavg_bigram.json`` (``benchmarks/swap_fedavg_bigram.py``);
+  ``demo_wall_time.json`` (``benchmarks/docs/demo_wall_time.py``);
+- ``bigram`` (README.md): ``swap_fedavg_bigram.json`` (``benchmarks/dropin/swap_fedavg_bigram.py``);
 - ``paper-digits`` (README.md): ``sweep`` in ``isoloco_dropin.json``
-  (``benchmarks/isoloco_dropin.py --sweep``).
+  (``benchmarks/dropin/isoloco_dropin.py --sweep``).
 
-    .venv/bin/python benchmarks/docs_claims.py            # rewrite the blocks
-    .venv/bin/python benchmarks/docs_claims.py --check    # exit 1 if a block is stale
+    .venv/bin/python benchmarks/docs/docs_claims.py            # rewrite the blocks
+    .venv/bin/python benchmarks/docs/docs_claims.py --check    # exit 1 if a block is stale
 
 ``tests/test_docs_numbers.py`` runs the check.
 """
@@ -24,8 +24,11 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-RESULTS = REPO / "benchmarks" / "results"
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common.py
+import common  # noqa: E402
+
+REPO = common.REPO
+RESULTS = common.RESULTS
 
 
 def _load(name: str) -> dict:
@@ -60,7 +63,7 @@ def demo_time_lm() -> str:
             if same
             else f"against {loaded:.3f} in the loaded run"
         )
-        + " (`benchmarks/results/demo_wall_time.json`, written by `benchmarks/demo_wall_time.py`)."
+        + " (`benchmarks/results/demo_wall_time.json`, written by `benchmarks/docs/demo_wall_time.py`)."
     )
 
 

@@ -20,9 +20,9 @@ for seeds 0-2 on IID and Dirichlet(0.5) shards and writes final test accuracies;
 adds an MLP on the same data. ``--quick``: 1 seed, fewer rounds. Results:
 ``benchmarks/results/isoloco_dropin.json``.
 
-    PYTHONPATH=. .venv/bin/python benchmarks/isoloco_dropin.py --diagnose --sweep [--quick]
-    PYTHONPATH=. .venv/bin/python benchmarks/isoloco_dropin.py --lr-grid   # the preset's lr
-    PYTHONPATH=. .venv/bin/python benchmarks/isoloco_dropin.py --bn --docs  # BatchNorm table
+    PYTHONPATH=. .venv/bin/python benchmarks/dropin/isoloco_dropin.py --diagnose --sweep [--quick]
+    PYTHONPATH=. .venv/bin/python benchmarks/dropin/isoloco_dropin.py --lr-grid   # the preset's lr
+    PYTHONPATH=. .venv/bin/python benchmarks/dropin/isoloco_dropin.py --bn --docs  # BatchNorm table
 
 ``--bn``: the BatchNorm CNN (``model="cnn-bn"``) for FedAvg, ``DiLoCo()``, ``IsoLoCo()`` and
 both with ``buffers="none"`` (the outer step owning the running statistics, as before), seeds
@@ -44,9 +44,11 @@ from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "examples" / "digits"))
-sys.path.insert(0, str(REPO / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common.py
+import common  # noqa: E402
+
+REPO = common.REPO
+common.on_path("tests", "examples/digits")
 
 from flwr.app import ArrayRecord, Context, RecordDict  # noqa: E402
 from flwr.common.logger import FLOWER_LOGGER  # noqa: E402
@@ -56,8 +58,8 @@ from flwr_isoloco.merging.iso_range import iso_c_range, numerical_rank  # noqa: 
 from flwr_isoloco.merging.rules import MergeRule, _streaming  # noqa: E402
 from flwr_isoloco.strategies import DiLoCo, IsoLoCo  # noqa: E402
 
-OUT = REPO / "benchmarks" / "results" / "isoloco_dropin.json"
-OUT_BN = REPO / "benchmarks" / "results" / "isoloco_dropin_bn.json"
+OUT = common.RESULTS / "isoloco_dropin.json"
+OUT_BN = common.RESULTS / "isoloco_dropin_bn.json"
 """``--bn`` / ``--negative-variance`` records (their own file: the other sweeps are rerun apart)."""
 
 

@@ -16,9 +16,9 @@ Strategies: FedAvg, DiLoCo(), IsoLoCo() and the previous default's merge (``IsoL
 accuracy. ``--diagnose``: per round, for the 2-D tensors, how much of the merge's energy lies in
 singular directions of the mean where the nodes disagree (:func:`disagreement`).
 
-    PYTHONPATH=. .venv/bin/python benchmarks/label_skew.py [--quick] [--diagnose]
-    PYTHONPATH=. .venv/bin/python benchmarks/label_skew.py --docs   # the table into the docs
-    PYTHONPATH=. .venv/bin/python benchmarks/label_skew.py --ablation  # merge vs outer step
+    PYTHONPATH=. .venv/bin/python benchmarks/dropin/label_skew.py [--quick] [--diagnose]
+    PYTHONPATH=. .venv/bin/python benchmarks/dropin/label_skew.py --docs   # the table into the docs
+    PYTHONPATH=. .venv/bin/python benchmarks/dropin/label_skew.py --ablation  # merge vs outer step
 """
 
 from __future__ import annotations
@@ -37,8 +37,10 @@ import numpy as np
 import torch
 from torch import nn
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common.py
+import common  # noqa: E402
+
+REPO = common.REPO
 
 import isoloco_dropin as dropin  # noqa: E402  (puts examples/digits and tests on the path)
 from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict  # noqa: E402
@@ -50,7 +52,7 @@ from flwr_isoloco.merging.polar import thin_svd  # noqa: E402
 from flwr_isoloco.merging.rules import MergeRule, _streaming  # noqa: E402
 from flwr_isoloco.strategies import DiLoCo, IsoLoCo  # noqa: E402
 
-OUT = REPO / "benchmarks" / "results" / "label_skew.json"
+OUT = common.RESULTS / "label_skew.json"
 PARTS = ("sorted", "dir0.1")
 
 

@@ -4,9 +4,9 @@ Runs the example in-process on the fake grid (3 nodes, 3 rounds, 10 Adam steps a
 round: :func:`benchmarks.isoloco_dropin.bigram_case`) once per strategy and writes the
 validation loss per round (round 0 first) to ``benchmarks/results/swap_fedavg_bigram.json``,
 with the merge rule, outer lr and momentum each strategy resolved to and the commit. The
-README's bigram sentence is generated from this file (``benchmarks/docs_claims.py``).
+README's bigram sentence is generated from this file (``benchmarks/docs/docs_claims.py``).
 
-    .venv/bin/python benchmarks/swap_fedavg_bigram.py
+    .venv/bin/python benchmarks/dropin/swap_fedavg_bigram.py
 """
 
 from __future__ import annotations
@@ -21,8 +21,10 @@ from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common.py
+import common  # noqa: E402
+
+REPO = common.REPO
 
 from flwr.common.logger import FLOWER_LOGGER  # noqa: E402
 from flwr.serverapp.strategy import FedAvg  # noqa: E402
@@ -30,7 +32,7 @@ from isoloco_dropin import bigram_case  # noqa: E402
 
 from flwr_isoloco.strategies import DiLoCo, IsoLoCo  # noqa: E402
 
-OUT = REPO / "benchmarks" / "results" / "swap_fedavg_bigram.json"
+OUT = common.RESULTS / "swap_fedavg_bigram.json"
 
 STRATEGIES = {
     "FedAvg": lambda: FedAvg(fraction_train=1.0, min_available_nodes=2),

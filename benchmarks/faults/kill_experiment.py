@@ -5,8 +5,8 @@ SuperNodes), for each app: a run without faults, then the same run (same seed an
 which SuperNode ``--victim`` is SIGKILLed (with its child processes) once ``--kill-after``
 rounds are in results.json. Prints rounds completed, replies lost and the final metric of both.
 
-    python benchmarks/kill_experiment.py --app isoloco --rounds 3
-    python benchmarks/kill_experiment.py --app rwlora --rounds 4 --victim next
+    python benchmarks/faults/kill_experiment.py --app isoloco --rounds 3
+    python benchmarks/faults/kill_experiment.py --app rwlora --rounds 4 --victim next
 
 The tiny configs are the loopback test's (tests/test_deployment.py); --rounds overrides the
 number of rounds. ``--victim next`` (RW-LoRA) kills the vertex the walk visits right after the
@@ -22,8 +22,11 @@ import sys
 import tempfile
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common.py
+import common  # noqa: E402
+
+REPO = common.REPO
+common.on_path("tests")
 
 from deploy_harness import loopback_deployment  # noqa: E402
 from test_deployment import (  # noqa: E402

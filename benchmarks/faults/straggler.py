@@ -8,8 +8,8 @@ the late node named in the log, and whether the quorum run's model after round 1
 bit for bit, an in-process merge of the ``N - 1`` fast replies (the same strategy on
 ``tests/fakegrid.FakeGrid`` with those partitions only).
 
-    nice -n 10 python benchmarks/straggler.py            # 8 nodes, 1 s / 10 s, grace 5 s
-    nice -n 10 python benchmarks/straggler.py --quick    # 3 nodes, 0.3 s / 3 s, grace 1 s, 3 rounds
+    nice -n 10 python benchmarks/faults/straggler.py            # 8 nodes, 1 s / 10 s, grace 5 s
+    nice -n 10 python benchmarks/faults/straggler.py --quick    # 3 nodes, 0.3 s / 3 s, grace 1 s, 3 rounds
 
 The client-side delay lives in this benchmark's own ClientApp, not in the library.
 """
@@ -146,7 +146,7 @@ def run_once(quorum, grace_s: float) -> dict:
 
 def in_process_merge(fast_nodes: int) -> dict[str, torch.Tensor]:
     """Round 1 of the same strategy on a FakeGrid holding only the fast partitions."""
-    sys.path.insert(0, str(HERE.parent / "tests"))
+    sys.path.insert(0, str(HERE.parents[1] / "tests"))
     from fakegrid import FakeGrid
     from flwr.app import ArrayRecord, ConfigRecord
 

@@ -5,7 +5,7 @@ client is the tests' deterministic stand-in, so only the walk matters), seeded, 
 with the walk-level rule used before dead-vertex handling (renormalise the row around the
 failed vertex, ``RandomWalk.step(exclude=...)``). Prints Markdown tables (docs/rwlora.md).
 
-    nice -n 10 .venv/bin/python benchmarks/walk_dead_vertices.py [--steps 20000]
+    nice -n 10 .venv/bin/python benchmarks/faults/walk_dead_vertices.py [--steps 20000]
 """
 
 from __future__ import annotations
@@ -20,8 +20,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common.py
+import common  # noqa: E402
+
+ROOT = common.REPO
+common.on_path("tests")
 
 from fakegrid import FakeGrid  # noqa: E402
 from flwr.app import ArrayRecord  # noqa: E402

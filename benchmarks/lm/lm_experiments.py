@@ -7,7 +7,7 @@ validation curve per run into ``benchmarks/results/lm_experiments.json`` (runs a
 name, so the script can be re-run for a subset), then draws ``docs/img/lm_val_loss.png`` and
 rewrites the generated table in ``docs/results-lm.md``.
 
-    nice -n 10 python benchmarks/lm_experiments.py [--workers 4 8] [--runs isoloco diloco]
+    nice -n 10 python benchmarks/lm/lm_experiments.py [--workers 4 8] [--runs isoloco diloco]
         [--extra]   # also iso_c vs mean without outer momentum (docs/algorithms.md table values)
 """
 
@@ -21,9 +21,12 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common.py
+import common  # noqa: E402
+
+REPO = common.REPO
 APP = REPO / "simulations" / "isoloco_lm"
-RESULTS = REPO / "benchmarks" / "results" / "lm_experiments.json"
+RESULTS = common.RESULTS / "lm_experiments.json"
 PLOT = REPO / "docs" / "img" / "lm_val_loss.png"
 DOC = REPO / "docs" / "results-lm.md"
 COLORS = {"isoloco": "C3", "diloco": "C0", "fedavg": "C1", "iso_c-nomom": "C2", "mean-nomom": "C4"}

@@ -6,7 +6,7 @@ this script runs ``dp-adamw`` (M = 8 batches, the main sizing, seed 0) at severa
 appends one record per lr to ``benchmarks/results/lm_inner_lr.json`` (resumable: a done lr is
 skipped). The optimum is chosen on the validation split; the test loss is reported beside it.
 
-    nice -n 19 python benchmarks/lm_inner_lr.py [--lrs 0.0015 0.003 0.006 0.012 0.024] [--quick]
+    nice -n 19 python benchmarks/lm/lm_inner_lr.py [--lrs 0.0015 0.003 0.006 0.012 0.024] [--quick]
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import lm_sweep  # noqa: E402
 import lm_sweep_lib as lib  # noqa: E402
 
-OUT = Path(__file__).resolve().parent / "results" / "lm_inner_lr.json"
+OUT = Path(__file__).resolve().parents[1] / "results" / "lm_inner_lr.json"
 
 
 def main(argv=None) -> None:

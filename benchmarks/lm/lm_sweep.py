@@ -3,14 +3,14 @@
 Each cell (method, protocol, M, seed, outer lr, outer momentum, H, rounds) is one real Flower
 simulation (Ray) of the project's DiLoCo strategy family and DiLoCo worker, except
 ``dp-adamw`` (synchronous data-parallel AdamW on the same tokens, an in-process loop without
-Flower). Protocol and sizing: ``benchmarks/lm_sweep_lib.py`` and docs/results-lm.md
+Flower). Protocol and sizing: ``benchmarks/lm/lm_sweep_lib.py`` and docs/results-lm.md
 ("Sweep protocol"). Every finished run is appended at once to the JSON list ``--out``; a cell
 already there is skipped, so an interrupted sweep continues where it stopped.
 
-    python benchmarks/lm_sweep.py --methods isoloco diloco --workers 4 16 --seeds 0 1 2 --out runs.json
-    python benchmarks/lm_sweep.py --tune --methods isoloco diloco          # grid at M = 8, seed 0
-    python benchmarks/lm_sweep.py --tune --methods isoloco --workers 64    # 3 lrs around the M = 8 optimum
-    python benchmarks/lm_sweep.py --quick ...                              # tiny, for the tests
+    python benchmarks/lm/lm_sweep.py --methods isoloco diloco --workers 4 16 --seeds 0 1 2 --out runs.json
+    python benchmarks/lm/lm_sweep.py --tune --methods isoloco diloco          # grid at M = 8, seed 0
+    python benchmarks/lm/lm_sweep.py --tune --methods isoloco --workers 64    # 3 lrs around the M = 8 optimum
+    python benchmarks/lm/lm_sweep.py --quick ...                              # tiny, for the tests
 
 Outer values: ``--outer-lr`` / ``--outer-momentum`` if given; else the tuned optimum from the
 tuning file (the M = 64 optimum for M >= 32 when there is one, else the M = 8 one); else the
@@ -19,9 +19,9 @@ fallback of ``METHODS`` in the library, recorded as ``"tuned": false, "hp_source
 Protocol ``horizon`` (issue 21; ``lm_sweep_horizon.py`` holds its tuning rules) writes to
 ``lm_horizon.json`` / ``lm_horizon_tuning.json`` unless ``--out`` / ``--tuning-file`` say::
 
-    python benchmarks/lm_sweep.py --protocol horizon --tune --horizon 200 600 --methods isoloco
-    python benchmarks/lm_sweep.py --protocol horizon --tune-inner --methods isoloco   # at T = 600
-    python benchmarks/lm_sweep.py --protocol horizon --horizon 600 --workers 1 8 32 --seeds 0 1
+    python benchmarks/lm/lm_sweep.py --protocol horizon --tune --horizon 200 600 --methods isoloco
+    python benchmarks/lm/lm_sweep.py --protocol horizon --tune-inner --methods isoloco   # at T = 600
+    python benchmarks/lm/lm_sweep.py --protocol horizon --horizon 600 --workers 1 8 32 --seeds 0 1
 """
 
 from __future__ import annotations
@@ -35,10 +35,12 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common.py
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
 os.environ.setdefault("FLWR_DISABLE_UPDATE_CHECK", "1")
 
+import common  # noqa: E402
 import lm_sweep_horizon as hz  # noqa: E402
 import lm_sweep_lib as lib  # noqa: E402
 from lm_sweep_records import (  # noqa: E402, F401  (re-exported: lm_inner_lr, rwlora_sweep, tests)
@@ -51,11 +53,11 @@ from lm_sweep_records import (  # noqa: E402, F401  (re-exported: lm_inner_lr, r
     same_run_methods,
 )
 
-REPO = Path(__file__).resolve().parents[1]
-RESULTS = REPO / "benchmarks" / "results" / "lm_sweep.json"
-TUNING = REPO / "benchmarks" / "results" / "lm_tuning.json"
-HORIZON_RESULTS = REPO / "benchmarks" / "results" / "lm_horizon.json"
-HORIZON_TUNING = REPO / "benchmarks" / "results" / "lm_horizon_tuning.json"
+REPO = common.REPO
+RESULTS = common.RESULTS / "lm_sweep.json"
+TUNING = common.RESULTS / "lm_tuning.json"
+HORIZON_RESULTS = common.RESULTS / "lm_horizon.json"
+HORIZON_TUNING = common.RESULTS / "lm_horizon_tuning.json"
 RATIO = math.sqrt(2.0)  # grid spacing, and the step of each automatic extension
 MAX_EXTENSIONS = 4
 TUNE_WORKERS = 8

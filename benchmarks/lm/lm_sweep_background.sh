@@ -2,10 +2,10 @@
 # The issue-11 LM sweep, in the order the claims need it (tuning first: it sets every later cell;
 # then one seed of every question before more seeds of any). Resumable: rerun it and it continues
 # with the first cell not yet in the results files (each cell is skipped when recorded).
-#   nohup bash benchmarks/lm_sweep_background.sh > /tmp/lm_sweep.log 2>&1 &
+#   nohup bash benchmarks/lm/lm_sweep_background.sh > /tmp/lm_sweep.log 2>&1 &
 set -uo pipefail
-cd "$(dirname "$0")/.."
-PY="nice -n 19 env PYTHONPATH=$PWD .venv/bin/python benchmarks/lm_sweep.py"
+cd "$(dirname "$0")/../.."
+PY="nice -n 19 env PYTHONPATH=$PWD .venv/bin/python benchmarks/lm/lm_sweep.py"
 # 1. tuning: DiLoCo/IsoLoCo at M = 8 (5 lrs x 2 momenta) and at M = 64 (lrs around the M = 8 optimum)
 $PY --tune --methods isoloco diloco --workers 8
 $PY --tune --methods isoloco diloco --workers 64
@@ -29,5 +29,5 @@ $PY --methods ties dare tsv_m iso_cts --workers 32 --seeds 0
 $PY --methods fedavg diloco isoloco --workers 2 4 16 64 --seeds 1 2
 $PY --protocol h-sweep --inner-steps 100 --methods isoloco diloco --workers 8 --seeds 1 2
 $PY --protocol h-sweep --inner-steps 30 --methods isoloco diloco --workers 8 --seeds 1 2
-# 6. the reference line (tuned inner lr: benchmarks/lm_inner_lr.py)
+# 6. the reference line (tuned inner lr: benchmarks/lm/lm_inner_lr.py)
 $PY --methods dp-adamw --workers 8 --seeds 0

@@ -1,4 +1,4 @@
-"""The horizon study of ``benchmarks/lm_sweep.py --protocol horizon`` (issue 21): its grids, how a
+"""The horizon study of ``benchmarks/lm/lm_sweep.py --protocol horizon`` (issue 21): its grids, how a
 cell's outer and inner lrs are chosen from the tuning records, and the run order.
 
 Question: do IsoLoCo's gains over DiLoCo, FedAvg and a tuned synchronous AdamW survive a longer
@@ -20,7 +20,7 @@ Tuning, all at M = 8 and seed 0, chosen on the validation split:
   (``--tune-inner``): :data:`INNER_GRID` at the method's outer optimum found with the default
   inner lr, extended by a factor 2 while the optimum is on its edge. Used at every T.
 - **dp-adamw** has no outer step: its peak lr is tuned at every T on :data:`GRIDS` (the
-  factor-2 grid of ``benchmarks/lm_inner_lr.py``).
+  factor-2 grid of ``benchmarks/lm/lm_inner_lr.py``).
 - **fedavg** keeps its outer (1, 0); only its inner lr is tuned.
 """
 

@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
-# The issue-21 horizon study (benchmarks/lm_sweep.py --protocol horizon), in the order that gives
+# The issue-21 horizon study (benchmarks/lm/lm_sweep.py --protocol horizon), in the order that gives
 # the first complete comparison soonest: M = 8 tuning at T = 200 and 600, the inner lr at 600,
 # then the M = 8 seeds, then M = 1 / 32, then T = 1080. Resumable: rerun it and every recorded
 # cell is skipped. Results: benchmarks/results/lm_horizon{,_tuning}.json, committed (only those
 # two files) after every command and every 10 minutes while one runs; HORIZON_COMMIT=0: no commits.
-#   nohup bash benchmarks/lm_sweep_horizon.sh > /tmp/lm_horizon.log 2>&1 &
+#   nohup bash benchmarks/lm/lm_sweep_horizon.sh > /tmp/lm_horizon.log 2>&1 &
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 export PYTHONPATH=$PWD  # Ray workers import this checkout's code
-PY="nice -n 19 .venv/bin/python benchmarks/lm_sweep.py --protocol horizon"
+PY="nice -n 19 .venv/bin/python benchmarks/lm/lm_sweep.py --protocol horizon"
 FILES=(benchmarks/results/lm_horizon.json benchmarks/results/lm_horizon_tuning.json)
 ALL="fedavg diloco isoloco iso_c-sgd dp-adamw"
 

@@ -1,4 +1,4 @@
-"""Building blocks of ``benchmarks/lm_sweep.py``: sizing, data, Flower apps, one run per cell.
+"""Building blocks of ``benchmarks/lm/lm_sweep.py``: sizing, data, Flower apps, one run per cell.
 
 Protocol ``main`` (issue 11): every run, whatever the number of workers M, trains on the same
 ``N = rounds * H * G`` training sequences (``G`` = global batch, a multiple of 128, so every

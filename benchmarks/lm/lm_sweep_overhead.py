@@ -11,7 +11,7 @@ previous default: three Flower Arrays per parameter in ``context.state``), in th
 message (``--no-model-cache`` in lm_sweep.py); every run must end at the same validation loss
 to the last bit. Writes ``benchmarks/results/lm_overhead.json``.
 
-    nice -n 19 python benchmarks/lm_sweep_overhead.py [--workers 128] [--num-cpus 2]
+    nice -n 19 python benchmarks/lm/lm_sweep_overhead.py [--workers 128] [--num-cpus 2]
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ os.environ.setdefault("FLWR_DISABLE_UPDATE_CHECK", "1")
 import lm_sweep_lib as lib  # noqa: E402
 import torch  # noqa: E402
 
-OUT = Path(__file__).resolve().parent / "results" / "lm_overhead.json"
+OUT = Path(__file__).resolve().parents[1] / "results" / "lm_overhead.json"
 
 
 def step_time(size: dict, repeats: int = 20) -> float:

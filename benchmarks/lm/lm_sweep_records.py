@@ -1,15 +1,14 @@
-"""The result records of ``benchmarks/lm_sweep.py``: a JSON list per file, a cell's key, and
+"""The result records of ``benchmarks/lm/lm_sweep.py``: a JSON list per file, a cell's key, and
 the lookups that make the sweep resumable (a cell already in the file, or the identical
 computation recorded under another method name, is not run again)."""
 
 from __future__ import annotations
 
-import json
-import os
 from pathlib import Path
 from typing import Any
 
 import lm_sweep_lib as lib
+from common import append_record, load_records  # noqa: F401  (re-exported: lm_sweep, tests)
 
 KEY_FIELDS = (
     "method",
@@ -24,20 +23,6 @@ KEY_FIELDS = (
     "inner_lr",
     "corpora",
 )
-
-
-def load_records(path: Path) -> list[dict[str, Any]]:
-    return json.loads(path.read_text()) if path.is_file() else []
-
-
-def append_record(path: Path, record: dict[str, Any]) -> None:
-    """Append ``record`` to the JSON list at ``path`` at once (atomic replace)."""
-    records = load_records(path)
-    records.append(record)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(records, indent=1) + "\n")
-    os.replace(tmp, path)
 
 
 def _key_value(rec: dict[str, Any], field: str) -> Any:

@@ -17,7 +17,7 @@ Ratios are against ``memory``. The file was just written, so it is read from the
 Sizes: the 51 MiB benchmark model (13,373,952 parameters, 39 tensors) and SmolLM2-135M
 (134,515,008 parameters, 272 tensors).
 
-    nice -n 10 .venv/bin/python benchmarks/node_state_cost.py [--repeats 5]
+    nice -n 10 .venv/bin/python benchmarks/memory/node_state_cost.py [--repeats 5]
 
 Writes ``benchmarks/results/node_state_cost.json``.
 """
@@ -37,7 +37,7 @@ from flwr.app import ArrayRecord, ConfigRecord, RecordDict
 
 from flwr_isoloco.clients.node_state import file_digest, load_state_file, save_node_state
 
-OUT = Path(__file__).resolve().parent / "results" / "node_state_cost.json"
+OUT = Path(__file__).resolve().parents[1] / "results" / "node_state_cost.json"
 SIZES = {"51MiB": (13_373_952, 39), "135M": (134_515_008, 272)}
 
 

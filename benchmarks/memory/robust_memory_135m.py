@@ -11,7 +11,7 @@ time and peak RSS above the RSS before the call (rule ``mean``, unit weights, CP
 that both modes give the same tensors (bit for bit except Krum's distances, summed in another
 order). The rest of the model adds tensors no larger than the layer's, one at a time.
 
-    nice -n 10 python benchmarks/robust_memory_135m.py --workers 16 64 --whole-max 16
+    nice -n 10 python benchmarks/memory/robust_memory_135m.py --workers 16 64 --whole-max 16
 """
 
 from __future__ import annotations
@@ -25,8 +25,11 @@ from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common.py
+import common  # noqa: E402
+
+REPO = common.REPO
+common.on_path("benchmarks/merging")  # rule_cost_135m: shapes and the peak-RSS probe
 
 from rule_cost_135m import MIB, _measure, smollm2_135m_shapes  # noqa: E402
 
@@ -35,7 +38,7 @@ from flwr_isoloco.merging.rules import resolve_rule  # noqa: E402
 from flwr_isoloco.merging.spill import SpillStore  # noqa: E402
 from flwr_isoloco.testing.synthetic import llama_delta  # noqa: E402
 
-OUT = REPO / "benchmarks" / "results" / "robust_memory_135m.json"
+OUT = common.RESULTS / "robust_memory_135m.json"
 RULES = ("distance-filter", "median", "multikrum")
 
 

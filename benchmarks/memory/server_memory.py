@@ -25,22 +25,22 @@ available). Each cell records the 1-minute load average at its
 start and its mean and maximum during the run (other jobs may share the machine).
 
     # after (this checkout), one cell at a time, low priority:
-    nice -n 10 .venv/bin/python benchmarks/server_memory.py --label after --workers 4 16 64 128
+    nice -n 10 .venv/bin/python benchmarks/memory/server_memory.py --label after --workers 4 16 64 128
     # before (the base code in another checkout, same script):
     git -C /work/main worktree add --detach /work/wt/base 67b95d5
-    nice -n 10 .venv/bin/python benchmarks/server_memory.py --label before --code-dir /work/wt/base --workers 4 16
-    .venv/bin/python benchmarks/server_memory.py --table       # the markdown table of the JSON
-    .venv/bin/python benchmarks/server_memory.py --quick --out /tmp/q.json   # M in {2, 4}, tiny model
+    nice -n 10 .venv/bin/python benchmarks/memory/server_memory.py --label before --code-dir /work/wt/base --workers 4 16
+    .venv/bin/python benchmarks/memory/server_memory.py --table       # the markdown table of the JSON
+    .venv/bin/python benchmarks/memory/server_memory.py --quick --out /tmp/q.json   # M in {2, 4}, tiny model
     # TIES's round merge alone in one process (no Flower), row blocks vs every tensor at once:
-    PYTHONPATH=. nice -n 10 .venv/bin/python benchmarks/server_memory.py --in-process --workers 4 16 64
+    PYTHONPATH=. nice -n 10 .venv/bin/python benchmarks/memory/server_memory.py --in-process --workers 4 16 64
 
 At 135M (``--synthetic``): the LM app's ServerApp on SmolLM2-135M (``SYNTHETIC_SIZES``) with
-benchmark-only workers that train nothing (``benchmarks/apps/server_load/client_app.py``, put
+benchmark-only workers that train nothing (``benchmarks/memory/apps/server_load/client_app.py``, put
 into a temporary copy of the app by :func:`synthetic_app`); ``--rounds`` server rounds:
 
-    PYTHONPATH=. nice -n 10 .venv/bin/python benchmarks/server_memory.py --synthetic \
+    PYTHONPATH=. nice -n 10 .venv/bin/python benchmarks/memory/server_memory.py --synthetic \
         --strategies isoloco --workers 4 16 64 --rounds 1 --cache-dir /abs/cache --wait-free-gb 12
-    .venv/bin/python benchmarks/server_memory.py --synthetic --compact
+    .venv/bin/python benchmarks/memory/server_memory.py --synthetic --compact
 
 Writes ``benchmarks/results/server_memory.json`` (``--synthetic``: ``server_memory_135m.json``).
 """
@@ -62,7 +62,7 @@ from pathlib import Path
 import psutil
 from server_memory_report import GB, compact, fit, summarise, synthetic_table, table  # noqa: F401
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 OUT = REPO / "benchmarks" / "results" / "server_memory.json"
 STRATEGIES = {
     "diloco": ["strategy.name='diloco'"],
@@ -83,7 +83,7 @@ SIZES = {
     "tiny": ["model.hidden=32", "model.layers=1", "model.heads=2", "train.batch-size=2",
              "train.seq-len=32", "data.val-tokens=1024"],
 }  # fmt: skip
-SYNTHETIC_CLIENT = REPO / "benchmarks" / "apps" / "server_load" / "client_app.py"
+SYNTHETIC_CLIENT = REPO / "benchmarks" / "memory" / "apps" / "server_load" / "client_app.py"
 # --synthetic: the LM app's ServerApp on a pretrained model, benchmark-only workers
 # (apps/server_load/client_app.py). Server-side evaluation on 1,280 held-out tokens (2 batches
 # of the app's own rows x seq; the batch, not their count, sets its memory) instead of 16,384
@@ -197,7 +197,7 @@ def watch(proc: subprocess.Popen, min_free: float, period: float = 0.2) -> dict:
 
 def synthetic_app(dest: Path, code_dir: Path) -> Path:
     """``simulations/isoloco_lm`` copied under ``dest`` with the benchmark-only ClientApp
-    (``benchmarks/apps/server_load/client_app.py``) as its ``clientapp``; the ServerApp, its
+    (``benchmarks/memory/apps/server_load/client_app.py``) as its ``clientapp``; the ServerApp, its
     config schema and defaults are the app's own, unchanged."""
     app = dest / "isoloco_lm_server_load"
     ignore = shutil.ignore_patterns("__pycache__", "*.png")

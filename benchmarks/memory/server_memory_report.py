@@ -1,4 +1,4 @@
-"""The tables and fits of ``benchmarks/server_memory.py``'s JSON (``--table``, ``--compact``).
+"""The tables and fits of ``benchmarks/memory/server_memory.py``'s JSON (``--table``, ``--compact``).
 
 A fit is least squares ``peak = a + slope * M`` over a (label, strategy, size) group's completed
 cells, ``slope`` given in copies of the model's fp32 size per worker, with its R^2.

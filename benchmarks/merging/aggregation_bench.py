@@ -9,7 +9,7 @@ interleaved repeat by repeat in one process, so machine load hits all of them al
 to FedAvg uses medians. With ``--results <results.json>`` of a real demo run, each time is also
 given as a share of that run's mean round wall time (rounds 2.., round 1 holds start-up).
 
-    python benchmarks/aggregation_bench.py [--workers 4] [--repeats 7] [--results out/results.json]
+    python benchmarks/merging/aggregation_bench.py [--workers 4] [--repeats 7] [--results out/results.json]
 
 ``--shapes 135m``: instead, every merge rule on M synthetic pseudo-gradients of SmolLM2-135M's
 shapes, as ratios to a memory pass and to ``mean``, with peak extra memory (``rule_cost_135m.py``;
@@ -20,7 +20,7 @@ by another checkout's merging code, in the same process, for before/after ratios
 ``robust_<name>``: a rule of ``merging/robust.py`` with ``mean``; ``spill_pass``: the spill
 store's write and read-back):
 
-    nice -n 10 python benchmarks/aggregation_bench.py --shapes 135m [--threads 2] [--quick]
+    nice -n 10 python benchmarks/merging/aggregation_bench.py --shapes 135m [--threads 2] [--quick]
 """
 
 from __future__ import annotations
@@ -41,9 +41,11 @@ import torch  # noqa: E402
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict  # noqa: E402
 from flwr.serverapp.strategy import FedAvg  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "simulations" / "isoloco_lm"))
-sys.path.insert(0, str(REPO / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common.py
+import common  # noqa: E402
+
+REPO = common.REPO
+common.on_path("tests", "simulations/isoloco_lm")
 
 from fakegrid import FakeGrid  # noqa: E402  (in-process Grid; delivers replies, no Ray)
 from isoloco_lm import task  # noqa: E402
@@ -104,7 +106,7 @@ def _reexec_for_memory() -> None:
 def main_shapes(args) -> None:
     import rule_cost_135m
 
-    out = args.out or REPO / "benchmarks" / "results" / (
+    out = args.out or common.RESULTS / (
         f"aggregation_bench_135m{'_quick' if args.quick else ''}_t{args.threads}.json"
     )
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -207,7 +209,7 @@ def main() -> None:
         args.cases = args.cases or rule_cost_135m.DEFAULT_CASES
         main_shapes(args)
         return
-    args.out = args.out or REPO / "benchmarks" / "results" / "aggregation_bench.json"
+    args.out = args.out or common.RESULTS / "aggregation_bench.json"
 
     cfg = task.load_config(json.loads(args.run_config))
     t0 = time.perf_counter()

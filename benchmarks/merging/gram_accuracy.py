@@ -8,7 +8,7 @@ computes), the Gram path in fp32 and in fp64 (forced, whatever the acceptance bo
 576 x 576, whose forced fp64 Gram row shows what that route would give). Table to stdout and
 ``benchmarks/results/gram_accuracy.json``.
 
-    python benchmarks/gram_accuracy.py
+    python benchmarks/merging/gram_accuracy.py
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import torch
 from flwr_isoloco.merging import iso_c
 from flwr_isoloco.merging.polar import _gram_apply
 
-OUT = Path(__file__).resolve().parent / "results" / "gram_accuracy.json"
+OUT = Path(__file__).resolve().parents[1] / "results" / "gram_accuracy.json"
 
 
 def _matrix(m, n, kappa, kind, gen):
@@ -63,7 +63,7 @@ def main() -> None:
                     f"  {row['gram64']:.1e}  {row['shipped']:.1e}"
                 )
     OUT.parent.mkdir(parents=True, exist_ok=True)
-    OUT.write_text(json.dumps({"command": "python benchmarks/gram_accuracy.py", "rows": rows}))
+    OUT.write_text(json.dumps({"command": "python benchmarks/merging/gram_accuracy.py", "rows": rows}))
 
 
 if __name__ == "__main__":

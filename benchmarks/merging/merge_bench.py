@@ -19,7 +19,7 @@ resetting it through ``/proc/self/clear_refs``, with glibc told to ``mmap`` ever
 case starts from a true baseline. It counts every allocation (torch, LAPACK workspaces), not
 only live tensors. Inputs that exist before the call are not counted.
 
-Usage: ``python benchmarks/merge_bench.py [--quick] [--threads 2] [--out PATH]``.
+Usage: ``python benchmarks/merging/merge_bench.py [--quick] [--threads 2] [--out PATH]``.
 The default run takes about 3-4 minutes on 2 idle cores; ``--quick`` about 40 s.
 """
 
@@ -57,7 +57,7 @@ from flwr_isoloco.testing.synthetic import (  # noqa: E402
     low_rank_plus_noise,
 )
 
-RESULTS = Path(__file__).resolve().parent / "results" / "merge_bench.json"
+RESULTS = Path(__file__).resolve().parents[1] / "results" / "merge_bench.json"
 MIB = 2**20
 
 

@@ -24,9 +24,9 @@ the honest run without defence (same strategy, seed, size). Cells are appended t
 resumable; two invocations for two strategies can run side by side); the tables in
 docs/strategies.md and docs/privacy.md are regenerated from all those files (``--table`` alone does only that).
 
-    nice -n 10 python benchmarks/attack_bench.py --quick            # the headline grid
-    nice -n 10 python benchmarks/attack_bench.py --defences median --attacks signflip  # full
-    python benchmarks/attack_bench.py --table
+    nice -n 10 python benchmarks/privacy/attack_bench.py --quick            # the headline grid
+    nice -n 10 python benchmarks/privacy/attack_bench.py --defences median --attacks signflip  # full
+    python benchmarks/privacy/attack_bench.py --table
 """
 
 from __future__ import annotations
@@ -46,10 +46,12 @@ from pathlib import Path
 
 from flwr_isoloco.merging.robust import ROBUST_OPTIONS, ROBUST_RULES
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "simulations" / "isoloco_lm"))
-sys.path.insert(0, str(REPO / "tests"))
-RESULTS = REPO / "benchmarks" / "results"  # attack-<size>-<strategies>.json, one per invocation
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common.py
+import common  # noqa: E402
+
+REPO = common.REPO
+common.on_path("tests", "simulations/isoloco_lm")
+RESULTS = common.RESULTS  # attack-<size>-<strategies>.json, one per invocation
 DOCS = {  # the docs whose attack table block is regenerated, and the grids each shows
     REPO / "docs" / "strategies.md": ("full", "headline", "quick"),
     REPO / "docs" / "privacy.md": ("full", "headline"),

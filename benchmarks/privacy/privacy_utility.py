@@ -12,8 +12,8 @@ Each cell appends ``{strategy, nodes, epsilon, z, clip, val_loss per round, dp_e
 round, ...}`` to ``benchmarks/results/privacy_utility.json`` (cells already there are skipped:
 resumable); the table in ``docs/privacy.md`` is regenerated from that file alone::
 
-    nice -n 10 python benchmarks/privacy_utility.py [--nodes 8 32] [--quick]
-    python benchmarks/privacy_utility.py --table          # the docs table from the json only
+    nice -n 10 python benchmarks/privacy/privacy_utility.py [--nodes 8 32] [--quick]
+    python benchmarks/privacy/privacy_utility.py --table          # the docs table from the json only
 """
 
 from __future__ import annotations
@@ -27,10 +27,12 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "simulations" / "isoloco_lm"))
-RESULTS = REPO / "benchmarks" / "results" / "privacy_utility.json"
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common.py
+import common  # noqa: E402
+
+REPO = common.REPO
+common.on_path("simulations/isoloco_lm", "")
+RESULTS = common.RESULTS / "privacy_utility.json"
 DOC = REPO / "docs" / "privacy.md"
 BEGIN, END = "<!-- BEGIN PRIVACY UTILITY TABLE -->", "<!-- END PRIVACY UTILITY TABLE -->"
 EPSILONS = (math.inf, 8.0, 2.0, 0.5)

@@ -13,7 +13,7 @@ Each case appends ``{case, strategy, val_loss per round, ...}`` to
 ``benchmarks/results/weight_bound.json`` (cases already there are skipped: resumable); the
 table in ``docs/strategies.md`` is then regenerated from that file.
 
-    nice -n 10 python benchmarks/weight_bound_bench.py [--strategies isoloco diloco] [--quick]
+    nice -n 10 python benchmarks/privacy/weight_bound_bench.py [--strategies isoloco diloco] [--quick]
 """
 
 from __future__ import annotations
@@ -26,9 +26,12 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "simulations" / "isoloco_lm"))
-RESULTS = REPO / "benchmarks" / "results" / "weight_bound.json"
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common.py
+import common  # noqa: E402
+
+REPO = common.REPO
+common.on_path("simulations/isoloco_lm")
+RESULTS = common.RESULTS / "weight_bound.json"
 DOC = REPO / "docs" / "strategies.md"
 BEGIN, END = "<!-- BEGIN WEIGHT BOUND TABLE -->", "<!-- END WEIGHT BOUND TABLE -->"
 NODES, BAD = 8, 3

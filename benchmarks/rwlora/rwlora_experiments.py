@@ -10,8 +10,8 @@ hub), so it runs once and is listed under both graphs. Gossip is evaluated twice
 averaged adapter (``test-accuracy``, used for the targets) and the mean of each vertex's own
 adapter (``test-accuracy-vertex-mean``, reported in the summary and the table's last columns).
 
-    nice -n 10 .venv/bin/python benchmarks/rwlora_experiments.py            # full budget
-    .venv/bin/python benchmarks/rwlora_experiments.py --quick --engine fake  # smoke test
+    nice -n 10 .venv/bin/python benchmarks/rwlora/rwlora_experiments.py            # full budget
+    .venv/bin/python benchmarks/rwlora/rwlora_experiments.py --quick --engine fake  # smoke test
 
 Outputs: ``benchmarks/results/rwlora_<method>_<graph>.json`` (the app's results.json),
 ``benchmarks/results/rwlora_summary.json``, ``docs/img/rwlora_*.png``.

@@ -17,8 +17,8 @@ The run is Flower's simulation engine (``flwr.simulation.run_simulation``, Ray b
 ServerApp whose ``main`` starts each method's strategy in turn on the same simulated nodes;
 ``--engine fake`` runs the same server on the in-process test grid instead.
 
-    nice -n 10 .venv/bin/python benchmarks/rwlora_llm.py                     # SmolLM2-135M
-    .venv/bin/python benchmarks/rwlora_llm.py --model DIR --updates 8 --seq-len 32 ...
+    nice -n 10 .venv/bin/python benchmarks/rwlora/rwlora_llm.py                     # SmolLM2-135M
+    .venv/bin/python benchmarks/rwlora/rwlora_llm.py --model DIR --updates 8 --seq-len 32 ...
 
 Output: ``--out`` (default ``benchmarks/results/rwlora_llm.json``): the settings, and per
 method the perplexity before/after, local updates, bytes relayed through the server and as a

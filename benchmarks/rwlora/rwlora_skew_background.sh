@@ -9,17 +9,17 @@
 #    160 and 320), ring, skew and IID, seeds 0, 1, 2, next to the paper's walk and gossip of the
 #    main sweep (same cells, already recorded); then the other graphs under skew.
 # Every finished run is appended to benchmarks/results/rwlora_sweep.json and committed.
-#   nohup bash benchmarks/rwlora_skew_background.sh > /tmp/rw_skew.log 2>&1 &
+#   nohup bash benchmarks/rwlora/rwlora_skew_background.sh > /tmp/rw_skew.log 2>&1 &
 # FINALS=<variant> runs only that variant's finals (test split), in the order the claims need:
 # Dirichlet(0.5) on ring, complete, regular-3, then IID ring, complete, regular-3, seeds 0, 1, 2
 # each (cells already recorded are skipped); NICE sets
 # the niceness (default 19):
-#   FINALS=k2 NICE=15 nohup bash benchmarks/rwlora_skew_background.sh > /tmp/rw_k2.log 2>&1 &
+#   FINALS=k2 NICE=15 nohup bash benchmarks/rwlora/rwlora_skew_background.sh > /tmp/rw_k2.log 2>&1 &
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 OUT=benchmarks/results/rwlora_sweep.json
 PY="nice -n ${NICE:-19} env PYTHONPATH=$PWD .venv/bin/python"
-SWEEP="$PY benchmarks/rwlora_sweep.py --methods rwlora --out $OUT --engine fake --per-class"
+SWEEP="$PY benchmarks/rwlora/rwlora_sweep.py --methods rwlora --out $OUT --engine fake --per-class"
 commit() {  # retried: another commit in the same worktree may hold the index lock
   for _ in 1 2 3 4 5; do
     git add "$OUT" && git commit -q -m "rwlora skew: $1" -- "$OUT" && return 0
@@ -48,7 +48,7 @@ screen() {
   done
 }
 screen $SCREEN
-BEST=${BEST:-$($PY benchmarks/rwlora_sweep_report.py --best-variant --variants $SCREEN)}
+BEST=${BEST:-$($PY benchmarks/rwlora/rwlora_sweep_report.py --best-variant --variants $SCREEN)}
 echo "[skew] best variant on the validation split among $SCREEN: $BEST"
 [ "$BEST" = paper ] && SPLITS="" || SPLITS="0 dirichlet-0.5,0 iid,1 dirichlet-0.5,2 dirichlet-0.5,1 iid,2 iid"
 IFS=, read -ra SPLITS <<< "$SPLITS"  # the paper's walk: its test cells are the main sweep's

@@ -3,7 +3,7 @@
 Each cell (method, graph, clients, partition, rank, seed) is one run of the rwlora_sentiment
 app's own server (``run_server``) and LoRA client under Flower's simulation engine (Ray
 backend; ``--engine fake`` runs the same server and client code on the in-process test grid).
-Run config and app launch are those of ``benchmarks/rwlora_experiments.py`` (imported); the
+Run config and app launch are those of ``benchmarks/rwlora/rwlora_experiments.py`` (imported); the
 cells, sizing, variants and cost model are in ``rwlora_sweep_plan.py``. The
 protocol (sizes, evaluation schedule, budget) is in docs/results-rwlora.md, "Sweep protocol":
 
@@ -20,10 +20,10 @@ protocol (sizes, evaluation schedule, budget) is in docs/results-rwlora.md, "Swe
 Every finished run is appended at once to the JSON list ``--out``; a cell already there with
 the same run config is skipped, so an interrupted sweep continues where it stopped.
 
-    python benchmarks/rwlora_sweep.py --methods rwlora gossip fedavg --graphs complete ring \\
+    python benchmarks/rwlora/rwlora_sweep.py --methods rwlora gossip fedavg --graphs complete ring \\
         regular-3 --clients 8 --partitions iid dirichlet-0.5 --ranks 8 --seeds 0 1 2
-    python benchmarks/rwlora_sweep.py --suite all          # the whole planned suite
-    python benchmarks/rwlora_sweep.py --quick ...          # tiny, in-process (the tests)
+    python benchmarks/rwlora/rwlora_sweep.py --suite all          # the whole planned suite
+    python benchmarks/rwlora/rwlora_sweep.py --quick ...          # tiny, in-process (the tests)
 """
 
 from __future__ import annotations
@@ -43,9 +43,10 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent))  # benchmarks/: common.py
 
 import rwlora_experiments as E  # noqa: E402  (sets sys.path and the offline env)
-from lm_sweep import append_record, load_records  # noqa: E402
+from common import append_record, load_records  # noqa: E402
 from rwlora_sweep_plan import (  # noqa: E402, F401  (the plan; re-exported for the tests)
     EVAL_SPLITS,
     GRAPHS,
@@ -63,7 +64,7 @@ from rwlora_sweep_plan import (  # noqa: E402, F401  (the plan; re-exported for 
     sizing,
 )
 
-ROOT = HERE.parent
+ROOT = HERE.parents[1]
 RESULTS = ROOT / "benchmarks" / "results" / "rwlora_sweep.json"
 SWEEP_VERSION = 1
 KEY_FIELDS = (

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # The issue-11 RW-LoRA sweep in the order the claims need it: one seed of every graph and
 # partition before more seeds, then the rank and 16-client settings. Resumable (recorded cells
-# are skipped).   nohup bash benchmarks/rwlora_sweep_background.sh > /tmp/rw_sweep.log 2>&1 &
+# are skipped).   nohup bash benchmarks/rwlora/rwlora_sweep_background.sh > /tmp/rw_sweep.log 2>&1 &
 set -uo pipefail
-cd "$(dirname "$0")/.."
-PY="nice -n 19 env PYTHONPATH=$PWD .venv/bin/python benchmarks/rwlora_sweep.py"
+cd "$(dirname "$0")/../.."
+PY="nice -n 19 env PYTHONPATH=$PWD .venv/bin/python benchmarks/rwlora/rwlora_sweep.py"
 $PY --methods rwlora gossip fedavg --graphs ring complete --partitions iid --seeds 0 1 2
 $PY --methods rwlora gossip fedavg --graphs ring complete regular-3 --partitions dirichlet-0.5 --seeds 0
 $PY --methods rwlora gossip --graphs regular-3 --partitions iid --seeds 0

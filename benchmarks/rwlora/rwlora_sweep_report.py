@@ -1,7 +1,7 @@
 """Tables and the plot of docs/results-rwlora.md from ``benchmarks/results/rwlora_sweep.json``.
 
-    python benchmarks/rwlora_sweep_report.py            # rewrite the tables in the doc + the plot
-    python benchmarks/rwlora_sweep_report.py --stdout   # print the tables only
+    python benchmarks/rwlora/rwlora_sweep_report.py            # rewrite the tables in the doc + the plot
+    python benchmarks/rwlora/rwlora_sweep_report.py --stdout   # print the tables only
 
 Statistics over seeds: for "to target" columns, ``mean ± sd (k/n)`` over the ``k`` of ``n``
 seeds that reached the target (``sd`` = sample standard deviation, ddof 1; one value: no
@@ -25,7 +25,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import rwlora_sweep_skew  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "benchmarks" / "results" / "rwlora_sweep.json"
 DOC = ROOT / "docs" / "results-rwlora.md"
 IMG = ROOT / "docs" / "img" / "rwlora_sweep_updates.png"

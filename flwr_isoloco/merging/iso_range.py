@@ -28,7 +28,7 @@ Frobenius norm, so one lr means the same step size on every tensor::
 (``||.||_F = ||g||_F``, spectral norm ``||g||_F / sqrt(k) <= s_1 = ||g||_2``).
 
 That raises a direction of ``g`` by ``||g||_F / (sqrt(k) s_i)``, without bound: measured on
-label-skewed shards (``benchmarks/label_skew.py``, docs/algorithms.md 3.2) the smallest singular
+label-skewed shards (``benchmarks/dropin/label_skew.py``, docs/algorithms.md 3.2) the smallest singular
 directions of the mean were raised 100-2000 x (a classifier's numerically rank-2 but truly
 rank-1 pseudo-gradient: 62,000 x, half the step into round-off), and the drop-in collapsed to
 the majority class. The ``"dropin"`` merge is therefore Iso-C with a bounded gain

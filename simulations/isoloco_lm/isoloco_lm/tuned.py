@@ -2,7 +2,7 @@
 
 ``strategy.outer-lr`` / ``strategy.outer-momentum`` at -1 mean "the chosen rule's tuned
 value": the lowest validation loss of the sweep's grid for that rule (seed 0, M = 8 workers,
-main protocol; ``benchmarks/lm_sweep.py`` ``tuned_hp``, results in
+main protocol; ``benchmarks/lm/lm_sweep.py`` ``tuned_hp``, results in
 ``benchmarks/results/lm_tuning.json``, discussed in docs/results-lm.md). The sweep's model is
 of this app's kind (a small LLaMA on Shakespeare, AdamW inner steps) but not its exact size,
 so these are starting points, not optima for every configuration. A rule the sweep did not
@@ -22,7 +22,7 @@ SOURCE = "benchmarks/results/lm_tuning.json"
 
 
 class Tuned(NamedTuple):
-    method: str  # the sweep's method name (benchmarks/lm_sweep_lib.py METHODS)
+    method: str  # the sweep's method name (benchmarks/lm/lm_sweep_lib.py METHODS)
     outer_lr: float
     outer_momentum: float
 
