@@ -13,7 +13,7 @@ evaluator, the app's columns of a results row, and optional plot and export func
 4. ``strategy.start`` over the global rounds ``done + 1 .. num-server-rounds`` (at most
    ``rounds-this-run`` of them), with the evaluator as ``evaluate_fn`` and the round-end hook
    writing the results row, ``results.json``, the plots and the checkpoint;
-5. a run that trains nothing (:class:`~flwr_isoloco.strategies.guard.NoProgressError`), or
+5. a run that trains nothing (:class:`~flwr_isoloco.strategies.core.guard.NoProgressError`), or
    that raises anything else once the output folder exists (a strategy refusing its
    arguments, a crash mid-run), ends ``status: failed`` with its ``error`` and the exception
    is raised again, so Flower marks the run ``finished:failed``; otherwise ``completed`` (``partial`` when ``rounds-this-run`` stopped
@@ -55,9 +55,9 @@ from flwr_isoloco.checkpoint import (
 )
 from flwr_isoloco.clients.node_state import RESUME_DIR_KEY, RESUME_ROUND_KEY, STATE_DIR_KEY
 from flwr_isoloco.runconfig import RunConfigError, check_resumable, prepare_output_dir
-from flwr_isoloco.strategies.dp_journal import attach_dp_journal
-from flwr_isoloco.strategies.guard import NoProgressError
-from flwr_isoloco.strategies.nodes import wait_for_nodes
+from flwr_isoloco.strategies.diloco.dp_journal import attach_dp_journal
+from flwr_isoloco.strategies.core.guard import NoProgressError
+from flwr_isoloco.strategies.core.nodes import wait_for_nodes
 
 __all__ = [
     "CHECKPOINT",
@@ -103,7 +103,7 @@ class AppRun:
     Attributes
     ----------
     strategy
-        A :class:`~flwr_isoloco.strategies.lifecycle.ResumableStrategy` with ``state_dict``,
+        A :class:`~flwr_isoloco.strategies.core.lifecycle.ResumableStrategy` with ``state_dict``,
         ``load_state_dict(sd, **restore_kwargs)`` and ``completed_rounds``.
     initial_arrays
         The model (or adapter) before training; None once handed to the strategy

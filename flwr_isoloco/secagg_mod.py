@@ -1,8 +1,8 @@
 """Client side of secure aggregation: a ClientApp mod that runs a DiLoCo worker under SecAgg+,
-and the config keys the server shim (:mod:`flwr_isoloco.strategies.secagg`) and it share.
+and the config keys the server shim (:mod:`flwr_isoloco.strategies.diloco.secagg`) and it share.
 
 ``ClientApp(mods=[secagg_mod])``: a train message that carries SecAgg+'s stage config
-(``secaggplus_configs``, sent by :mod:`flwr_isoloco.strategies.secagg`) goes through Flower's
+(``secaggplus_configs``, sent by :mod:`flwr_isoloco.strategies.diloco.secagg`) goes through Flower's
 ``secaggplus_mod``; every other message (plain train rounds, evaluation, queries) reaches the
 handler unchanged, so an app with the mod behaves bit for bit as without it when SecAgg+ is off.
 
@@ -78,7 +78,7 @@ def _train_as_fitres(msg: Message, context: Context, call_next: Handler) -> Mess
     from flwr.compat.common import recorddict_compat as compat
 
     from flwr_isoloco.compression import decompress, is_compressed
-    from flwr_isoloco.strategies.wire import record_tensors
+    from flwr_isoloco.strategies.core.wire import record_tensors
 
     fitins = compat.recorddict_to_fitins(msg.content, keep_input=True)
     config = dict(fitins.config)

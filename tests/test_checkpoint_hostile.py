@@ -323,7 +323,7 @@ def test_leftovers_of_killed_writes_are_removed_by_the_next_write(tmp_path):
 
 
 def test_graph_strategy_state_fields_are_checked():
-    from flwr_isoloco.strategies.rwlora import RWLoRA
+    from flwr_isoloco.strategies.graph.rwlora import RWLoRA
 
     token = {"a": torch.zeros(2, 3)}
     meta = {

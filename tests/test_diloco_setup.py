@@ -1,4 +1,4 @@
-"""DiLoCo's constructor passes its arguments on by name (strategies/diloco_setup.py): every
+"""DiLoCo's constructor passes its arguments on by name (strategies/diloco/setup.py): every
 name in the lists is a parameter of the signature, and each one arrives where it belongs."""
 
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import inspect
 
 from flwr_isoloco.strategies import DiLoCo, IsoLoCo
-from flwr_isoloco.strategies.diloco_setup import DP_ARGUMENTS, PLAIN_ARGUMENTS
-from flwr_isoloco.strategies.privacy import StrategyDP
+from flwr_isoloco.strategies.diloco.privacy import StrategyDP
+from flwr_isoloco.strategies.diloco.setup import DP_ARGUMENTS, PLAIN_ARGUMENTS
 
 
 def test_plain_arguments_are_kept_as_given():

@@ -15,8 +15,8 @@ from test_lifecycle import init_model, plain_app
 
 from flwr_isoloco.checkpoint import load_checkpoint, save_checkpoint
 from flwr_isoloco.strategies import DiLoCo, GossipLoRA, IsoLoCo, RWLoRA
-from flwr_isoloco.strategies.divergence import DivergenceError, DivergenceGuard
-from flwr_isoloco.strategies.guard import NoProgressError
+from flwr_isoloco.strategies.core.divergence import DivergenceError, DivergenceGuard
+from flwr_isoloco.strategies.core.guard import NoProgressError
 
 torch.set_num_threads(1)
 N = 3

@@ -467,8 +467,8 @@ def test_preset_tables_match_the_code():
 def test_user_guide_defaults_match_the_signatures():
     """docs/user-guide.md section 3 gives DiLoCo's defaults as its signature does, and IsoLoCo's
     as "the preset's" (or the default preset's value)."""
-    diloco = _init_defaults("flwr_isoloco/strategies/diloco.py", "DiLoCo")
-    isoloco = _init_defaults("flwr_isoloco/strategies/isoloco.py", "IsoLoCo")
+    diloco = _init_defaults("flwr_isoloco/strategies/diloco/diloco.py", "DiLoCo")
+    isoloco = _init_defaults("flwr_isoloco/strategies/diloco/isoloco.py", "IsoLoCo")
     merge, lr, mu, nesterov = _source_presets()[isoloco["preset"]]
     from_preset = {"merge": merge, "outer_lr": lr, "outer_momentum": mu, "nesterov": nesterov}
     table = next(
@@ -496,7 +496,7 @@ def test_user_guide_defaults_match_the_signatures():
 def test_bigram_record_is_of_the_current_default_preset():
     """The README's bigram sentence quotes `IsoLoCo()`: the record must have run the preset the
     code has now (else rerun benchmarks/dropin/swap_fedavg_bigram.py, then benchmarks/docs/docs_claims.py)."""
-    isoloco = _init_defaults("flwr_isoloco/strategies/isoloco.py", "IsoLoCo")
+    isoloco = _init_defaults("flwr_isoloco/strategies/diloco/isoloco.py", "IsoLoCo")
     merge, lr, mu, _nesterov = _source_presets()[isoloco["preset"]]
     run = json.loads((RESULTS / "swap_fedavg_bigram.json").read_text())["runs"]["IsoLoCo()"]
     assert (run["merge"], run["outer-lr"], run["outer-momentum"]) == (merge, lr, mu)

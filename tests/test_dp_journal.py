@@ -1,6 +1,6 @@
 """Issue 34, item 2: a round released, then lost with a crash before its checkpoint, and redone
 on resume, must not be released again under the same noise, and both releases count
-(flwr_isoloco/strategies/dp_journal.py)."""
+(flwr_isoloco/strategies/diloco/dp_journal.py)."""
 
 from __future__ import annotations
 
@@ -140,7 +140,7 @@ def test_no_release_when_the_journal_cannot_be_written(tmp_path):
 def test_the_app_runner_journal_follows_resume_from(tmp_path):
     """``attach_dp_journal(strategy, out, resume)``: written to ``out``; on resume, read from
     the checkpoint's folder (another output folder continues it)."""
-    from flwr_isoloco.strategies.dp_journal import JOURNAL, attach_dp_journal
+    from flwr_isoloco.strategies.diloco.dp_journal import JOURNAL, attach_dp_journal
 
     a, b = tmp_path / "a", tmp_path / "b"
     first = DiLoCo(**QUIET, dp_noise_multiplier=Z, dp_clipping_norm=C)

@@ -11,8 +11,8 @@ from rwlora_helpers import HANDLERS, NBYTES, SHAPES, arm, client_update, init_ad
 from flwr_isoloco.checkpoint import load_checkpoint, save_checkpoint
 from flwr_isoloco.graphs import build_graph, metropolis_mixing_weights
 from flwr_isoloco.strategies import GossipLoRA
-from flwr_isoloco.strategies.gossip import mix
-from flwr_isoloco.strategies.guard import NoProgressError
+from flwr_isoloco.strategies.core.guard import NoProgressError
+from flwr_isoloco.strategies.graph.gossip import mix
 
 torch.set_num_threads(1)
 

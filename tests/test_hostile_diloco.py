@@ -15,8 +15,8 @@ from fakegrid import FakeGrid, corrupt_arrays
 from flwr.app import ArrayRecord, Message, MetricRecord, RecordDict
 
 from flwr_isoloco.strategies import DiLoCo, IsoLoCo
-from flwr_isoloco.strategies.ledger import SentLedger
-from flwr_isoloco.strategies.replies import ReplyValidator
+from flwr_isoloco.strategies.core.ledger import SentLedger
+from flwr_isoloco.strategies.core.replies import ReplyValidator
 
 torch.set_num_threads(1)
 
@@ -399,7 +399,7 @@ def test_fedavg_equality_with_bound_off_and_skewed_weights():
 
 # --------------------------------------------------------------------------- nothing trained
 def test_consecutive_empty_rounds_stop_the_run():
-    from flwr_isoloco.strategies.guard import NoProgressError
+    from flwr_isoloco.strategies.core.guard import NoProgressError
 
     grid = FakeGrid({"train": train}, num_nodes=N)
     for p in range(N):

@@ -166,7 +166,7 @@ def test_resume_is_exact(tiny, tmp_path):
 def test_divergence_stop_ends_the_run_failed_and_logs_the_outer_values(tiny, tmp_path, caplog):
     """TIES at outer lr 1000 (its tuned momentum 0 kept): round 1's val loss explodes, the guard
     (on-divergence 'stop') ends the run after the round's row and checkpoint, status failed."""
-    from flwr_isoloco.strategies.divergence import DivergenceError
+    from flwr_isoloco.strategies.core.divergence import DivergenceError
 
     rc = {
         **tiny,

@@ -15,7 +15,7 @@ sys.path.insert(0, str(ROOT / "simulations" / "isoloco_lm"))
 from isoloco_lm import task  # noqa: E402
 
 from flwr_isoloco.runconfig import RunConfigError  # noqa: E402
-from flwr_isoloco.strategies.diloco_config import (  # noqa: E402
+from flwr_isoloco.strategies.diloco.config import (  # noqa: E402
     DILOCO_RUN_CONFIG,
     ISOLOCO_RUN_CONFIG,
 )

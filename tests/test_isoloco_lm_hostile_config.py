@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from flwr_isoloco.runconfig import RunConfigError
-from flwr_isoloco.strategies.guard import NoProgressError
+from flwr_isoloco.strategies.core.guard import NoProgressError
 
 REPO = Path(__file__).resolve().parents[1]
 APP_DIR = REPO / "simulations" / "isoloco_lm"

@@ -186,7 +186,7 @@ class _GrowingGrid:
 
 
 def test_wait_for_nodes_waits_for_enough_and_stable(monkeypatch):
-    monkeypatch.setattr("flwr_isoloco.strategies.nodes.POLL_S", 0.001)
+    monkeypatch.setattr("flwr_isoloco.strategies.core.nodes.POLL_S", 0.001)
     assert wait_for_nodes(_GrowingGrid(3), 3) == [10, 11, 12]
     assert wait_for_nodes(_GrowingGrid(2), 1, settle_s=0.05) == [10, 11]  # waits out growth
     with pytest.raises(NodeWaitError, match="only 2 of 5 nodes connected"):

@@ -22,7 +22,7 @@ from privacy_helpers import (
 from flwr_isoloco.checkpoint_spec import CheckpointError
 from flwr_isoloco.merging.dp import clip_to_norm, noise_like
 from flwr_isoloco.strategies import DiLoCo, IsoLoCo
-from flwr_isoloco.strategies.privacy import PrivacyBudgetExhausted, noise_for_epsilon
+from flwr_isoloco.strategies.diloco.privacy import PrivacyBudgetExhausted, noise_for_epsilon
 
 
 def test_zero_updates_release_noise_of_std_z_c_over_m():
@@ -240,7 +240,7 @@ def test_noise_for_epsilon_calibrates_on_flowers_accountant():
 
 
 def test_secagg_compatibility_names_every_option_that_needs_single_replies():
-    from flwr_isoloco.strategies.privacy import require_secagg, secagg_problems
+    from flwr_isoloco.strategies.diloco.privacy import require_secagg, secagg_problems
 
     ok = dict(weighting="uniform")
     assert secagg_problems(DiLoCo(**ok)) == []

@@ -36,7 +36,7 @@ def test_adaptive_clipping_norm_moves_to_the_quantile():
     """200 fixed log-normal norms, target quantile 0.3, C_0 far below: every step is the
     formula computed here, C rises while it is below the quantile, and over the last 100 of
     300 rounds the unclipped fraction of the true norms averages 0.3 within 0.05."""
-    from flwr_isoloco.strategies.privacy import COUNT_NOISE_INDEX, StrategyDP
+    from flwr_isoloco.strategies.diloco.privacy import COUNT_NOISE_INDEX, StrategyDP
 
     k, q, lr, std, c = 200, 0.3, 0.2, 10.0, 0.05
     norms = torch.exp(
@@ -69,7 +69,7 @@ def test_adaptive_clipping_epsilon_and_noise_per_round():
     """A federation with adaptive C: dp-epsilon is Flower's accountant fed one event of the
     accounted z per round; the update noise is z_delta C_t / k; C_{t+1} follows the round's
     clipped count (from the metrics) and count noise (from the key)."""
-    from flwr_isoloco.strategies.privacy import COUNT_NOISE_INDEX
+    from flwr_isoloco.strategies.diloco.privacy import COUNT_NOISE_INDEX
 
     z, std, q, lr, c0, key, rounds, k = 1.1, 1.0, 0.5, 0.3, 0.05, 11, 4, 3
     s = DiLoCo(**_adaptive(z, c0, q, std, dp_seed=key, dp_clip_lr=lr))

@@ -236,7 +236,7 @@ def test_seed_at_the_top_of_its_range_trains(tmp_path):
 
 def test_run_that_uses_no_reply_stops_with_an_error(tmp_path):
     """B5: every reply dropped -> NoProgressError after strategy.max-empty-rounds, status failed."""
-    from flwr_isoloco.strategies.guard import NoProgressError
+    from flwr_isoloco.strategies.core.guard import NoProgressError
 
     rc = {**TINY, "output-dir": str(tmp_path / "run"), "num-server-rounds": 6, "eval-every": 6}
     grid = FakeGrid(client_app, num_nodes=3, run_config=rc)
@@ -288,7 +288,7 @@ class _LateGrid(FakeGrid):
 def test_resume_of_a_finished_run_waits_for_its_clients_and_exports(tmp_path, monkeypatch):
     """A checkpoint already holding every round trains nothing, but the graph strategy still
     needs one vertex per client: the runner waits for them instead of building on 0 nodes."""
-    monkeypatch.setattr("flwr_isoloco.strategies.nodes.POLL_S", 0.01)
+    monkeypatch.setattr("flwr_isoloco.strategies.core.nodes.POLL_S", 0.01)
     done, _ = _run(tmp_path, "done", **{"num-server-rounds": 2})
     rc = {**TINY, "num-server-rounds": 2, "output-dir": str(tmp_path / "again")}
     rc["resume-from"] = str(done / CHECKPOINT)

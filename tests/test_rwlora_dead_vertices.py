@@ -22,7 +22,7 @@ from rwlora_helpers import (
 from flwr_isoloco.checkpoint import load_checkpoint, save_checkpoint
 from flwr_isoloco.graphs import build_graph
 from flwr_isoloco.strategies import GossipLoRA, RWLoRA
-from flwr_isoloco.strategies.wire import check_train_metrics
+from flwr_isoloco.strategies.core.wire import check_train_metrics
 
 torch.set_num_threads(1)
 

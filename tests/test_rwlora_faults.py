@@ -11,7 +11,7 @@ from flwr.app import ArrayRecord, ConfigRecord, MetricRecord
 from rwlora_helpers import HANDLERS, arm, assert_token, json_roundtrip, query, replay, run, train
 
 from flwr_isoloco.strategies import RWLoRA
-from flwr_isoloco.strategies.guard import NoProgressError
+from flwr_isoloco.strategies.core.guard import NoProgressError
 
 
 @pytest.mark.parametrize("fault", ["raise", "timeout", "dead"])

@@ -14,7 +14,7 @@ sys.path.insert(0, str(APP))
 from rwlora_sentiment.task import build_strategy, load_config  # noqa: E402
 
 from flwr_isoloco.runconfig import RunConfigError  # noqa: E402
-from flwr_isoloco.strategies.rwlora import RWLoRA  # noqa: E402
+from flwr_isoloco.strategies.graph.rwlora import RWLoRA  # noqa: E402
 
 
 @pytest.mark.parametrize(

@@ -1,5 +1,5 @@
 """RW-LoRA variants (decaying lr, momentum across hops, averaged token): exact against the
-formulas of flwr_isoloco/strategies/rwlora_variants.py, off by default, checked replies,
+formulas of flwr_isoloco/strategies/graph/rwlora_variants.py, off by default, checked replies,
 exact resume."""
 
 import math

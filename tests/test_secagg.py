@@ -1,4 +1,4 @@
-"""SecAgg+ shim (strategies/secagg.py, secagg_mod.py): whole federations on the fake grid.
+"""SecAgg+ shim (strategies/diloco/secagg.py, secagg_mod.py): whole federations on the fake grid.
 
 The plain run and the SecAgg+ run of the same config train the same tiny LLaMA workers; the
 SecAgg+ model must equal the plain one to within the quantisation bound, the server must never
@@ -17,7 +17,7 @@ from flwr_isoloco.clients import make_diloco_train_handler
 from flwr_isoloco.models.llama import build_llama, llama_config
 from flwr_isoloco.secagg_mod import secagg_mod
 from flwr_isoloco.strategies import DiLoCo, IsoLoCo
-from flwr_isoloco.strategies.secagg import CLIPPED_METRIC, SecAggSettings, use_secagg
+from flwr_isoloco.strategies.diloco.secagg import CLIPPED_METRIC, SecAggSettings, use_secagg
 
 CFG = llama_config(vocab_size=32, hidden=16, layers=1, heads=2, max_seq_len=16)
 
@@ -236,7 +236,7 @@ def test_the_bound_follows_the_weights():
 def test_aggregate_checks_name_what_is_wrong():
     from flwr.common import ndarrays_to_parameters
 
-    from flwr_isoloco.strategies.secagg import SecAggRound
+    from flwr_isoloco.strategies.diloco.secagg import SecAggRound
 
     s = _strategy()
     s._adopt(ArrayRecord(_model().state_dict()))

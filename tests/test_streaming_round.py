@@ -26,7 +26,7 @@ from flwr_isoloco.merging.rules import MERGE_RULES
 from flwr_isoloco.merging.spill import SpillStore
 from flwr_isoloco.merging.streaming import OrderFreeMean
 from flwr_isoloco.strategies import DiLoCo, IsoLoCo
-from flwr_isoloco.strategies.rounds import check_quorum, quorum_count
+from flwr_isoloco.strategies.core.rounds import check_quorum, quorum_count
 
 torch.set_num_threads(1)
 
@@ -354,7 +354,7 @@ def _tensor_bytes() -> int:
 
 def _peak(make, m: int, numel: int) -> tuple[int, int]:
     """(peak tracemalloc bytes, peak live tensor bytes) of a 2-round federation of ``m`` nodes."""
-    from flwr_isoloco.strategies import train_round
+    from flwr_isoloco.strategies.diloco import train_round
 
     grid = FakeGrid(_client(), num_nodes=m)
     strat = make()

@@ -73,7 +73,7 @@ def test_the_app_s_aggr_fn_still_sees_what_the_clients_sent():
 
 
 def test_train_client_metrics_checks_the_weights():
-    from flwr_isoloco.strategies.metrics import train_client_metrics
+    from flwr_isoloco.strategies.core.metrics import train_client_metrics
 
     class R:
         weight, metrics, content = 1.0, {"a": 1.0}, RecordDict()

@@ -17,7 +17,7 @@ from flwr.app import ArrayRecord
 from test_lifecycle import init_model, plain_app
 
 from flwr_isoloco.strategies import DiLoCo
-from flwr_isoloco.strategies.nodes import NodeWaitError
+from flwr_isoloco.strategies.core.nodes import NodeWaitError
 
 torch.set_num_threads(1)
 LIMIT_S = 30.0

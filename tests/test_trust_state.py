@@ -17,7 +17,7 @@ from test_lifecycle import init_model, plain_app
 from flwr_isoloco.checkpoint import load_checkpoint, save_checkpoint
 from flwr_isoloco.checkpoint_spec import CheckpointError
 from flwr_isoloco.strategies import DiLoCo, GossipLoRA
-from flwr_isoloco.strategies.guard import NoProgressError
+from flwr_isoloco.strategies.core.guard import NoProgressError
 
 torch.set_num_threads(1)
 

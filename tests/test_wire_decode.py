@@ -1,11 +1,11 @@
-"""The one decoder of client-sent arrays (strategies.wire.decode_array, nonfinite_reason)."""
+"""The one decoder of client-sent arrays (strategies.core.wire.decode_array, nonfinite_reason)."""
 
 import numpy as np
 import pytest
 import torch
 from flwr.app import Array
 
-from flwr_isoloco.strategies.wire import decode_array, nonfinite_reason, record_tensors
+from flwr_isoloco.strategies.core.wire import decode_array, nonfinite_reason, record_tensors
 
 
 def test_good_array_decodes_to_an_equal_writable_copy():

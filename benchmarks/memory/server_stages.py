@@ -89,9 +89,9 @@ def patch(st: Stages, server_app, fakegrid) -> None:
     """Wrap the server's stages (and the fake transport + worker) with ``st``."""
     from flwr_isoloco import apprunner
     from flwr_isoloco.merging.round import RoundFold
-    from flwr_isoloco.strategies.diloco import DiLoCo
-    from flwr_isoloco.strategies.rounds import ReplyStream
-    from flwr_isoloco.strategies.train_round import TrainRound
+    from flwr_isoloco.strategies.core.rounds import ReplyStream
+    from flwr_isoloco.strategies.diloco.diloco import DiLoCo
+    from flwr_isoloco.strategies.diloco.train_round import TrainRound
 
     server_app.SPEC.build = st.wrap("build: corpus, val batches, model, strategy, arrays",
                                     server_app.SPEC.build)  # fmt: skip

@@ -3,7 +3,7 @@
 Real Flower runs (Ray simulation through ``flwr.simulation.run_simulation``) of the app's
 ServerApp (``run_server``) and its DiLoCo worker, M simulated sites, a small LLaMA. Per cell
 (strategy x M x epsilon) the noise multiplier ``z`` is the smallest that keeps epsilon after
-the run's rounds at or under the target (:func:`~flwr_isoloco.strategies.privacy.noise_for_epsilon`,
+the run's rounds at or under the target (:func:`~flwr_isoloco.strategies.diloco.privacy.noise_for_epsilon`,
 Flower's accountant, no sampling amplification), the clipping norm ``C`` is ``--clip`` and
 ``strategy.dp-max-epsilon`` is the target itself (the run would stop before passing it).
 ``epsilon = inf`` is the plain run (no clipping, no noise).
@@ -66,7 +66,7 @@ def dp_keys(eps: float, clip: float, num_rounds: int) -> dict:
     """``strategy.dp-*`` for a target epsilon (none for ``inf``)."""
     if math.isinf(eps):
         return {}
-    from flwr_isoloco.strategies.privacy import noise_for_epsilon
+    from flwr_isoloco.strategies.diloco.privacy import noise_for_epsilon
 
     return {
         "strategy.dp-clipping-norm": clip,

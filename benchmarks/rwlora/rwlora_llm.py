@@ -120,7 +120,7 @@ def server_main(
         perplexity,
     )
     from flwr_isoloco.models.classifier import load_adapter_state_dict
-    from flwr_isoloco.strategies.replies import array_digest
+    from flwr_isoloco.strategies.core.replies import array_digest
 
     built = get_causal_model(cfg.lora, slot="server")
     _, val = corpus_tokens(built.tokenizer, cfg.corpus, cfg.val_fraction, cfg.cache_dir or None)

@@ -24,7 +24,7 @@ METHODS = ("rwlora", "gossip", "fedavg")
 GRAPHS = {"complete": "complete", "ring": "ring", "regular-3": "random_regular:d=3"}
 TARGETS = (0.65, 0.70, 0.75, 0.80)
 # RW-LoRA variants (docs/results-rwlora.md, "Label skew"): sizing overrides (``local_steps``)
-# and run-config keys of the app (flwr_isoloco/strategies/rwlora_variants.py). ``paper`` is
+# and run-config keys of the app (flwr_isoloco/strategies/graph/rwlora_variants.py). ``paper`` is
 # the paper's walk: no key added, so its run config is that of the first records.
 VARIANTS: dict[str, dict[str, Any]] = {
     "paper": {},

@@ -16,7 +16,7 @@ from ``g`` afterwards (Iso-C, outer momentum, the model) is post-processing.
 Noise is a function of ``(seed, round, tensor index, attempt)`` only (:func:`noise_like`): a
 round merged again in one process (a failed merge retried on fewer replies) draws the same
 noise, and ``attempt`` (how many releases of that round the DP journal already holds,
-:mod:`flwr_isoloco.strategies.dp_journal`) makes a round redone after a crash draw new noise, so
+:mod:`flwr_isoloco.strategies.diloco.dp_journal`) makes a round redone after a crash draw new noise, so
 two different sums are never released under one noise.
 
 :func:`privatize` is the local (client-side) variant: one site clips and noises its own delta.

@@ -21,7 +21,7 @@ memory is one model copy plus ``O(M x largest tensor)``; for a rule with a row-b
 budget, whatever ``M``.
 
 A reply is any object with ``node_id``, ``update(theta) -> dict`` (its ``delta_i``) and
-``release()`` (e.g. :class:`flwr_isoloco.strategies.replies.CheckedReply`); this module imports
+``release()`` (e.g. :class:`flwr_isoloco.strategies.core.replies.CheckedReply`); this module imports
 no Flower.
 """
 

@@ -1,19 +1,22 @@
 """Server-side Flower strategies (Message API), all with one lifecycle
-(:class:`~flwr_isoloco.strategies.lifecycle.ResumableStrategy`: resumable ``start`` with global
-round numbers and an ``on_round_end`` hook).
+(:class:`~flwr_isoloco.strategies.core.lifecycle.ResumableStrategy`: resumable ``start`` with
+global round numbers and an ``on_round_end`` hook). Three sub-packages, one per family:
 
-- :class:`DiLoCo` (``diloco.py``), :class:`IsoLoCo` (``isoloco.py``): merge pseudo-gradients + outer optimiser.
-- :class:`RWLoRA` (``rwlora.py``): one adapter walks the client graph, one node per round.
-- :class:`GossipLoRA` (``gossip.py``): decentralised-SGD baseline with Metropolis mixing.
-- :func:`wait_for_nodes` (``nodes.py``): the one node-waiting helper.
+- ``core/``: what every strategy shares: the lifecycle, a reply's path (``replies``, ``wire``,
+  ``ledger``), rounds with a quorum (``rounds``), node waiting (``nodes``), evaluation, metrics,
+  the empty-round and divergence guards.
+- ``diloco/``: :class:`DiLoCo`, :class:`IsoLoCo` (merge pseudo-gradients + outer optimiser),
+  their train round, run-config section, checkpoint state, central/local DP and SecAgg+.
+- ``graph/``: :class:`RWLoRA` (one adapter walks the client graph, one node per round) and
+  :class:`GossipLoRA` (decentralised-SGD baseline with Metropolis mixing).
+
+:func:`wait_for_nodes` (``core/nodes.py``) is the one node-waiting helper.
 """
 
-from .diloco import DiLoCo
-from .gossip import GossipLoRA
-from .isoloco import IsoLoCo
-from .lifecycle import ResumableStrategy, RoundOutcome
-from .nodes import NodeWaitError, wait_for_nodes
-from .rwlora import RWLoRA
+from flwr_isoloco.strategies.core.lifecycle import ResumableStrategy, RoundOutcome
+from flwr_isoloco.strategies.core.nodes import NodeWaitError, wait_for_nodes
+from flwr_isoloco.strategies.diloco import DiLoCo, IsoLoCo
+from flwr_isoloco.strategies.graph import GossipLoRA, RWLoRA
 
 __all__ = [
     "DiLoCo",

@@ -31,7 +31,7 @@ from flwr_isoloco.runconfig import (
     positive,
     read_run_config,
 )
-from flwr_isoloco.strategies.diloco_config import (
+from flwr_isoloco.strategies.diloco.config import (
     DILOCO_RUN_CONFIG,
     ISOLOCO_RUN_CONFIG,
     RUN_CONFIG_CHECKS,
@@ -63,7 +63,7 @@ STRATEGY_CLASS_DEFAULTS = {
 }
 
 # The strategy section: the app's own keys, then the DiLoCo/IsoLoCo keys that mean something
-# here, with the strategy's own defaults (flwr_isoloco.strategies.diloco_config, written once).
+# here, with the strategy's own defaults (flwr_isoloco.strategies.diloco.config, written once).
 # -1 / "" = "the chosen strategy's default" (min-train-/min-available-nodes: strategy.min-nodes).
 APP_STRATEGY_KEYS: dict[str, Any] = {
     "name": "isoloco",
@@ -74,7 +74,7 @@ APP_STRATEGY_KEYS: dict[str, Any] = {
     "min-nodes": 2,
     "min-train-nodes": -1,
     "min-available-nodes": -1,
-    # Secure aggregation (flwr_isoloco.strategies.secagg): the train rounds under SecAgg+.
+    # Secure aggregation (flwr_isoloco.strategies.diloco.secagg): the train rounds under SecAgg+.
     # num-shares / reconstruction-threshold: <= 1 a fraction, > 1 a count; max-weight 0 = the
     # default (1 with uniform weighting, else local-steps x batch-size x seq-len tokens).
     "secagg": False,
@@ -401,7 +401,7 @@ def with_secagg(cfg: DictConfig, strategy: Any) -> Any:
     s = cfg.strategy
     if not s.secagg:
         return strategy
-    from flwr_isoloco.strategies.secagg import use_secagg
+    from flwr_isoloco.strategies.diloco.secagg import use_secagg
 
     t = cfg.train
     tokens = t["local-steps"] * t["batch-size"] * t["seq-len"]  # one round's num-examples

@@ -2,12 +2,12 @@
 
 :class:`FedAvgBaseline` is ``flwr.serverapp.strategy.FedAvg`` (same sampling with Python's
 global ``random``, same aggregation) under
-:class:`~flwr_isoloco.strategies.lifecycle.ResumableStrategy`: it resumes with global round
+:class:`~flwr_isoloco.strategies.core.lifecycle.ResumableStrategy`: it resumes with global round
 numbers and calls the app's ``on_round_end`` hook like RW-LoRA and gossip. It also keeps the
 ledger the app reports: array bytes each way, local steps, and each reply's metrics
 (``partition-id``, ``data-cursor``, ``train_loss``); :meth:`~FedAvgBaseline.state_dict` holds
 the arrays and the ledger's totals for the app's checkpoint. Client metrics are untrusted: a reply
-whose metrics fail :func:`~flwr_isoloco.strategies.wire.check_train_metrics` is logged with its
+whose metrics fail :func:`~flwr_isoloco.strategies.core.wire.check_train_metrics` is logged with its
 node and not recorded (FedAvg itself still aggregates it, as Flower does).
 """
 
@@ -23,10 +23,10 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg
 
 from flwr_isoloco.checkpoint import CheckpointError, check_tensors
-from flwr_isoloco.strategies.ledger import SentLedger
-from flwr_isoloco.strategies.lifecycle import ResumableStrategy, RoundOutcome
-from flwr_isoloco.strategies.replies import reply_metrics
-from flwr_isoloco.strategies.wire import check_train_metrics
+from flwr_isoloco.strategies.core.ledger import SentLedger
+from flwr_isoloco.strategies.core.lifecycle import ResumableStrategy, RoundOutcome
+from flwr_isoloco.strategies.core.replies import reply_metrics
+from flwr_isoloco.strategies.core.wire import check_train_metrics
 
 __all__ = ["FedAvgBaseline", "array_bytes"]
 

@@ -21,7 +21,7 @@ from flwr_isoloco.apprunner import CHECKPOINT, AppRun, AppSpec, run_app
 from flwr_isoloco.checkpoint import Field
 from flwr_isoloco.models import classifier
 from flwr_isoloco.models.export import export_adapter
-from flwr_isoloco.strategies.replies import array_digest
+from flwr_isoloco.strategies.core.replies import array_digest
 
 from .plots import plot_results, plot_title
 from .task import build_strategy, load_config, load_evaluator, optimizer_shapes

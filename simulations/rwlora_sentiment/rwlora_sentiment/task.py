@@ -31,8 +31,8 @@ from flwr_isoloco.runconfig import (
     positive,
     read_run_config,
 )
-from flwr_isoloco.strategies.diloco_config import RUN_CONFIG_CHECKS
-from flwr_isoloco.strategies.rounds import check_quorum, quorum_arg
+from flwr_isoloco.strategies.core.rounds import check_quorum, quorum_arg
+from flwr_isoloco.strategies.diloco.config import RUN_CONFIG_CHECKS
 
 STRATEGIES = ("rwlora", "gossip", "fedavg")
 EVAL_SPLITS = ("test", "val")
@@ -186,7 +186,7 @@ def _check_quorum_keys(s: DictConfig) -> None:
     """``strategy.quorum`` / ``strategy.grace-s`` mean something for 'gossip' only: RW-LoRA
     sends each hop to one node (its reason: ``RWLoRA.REFUSED_ARGS``), the FedAvg baseline
     waits for every reply."""
-    from flwr_isoloco.strategies.rwlora import RWLoRA
+    from flwr_isoloco.strategies.graph.rwlora import RWLoRA
 
     if s.name == "gossip":
         try:
@@ -261,8 +261,8 @@ def data_sizes(cfg: DictConfig, n: int) -> list[int]:
 def build_strategy(cfg: DictConfig, n: int):
     """The strategy named by ``strategy.name`` for ``n`` clients; a graph the run config
     cannot build for ``n`` clients is a ``RunConfigError`` naming the keys."""
-    from flwr_isoloco.strategies.gossip import GossipLoRA
-    from flwr_isoloco.strategies.rwlora import RWLoRA
+    from flwr_isoloco.strategies.graph.gossip import GossipLoRA
+    from flwr_isoloco.strategies.graph.rwlora import RWLoRA
 
     from .fedavg import FedAvgBaseline
 

@@ -18,7 +18,7 @@ from flwr.serverapp import Grid, ServerApp
 
 from flwr_isoloco.models.hf import load_model_arrays
 from flwr_isoloco.strategies import DiLoCo
-from flwr_isoloco.strategies.secagg import use_secagg
+from flwr_isoloco.strategies.diloco.secagg import use_secagg
 from secaggfed.task import build_model, val_loss
 
 app = ServerApp()

@@ -21,10 +21,10 @@ from flwr_isoloco.merging.device import parse_device
 from flwr_isoloco.merging.robust import ROBUST_OPTIONS, ROBUST_RULES
 from flwr_isoloco.outer import ISOLOCO_PRESETS
 from flwr_isoloco.runconfig import choices, in_range, non_negative, positive, read_run_config
-from flwr_isoloco.strategies.divergence import DEFAULT_DIVERGENCE_FACTOR, DIVERGENCE_MODES
-from flwr_isoloco.strategies.evaluation import check_count, check_fraction
-from flwr_isoloco.strategies.replies import PAYLOADS
-from flwr_isoloco.strategies.rounds import quorum_arg
+from flwr_isoloco.strategies.core.divergence import DEFAULT_DIVERGENCE_FACTOR, DIVERGENCE_MODES
+from flwr_isoloco.strategies.core.evaluation import check_count, check_fraction
+from flwr_isoloco.strategies.core.replies import PAYLOADS
+from flwr_isoloco.strategies.core.rounds import quorum_arg
 
 __all__ = [
     "DILOCO_RUN_CONFIG",
@@ -95,9 +95,9 @@ DILOCO_RUN_CONFIG: dict[str, Any] = {
     "buffers": "auto",
 }
 """``quorum``: fraction of the sampled nodes in (0, 1] (1.0 = all) or a count >= 1; ``grace-s``:
-seconds to wait for the rest once the quorum is in (strategies/rounds.py). ``robust``: the
+seconds to wait for the rest once the quorum is in (strategies/core/rounds.py). ``robust``: the
 robust aggregation (merging/robust.py); its options ``robust-trim`` / ``robust-f`` /
-``robust-select`` / ``robust-factor`` at -1 take the rule's default. ``dp-*``: central DP (strategies/privacy.py);
+``robust-select`` / ``robust-factor`` at -1 take the rule's default. ``dp-*``: central DP (strategies/diloco/privacy.py);
 0 for the noise multiplier, clipping norm or max epsilon = off; ``dp-adaptive-quantile`` 0 =
 fixed clipping norm, else adaptive clipping with ``dp-clip-lr`` and ``dp-clip-count-std``. ``merge-device``: where the
 server merge computes ("auto" | "cpu" | "cuda" | "cuda:<index>", merging/device.py). ``buffers``:
@@ -348,7 +348,7 @@ class FromRunConfig:
     def from_section(cls, section: Mapping[str, Any], **overrides: Any) -> Any:
         """Build from an already validated section (keys of ``RUN_CONFIG_DEFAULTS`` without the
         prefix; missing keys take their defaults), e.g. the ``strategy`` part of an app's
-        schema checked with :data:`~flwr_isoloco.strategies.diloco_config.RUN_CONFIG_CHECKS`."""
+        schema checked with :data:`~flwr_isoloco.strategies.diloco.config.RUN_CONFIG_CHECKS`."""
         c = {**cls.RUN_CONFIG_DEFAULTS, **section}
         kwargs = section_kwargs(c)
         kwargs.update(cls._extra_from_config(c))

@@ -16,7 +16,7 @@ a non-floating dtype (:func:`~.wire.decode_array`); another floating dtype (cast
 with ``dtype_policy="reject"``); NaN / inf (:func:`~.wire.nonfinite_reason`); a missing or
 invalid weight (``num-examples``: a finite number > 0); an invalid ``payload`` flag;
 ``||u_i||_2 > MAX_MERGEABLE_NORM`` (1e18, beyond which fp32 squares overflow); the optional
-norm bounds. https://github.com/flwr-isoloco/flwr-isoloco/blob/main/docs/strategies.md,
+norm bounds. The repository's docs/strategies.md ("DiLoCo / IsoLoCo strategies"),
 "What is rejected", gives the reasons.
 
 Who sent a reply: the node the instruction went to (:class:`~.ledger.SentLedger`), else the
@@ -39,9 +39,9 @@ from flwr.common.logger import log
 
 from flwr_isoloco.compression import decompress, is_compressed, payload_nbytes
 from flwr_isoloco.merging.weights import norm_outlier
-from flwr_isoloco.strategies.ledger import SentLedger
-from flwr_isoloco.strategies.metrics import tensor_norm
-from flwr_isoloco.strategies.wire import decode_array, nonfinite_reason, record_tensors
+from flwr_isoloco.strategies.core.ledger import SentLedger
+from flwr_isoloco.strategies.core.metrics import tensor_norm
+from flwr_isoloco.strategies.core.wire import decode_array, nonfinite_reason, record_tensors
 
 __all__ = [
     "CheckedReply",

@@ -57,16 +57,16 @@ from flwr_isoloco.secagg_mod import (
     RANGE_KEY,
     WEIGHTING_KEY,
 )
-from flwr_isoloco.strategies.diloco_setup import buffer_keys
-from flwr_isoloco.strategies.lifecycle import RoundOutcome
-from flwr_isoloco.strategies.metrics import metric_record, tensor_norm, train_client_metrics
-from flwr_isoloco.strategies.privacy import require_secagg
-from flwr_isoloco.strategies.replies import MAX_MERGEABLE_NORM, CheckedReply, ReplyReport
+from flwr_isoloco.strategies.core.lifecycle import RoundOutcome
+from flwr_isoloco.strategies.core.metrics import metric_record, tensor_norm, train_client_metrics
+from flwr_isoloco.strategies.core.replies import MAX_MERGEABLE_NORM, CheckedReply, ReplyReport
+from flwr_isoloco.strategies.diloco.privacy import require_secagg
+from flwr_isoloco.strategies.diloco.setup import buffer_keys
 
 if TYPE_CHECKING:
     from flwr.serverapp import Grid
 
-    from flwr_isoloco.strategies.diloco import DiLoCo
+    from flwr_isoloco.strategies.diloco.diloco import DiLoCo
 
 __all__ = ["CLIPPED_METRIC", "SecAggRound", "SecAggSettings", "SecAggShim", "use_secagg"]
 
@@ -142,7 +142,7 @@ class SecAggSettings:
 def use_secagg(strategy: DiLoCo, settings: SecAggSettings | None = None, **kw: Any) -> DiLoCo:
     """Run ``strategy``'s train rounds under SecAgg+ (module docstring); returns it.
 
-    ``ValueError`` (:func:`~flwr_isoloco.strategies.privacy.require_secagg`) when it uses an
+    ``ValueError`` (:func:`~flwr_isoloco.strategies.diloco.privacy.require_secagg`) when it uses an
     option that needs single replies, or a bad SecAgg+ parameter (``kw``: the fields of
     :class:`SecAggSettings`)."""
     require_secagg(strategy)

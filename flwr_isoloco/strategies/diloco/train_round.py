@@ -1,7 +1,7 @@
 """One DiLoCo/IsoLoCo train round, fed reply by reply: check, weigh, fold, then the outer step.
 
 :class:`TrainRound` is the one path of a train reply in DiLoCo and IsoLoCo, whether the replies
-come one at a time from :class:`~flwr_isoloco.strategies.rounds.ReplyStream` or as Flower's list
+come one at a time from :class:`~flwr_isoloco.strategies.core.rounds.ReplyStream` or as Flower's list
 (``aggregate_train``)::
 
     take(reply):  ReplyValidator.check -> merge weight -> RoundFold.add -> strip the arrays
@@ -11,7 +11,7 @@ Nothing is kept of a reply but its metrics once its delta is folded (a streaming
 spilled to the round's private directory (any other rule, or a round that needs every weight
 or norm first), so server memory does not grow with the number of replies.
 
-Weight bound (``max_weight_ratio = r``, https://github.com/flwr-isoloco/flwr-isoloco/blob/main/docs/strategies.md "Weight bound"). A reply's merge
+Weight bound (``max_weight_ratio = r``, the repository's docs/strategies.md ("DiLoCo / IsoLoCo strategies") "Weight bound"). A reply's merge
 weight is ``min(w_i, r * m)`` where ``m`` is the *reference weight*: the median raw weight of the
 replies used in the last round that used any (kept in the checkpoint). A round without a
 reference (the first, or one after a resume from an older checkpoint) uses its own median, as a
@@ -23,7 +23,7 @@ from __future__ import annotations
 import statistics
 import time
 from logging import WARNING
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from flwr.app import ArrayRecord, Message, MetricRecord
 from flwr.common.logger import log
@@ -31,21 +31,43 @@ from flwr.common.logger import log
 from flwr_isoloco.merging.device import is_out_of_memory
 from flwr_isoloco.merging.round import RoundFold
 from flwr_isoloco.merging.weights import bounded_weights
-from flwr_isoloco.strategies.diloco_setup import buffer_keys
-from flwr_isoloco.strategies.metrics import metric_record, tensor_norm, train_client_metrics
-from flwr_isoloco.strategies.replies import CheckedReply, Rejection, ReplyReport
+from flwr_isoloco.strategies.core.metrics import metric_record, tensor_norm, train_client_metrics
+from flwr_isoloco.strategies.core.replies import CheckedReply, Rejection, ReplyReport
+from flwr_isoloco.strategies.diloco.setup import buffer_keys
 
 if TYPE_CHECKING:
-    from flwr_isoloco.strategies.diloco import DiLoCo
-    from flwr_isoloco.strategies.rounds import RoundWait
+    from flwr_isoloco.strategies.core.rounds import RoundWait
 
-__all__ = ["TrainRound"]
+__all__ = ["RoundStrategy", "TrainRound"]
+
+
+class RoundStrategy(Protocol):
+    """What a train round reads and calls of its strategy (DiLoCo, IsoLoCo). A protocol, not
+    an import of ``diloco``: that module builds the round, so the round must not import it."""
+
+    theta: dict[str, Any] | None
+    train_validator: Any
+    merger: Any
+    dp: Any
+    robust: Any
+    weighting: str
+    weighted_by_key: str
+    max_weight_ratio: float
+    weight_reference: float | None
+    train_metrics_aggr_fn: Any
+    _train_ledger: Any
+    _guard: Any
+    _bytes_down: int
+
+    def _weight(self, reply: CheckedReply) -> float: ...
+    def _outer_step(self, g: Any) -> None: ...
+    def _model_record(self) -> ArrayRecord: ...
 
 
 class TrainRound:
     """The train round ``server_round`` of strategy ``s`` (module docstring)."""
 
-    def __init__(self, s: DiLoCo, server_round: int) -> None:
+    def __init__(self, s: RoundStrategy, server_round: int) -> None:
         assert s.theta is not None
         self.s, self.server_round = s, server_round
         self.busy_s = 0.0  # server time spent on this round's replies (not waiting for them)

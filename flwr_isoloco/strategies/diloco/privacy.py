@@ -22,9 +22,9 @@ of a round (sensitivity ``C_t``, std ``z_delta C_t``; sensitivity 1/2, std ``sig
 compose to one of multiplier ``z`` when ``z_delta = (z^-2 - (2 sigma_b)^-2)^(-1/2)`` (Flower's
 ``compute_adaptive_noise_params``), so the accountant still composes one ``z`` per round.
 Every release is journaled before it leaves the server and its noise keyed by the attempt
-(:mod:`~flwr_isoloco.strategies.dp_journal`): a round redone after a crash never reuses
+(:mod:`~flwr_isoloco.strategies.diloco.dp_journal`): a round redone after a crash never reuses
 released noise, and the release the checkpoint missed is charged on resume.
-https://github.com/flwr-isoloco/flwr-isoloco/blob/main/docs/privacy.md has the derivation,
+the repository's docs/privacy.md ("Privacy") has the derivation,
 the relation, the assumptions and what is not covered (client metrics, evaluation, counts).
 """
 
@@ -38,7 +38,7 @@ import torch
 from flwr.serverapp.exception import PrivacyBudgetExhausted  # Flower's own (its DP wrappers')
 
 from flwr_isoloco.merging.dp import CLIP_KEY, NOISE_KEY, GaussianSum
-from flwr_isoloco.strategies.dp_journal import DPJournal, charge_unsaved
+from flwr_isoloco.strategies.diloco.dp_journal import DPJournal, charge_unsaved
 
 __all__ = [
     "DEFAULT_DP_DELTA",
@@ -276,7 +276,7 @@ class StrategyDP:
     def attach_journal(self, path: Any, read_from: Any = None) -> DPJournal:
         """Record every release in the journal at ``path`` (continuing the one at
         ``read_from``, default ``path``) before it leaves the server
-        (:mod:`~flwr_isoloco.strategies.dp_journal`). Call before :meth:`parse_state` (the
+        (:mod:`~flwr_isoloco.strategies.diloco.dp_journal`). Call before :meth:`parse_state` (the
         strategy's ``load_state_dict``) and before the first round; a strategy with DP noise
         cannot be resumed without it."""
         self.journal = DPJournal(path, read_from)
@@ -445,7 +445,7 @@ class StrategyDP:
         return ParsedDP(fresh, key, c, run)
 
     def _charge_journal(self, accountant: Any, run: Any, server_round: int) -> None:
-        """:func:`~flwr_isoloco.strategies.dp_journal.charge_unsaved` with this run's event."""
+        """:func:`~flwr_isoloco.strategies.diloco.dp_journal.charge_unsaved` with this run's event."""
         charge_unsaved(self.journal, accountant, run, server_round, self._event(), self.delta)
 
     def _saved_clip(self, state: dict) -> float:
@@ -469,7 +469,7 @@ class StrategyDP:
 def secagg_problems(s: Any) -> list[str]:
     """The options of DiLoCo/IsoLoCo ``s`` that need to see single replies, so that Flower's
     SecAgg+ (the server sees only the masked sum) cannot serve them (the table of
-    https://github.com/flwr-isoloco/flwr-isoloco/blob/main/docs/privacy.md).
+    the repository's docs/privacy.md ("Privacy")).
     Empty: compatible."""
     out = []
     if not getattr(s.merger.rule_for_g(), "streaming", False):

@@ -28,7 +28,7 @@ from collections.abc import Mapping
 
 import torch
 
-from .wire import _record_of
+from flwr_isoloco.strategies.core.wire import _record_of
 
 __all__ = ["RWLoRAVariants", "check_variant_options"]
 

@@ -15,7 +15,12 @@ from typing import Any
 
 import torch
 
-from .wire import _config_from_json, _config_to_json, _record_of, record_tensors
+from flwr_isoloco.strategies.core.wire import (
+    _config_from_json,
+    _config_to_json,
+    _record_of,
+    record_tensors,
+)
 
 __all__ = ["RWLoRAState"]
 

@@ -14,7 +14,7 @@ without noise; and the first release would be missing from epsilon. Two rules cl
 2. The noise of a round is drawn from ``(key, round, attempt)`` with ``attempt`` the number of
    releases of that round the journal already holds, so a redo never reuses released noise.
 
-On resume (:meth:`~flwr_isoloco.strategies.privacy.StrategyDP.parse_state`), every record of a
+On resume (:meth:`~flwr_isoloco.strategies.diloco.privacy.StrategyDP.parse_state`), every record of a
 round after the checkpoint's is a release the checkpoint's accountant does not hold: each is
 charged to it (conservative for a release that was journaled but never sent). The journal
 names its run (a random id also kept in the checkpoint's ``dp`` field), so the journal of
@@ -22,7 +22,7 @@ another run is refused, and a strategy with DP noise refuses to load a state wit
 journal. The app runner (:mod:`flwr_isoloco.apprunner`) keeps the journal next to the
 checkpoint (:data:`JOURNAL`) and reads the one beside ``resume-from``; a user calling
 ``strategy.start()`` directly attaches one with
-:meth:`~flwr_isoloco.strategies.privacy.StrategyDP.attach_journal` before the first round, or
+:meth:`~flwr_isoloco.strategies.diloco.privacy.StrategyDP.attach_journal` before the first round, or
 the run cannot be resumed.
 """
 

@@ -13,14 +13,24 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
 from flwr.common.logger import log
 from flwr.serverapp import Grid
 
-from ..graphs import build_graph, deferred_graph, vertex_list
-from .evaluation import FederatedEvaluation, check_count, evaluation_round, rng_from_json
-from .guard import EmptyRoundGuard, NoProgressError
-from .lifecycle import ResumableStrategy, RoundOutcome
-from .nodes import wait_for_nodes
-from .replies import ReplyValidator
-from .rounds import ReplyStream
-from .vertices import VertexMap, assign_new_nodes, discover_vertices, map_vertices
+from flwr_isoloco.graphs import build_graph, deferred_graph, vertex_list
+from flwr_isoloco.strategies.core.evaluation import (
+    FederatedEvaluation,
+    check_count,
+    evaluation_round,
+    rng_from_json,
+)
+from flwr_isoloco.strategies.core.guard import EmptyRoundGuard, NoProgressError
+from flwr_isoloco.strategies.core.lifecycle import ResumableStrategy, RoundOutcome
+from flwr_isoloco.strategies.core.nodes import wait_for_nodes
+from flwr_isoloco.strategies.core.replies import ReplyValidator
+from flwr_isoloco.strategies.core.rounds import ReplyStream
+from flwr_isoloco.strategies.graph.vertices import (
+    VertexMap,
+    assign_new_nodes,
+    discover_vertices,
+    map_vertices,
+)
 
 __all__ = ["GraphStrategy", "graph_summary"]
 
@@ -53,7 +63,7 @@ class GraphStrategy(ResumableStrategy):
     only), ``min_evaluate_nodes``, ``require_weight`` (default False),
     ``dtype_policy`` (``cast`` | ``reject``), ``max_update_norm``, ``round_end_fn``,
     ``max_empty_rounds`` (default 3: that many consecutive rounds in which no reply was used
-    stop :meth:`start` with :class:`~flwr_isoloco.strategies.guard.NoProgressError`; 0 = off).
+    stop :meth:`start` with :class:`~flwr_isoloco.strategies.core.guard.NoProgressError`; 0 = off).
     """
 
     what = "graph-strategy"
@@ -330,7 +340,7 @@ class GraphStrategy(ResumableStrategy):
         """Query new nodes, run the strategy's round (:meth:`_run_round`), count it in the
         empty-round guard (before the round-end hook, so the streak is in the checkpoint) and
         evaluate federatedly when ``fraction_evaluate > 0`` (replies taken as they arrive;
-        nothing sent, nothing pulled: :func:`.evaluation.evaluation_round`)."""
+        nothing sent, nothing pulled: :func:`~flwr_isoloco.strategies.core.evaluation.evaluation_round`)."""
         self.refresh_nodes(grid, self.query_timeout or timeout)
         self.round_replies = []
         metrics = self._run_round(grid, server_round, train_config, timeout)

@@ -1,8 +1,8 @@
 """One RW-LoRA hop: its bytes, the checks of its reply, a failed hop, the new token.
 
 A hop is accepted only if a reply came and it passes, in order, the
-:class:`~flwr_isoloco.strategies.replies.ReplyValidator` (keys, shapes, dtype, NaN/inf, update
-norm), :func:`~flwr_isoloco.strategies.wire.check_train_metrics` against the vertex, the
+:class:`~flwr_isoloco.strategies.core.replies.ReplyValidator` (keys, shapes, dtype, NaN/inf, update
+norm), :func:`~flwr_isoloco.strategies.core.wire.check_train_metrics` against the vertex, the
 relative bound ``||update|| <= max_norm_ratio x median`` of the last ``norm_window`` accepted
 update norms (with at least 3), and, when carried, the optimiser-state check. Otherwise the
 token stays, the vertex is excluded for the round's re-routes and its health is updated.
@@ -20,9 +20,8 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, RecordDict
 from flwr.common.logger import log
 
 from flwr_isoloco.merging.weights import norm_outlier
-
-from .replies import CheckedReply
-from .wire import (
+from flwr_isoloco.strategies.core.replies import CheckedReply
+from flwr_isoloco.strategies.core.wire import (
     _record_of,
     check_train_metrics,
     decode_array,

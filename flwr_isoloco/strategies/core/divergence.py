@@ -1,6 +1,6 @@
 """The divergence guard: a round that makes the server's evaluation loss blow up is not silent.
 
-After each round the lifecycle (:mod:`~flwr_isoloco.strategies.lifecycle`) hands the
+After each round the lifecycle (:mod:`~flwr_isoloco.strategies.core.lifecycle`) hands the
 ``evaluate_fn`` result to :meth:`DivergenceGuard.check`. The loss is the value under ``key``
 when one is given, else the first of :data:`LOSS_KEYS` the result holds (a quickstart's
 ``"loss"``, the LM app's ``"val-loss"``, ...); without such a number the guard is inactive
@@ -44,7 +44,7 @@ from typing import Any
 
 from flwr.common.logger import log
 
-from flwr_isoloco.strategies.guard import NoProgressError
+from flwr_isoloco.strategies.core.guard import NoProgressError
 
 __all__ = [
     "DEFAULT_COLLAPSE_FACTOR",
@@ -68,7 +68,7 @@ LOSS_KEYS = ("loss", "val-loss", "val_loss", "eval-loss", "eval_loss", "test-los
 class DivergenceError(NoProgressError):
     """A run stopped because a round's evaluation loss diverged (``on_divergence="stop"``).
 
-    A :class:`~flwr_isoloco.strategies.guard.NoProgressError`, so an app that ends a run
+    A :class:`~flwr_isoloco.strategies.core.guard.NoProgressError`, so an app that ends a run
     which stopped making progress as failed (the shared app runner) does so here too.
     """
 

@@ -1,7 +1,7 @@
 """IsoLoCo: DiLoCo whose merge rule is Iso-C (flattened spectrum of the weighted mean).
 
 Its update comes by name (``preset``, :data:`flwr_isoloco.outer.ISOLOCO_PRESETS`); the maths
-is https://github.com/flwr-isoloco/flwr-isoloco/blob/main/docs/algorithms.md 3 and 3.1, the choice of defaults https://github.com/flwr-isoloco/flwr-isoloco/blob/main/docs/strategies.md "Defaults".
+is the repository's docs/algorithms.md ("Algorithms") 3 and 3.1, the choice of defaults the repository's docs/strategies.md ("DiLoCo / IsoLoCo strategies") "Defaults".
 """
 
 from __future__ import annotations
@@ -15,10 +15,10 @@ from flwr.app import MetricRecord, RecordDict
 from flwr.common.logger import log
 
 from flwr_isoloco.outer import ISOLOCO_PRESETS, nesterov_step_limit, resolve_preset
-from flwr_isoloco.strategies.diloco import DiLoCo
-from flwr_isoloco.strategies.diloco_config import DEFAULT_MAX_WEIGHT_RATIO, ISOLOCO_RUN_CONFIG
-from flwr_isoloco.strategies.divergence import DEFAULT_DIVERGENCE_FACTOR
-from flwr_isoloco.strategies.privacy import DEFAULT_CLIP_LR, DEFAULT_DP_DELTA
+from flwr_isoloco.strategies.core.divergence import DEFAULT_DIVERGENCE_FACTOR
+from flwr_isoloco.strategies.diloco.config import DEFAULT_MAX_WEIGHT_RATIO, ISOLOCO_RUN_CONFIG
+from flwr_isoloco.strategies.diloco.diloco import DiLoCo
+from flwr_isoloco.strategies.diloco.privacy import DEFAULT_CLIP_LR, DEFAULT_DP_DELTA
 
 __all__ = ["IsoLoCo", "ISOLOCO_PRESETS"]
 
@@ -155,7 +155,7 @@ class IsoLoCo(DiLoCo):
                 WARNING,
                 "IsoLoCo: outer_lr=%g with momentum %g is stable only while local training "
                 "moves a node less than %.0f%% of the way to its optimum per round (lr*c < %.3f, "
-                "https://github.com/flwr-isoloco/flwr-isoloco/blob/main/docs/algorithms.md 3.1); the paper tuned it for LLaMA + AdamW. Where local "
+                "docs/algorithms.md, section 3.1, in the source tree); the paper tuned it for LLaMA + AdamW. Where local "
                 "training converges within a round (SGD apps) it diverges: use the default "
                 "preset 'dropin'.",
                 o.lr,

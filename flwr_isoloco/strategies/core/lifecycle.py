@@ -20,7 +20,7 @@ evaluation merged with ``evaluate_fn``'s result (server-side keys win; None when
 Apps write results rows and checkpoints there; ``strategy.state_dict()`` then holds the round.
 
 Between ``evaluate_fn`` and the hook the divergence guard
-(:mod:`~flwr_isoloco.strategies.divergence`, :meth:`ResumableStrategy.set_divergence_guard`)
+(:mod:`~flwr_isoloco.strategies.core.divergence`, :meth:`ResumableStrategy.set_divergence_guard`)
 compares the round's evaluation loss with the previous one and with the best one so far (a
 slow collapse): ``"warn"`` logs, ``"skip"``
 restores :meth:`~ResumableStrategy.round_snapshot` (taken before :meth:`run_round`) and
@@ -42,7 +42,7 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result, Strategy
 from flwr.serverapp.strategy.strategy_utils import log_strategy_start_info
 
-from flwr_isoloco.strategies.divergence import (
+from flwr_isoloco.strategies.core.divergence import (
     DEFAULT_COLLAPSE_FACTOR,
     DEFAULT_DIVERGENCE_FACTOR,
     DivergenceGuard,
@@ -61,7 +61,7 @@ class RoundOutcome:
 
     ``arrays``: the new global model, or None when the round kept the old one (then, as in
     Flower, ``Result.arrays`` is not updated). ``stop``: an exception to raise once the round's evaluation and round-end hook ran (e.g.
-    :class:`~flwr_isoloco.strategies.guard.NoProgressError`, so the last checkpoint holds the
+    :class:`~flwr_isoloco.strategies.core.guard.NoProgressError`, so the last checkpoint holds the
     round that stopped the run).
     """
 
@@ -89,7 +89,7 @@ class ResumableStrategy(Strategy):
         divergence_key: str | None = None,
         collapse_factor: float = DEFAULT_COLLAPSE_FACTOR,
     ) -> None:
-        """Set the divergence guard (:mod:`~flwr_isoloco.strategies.divergence`).
+        """Set the divergence guard (:mod:`~flwr_isoloco.strategies.core.divergence`).
 
         ``on_divergence``: ``"warn"`` | ``"skip"`` | ``"stop"``; ``divergence_factor``: a round
         whose ``evaluate_fn`` loss is above ``factor x`` the previous one's (or not finite)

@@ -16,7 +16,7 @@ from flwr.app import ConfigRecord, Message, MessageType, RecordDict
 from flwr.common.logger import log
 from flwr.serverapp import Grid
 
-from .ledger import SentLedger
+from flwr_isoloco.strategies.core.ledger import SentLedger
 
 __all__ = ["QUERY_VERTEX_KEY", "VertexMap", "discover_vertices", "map_vertices"]
 

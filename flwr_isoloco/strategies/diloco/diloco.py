@@ -14,7 +14,7 @@ and applies the outer optimiser (``torch.optim.SGD`` convention, dampening 0)::
     theta <- theta - lr*u
 
 ``DiLoCo(merge="mean", outer_lr=1.0, outer_momentum=0.0)`` is FedAvg. Bad replies are dropped
-with a logged reason (:mod:`~flwr_isoloco.strategies.replies`); replies are merged in
+with a logged reason (:mod:`~flwr_isoloco.strategies.core.replies`); replies are merged in
 content-digest order (not node-id order); node sampling and DARE masks come from ``seed``. Round merge: :mod:`flwr_isoloco.merging.round`.
 """
 
@@ -33,14 +33,23 @@ from flwr.serverapp import Grid
 from flwr_isoloco.compression import payload_nbytes, request_config
 from flwr_isoloco.merging import resolve_device
 from flwr_isoloco.merging.buffers import check_buffers_spec
-from flwr_isoloco.strategies.diloco_config import (
+from flwr_isoloco.strategies.core.divergence import DEFAULT_DIVERGENCE_FACTOR
+from flwr_isoloco.strategies.core.evaluation import aggregate_metrics, evaluation_round
+from flwr_isoloco.strategies.core.guard import EmptyRoundGuard
+from flwr_isoloco.strategies.core.ledger import SentLedger
+from flwr_isoloco.strategies.core.lifecycle import ResumableStrategy, RoundOutcome
+from flwr_isoloco.strategies.core.nodes import DEFAULT_NODE_WAIT_S, nodes_for_round
+from flwr_isoloco.strategies.core.replies import CheckedReply
+from flwr_isoloco.strategies.core.rounds import ReplyStream, check_quorum
+from flwr_isoloco.strategies.diloco.config import (
     DEFAULT_MAX_WEIGHT_RATIO,
     DILOCO_RUN_CONFIG,
     ISOLOCO_RUN_CONFIG,
     FromRunConfig,
     check_arguments,
 )
-from flwr_isoloco.strategies.diloco_setup import (
+from flwr_isoloco.strategies.diloco.privacy import DEFAULT_CLIP_LR, DEFAULT_DP_DELTA, StrategyDP
+from flwr_isoloco.strategies.diloco.setup import (
     DP_ARGUMENTS,
     PLAIN_ARGUMENTS,
     buffer_keys,
@@ -48,17 +57,8 @@ from flwr_isoloco.strategies.diloco_setup import (
     setup_merge,
     validators,
 )
-from flwr_isoloco.strategies.diloco_state import DiLoCoState, log_summary
-from flwr_isoloco.strategies.divergence import DEFAULT_DIVERGENCE_FACTOR
-from flwr_isoloco.strategies.evaluation import aggregate_metrics, evaluation_round
-from flwr_isoloco.strategies.guard import EmptyRoundGuard
-from flwr_isoloco.strategies.ledger import SentLedger
-from flwr_isoloco.strategies.lifecycle import ResumableStrategy, RoundOutcome
-from flwr_isoloco.strategies.nodes import DEFAULT_NODE_WAIT_S, nodes_for_round
-from flwr_isoloco.strategies.privacy import DEFAULT_CLIP_LR, DEFAULT_DP_DELTA, StrategyDP
-from flwr_isoloco.strategies.replies import CheckedReply
-from flwr_isoloco.strategies.rounds import ReplyStream, check_quorum
-from flwr_isoloco.strategies.train_round import TrainRound
+from flwr_isoloco.strategies.diloco.state import DiLoCoState, log_summary
+from flwr_isoloco.strategies.diloco.train_round import TrainRound
 
 __all__ = ["DiLoCo", "DILOCO_RUN_CONFIG", "ISOLOCO_RUN_CONFIG"]
 
@@ -95,7 +95,7 @@ class DiLoCo(FromRunConfig, DiLoCoState, ResumableStrategy):
         Each reply's weight is clipped to ``max_weight_ratio x`` the round's median weight
         (default 5; ``0`` or ``None`` = off), so no one site owns the merge.
     max_empty_rounds : int
-        Stop with :class:`~flwr_isoloco.strategies.guard.NoProgressError` when this many
+        Stop with :class:`~flwr_isoloco.strategies.core.guard.NoProgressError` when this many
         consecutive rounds used no reply (default 3; ``0`` = never).
     dtype_policy : "cast" | "reject"
         What to do with a reply array of another floating dtype.
@@ -107,7 +107,7 @@ class DiLoCo(FromRunConfig, DiLoCoState, ResumableStrategy):
         ``min_dims``) and error feedback; see :mod:`flwr_isoloco.compression`. Compressed
         replies are decoded before validation; plain fp32 replies stay accepted.
     on_divergence, divergence_factor, divergence_key :
-        The divergence guard (:mod:`~flwr_isoloco.strategies.divergence`): ``"warn"``
+        The divergence guard (:mod:`~flwr_isoloco.strategies.core.divergence`): ``"warn"``
         (default) | ``"skip"`` | ``"stop"`` when the ``evaluate_fn`` loss is non-finite,
         above ``divergence_factor`` (default 1.5; 0 = non-finite only) x the previous round's,
         or above 1.5 x the best so far (a slow collapse; ``collapse_factor`` of
@@ -118,7 +118,7 @@ class DiLoCo(FromRunConfig, DiLoCoState, ResumableStrategy):
         model and every result stay on the CPU; one tensor's slices move at a time. A CUDA
         device that is not there is refused here, at construction.
     dp_noise_multiplier, dp_clipping_norm, dp_delta, dp_max_epsilon :
-        Central DP (:mod:`~flwr_isoloco.strategies.privacy`): each pseudo-
+        Central DP (:mod:`~flwr_isoloco.strategies.diloco.privacy`): each pseudo-
         gradient clipped to L2 norm ``C = dp_clipping_norm`` (None: off), weights uniform,
         ``N(0, (z C)^2)`` with ``z = dp_noise_multiplier`` added to the sum before the outer
         step, divided by the number of nodes sampled. Epsilon at ``dp_delta`` (default 1e-5)
@@ -128,7 +128,7 @@ class DiLoCo(FromRunConfig, DiLoCoState, ResumableStrategy):
         Key of the DP noise, drawn per ``(key, round, tensor, attempt)``. None (default): a
         secret key from the OS, kept in the checkpoint (resume draws the same noise; a round
         redone after a crash draws new noise, and resuming needs the DP journal:
-        ``strategy.dp.attach_journal(path)``, :mod:`~flwr_isoloco.strategies.dp_journal`). An
+        ``strategy.dp.attach_journal(path)``, :mod:`~flwr_isoloco.strategies.diloco.dp_journal`). An
         int makes the noise reproducible, and removable by anyone who knows it: tests only.
     dp_mode : "central" | "local"
         ``"local"``: each worker clips its delta to ``C`` and adds ``N(0, (z C)^2)`` itself,
@@ -159,7 +159,7 @@ class DiLoCo(FromRunConfig, DiLoCoState, ResumableStrategy):
     """
 
     secagg: Any = None
-    """None, or the SecAgg+ shim that :func:`~flwr_isoloco.strategies.secagg.use_secagg` set."""
+    """None, or the SecAgg+ shim that :func:`~flwr_isoloco.strategies.diloco.secagg.use_secagg` set."""
 
     def __init__(
         self,
@@ -309,9 +309,9 @@ class DiLoCo(FromRunConfig, DiLoCoState, ResumableStrategy):
     def _sample(self, grid: Grid, fraction: float, min_nodes: int) -> list[int]:
         """``k = max(floor(fraction N), min_nodes)`` of the ``N`` connected nodes, drawn with
         the seeded generator, once ``max(min_available_nodes, k)`` are connected. The wait is
-        bounded by the round timeout given to ``start`` (:func:`.nodes.nodes_for_round`): then
+        bounded by the round timeout given to ``start`` (:func:`~flwr_isoloco.strategies.core.nodes.nodes_for_round`): then
         the run goes on with the connected nodes if they make the ``quorum``, else it stops
-        with :class:`~flwr_isoloco.strategies.nodes.NodeWaitError` (the run ends failed)."""
+        with :class:`~flwr_isoloco.strategies.core.nodes.NodeWaitError` (the run ends failed)."""
         connected = list(grid.get_node_ids())
         k = max(int(len(connected) * fraction), min_nodes)
         all_nodes = nodes_for_round(
@@ -368,7 +368,7 @@ class DiLoCo(FromRunConfig, DiLoCoState, ResumableStrategy):
         """Validate, bound the weights, merge and take the outer step.
 
         A bad reply is dropped and named, never the round; the counts logged and returned
-        agree. Raises :class:`~flwr_isoloco.strategies.guard.NoProgressError` only when
+        agree. Raises :class:`~flwr_isoloco.strategies.core.guard.NoProgressError` only when
         ``max_empty_rounds`` consecutive rounds used no reply.
         """
         self.server_round += 1
@@ -391,10 +391,10 @@ class DiLoCo(FromRunConfig, DiLoCoState, ResumableStrategy):
         evaluate_config: ConfigRecord,
         timeout: float,
     ) -> RoundOutcome:
-        """Train then evaluate; replies are taken as they arrive (:mod:`.rounds`), each train
+        """Train then evaluate; replies are taken as they arrive (:mod:`~flwr_isoloco.strategies.core.rounds`), each train
         reply folded into the merge at once (:class:`.train_round.TrainRound`); an evaluation
-        that sends nothing is skipped (:func:`.evaluation.evaluation_round`)."""
-        if self.secagg is not None:  # the train half under SecAgg+ (strategies/secagg.py)
+        that sends nothing is skipped (:func:`~flwr_isoloco.strategies.core.evaluation.evaluation_round`)."""
+        if self.secagg is not None:  # the train half under SecAgg+ (strategies/diloco/secagg.py)
             return self.secagg.run_round(
                 self, grid, server_round, train_config, evaluate_config, timeout
             )

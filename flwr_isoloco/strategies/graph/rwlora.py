@@ -1,23 +1,23 @@
 """RW-LoRA: one LoRA adapter (the *token*) random-walks over a graph of clients.
 
-The algorithm is section 4 of https://github.com/flwr-isoloco/flwr-isoloco/blob/main/docs/algorithms.md. Each round the token (adapter arrays,
+The algorithm is section 4 of the repository's docs/algorithms.md ("Algorithms"). Each round the token (adapter arrays,
 plus the optimiser state when ``carry_optimizer_state=True``) goes to exactly one node, the vertex ``v_t`` of the walk; that
 node takes K local steps and its reply becomes the new token; the walk then draws ``v_{t+1}``
 from ``P[v_t, :]``. Nothing is averaged, so there is no LoRA product-aggregation error.
 
 Message conventions (QUERY, TRAIN instruction and reply, the optimiser-state records) are
-specified in https://github.com/flwr-isoloco/flwr-isoloco/blob/main/docs/rwlora.md, "Message conventions".
+specified in the repository's docs/rwlora.md ("RW-LoRA and gossip LoRA"), "Message conventions".
 
 The token is never lost: an error reply, a timeout or a bad update (validated by
-:class:`~flwr_isoloco.strategies.replies.ReplyValidator`: keys, shapes, dtype, NaN/inf, update
-norm; and :func:`~flwr_isoloco.strategies.wire.check_train_metrics`: ``local-steps``,
+:class:`~flwr_isoloco.strategies.core.replies.ReplyValidator`: keys, shapes, dtype, NaN/inf, update
+norm; and :func:`~flwr_isoloco.strategies.core.wire.check_train_metrics`: ``local-steps``,
 ``data-cursor``, ``partition-id``) leaves the last good token in place, the failure is counted,
 and the walk re-routes: it redraws among the *other* neighbours (the current row without the
 self-loop and without the vertices that failed this round, renormalised; the token stays and
 trains again only when no other candidate is left), up to ``max_reroutes`` times per round.
 A vertex that fails ``dead_after`` consecutive times is dead for a back-off that doubles on
 repeated deaths; meanwhile the walk moves on the live graph (same target, relays across dead
-vertices where the live graph is disconnected): :mod:`flwr_isoloco.walk`, https://github.com/flwr-isoloco/flwr-isoloco/blob/main/docs/rwlora.md.
+vertices where the live graph is disconnected): :mod:`flwr_isoloco.walk`, the repository's docs/rwlora.md ("RW-LoRA and gossip LoRA").
 
 Bytes: ``bytes-relayed`` counts what crossed the wire through the server (instruction down +
 reply up, also for failed attempts), ``bytes-p2p`` what a peer-to-peer deployment would send
@@ -38,7 +38,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricReco
 from flwr.common.logger import log
 from flwr.serverapp import Grid
 
-from ..graphs import (
+from flwr_isoloco.graphs import (
     RandomWalk,
     restrict_target,
     spectral_gap,
@@ -46,18 +46,18 @@ from ..graphs import (
     total_variation,
     vertex_list,
 )
-from ..walk import LiveMatrix, LiveTransitions, VertexHealth, reroute_exclusions
-from .graph_base import GraphStrategy, graph_summary
-from .ledger import SentLedger
-from .rwlora_hops import RWLoRAHops
-from .rwlora_state import RWLoRAState
-from .rwlora_variants import RWLoRAVariants
-from .vertices import QUERY_VERTEX_KEY, VertexMap, discover_vertices
-from .wire import (
+from flwr_isoloco.strategies.core.ledger import SentLedger
+from flwr_isoloco.strategies.core.wire import (
     _record_of,
     record_nbytes,
     record_tensors,
 )
+from flwr_isoloco.strategies.graph.base import GraphStrategy, graph_summary
+from flwr_isoloco.strategies.graph.rwlora_hops import RWLoRAHops
+from flwr_isoloco.strategies.graph.rwlora_state import RWLoRAState
+from flwr_isoloco.strategies.graph.rwlora_variants import RWLoRAVariants
+from flwr_isoloco.strategies.graph.vertices import QUERY_VERTEX_KEY, VertexMap, discover_vertices
+from flwr_isoloco.walk import LiveMatrix, LiveTransitions, VertexHealth, reroute_exclusions
 
 __all__ = ["GraphStrategy", "RWLoRA", "VertexMap", "discover_vertices", "record_nbytes"]
 _REEXPORTED = (QUERY_VERTEX_KEY, _record_of)  # older imports from this module
@@ -92,7 +92,7 @@ class RWLoRA(RWLoRAVariants, RWLoRAHops, RWLoRAState, GraphStrategy):
         K, sent as ``local-steps`` in the ConfigRecord.
     carry_optimizer_state : bool
         Ship the optimiser state with the token (record keys: "Message conventions" in
-        https://github.com/flwr-isoloco/flwr-isoloco/blob/main/docs/rwlora.md).
+        the repository's docs/rwlora.md ("RW-LoRA and gossip LoRA")).
     max_reroutes : int, optional
         Re-routes per round after a failed hop (default: the maximum degree, i.e. try every
         neighbour); when exhausted the round ends with the token kept where it was.
@@ -119,7 +119,7 @@ class RWLoRA(RWLoRAVariants, RWLoRAHops, RWLoRAState, GraphStrategy):
     tail_average_from : int
         ``H``: evaluate and export the mean of the tokens from hop ``H`` on instead (default
         0 = off; not with ``average_decay``). These four:
-        :mod:`~flwr_isoloco.strategies.rwlora_variants`.
+        :mod:`~flwr_isoloco.strategies.graph.rwlora_variants`.
     round_end_fn : callable, optional
         ``fn(server_round, strategy)`` after each round (checkpointing).
     Other keyword arguments as in :class:`GraphStrategy` / Flower's FedAvg.

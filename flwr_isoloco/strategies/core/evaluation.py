@@ -8,7 +8,7 @@ in the checkpoint, :meth:`FederatedEvaluation.rng_state`) and aggregates the rep
 
     m = sum_i w_i m_i / sum_i w_i,   w_i = num-examples_i
 
-over the replies that pass :class:`~flwr_isoloco.strategies.replies.ReplyValidator` (error
+over the replies that pass :class:`~flwr_isoloco.strategies.core.replies.ReplyValidator` (error
 replies, missing or invalid weights are dropped and named), or with the app's
 ``evaluate_metrics_aggr_fn(list[RecordDict], weighted_by_key)`` as in FedAvg.
 """
@@ -23,12 +23,12 @@ from typing import TYPE_CHECKING
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
 from flwr.serverapp import Grid
 
-from .ledger import SentLedger
-from .metrics import metric_record, weighted_mean_metrics
-from .replies import ReplyValidator
+from flwr_isoloco.strategies.core.ledger import SentLedger
+from flwr_isoloco.strategies.core.metrics import metric_record, weighted_mean_metrics
+from flwr_isoloco.strategies.core.replies import ReplyValidator
 
 if TYPE_CHECKING:
-    from .rounds import ReplyStream
+    from flwr_isoloco.strategies.core.rounds import ReplyStream
 
 __all__ = [
     "FederatedEvaluation",

@@ -1,5 +1,5 @@
 """Gossip LoRA: the decentralised-SGD baseline of RW-LoRA (section 4 of
-https://github.com/flwr-isoloco/flwr-isoloco/blob/main/docs/algorithms.md).
+the repository's docs/algorithms.md ("Algorithms")).
 
 Every vertex keeps its own adapter ``x_i`` (held by the server, sent to the vertex's node each
 round). Each round every node takes K local steps from its ``x_i``; then each adapter becomes
@@ -11,7 +11,7 @@ product-aggregation error RW-LoRA avoids, and a handicap for gossip);
 :meth:`GossipLoRA.vertex_adapters` gives each vertex's own adapter, so an app can also report
 the mean of the per-vertex accuracies (the rwlora_sentiment app reports both).
 
-Messages are those of :mod:`flwr_isoloco.strategies.rwlora` (QUERY round to map vertices to
+Messages are those of :mod:`flwr_isoloco.strategies.graph.rwlora` (QUERY round to map vertices to
 nodes; TRAIN with ``arrays`` + ``config`` holding ``local-steps`` and ``walk-vertex`` = the
 vertex; FedAvg-style replies). No optimiser state travels (``carry-optimizer-state`` is False):
 gossip nodes keep their own optimiser locally, if any.
@@ -38,14 +38,19 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricReco
 from flwr.common.logger import log
 from flwr.serverapp import Grid
 
-from ..graphs import consensus_distance, metropolis_mixing_weights, mix, spectral_gap
-from ..merging.weights import norm_outlier
-from .graph_base import GraphStrategy, graph_summary
-from .ledger import SentLedger
-from .metrics import weighted_mean_metrics
-from .replies import ReplyReport
-from .rounds import ReplyStream, check_quorum
-from .wire import _record_of, check_train_metrics, record_nbytes, record_tensors
+from flwr_isoloco.graphs import consensus_distance, metropolis_mixing_weights, mix, spectral_gap
+from flwr_isoloco.merging.weights import norm_outlier
+from flwr_isoloco.strategies.core.ledger import SentLedger
+from flwr_isoloco.strategies.core.metrics import weighted_mean_metrics
+from flwr_isoloco.strategies.core.replies import ReplyReport
+from flwr_isoloco.strategies.core.rounds import ReplyStream, check_quorum
+from flwr_isoloco.strategies.core.wire import (
+    _record_of,
+    check_train_metrics,
+    record_nbytes,
+    record_tensors,
+)
+from flwr_isoloco.strategies.graph.base import GraphStrategy, graph_summary
 
 __all__ = ["GossipLoRA", "mix"]
 
@@ -65,7 +70,7 @@ class GossipLoRA(GraphStrategy):
     quorum, grace_s :
         Close a round once ``quorum`` of the vertices sent to have replied (a fraction in
         (0, 1], rounded up, or a count; None = all) and ``grace_s`` seconds more have passed
-        (:mod:`~flwr_isoloco.strategies.rounds`; ``timeout`` stays the cap). A vertex whose
+        (:mod:`~flwr_isoloco.strategies.core.rounds`; ``timeout`` stays the cap). A vertex whose
         reply is not in keeps its adapter, as on a timeout; its late reply is discarded.
     round_end_fn : callable, optional
         ``fn(server_round, strategy)`` after each round (checkpointing).

@@ -1,7 +1,7 @@
 """DiLoCo's construction helpers: the merge rule and round merge, the outer optimiser, the
 reply validators, and the names of the constructor arguments stored or passed on as given.
 
-The argument checks themselves are :func:`~flwr_isoloco.strategies.diloco_config.check_arguments`.
+The argument checks themselves are :func:`~flwr_isoloco.strategies.diloco.config.check_arguments`.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from flwr_isoloco.merging.robust import RobustMerge, resolve_robust
 from flwr_isoloco.merging.round import RoundMerge
 from flwr_isoloco.merging.rules import check_options
 from flwr_isoloco.outer import OuterSGD
-from flwr_isoloco.strategies.diloco_config import _is_number
-from flwr_isoloco.strategies.replies import ReplyValidator
+from flwr_isoloco.strategies.core.replies import ReplyValidator
+from flwr_isoloco.strategies.diloco.config import _is_number
 
 SPECTRAL_FOR_UPDATE = ("iso_c", "iso_c_ns")
 """The rules that ``orthogonalize="update"`` applies to the outer update."""
@@ -46,7 +46,7 @@ DP_ARGUMENTS = (
     "dp_clip_lr",
     "dp_clip_count_std",
 )
-"""Constructor arguments of :class:`~flwr_isoloco.strategies.privacy.StrategyDP`, in its order."""
+"""Constructor arguments of :class:`~flwr_isoloco.strategies.diloco.privacy.StrategyDP`, in its order."""
 
 
 def rule_and_name(merge_rule: Any) -> tuple[Any, str]:
