@@ -1,11 +1,13 @@
 """Compressed pseudo-gradient uploads: codecs, self-describing records, error feedback.
 
-See https://github.com/flwr-isoloco/flwr-isoloco/blob/main/docs/compression.md. ``compress(tensors, codec, **options) -> ArrayRecord``,
-``decompress(record) -> dict[str, torch.Tensor]``, ``ErrorFeedback(codec, **options)``.
+See the repository's ``docs/compression.md`` ("Compressed pseudo-gradient uploads"). ``compress(tensors, codec, **options) -> ArrayRecord``,
+``decompress(record) -> dict[str, torch.Tensor]``, ``ErrorFeedback(codec, **options)``. Codecs:
+``none``, ``int8``, ``fp8``, ``topk`` (codecs.py), ``int4``, ``sparseloco`` (lowbit.py).
 """
 
 from flwr_isoloco.compression.feedback import (
     CODEC_KEY,
+    EF_DECAY_KEY,
     EF_KEY,
     OPTION_KEYS,
     ErrorFeedback,
@@ -14,6 +16,7 @@ from flwr_isoloco.compression.feedback import (
 )
 from flwr_isoloco.compression.record import (
     CODECS,
+    EF_DECAY_DEFAULTS,
     HEADER_KEY,
     compress,
     decompress,
@@ -27,6 +30,8 @@ from flwr_isoloco.compression.record import (
 __all__ = [
     "CODECS",
     "CODEC_KEY",
+    "EF_DECAY_DEFAULTS",
+    "EF_DECAY_KEY",
     "EF_KEY",
     "HEADER_KEY",
     "OPTION_KEYS",

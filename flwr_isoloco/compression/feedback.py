@@ -3,10 +3,16 @@
 Error feedback (EF; Seide et al. 2014, Karimireddy et al. 2019): a worker keeps the part of its
 pseudo-gradients that compression lost and adds it to the next upload::
 
-    c_t = delta_t + e_{t-1};   sent_t = decode(encode(c_t));   e_t = c_t - sent_t
+    c_t = delta_t + beta e_{t-1};   sent_t = decode(encode(c_t));   e_t = c_t - sent_t
 
-so after T rounds ``sum_t sent_t = sum_t delta_t - e_T`` (telescoping, up to fp32 rounding): the
-server has received every coordinate except the last round's residual.
+with ``beta = ef_decay`` (a codec option; default 1.0, sparseloco 0.95 as SparseLoCo). With
+``beta = 1`` after T rounds ``sum_t sent_t = sum_t delta_t - e_T`` (telescoping, up to fp32
+rounding): the server has received every coordinate except the last round's residual. With
+``beta < 1`` it also forgets ``(1 - beta) sum_{t<T} e_t``: a residual entry that is never sent
+decays geometrically (``beta^t``) instead of growing without bound, which is what SparseLoCo
+(``e <- 0.95 e + delta``) and MuLoCo (0.9) use.
+
+Nothing here assumes a client: a server can keep an ``ErrorFeedback`` for compressed downloads.
 """
 
 from __future__ import annotations
@@ -29,11 +35,15 @@ from flwr_isoloco.compression.record import (
 # flat keys so they fit a ConfigRecord and Flower's run config.
 CODEC_KEY = "upload-codec"
 EF_KEY = "upload-error-feedback"
+EF_DECAY_KEY = "upload-ef-decay"  # the ``ef_decay`` option; not a codec parameter (no header)
 OPTION_KEYS = {
     "codec-block-size": "block_size",
     "codec-fraction": "fraction",
     "codec-values": "values",
     "codec-min-dims": "min_dims",
+    "codec-chunk": "chunk",
+    "codec-k": "k",
+    "codec-bits": "bits",
 }
 
 
@@ -48,8 +58,14 @@ class ErrorFeedback:
         self.options = normalize_options(codec, options)
         self.residual: dict[str, torch.Tensor] = {}
 
+    @property
+    def decay(self) -> float:
+        """``beta`` of ``c = delta + beta e`` (the ``ef_decay`` option)."""
+        return float(self.options.get("ef_decay", 1.0))
+
     def compress(self, tensors: Mapping[str, torch.Tensor]) -> ArrayRecord:
-        """Encode ``delta + e`` and set ``e <- (delta + e) - decode(encode(delta + e))``."""
+        """Encode ``c = delta + beta e`` and set ``e <- c - decode(encode(c))``."""
+        beta = self.decay
         target: dict[str, torch.Tensor] = {}
         for k, t in tensors.items():
             e = self.residual.get(k)
@@ -58,7 +74,10 @@ class ErrorFeedback:
                     f"residual of {k!r} has shape {tuple(e.shape)}, delta {tuple(t.shape)}"
                 )
             enc = encoding(t, self.codec, self.options)
-            target[k] = t.detach().float() + e if e is not None and enc != "raw" else t.detach()
+            if e is None or enc == "raw":
+                target[k] = t.detach()
+            else:
+                target[k] = t.detach().float() + (e if beta == 1.0 else beta * e)
         record = compress(target, self.codec, **self.options)
         decoded = decompress(record)
         residual = {}
@@ -100,6 +119,7 @@ def request_config(
         return {}
     opts = normalize_options(codec, options)
     back = {v: k for k, v in OPTION_KEYS.items()}
+    back["ef_decay"] = EF_DECAY_KEY
     return {CODEC_KEY: codec, EF_KEY: bool(error_feedback), **{back[k]: v for k, v in opts.items()}}
 
 
@@ -114,9 +134,8 @@ def parse_request(cfg: Mapping[str, Any]) -> tuple[str, dict[str, Any], bool] | 
     if codec not in CODECS:
         raise ValueError(f"train config {CODEC_KEY!r}={codec!r}: expected one of {CODECS}")
     defaults = normalize_options(codec)
-    opts = {
-        OPTION_KEYS[k]: v for k, v in cfg.items() if k in OPTION_KEYS and OPTION_KEYS[k] in defaults
-    }
+    keys = {**OPTION_KEYS, EF_DECAY_KEY: "ef_decay"}
+    opts = {keys[k]: v for k, v in cfg.items() if k in keys and keys[k] in defaults}
     try:
         opts = normalize_options(codec, opts)
     except ValueError as exc:

@@ -9,7 +9,9 @@ Layout of a compressed record (every value a 1-D numpy array, so it travels in a
 - for each tensor ``name``, parts ``"<name>/<p>"``: ``enc="raw"``: ``v`` (fp32 for floating
   tensors, else the tensor's own dtype); ``int8``: ``q`` int8 (n), ``s`` fp32 (ceil(n/B));
   ``fp8``: ``q`` uint8 e4m3 bit patterns (n), ``s``; ``topk``: ``i`` int32 (k) and ``v`` fp32
-  (k) or ``q`` int8 (k) + ``s`` (ceil(k/B)).
+  (k) or ``q`` int8 (k) + ``s`` (ceil(k/B)); ``int4``: ``q`` uint8 (ceil(n/2), two nibbles
+  per byte), ``s``; ``sparseloco``: ``i`` uint8 (packed tile-local indices), ``q`` uint8
+  (packed codes), ``t`` fp32 (2^bits table) -- see :mod:`flwr_isoloco.compression.lowbit`.
 
 Floating tensors with at least ``min_dims`` dimensions (default 2) use the codec; the others
 travel raw. The header alone tells a server how to decode (no side information).
@@ -19,7 +21,11 @@ tensors and their total entries (``max_entries``) and checks each part's dtype a
 the Array's metadata, then from the npy blob's own header, which is parsed by hand instead of
 ``np.load``) *before* allocating anything; unknown codecs,
 bad options, indices out of range or unsorted, non-finite / negative scales, fp8 NaN codes,
-missing or extra parts all raise ``ValueError`` naming the tensor.
+int4 codes of -8, non-finite sparseloco tables, stray padding bits, missing or extra parts all
+raise ``ValueError`` naming the tensor.
+
+``ef_decay`` (every codec but ``none``) is an option of the sender's error feedback
+(:mod:`flwr_isoloco.compression.feedback`), validated here but not written into the header.
 """
 
 from __future__ import annotations
@@ -36,10 +42,11 @@ from flwr.app import Array, ArrayRecord
 from numpy.lib import format as npy
 
 from flwr_isoloco.compression import codecs as C
+from flwr_isoloco.compression import lowbit as L
 
 HEADER_KEY = "__codec__"
 FORMAT, VERSION = "flwr-isoloco-compressed", 1
-CODECS = ("none", "int8", "fp8", "topk")
+CODECS = ("none", "int8", "fp8", "topk", "int4", "sparseloco")
 TOPK_VALUES = ("fp32", "int8")
 MAX_HEADER_BYTES = 8 << 20
 MAX_TENSORS = 100_000
@@ -64,7 +71,12 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
     "int8": {"block_size": 256, "min_dims": 2},
     "fp8": {"block_size": 256, "min_dims": 2},
     "topk": {"fraction": 0.01, "values": "fp32", "block_size": 256, "min_dims": 2},
+    "int4": {"block_size": 256, "min_dims": 2},
+    "sparseloco": {"chunk": 4096, "k": 64, "bits": 2, "min_dims": 2},
 }
+# Error-feedback decay per codec (feedback.py): 1.0 keeps every residual (the telescoping sum);
+# sparseloco follows SparseLoCo's 0.95 (templar's hparams ``momentum_decay``).
+EF_DECAY_DEFAULTS = {"int8": 1.0, "fp8": 1.0, "topk": 1.0, "int4": 1.0, "sparseloco": 0.95}
 
 
 def _int_in(name: str, v: Any, lo: int, hi: int) -> int:
@@ -78,6 +90,8 @@ def normalize_options(codec: Any, options: Mapping[str, Any] | None = None) -> d
     if codec not in CODECS:
         raise ValueError(f"unknown codec {codec!r}; expected one of {CODECS}")
     opts = dict(_DEFAULTS[codec])
+    if codec in EF_DECAY_DEFAULTS:
+        opts["ef_decay"] = EF_DECAY_DEFAULTS[codec]
     for k, v in (options or {}).items():
         if k not in opts:
             raise ValueError(f"codec {codec!r} takes options {sorted(opts)}, got {k!r}")
@@ -93,7 +107,24 @@ def normalize_options(codec: Any, options: Mapping[str, Any] | None = None) -> d
         opts["fraction"] = float(f)
         if opts["values"] not in TOPK_VALUES:
             raise ValueError(f"codec option 'values' must be one of {TOPK_VALUES}")
+    if codec == "sparseloco":
+        _check_sparseloco_options(opts)
+    if "ef_decay" in opts:
+        d = opts["ef_decay"]
+        if isinstance(d, bool) or not isinstance(d, (int, float)) or not 0 <= d <= 1:
+            raise ValueError(f"codec option 'ef_decay' must be a number in [0, 1], got {d!r}")
+        opts["ef_decay"] = float(d)
     return opts
+
+
+def _check_sparseloco_options(opts: dict[str, Any]) -> None:
+    """``chunk`` a square in [4, 2^20] (tiles of isqrt(chunk)^2), ``k`` in [1, chunk], ``bits``."""
+    chunk = _int_in("chunk", opts["chunk"], 4, 1 << 20)
+    if math.isqrt(chunk) ** 2 != chunk:
+        raise ValueError(f"codec option 'chunk' must be a square (tiles side^2), got {chunk}")
+    _int_in("k", opts["k"], 1, chunk)
+    if isinstance(opts["bits"], bool) or opts["bits"] not in L.SPARSELOCO_BITS:
+        raise ValueError(f"codec option 'bits' must be one of {L.SPARSELOCO_BITS}")
 
 
 def encoding(t: torch.Tensor, codec: str, options: Mapping[str, Any]) -> str:
@@ -118,6 +149,10 @@ def _encode(t: torch.Tensor, enc: str, o: Mapping[str, Any]) -> dict[str, torch.
         return C.encode_int8(x, o["block_size"])
     if enc == "fp8":
         return C.encode_fp8(x, o["block_size"])
+    if enc == "int4":
+        return L.encode_int4(x, o["block_size"])
+    if enc == "sparseloco":
+        return L.encode_sparseloco(x, tuple(t.shape), o["chunk"], o["k"], o["bits"])
     return C.encode_topk(x, o["fraction"], o["values"], o["block_size"])
 
 
@@ -140,7 +175,8 @@ def compress(tensors: Mapping[str, torch.Tensor], codec: str, **options: Any) ->
         header[name] = {"shape": list(t.shape), "dtype": _dtype_name(t), "enc": enc}
         for part, p in _encode(t, enc, opts).items():
             arrays[f"{name}/{part}"] = Array(np.ascontiguousarray(p.numpy()))
-    meta = {"format": FORMAT, "version": VERSION, "codec": codec, "options": opts}
+    wire = {k: v for k, v in opts.items() if k != "ef_decay"}  # the sender's business
+    meta = {"format": FORMAT, "version": VERSION, "codec": codec, "options": wire}
     blob = json.dumps({**meta, "tensors": header}, separators=(",", ":")).encode()
     return ArrayRecord({HEADER_KEY: Array(np.frombuffer(blob, dtype=np.uint8).copy()), **arrays})
 
@@ -218,11 +254,17 @@ def _tensor_spec(name: str, spec: Any, codec: str) -> tuple[tuple[int, ...], str
     return tuple(shape), dtype, enc, math.prod(shape)
 
 
-def _part_layout(n: int, dtype: str, enc: str, o: Mapping[str, Any]) -> dict[str, tuple[str, int]]:
-    """Expected ``part -> (numpy dtype, length)`` of one tensor of ``n`` entries."""
+def _part_layout(
+    shape: tuple[int, ...], n: int, dtype: str, enc: str, o: Mapping[str, Any]
+) -> dict[str, tuple[str, int]]:
+    """Expected ``part -> (numpy dtype, length)`` of one tensor of ``shape`` (``n`` entries)."""
     if enc == "raw":
         return {"v": ("float32" if _DTYPES[dtype].is_floating_point else dtype, n)}
+    if enc == "sparseloco":
+        return L.sparseloco_layout(shape, o)
     b = o["block_size"]
+    if enc == "int4":
+        return L.int4_layout(n, b)
     if enc in ("int8", "fp8"):
         return {"q": ("int8" if enc == "int8" else "uint8", n), "s": ("float32", C.n_blocks(n, b))}
     k = C.topk_count(n, o["fraction"])
@@ -268,10 +310,14 @@ def _load_part(record: ArrayRecord, name: str, part: str, dtype: str, n: int) ->
     return torch.from_numpy(nd)
 
 
-def _decode_one(parts: dict[str, torch.Tensor], n: int, enc: str, o: Mapping[str, Any]):
+def _decode_one(parts: dict[str, torch.Tensor], shape, n: int, enc: str, o: Mapping[str, Any]):
     """Flat fp32 (or raw) reconstruction, or a string saying why the parts are bad."""
     if enc == "raw":
         return parts["v"]
+    if enc == "sparseloco":
+        return L.decode_sparseloco(parts, shape, o)
+    if enc == "int4":
+        return L.decode_int4(parts["q"], parts["s"], n, o["block_size"])
     if "s" in parts and (why := C.check_scales(parts["s"])):
         return why
     if enc == "int8":
@@ -318,7 +364,7 @@ def decompress(
     total = sum(s[3] for s in specs.values())
     if total > max_entries:
         raise ValueError(f"{HEADER_KEY!r}: header claims {total} entries > max {max_entries}")
-    layouts = {name: _part_layout(s[3], s[1], s[2], o) for name, s in specs.items()}
+    layouts = {name: _part_layout(s[0], s[3], s[1], s[2], o) for name, s in specs.items()}
     wanted = {f"{name}/{p}" for name, lay in layouts.items() for p in lay}
     present = set(record.keys()) - {HEADER_KEY}
     if present != wanted:
@@ -329,7 +375,7 @@ def decompress(
     out: dict[str, torch.Tensor] = {}
     for name, (shape, dtype, enc, n) in specs.items():
         parts = {p: _load_part(record, name, p, d, k) for p, (d, k) in layouts[name].items()}
-        flat = _decode_one(parts, n, enc, o)
+        flat = _decode_one(parts, shape, n, enc, o)
         if isinstance(flat, str):
             raise ValueError(f"tensor {name!r}: {flat}")
         out[name] = flat.reshape(shape).to(_DTYPES[dtype])
