@@ -5,14 +5,22 @@ from __future__ import annotations
 
 import math
 import re
-from typing import TYPE_CHECKING
+from collections.abc import Mapping
+from typing import Protocol
 
 import torch
 
-if TYPE_CHECKING:
-    from .rules import MergeRule
+__all__ = ["COMMON_OPTIONS", "RuleOptions", "check_options", "rule_applies"]
 
-__all__ = ["COMMON_OPTIONS", "check_options", "rule_applies"]
+
+class RuleOptions(Protocol):
+    """What :func:`check_options` reads of a rule: its name and its options with their
+    defaults (a :class:`.rules.MergeRule` is one; this module does not import :mod:`.rules`,
+    which imports it)."""
+
+    name: str
+    options: Mapping[str, object]
+
 
 #: Options every rule accepts.
 COMMON_OPTIONS = {"spectral_pattern": None}
@@ -29,7 +37,7 @@ def _fraction(name: str, value: object, low_open: bool, high_open: bool) -> floa
     return float(value)
 
 
-def check_options(rule: MergeRule, options: dict) -> tuple[dict, re.Pattern | None]:
+def check_options(rule: RuleOptions, options: dict) -> tuple[dict, re.Pattern | None]:
     """Validate option names and values; return the rule's options and the compiled pattern."""
     allowed = {**COMMON_OPTIONS, **rule.options}
     for name in options:

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..data.packages import package_dir
-from .export import quiet_hf
+from .quiet import quiet_hf
 
 DEFAULT_TARGET_MODULES = ("query", "value")
 HEAD_MODULES = ("classifier",)

@@ -15,48 +15,25 @@ with its classification head.
   random head that the bare base model does not have, so it is exported too: it is added to
   the adapter file and to ``modules_to_save`` in ``adapter_config.json``.
 
-:func:`quiet_hf` silences transformers' per-call progress bars ("Loading weights", "Writing
-model shards") and info logs; every ``from_pretrained``/``save_pretrained`` of the library runs
-inside it, so simulated clients do not print one bar each per round.
+:func:`quiet_hf` (defined in :mod:`.quiet`, re-exported here) silences transformers' per-call
+progress bars and info logs around every ``from_pretrained``/``save_pretrained`` of the library.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
 
+from .classifier import load_adapter_state_dict
+from .quiet import quiet_hf
+
 __all__ = ["quiet_hf", "export_causal_lm", "export_pretrained", "export_adapter", "EXPORT_MODE"]
 
 EXPORT_MODE = 0o644  # exported files are results: readable by others, like results.json
-
-
-@contextlib.contextmanager
-def quiet_hf() -> Iterator[None]:
-    """transformers' progress bars off and its logging at ERROR inside the block; both restored.
-
-    The settings are process-wide: a concurrent thread that loads a model meanwhile is quiet
-    too (harmless; nothing else changes).
-    """
-    from transformers.utils import logging as hf_logging
-
-    verbosity = hf_logging.get_verbosity()
-    bars = hf_logging.is_progress_bar_enabled()
-    hf_logging.set_verbosity_error()
-    hf_logging.disable_progress_bar()
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", FutureWarning)  # deprecation notices inside HF
-            yield
-    finally:
-        hf_logging.set_verbosity(verbosity)
-        if bars:
-            hf_logging.enable_progress_bar()
 
 
 def _chmod_tree(folder: Path, mode: int = EXPORT_MODE) -> None:
@@ -136,8 +113,6 @@ def export_adapter(
     the config (see module doc). ``tokenizer`` (optional) is saved beside the adapter.
     """
     from safetensors.torch import load_file, save_file
-
-    from .classifier import load_adapter_state_dict
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from flwr.app import ArrayRecord
 
-from .export import quiet_hf
+from .quiet import quiet_hf
 
 __all__ = [
     "SMOLLM2_INSTALL",

@@ -1,6 +1,6 @@
 """A node's own training text (node-config ``data-path``) and the seeded batch windows.
 
-``task`` re-exports these names; the run's tokenizer and cache come from ``task`` when called.
+``task`` re-exports these names; the run's tokenizer and cache come from :mod:`.run_text`.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from flwr_isoloco.clients.hf_lm import batch_generator
 from flwr_isoloco.data.text import load_corpus, sample_batch
 
 from . import pretrained
+from .run_text import cache_path, text_data
 
 
 def window_batches(cfg: DictConfig, tokens: np.ndarray, partition_id: int):
@@ -52,7 +53,6 @@ def _encode_local(text: str, tokenizer_path: str) -> np.ndarray:
 def local_tokens(cfg: DictConfig, data_path: str, partition_id: int) -> np.ndarray:
     """All of the node's own text at ``data_path``, encoded with the run's tokenizer (no
     sharding). Raises :class:`NodeDataError` naming the node's partition-id and the path."""
-    from . import task  # the run's tokenizer and cache (task imports this module at its top)
 
     def fail(reason: str) -> NodeDataError:
         return NodeDataError(
@@ -72,9 +72,9 @@ def local_tokens(cfg: DictConfig, data_path: str, partition_id: int) -> np.ndarr
     if not text.strip():
         raise fail("holds no text")
     if pretrained.is_pretrained(cfg):
-        tokens = pretrained.encode(cfg, task._cache(cfg), text)
+        tokens = pretrained.encode(cfg, cache_path(cfg), text)
     else:
-        tokens = _encode_local(text, str(task.text_data(cfg).tokenizer_path))
+        tokens = _encode_local(text, str(text_data(cfg).tokenizer_path))
     need = cfg.train["seq-len"] + 2
     if len(tokens) < need:
         raise fail(

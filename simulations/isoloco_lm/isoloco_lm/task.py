@@ -5,17 +5,15 @@ Kept free of ServerApp/ClientApp objects so tests can drive them in-process.
 
 from __future__ import annotations
 
-import functools
 import os
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
 import torch
 from omegaconf import DictConfig
 
 from flwr_isoloco.clients.hf_lm import batch_generator as batch_generator  # re-exported
-from flwr_isoloco.data.text import prepare_tokens, shard_tokens
+from flwr_isoloco.data.text import shard_tokens
 from flwr_isoloco.merging import MERGE_RULES
 from flwr_isoloco.models.llama import build_llama, llama_config
 from flwr_isoloco.outer import ISOLOCO_PRESETS
@@ -45,6 +43,11 @@ from .node_data import NodeDataError as NodeDataError
 from .node_data import local_batches as local_batches
 from .node_data import local_tokens as local_tokens
 from .node_data import window_batches
+
+# the run's text, tokenizer and cache folder: defined in run_text, re-exported here
+from .run_text import cache_dir as cache_dir
+from .run_text import cache_path as _cache
+from .run_text import text_data as text_data
 from .tuned import OuterValues, outer_values
 
 STRATEGIES = ("isoloco", "diloco", "fedavg")
@@ -281,16 +284,7 @@ def model_kwargs(cfg: DictConfig) -> dict[str, Any]:
     }
 
 
-def cache_dir(cfg: DictConfig) -> Path | None:
-    return Path(cfg.data["cache-dir"]) if cfg.data["cache-dir"] else None
-
-
 # ----------------------------------------------------------------------------- model and data
-def _cache(cfg: DictConfig) -> str | None:
-    c = cache_dir(cfg)
-    return str(c) if c else None
-
-
 def build_model(cfg: DictConfig) -> torch.nn.Module:
     """The built-in LLaMA of the ``model.*`` sizes, or the pretrained ``model.name-or-path``."""
     if pretrained.is_pretrained(cfg):
@@ -308,30 +302,6 @@ def check_seq_len(cfg: DictConfig) -> None:
             f"run-config key 'train.seq-len' = {cfg.train['seq-len']} is longer than the "
             f"model's maximum ({most} positions)"
         )
-
-
-@functools.lru_cache(maxsize=4)
-def _tokens(corpus: str, vocab: int, val_fraction: float, cache: str | None):
-    # Per-process memo (simulation actors reuse it); the files on disk are the real cache.
-    return prepare_tokens(corpus, vocab, val_fraction, cache)
-
-
-def text_data(cfg: DictConfig):
-    if pretrained.is_pretrained(cfg):
-        return pretrained.text_data(cfg, _cache(cfg))
-    cache = cache_dir(cfg)
-    data = _tokens(
-        cfg.data.corpus,
-        cfg.model["vocab-size"],
-        cfg.data["val-fraction"],
-        str(cache) if cache else None,
-    )
-    if data.vocab_size != cfg.model["vocab-size"]:
-        raise RunConfigError(
-            f"run-config key 'model.vocab-size' = {cfg.model['vocab-size']}: the corpus only supports "
-            f"a BPE vocabulary of {data.vocab_size}"
-        )
-    return data
 
 
 def node_batches(cfg: DictConfig, partition_id: int, num_partitions: int):
