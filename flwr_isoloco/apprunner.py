@@ -22,7 +22,7 @@ evaluator, the app's columns of a results row, and optional plot and export func
 Client state (optimiser moments, data cursors) is resumed by the clients themselves from the
 node-state files whose folder the runner names in the train config
 (:mod:`flwr_isoloco.clients.node_state`). The results schema is in the user guide,
-https://github.com/flwr-isoloco/flwr-isoloco/blob/main/docs/user-guide.md.
+the repository's ``docs/user-guide.md`` ("flwr-isoloco user guide").
 """
 
 from __future__ import annotations

@@ -224,7 +224,7 @@ def nesterov_step_limit(momentum: float, nesterov: bool = True) -> float:
 
 @dataclass(frozen=True)
 class IsoLoCoPreset:
-    """IsoLoCo's update by name: merge rule and outer optimiser (https://github.com/flwr-isoloco/flwr-isoloco/blob/main/docs/algorithms.md, 3.1)."""
+    """IsoLoCo's update by name: merge rule and outer optimiser (the repository's ``docs/algorithms.md`` ("Algorithms"), 3.1)."""
 
     name: str
     merge: str

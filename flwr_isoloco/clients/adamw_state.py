@@ -15,7 +15,7 @@ model's named state made that a third of a small worker's time per message. The 
 carries the named moments with the RW-LoRA token (ArrayRecord ``optimizer``) and the step in
 ConfigRecord ``optimizer-config``. Restoring puts
 every moment on its parameter's device and dtype, so a save/restore round-trip continues
-exactly where the optimiser stopped (https://github.com/flwr-isoloco/flwr-isoloco/blob/main/tests/test_lora_client.py: K + K steps == 2K steps).
+exactly where the optimiser stopped (the repository's ``tests/test_lora_client.py``: K + K steps == 2K steps).
 """
 
 from __future__ import annotations

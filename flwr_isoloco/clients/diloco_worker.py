@@ -6,7 +6,7 @@ with the learning rate of :func:`inner_lr` (warm-up, then cosine to ``min-lr-rat
 whole run), saves the state and replies ``theta_i`` (or the delta, compressed on request with
 error feedback) with ``num-examples`` = predicted tokens. ``make_lm_evaluate_handler`` gives
 the token-weighted validation loss. The message config keys, the state records and the reply
-are specified in https://github.com/flwr-isoloco/flwr-isoloco/blob/main/docs/strategies.md, "The DiLoCo worker". Wrapped in
+are specified in the repository's ``docs/strategies.md`` ("DiLoCo / IsoLoCo strategies"), "The DiLoCo worker". Wrapped in
 :func:`~flwr_isoloco.clients.node_state.with_node_state`, the state's ArrayRecords wait for the
 next round in the node's state file rather than in ``context.state`` (in a simulation that is
 the ServerApp's process).
@@ -367,7 +367,7 @@ def make_diloco_train_handler(
     micro_batch: int = 0,
     gradient_checkpointing: bool = False,
 ) -> Callable[[Message, Context], Message]:
-    """A ClientApp ``@app.train()`` handler running H inner AdamW steps (https://github.com/flwr-isoloco/flwr-isoloco/blob/main/docs/strategies.md).
+    """A ClientApp ``@app.train()`` handler running H inner AdamW steps (the repository's ``docs/strategies.md`` ("DiLoCo / IsoLoCo strategies")).
 
     Parameters
     ----------

@@ -1,7 +1,7 @@
 """Helpers to run the DiLoCo worker on any Hugging Face causal LM and any text data set.
 
-The recipe (https://github.com/flwr-isoloco/flwr-isoloco/blob/main/docs/user-guide.md, "Your own
-Hugging Face model"; the example app https://github.com/flwr-isoloco/flwr-isoloco/tree/main/examples/hf_causal_lm)::
+The recipe (the repository's ``docs/user-guide.md`` ("flwr-isoloco user guide"), "Your own
+Hugging Face model"; the example app in the repository's ``examples/hf_causal_lm``)::
 
     model_fn = causal_lm_fn("HuggingFaceTB/SmolLM2-135M")     # or a local folder / a GGUF
     tok = load_tokenizer("HuggingFaceTB/SmolLM2-135M")

@@ -6,7 +6,7 @@ causal LM on text (:class:`~flwr_isoloco.clients.lora_causal.CausalLoRAClientCon
 ``CausalLMTask``). A task gives the model, the node's data, a batch's loss and the evaluation
 metrics; the handlers, the batch stream and the optimiser state are shared. The node's data,
 the message layout (``arrays``, ``config``, ``optimizer``, ``optimizer-config``, the reply
-metrics) and the seeded batch order are specified in "The LoRA client" of https://github.com/flwr-isoloco/flwr-isoloco/blob/main/docs/rwlora.md.
+metrics) and the seeded batch order are specified in "The LoRA client" of the repository's ``docs/rwlora.md`` ("RW-LoRA and gossip LoRA").
 The AdamW state travels through :mod:`flwr_isoloco.clients.adamw_state`.
 """
 

@@ -23,7 +23,7 @@ only the files it is read for (``data/*.txt``) are extracted, to
 ``<data home>/npm/<name>-<version>/`` (:func:`data_home`: ``$FLWR_ISOLOCO_DATA`` or
 ``~/.local/share/flwr_isoloco``). Neither the default install nor CI installs these sets.
 
-From a checkout of https://github.com/flwr-isoloco/flwr-isoloco, the repository's
+From a checkout of the source tree, the repository's
 ``scripts/install.sh`` installs the same pins from ``requirements-data.txt`` (a test keeps the
 two equal); the apps named in ``used_by`` are the repository's ``simulations/`` and
 ``examples/`` folders.

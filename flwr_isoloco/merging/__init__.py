@@ -1,4 +1,4 @@
-"""Merge rules for pseudo-gradients (https://github.com/flwr-isoloco/flwr-isoloco/blob/main/docs/algorithms.md section 2), pure torch, no Flower.
+"""Merge rules for pseudo-gradients (the repository's ``docs/algorithms.md`` ("Algorithms") section 2), pure torch, no Flower.
 
 Public API: :data:`MERGE_RULES`, :func:`merge`, :class:`StreamingMerger`, :func:`iso_c`,
 :func:`polar`, :func:`resolve_device`, :class:`MergeRule`, and :class:`RoundMerge` (a strategy round's merge: every

@@ -1,6 +1,7 @@
 """Iso-C on the numerical range of the mean, at the mean's norm: the drop-in preset's merge.
 
-https://github.com/flwr-isoloco/flwr-isoloco/blob/main/docs/algorithms.md 3.1 gives the measurements behind both changes to ``iso_c``.
+The measurements behind both changes to ``iso_c``: the repository's ``docs/algorithms.md``
+("Algorithms"), 3.1.
 
 ``iso_c`` sets every singular value of ``g = U diag(s) V^T`` to ``mean(s)``. Where ``g`` is rank
 deficient (a layer with dead units, a classifier whose gradient lives in few directions) some
@@ -28,11 +29,12 @@ Frobenius norm, so one lr means the same step size on every tensor::
 (``||.||_F = ||g||_F``, spectral norm ``||g||_F / sqrt(k) <= s_1 = ||g||_2``).
 
 That raises a direction of ``g`` by ``||g||_F / (sqrt(k) s_i)``, without bound: measured on
-label-skewed shards (``benchmarks/dropin/label_skew.py``, docs/algorithms.md 3.2) the smallest singular
-directions of the mean were raised 100-2000 x (a classifier's numerically rank-2 but truly
-rank-1 pseudo-gradient: 62,000 x, half the step into round-off), and the drop-in collapsed to
-the majority class. The ``"dropin"`` merge is therefore Iso-C with a bounded gain
-``kappa = max_gain`` (default :data:`MAX_GAIN`)::
+label-skewed shards (the repository's ``benchmarks/dropin/label_skew.py``; the repository's
+``docs/algorithms.md``, 3.2) the smallest singular directions of the mean were raised
+100-2000 x (a classifier's numerically rank-2 but truly rank-1 pseudo-gradient: 62,000 x,
+half the step into round-off), and the drop-in collapsed to the majority class. The
+``"dropin"`` merge is therefore Iso-C with a bounded gain ``kappa = max_gain``
+(default :data:`MAX_GAIN`)::
 
     g = U diag(s) V^T,   s'_i = min(t, kappa s_i),   t > 0 such that sum s'_i^2 = sum s_i^2
     iso_c_matched(g) = U diag(s') V^T

@@ -16,7 +16,7 @@ side as ``X <- (a I + b A + c A^2) X`` with ``A = X X^T``. Unlike Muon's fixed c
 recipe (Amsel et al. 2025): step k uses the minimax quintic for the interval ``[l_k, u_k]``
 that the previous steps left the singular values in, so the schedule starts aggressive and ends
 in the classic ``(15, -10, 3) / 8`` iteration, which converges to exactly 1. See
-``https://github.com/flwr-isoloco/flwr-isoloco/blob/main/docs/merging.md`` for the measured accuracy and speed.
+the repository's ``docs/merging.md`` ("Merge rules and the outer optimiser") for the measured accuracy and speed.
 """
 
 from __future__ import annotations
@@ -95,7 +95,7 @@ def thin_svd(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 #: Largest ``lambda_max / lambda_min`` (= ``kappa^2`` of the matrix) of the Gram matrix for which
 #: :func:`gram_polar` trusts an fp32 eigendecomposition: its relative (Frobenius) error is about
-#: ``5e-8 kappa^2`` (measured, https://github.com/flwr-isoloco/flwr-isoloco/blob/main/docs/merging.md), so <= ~5e-6 here.
+#: ``5e-8 kappa^2`` (measured, the repository's ``docs/merging.md`` ("Merge rules and the outer optimiser")), so <= ~5e-6 here.
 GRAM_COND_FP32 = 1e2
 #: The same bound for the fp64 eigendecomposition of an fp32 input: error about
 #: ``1e-16 kappa^2``, so <= ~1e-7 here; beyond it, the SVD.
@@ -105,7 +105,7 @@ GRAM_COND_FP64_INPUT = 1e4
 #: The Gram path is used where the long side is at least this many times the short one. Near-square
 #: matrices are rarely well conditioned (smallest singular values near 0), so the fp32 attempt
 #: would mostly be wasted, and at 576 x 576 the fp64 eigendecomposition is no faster than the fp32
-#: SVD (measured, https://github.com/flwr-isoloco/flwr-isoloco/blob/main/docs/merging.md): they take the SVD at once.
+#: SVD (measured, the repository's ``docs/merging.md`` ("Merge rules and the outer optimiser")): they take the SVD at once.
 GRAM_MIN_ASPECT = 2.0
 
 

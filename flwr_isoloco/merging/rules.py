@@ -1,4 +1,4 @@
-"""The merge rules of https://github.com/flwr-isoloco/flwr-isoloco/blob/main/docs/algorithms.md section 2, per tensor, as pure torch.
+"""The merge rules of the repository's ``docs/algorithms.md`` ("Algorithms") section 2, per tensor, as pure torch.
 
 Conventions. ``deltas`` are M fp32 tensors of one parameter, ``weights`` are non-negative and sum
 to 1, so every rule is on the scale of the weighted mean (for M identical deltas, ``mean`` returns
@@ -24,7 +24,7 @@ that delta). A rule only touches 2-D tensors whose name matches ``spectral_patte
 
 Scale: with weights summing to 1, ``iso_c``, ``iso_cts`` and ``tsv_m`` are on the mean scale;
 the TSV and Iso-C authors' code and the IsoLoCo code's TSV-M are on the sum scale (M times
-larger for uniform weights), see https://github.com/flwr-isoloco/flwr-isoloco/blob/main/docs/merging.md.
+larger for uniform weights), see the repository's ``docs/merging.md`` ("Merge rules and the outer optimiser").
 """
 
 from __future__ import annotations

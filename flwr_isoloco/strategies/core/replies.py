@@ -16,7 +16,7 @@ a non-floating dtype (:func:`~.wire.decode_array`); another floating dtype (cast
 with ``dtype_policy="reject"``); NaN / inf (:func:`~.wire.nonfinite_reason`); a missing or
 invalid weight (``num-examples``: a finite number > 0); an invalid ``payload`` flag;
 ``||u_i||_2 > MAX_MERGEABLE_NORM`` (1e18, beyond which fp32 squares overflow); the optional
-norm bounds. The repository's docs/strategies.md ("DiLoCo / IsoLoCo strategies"),
+norm bounds; the repository's ``docs/strategies.md`` ("DiLoCo / IsoLoCo strategies"),
 "What is rejected", gives the reasons.
 
 Who sent a reply: the node the instruction went to (:class:`~.ledger.SentLedger`), else the

@@ -1,7 +1,7 @@
 """IsoLoCo: DiLoCo whose merge rule is Iso-C (flattened spectrum of the weighted mean).
 
 Its update comes by name (``preset``, :data:`flwr_isoloco.outer.ISOLOCO_PRESETS`); the maths
-is the repository's docs/algorithms.md ("Algorithms") 3 and 3.1, the choice of defaults the repository's docs/strategies.md ("DiLoCo / IsoLoCo strategies") "Defaults".
+is the repository's ``docs/algorithms.md`` ("Algorithms") 3 and 3.1, the choice of defaults the repository's ``docs/strategies.md`` ("DiLoCo / IsoLoCo strategies") "Defaults".
 """
 
 from __future__ import annotations

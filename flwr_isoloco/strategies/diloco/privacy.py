@@ -24,7 +24,7 @@ compose to one of multiplier ``z`` when ``z_delta = (z^-2 - (2 sigma_b)^-2)^(-1/
 Every release is journaled before it leaves the server and its noise keyed by the attempt
 (:mod:`~flwr_isoloco.strategies.diloco.dp_journal`): a round redone after a crash never reuses
 released noise, and the release the checkpoint missed is charged on resume.
-the repository's docs/privacy.md ("Privacy") has the derivation,
+The derivation is in the repository's ``docs/privacy.md`` ("Privacy"), with
 the relation, the assumptions and what is not covered (client metrics, evaluation, counts).
 """
 
@@ -469,7 +469,7 @@ class StrategyDP:
 def secagg_problems(s: Any) -> list[str]:
     """The options of DiLoCo/IsoLoCo ``s`` that need to see single replies, so that Flower's
     SecAgg+ (the server sees only the masked sum) cannot serve them (the table of
-    the repository's docs/privacy.md ("Privacy")).
+    the repository's ``docs/privacy.md`` ("Privacy")).
     Empty: compatible."""
     out = []
     if not getattr(s.merger.rule_for_g(), "streaming", False):

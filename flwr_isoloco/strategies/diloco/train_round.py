@@ -11,7 +11,7 @@ Nothing is kept of a reply but its metrics once its delta is folded (a streaming
 spilled to the round's private directory (any other rule, or a round that needs every weight
 or norm first), so server memory does not grow with the number of replies.
 
-Weight bound (``max_weight_ratio = r``, the repository's docs/strategies.md ("DiLoCo / IsoLoCo strategies") "Weight bound"). A reply's merge
+Weight bound (``max_weight_ratio = r``, the repository's ``docs/strategies.md`` ("DiLoCo / IsoLoCo strategies") "Weight bound"). A reply's merge
 weight is ``min(w_i, r * m)`` where ``m`` is the *reference weight*: the median raw weight of the
 replies used in the last round that used any (kept in the checkpoint). A round without a
 reference (the first, or one after a resume from an older checkpoint) uses its own median, as a

@@ -1,5 +1,5 @@
 """Gossip LoRA: the decentralised-SGD baseline of RW-LoRA (section 4 of
-the repository's docs/algorithms.md ("Algorithms")).
+the repository's ``docs/algorithms.md`` ("Algorithms")).
 
 Every vertex keeps its own adapter ``x_i`` (held by the server, sent to the vertex's node each
 round). Each round every node takes K local steps from its ``x_i``; then each adapter becomes

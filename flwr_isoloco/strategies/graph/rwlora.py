@@ -1,12 +1,12 @@
 """RW-LoRA: one LoRA adapter (the *token*) random-walks over a graph of clients.
 
-The algorithm is section 4 of the repository's docs/algorithms.md ("Algorithms"). Each round the token (adapter arrays,
+The algorithm is section 4 of the repository's ``docs/algorithms.md`` ("Algorithms"). Each round the token (adapter arrays,
 plus the optimiser state when ``carry_optimizer_state=True``) goes to exactly one node, the vertex ``v_t`` of the walk; that
 node takes K local steps and its reply becomes the new token; the walk then draws ``v_{t+1}``
 from ``P[v_t, :]``. Nothing is averaged, so there is no LoRA product-aggregation error.
 
 Message conventions (QUERY, TRAIN instruction and reply, the optimiser-state records) are
-specified in the repository's docs/rwlora.md ("RW-LoRA and gossip LoRA"), "Message conventions".
+specified in the repository's ``docs/rwlora.md`` ("RW-LoRA and gossip LoRA"), "Message conventions".
 
 The token is never lost: an error reply, a timeout or a bad update (validated by
 :class:`~flwr_isoloco.strategies.core.replies.ReplyValidator`: keys, shapes, dtype, NaN/inf, update
@@ -17,7 +17,7 @@ self-loop and without the vertices that failed this round, renormalised; the tok
 trains again only when no other candidate is left), up to ``max_reroutes`` times per round.
 A vertex that fails ``dead_after`` consecutive times is dead for a back-off that doubles on
 repeated deaths; meanwhile the walk moves on the live graph (same target, relays across dead
-vertices where the live graph is disconnected): :mod:`flwr_isoloco.walk`, the repository's docs/rwlora.md ("RW-LoRA and gossip LoRA").
+vertices where the live graph is disconnected): :mod:`flwr_isoloco.walk`, the repository's ``docs/rwlora.md`` ("RW-LoRA and gossip LoRA").
 
 Bytes: ``bytes-relayed`` counts what crossed the wire through the server (instruction down +
 reply up, also for failed attempts), ``bytes-p2p`` what a peer-to-peer deployment would send
@@ -92,7 +92,7 @@ class RWLoRA(RWLoRAVariants, RWLoRAHops, RWLoRAState, GraphStrategy):
         K, sent as ``local-steps`` in the ConfigRecord.
     carry_optimizer_state : bool
         Ship the optimiser state with the token (record keys: "Message conventions" in
-        the repository's docs/rwlora.md ("RW-LoRA and gossip LoRA")).
+        the repository's ``docs/rwlora.md`` ("RW-LoRA and gossip LoRA")).
     max_reroutes : int, optional
         Re-routes per round after a failed hop (default: the maximum degree, i.e. try every
         neighbour); when exhausted the round ends with the token kept where it was.
