@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -22,6 +24,19 @@ RESULTS = REPO / "benchmarks" / "results"
 """The records the docs and tests cite by name (they stay here whatever the script's folder)."""
 LM_APP = REPO / "simulations" / "isoloco_lm"
 """The LM app (its ``isoloco_lm`` package is imported by the scripts that drive it)."""
+
+
+MIB = 2**20
+
+
+def status_mib(field: str) -> float | None:
+    """A ``/proc/self/status`` field in MiB (``VmRSS``, ``VmHWM``); None off Linux."""
+    try:
+        text = Path("/proc/self/status").read_text()
+    except OSError:
+        return None
+    match = re.search(rf"^{field}:\s+(\d+) kB", text, re.MULTILINE)
+    return int(match.group(1)) / 1024 if match else None
 
 
 def on_path(*folders: str) -> None:
@@ -39,6 +54,40 @@ def offline_env() -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def export_path(*folders: str) -> None:
+    """Put ``REPO / folder`` for each folder first on ``PYTHONPATH``, before what the
+    environment had there: the import path of the processes a script starts (Ray's workers)."""
+    old = os.environ.get("PYTHONPATH", "")
+    os.environ["PYTHONPATH"] = os.pathsep.join([str(REPO / f) for f in folders] + [old] * bool(old))
+
+
+def with_run_config(context: Any, rc: dict[str, Any]) -> Any:
+    """A copy of a ClientApp's ``context`` whose run config has ``rc`` on top (``run_simulation``
+    passes none, and a Context's run config is read-only); the same ``state``, so a worker's
+    optimiser state persists across rounds."""
+    from flwr.app import Context
+
+    return Context(
+        run_id=context.run_id,
+        node_id=context.node_id,
+        node_config=context.node_config,
+        state=context.state,
+        run_config={**context.run_config, **rc},
+    )
+
+
+def save_json(path: Path, data: Any) -> None:
+    """``data`` as indented JSON at ``path`` (its folder made if missing)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=1))
+
+
+def git(*args: str) -> str:
+    """``git *args`` in the checkout: its output, stripped (empty where git fails)."""
+    run = subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, check=False)
+    return run.stdout.strip()
 
 
 def ray_simulation(

@@ -31,12 +31,6 @@ DEMO_LINE = re.compile(
 )
 
 
-def _git(*args: str) -> str:
-    return subprocess.run(
-        ["git", *args], cwd=REPO, capture_output=True, text=True, check=False
-    ).stdout.strip()
-
-
 def main() -> None:
     load_before = os.getloadavg()[0]
     t0 = time.monotonic()
@@ -54,8 +48,8 @@ def main() -> None:
     record = {
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "command": "bash scripts/demo.sh",
-        "commit": _git("rev-parse", "HEAD"),
-        "uncommitted-changes": bool(_git("status", "--porcelain", "--untracked-files=no")),
+        "commit": common.git("rev-parse", "HEAD"),
+        "uncommitted-changes": bool(common.git("status", "--porcelain", "--untracked-files=no")),
         "cpus": os.cpu_count(),
         "load-avg-1min-before": round(load_before, 2),
         "load-avg-1min-after": round(load_after, 2),

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import logging
-import subprocess
 import sys
 import time
 from datetime import datetime, timezone
@@ -23,12 +22,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common.py
 import common  # noqa: E402
-
-REPO = common.REPO
-
+from dropin_apps import bigram_case  # noqa: E402
 from flwr.common.logger import FLOWER_LOGGER  # noqa: E402
 from flwr.serverapp.strategy import FedAvg  # noqa: E402
-from isoloco_dropin import bigram_case  # noqa: E402
 
 from flwr_isoloco.strategies import DiLoCo, IsoLoCo  # noqa: E402
 
@@ -72,13 +68,10 @@ def main() -> None:
         }
         print(f"{label}: {' -> '.join(f'{x:.3f}' for x in losses)}", flush=True)
 
-    def git(*args: str) -> str:
-        return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True).stdout
-
     record = {
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-        "commit": git("rev-parse", "HEAD").strip(),
-        "uncommitted-changes": bool(git("status", "--porcelain", "--untracked-files=no").strip()),
+        "commit": common.git("rev-parse", "HEAD"),
+        "uncommitted-changes": bool(common.git("status", "--porcelain", "--untracked-files=no")),
         "config": {
             "app": "examples/swap_fedavg",
             "nodes": 3,

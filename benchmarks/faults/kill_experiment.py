@@ -25,7 +25,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common.py
 import common  # noqa: E402
 
-REPO = common.REPO
 common.on_path("tests")
 
 from deploy_harness import loopback_deployment  # noqa: E402

@@ -19,12 +19,14 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import sys
 import time
 from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common.py
+import common  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 SETTINGS: dict = {}
@@ -122,7 +124,6 @@ class _Late(logging.Handler):
 def run_once(quorum, grace_s: float) -> dict:
     """One Ray simulation with this quorum; returns RESULT plus the late-reply log lines."""
     from flwr.common.logger import FLOWER_LOGGER
-    from flwr.simulation import run_simulation
 
     SETTINGS.update(quorum=quorum, grace_s=grace_s)
     RESULT.clear()
@@ -130,15 +131,8 @@ def run_once(quorum, grace_s: float) -> dict:
     FLOWER_LOGGER.addHandler(handler)
     server, client = _apps()
     try:
-        run_simulation(
-            server_app=server,
-            client_app=client,
-            num_supernodes=SETTINGS["nodes"],
-            backend_config={
-                "client_resources": {"num_cpus": 2 / max(4, SETTINGS["nodes"]), "num_gpus": 0.0},
-                "init_args": {"num_cpus": 2, "include_dashboard": False},
-            },
-        )
+        nodes = SETTINGS["nodes"]
+        common.ray_simulation(server, client, nodes, cpus_per_node=2 / max(4, nodes))
     finally:
         FLOWER_LOGGER.removeHandler(handler)
     return {**RESULT, "log": handler.lines}
@@ -146,7 +140,7 @@ def run_once(quorum, grace_s: float) -> dict:
 
 def in_process_merge(fast_nodes: int) -> dict[str, torch.Tensor]:
     """Round 1 of the same strategy on a FakeGrid holding only the fast partitions."""
-    sys.path.insert(0, str(HERE.parents[1] / "tests"))
+    common.on_path("tests")
     from fakegrid import FakeGrid
     from flwr.app import ArrayRecord, ConfigRecord
 
@@ -182,9 +176,7 @@ def main(argv: list[str] | None = None) -> dict:
     a = p.parse_args(argv)
     if a.quick:
         a.nodes, a.base_s, a.slow_factor, a.grace_s, a.rounds = 3, 0.3, 10.0, 1.0, 3
-    os.environ["PYTHONPATH"] = os.pathsep.join(
-        x for x in (str(HERE), os.environ.get("PYTHONPATH", "")) if x
-    )
+    common.export_path("benchmarks/faults")  # Ray's workers import this file
     SETTINGS.update(
         {
             "nodes": a.nodes,

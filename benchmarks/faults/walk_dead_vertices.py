@@ -23,7 +23,6 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common.py
 import common  # noqa: E402
 
-ROOT = common.REPO
 common.on_path("tests")
 
 from fakegrid import FakeGrid  # noqa: E402

@@ -30,12 +30,16 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common.py
+import common  # noqa: E402
 
 SWEEP_VERSION = 1
 
@@ -399,7 +403,6 @@ def run_flower(
     from flwr.app import ArrayRecord, ConfigRecord
     from flwr.clientapp import ClientApp
     from flwr.serverapp import ServerApp
-    from flwr.simulation import run_simulation
 
     if size["global_batch"] % workers:
         raise ValueError(f"global batch {size['global_batch']} is not divisible by M = {workers}")
@@ -434,21 +437,12 @@ def run_flower(
         )
         RESULT.update(ev.final, curve=ev.curve, times=ev.times, rounds_done=strategy.server_round)
 
-    init_args: dict[str, Any] = {"include_dashboard": False}
     if ray_address:
-        init_args["address"] = ray_address
+        init_args: dict[str, Any] = {"address": ray_address}
     else:
-        init_args["num_cpus"] = num_cpus or os.cpu_count() or 2
+        init_args = {"num_cpus": num_cpus or os.cpu_count() or 2}
     t0 = time.perf_counter()
-    run_simulation(
-        server_app=server,
-        client_app=client,
-        num_supernodes=workers,
-        backend_config={
-            "client_resources": {"num_cpus": 1, "num_gpus": 0.0},
-            "init_args": init_args,
-        },
-    )
+    common.ray_simulation(server, client, workers, init_args=init_args)
     wall = time.perf_counter() - t0
     if RESULT.get("rounds_done") != size["rounds"] or "test_loss" not in RESULT:
         raise RuntimeError(f"{method} M={workers} seed={seed}: the run did not finish its rounds")

@@ -63,7 +63,9 @@ def main() -> None:
                     f"  {row['gram64']:.1e}  {row['shipped']:.1e}"
                 )
     OUT.parent.mkdir(parents=True, exist_ok=True)
-    OUT.write_text(json.dumps({"command": "python benchmarks/merging/gram_accuracy.py", "rows": rows}))
+    OUT.write_text(
+        json.dumps({"command": "python benchmarks/merging/gram_accuracy.py", "rows": rows})
+    )
 
 
 if __name__ == "__main__":

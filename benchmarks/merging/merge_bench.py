@@ -30,7 +30,6 @@ import gc
 import json
 import os
 import platform
-import re
 import statistics
 import sys
 import time
@@ -57,20 +56,14 @@ from flwr_isoloco.testing.synthetic import (  # noqa: E402
     low_rank_plus_noise,
 )
 
-RESULTS = Path(__file__).resolve().parents[1] / "results" / "merge_bench.json"
-MIB = 2**20
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common.py
+import common  # noqa: E402
+
+RESULTS = common.RESULTS / "merge_bench.json"
+MIB = common.MIB
 
 
 # ---- measurement helpers ----------------------------------------------------------------
-
-
-def _status_mib(field: str) -> float | None:
-    try:
-        text = Path("/proc/self/status").read_text()
-    except OSError:
-        return None
-    match = re.search(rf"^{field}:\s+(\d+) kB", text, re.MULTILINE)
-    return int(match.group(1)) / 1024 if match else None
 
 
 class PeakMemory:
@@ -80,14 +73,14 @@ class PeakMemory:
         gc.collect()
         try:
             Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM to the current RSS
-            self.base = _status_mib("VmRSS")
+            self.base = common.status_mib("VmRSS")
         except OSError:
             self.base = None
         self.extra_mib = None
         return self
 
     def __exit__(self, *exc) -> None:
-        peak = _status_mib("VmHWM")
+        peak = common.status_mib("VmHWM")
         if self.base is not None and peak is not None:
             self.extra_mib = max(0.0, peak - self.base)
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 import gc
 import os
 import platform
-import re
 import statistics
 import sys
 import time
@@ -34,7 +33,10 @@ from flwr_isoloco.merging.spill import SpillStore
 from flwr_isoloco.merging.streaming import OrderFreeMean
 from flwr_isoloco.testing.synthetic import llama_delta, llama_shapes
 
-MIB = 2**20
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common.py
+import common  # noqa: E402
+
+MIB = common.MIB
 #: Cases: merge rules (``merge(rule, deltas)``), plus ``iso_c_svd`` (the SVD-only Iso-C, i.e. the
 #: rule before the Gram path, in the same process), ``stream_<rule>`` (:class:`StreamingMerger`)
 #: and ``round_<rule>``: what a server round computes at the defaults from round 2 on, the
@@ -59,28 +61,19 @@ def smollm2_135m_shapes(layers: int = 30) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def _status_mib(field: str) -> float | None:
-    try:
-        text = Path("/proc/self/status").read_text()
-    except OSError:
-        return None
-    match = re.search(rf"^{field}:\s+(\d+) kB", text, re.MULTILINE)
-    return int(match.group(1)) / 1024 if match else None
-
-
 def _measure(fn) -> tuple[object, float, float | None]:
     """(result, seconds, peak extra MiB above the RSS before the call)."""
     gc.collect()
     try:
         Path("/proc/self/clear_refs").write_text("5")
-        base = _status_mib("VmRSS")
+        base = common.status_mib("VmRSS")
     except OSError:
         base = None
     clock = time.process_time if torch.get_num_threads() == 1 else time.perf_counter
     start = clock()
     out = fn()
     seconds = clock() - start
-    peak = _status_mib("VmHWM")
+    peak = common.status_mib("VmHWM")
     extra = None if base is None or peak is None else max(0.0, peak - base)
     return out, seconds, extra
 

@@ -24,7 +24,6 @@ import math
 import os
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common.py
@@ -78,7 +77,6 @@ def dp_keys(eps: float, clip: float, num_rounds: int) -> dict:
 
 def _client_app():
     """The app's ClientApp, seeing this cell's run config (run_simulation passes none)."""
-    from flwr.app import Context
     from flwr.clientapp import ClientApp
     from isoloco_lm import client_app
 
@@ -86,44 +84,16 @@ def _client_app():
 
     @app.train()
     def train(msg, context):
-        rc = json.loads(os.environ[ENV])
-        context = Context(  # run_config is read-only: a copy with this cell's config
-            run_id=context.run_id,
-            node_id=context.node_id,
-            node_config=context.node_config,
-            state=context.state,  # the same RecordDict: the worker's AdamW state persists
-            run_config={**context.run_config, **rc},
-        )
-        return client_app.train(msg, context)
+        return client_app.train(msg, common.with_run_config(context, json.loads(os.environ[ENV])))
 
     return app
 
 
 def run_cell(strategy: str, nodes: int, eps: float, clip: float, quick: bool) -> dict:
-    from flwr.serverapp import ServerApp
-    from flwr.simulation import run_simulation
-    from isoloco_lm import server_app
-
     out = Path(tempfile.mkdtemp(prefix=f"pu-{strategy}-{nodes}-{eps}-"))
     rc = run_config(strategy, nodes, eps, clip, out, quick)
     os.environ[ENV] = json.dumps(rc)
-    server = ServerApp()
-
-    @server.main()
-    def main(grid, context):
-        server_app.run_server(grid, rc, settle_s=2.0)
-
-    t0 = time.perf_counter()
-    run_simulation(
-        server_app=server,
-        client_app=_client_app(),
-        num_supernodes=nodes,
-        backend_config={
-            "client_resources": {"num_cpus": 1, "num_gpus": 0.0},
-            "init_args": {"num_cpus": 2, "include_dashboard": False},
-        },
-    )
-    res = json.loads((out / "results.json").read_text())
+    res, wall = common.run_lm_app(rc, _client_app(), nodes)
     rows = res["rounds"]
     return {
         "strategy": strategy,
@@ -138,7 +108,7 @@ def run_cell(strategy: str, nodes: int, eps: float, clip: float, quick: bool) ->
         "clipped_fraction": [r.get("dp-clipped-fraction") for r in rows],
         "pseudo_grad_norm": [r.get("pseudo-grad-norm") for r in rows],
         "model_parameters": res.get("model-parameters"),
-        "wall_s": time.perf_counter() - t0,
+        "wall_s": wall,
         "quick": quick,
     }
 
@@ -181,10 +151,7 @@ def table(records: list[dict], quick: bool = False) -> str:
 
 def write_table(records: list[dict], doc: Path = DOC) -> None:
     """Replace the text between the markers of ``doc`` with :func:`table`."""
-    text = doc.read_text()
-    head, rest = text.split(BEGIN)
-    _, tail = rest.split(END)
-    doc.write_text(head + BEGIN + "\n" + table(records) + "\n" + END + tail)
+    common.write_block(doc, BEGIN, END, table(records))
 
 
 def main() -> None:
@@ -199,15 +166,7 @@ def main() -> None:
     args = ap.parse_args()
     done = json.loads(args.out.read_text()) if args.out.exists() else []
     if not args.table:
-        os.environ["PYTHONPATH"] = os.pathsep.join(
-            p
-            for p in (
-                str(REPO),
-                str(REPO / "simulations" / "isoloco_lm"),
-                os.environ.get("PYTHONPATH", ""),
-            )
-            if p
-        )
+        common.export_path("", "simulations/isoloco_lm")
         for strategy in args.strategies:
             for nodes in args.nodes:
                 for eps in args.epsilons:
@@ -219,8 +178,7 @@ def main() -> None:
                     rec = run_cell(strategy, nodes, eps, args.clip, args.quick)
                     print(json.dumps(rec), flush=True)
                     done.append(rec)
-                    args.out.parent.mkdir(parents=True, exist_ok=True)
-                    args.out.write_text(json.dumps(done, indent=1))
+                    common.save_json(args.out, done)
     if args.out == RESULTS and any(not r["quick"] for r in done):
         write_table(done)
     else:

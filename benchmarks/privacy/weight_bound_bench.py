@@ -23,7 +23,6 @@ import json
 import os
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common.py
@@ -57,7 +56,7 @@ def run_config(strategy: str, case: str, out: Path, quick: bool) -> dict:
 
 
 def _client_app():
-    from flwr.app import ArrayRecord, Context
+    from flwr.app import ArrayRecord
     from flwr.clientapp import ClientApp
     from isoloco_lm import client_app
 
@@ -66,13 +65,7 @@ def _client_app():
     @app.train()
     def train(msg, context):
         cfg = json.loads(os.environ["WEIGHT_BOUND_RC"])
-        context = Context(  # run_config is read-only: a copy with this case's config
-            run_id=context.run_id,
-            node_id=context.node_id,
-            node_config=context.node_config,
-            state=context.state,  # the same RecordDict: the worker's AdamW state persists
-            run_config={**context.run_config, **cfg["rc"]},
-        )
+        context = common.with_run_config(context, cfg["rc"])
         theta = msg.content["arrays"].to_torch_state_dict()
         reply = client_app.train(msg, context)
         if reply.has_error():
@@ -91,30 +84,10 @@ def _client_app():
 
 
 def run_case(strategy: str, case: str, quick: bool) -> dict:
-    from flwr.serverapp import ServerApp
-    from flwr.simulation import run_simulation
-    from isoloco_lm import server_app
-
     out = Path(tempfile.mkdtemp(prefix=f"wb-{strategy}-{case}-"))
     rc = run_config(strategy, case, out, quick)
     os.environ["WEIGHT_BOUND_RC"] = json.dumps({"rc": rc, "case": case})
-    server = ServerApp()
-
-    @server.main()
-    def main(grid, context):
-        server_app.run_server(grid, rc, settle_s=2.0)
-
-    t0 = time.perf_counter()
-    run_simulation(
-        server_app=server,
-        client_app=_client_app(),
-        num_supernodes=NODES,
-        backend_config={
-            "client_resources": {"num_cpus": 1, "num_gpus": 0.0},
-            "init_args": {"num_cpus": 2, "include_dashboard": False},
-        },
-    )
-    res = json.loads((out / "results.json").read_text())
+    res, wall = common.run_lm_app(rc, _client_app(), NODES)
     return {
         "case": case,
         "strategy": strategy,
@@ -122,7 +95,7 @@ def run_case(strategy: str, case: str, quick: bool) -> dict:
         "initial_val_loss": res["initial"]["val-loss"],
         "val_loss": [r["val-loss"] for r in res["rounds"]],
         "replies_used": [r["replies-used"] for r in res["rounds"]],
-        "wall_s": time.perf_counter() - t0,
+        "wall_s": wall,
         "quick": quick,
     }
 
@@ -137,10 +110,7 @@ def write_table(records: list[dict], doc: Path = DOC) -> None:
         init = next(iter(by_case.values()))["initial_val_loss"]
         cells = [f"{by_case[c]['val_loss'][-1]:.4f}" if c in by_case else "" for c in CASES]
         lines.append(f"| {st} | {init:.4f} | " + " | ".join(cells) + " |")
-    text = doc.read_text()
-    head, rest = text.split(BEGIN)
-    _, tail = rest.split(END)
-    doc.write_text(head + BEGIN + "\n" + "\n".join(lines) + "\n" + END + tail)
+    common.write_block(doc, BEGIN, END, "\n".join(lines))
 
 
 def main() -> None:
@@ -150,12 +120,8 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out", type=Path, default=RESULTS)
     args = ap.parse_args()
-    here = str(Path(__file__).parent)
-    os.environ["PYTHONPATH"] = os.pathsep.join(
-        p
-        for p in (here, str(REPO / "simulations" / "isoloco_lm"), os.environ.get("PYTHONPATH", ""))
-        if p
-    )
+    # Ray's workers import this file (the ClientApp above) and the LM app
+    common.export_path("benchmarks/privacy", "simulations/isoloco_lm")
     done = json.loads(args.out.read_text()) if args.out.exists() else []
     for strategy in args.strategies:
         for case in args.cases:
@@ -167,8 +133,7 @@ def main() -> None:
             rec = run_case(strategy, case, args.quick)
             print(json.dumps(rec), flush=True)
             done.append(rec)
-            args.out.parent.mkdir(parents=True, exist_ok=True)
-            args.out.write_text(json.dumps(done, indent=1))
+            common.save_json(args.out, done)
     if args.out == RESULTS and any(not r["quick"] for r in done):
         write_table(done)
 

@@ -21,24 +21,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common.py
+import common  # noqa: E402
+
+ROOT = common.REPO
 APP_DIR = ROOT / "simulations" / "rwlora_sentiment"
-for p in (str(APP_DIR), str(ROOT / "tests")):
-    if p not in sys.path:
-        sys.path.insert(0, p)
-os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
-os.environ.setdefault("FLWR_DISABLE_UPDATE_CHECK", "1")
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-os.environ["PYTHONPATH"] = os.pathsep.join(
-    [str(APP_DIR), str(ROOT / "tests")] + [x for x in [os.environ.get("PYTHONPATH")] if x]
-)
+common.on_path("tests", "simulations/rwlora_sentiment")
+common.offline_env()
+common.export_path("simulations/rwlora_sentiment", "tests")
 
 
 def run_config(args, method: str, graph: str, out: Path) -> dict:
@@ -89,7 +83,6 @@ def run_one(args, rc: dict) -> dict:
     else:
         from flwr.clientapp import ClientApp
         from flwr.serverapp import ServerApp
-        from flwr.simulation import run_simulation
 
         server = ServerApp()
 
@@ -100,17 +93,8 @@ def run_one(args, rc: dict) -> dict:
         capp = ClientApp()
         client.register(capp)
         address = getattr(args, "ray_address", None)
-        init_args = {"include_dashboard": False}
-        init_args.update({"address": address} if address else {"num_cpus": args.ray_cpus})
-        run_simulation(
-            server_app=server,
-            client_app=capp,
-            num_supernodes=args.clients,
-            backend_config={
-                "client_resources": {"num_cpus": 1, "num_gpus": 0.0},
-                "init_args": init_args,
-            },
-        )
+        init_args = {"address": address} if address else {"num_cpus": args.ray_cpus}
+        common.ray_simulation(server, capp, args.clients, init_args=init_args)
         out = Path(rc["output-dir"])
     res = json.loads((Path(out) / "results.json").read_text())
     if res.get("status") != "completed":
@@ -226,7 +210,7 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--ray-cpus", type=int, default=2)
-    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    ap.add_argument("--out", default=str(common.RESULTS))
     ap.add_argument("--img", default=str(ROOT / "docs" / "img"))
     ap.add_argument("--work", default="/tmp/rwlora_experiments")
     ap.add_argument("--quick", action="store_true", help="tiny budgets (smoke test)")

@@ -36,21 +36,16 @@ import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-for p in (str(ROOT), str(ROOT / "tests")):
-    if p not in sys.path:
-        sys.path.insert(0, p)
-os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
-os.environ.setdefault("FLWR_DISABLE_UPDATE_CHECK", "1")
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common.py
+import common  # noqa: E402
+
+ROOT = common.REPO
+common.on_path("tests", "")
+common.offline_env()
 # Ray's memory monitor kills a worker when the *machine* passes 95% of its memory, whoever uses
 # it; on a shared machine that kills a 2 GB client for other jobs' memory. Off by default here.
 os.environ.setdefault("RAY_memory_monitor_refresh_ms", "0")
-os.environ["PYTHONPATH"] = os.pathsep.join(
-    [str(ROOT)] + [x for x in [os.environ.get("PYTHONPATH")] if x]
-)
+common.export_path("")
 
 METHODS = ("rwlora", "gossip")
 
@@ -197,7 +192,6 @@ def run_methods(methods: list[str], args) -> dict[str, dict[str, Any]]:
     else:
         from flwr.clientapp import ClientApp
         from flwr.serverapp import ServerApp
-        from flwr.simulation import run_simulation
 
         server = ServerApp()
 
@@ -207,15 +201,7 @@ def run_methods(methods: list[str], args) -> dict[str, dict[str, Any]]:
 
         capp = ClientApp()
         client.register(capp)
-        run_simulation(
-            server_app=server,
-            client_app=capp,
-            num_supernodes=args.clients,
-            backend_config={
-                "client_resources": {"num_cpus": 1, "num_gpus": 0.0},
-                "init_args": {"include_dashboard": False, "num_cpus": args.ray_cpus},
-            },
-        )
+        common.ray_simulation(server, capp, args.clients, init_args={"num_cpus": args.ray_cpus})
     for m, out in outs.items():
         if out.get("completed-rounds") != rounds_for(m, args) or "after" not in out:
             raise RuntimeError(f"{m}: the run did not complete ({out})")
@@ -245,7 +231,7 @@ def parse_args(argv=None):
     ap.add_argument("--round-timeout", type=float, default=3600.0)
     ap.add_argument("--methods", default=",".join(METHODS))
     ap.add_argument("--cache-dir", default="")
-    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "rwlora_llm.json"))
+    ap.add_argument("--out", default=str(common.RESULTS / "rwlora_llm.json"))
     return ap.parse_args(argv)
 
 

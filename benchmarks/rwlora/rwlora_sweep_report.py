@@ -277,8 +277,6 @@ def plot(recs: list[dict], path: Path) -> Path | None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from flwr_isoloco.plotting import save_figure
-
     sel = [r for r in recs if match(r, dict(clients=8, rank=8, lr=DEFAULT_LR))]
     parts = sorted({r["partition"] for r in sel})
     graphs = sorted({r["graph"] for r in sel if r["graph"] != "none"}, key=GRAPH_ORDER.get)
@@ -310,33 +308,11 @@ def plot(recs: list[dict], path: Path) -> Path | None:
                 curves = [c for c in curves if c]
                 if not curves:
                     continue
-                n = min(len(c) for c in curves)  # same schedule for every seed of a cell
-                xs = [p[0] for p in curves[0][:n]]
-                ys = [[c[t][1] for c in curves] for t in range(n)]
-                (line,) = ax.plot(
-                    xs,
-                    [statistics.mean(y) for y in ys],
-                    marker="o",
-                    ms=2.5,
-                    ls="--" if suffix else "-",
-                    label=f"{label} ({len(curves)} seeds)",
-                )
-                ax.fill_between(
-                    xs,
-                    [min(y) for y in ys],
-                    [max(y) for y in ys],
-                    alpha=0.15,
-                    color=line.get_color(),
-                )
+                label = f"{label} ({len(curves)} seeds)"
+                rwlora_sweep_skew.plot_band(ax, curves, ls="--" if suffix else "-", label=label)
             ax.set_title(f"{graph}, {part}")
-            ax.set_xlabel("local updates (all clients)")
-            ax.set_ylabel("test accuracy")
-            ax.grid(alpha=0.3)
-            ax.legend(fontsize=7)
-    fig.tight_layout()
-    out = save_figure(fig, path)
-    plt.close(fig)
-    return out
+    panels = [ax for row in axes for ax in row]
+    return rwlora_sweep_skew.finish_figure(fig, panels, "test accuracy", path)
 
 
 def main(argv=None) -> None:

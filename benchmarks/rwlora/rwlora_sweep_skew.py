@@ -420,8 +420,6 @@ def plot(recs: list[dict], lr: float, path) -> Any:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from flwr_isoloco.plotting import save_figure
-
     scr = screening(recs, lr)
     if not scr:
         return None
@@ -448,19 +446,7 @@ def plot(recs: list[dict], lr: float, path) -> Any:
         curves = [[(c["updates"], c[key]) for c in r["curve"]] for r in grp if r is not None]
         if not curves:
             continue
-        n = min(len(c) for c in curves)
-        xs = [p[0] for p in curves[0][:n]]
-        ys = [[c[t][1] for c in curves] for t in range(n)]
-        (line,) = axes[1].plot(
-            xs,
-            [statistics.mean(y) for y in ys],
-            marker="o",
-            ms=2.5,
-            label=f"{label} ({len(curves)} seeds)",
-        )
-        axes[1].fill_between(
-            xs, [min(y) for y in ys], [max(y) for y in ys], alpha=0.15, color=line.get_color()
-        )
+        plot_band(axes[1], curves, label=f"{label} ({len(curves)} seeds)")
     axes[1].set_title("ring, Dirichlet(0.5): test accuracy, before / after")
     for r in scr:
         if r["variant"] not in ("paper", best, *finals):
@@ -476,9 +462,29 @@ def plot(recs: list[dict], lr: float, path) -> Any:
                 label=f"{r['variant']}, class {k.rsplit('_', 1)[1]}",
             )
     axes[2].set_title("per-class accuracy along the walk (validation)")
+    return finish_figure(fig, axes, "accuracy", path)
+
+
+def plot_band(ax, curves: list[list[tuple[float, float]]], **style) -> None:
+    """The seeds' mean of ``curves`` (each a list of (updates, accuracy), cut to the shortest:
+    the same schedule for every seed of a cell) as a line, their min..max as a band."""
+    n = min(len(c) for c in curves)
+    xs = [p[0] for p in curves[0][:n]]
+    ys = [[c[t][1] for c in curves] for t in range(n)]
+    (line,) = ax.plot(xs, [statistics.mean(y) for y in ys], marker="o", ms=2.5, **style)
+    mins, maxs = [min(y) for y in ys], [max(y) for y in ys]
+    ax.fill_between(xs, mins, maxs, alpha=0.15, color=line.get_color())
+
+
+def finish_figure(fig, axes, ylabel: str, path):
+    """Every panel's axis labels, grid and legend; the figure saved to ``path`` and closed."""
+    import matplotlib.pyplot as plt
+
+    from flwr_isoloco.plotting import save_figure
+
     for ax in axes:
         ax.set_xlabel("local updates (all clients)")
-        ax.set_ylabel("accuracy")
+        ax.set_ylabel(ylabel)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     fig.tight_layout()
