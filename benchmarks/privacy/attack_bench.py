@@ -493,8 +493,7 @@ def main(argv: list[str] | None = None) -> None:
             print(json.dumps(rec), flush=True)
             done.append(rec)
             have.add(_key(rec))
-            args.out.parent.mkdir(parents=True, exist_ok=True)
-            args.out.write_text(json.dumps(done, indent=1))
+            common.save_json(args.out, done)
     if args.out.parent == RESULTS:
         write_table(load_all())
     else:
@@ -505,7 +504,7 @@ def load_all() -> list[dict]:
     """Every cell in ``benchmarks/results/attack-*.json``."""
     out = []
     for p in sorted(RESULTS.glob("attack-*.json")):
-        out += json.loads(p.read_text())
+        out += common.load_records(p)
     return out
 
 
