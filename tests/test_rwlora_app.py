@@ -271,12 +271,30 @@ def test_gossip_scores_equal_vertex_adapters_once(tmp_path, monkeypatch):
     )
 
 
+class _LateClock:
+    """The fake grid's virtual clock, except that while nodes are still hidden a sleep lasts
+    what it says (a registration is an event the virtual clock cannot jump to)."""
+
+    def __init__(self, grid: _LateGrid, inner) -> None:
+        self.grid, self.inner = grid, inner
+
+    def monotonic(self) -> float:
+        return self.inner.monotonic()
+
+    def sleep(self, seconds: float) -> None:
+        if self.grid._hidden > 0:
+            self.inner.now += seconds
+        else:
+            self.inner.sleep(seconds)
+
+
 class _LateGrid(FakeGrid):
     """Nodes that register only after the ServerApp has asked a few times (as in simulation)."""
 
     def __init__(self, *args, hidden_polls: int = 3, **kwargs):
         super().__init__(*args, **kwargs)
         self._hidden = hidden_polls
+        self.time_source = _LateClock(self, self.time_source)
 
     def get_node_ids(self):
         if self._hidden > 0:
