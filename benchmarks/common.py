@@ -24,6 +24,8 @@ RESULTS = REPO / "benchmarks" / "results"
 """The records the docs and tests cite by name (they stay here whatever the script's folder)."""
 LM_APP = REPO / "simulations" / "isoloco_lm"
 """The LM app (its ``isoloco_lm`` package is imported by the scripts that drive it)."""
+SMALL_LM = {"model.hidden": 64, "model.heads": 2, "data.val-tokens": 4096}
+"""Run-config keys of the small LM that the Ray benchmarks of the LM app train and evaluate."""
 
 
 MIB = 2**20

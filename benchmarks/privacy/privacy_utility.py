@@ -54,9 +54,7 @@ def run_config(strategy: str, nodes: int, eps: float, clip: float, out: Path, qu
         "strategy.min-nodes": nodes,
         "train.local-steps": 3 if quick else 10,
         "train.warmup-steps": 2 if quick else 10,  # the warm-up must fit in the run
-        "model.hidden": 64,
-        "model.heads": 2,
-        "data.val-tokens": 4096,
+        **common.SMALL_LM,
         **dp_keys(eps, clip, rounds(quick)),
     }
 

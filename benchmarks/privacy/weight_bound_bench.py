@@ -47,9 +47,7 @@ def run_config(strategy: str, case: str, out: Path, quick: bool) -> dict:
         "strategy.min-nodes": NODES,
         "train.local-steps": 3 if quick else 10,
         "train.warmup-steps": 2 if quick else 20,  # the warm-up must fit in the run
-        "model.hidden": 64,
-        "model.heads": 2,
-        "data.val-tokens": 4096,
+        **common.SMALL_LM,
         "strategy.max-weight-ratio": 0.0 if case.endswith("-off") else 5.0,
     }
     return rc

@@ -63,21 +63,12 @@ from rwlora_sweep_plan import (  # noqa: E402, F401  (the plan; re-exported for 
     run_config,
     sizing,
 )
+from rwlora_sweep_skew import CELL  # noqa: E402
 
 ROOT = HERE.parents[1]
 RESULTS = ROOT / "benchmarks" / "results" / "rwlora_sweep.json"
 SWEEP_VERSION = 1
-KEY_FIELDS = (
-    "method",
-    "graph",
-    "clients",
-    "partition",
-    "rank",
-    "seed",
-    "quick",
-    "variant",
-    "eval_split",
-)
+KEY_FIELDS = (*CELL, "variant", "eval_split")
 # fields added after the first records: the value an older record (without them) stands for
 KEY_DEFAULTS = {"variant": "paper", "eval_split": "test"}
 # run-config keys that do not change the computation (excluded when matching a done cell)

@@ -30,18 +30,7 @@ RESULTS = ROOT / "benchmarks" / "results" / "rwlora_sweep.json"
 DOC = ROOT / "docs" / "results-rwlora.md"
 IMG = ROOT / "docs" / "img" / "rwlora_sweep_updates.png"
 BEGIN, END = "<!-- rwlora-sweep:begin -->", "<!-- rwlora-sweep:end -->"
-KEY = (
-    "method",
-    "graph",
-    "clients",
-    "partition",
-    "rank",
-    "seed",
-    "quick",
-    "lr",
-    "variant",
-    "eval_split",
-)
+KEY = (*rwlora_sweep_skew.CELL, "lr", "variant", "eval_split")
 SKEW_IMG = ROOT / "docs" / "img" / "rwlora_skew_updates.png"
 DEFAULT_LR = 2e-3  # the sizing's inner lr (rwlora_sweep.SIZES); the main tables use it
 # the screened variants, in the background script's order; their options from the sweep

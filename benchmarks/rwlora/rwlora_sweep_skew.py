@@ -18,6 +18,9 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
+CELL = ("method", "graph", "clients", "partition", "rank", "seed", "quick")
+"""The fields that name a cell of the sweep; the sweep's key adds ``variant`` and
+``eval_split``, the report's the inner ``lr`` before them."""
 SKEW = "dirichlet-0.5"
 SCREEN = dict(clients=8, rank=8, graph="ring", partition=SKEW, seed=0, eval_split="val")
 SEEDS = (0, 1, 2)
