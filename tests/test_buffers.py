@@ -16,7 +16,7 @@ from torch import nn
 
 from flwr_isoloco.merging import MERGE_RULES
 from flwr_isoloco.merging.round import RoundFold, RoundMerge
-from flwr_isoloco.strategies import DiLoCo, IsoLoCo
+from flwr_isoloco.strategies import CentralDP, DiLoCo, IsoLoCo, ReplyChecks
 
 torch.set_num_threads(1)
 
@@ -75,7 +75,10 @@ def test_running_var_becomes_the_nodes_value_not_an_extrapolation(name):
 
 
 def test_buffers_take_the_weighted_mean_with_the_bounded_weights():
-    s = DiLoCo(**_quiet(fraction_evaluate=0.0), max_weight_ratio=1.5)
+    s = DiLoCo(
+        **_quiet(fraction_evaluate=0.0),
+        checks=ReplyChecks(max_weight_ratio=1.5),
+    )
     _run(s, rounds=1, var=(0.2, 0.4, 0.6))
     # the round's own median weight is 1: weight 2 is bounded to 1.5 -> (0.2 + 0.4 + 0.9) / 3.5
     want = (0.2 + 0.4 + 1.5 * 0.6) / 3.5
@@ -162,7 +165,7 @@ def test_run_config_key():
 def test_a_2d_buffer_takes_the_mean_not_the_rule(spill):
     """Iso-C acts on 2-D tensors; a 2-D buffer (named explicitly) takes the plain mean, in the
     folded and in the spilled merge (``max_norm_ratio`` forces spilling)."""
-    kw = {"max_norm_ratio": 100.0} if spill else {}
+    kw = {"checks": ReplyChecks(max_norm_ratio=100.0)} if spill else {}
     s = IsoLoCo(**_quiet(fraction_evaluate=0.0), buffers=r"^bn\.", **kw)
     _run(s, rounds=1, cov=True)
     want = torch.full((3, 3), 0.2) + torch.eye(3) * (0 + 1 + 2 * 2) / 4
@@ -181,10 +184,8 @@ def test_central_dp_noises_the_buffers_too():
     running_var is not the exact mean of the sites' values (nothing leaves un-noised)."""
     s = DiLoCo(
         **_quiet(fraction_evaluate=0.0),
-        dp_noise_multiplier=1.0,
-        dp_clipping_norm=10.0,
-        dp_seed=1,
-        weighting="uniform",
+        checks=ReplyChecks(weighting="uniform"),
+        privacy=CentralDP(noise_multiplier=1.0, clipping_norm=10.0, seed=1),
     )
     _run(s, rounds=1)
     assert not torch.allclose(s.theta["bn.running_var"], torch.full((4,), 0.2), atol=1e-3)

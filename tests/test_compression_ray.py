@@ -44,7 +44,7 @@ def _apps():
     def main(grid: Grid, context: Context) -> None:
         torch.set_num_threads(1)
         strategy = IsoLoCo(
-            min_available_nodes=2, min_train_nodes=2, fraction_evaluate=0.0, upload_codec="int8"
+            min_available_nodes=2, min_train_nodes=2, fraction_evaluate=0.0, upload="int8"
         )
         initial = {k: v.detach().clone() for k, v in _model().state_dict().items()}
         RESULT["initial"] = initial

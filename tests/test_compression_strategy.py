@@ -15,7 +15,7 @@ from flwr_isoloco.clients.diloco_worker import RESIDUAL_STATE_KEY
 from flwr_isoloco.compression import codecs as C
 from flwr_isoloco.compression import decompress, is_compressed, payload_nbytes
 from flwr_isoloco.models.llama import build_llama, llama_config
-from flwr_isoloco.strategies import DiLoCo, IsoLoCo
+from flwr_isoloco.strategies import Codec, DiLoCo, IsoLoCo
 
 torch.set_num_threads(1)
 
@@ -141,8 +141,7 @@ def test_strategy_accepts_compressed_and_plain_replies_in_the_same_round(cls, co
         min_available_nodes=3,
         min_train_nodes=3,
         fraction_evaluate=0.0,
-        upload_codec=codec,
-        codec_options=opts,
+        upload=Codec(codec, **(opts or {})),
     )
     theta = theta0()
     res = s.start(
@@ -178,7 +177,7 @@ def test_compressed_round_matches_the_uncompressed_one_within_the_codec_error():
         num_rounds=1,
         train_config=tc,
     )
-    comp = DiLoCo(upload_codec="int8", **kw).start(
+    comp = DiLoCo(**kw, upload="int8").start(
         grid=FakeGrid({"train": worker()}, num_nodes=2),
         initial_arrays=ArrayRecord(theta),
         num_rounds=1,
@@ -228,7 +227,7 @@ def _claim_huge_shape(reply: Message) -> Message:
 def test_compressed_reply_that_does_not_decode_is_dropped_naming_the_key(fault, needle):
     grid = FakeGrid({"train": worker()}, num_nodes=3)
     grid.set_fault(1, fault, times=1)
-    s = DiLoCo(min_available_nodes=3, min_train_nodes=3, fraction_evaluate=0.0, upload_codec="int8")
+    s = DiLoCo(min_available_nodes=3, min_train_nodes=3, fraction_evaluate=0.0, upload="int8")
     theta = theta0()
     s.start(
         grid=grid,
@@ -265,7 +264,7 @@ def test_run_config_keys_and_codec_request():
     with pytest.raises(ValueError, match="strategy.codec-fraction"):
         DiLoCo.from_run_config({"strategy.codec-fraction": 0.0})
     with pytest.raises(ValueError, match="block_size"):
-        DiLoCo(upload_codec="int8", codec_options={"block_size": 0})
+        DiLoCo(upload=Codec("int8", block_size=0))
     grid = FakeGrid({"train": worker()}, num_nodes=2)
     msgs = list(s.configure_train(1, ArrayRecord(theta0()), ConfigRecord({}), grid))
     cfg = msgs[0].content["config"]

@@ -1,13 +1,13 @@
-"""DiLoCo's constructor passes its arguments on by name (strategies/diloco/setup.py): every
-name in the lists is a parameter of the signature, and each one arrives where it belongs."""
+"""DiLoCo's constructor keeps its plain arguments by name (strategies/diloco/setup.py) and
+unpacks its settings objects (strategies/diloco/settings.py): each value arrives where it
+belongs."""
 
 from __future__ import annotations
 
 import inspect
 
-from flwr_isoloco.strategies import DiLoCo, IsoLoCo
-from flwr_isoloco.strategies.diloco.privacy import StrategyDP
-from flwr_isoloco.strategies.diloco.setup import DP_ARGUMENTS, PLAIN_ARGUMENTS
+from flwr_isoloco.strategies import AdaptiveClipping, CentralDP, DiLoCo, IsoLoCo, ReplyChecks
+from flwr_isoloco.strategies.diloco.setup import PLAIN_ARGUMENTS
 
 
 def test_plain_arguments_are_kept_as_given():
@@ -19,33 +19,30 @@ def test_plain_arguments_are_kept_as_given():
         train_metrics_aggr_fn=lambda r, k: None,
         evaluate_metrics_aggr_fn=lambda r, k: None,
         orthogonalize="update",
-        weighting="uniform",
-        client_sends="delta",
         seed=11,
     )
     assert set(values) == set(PLAIN_ARGUMENTS)
+    assert set(PLAIN_ARGUMENTS) <= set(inspect.signature(DiLoCo).parameters)
+    checks = ReplyChecks(weighting="uniform", client_sends="delta")
     for cls in (DiLoCo, IsoLoCo):
-        s = cls(merge="iso_c", **values)
+        s = cls(merge="iso_c", **values, checks=checks)
         assert {n: getattr(s, n) for n in PLAIN_ARGUMENTS} == values
+        assert (s.checks, s.weighting, s.client_sends) == (checks, "uniform", "delta")
         assert s.train_validator.arrayrecord_key == "model"
         assert s.eval_validator.weighted_by_key == "tokens"
 
 
-def test_dp_arguments_are_strategy_dp_parameters_in_its_order():
-    params = list(inspect.signature(StrategyDP).parameters)
-    want = [{"noise_seed": "dp_seed"}.get(p, "dp_" + p) for p in params]
-    assert list(DP_ARGUMENTS) == want
-    assert set(DP_ARGUMENTS) <= set(inspect.signature(DiLoCo).parameters)
+def test_every_dp_setting_arrives_in_the_strategys_dp():
     s = DiLoCo(
-        dp_noise_multiplier=1.5,
-        dp_clipping_norm=0.2,
-        dp_delta=1e-6,
-        dp_max_epsilon=50.0,
-        dp_seed=9,
-        dp_adaptive_quantile=0.4,
-        dp_clip_lr=0.1,
-        dp_clip_count_std=2.0,
-        weighting="uniform",
+        checks=ReplyChecks(weighting="uniform"),
+        privacy=CentralDP(
+            noise_multiplier=1.5,
+            clipping_norm=0.2,
+            delta=1e-6,
+            max_epsilon=50.0,
+            seed=9,
+            adaptive=AdaptiveClipping(quantile=0.4, count_std=2.0, lr=0.1),
+        ),
     )
     assert (s.dp.z, s.dp.c, s.dp.delta, s.dp.max_epsilon) == (1.5, 0.2, 1e-6, 50.0)
     assert (s.dp.noise_key, s.dp.mode, s.dp.quantile) == (9, "central", 0.4)

@@ -15,7 +15,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDic
 from flwr.serverapp.strategy import FedAvg
 
 from flwr_isoloco.checkpoint import load_checkpoint, save_checkpoint
-from flwr_isoloco.strategies import DiLoCo, IsoLoCo
+from flwr_isoloco.strategies import DiLoCo, IsoLoCo, ReplyChecks
 
 torch.set_num_threads(1)
 
@@ -176,7 +176,12 @@ def test_delta_payload_gives_the_same_model_as_weights():
 
 def test_uniform_weighting():
     theta = init_model()
-    res, _ = run(DiLoCo(outer_lr=1.0, outer_momentum=0.0, weighting="uniform", **quiet()), rounds=1)
+    res, _ = run(
+        DiLoCo(
+            outer_lr=1.0, outer_momentum=0.0, **quiet(), checks=ReplyChecks(weighting="uniform")
+        ),
+        rounds=1,
+    )
     replies = [(t, 1) for t, _ in client_replies(theta, 1)]
     g = weighted_mean_delta(theta, replies)
     for k, v in res.arrays.to_torch_state_dict().items():

@@ -14,7 +14,7 @@ from flwr.app import ArrayRecord, MetricRecord
 from test_lifecycle import init_model, plain_app
 
 from flwr_isoloco.checkpoint import load_checkpoint, save_checkpoint
-from flwr_isoloco.strategies import DiLoCo, GossipLoRA, IsoLoCo, RWLoRA
+from flwr_isoloco.strategies import DiLoCo, Divergence, GossipLoRA, IsoLoCo, RWLoRA
 from flwr_isoloco.strategies.core.divergence import DivergenceError, DivergenceGuard
 from flwr_isoloco.strategies.core.guard import NoProgressError
 
@@ -72,7 +72,7 @@ def _diverged(result) -> list[int]:
 
 
 def test_warn_logs_round_losses_and_factor_and_keeps_the_update(caplog):
-    plain = run(diloco(divergence_factor=0), 3, Scripted([1.0, 0.9, 2.0, 1.9]))
+    plain = run(diloco(divergence=Divergence(factor=0)), 3, Scripted([1.0, 0.9, 2.0, 1.9]))
     with caplog.at_level(logging.INFO, logger="flwr"):
         res = run(diloco(), 3, Scripted([1.0, 0.9, 2.0, 1.9]))
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
@@ -89,7 +89,7 @@ def test_warn_logs_round_losses_and_factor_and_keeps_the_update(caplog):
 
 
 def test_skip_restores_model_and_momentum_bitwise_and_goes_on():
-    s = diloco(on_divergence="skip")
+    s = diloco(divergence=Divergence(on_divergence="skip"))
     states, hooked = {}, {}
 
     def hook(rnd, arrays, tm, em):
@@ -125,7 +125,7 @@ def test_skip_reference_stays_the_kept_round_s_loss():
 
 def test_stop_raises_after_the_round_end_hook():
     ended = []
-    s = diloco(on_divergence="stop")
+    s = diloco(divergence=Divergence(on_divergence="stop"))
     with pytest.raises(DivergenceError, match="round 2: the evaluation loss diverged") as info:
         run(s, 4, Scripted([1.0, 0.9, math.inf]), lambda r, *_: ended.append(r))
     assert isinstance(info.value, NoProgressError)  # apps end such a run as failed
@@ -133,13 +133,13 @@ def test_stop_raises_after_the_round_end_hook():
 
 
 def test_resume_restores_the_reference_loss(tmp_path):
-    first = diloco(on_divergence="skip")
+    first = diloco(divergence=Divergence(on_divergence="skip"))
     run(first, 2, Scripted([1.0, 0.5, 0.6]))
     sd = first.state_dict()
     assert sd["meta"]["divergence"] == {"reference": 0.6, "best": 0.5}
     save_checkpoint(tmp_path / "c.safetensors", sd["tensors"], sd["meta"])
     tensors, meta = load_checkpoint(tmp_path / "c.safetensors")
-    second = diloco(on_divergence="skip")
+    second = diloco(divergence=Divergence(on_divergence="skip"))
     second.load_state_dict({"tensors": tensors, "meta": meta})
     before = _state(second)
     ev = Scripted([0.95, 0.6, 0.55])  # round 3: 0.95 > 1.5 x 0.6 (the checkpoint's reference)
@@ -147,7 +147,11 @@ def test_resume_restores_the_reference_loss(tmp_path):
     assert [r for r, _ in ev.calls] == [3, 3, 4]
     assert _diverged(res) == [1, 0]
     # an uninterrupted run with the same losses ends where the resumed one does
-    full = run(diloco(on_divergence="skip"), 4, Scripted([1.0, 0.5, 0.6, 0.95, 0.6, 0.55]))
+    full = run(
+        diloco(divergence=Divergence(on_divergence="skip")),
+        4,
+        Scripted([1.0, 0.5, 0.6, 0.95, 0.6, 0.55]),
+    )
     assert _equal(full.arrays.to_torch_state_dict(), res.arrays.to_torch_state_dict())
     assert before[0] and second.completed_rounds == 4
 
@@ -169,7 +173,11 @@ def test_loss_key_is_found_by_name_or_given(caplog):
     assert "diverged" not in res.evaluate_metrics_serverapp[2]
     res = run(diloco(), 2, Scripted([1.0, 0.9, math.nan], key="val-loss"))
     assert _diverged(res) == [0, 1]
-    res = run(diloco(divergence_key="accuracy"), 2, Scripted([1.0, 0.9, math.nan], key="accuracy"))
+    res = run(
+        diloco(divergence=Divergence(key="accuracy")),
+        2,
+        Scripted([1.0, 0.9, math.nan], key="accuracy"),
+    )
     assert _diverged(res) == [0, 1]
 
 
@@ -184,14 +192,14 @@ def test_negative_losses_use_the_factor_on_the_magnitude():
     "kwargs, pattern",
     [
         ({"on_divergence": "ignore"}, "on_divergence must be one of"),
-        ({"divergence_factor": 0.5}, "divergence_factor must be >= 1, or 0"),
-        ({"divergence_factor": math.inf}, "divergence_factor must be >= 1, or 0"),
-        ({"divergence_key": ""}, "divergence_key must be"),
+        ({"factor": 0.5}, "divergence_factor must be >= 1, or 0"),
+        ({"factor": math.inf}, "divergence_factor must be >= 1, or 0"),
+        ({"key": ""}, "divergence_key must be"),
     ],
 )
 def test_bad_arguments_are_refused(kwargs, pattern):
     with pytest.raises(ValueError, match=pattern):
-        diloco(**kwargs)
+        diloco(divergence=Divergence(**kwargs))
 
 
 def test_run_config_keys_reach_the_guard():
@@ -236,8 +244,8 @@ def test_a_slow_collapse_is_flagged_against_the_best_loss():
 
 def test_a_slow_collapse_stops_a_run_and_skip_keeps_the_best_model():
     with pytest.raises(DivergenceError, match="round 3"):
-        run(diloco(on_divergence="stop"), 6, Scripted(ISSUE_34))
-    s = diloco(on_divergence="skip")
+        run(diloco(divergence=Divergence(on_divergence="stop")), 6, Scripted(ISSUE_34))
+    s = diloco(divergence=Divergence(on_divergence="skip"))
     # every round after round 2 keeps collapsing: each is undone and re-evaluated at 0.5
     res = run(s, 4, Scripted([0.39, 0.42, 0.5, 0.6, 0.5, 0.62, 0.5]))
     assert _diverged(res) == [0, 0, 1, 1]

@@ -26,7 +26,7 @@ from flwr.serverapp import (
     SamplingMethod,
 )
 
-from flwr_isoloco.strategies import DiLoCo
+from flwr_isoloco.strategies import AdaptiveClipping, CentralDP, DiLoCo
 
 DELTA, K, LR, Q = 1e-5, 3, 0.2, 0.5
 
@@ -70,20 +70,20 @@ def _app(step: float, missing: int | None):
     return {"train": train}
 
 
-def _strategy(z: float, count_std: float, c0: float, **kw) -> DiLoCo:
+def _strategy(z: float, count_std: float, c0: float, max_epsilon=None) -> DiLoCo:
     return DiLoCo(
         min_train_nodes=1,
         min_available_nodes=1,
         fraction_evaluate=0.0,
         outer_lr=1.0,
         outer_momentum=0.0,  # theta_1 = theta_0 - g: the release is readable off the model
-        dp_noise_multiplier=z,
-        dp_clipping_norm=c0,
-        dp_adaptive_quantile=Q,
-        dp_clip_lr=LR,
-        dp_clip_count_std=count_std,
-        dp_seed=11,
-        **kw,
+        privacy=CentralDP(
+            noise_multiplier=z,
+            clipping_norm=c0,
+            max_epsilon=max_epsilon,
+            seed=11,
+            adaptive=AdaptiveClipping(quantile=Q, count_std=count_std, lr=LR),
+        ),
     )
 
 
@@ -139,8 +139,8 @@ def test_the_epsilon_cap_holds_for_the_released_mechanisms():
     pass it (before issue 34 the run went on to a true 10.8 under a cap of 9)."""
     z, count_std, cap = 1.43, 2.0, 9.0
     sum_sens, count_sens, z_update = measured_sensitivities(z, count_std)
-    s = _strategy(z, count_std, 0.05, dp_max_epsilon=cap)
-    with pytest.raises(Exception, match="would exceed dp_max_epsilon"):
+    s = _strategy(z, count_std, 0.05, max_epsilon=cap)
+    with pytest.raises(Exception, match="would exceed max_epsilon"):
         s.start(
             grid=FakeGrid(_app(1.0, None), num_nodes=K),
             initial_arrays=ArrayRecord({"w": torch.zeros(4, 4)}),

@@ -14,7 +14,7 @@ from flwr.app import ArrayRecord, Message, MetricRecord, RecordDict
 from privacy_helpers import QUIET, flower_epsilon
 
 from flwr_isoloco.checkpoint import load_checkpoint, save_checkpoint
-from flwr_isoloco.strategies import DiLoCo
+from flwr_isoloco.strategies import CentralDP, DiLoCo, LocalDP
 
 STEP, C, Z, K = 1.0, 0.05, 1.0, 3
 
@@ -37,14 +37,13 @@ def _app(missing_in_round: int | None = None):
     return {"train": train}
 
 
-def _strategy(tmp_path, **kw) -> DiLoCo:
+def _strategy(tmp_path, dp=CentralDP, **kw) -> DiLoCo:
     s = DiLoCo(
         **QUIET,
         outer_lr=1.0,
         outer_momentum=0.0,  # theta_r = theta_{r-1} - g_r: each release is readable off theta
-        dp_noise_multiplier=Z,
-        dp_clipping_norm=C,
         **kw,
+        privacy=dp(noise_multiplier=Z, clipping_norm=C),
     )
     attach = getattr(s.dp, "attach_journal", None)  # (absent before issue 34)
     if attach is not None:
@@ -113,8 +112,8 @@ def test_a_round_redone_after_a_crash_draws_new_noise_and_both_releases_count(tm
 def test_local_dp_charges_the_round_sent_before_the_crash(tmp_path):
     """Local DP: the sites release when they answer the train messages, so the journal
     records the round before they are sent and the resume charges it (``z / 2`` each)."""
-    _, path = _first_run(tmp_path, dp_mode="local")
-    s, res = _resume(tmp_path, path, dp_mode="local")
+    _, path = _first_run(tmp_path, dp=LocalDP)
+    s, res = _resume(tmp_path, path, dp=LocalDP)
     assert s.dp.accountant.num_releases == 3
     want = flower_epsilon(Z / 2, 3, 1e-5, 1)
     assert res.train_metrics_clientapp[2]["dp-epsilon"] == pytest.approx(want, rel=1e-12)
@@ -123,7 +122,7 @@ def test_local_dp_charges_the_round_sent_before_the_crash(tmp_path):
 def test_no_release_when_the_journal_cannot_be_written(tmp_path):
     """The journal is written before the release: if it cannot be, the round's model does not
     leave the server (no hook, no result) and the error says why."""
-    s = DiLoCo(**QUIET, dp_noise_multiplier=Z, dp_clipping_norm=C)
+    s = DiLoCo(**QUIET, privacy=CentralDP(noise_multiplier=Z, clipping_norm=C))
     s.dp.attach_journal(tmp_path / "gone" / "dp-journal.json")
     (tmp_path / "gone").write_text("")  # its folder became a file: the write fails
     seen = []
@@ -143,13 +142,13 @@ def test_the_app_runner_journal_follows_resume_from(tmp_path):
     from flwr_isoloco.strategies.diloco.dp_journal import JOURNAL, attach_dp_journal
 
     a, b = tmp_path / "a", tmp_path / "b"
-    first = DiLoCo(**QUIET, dp_noise_multiplier=Z, dp_clipping_norm=C)
+    first = DiLoCo(**QUIET, privacy=CentralDP(noise_multiplier=Z, clipping_norm=C))
     attach_dp_journal(first, a, None)
     grid = FakeGrid(_app(), num_nodes=K)
     first.start(grid=grid, initial_arrays=ArrayRecord({"w": torch.zeros(2)}), num_rounds=1)
     sd = first.state_dict()
     save_checkpoint(a / "ck.safetensors", sd["tensors"], sd["meta"])
-    second = DiLoCo(**QUIET, dp_noise_multiplier=Z, dp_clipping_norm=C)
+    second = DiLoCo(**QUIET, privacy=CentralDP(noise_multiplier=Z, clipping_norm=C))
     attach_dp_journal(second, b, a / "ck.safetensors")
     tensors, meta = load_checkpoint(a / "ck.safetensors")
     second.load_state_dict({"tensors": tensors, "meta": meta})
@@ -178,7 +177,7 @@ def _tiny_spec():
     }
 
     def build(cfg, nodes):
-        s = DiLoCo(**QUIET, dp_noise_multiplier=Z, dp_clipping_norm=C)
+        s = DiLoCo(**QUIET, privacy=CentralDP(noise_multiplier=Z, clipping_norm=C))
         return AppRun(
             strategy=s,
             initial_arrays=ArrayRecord({"w": torch.zeros(4)}),

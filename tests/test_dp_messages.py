@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from privacy_helpers import QUIET, start_run
 
-from flwr_isoloco.strategies import DiLoCo
+from flwr_isoloco.strategies import CentralDP, DiLoCo, ReplyChecks
 
 RC = {"strategy.dp-noise-multiplier": 1.0, "strategy.dp-clipping-norm": 0.5}
 
@@ -20,11 +20,17 @@ def test_uniform_weights_are_said_once_in_the_summary_not_per_construction(caplo
     for _ in range(4):  # as the server and three ClientApps would
         DiLoCo.from_run_config(RC)
     assert not [r for r in caplog.records if "uniform" in r.getMessage()]
-    start_run(DiLoCo(**QUIET, dp_noise_multiplier=1.0, dp_clipping_norm=0.5), 2, 2)
+    start_run(DiLoCo(**QUIET, privacy=CentralDP(noise_multiplier=1.0, clipping_norm=0.5)), 2, 2)
     said = [r.getMessage() for r in caplog.records if "weighting='examples'" in r.getMessage()]
     assert len(said) == 1 and "weights uniform" in said[0]
     caplog.clear()
-    start_run(DiLoCo(**QUIET, weighting="uniform", dp_clipping_norm=0.5), 2, 1)
+    start_run(
+        DiLoCo(
+            **QUIET, checks=ReplyChecks(weighting="uniform"), privacy=CentralDP(clipping_norm=0.5)
+        ),
+        2,
+        1,
+    )
     assert not [r for r in caplog.records if "weighting='examples'" in r.getMessage()]
 
 
@@ -32,10 +38,10 @@ def test_central_dp_with_a_robust_rule_names_the_keys_set_and_the_fix():
     from flwr_isoloco.runconfig import precheck_app_config
 
     with pytest.raises(ValueError) as exc:
-        DiLoCo(dp_clipping_norm=0.5, dp_noise_multiplier=1.0, robust="distance-filter")
+        DiLoCo(robust="distance-filter", privacy=CentralDP(noise_multiplier=1.0, clipping_norm=0.5))
     msg = str(exc.value)
-    assert "dp_clipping_norm=0.5" in msg and "robust='distance-filter'" in msg
-    assert "robust='none'" in msg and "dp_mode='local'" in msg
+    assert "clipping_norm=0.5" in msg and "robust='distance-filter'" in msg
+    assert "robust='none'" in msg and "LocalDP" in msg
     app = Path(__file__).resolve().parents[1] / "simulations" / "isoloco_lm"
     (msg,) = precheck_app_config(app, {**RC, "strategy.robust": "distance-filter"})
     assert "'strategy.dp-clipping-norm'" in msg and "'strategy.dp-mode'" not in msg

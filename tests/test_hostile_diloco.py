@@ -14,7 +14,7 @@ import torch
 from fakegrid import FakeGrid, corrupt_arrays
 from flwr.app import ArrayRecord, Message, MetricRecord, RecordDict
 
-from flwr_isoloco.strategies import DiLoCo, IsoLoCo
+from flwr_isoloco.strategies import DiLoCo, IsoLoCo, ReplyChecks, Rounds
 from flwr_isoloco.strategies.core.ledger import SentLedger
 from flwr_isoloco.strategies.core.replies import ReplyValidator
 
@@ -147,7 +147,7 @@ def test_fp16_reply_is_cast_by_default_and_rejected_on_request():
     half = corrupt_arrays(lambda d: {k: v.astype(np.float16) for k, v in d.items()})
     _, res, _ = one_round(half)
     assert res.train_metrics_clientapp[1]["replies-used"] == N
-    _, res, _ = one_round(half, dtype_policy="reject")
+    _, res, _ = one_round(half, checks=ReplyChecks(dtype_policy="reject"))
     m = res.train_metrics_clientapp[1]
     assert (m["replies-used"], m["replies-rejected"]) == (N - 1, 1)
 
@@ -156,7 +156,7 @@ def test_huge_update_rejected_by_max_update_norm():
     huge = corrupt_arrays(lambda d: {k: v * 1e4 for k, v in d.items()})
     _, res, _ = one_round(huge)  # no bound: accepted, and it wrecks the model
     assert res.train_metrics_clientapp[1]["replies-used"] == N
-    _, res, _ = one_round(huge, max_update_norm=10.0)
+    _, res, _ = one_round(huge, checks=ReplyChecks(max_update_norm=10.0))
     m = res.train_metrics_clientapp[1]
     assert (m["replies-used"], m["replies-rejected"]) == (N - 1, 1)
     expected = fedavg_of([0, 1, 3])
@@ -166,7 +166,7 @@ def test_huge_update_rejected_by_max_update_norm():
 
 def test_huge_update_rejected_by_norm_ratio():
     huge = corrupt_arrays(lambda d: {k: v * 50 for k, v in d.items()})
-    _, res, _ = one_round(huge, max_norm_ratio=5.0)
+    _, res, _ = one_round(huge, checks=ReplyChecks(max_norm_ratio=5.0))
     m = res.train_metrics_clientapp[1]
     assert (m["replies-used"], m["replies-rejected"]) == (N - 1, 1)
 
@@ -238,15 +238,17 @@ def test_bad_run_config_names_the_key(cfg, needle):
         ({"outer_lr": float("nan")}, "lr"),
         ({"fraction_train": 2.0}, "fraction_train"),
         ({"orthogonalize": "update", "merge": "ties"}, "orthogonalize='update'"),
-        ({"weighting": "tokens"}, "weighting"),
-        ({"max_update_norm": -3.0}, "max_update_norm"),
-        ({"dtype_policy": "ignore"}, "dtype_policy"),
+        ({"checks": {"weighting": "tokens"}}, "weighting"),
+        ({"checks": {"max_update_norm": -3.0}}, "max_update_norm"),
+        ({"checks": {"dtype_policy": "ignore"}}, "dtype_policy"),
         ({"merge": "mean", "merge_options": {"prune_fraction": 0.2}}, "prune_fraction"),
         ({"merge": "ties", "merge_options": {"prune_fraction": 1.5}}, "prune_fraction"),
     ],
 )
 def test_bad_constructor_argument_names_it(kwargs, needle):
     with pytest.raises(ValueError, match=needle.replace("(", r"\(").replace("'", "'")):
+        if "checks" in kwargs:  # a settings object checks its fields when built
+            kwargs = {**kwargs, "checks": ReplyChecks(**kwargs["checks"])}
         DiLoCo(**kwargs)
 
 
@@ -305,7 +307,9 @@ def test_failing_merge_drops_the_reply_that_fails_alone(monkeypatch, caplog):
     big = corrupt_arrays(lambda d: {**d, "w": d["w"] * 1000})
     with caplog.at_level(logging.INFO):
         # dare: a spilled rule merged through merge() tensor by tensor (TIES reads row blocks)
-        strat, res, grid = one_round_with(DiLoCo, big, merge="dare", max_weight_ratio=0)
+        strat, res, grid = one_round_with(
+            DiLoCo, big, merge="dare", checks=ReplyChecks(max_weight_ratio=0)
+        )
     m = res.train_metrics_clientapp[1]
     assert (m["replies-used"], m["replies-rejected"]) == (N - 1, 1)
     bad = grid.node_ids[BAD]
@@ -349,7 +353,7 @@ def test_weight_bound_clips_a_huge_num_examples(caplog):
     for k, v in res.arrays.to_torch_state_dict().items():
         torch.testing.assert_close(v, expected[k], rtol=1e-6, atol=1e-6)
     # off: the site owns the model
-    _, res, _ = one_round(huge, max_weight_ratio=0)
+    _, res, _ = one_round(huge, checks=ReplyChecks(max_weight_ratio=0))
     own = trained(init_model(), BAD)
     for k, v in res.arrays.to_torch_state_dict().items():
         torch.testing.assert_close(v, own[k], rtol=1e-6, atol=1e-6)
@@ -357,7 +361,7 @@ def test_weight_bound_clips_a_huge_num_examples(caplog):
 
 @pytest.mark.parametrize("w", [3.5e38, 1e300, 1.7e308])
 def test_weight_beyond_fp32_max_does_not_void_the_round(w):
-    _, res, _ = one_round(_set_metric("num-examples", w), max_weight_ratio=0)
+    _, res, _ = one_round(_set_metric("num-examples", w), checks=ReplyChecks(max_weight_ratio=0))
     assert res.train_metrics_clientapp[1]["replies-used"] == N
     own = trained(init_model(), BAD)
     for k, v in res.arrays.to_torch_state_dict().items():
@@ -390,7 +394,9 @@ def test_fedavg_equality_with_bound_off_and_skewed_weights():
 
     kw = {"min_train_nodes": 1, "min_available_nodes": 1, "fraction_evaluate": 0.0}
     fed = run(FedAvg(**kw)).arrays.to_torch_state_dict()
-    off = run(DiLoCo(outer_lr=1.0, outer_momentum=0.0, max_weight_ratio=0, **kw))
+    off = run(
+        DiLoCo(outer_lr=1.0, outer_momentum=0.0, **kw, checks=ReplyChecks(max_weight_ratio=0))
+    )
     on = run(DiLoCo(outer_lr=1.0, outer_momentum=0.0, **kw))
     for k, v in off.arrays.to_torch_state_dict().items():
         torch.testing.assert_close(v, fed[k], rtol=1e-6, atol=1e-7)
@@ -409,7 +415,10 @@ def test_consecutive_empty_rounds_stop_the_run():
         strat.start(grid=grid, initial_arrays=ArrayRecord(init_model()), num_rounds=5)
     assert strat.server_round == 3
     strat = DiLoCo(
-        min_train_nodes=1, min_available_nodes=1, fraction_evaluate=0.0, max_empty_rounds=0
+        min_train_nodes=1,
+        min_available_nodes=1,
+        fraction_evaluate=0.0,
+        rounds=Rounds(max_empty_rounds=0),
     )
     strat.start(grid=grid, initial_arrays=ArrayRecord(init_model()), num_rounds=5)
     assert strat.server_round == 5
@@ -420,7 +429,10 @@ def test_a_used_round_resets_the_empty_streak():
     for p in range(N):
         grid.set_fault(p, "raise", times=2)  # rounds 1-2 empty, then fine
     strat = DiLoCo(
-        min_train_nodes=1, min_available_nodes=1, fraction_evaluate=0.0, max_empty_rounds=3
+        min_train_nodes=1,
+        min_available_nodes=1,
+        fraction_evaluate=0.0,
+        rounds=Rounds(max_empty_rounds=3),
     )
     strat.start(grid=grid, initial_arrays=ArrayRecord(init_model()), num_rounds=4)
     assert strat.server_round == 4

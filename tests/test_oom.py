@@ -15,7 +15,7 @@ from flwr.app import ArrayRecord, Message, MetricRecord, RecordDict
 
 import flwr_isoloco.merging.round as round_mod
 from flwr_isoloco.merging.streaming import OrderFreeMean
-from flwr_isoloco.strategies import DiLoCo
+from flwr_isoloco.strategies import DiLoCo, ReplyChecks, Rounds
 
 torch.set_num_threads(1)
 
@@ -33,7 +33,9 @@ def _client():
 
 def _strategy() -> DiLoCo:
     kw = dict(min_train_nodes=1, min_evaluate_nodes=1, min_available_nodes=1)
-    return DiLoCo(**kw, fraction_evaluate=0.0, merge_device="cpu", max_empty_rounds=1)
+    return DiLoCo(
+        **kw, fraction_evaluate=0.0, merge_device="cpu", rounds=Rounds(max_empty_rounds=1)
+    )
 
 
 def _oom_once(monkeypatch, error: Exception) -> list[str]:
@@ -86,6 +88,8 @@ def test_cpu_out_of_memory_fails_loudly(monkeypatch):
 
 def test_a_data_error_still_rejects_the_replies(monkeypatch):
     _oom_once(monkeypatch, RuntimeError("linalg.svd: The algorithm failed to converge"))
-    kw = dict(min_train_nodes=1, min_available_nodes=1, max_weight_ratio=0)  # folded round
+    kw = dict(
+        min_train_nodes=1, min_available_nodes=1, checks=ReplyChecks(max_weight_ratio=0)
+    )  # folded round
     res = _run(DiLoCo(**kw, fraction_evaluate=0.0))
     assert res.train_metrics_clientapp[1]["replies-rejected"] == 3

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import re
+from dataclasses import replace
 
 import pytest
 import torch
@@ -21,7 +22,7 @@ from privacy_helpers import (
 
 from flwr_isoloco.checkpoint_spec import CheckpointError
 from flwr_isoloco.merging.dp import clip_to_norm, noise_like
-from flwr_isoloco.strategies import DiLoCo, IsoLoCo
+from flwr_isoloco.strategies import CentralDP, DiLoCo, IsoLoCo, LocalDP, ReplyChecks, Rounds
 from flwr_isoloco.strategies.diloco.privacy import PrivacyBudgetExhausted, noise_for_epsilon
 
 
@@ -29,7 +30,12 @@ def test_zero_updates_release_noise_of_std_z_c_over_m():
     """M = 8 identical zero updates: theta moves by -g, g's entries ~ N(0, (z C / M)^2)."""
     m, z, c = 8, 1.3, 0.7
     theta0 = {"w": torch.zeros(160, 160)}
-    s = DiLoCo(**QUIET, outer_lr=1.0, outer_momentum=0.0, dp_noise_multiplier=z, dp_clipping_norm=c)
+    s = DiLoCo(
+        **QUIET,
+        outer_lr=1.0,
+        outer_momentum=0.0,
+        privacy=CentralDP(noise_multiplier=z, clipping_norm=c),
+    )
     res = s.start(
         grid=FakeGrid(step_client(lambda p, r: 0.0), num_nodes=m),
         initial_arrays=ArrayRecord(theta0),
@@ -45,7 +51,7 @@ def test_zero_updates_release_noise_of_std_z_c_over_m():
 @pytest.mark.parametrize("cls", [DiLoCo, IsoLoCo])
 def test_epsilon_per_round_equals_flowers_accountant(cls):
     z, delta, rounds = 1.1, 1e-5, 4
-    s = cls(**QUIET, dp_noise_multiplier=z, dp_clipping_norm=0.05, dp_delta=delta)
+    s = cls(**QUIET, privacy=CentralDP(noise_multiplier=z, clipping_norm=0.05, delta=delta))
     res = start_run(s, 3, rounds)
     for r in range(1, rounds + 1):
         got = res.train_metrics_clientapp[r]["dp-epsilon"]
@@ -68,9 +74,7 @@ def test_momentum_buffer_holds_the_noised_mean_of_clipped_updates():
         **QUIET,
         outer_lr=lr,
         outer_momentum=mu,
-        dp_seed=seed,
-        dp_noise_multiplier=z,
-        dp_clipping_norm=c,
+        privacy=CentralDP(noise_multiplier=z, clipping_norm=c, seed=seed),
     )
     res = s.start(
         grid=FakeGrid(step_client(), num_nodes=m), initial_arrays=ArrayRecord(theta0), num_rounds=1
@@ -107,8 +111,8 @@ def test_clip_bounds_the_whole_update_norm():
 def test_budget_stops_before_the_round_that_would_exceed_it():
     z = 1.0  # epsilon at 1e-5: 4.73 after one round, 7.08 after two
     grid = FakeGrid(step_client(), num_nodes=2)
-    s = DiLoCo(**QUIET, dp_noise_multiplier=z, dp_clipping_norm=0.05, dp_max_epsilon=6.0)
-    with pytest.raises(PrivacyBudgetExhausted, match="round 2 would exceed dp_max_epsilon=6"):
+    s = DiLoCo(**QUIET, privacy=CentralDP(noise_multiplier=z, clipping_norm=0.05, max_epsilon=6.0))
+    with pytest.raises(PrivacyBudgetExhausted, match="round 2 would exceed max_epsilon=6"):
         s.start(grid=grid, initial_arrays=ArrayRecord(small_model()), num_rounds=3)
     assert s.server_round == 1
     assert sum(1 for r in grid.log if r.message_type == "train") == 2  # round 1 only
@@ -117,7 +121,7 @@ def test_budget_stops_before_the_round_that_would_exceed_it():
 def test_resume_continues_epsilon_and_the_noise(tmp_path):
     """A secret noise key (dp_seed=None) travels in the checkpoint: the resumed run's rounds 3-4
     are bitwise those of a straight run with that key, and epsilon continues from round 2."""
-    kw = dict(**QUIET, dp_noise_multiplier=0.9, dp_clipping_norm=0.03, seed=3)
+    kw = dict(**QUIET, seed=3, privacy=CentralDP(noise_multiplier=0.9, clipping_norm=0.03))
     first = DiLoCo(**kw)
     assert first.dp.noise_key != DiLoCo(**kw).dp.noise_key  # drawn from the OS, per strategy
     first.dp.attach_journal(tmp_path / "dp-journal.json")
@@ -129,7 +133,7 @@ def test_resume_continues_epsilon_and_the_noise(tmp_path):
     assert second.dp.noise_key == first.dp.noise_key
     assert second.dp.epsilon() == pytest.approx(first.dp.epsilon())
     rest = start_run(second, 3, 4)
-    straight = DiLoCo(**kw, dp_seed=first.dp.noise_key)
+    straight = DiLoCo(**{**kw, "privacy": replace(kw["privacy"], seed=first.dp.noise_key)})
     full = start_run(straight, 3, 4)
     for r in (3, 4):
         assert rest.train_metrics_clientapp[r]["dp-epsilon"] == pytest.approx(
@@ -143,7 +147,7 @@ def test_resume_continues_epsilon_and_the_noise(tmp_path):
 
 
 def test_checkpoint_dp_state_is_checked(tmp_path):
-    kw = dict(**QUIET, dp_noise_multiplier=0.9, dp_clipping_norm=0.03)
+    kw = dict(**QUIET, privacy=CentralDP(noise_multiplier=0.9, clipping_norm=0.03))
     s = DiLoCo(**kw)
     journal = tmp_path / "dp-journal.json"
     s.dp.attach_journal(journal)
@@ -190,22 +194,24 @@ def test_checkpoint_dp_state_is_checked(tmp_path):
 @pytest.mark.parametrize("rule", ["ties", "dare", "tsv_m", "iso_cts"])
 def test_rules_that_need_every_delta_are_refused(rule):
     with pytest.raises(ValueError, match="client-side .local. DP"):
-        DiLoCo(merge=rule, dp_noise_multiplier=1.0, dp_clipping_norm=1.0)
+        DiLoCo(merge=rule, privacy=CentralDP(noise_multiplier=1.0, clipping_norm=1.0))
 
 
 def test_bad_dp_arguments_are_refused():
     with pytest.raises(ValueError, match="max_norm_ratio"):
-        DiLoCo(max_norm_ratio=3.0, dp_clipping_norm=1.0)
-    with pytest.raises(ValueError, match="needs dp_clipping_norm"):
-        DiLoCo(dp_noise_multiplier=1.0)
-    with pytest.raises(ValueError, match="dp_max_epsilon needs"):
-        DiLoCo(dp_clipping_norm=1.0, dp_max_epsilon=3.0)
+        DiLoCo(checks=ReplyChecks(max_norm_ratio=3.0), privacy=CentralDP(clipping_norm=1.0))
+    with pytest.raises(TypeError, match="clipping_norm"):
+        DiLoCo(privacy=CentralDP(noise_multiplier=1.0))
+    with pytest.raises(ValueError, match="max_epsilon needs"):
+        DiLoCo(privacy=CentralDP(clipping_norm=1.0, max_epsilon=3.0))
     for bad in (-1.0, float("nan"), True, "1"):
-        with pytest.raises(ValueError, match="dp_clipping_norm"):
-            DiLoCo(dp_clipping_norm=bad)
-    with pytest.raises(ValueError, match="dp_delta"):
-        DiLoCo(dp_clipping_norm=1.0, dp_noise_multiplier=1.0, dp_delta=1.0)
-    assert DiLoCo(dp_clipping_norm=1.0).weighting == "uniform"  # DP's weights are w_i = 1
+        with pytest.raises(ValueError, match="clipping_norm"):
+            DiLoCo(privacy=CentralDP(clipping_norm=bad))
+    with pytest.raises(ValueError, match="delta"):
+        DiLoCo(privacy=CentralDP(noise_multiplier=1.0, clipping_norm=1.0, delta=1.0))
+    assert (
+        DiLoCo(privacy=CentralDP(clipping_norm=1.0)).weighting == "uniform"
+    )  # DP's weights are w_i = 1
 
 
 def test_run_config_keys_build_the_mechanism():
@@ -242,17 +248,19 @@ def test_noise_for_epsilon_calibrates_on_flowers_accountant():
 def test_secagg_compatibility_names_every_option_that_needs_single_replies():
     from flwr_isoloco.strategies.diloco.privacy import require_secagg, secagg_problems
 
-    ok = dict(weighting="uniform")
+    ok = dict(checks=ReplyChecks(weighting="uniform"))
     assert secagg_problems(DiLoCo(**ok)) == []
     assert secagg_problems(IsoLoCo(**ok)) == []
-    assert secagg_problems(DiLoCo(max_weight_ratio=0)) == []  # examples weights, no bound
+    assert (
+        secagg_problems(DiLoCo(checks=ReplyChecks(max_weight_ratio=0))) == []
+    )  # examples weights, no bound
     cases = {
         "merge='ties'": dict(merge="ties"),
-        "max_norm_ratio": dict(max_norm_ratio=3.0),
-        "max_weight_ratio": dict(weighting="examples"),
-        "upload_codec='topk'": dict(upload_codec="topk"),
-        "quorum": dict(quorum=2),
-        "central DP": dict(dp_clipping_norm=1.0),
+        "max_norm_ratio": dict(checks=ReplyChecks(weighting="uniform", max_norm_ratio=3.0)),
+        "max_weight_ratio": dict(checks=ReplyChecks(weighting="examples")),
+        "upload='topk'": dict(upload="topk"),
+        "quorum": dict(rounds=Rounds(quorum=2)),
+        "central DP": dict(privacy=CentralDP(clipping_norm=1.0)),
     }
     for what, kw in cases.items():
         with pytest.raises(ValueError, match=f"secure aggregation: .*{re.escape(what)}"):
@@ -264,7 +272,10 @@ def test_central_dp_refuses_a_robust_rule_whose_round_skips_the_noise(robust):
     from flwr_isoloco.strategies import DiLoCo
 
     with pytest.raises(
-        ValueError, match="central DP .dp_clipping_norm=1. refuses robust=.*robust=.none."
+        ValueError, match="central DP .clipping_norm=1. refuses robust=.*robust=.none."
     ):
-        DiLoCo(dp_clipping_norm=1.0, dp_noise_multiplier=1.0, robust=robust)
-    DiLoCo(dp_clipping_norm=1.0, dp_noise_multiplier=1.0, dp_mode="local", robust=robust)
+        DiLoCo(
+            robust=robust,
+            privacy=CentralDP(noise_multiplier=1.0, clipping_norm=1.0),
+        )
+    DiLoCo(robust=robust, privacy=LocalDP(noise_multiplier=1.0, clipping_norm=1.0))

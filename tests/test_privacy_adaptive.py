@@ -4,6 +4,7 @@ and noise per round, bitwise resume, refusals."""
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -11,7 +12,7 @@ from privacy_helpers import QUIET, flower_epsilon, start_run, through_checkpoint
 
 from flwr_isoloco.checkpoint_spec import CheckpointError
 from flwr_isoloco.merging.dp import noise_like
-from flwr_isoloco.strategies import DiLoCo, IsoLoCo
+from flwr_isoloco.strategies import AdaptiveClipping, CentralDP, DiLoCo, IsoLoCo, LocalDP
 
 
 def _z_update(z: float, count_std: float) -> float:
@@ -19,17 +20,13 @@ def _z_update(z: float, count_std: float) -> float:
     return (z**-2 - (2 * count_std) ** -2) ** -0.5
 
 
-def _adaptive(z: float, c0: float, q: float, count_std: float, **kw):
+def _adaptive(z: float, c0: float, q: float, count_std: float, lr=0.2, key=None, **kw):
     """Arguments of central DP with adaptive clipping: multiplier ``z``, initial ``C = c0``,
-    target quantile ``q``, count noise ``count_std`` (on the :data:`QUIET` federation)."""
-    return dict(
-        **QUIET,
-        dp_noise_multiplier=z,
-        dp_clipping_norm=c0,
-        dp_adaptive_quantile=q,
-        dp_clip_count_std=count_std,
-        **kw,
-    )
+    target quantile ``q``, count noise ``count_std``, step ``lr``, noise key ``key`` (on the
+    :data:`QUIET` federation)."""
+    adaptive = AdaptiveClipping(quantile=q, count_std=count_std, lr=lr)
+    dp = CentralDP(noise_multiplier=z, clipping_norm=c0, seed=key, adaptive=adaptive)
+    return dict(**QUIET, **kw, privacy=dp)
 
 
 def test_adaptive_clipping_norm_moves_to_the_quantile():
@@ -42,9 +39,8 @@ def test_adaptive_clipping_norm_moves_to_the_quantile():
     norms = torch.exp(
         torch.randn(k, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
     )
-    dp = StrategyDP(
-        1.0, c, 1e-5, None, noise_seed=7, adaptive_quantile=q, clip_lr=lr, clip_count_std=std
-    )
+    adaptive = AdaptiveClipping(quantile=q, count_std=std, lr=lr)
+    dp = StrategyDP(CentralDP(noise_multiplier=1.0, clipping_norm=c, seed=7, adaptive=adaptive))
     assert dp.z_update == pytest.approx(_z_update(1.0, std), rel=1e-12)
     seen = []
     for t in range(1, 301):
@@ -72,7 +68,7 @@ def test_adaptive_clipping_epsilon_and_noise_per_round():
     from flwr_isoloco.strategies.diloco.privacy import COUNT_NOISE_INDEX
 
     z, std, q, lr, c0, key, rounds, k = 1.1, 1.0, 0.5, 0.3, 0.05, 11, 4, 3
-    s = DiLoCo(**_adaptive(z, c0, q, std, dp_seed=key, dp_clip_lr=lr))
+    s = DiLoCo(**_adaptive(z, c0, q, std, lr=lr, key=key))
     res = start_run(s, k, rounds)
     c = c0
     for r in range(1, rounds + 1):
@@ -99,7 +95,7 @@ def test_adaptive_clipping_resume_keeps_the_clipping_norm_bitwise(tmp_path):
     second.load_state_dict({"tensors": tensors, "meta": meta})
     assert second.dp.c == first.dp.c  # bit for bit through the checkpoint's JSON
     rest = start_run(second, 3, 4)
-    straight = DiLoCo(**kw, dp_seed=first.dp.noise_key)
+    straight = DiLoCo(**{**kw, "privacy": replace(kw["privacy"], seed=first.dp.noise_key)})
     full = start_run(straight, 3, 4)
     for r in (3, 4):
         got, want = rest.train_metrics_clientapp[r], full.train_metrics_clientapp[r]
@@ -115,7 +111,7 @@ def test_adaptive_clipping_resume_keeps_the_clipping_norm_bitwise(tmp_path):
         target.dp.attach_journal(tmp_path / "dp-journal.json")
         with pytest.raises(CheckpointError, match="clipping_norm"):
             target.load_state_dict({"tensors": tensors, "meta": forged})
-    fixed = {k: v for k, v in kw.items() if k not in ("dp_adaptive_quantile", "dp_clip_count_std")}
+    fixed = {**kw, "privacy": replace(kw["privacy"], adaptive=None)}
     target = DiLoCo(**fixed)
     target.dp.attach_journal(tmp_path / "dp-journal.json")
     with pytest.raises(CheckpointError, match="adaptive clipping norm"):
@@ -123,23 +119,24 @@ def test_adaptive_clipping_resume_keeps_the_clipping_norm_bitwise(tmp_path):
 
 
 def test_bad_adaptive_clipping_arguments_are_refused():
-    ok = dict(dp_clipping_norm=1.0, dp_noise_multiplier=1.0, dp_clip_count_std=1.0)
+    def dp(z=1.0, **adaptive):
+        return CentralDP(
+            noise_multiplier=z, clipping_norm=1.0, adaptive=AdaptiveClipping(**adaptive)
+        )
+
     with pytest.raises(ValueError, match="central DP with noise"):
-        DiLoCo(dp_clipping_norm=1.0, dp_adaptive_quantile=0.5, dp_clip_count_std=1.0)
-    with pytest.raises(ValueError, match="central DP with noise"):
-        DiLoCo(merge="ties", **ok, dp_mode="local", dp_adaptive_quantile=0.5)
+        DiLoCo(privacy=dp(z=0.0, quantile=0.5, count_std=1.0))
+    with pytest.raises(TypeError, match="adaptive"):  # local DP has no adaptive clipping
+        LocalDP(noise_multiplier=1.0, clipping_norm=1.0, adaptive=None)
     for q in (0.0, 1.0, -0.1, True, "0.5"):
-        with pytest.raises(ValueError, match="dp_adaptive_quantile"):
-            DiLoCo(**ok, dp_adaptive_quantile=q)
-    with pytest.raises(ValueError, match="dp_clip_lr"):
-        DiLoCo(**ok, dp_adaptive_quantile=0.5, dp_clip_lr=0.0)
-    with pytest.raises(ValueError, match="needs dp_clip_count_std"):
-        DiLoCo(dp_clipping_norm=1.0, dp_noise_multiplier=1.0, dp_adaptive_quantile=0.5)
+        with pytest.raises(ValueError, match="quantile"):
+            DiLoCo(privacy=dp(quantile=q, count_std=1.0))
+    with pytest.raises(ValueError, match="lr"):
+        DiLoCo(privacy=dp(quantile=0.5, count_std=1.0, lr=0.0))
+    with pytest.raises(TypeError, match="count_std"):
+        DiLoCo(privacy=dp(quantile=0.5))
     with pytest.raises(ValueError, match="too small"):
-        DiLoCo(
-            dp_clipping_norm=1.0,
-            dp_noise_multiplier=1.0,
-            dp_adaptive_quantile=0.5,
-            dp_clip_count_std=0.5,
-        )  # z = 2 sigma_b: the count would spend everything
-    assert "adaptive C: quantile 0.5" in IsoLoCo(**ok, dp_adaptive_quantile=0.5).dp.describe()
+        DiLoCo(privacy=dp(quantile=0.5, count_std=0.5))  # z = 2 sigma_b: the count spends all
+    assert (
+        "adaptive C: quantile 0.5" in IsoLoCo(privacy=dp(quantile=0.5, count_std=1.0)).dp.describe()
+    )

@@ -11,7 +11,7 @@ from fakegrid import FakeGrid
 from flwr.app import ArrayRecord, ConfigRecord, Message, RecordDict
 from privacy_helpers import QUIET, flower_epsilon, start_run
 
-from flwr_isoloco.strategies import DiLoCo
+from flwr_isoloco.strategies import DiLoCo, LocalDP
 
 
 def _tiny_worker(**kw):
@@ -66,7 +66,7 @@ def test_worker_applies_local_dp_before_compression(codec):
 def test_local_dp_allows_every_rule_and_drops_replies_without_the_echo():
     z, c = 2.0, 0.05
     train, model_fn = _tiny_worker()
-    s = DiLoCo(**QUIET, merge="ties", dp_mode="local", dp_noise_multiplier=z, dp_clipping_norm=c)
+    s = DiLoCo(**QUIET, merge="ties", privacy=LocalDP(noise_multiplier=z, clipping_norm=c))
     res = s.start(
         grid=FakeGrid({"train": train}, num_nodes=2),
         initial_arrays=ArrayRecord(model_fn().state_dict()),
@@ -78,7 +78,7 @@ def test_local_dp_allows_every_rule_and_drops_replies_without_the_echo():
         assert m["replies-used"] == 2 and m["dp-noise-std"] == pytest.approx(z * c)
         # each site's own release: multiplier z / 2 (replace-one sensitivity 2 C)
         assert m["dp-epsilon"] == pytest.approx(flower_epsilon(z / 2, r, 1e-5, 1), rel=1e-12)
-    plain = DiLoCo(**QUIET, dp_mode="local", dp_noise_multiplier=z, dp_clipping_norm=c)
+    plain = DiLoCo(**QUIET, privacy=LocalDP(noise_multiplier=z, clipping_norm=c))
     res = start_run(plain, 2, 1)
     assert res.train_metrics_clientapp[1]["replies-rejected"] == 2  # no echo: not private
 
@@ -88,11 +88,11 @@ def test_lm_app_precheck_names_the_dp_key():
 
     app = Path(__file__).resolve().parents[1] / "simulations" / "isoloco_lm"
     (msg,) = precheck_app_config(app, {"strategy.dp-noise-multiplier": 1.0})
-    assert "'strategy.dp-noise-multiplier'" in msg and "needs dp_clipping_norm" in msg
+    assert "'strategy.dp-noise-multiplier'" in msg and "needs strategy.dp-clipping-norm" in msg
     ties = {"strategy.dp-noise-multiplier": 1.0, "strategy.dp-clipping-norm": 0.5}
     ties["strategy.merge"] = "ties"
     (msg,) = precheck_app_config(app, ties)
-    assert "'strategy.dp-clipping-norm'" in msg and "dp_mode='local'" in msg
+    assert "'strategy.dp-clipping-norm'" in msg and "LocalDP" in msg
     assert precheck_app_config(app, {**ties, "strategy.dp-mode": "local"}) == []
     (msg,) = precheck_app_config(app, {"strategy.dp-delta": 2.0})
     assert "'strategy.dp-delta'" in msg

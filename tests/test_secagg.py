@@ -16,7 +16,7 @@ from flwr.common import bytes_to_ndarray
 from flwr_isoloco.clients import make_diloco_train_handler
 from flwr_isoloco.models.llama import build_llama, llama_config
 from flwr_isoloco.secagg_mod import secagg_mod
-from flwr_isoloco.strategies import DiLoCo, IsoLoCo
+from flwr_isoloco.strategies import CentralDP, DiLoCo, IsoLoCo, LocalDP, ReplyChecks, Rounds
 from flwr_isoloco.strategies.diloco.secagg import CLIPPED_METRIC, SecAggSettings, use_secagg
 
 CFG = llama_config(vocab_size=32, hidden=16, layers=1, heads=2, max_seq_len=16)
@@ -101,7 +101,7 @@ def _federation(
 
 def _strategy(cls=DiLoCo, **kw):
     kw = {
-        "weighting": "uniform",
+        "checks": ReplyChecks(weighting="uniform"),
         "min_train_nodes": 3,
         "min_available_nodes": 3,
         "fraction_evaluate": 0.0,
@@ -209,12 +209,12 @@ def test_a_misweighted_reply_drops_the_round_with_a_reason_not_the_run(caplog):
 def test_options_that_need_single_replies_are_refused():
     for kw in (
         {"merge": "ties"},
-        {"weighting": "examples"},  # max_weight_ratio needs every weight
-        {"upload_codec": "topk"},
-        {"max_norm_ratio": 3.0},
+        {"checks": ReplyChecks(weighting="examples")},  # max_weight_ratio needs every weight
+        {"upload": "topk"},
+        {"checks": ReplyChecks(weighting="uniform", max_norm_ratio=3.0)},
         {"robust": "median"},
-        {"dp_clipping_norm": 1.0},
-        {"quorum": 2},
+        {"privacy": CentralDP(clipping_norm=1.0)},
+        {"rounds": Rounds(quorum=2)},
     ):
         with pytest.raises(ValueError, match="secure aggregation"):
             use_secagg(_strategy(**kw))
@@ -223,7 +223,10 @@ def test_options_that_need_single_replies_are_refused():
             use_secagg(_strategy(), **bad)
     with pytest.raises(ValueError, match="num_shares"):
         use_secagg(_strategy(), num_shares=2)  # Flower's own check
-    assert use_secagg(_strategy(weighting="examples", max_weight_ratio=0)).secagg is not None
+    assert (
+        use_secagg(_strategy(checks=ReplyChecks(weighting="examples", max_weight_ratio=0))).secagg
+        is not None
+    )
 
 
 def test_the_bound_follows_the_weights():
@@ -282,7 +285,7 @@ def test_local_dp_under_secagg_checks_each_echo_and_accounts():
     """Local DP composes with SecAgg+ (each worker noises its own delta; the server sees only
     the sum): the DP echo travels in each reply's clear metrics and is checked, and the
     accountant reports epsilon for the round."""
-    kw = {"dp_mode": "local", "dp_clipping_norm": 1.0, "dp_noise_multiplier": 0.5}
+    kw = {"privacy": LocalDP(clipping_norm=1.0, noise_multiplier=0.5)}
     rs, _, _, _ = _federation(_strategy(**kw), secagg=True, rounds=1)
     m = rs.train_metrics_clientapp[1]
     assert (m["replies-used"], m["replies-rejected"]) == (3, 0)

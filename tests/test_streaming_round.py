@@ -25,7 +25,7 @@ from flwr_isoloco.merging.round import RoundFold, RoundMerge
 from flwr_isoloco.merging.rules import MERGE_RULES
 from flwr_isoloco.merging.spill import SpillStore
 from flwr_isoloco.merging.streaming import OrderFreeMean
-from flwr_isoloco.strategies import DiLoCo, IsoLoCo
+from flwr_isoloco.strategies import DiLoCo, IsoLoCo, ReplyChecks, Rounds
 from flwr_isoloco.strategies.core.rounds import check_quorum, quorum_count
 
 torch.set_num_threads(1)
@@ -264,7 +264,7 @@ def test_quorum_closes_round_and_discards_the_late_reply(caplog):
     n = 4
     grid = FakeGrid(_client(), num_nodes=n)
     grid.set_delay(3, pulls=1)  # node 3 answers round 1 only at the second pull
-    strat = DiLoCo(**_quiet(quorum=3, grace_s=0.0, outer_lr=1.0, outer_momentum=0.0))
+    strat = DiLoCo(**_quiet(outer_lr=1.0, outer_momentum=0.0, rounds=Rounds(quorum=3, grace_s=0.0)))
     theta0 = _model()
     with caplog.at_level(logging.INFO):
         res = strat.start(grid=grid, initial_arrays=ArrayRecord(theta0), num_rounds=2)
@@ -289,7 +289,7 @@ def test_quorum_closes_round_and_discards_the_late_reply(caplog):
 def test_grace_window_waits_for_the_rest():
     grid = FakeGrid(_client(), num_nodes=4)
     grid.set_delay(2, pulls=3)
-    strat = DiLoCo(**_quiet(quorum=0.75, grace_s=30.0))
+    strat = DiLoCo(**_quiet(rounds=Rounds(quorum=0.75, grace_s=30.0)))
     res = strat.start(grid=grid, initial_arrays=ArrayRecord(_model()), num_rounds=1)
     m = res.train_metrics_clientapp[1]
     assert (m["replies-arrived"], m["replies-late"], m["replies-used"]) == (4, 0, 4)
@@ -301,7 +301,7 @@ def test_grace_window_waits_for_the_rest():
 def test_evaluation_round_has_a_quorum_too():
     grid = FakeGrid(_client(), num_nodes=3)
     grid.set_delay(1, pulls=5, times=2)  # train and evaluate message of round 1
-    strat = DiLoCo(**_quiet(quorum=2, grace_s=0.0))
+    strat = DiLoCo(**_quiet(rounds=Rounds(quorum=2, grace_s=0.0)))
     res = strat.start(grid=grid, initial_arrays=ArrayRecord(_model()), num_rounds=1)
     assert res.train_metrics_clientapp[1]["replies-late"] == 1
     ev = res.evaluate_metrics_clientapp[1]
@@ -320,7 +320,7 @@ def test_default_waits_for_everyone_until_the_timeout():
 def test_weight_reference_is_the_previous_rounds_median(caplog):
     weights = (1, 2, 3, 1000)
     grid = FakeGrid(_client(weights), num_nodes=4)
-    strat = DiLoCo(**_quiet(max_weight_ratio=2.0))
+    strat = DiLoCo(**_quiet(checks=ReplyChecks(max_weight_ratio=2.0)))
     with caplog.at_level(logging.WARNING):
         res = strat.start(grid=grid, initial_arrays=ArrayRecord(_model()), num_rounds=2)
     assert strat.weight_reference == statistics_median(weights)
@@ -384,7 +384,10 @@ def _peak(make, m: int, numel: int) -> tuple[int, int]:
         lambda: DiLoCo(**_quiet()),
         pytest.param(lambda: IsoLoCo(**_quiet()), marks=pytest.mark.slow),
         pytest.param(lambda: DiLoCo(**_quiet(merge="ties")), marks=pytest.mark.slow),
-        pytest.param(lambda: DiLoCo(**_quiet(max_norm_ratio=3.0)), marks=pytest.mark.slow),
+        pytest.param(
+            lambda: DiLoCo(**_quiet(checks=ReplyChecks(max_norm_ratio=3.0))),
+            marks=pytest.mark.slow,
+        ),
     ],
     ids=["diloco", "isoloco", "ties", "norm-ratio"],
 )

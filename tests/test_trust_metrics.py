@@ -12,7 +12,7 @@ from flwr.clientapp import ClientApp
 from test_lifecycle import init_model
 from test_secagg import _federation, _strategy
 
-from flwr_isoloco.strategies import DiLoCo
+from flwr_isoloco.strategies import DiLoCo, ReplyChecks
 
 torch.set_num_threads(1)
 
@@ -51,7 +51,12 @@ def test_train_loss_is_weighted_by_the_bounded_merge_weight():
 
 
 def test_train_loss_is_unweighted_under_uniform_weighting():
-    s = DiLoCo(min_train_nodes=3, min_available_nodes=3, fraction_evaluate=0.0, weighting="uniform")
+    s = DiLoCo(
+        min_train_nodes=3,
+        min_available_nodes=3,
+        fraction_evaluate=0.0,
+        checks=ReplyChecks(weighting="uniform"),
+    )
     assert _round_one(s, [10, 10, 10**6])["train-loss"] == pytest.approx(1.0)
 
 

@@ -16,7 +16,7 @@ from fakegrid import FakeGrid
 from flwr.app import ArrayRecord
 from test_lifecycle import init_model, plain_app
 
-from flwr_isoloco.strategies import DiLoCo
+from flwr_isoloco.strategies import DiLoCo, Rounds
 from flwr_isoloco.strategies.core.nodes import NodeWaitError
 
 torch.set_num_threads(1)
@@ -73,7 +73,12 @@ def test_a_dead_site_stops_the_run_with_the_reason_instead_of_waiting_for_ever()
 @pytest.mark.parametrize("quorum", [2, 0.6])
 def test_with_a_quorum_the_run_goes_on_with_the_connected_nodes(quorum):
     grid = FakeGrid(plain_app(), num_nodes=3)
-    s = DiLoCo(min_train_nodes=3, min_available_nodes=3, fraction_evaluate=0.0, quorum=quorum)
+    s = DiLoCo(
+        min_train_nodes=3,
+        min_available_nodes=3,
+        fraction_evaluate=0.0,
+        rounds=Rounds(quorum=quorum),
+    )
     res = _within_limit(lambda: _run(s, grid, 5, _site_dies_after(grid, 2, 3)))
     assert s.completed_rounds == 5
     assert [res.train_metrics_clientapp[r]["replies-used"] for r in range(1, 6)] == [3, 3, 3, 2, 2]
@@ -81,7 +86,9 @@ def test_with_a_quorum_the_run_goes_on_with_the_connected_nodes(quorum):
 
 def test_below_the_quorum_the_run_stops():
     grid = FakeGrid(plain_app(), num_nodes=3)
-    s = DiLoCo(min_train_nodes=3, min_available_nodes=3, fraction_evaluate=0.0, quorum=3)
+    s = DiLoCo(
+        min_train_nodes=3, min_available_nodes=3, fraction_evaluate=0.0, rounds=Rounds(quorum=3)
+    )
     with pytest.raises(NodeWaitError, match="the quorum 3 needs 3"):
         _within_limit(lambda: _run(s, grid, 5, _site_dies_after(grid, 2, 1)))
 

@@ -16,7 +16,7 @@ from test_lifecycle import init_model, plain_app
 
 from flwr_isoloco.checkpoint import load_checkpoint, save_checkpoint
 from flwr_isoloco.checkpoint_spec import CheckpointError
-from flwr_isoloco.strategies import DiLoCo, GossipLoRA
+from flwr_isoloco.strategies import AdaptiveClipping, CentralDP, DiLoCo, GossipLoRA, Rounds
 from flwr_isoloco.strategies.core.guard import NoProgressError
 
 torch.set_num_threads(1)
@@ -64,11 +64,11 @@ def test_diloco_checkpoints_its_empty_round_streak(tmp_path):
         return g
 
     kw = dict(min_train_nodes=1, min_available_nodes=1, fraction_evaluate=0.0)
-    first = DiLoCo(max_empty_rounds=3, **kw)
+    first = DiLoCo(**kw, rounds=Rounds(max_empty_rounds=3))
     _start(first, dead_grid(), 2, init_model())
     state = _through_file(first, tmp_path)
     assert state["meta"]["empty_streak"] == 2
-    second = DiLoCo(max_empty_rounds=3, **kw)
+    second = DiLoCo(**kw, rounds=Rounds(max_empty_rounds=3))
     second.load_state_dict(state)
     with pytest.raises(NoProgressError, match="3 consecutive rounds"):
         _start(second, dead_grid(), 5, init_model())
@@ -177,11 +177,12 @@ def test_skip_restores_the_adaptive_clipping_norm():
         min_train_nodes=1,
         min_available_nodes=1,
         fraction_evaluate=0.0,
-        dp_clipping_norm=0.05,  # every update is clipped: C grows each released round
-        dp_noise_multiplier=0.5,
-        dp_adaptive_quantile=0.5,
-        dp_clip_count_std=1.0,
-        dp_seed=0,
+        privacy=CentralDP(
+            noise_multiplier=0.5,
+            clipping_norm=0.05,  # every update is clipped: C grows each released round
+            seed=0,
+            adaptive=AdaptiveClipping(quantile=0.5, count_std=1.0),
+        ),
     )
     s = DiLoCo(**kw)
     s.set_divergence_guard("skip")

@@ -41,6 +41,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common.py
 import common  # noqa: E402
 
+from flwr_isoloco.strategies import Codec
+
 REPO = common.REPO
 common.on_path("", "simulations/isoloco_lm", "tests")
 RESULTS = common.RESULTS
@@ -88,9 +90,7 @@ def _strategy(name: str, codec: str, options: dict, ef: bool, seed: int, m: int)
         fraction_evaluate=0.0,
         min_evaluate_nodes=0,
         seed=seed,
-        upload_codec=codec,
-        codec_options=options,
-        error_feedback=ef,
+        upload=Codec(codec, error_feedback=ef, **(options or {})),
     )
 
 

@@ -28,6 +28,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common.py
 import common  # noqa: E402
 
+from flwr_isoloco.strategies import Rounds
+
 HERE = Path(__file__).resolve().parent
 SETTINGS: dict = {}
 RESULT: dict = {}
@@ -65,8 +67,7 @@ def _strategy(quorum, grace_s: float):
         min_available_nodes=n,
         min_train_nodes=n,
         fraction_evaluate=0.0,
-        quorum=quorum,
-        grace_s=grace_s,
+        rounds=Rounds(quorum=quorum, grace_s=grace_s),
     )
 
 

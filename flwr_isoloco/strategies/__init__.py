@@ -6,7 +6,9 @@ global round numbers and an ``on_round_end`` hook). Three sub-packages, one per 
   ``ledger``), rounds with a quorum (``rounds``), node waiting (``nodes``), evaluation, metrics,
   the empty-round and divergence guards.
 - ``diloco/``: :class:`DiLoCo`, :class:`IsoLoCo` (merge pseudo-gradients + outer optimiser),
-  their train round, run-config section, checkpoint state, central/local DP and SecAgg+.
+  their settings objects (:class:`ReplyChecks`, :class:`Rounds`, :class:`Codec`,
+  :class:`Divergence`, the robust rules, :class:`CentralDP` / :class:`LocalDP`), train round,
+  run-config section, checkpoint state, DP and SecAgg+.
 - ``graph/``: :class:`RWLoRA` (one adapter walks the client graph, one node per round) and
   :class:`GossipLoRA` (decentralised-SGD baseline with Metropolis mixing).
 
@@ -15,7 +17,8 @@ global round numbers and an ``on_round_end`` hook). Three sub-packages, one per 
 
 from flwr_isoloco.strategies.core.lifecycle import ResumableStrategy, RoundOutcome
 from flwr_isoloco.strategies.core.nodes import NodeWaitError, wait_for_nodes
-from flwr_isoloco.strategies.diloco import DiLoCo, IsoLoCo
+from flwr_isoloco.strategies.diloco import DiLoCo, IsoLoCo, settings
+from flwr_isoloco.strategies.diloco.settings import *  # noqa: F403 (settings.__all__)
 from flwr_isoloco.strategies.graph import GossipLoRA, RWLoRA
 
 __all__ = [
@@ -27,4 +30,5 @@ __all__ = [
     "ResumableStrategy",
     "RoundOutcome",
     "wait_for_nodes",
+    *settings.__all__,
 ]

@@ -25,6 +25,20 @@ from flwr_isoloco.strategies.core.divergence import DEFAULT_DIVERGENCE_FACTOR, D
 from flwr_isoloco.strategies.core.evaluation import check_count, check_fraction
 from flwr_isoloco.strategies.core.replies import PAYLOADS
 from flwr_isoloco.strategies.core.rounds import quorum_arg
+from flwr_isoloco.strategies.diloco.settings import (
+    DEFAULT_MAX_WEIGHT_RATIO,
+    DTYPE_POLICIES,
+    WEIGHTINGS,
+    AdaptiveClipping,
+    CentralDP,
+    Codec,
+    Divergence,
+    DPSettings,
+    LocalDP,
+    ReplyChecks,
+    Rounds,
+    as_robust,
+)
 
 __all__ = [
     "DILOCO_RUN_CONFIG",
@@ -36,9 +50,6 @@ __all__ = [
 ]
 
 ORTHOGONALIZE = ("gradient", "update")
-WEIGHTINGS = ("examples", "uniform")
-DEFAULT_MAX_WEIGHT_RATIO = 5.0
-"""No reply's weight counts for more than 5 x the round's median weight (docs/strategies.md)."""
 APP_KEYS = ("name", "timeout", "round-timeout")
 """``strategy.*`` keys that belong to the app, not to the strategy (ignored here)."""
 
@@ -171,7 +182,7 @@ RUN_CONFIG_CHECKS: dict[str, Any] = {
     "orthogonalize": choices(*ORTHOGONALIZE),
     "weighting": choices(*WEIGHTINGS),
     "client-sends": choices(*PAYLOADS),
-    "dtype-policy": choices("cast", "reject"),
+    "dtype-policy": choices(*DTYPE_POLICIES),
     "upload-codec": choices(*CODECS),
     "codec-values": choices("fp32", "int8"),
     "codec-block-size": in_range(1, 1 << 20),
@@ -233,7 +244,8 @@ def read_section(
 
 
 def section_kwargs(c: Mapping[str, Any]) -> dict[str, Any]:
-    """DiLoCo constructor arguments from a validated section ``c`` (every key present).
+    """DiLoCo constructor arguments from a validated section ``c`` (every key present): the one
+    mapping from run-config keys to arguments and settings objects.
 
     Merge options at -1 / "" are left to the rule; norm bounds at 0 are off (None).
     """
@@ -242,6 +254,7 @@ def section_kwargs(c: Mapping[str, Any]) -> dict[str, Any]:
         v = c[key]
         if (isinstance(v, str) and v != "") or (not isinstance(v, str) and v >= 0):
             options[opt] = v
+    upload = c["upload-codec"]
     return dict(
         merge=c["merge"],
         merge_options=options,
@@ -249,39 +262,61 @@ def section_kwargs(c: Mapping[str, Any]) -> dict[str, Any]:
         outer_momentum=c["outer-momentum"],
         nesterov=c["nesterov"],
         orthogonalize=c["orthogonalize"],
-        weighting=c["weighting"],
-        client_sends=c["client-sends"],
         fraction_train=c["fraction-train"],
         fraction_evaluate=c["fraction-evaluate"],
         min_train_nodes=c["min-train-nodes"],
         min_evaluate_nodes=c["min-evaluate-nodes"],
         min_available_nodes=c["min-available-nodes"],
-        max_update_norm=c["max-update-norm"] or None,
-        max_norm_ratio=c["max-norm-ratio"] or None,
-        max_weight_ratio=c["max-weight-ratio"],
-        max_empty_rounds=c["max-empty-rounds"],
-        dtype_policy=c["dtype-policy"],
         seed=c["seed"],
-        upload_codec=c["upload-codec"],
-        codec_options=codec_options(c),
-        error_feedback=c["error-feedback"],
-        on_divergence=c["on-divergence"],
-        divergence_factor=c["divergence-factor"],
-        quorum=quorum_arg(c["quorum"]),
-        grace_s=c["grace-s"],
         merge_device=c["merge-device"],
-        dp_noise_multiplier=c["dp-noise-multiplier"] or None,
-        dp_clipping_norm=c["dp-clipping-norm"] or None,
-        dp_delta=float(c["dp-delta"]),
-        dp_max_epsilon=c["dp-max-epsilon"] or None,
-        dp_mode=c["dp-mode"],
-        dp_adaptive_quantile=c["dp-adaptive-quantile"] or None,
-        dp_clip_lr=c["dp-clip-lr"],
-        dp_clip_count_std=c["dp-clip-count-std"] or None,
-        robust=c["robust"],
-        robust_options=robust_options(c),
         buffers=c["buffers"],
+        checks=ReplyChecks(
+            weighting=c["weighting"],
+            client_sends=c["client-sends"],
+            max_update_norm=c["max-update-norm"] or None,
+            max_norm_ratio=c["max-norm-ratio"] or None,
+            max_weight_ratio=c["max-weight-ratio"],
+            dtype_policy=c["dtype-policy"],
+        ),
+        rounds=Rounds(quorum_arg(c["quorum"]), c["grace-s"], c["max-empty-rounds"]),
+        upload=None
+        if upload == "none"
+        else Codec(upload, error_feedback=c["error-feedback"], **codec_options(c)),
+        divergence=Divergence(c["on-divergence"], c["divergence-factor"]),
+        robust=as_robust(c["robust"], robust_options(c)),
+        privacy=section_privacy(c),
     )
+
+
+def section_privacy(c: Mapping[str, Any]) -> DPSettings | None:
+    """The ``dp-*`` keys as :class:`CentralDP` / :class:`LocalDP`; clipping norm 0: DP off (then
+    a noise multiplier or max epsilon is refused, as the constructor refused them alone)."""
+    z, clip, max_eps = c["dp-noise-multiplier"], c["dp-clipping-norm"], c["dp-max-epsilon"]
+    quantile = c["dp-adaptive-quantile"]
+    if not clip:
+        given = [
+            k for k in ("dp-noise-multiplier", "dp-max-epsilon", "dp-adaptive-quantile") if c[k]
+        ]
+        if given:
+            raise ValueError(
+                f"strategy.{' and strategy.'.join(given)} {'needs' if len(given) == 1 else 'need'}"
+                " strategy.dp-clipping-norm > 0 (the sensitivity C)"
+            )
+        return None
+    common = dict(
+        clipping_norm=clip,
+        noise_multiplier=z,
+        delta=float(c["dp-delta"]),
+        max_epsilon=max_eps or None,
+    )
+    if c["dp-mode"] == "local":
+        if quantile:
+            raise ValueError("strategy.dp-adaptive-quantile needs strategy.dp-mode 'central'")
+        return LocalDP(**common)
+    adaptive = None
+    if quantile:
+        adaptive = AdaptiveClipping(quantile, c["dp-clip-count-std"] or None, c["dp-clip-lr"])
+    return CentralDP(**common, adaptive=adaptive)
 
 
 def robust_options(c: Mapping[str, Any]) -> dict[str, Any]:
@@ -297,28 +332,34 @@ def robust_options(c: Mapping[str, Any]) -> dict[str, Any]:
     return {o: c[k] for o, k in keys.items() if o in allowed and c[k] != -1}
 
 
-def _is_number(v: object) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+SETTINGS_TYPES = {
+    "checks": (ReplyChecks,),
+    "rounds": (Rounds,),
+    "divergence": (Divergence,),
+    "privacy": (CentralDP, LocalDP, type(None)),
+}
+"""The settings arguments that take exactly one kind of object (``upload`` and ``robust`` also
+take a name)."""
 
 
 def check_arguments(**args: Any) -> None:
-    """``ValueError`` naming the first constructor argument out of its range or choices."""
+    """``ValueError`` naming the first constructor argument out of its range, choices or type
+    (the settings objects checked their own fields when built)."""
     for name in ("fraction_train", "fraction_evaluate"):
         check_fraction(name, args[name])
     for name in ("min_train_nodes", "min_evaluate_nodes", "min_available_nodes"):
         check_count(name, args[name])
-    for name, allowed in (
-        ("orthogonalize", ORTHOGONALIZE),
-        ("weighting", WEIGHTINGS),
-        ("client_sends", PAYLOADS),
-    ):
-        if args[name] not in allowed:
-            raise ValueError(f"{name} must be one of {allowed}, got {args[name]!r}")
-    seed, ratio = args["seed"], args["max_weight_ratio"]
+    if args["orthogonalize"] not in ORTHOGONALIZE:
+        raise ValueError(
+            f"orthogonalize must be one of {ORTHOGONALIZE}, got {args['orthogonalize']!r}"
+        )
+    seed = args["seed"]
     if not isinstance(seed, int) or isinstance(seed, bool):
         raise ValueError(f"seed must be an int, got {seed!r}")
-    if ratio is not None and not (_is_number(ratio) and (ratio == 0 or ratio >= 1)):
-        raise ValueError(f"max_weight_ratio must be >= 1, or 0/None for off, got {ratio!r}")
+    for name, types in SETTINGS_TYPES.items():
+        if not isinstance(args[name], types):
+            want = " or ".join("None" if t is type(None) else t.__name__ for t in types)
+            raise ValueError(f"{name} must be a {want}, got {args[name]!r}")
 
 
 class FromRunConfig:

@@ -33,7 +33,6 @@ from flwr.serverapp import Grid
 from flwr_isoloco.compression import payload_nbytes, request_config
 from flwr_isoloco.merging import resolve_device
 from flwr_isoloco.merging.buffers import check_buffers_spec
-from flwr_isoloco.strategies.core.divergence import DEFAULT_DIVERGENCE_FACTOR
 from flwr_isoloco.strategies.core.evaluation import aggregate_metrics, evaluation_round
 from flwr_isoloco.strategies.core.guard import EmptyRoundGuard
 from flwr_isoloco.strategies.core.ledger import SentLedger
@@ -42,15 +41,23 @@ from flwr_isoloco.strategies.core.nodes import DEFAULT_NODE_WAIT_S, nodes_for_ro
 from flwr_isoloco.strategies.core.replies import CheckedReply
 from flwr_isoloco.strategies.core.rounds import ReplyStream, check_quorum
 from flwr_isoloco.strategies.diloco.config import (
-    DEFAULT_MAX_WEIGHT_RATIO,
     DILOCO_RUN_CONFIG,
     ISOLOCO_RUN_CONFIG,
     FromRunConfig,
     check_arguments,
 )
-from flwr_isoloco.strategies.diloco.privacy import DEFAULT_CLIP_LR, DEFAULT_DP_DELTA, StrategyDP
+from flwr_isoloco.strategies.diloco.privacy import StrategyDP
+from flwr_isoloco.strategies.diloco.settings import (
+    Codec,
+    Divergence,
+    DPSettings,
+    ReplyChecks,
+    Robust,
+    Rounds,
+    as_codec,
+    as_robust,
+)
 from flwr_isoloco.strategies.diloco.setup import (
-    DP_ARGUMENTS,
     PLAIN_ARGUMENTS,
     buffer_keys,
     outer_optimizer,
@@ -66,96 +73,44 @@ __all__ = ["DiLoCo", "DILOCO_RUN_CONFIG", "ISOLOCO_RUN_CONFIG"]
 class DiLoCo(FromRunConfig, DiLoCoState, ResumableStrategy):
     """DiLoCo: merge the nodes' pseudo-gradients, then an outer SGD/Nesterov step.
 
-    Parameters (keyword-only; the first ten are FedAvg's)
+    Parameters (keyword-only)
     ----------
     fraction_train, fraction_evaluate, min_train_nodes, min_evaluate_nodes,
-    min_available_nodes, weighted_by_key, arrayrecord_key, configrecord_key :
-        As in ``flwr.serverapp.strategy.FedAvg``.
+    min_available_nodes, weighted_by_key, arrayrecord_key, configrecord_key,
     train_metrics_aggr_fn, evaluate_metrics_aggr_fn :
-        Optional ``fn(list[RecordDict], weighted_by_key) -> MetricRecord`` for client metrics
-        (default: weighted mean of every scalar metric over the valid replies).
-    merge : str or MergeRule
-        Merge rule for ``g`` (a name from ``flwr_isoloco.merging.MERGE_RULES``).
-    merge_options : dict
-        Options for the rule (``prune_fraction``, ``drop_rate``, ``common_fraction``,
-        ``ns_steps``, ``spectral_pattern``...). DARE's ``seed`` is derived per round from
-        ``seed`` unless given.
+        As in ``flwr.serverapp.strategy.FedAvg`` (client metrics: weighted mean by default).
+    merge, merge_options :
+        The rule for ``g`` (a name in ``flwr_isoloco.merging.MERGE_RULES`` or a MergeRule) and
+        its options (``prune_fraction``, ``drop_rate``, ``ns_steps``...; DARE's seed from ``seed``).
     outer_lr, outer_momentum, nesterov :
-        Outer optimiser ``lr``, ``mu`` and Nesterov switch (ignored when ``mu = 0``).
-    orthogonalize : "gradient" | "update"
-        ``"gradient"``: the rule merges ``g``. ``"update"``: ``g`` is the weighted mean and the
-        rule (``iso_c`` or ``iso_c_ns``) is applied to the outer update ``u`` after momentum.
-    weighting : "examples" | "uniform"
-        ``w_i = num-examples_i`` or ``w_i = 1``.
-    client_sends : "weights" | "delta"
-        What clients reply by default (a reply's ConfigRecord ``payload`` overrides it).
-    max_update_norm, max_norm_ratio :
-        Optional bounds on ``||delta_i||_2`` (absolute; relative to the median of the others).
-    max_weight_ratio : float
-        Each reply's weight is clipped to ``max_weight_ratio x`` the round's median weight
-        (default 5; ``0`` or ``None`` = off), so no one site owns the merge.
-    max_empty_rounds : int
-        Stop with :class:`~flwr_isoloco.strategies.core.guard.NoProgressError` when this many
-        consecutive rounds used no reply (default 3; ``0`` = never).
-    dtype_policy : "cast" | "reject"
-        What to do with a reply array of another floating dtype.
+        The outer optimiser's ``lr``, ``mu`` and Nesterov switch (ignored when ``mu = 0``).
     seed : int
         Seed for node sampling and DARE masks.
-    upload_codec, codec_options, error_feedback :
-        Ask workers to upload their delta compressed (``"int8"``, ``"fp8"``, ``"topk"``; None or
-        ``"none"``: plain replies) with these options (``block_size``, ``fraction``, ``values``,
-        ``min_dims``) and error feedback; see :mod:`flwr_isoloco.compression`. Compressed
-        replies are decoded before validation; plain fp32 replies stay accepted.
-    on_divergence, divergence_factor, divergence_key :
-        The divergence guard (:mod:`~flwr_isoloco.strategies.core.divergence`): ``"warn"``
-        (default) | ``"skip"`` | ``"stop"`` when the ``evaluate_fn`` loss is non-finite,
-        above ``divergence_factor`` (default 1.5; 0 = non-finite only) x the previous round's,
-        or above 1.5 x the best so far (a slow collapse; ``collapse_factor`` of
-        ``set_divergence_guard``).
-    merge_device : "auto" | "cpu" | "cuda" | "cuda:<index>"
-        Where the server merge computes (:func:`~flwr_isoloco.merging.resolve_device`):
-        ``"auto"`` (default) is CUDA where ``torch.cuda.is_available()``, else the CPU. The
-        model and every result stay on the CPU; one tensor's slices move at a time. A CUDA
-        device that is not there is refused here, at construction.
-    dp_noise_multiplier, dp_clipping_norm, dp_delta, dp_max_epsilon :
-        Central DP (:mod:`~flwr_isoloco.strategies.diloco.privacy`): each pseudo-
-        gradient clipped to L2 norm ``C = dp_clipping_norm`` (None: off), weights uniform,
-        ``N(0, (z C)^2)`` with ``z = dp_noise_multiplier`` added to the sum before the outer
-        step, divided by the number of nodes sampled. Epsilon at ``dp_delta`` (default 1e-5)
-        is the ``dp-epsilon`` metric; a round that would pass ``dp_max_epsilon`` is not sent
-        (``PrivacyBudgetExhausted``). Mean-based rules only (mean, Iso-C), no ``max_norm_ratio``.
-    dp_seed : int or None
-        Key of the DP noise, drawn per ``(key, round, tensor, attempt)``. None (default): a
-        secret key from the OS, kept in the checkpoint (resume draws the same noise; a round
-        redone after a crash draws new noise, and resuming needs the DP journal:
-        ``strategy.dp.attach_journal(path)``, :mod:`~flwr_isoloco.strategies.diloco.dp_journal`). An
-        int makes the noise reproducible, and removable by anyone who knows it: tests only.
-    dp_mode : "central" | "local"
-        ``"local"``: each worker clips its delta to ``C`` and adds ``N(0, (z C)^2)`` itself,
-        before compression and error feedback (the DiLoCo worker does when the train config
-        asks); every merge rule and option is then allowed, replies without the echo are
-        dropped, and ``dp-epsilon`` is each site's own (multiplier ``z / 2``: replace-one).
-    dp_adaptive_quantile, dp_clip_lr, dp_clip_count_std :
-        Adaptive clipping (central DP with noise; Andrew et al. 2021): ``dp_clipping_norm`` is
-        the initial ``C``, moved after each round towards the ``dp_adaptive_quantile`` quantile
-        of the update norms, ``C <- C exp(-dp_clip_lr (b - q))``, ``b`` the unclipped fraction
-        noised with std ``dp_clip_count_std`` (required, ``> z / 2``). ``z`` stays the
-        accounted multiplier; the update sum gets ``(z^-2 - (2 dp_clip_count_std)^-2)^-1/2``.
-    robust, robust_options :
-        Robust aggregation of the pseudo-gradients, replacing the mean before the rule (Iso-C)
-        and the outer step (:mod:`flwr_isoloco.merging.robust`): ``"none"`` (default),
-        ``"median"``, ``"trimmed-mean"`` (option ``trim``, default 0.25), ``"krum"`` (``f``),
-        ``"multikrum"`` (``f``, ``select``), ``"norm-clip"`` (to the round's median norm),
-        ``"distance-filter"`` (``factor``, default 2: leaves out updates farther from the
-        coordinate-wise median than ``factor x`` the median such distance).
+    orthogonalize : "gradient" | "update"
+        The rule merges ``g``; or ``g`` is the weighted mean and the rule (``iso_c``,
+        ``iso_c_ns``) applies to the outer update ``u`` after momentum.
     buffers : "auto" | "none" | regex | names | callable | nn.Module
-        The float tensors that are not trained by gradients (BatchNorm running statistics):
-        merged as FedAvg merges them, ``theta_b <- sum_i w_i theta_b,i / sum_i w_i`` (the
-        round's merge weights; no merge rule, no outer step, no momentum); the outer step owns
-        the rest. ``"auto"`` (default): names ending in ``running_*`` / ``moving_*`` and the
-        like (:mod:`flwr_isoloco.merging.buffers`); ``"none"``: every float tensor is a
-        parameter; a regex, a list of names, ``fn(name, tensor) -> bool`` or a module whose
-        ``named_buffers()`` they are. Under central DP they are in the clipped, noised delta.
+        Float tensors not trained by gradients (BatchNorm statistics), merged as FedAvg does
+        (weighted mean; no rule, no outer step); ``"auto"``: ``running_*`` and the like.
+    merge_device : "auto" | "cpu" | "cuda" | "cuda:<index>"
+        Where the merge computes (``"auto"``: CUDA if available); results stay on the CPU.
+    checks : ReplyChecks
+        Weighting, default payload, norm and weight bounds, dtype policy of the replies.
+    rounds : Rounds
+        Quorum and grace window of a round; consecutive empty rounds before a stop.
+    upload : Codec | str | None
+        The codec workers compress their delta with (``"int8"``, ``"topk"``...; None: plain).
+    divergence : Divergence
+        What a round that makes the ``evaluate_fn`` loss blow up does (``"warn"`` by default).
+    robust : Robust | str | None
+        Robust aggregation in place of the mean: ``Median()``, ``TrimmedMean(trim)``,
+        ``Krum(f)``, ``MultiKrum(f, select)``, ``NormClip()``, ``DistanceFilter(factor)``.
+    privacy : CentralDP | LocalDP | None
+        Differential privacy (clip to ``C``, Gaussian noise, epsilon accounting).
+
+    The settings classes are in :mod:`flwr_isoloco.strategies.diloco.settings`; combinations
+    that cannot hold (central DP with a robust rule or a rule that needs every delta, ...) are
+    refused here. ``DiLoCo(merge="mean", outer_lr=1.0, outer_momentum=0.0)`` is FedAvg.
     """
 
     secagg: Any = None
@@ -179,48 +134,34 @@ class DiLoCo(FromRunConfig, DiLoCoState, ResumableStrategy):
         outer_lr: float = 0.7,
         outer_momentum: float = 0.9,
         nesterov: bool = True,
-        orthogonalize: str = "gradient",
-        weighting: str = "examples",
-        client_sends: str = "weights",
-        max_update_norm: float | None = None,
-        max_norm_ratio: float | None = None,
-        max_weight_ratio: float | None = DEFAULT_MAX_WEIGHT_RATIO,
-        max_empty_rounds: int = 3,
-        dtype_policy: str = "cast",
         seed: int = 0,
-        upload_codec: str | None = None,
-        codec_options: Mapping[str, Any] | None = None,
-        error_feedback: bool = True,
-        quorum: float | int | None = None,
-        grace_s: float = 0.0,
-        on_divergence: str = "warn",
-        divergence_factor: float = DEFAULT_DIVERGENCE_FACTOR,
-        divergence_key: str | None = None,
-        merge_device: str = "auto",
-        dp_noise_multiplier: float | None = None,
-        dp_clipping_norm: float | None = None,
-        dp_delta: float = DEFAULT_DP_DELTA,
-        dp_max_epsilon: float | None = None,
-        dp_seed: int | None = None,
-        dp_mode: str = "central",
-        dp_adaptive_quantile: float | None = None,
-        dp_clip_lr: float = DEFAULT_CLIP_LR,
-        dp_clip_count_std: float | None = None,
-        robust: str | None = "none",
-        robust_options: Mapping[str, Any] | None = None,
+        orthogonalize: str = "gradient",
         buffers: Any = "auto",
+        merge_device: str = "auto",
+        checks: ReplyChecks = ReplyChecks(),  # noqa: B008 (frozen)
+        rounds: Rounds = Rounds(),  # noqa: B008 (frozen)
+        upload: Codec | str | None = None,
+        divergence: Divergence = Divergence(),  # noqa: B008 (frozen)
+        robust: Robust | str | None = None,
+        privacy: DPSettings | None = None,
     ) -> None:
         args = dict(locals())  # every argument by name, for the checks and setters below
-        self.quorum, self.grace_s = check_quorum(quorum, grace_s)
+        check_arguments(**args)  # fractions, node counts, orthogonalize, seed, settings types
+        self.checks, self.rounds, self.divergence = checks, rounds, divergence
+        self.upload, self.privacy = as_codec(upload), privacy
+        self.quorum, self.grace_s = check_quorum(rounds.quorum, rounds.grace_s)
         self.merge_device = resolve_device(merge_device)  # ValueError: e.g. "cuda" without a GPU
-        self.set_divergence_guard(on_divergence, divergence_factor, divergence_key)
-        check_arguments(**args)  # fractions, node counts, choices, seed, max_weight_ratio
-        self.max_weight_ratio = float(max_weight_ratio or 0.0)
-        self._guard = EmptyRoundGuard(max_empty_rounds, "aggregate_train")
-        setup_merge(self, merge, merge_options, orthogonalize, seed, robust, robust_options)
+        d = divergence
+        self.set_divergence_guard(d.on_divergence, d.factor, d.key, d.collapse_factor)
+        self.max_weight_ratio = float(checks.max_weight_ratio or 0.0)
+        self._guard = EmptyRoundGuard(rounds.max_empty_rounds, "aggregate_train")
+        setup_merge(self, merge, merge_options, orthogonalize, seed, as_robust(robust))
         self.buffers = check_buffers_spec(buffers)  # float tensors the outer step does not own
-        self.codec_request = request_config(upload_codec, codec_options, error_feedback)  # checks
-        self.upload_codec = upload_codec or "none"
+        u = self.upload
+        self.codec_request = (
+            {} if u is None else request_config(u.name, u.options, u.error_feedback)
+        )
+        self.upload_codec = "none" if u is None else u.name
         self._bytes_down = 0
         self.fraction_train = float(fraction_train)
         self.fraction_evaluate = float(fraction_evaluate)
@@ -228,12 +169,11 @@ class DiLoCo(FromRunConfig, DiLoCoState, ResumableStrategy):
         self.min_evaluate_nodes = 0 if fraction_evaluate == 0 else min_evaluate_nodes
         for name in PLAIN_ARGUMENTS:  # weighted_by_key, the record keys, seed...: as given
             setattr(self, name, args[name])
+        self.weighting, self.client_sends = checks.weighting, checks.client_sends
         self.outer = outer_optimizer(outer_lr, outer_momentum, nesterov)
-        self.train_validator, self.eval_validator = validators(
-            self, dtype_policy, max_update_norm, max_norm_ratio
-        )
+        self.train_validator, self.eval_validator = validators(self, checks)
         self._reset_bookkeeping(seed)
-        self.dp = StrategyDP(*(args[name] for name in DP_ARGUMENTS))
+        self.dp = StrategyDP(privacy)
         self.dp.check_strategy(self)  # refuses rules / options DP cannot bound; weights uniform
 
     def _reset_bookkeeping(self, seed: int) -> None:

@@ -7,23 +7,17 @@ is the repository's ``docs/algorithms.md`` ("Algorithms") 3 and 3.1, the choice 
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from logging import WARNING
 from typing import Any
 
-from flwr.app import MetricRecord, RecordDict
 from flwr.common.logger import log
 
 from flwr_isoloco.outer import ISOLOCO_PRESETS, nesterov_step_limit, resolve_preset
-from flwr_isoloco.strategies.core.divergence import DEFAULT_DIVERGENCE_FACTOR
-from flwr_isoloco.strategies.diloco.config import DEFAULT_MAX_WEIGHT_RATIO, ISOLOCO_RUN_CONFIG
+from flwr_isoloco.strategies.diloco.config import ISOLOCO_RUN_CONFIG
 from flwr_isoloco.strategies.diloco.diloco import DiLoCo
-from flwr_isoloco.strategies.diloco.privacy import DEFAULT_CLIP_LR, DEFAULT_DP_DELTA
 
 __all__ = ["IsoLoCo", "ISOLOCO_PRESETS"]
-
-_DILOCO_ARGUMENTS = tuple(inspect.signature(DiLoCo.__init__).parameters)[1:]
-"""DiLoCo's constructor arguments (after ``self``), each passed on by name."""
 
 
 class IsoLoCo(DiLoCo):
@@ -34,7 +28,7 @@ class IsoLoCo(DiLoCo):
     (``"isoloco-paper"``: ``mean(s) U V^T``); then the outer Nesterov step
     ``theta <- theta - lr u``.
 
-    Parameters (keyword-only; as :class:`DiLoCo`, plus ``preset`` and ``fast``)
+    Parameters (keyword-only): ``preset`` and ``fast``, then every :class:`DiLoCo` argument.
     ----------
     preset : "dropin" | "isoloco-paper"
         Where ``merge``, ``outer_lr``, ``outer_momentum`` and ``nesterov`` come from when not
@@ -48,22 +42,11 @@ class IsoLoCo(DiLoCo):
         Merge with ``iso_c_ns``, Iso-C by Newton-Schulz: the fast form of the
         ``"isoloco-paper"`` preset's ``iso_c``. Under ``"dropin"`` (whose rule has no
         Newton-Schulz form) a ``ValueError``, not a silent change of rule.
-    fraction_train, fraction_evaluate, min_train_nodes, min_evaluate_nodes,
-    min_available_nodes, weighted_by_key, arrayrecord_key, configrecord_key,
-    train_metrics_aggr_fn, evaluate_metrics_aggr_fn :
-        As in ``flwr.serverapp.strategy.FedAvg``.
     merge, outer_lr, outer_momentum, nesterov :
-        As in :class:`DiLoCo`; ``None`` means "the preset's value" (``merge`` with
+        As in :class:`DiLoCo`; ``None`` (default) means "the preset's value" (``merge`` with
         ``orthogonalize="update"``: ``iso_c``).
-    merge_options :
-        As in :class:`DiLoCo`.
-    orthogonalize, weighting, client_sends, max_update_norm, max_norm_ratio,
-    max_weight_ratio, max_empty_rounds, dtype_policy, seed, upload_codec, codec_options,
-    error_feedback, quorum, grace_s, on_divergence, divergence_factor, divergence_key,
-    merge_device, dp_noise_multiplier, dp_clipping_norm, dp_delta, dp_max_epsilon, dp_seed,
-    dp_mode, dp_adaptive_quantile, dp_clip_lr, dp_clip_count_std, robust, robust_options,
-    buffers :
-        As in :class:`DiLoCo`.
+    **kwargs :
+        The other arguments of :class:`DiLoCo`, passed on as given.
     """
 
     RUN_CONFIG_DEFAULTS = {**ISOLOCO_RUN_CONFIG, "fast": False}
@@ -73,54 +56,14 @@ class IsoLoCo(DiLoCo):
         *,
         preset: str = "dropin",
         fast: bool = False,
-        fraction_train: float = 1.0,
-        fraction_evaluate: float = 1.0,
-        min_train_nodes: int = 2,
-        min_evaluate_nodes: int = 2,
-        min_available_nodes: int = 2,
-        weighted_by_key: str = "num-examples",
-        arrayrecord_key: str = "arrays",
-        configrecord_key: str = "config",
-        train_metrics_aggr_fn: Callable[[list[RecordDict], str], MetricRecord] | None = None,
-        evaluate_metrics_aggr_fn: Callable[[list[RecordDict], str], MetricRecord] | None = None,
         merge: Any = None,
-        merge_options: Mapping[str, Any] | None = None,
         outer_lr: float | None = None,
         outer_momentum: float | None = None,
         nesterov: bool | None = None,
-        orthogonalize: str = "gradient",
-        weighting: str = "examples",
-        client_sends: str = "weights",
-        max_update_norm: float | None = None,
-        max_norm_ratio: float | None = None,
-        max_weight_ratio: float | None = DEFAULT_MAX_WEIGHT_RATIO,
-        max_empty_rounds: int = 3,
-        dtype_policy: str = "cast",
-        seed: int = 0,
-        upload_codec: str | None = None,
-        codec_options: Mapping[str, Any] | None = None,
-        error_feedback: bool = True,
-        quorum: float | int | None = None,
-        grace_s: float = 0.0,
-        on_divergence: str = "warn",
-        divergence_factor: float = DEFAULT_DIVERGENCE_FACTOR,
-        divergence_key: str | None = None,
-        merge_device: str = "auto",
-        dp_noise_multiplier: float | None = None,
-        dp_clipping_norm: float | None = None,
-        dp_delta: float = DEFAULT_DP_DELTA,
-        dp_max_epsilon: float | None = None,
-        dp_seed: int | None = None,
-        dp_mode: str = "central",
-        dp_adaptive_quantile: float | None = None,
-        dp_clip_lr: float = DEFAULT_CLIP_LR,
-        dp_clip_count_std: float | None = None,
-        robust: str | None = "none",
-        robust_options: Mapping[str, Any] | None = None,
-        buffers: Any = "auto",
+        **kwargs: Any,
     ) -> None:
-        args = dict(locals())  # the arguments by name: DiLoCo's, plus preset and fast
         p = resolve_preset(preset)
+        orthogonalize = kwargs.get("orthogonalize", "gradient")
         if merge is None:
             if fast and p.merge != "iso_c":  # fast=True must not change the rule behind one's back
                 raise ValueError(
@@ -136,13 +79,13 @@ class IsoLoCo(DiLoCo):
             raise ValueError("give either merge= or fast=True, not both")
         self.fast = fast
         self.preset = preset
-        args.update(
+        super().__init__(
             merge=merge,
             outer_lr=p.outer_lr if outer_lr is None else outer_lr,
             outer_momentum=p.outer_momentum if outer_momentum is None else outer_momentum,
             nesterov=p.nesterov if nesterov is None else nesterov,
+            **kwargs,
         )
-        super().__init__(**{name: args[name] for name in _DILOCO_ARGUMENTS})
         if preset != "isoloco-paper":  # the paper's values, chosen by name: no second-guessing
             self._warn_if_beyond_limit()
 
@@ -178,3 +121,16 @@ class IsoLoCo(DiLoCo):
                 raise ValueError("strategy.fast=true needs strategy.merge 'iso_c' (the default)")
             extra.update(merge=None, fast=True)
         return extra
+
+
+def _signature() -> inspect.Signature:
+    """IsoLoCo's signature as ``help()`` and IDEs show it: ``preset``, ``fast``, then DiLoCo's
+    parameters (``merge`` and the outer optimiser defaulting to None: the preset's), read from
+    :class:`DiLoCo` so the two cannot drift apart."""
+    own = inspect.signature(IsoLoCo.__init__).parameters
+    first = [own["self"], own["preset"], own["fast"]]
+    rest = [own.get(n, q) for n, q in inspect.signature(DiLoCo.__init__).parameters.items()]
+    return inspect.Signature([*first, *rest[1:]], return_annotation=None)
+
+
+IsoLoCo.__init__.__signature__ = _signature()  # type: ignore[attr-defined]

@@ -8,10 +8,10 @@ whole contribution is ``C``; Flower's :class:`~flwr.serverapp.RdpAccountant` com
 no sampling amplification (the nodes are not Poisson-sampled: ``fraction_train`` draws a fixed
 number without replacement, and a site's presence is visible to the server anyway). The
 accountant's population size is therefore irrelevant and set to 1 (each event ``(z, 1, 1)``).
-With ``dp_mode="local"`` the workers clip and noise their own deltas instead (any merge rule;
+With :class:`~flwr_isoloco.strategies.diloco.settings.LocalDP` the workers clip and noise their own deltas instead (any merge rule;
 each site's epsilon uses multiplier ``z / 2``, the replace-one sensitivity ``2 C``).
 
-Adaptive clipping (``dp_adaptive_quantile``, Andrew et al. 2021, "Differentially private
+Adaptive clipping (``CentralDP(adaptive=AdaptiveClipping(...))``, Andrew et al. 2021, "Differentially private
 learning with adaptive clipping"): after round ``t`` the server, which clipped every update
 itself, releases the noised *centred* count of the updates it clipped,
 ``s = sum_{i folded} (1[||delta_i|| <= C_t] - 1/2) + N(0, sigma_b^2)`` (a missing, rejected or
@@ -39,6 +39,7 @@ from flwr.serverapp.exception import PrivacyBudgetExhausted  # Flower's own (its
 
 from flwr_isoloco.merging.dp import CLIP_KEY, NOISE_KEY, GaussianSum
 from flwr_isoloco.strategies.diloco.dp_journal import DPJournal, charge_unsaved
+from flwr_isoloco.strategies.diloco.settings import DEFAULT_CLIP_LR, DEFAULT_DP_DELTA, DPSettings
 
 __all__ = [
     "DEFAULT_DP_DELTA",
@@ -50,16 +51,14 @@ __all__ = [
     "secagg_problems",
 ]
 
-DEFAULT_DP_DELTA = 1e-5
 DP_MODES = ("central", "local")
-DEFAULT_CLIP_LR = 0.2  # Andrew et al.'s eta (and Flower's clip_norm_lr)
 COUNT_NOISE_INDEX = 2**31 - 1  # noise stream of the clipped count (tensors use 0, 1, ...)
 
 
 NEEDS_EVERY_DELTA_HINT = (
     "its output is not a function of the sum of the updates, so one site's influence is not "
     "bounded by clipping; use merge='mean' or an Iso-C rule, or client-side (local) DP "
-    "(dp_mode='local')"
+    "(privacy=LocalDP(...))"
 )
 
 
@@ -127,96 +126,43 @@ class ParsedDP(NamedTuple):
     run_id: str | None = None
 
 
-def _positive(name: str, v: Any, allow_zero: bool = False) -> float | None:
-    if v is None:
-        return None
-    ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-    if not ok or v < 0 or (v == 0 and not allow_zero):
-        raise ValueError(f"{name} must be a finite number > 0 (or None for off), got {v!r}")
-    return float(v) if v > 0 else None
-
-
 class StrategyDP:
     """The DP settings of one strategy and its accountant (module docstring).
 
-    ``clipping_norm=None``: DP off (then ``noise_multiplier`` must be off too). ``noise_multiplier``
-    None or 0 with a clipping norm: clipping only, epsilon infinite (no accountant).
-    ``mode="central"``: the server clips and noises the sum (:class:`GaussianSum`);
-    ``mode="local"``: each worker clips and noises its own delta before compression
-    (:func:`~flwr_isoloco.merging.dp.privatize`), asked through the train config and echoed in
-    its reply (a reply without the echo is dropped); any merge rule is then post-processing.
-    ``adaptive_quantile`` (central mode, with noise): ``C`` is the initial clipping norm and
-    follows the ``adaptive_quantile`` quantile of the update norms (module docstring), with
-    step ``clip_lr`` and count noise ``clip_count_std`` (required: ``z < 2 clip_count_std``).
+    ``settings``: :class:`~flwr_isoloco.strategies.diloco.settings.CentralDP` (the server clips
+    and noises the sum, :class:`GaussianSum`), :class:`~.settings.LocalDP` (each worker clips
+    and noises its own delta before compression, :func:`~flwr_isoloco.merging.dp.privatize`,
+    asked through the train config and echoed in its reply: a reply without the echo is
+    dropped; any merge rule is then post-processing), or None (DP off). The settings checked
+    their own fields; ``noise_multiplier`` 0 with a clipping norm: clipping only, epsilon
+    infinite (no accountant).
     """
 
-    def __init__(
-        self,
-        noise_multiplier: float | None,
-        clipping_norm: float | None,
-        delta: float,
-        max_epsilon: float | None,
-        noise_seed: int | None = None,
-        mode: str = "central",
-        adaptive_quantile: float | None = None,
-        clip_lr: float = DEFAULT_CLIP_LR,
-        clip_count_std: float | None = None,
-    ) -> None:
-        if mode not in DP_MODES:
-            raise ValueError(f"dp_mode must be one of {DP_MODES}, got {mode!r}")
-        self.mode = mode
-        self.z = _positive("dp_noise_multiplier", noise_multiplier, allow_zero=True)
-        self.c = _positive("dp_clipping_norm", clipping_norm, allow_zero=True)
-        self.max_epsilon = _positive("dp_max_epsilon", max_epsilon, allow_zero=True)
-        if not (isinstance(delta, float) and 0 < delta < 1):
-            raise ValueError(f"dp_delta must be a float in (0, 1), got {delta!r}")
-        self.delta = delta
-        if self.z is not None and self.c is None:
-            raise ValueError("dp_noise_multiplier needs dp_clipping_norm (the sensitivity C)")
-        if self.max_epsilon is not None and self.z is None:
-            raise ValueError("dp_max_epsilon needs dp_noise_multiplier > 0 (no noise: no bound)")
-        if noise_seed is not None and (
-            not isinstance(noise_seed, int) or isinstance(noise_seed, bool)
-        ):
-            raise ValueError(f"dp_seed must be an int or None, got {noise_seed!r}")
+    def __init__(self, settings: DPSettings | None = None) -> None:
+        self.settings = settings
+        on = settings is not None
+        self.mode = settings.mode if on else "central"
+        self.z = float(settings.noise_multiplier) if on and settings.noise_multiplier else None
+        self.c = float(settings.clipping_norm) if on else None
+        self.max_epsilon = float(settings.max_epsilon) if on and settings.max_epsilon else None
+        self.delta = settings.delta if on else DEFAULT_DP_DELTA
+        seed = settings.seed if on else None
         # The noise key must stay secret: whoever knows it can regenerate and subtract the noise.
         # None (default): drawn from the OS; kept in the checkpoint so a resumed run draws the
         # same noise. An int (tests, benchmarks) makes the noise reproducible from it.
-        self.noise_key = secrets.randbits(63) if noise_seed is None else noise_seed
+        self.noise_key = secrets.randbits(63) if seed is None else seed
         # The run's id in the DP journal and the checkpoint; attempt: the noise's attempt key.
         self.run_id, self.journal, self.attempt = secrets.token_hex(8), None, 0
         self.uniform_forced = False  # weighting='examples' was overridden (said in describe())
-        self.accountant = None if self.z is None else _accountant(delta)
+        self.accountant = None if self.z is None else _accountant(self.delta)
         self.last: GaussianSum | None = None
-        self.quantile, self.clip_lr, self.count_std = None, float(clip_lr), None
+        self.quantile, self.clip_lr, self.count_std = None, DEFAULT_CLIP_LR, None
         self.z_update = self.z  # the update sum's multiplier (z_delta under adaptive clipping)
-        if adaptive_quantile is not None:
-            self._adaptive(adaptive_quantile, clip_lr, clip_count_std)
-
-    def _adaptive(self, quantile: Any, lr: Any, count_std: Any) -> None:
-        if self.mode != "central" or self.z is None:
-            raise ValueError(
-                "dp_adaptive_quantile needs central DP with noise (dp_mode='central', "
-                "dp_noise_multiplier > 0): the server clips, counts and noises the count"
-            )
-        num = (int, float)
-        if not isinstance(quantile, num) or isinstance(quantile, bool) or not 0 < quantile < 1:
-            raise ValueError(f"dp_adaptive_quantile must be in (0, 1), got {quantile!r}")
-        if _positive("dp_clip_lr", lr) is None:
-            raise ValueError(f"dp_clip_lr must be a finite number > 0, got {lr!r}")
-        if count_std is None or _positive("dp_clip_count_std", count_std) is None:
-            raise ValueError(
-                "dp_adaptive_quantile needs dp_clip_count_std > 0, the std of the noise on the "
-                "clipped count (Andrew et al. suggest k / 20 for k sampled sites)"
-            )
-        if not self.z < 2 * count_std:
-            raise ValueError(
-                f"dp_clip_count_std={count_std:g} is too small for dp_noise_multiplier="
-                f"{self.z:g}: the count alone would spend more than the budget (needs "
-                f"z < 2 dp_clip_count_std)"
-            )
-        self.quantile, self.clip_lr, self.count_std = float(quantile), float(lr), float(count_std)
-        self.z_update = update_noise_multiplier(self.z, self.count_std)
+        adaptive = getattr(settings, "adaptive", None)
+        if adaptive is not None:  # CentralDP checked: noise_multiplier > 0, < 2 count_std
+            self.quantile, self.clip_lr = float(adaptive.quantile), float(adaptive.lr)
+            self.count_std = float(adaptive.count_std)
+            self.z_update = update_noise_multiplier(self.z, self.count_std)
 
     @property
     def enabled(self) -> bool:
@@ -229,20 +175,20 @@ class StrategyDP:
             return
         if not getattr(s.merger.rule_for_g(), "streaming", False):
             raise ValueError(
-                f"central DP (dp_clipping_norm) does not apply to merge={s.merge_name!r}: "
+                f"central DP (clipping_norm={self.c:g}) does not apply to merge={s.merge_name!r}: "
                 + NEEDS_EVERY_DELTA_HINT
             )
         if getattr(s, "robust", "none") != "none":
             raise ValueError(
-                f"central DP (dp_clipping_norm={self.c:g}) refuses robust={s.robust!r}: its "
+                f"central DP (clipping_norm={self.c:g}) refuses robust={s.robust!r}: its "
                 "noise is sized for the mean's sensitivity C/k, and a robust aggregate has "
-                "another one; set robust='none', or use client-side DP (dp_mode='local'), "
+                "another one; set robust='none', or use client-side DP (privacy=LocalDP(...)), "
                 "under which robust rules are allowed"
             )
         if s.train_validator.max_norm_ratio:
             raise ValueError(
                 "central DP refuses max_norm_ratio: whether a reply is kept would depend on the "
-                "other sites' norms (clipping to dp_clipping_norm already bounds every update)"
+                "other sites' norms (clipping to clipping_norm already bounds every update)"
             )
         # Said once, in the strategy summary (describe()): not per construction, since every
         # ClientApp rebuilds the strategy from the run config.
@@ -266,7 +212,7 @@ class StrategyDP:
             self._event(), self.max_epsilon
         ):
             raise PrivacyBudgetExhausted(
-                f"round {server_round} would exceed dp_max_epsilon={self.max_epsilon:g} "
+                f"round {server_round} would exceed max_epsilon={self.max_epsilon:g} "
                 f"(epsilon so far {self.epsilon():.4g} at delta {self.delta:g} after "
                 f"{self.accountant.num_releases} rounds); the run stops before sending it"
             )
@@ -428,7 +374,7 @@ class StrategyDP:
             if server_round > 0:
                 raise ValueError(
                     "field 'dp' is absent: the checkpoint's rounds were not accounted, so "
-                    "resuming with dp_noise_multiplier would report a wrong epsilon"
+                    "resuming with noise_multiplier would report a wrong epsilon"
                 )
             return ParsedDP(_accountant(self.delta), self.noise_key, self.c)
         key = state.get("noise_key") if isinstance(state, dict) else None
@@ -456,7 +402,7 @@ class StrategyDP:
             if c is not None:
                 raise ValueError(
                     "field 'dp' holds an adaptive clipping norm, but this strategy "
-                    "clips at a fixed dp_clipping_norm"
+                    "clips at a fixed clipping_norm"
                 )
             return self.c
         ok = isinstance(c, float) and math.isfinite(c) and c > 0
@@ -476,13 +422,17 @@ def secagg_problems(s: Any) -> list[str]:
         out.append(f"merge={s.merge_name!r} needs every delta (use mean or an Iso-C rule)")
     v = s.train_validator
     if v.max_norm_ratio or v.max_update_norm:
-        out.append("max_norm_ratio / max_update_norm need each reply's norm (clip on clients)")
+        out.append(
+            "ReplyChecks.max_norm_ratio / max_update_norm need each reply's norm (clip on clients)"
+        )
     if s.weighting == "examples" and s.max_weight_ratio:
-        out.append("max_weight_ratio needs every weight (use weighting='uniform' or ratio 0)")
+        out.append(
+            "ReplyChecks.max_weight_ratio needs every weight (use weighting='uniform' or ratio 0)"
+        )
     if s.upload_codec != "none":
-        out.append(f"upload_codec={s.upload_codec!r}: SecAgg+ masks dense, quantised vectors")
+        out.append(f"upload={s.upload_codec!r}: SecAgg+ masks dense, quantised vectors")
     if s.quorum is not None or s.grace_s:
-        out.append("quorum / grace_s: SecAgg+ has its own dropout threshold")
+        out.append("Rounds.quorum / grace_s: SecAgg+ has its own dropout threshold")
     if getattr(s, "robust", "none") != "none":
         out.append(f"robust={s.robust!r} needs every update (the server sees only the sum)")
     if s.dp.enabled and s.dp.mode == "central":

@@ -1,5 +1,5 @@
 """DiLoCo's construction helpers: the merge rule and round merge, the outer optimiser, the
-reply validators, and the names of the constructor arguments stored or passed on as given.
+reply validators, and the names of the constructor arguments stored as given.
 
 The argument checks themselves are :func:`~flwr_isoloco.strategies.diloco.config.check_arguments`.
 """
@@ -16,7 +16,7 @@ from flwr_isoloco.merging.round import RoundMerge
 from flwr_isoloco.merging.rules import check_options
 from flwr_isoloco.outer import OuterSGD
 from flwr_isoloco.strategies.core.replies import ReplyValidator
-from flwr_isoloco.strategies.diloco.config import _is_number
+from flwr_isoloco.strategies.diloco.settings import ReplyChecks, Robust, _is_number
 
 SPECTRAL_FOR_UPDATE = ("iso_c", "iso_c_ns")
 """The rules that ``orthogonalize="update"`` applies to the outer update."""
@@ -29,24 +29,9 @@ PLAIN_ARGUMENTS = (
     "train_metrics_aggr_fn",
     "evaluate_metrics_aggr_fn",
     "orthogonalize",
-    "weighting",
-    "client_sends",
     "seed",
 )
 """Constructor arguments the strategy keeps as attributes of the same name, as given."""
-
-DP_ARGUMENTS = (
-    "dp_noise_multiplier",
-    "dp_clipping_norm",
-    "dp_delta",
-    "dp_max_epsilon",
-    "dp_seed",
-    "dp_mode",
-    "dp_adaptive_quantile",
-    "dp_clip_lr",
-    "dp_clip_count_std",
-)
-"""Constructor arguments of :class:`~flwr_isoloco.strategies.diloco.privacy.StrategyDP`, in its order."""
 
 
 def rule_and_name(merge_rule: Any) -> tuple[Any, str]:
@@ -70,8 +55,7 @@ def setup_merge(
     merge_options: Mapping[str, Any] | None,
     orthogonalize: str,
     seed: int,
-    robust: str | None = "none",
-    robust_options: Mapping[str, Any] | None = None,
+    robust: Robust | None = None,
 ) -> None:
     """Set strategy ``s``'s rule, its checked options, the robust aggregation and the round
     merge (on ``s.merge_device``); ``ValueError`` naming a problem."""
@@ -83,7 +67,8 @@ def setup_merge(
     s.merge_options = dict(merge_options or {})
     check_options(s.rule, s.merge_options)  # unknown option / bad value -> ValueError
     rule_for_g = MERGE_RULES["mean"] if orthogonalize == "update" else s.rule
-    s.robust, s.robust_options = resolve_robust(robust, robust_options, rule_for_g)
+    name, options = ("none", {}) if robust is None else (robust.name, robust.options())
+    s.robust, s.robust_options = resolve_robust(name, options, rule_for_g)
     aggregator = None if s.robust == "none" else RobustMerge(s.robust, s.robust_options)
     s.merger = RoundMerge(
         s.rule,
@@ -116,18 +101,16 @@ def outer_optimizer(outer_lr: Any, outer_momentum: Any, nesterov: Any) -> OuterS
     return OuterSGD(outer_lr, mu, bool(nesterov) and _is_number(mu) and mu > 0)
 
 
-def validators(
-    s: Any, dtype_policy: str, max_update_norm: float | None, max_norm_ratio: float | None
-) -> tuple[ReplyValidator, ReplyValidator]:
+def validators(s: Any, checks: ReplyChecks) -> tuple[ReplyValidator, ReplyValidator]:
     """The train validator (arrays, dtype policy, norm bounds; 0 = off) and the evaluate one,
-    on strategy ``s``'s record keys and default payload."""
+    on strategy ``s``'s record keys and ``checks``' default payload."""
     train = ReplyValidator(
         arrayrecord_key=s.arrayrecord_key,
         weighted_by_key=s.weighted_by_key,
-        dtype_policy=dtype_policy,
-        max_update_norm=max_update_norm or None,
-        max_norm_ratio=max_norm_ratio or None,
-        default_payload=s.client_sends,
+        dtype_policy=checks.dtype_policy,
+        max_update_norm=checks.max_update_norm or None,
+        max_norm_ratio=checks.max_norm_ratio or None,
+        default_payload=checks.client_sends,
         what="aggregate_train",
     )
     evaluate = ReplyValidator(

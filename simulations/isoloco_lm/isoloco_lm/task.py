@@ -257,7 +257,12 @@ def load_config(run_config: Mapping[str, Any]) -> DictConfig:
         if s.secagg and ("secure aggregation" in str(exc) or "secagg" in str(exc).lower()):
             raise RunConfigError(f"run-config key 'strategy.secagg' = true: {exc}") from None
         named = (*_OPTION_KEYS, *_DP_KEYS)
-        opts = [k for k in named if k.replace("-", "_") in str(exc)] or ["merge"]
+        said = str(exc)  # names a key, its argument or its settings field (clipping_norm)
+        field = {k: k.removeprefix("dp-").replace("-", "_") for k in named}
+        spelt = {
+            k: (k, k.replace("-", "_"), *([field[k]] if "_" in field[k] else [])) for k in named
+        }
+        opts = [k for k in named if any(w in said for w in spelt[k])] or ["merge"]
         raise RunConfigError(
             f"run-config key 'strategy.{opts[0]}' (strategy.merge {s.merge or 'default'!r}): {exc}"
         ) from None

@@ -17,7 +17,7 @@ from flwr.common import bytes_to_ndarray
 from flwr.serverapp import Grid, ServerApp
 
 from flwr_isoloco.models.hf import load_model_arrays
-from flwr_isoloco.strategies import DiLoCo
+from flwr_isoloco.strategies import DiLoCo, ReplyChecks
 from flwr_isoloco.strategies.diloco.secagg import use_secagg
 from secaggfed.task import build_model, val_loss
 
@@ -71,7 +71,10 @@ def main(grid: Grid, context: Context) -> None:
     cfg = context.run_config
     out, tag = Path(str(cfg["output-dir"])), str(cfg["tag"])
     strategy = DiLoCo(
-        weighting="uniform", min_train_nodes=3, min_available_nodes=3, fraction_evaluate=0.0
+        min_train_nodes=3,
+        min_available_nodes=3,
+        fraction_evaluate=0.0,
+        checks=ReplyChecks(weighting="uniform"),
     )
     if cfg["secagg"]:
         use_secagg(strategy)

@@ -1,0 +1,389 @@
+"""The settings of :class:`~flwr_isoloco.strategies.DiLoCo` and
+:class:`~flwr_isoloco.strategies.IsoLoCo` beyond FedAvg's arguments, the merge rule and the
+outer optimiser: small frozen objects, each checked when built (``ValueError`` naming the field).
+
+- ``checks=ReplyChecks(...)``: what a reply must be and how much it may weigh.
+- ``rounds=Rounds(...)``: when a round closes (quorum, grace) and when a run that trains nothing
+  stops.
+- ``upload=Codec(...)`` (or a codec name): how workers compress their delta.
+- ``divergence=Divergence(...)``: what a round that makes the evaluation loss blow up does.
+- ``robust=Median() | TrimmedMean() | Krum() | MultiKrum() | NormClip() | DistanceFilter()`` (or
+  a rule name): robust aggregation in place of the mean.
+- ``privacy=CentralDP(...) | LocalDP(...)``: differential privacy, with
+  ``CentralDP(adaptive=AdaptiveClipping(...))`` for adaptive clipping.
+
+A new policy is one new class here. Checks that involve the strategy (DP refuses a robust rule or
+a merge rule whose output is not a function of the sum; ``median`` needs a mean-based rule) stay
+at the strategy's construction. The run-config keys map onto these objects in one place,
+:func:`~flwr_isoloco.strategies.diloco.config.section_kwargs`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from types import MappingProxyType
+from typing import Any, ClassVar
+
+from flwr_isoloco.compression import normalize_options
+from flwr_isoloco.merging import MERGE_RULES
+from flwr_isoloco.merging.robust import ROBUST_RULES, resolve_robust
+from flwr_isoloco.strategies.core.divergence import (
+    DEFAULT_COLLAPSE_FACTOR,
+    DEFAULT_DIVERGENCE_FACTOR,
+    DivergenceGuard,
+)
+from flwr_isoloco.strategies.core.guard import EmptyRoundGuard
+from flwr_isoloco.strategies.core.replies import PAYLOADS
+from flwr_isoloco.strategies.core.rounds import check_quorum
+
+__all__ = [
+    "AdaptiveClipping",
+    "CentralDP",
+    "Codec",
+    "DistanceFilter",
+    "DPSettings",
+    "Divergence",
+    "Krum",
+    "LocalDP",
+    "Median",
+    "MultiKrum",
+    "NormClip",
+    "ReplyChecks",
+    "Robust",
+    "Rounds",
+    "TrimmedMean",
+    "as_codec",
+    "as_robust",
+]
+
+WEIGHTINGS = ("examples", "uniform")
+DTYPE_POLICIES = ("cast", "reject")
+DEFAULT_MAX_WEIGHT_RATIO = 5.0
+"""No reply's weight counts for more than 5 x the round's median weight (docs/strategies.md)."""
+DEFAULT_DP_DELTA = 1e-5
+DEFAULT_CLIP_LR = 0.2  # Andrew et al.'s eta (and Flower's clip_norm_lr)
+
+
+def _is_number(v: object) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _off_or_positive(where: str, v: Any) -> None:
+    """``v`` is None or a finite number ``>= 0`` (0 / None: off)."""
+    if v is not None and not (_is_number(v) and v >= 0):
+        raise ValueError(f"{where} must be a finite number >= 0 (or None for off), got {v!r}")
+
+
+def _renamed(where: str, exc: ValueError) -> ValueError:
+    return ValueError(f"{where}: {exc}")
+
+
+# ----------------------------------------------------------------------------- replies, rounds
+@dataclass(frozen=True)
+class ReplyChecks:
+    """What a train reply must be, and how much it may weigh.
+
+    ``weighting``: ``w_i = num-examples_i`` (``"examples"``) or ``1`` (``"uniform"``).
+    ``client_sends``: what clients reply by default, ``"weights"`` or ``"delta"`` (a reply's
+    ConfigRecord ``payload`` overrides it). ``max_update_norm`` / ``max_norm_ratio``: drop a
+    reply whose ``||delta_i||_2`` is above this (absolute; x the median of the others; None or
+    0: off). ``max_weight_ratio``: each weight clipped to ``r x`` the round's median weight, so
+    no one site owns the merge (None or 0: off). ``dtype_policy``: a reply array of another
+    floating dtype is cast (``"cast"``) or the reply dropped (``"reject"``).
+    """
+
+    weighting: str = "examples"
+    client_sends: str = "weights"
+    max_update_norm: float | None = None
+    max_norm_ratio: float | None = None
+    max_weight_ratio: float | None = DEFAULT_MAX_WEIGHT_RATIO
+    dtype_policy: str = "cast"
+
+    def __post_init__(self) -> None:
+        for name, allowed in (
+            ("weighting", WEIGHTINGS),
+            ("client_sends", PAYLOADS),
+            ("dtype_policy", DTYPE_POLICIES),
+        ):
+            if getattr(self, name) not in allowed:
+                raise ValueError(
+                    f"ReplyChecks.{name} must be one of {allowed}, got {getattr(self, name)!r}"
+                )
+        _off_or_positive("ReplyChecks.max_update_norm", self.max_update_norm)
+        _off_or_positive("ReplyChecks.max_norm_ratio", self.max_norm_ratio)
+        r = self.max_weight_ratio
+        if r is not None and not (_is_number(r) and (r == 0 or r >= 1)):
+            raise ValueError(
+                f"ReplyChecks.max_weight_ratio must be >= 1, or 0/None for off, got {r!r}"
+            )
+
+
+@dataclass(frozen=True)
+class Rounds:
+    """When a round closes and when a run stops.
+
+    ``quorum``: the round closes once this many of the sampled nodes replied (a fraction in
+    (0, 1] or a count >= 1; None: all), waiting ``grace_s`` more seconds for the rest.
+    ``max_empty_rounds``: stop with :class:`~flwr_isoloco.strategies.core.guard.NoProgressError`
+    after this many consecutive rounds that used no reply (0: never).
+    """
+
+    quorum: float | int | None = None
+    grace_s: float = 0.0
+    max_empty_rounds: int = 3
+
+    def __post_init__(self) -> None:
+        try:
+            check_quorum(self.quorum, self.grace_s)
+            EmptyRoundGuard(self.max_empty_rounds)
+        except ValueError as exc:
+            raise _renamed("Rounds", exc) from None
+
+
+@dataclass(frozen=True)
+class Divergence:
+    """The divergence guard (:mod:`~flwr_isoloco.strategies.core.divergence`): a round whose
+    ``evaluate_fn`` loss is not finite, above ``factor x`` the previous round's (0: non-finite
+    only) or above ``collapse_factor x`` the best so far (a slow collapse; 0: off) diverged;
+    then ``on_divergence``: ``"warn"``, ``"skip"`` (restore the round before) or ``"stop"``.
+    ``key``: the loss's metric name (None: the first of ``loss``, ``val-loss``, ... present).
+    """
+
+    on_divergence: str = "warn"
+    factor: float = DEFAULT_DIVERGENCE_FACTOR
+    collapse_factor: float = DEFAULT_COLLAPSE_FACTOR
+    key: str | None = None
+
+    def __post_init__(self) -> None:
+        try:
+            DivergenceGuard(self.on_divergence, self.factor, self.key, self.collapse_factor)
+        except ValueError as exc:
+            raise _renamed("Divergence", exc) from None
+
+
+# ----------------------------------------------------------------------------- compression
+@dataclass(frozen=True, init=False)
+class Codec:
+    """A delta codec and its options (:mod:`flwr_isoloco.compression`), e.g.
+    ``Codec("int8", block_size=64)``, ``Codec("topk", fraction=0.01, values="int8")``; the
+    options not given take the codec's defaults. ``error_feedback``: the worker keeps what the
+    codec dropped and adds it to its next delta. One class for any direction a codec applies to.
+    """
+
+    name: str
+    options: Mapping[str, Any] = field(default_factory=dict)
+    error_feedback: bool = True
+
+    def __init__(self, name: str, *, error_feedback: bool = True, **options: Any) -> None:
+        try:
+            normalize_options(name, options)  # unknown codec or option, bad value
+        except ValueError as exc:
+            raise _renamed("Codec", exc) from None
+        if not isinstance(error_feedback, bool):
+            raise ValueError(f"Codec.error_feedback must be a bool, got {error_feedback!r}")
+        object.__setattr__(self, "name", name)
+        object.__setattr__(self, "options", MappingProxyType(dict(options)))
+        object.__setattr__(self, "error_feedback", error_feedback)
+
+    def __hash__(self) -> int:
+        return hash((self.name, tuple(sorted(self.options.items())), self.error_feedback))
+
+    def __repr__(self) -> str:
+        args = [repr(self.name), *(f"{k}={v!r}" for k, v in self.options.items())]
+        if not self.error_feedback:
+            args.append("error_feedback=False")
+        return f"Codec({', '.join(args)})"
+
+
+def as_codec(codec: Codec | str | None) -> Codec | None:
+    """``None`` / ``"none"``: no codec; a name: that codec with its defaults."""
+    if codec is None or codec == "none":
+        return None
+    return codec if isinstance(codec, Codec) else Codec(codec)
+
+
+# ----------------------------------------------------------------------------- robust rules
+@dataclass(frozen=True)
+class Robust:
+    """A robust aggregation of the pseudo-gradients in place of the mean
+    (:mod:`flwr_isoloco.merging.robust`); a subclass per rule, its fields the rule's options
+    (None: the rule's default for the round's ``M``)."""
+
+    name: ClassVar[str] = "none"
+
+    def __post_init__(self) -> None:
+        try:  # the option checks; the rule's own check (a mean-based rule) is the strategy's
+            resolve_robust(self.name, self.options(), MERGE_RULES["mean"])
+        except ValueError as exc:
+            raise _renamed(type(self).__name__, exc) from None
+
+    def options(self) -> dict[str, Any]:
+        """The options given (fields not None)."""
+        return {
+            f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None
+        }
+
+
+@dataclass(frozen=True)
+class Median(Robust):
+    """Coordinate-wise median."""
+
+    name: ClassVar[str] = "median"
+
+
+@dataclass(frozen=True)
+class TrimmedMean(Robust):
+    """Coordinate-wise mean without the ``trim`` fraction at each end (``[0, 0.5)``)."""
+
+    name: ClassVar[str] = "trimmed-mean"
+    trim: float = 0.25
+
+
+@dataclass(frozen=True)
+class Krum(Robust):
+    """The one update closest to its ``M - f - 2`` nearest others (``f``: tolerated attackers,
+    None: ``(M - 3) // 2``)."""
+
+    name: ClassVar[str] = "krum"
+    f: int | None = None
+
+
+@dataclass(frozen=True)
+class MultiKrum(Robust):
+    """The mean of the ``select`` best Krum scores (None: ``M - f``)."""
+
+    name: ClassVar[str] = "multikrum"
+    f: int | None = None
+    select: int | None = None
+
+
+@dataclass(frozen=True)
+class NormClip(Robust):
+    """Each update clipped to the round's median norm."""
+
+    name: ClassVar[str] = "norm-clip"
+
+
+@dataclass(frozen=True)
+class DistanceFilter(Robust):
+    """Leave out the updates farther from the coordinate-wise median than ``factor x`` the
+    median such distance (a finite number ``>= 1``)."""
+
+    name: ClassVar[str] = "distance-filter"
+    factor: float = 2.0
+
+
+ROBUST_CLASSES: dict[str, type[Robust]] = {
+    c.name: c for c in (Median, TrimmedMean, Krum, MultiKrum, NormClip, DistanceFilter)
+}
+assert set(ROBUST_CLASSES) | {"none"} == set(ROBUST_RULES)
+
+
+def as_robust(
+    robust: Robust | str | None, options: Mapping[str, Any] | None = None
+) -> Robust | None:
+    """``None`` / ``"none"``: no robust rule; a rule name (with ``options``): its class."""
+    if robust is None or robust == "none":
+        return None
+    if isinstance(robust, Robust):
+        return robust
+    if robust not in ROBUST_CLASSES:
+        raise ValueError(f"robust must be one of {ROBUST_RULES} or a Robust, got {robust!r}")
+    return ROBUST_CLASSES[robust](**dict(options or {}))
+
+
+# ----------------------------------------------------------------------------- privacy
+@dataclass(frozen=True)
+class AdaptiveClipping:
+    """Adaptive clipping (Andrew et al. 2021): ``C`` moves after each round towards the
+    ``quantile`` quantile of the update norms, ``C <- C exp(-lr (b - quantile))``, ``b`` the
+    unclipped fraction noised with std ``count_std`` (``> z / 2``: the count's share of the
+    budget; the update sum then gets multiplier ``(z^-2 - (2 count_std)^-2)^-1/2``)."""
+
+    quantile: float
+    count_std: float
+    lr: float = DEFAULT_CLIP_LR
+
+    def __post_init__(self) -> None:
+        q = self.quantile
+        if not (_is_number(q) and 0 < q < 1):
+            raise ValueError(f"AdaptiveClipping.quantile must be in (0, 1), got {q!r}")
+        for name in ("count_std", "lr"):
+            v = getattr(self, name)
+            if not (_is_number(v) and v > 0):
+                raise ValueError(f"AdaptiveClipping.{name} must be a finite number > 0, got {v!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class DPSettings:
+    """What both DP modes share: ``clipping_norm`` (``C``, the L2 bound of one site's delta),
+    ``noise_multiplier`` (``z``: noise ``N(0, (z C)^2)``; 0: clipping only, epsilon infinite),
+    ``delta`` (epsilon is reported at it, the ``dp-epsilon`` metric), ``max_epsilon`` (a round
+    that would pass it is not sent: ``PrivacyBudgetExhausted``), ``seed`` (the noise key; None:
+    a secret from the OS, kept in the checkpoint; an int makes the noise reproducible, and
+    removable by whoever knows it: tests only)."""
+
+    mode: ClassVar[str] = ""
+    clipping_norm: float
+    noise_multiplier: float = 0.0
+    delta: float = DEFAULT_DP_DELTA
+    max_epsilon: float | None = None
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        where = type(self).__name__
+        c = self.clipping_norm
+        if not (_is_number(c) and c > 0):
+            raise ValueError(f"{where}.clipping_norm must be a finite number > 0, got {c!r}")
+        _off_or_positive(f"{where}.noise_multiplier", self.noise_multiplier)
+        _off_or_positive(f"{where}.max_epsilon", self.max_epsilon)
+        if not (isinstance(self.delta, float) and 0 < self.delta < 1):
+            raise ValueError(f"{where}.delta must be a float in (0, 1), got {self.delta!r}")
+        if self.max_epsilon and not self.noise_multiplier:
+            raise ValueError(f"{where}.max_epsilon needs noise_multiplier > 0 (no noise: no bound)")
+        s = self.seed
+        if s is not None and (not isinstance(s, int) or isinstance(s, bool)):
+            raise ValueError(f"{where}.seed must be an int or None, got {s!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class LocalDP(DPSettings):
+    """Client-side DP: each worker clips its delta to ``C`` and adds ``N(0, (z C)^2)`` before
+    compression and error feedback; any merge rule and robust rule is then post-processing,
+    replies without the echo are dropped, and ``dp-epsilon`` is each site's own (multiplier
+    ``z / 2``: replace-one). Fields: :class:`DPSettings`."""
+
+    mode: ClassVar[str] = "local"
+
+
+@dataclass(frozen=True, kw_only=True)
+class CentralDP(DPSettings):
+    """Central DP: the server clips each pseudo-gradient to ``clipping_norm`` (``C``), weighs
+    them uniformly, adds ``N(0, (z C)^2)`` to the sum before the outer step and divides by the
+    number of nodes sampled. Mean-based merge rules only (mean, Iso-C), no robust rule, no
+    ``max_norm_ratio``. ``adaptive``: :class:`AdaptiveClipping` (``clipping_norm`` is then the
+    initial ``C``; needs ``noise_multiplier > 0``). Other fields: :class:`DPSettings`."""
+
+    mode: ClassVar[str] = "central"
+    adaptive: AdaptiveClipping | None = None
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        a = self.adaptive
+        if a is None:
+            return
+        if not isinstance(a, AdaptiveClipping):
+            raise ValueError(f"CentralDP.adaptive must be an AdaptiveClipping or None, got {a!r}")
+        if not self.noise_multiplier:
+            raise ValueError(
+                "CentralDP.adaptive needs central DP with noise (noise_multiplier > 0): the "
+                "server clips, counts and noises the count"
+            )
+        if not self.noise_multiplier < 2 * a.count_std:
+            raise ValueError(
+                f"AdaptiveClipping.count_std={a.count_std:g} is too small for noise_multiplier="
+                f"{self.noise_multiplier:g}: the count alone would spend more than the budget "
+                "(needs z < 2 count_std)"
+            )
