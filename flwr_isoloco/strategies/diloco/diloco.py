@@ -5,7 +5,7 @@ and replies FedAvg-style (its weights ``theta_i`` under ``arrays``, ``num-exampl
 MetricRecord), or its delta (ConfigRecord ``payload="delta"``, or ``client_sends="delta"``).
 The server forms the pseudo-gradients ``delta_i = theta - theta_i``, merges them
 
-    g = merge(delta_1..delta_M; w),   w_i = num-examples_i  (or 1 with ``weighting="uniform"``)
+    g = merge(delta_1..delta_M; w),   w_i = num-examples_i  (or 1 with ``ReplyChecks(weighting="uniform")``)
 
 and applies the outer optimiser (``torch.optim.SGD`` convention, dampening 0)::
 
@@ -250,7 +250,7 @@ class DiLoCo(FromRunConfig, DiLoCoState, ResumableStrategy):
         """``k = max(floor(fraction N), min_nodes)`` of the ``N`` connected nodes, drawn with
         the seeded generator, once ``max(min_available_nodes, k)`` are connected. The wait is
         bounded by the round timeout given to ``start`` (:func:`~flwr_isoloco.strategies.core.nodes.nodes_for_round`): then
-        the run goes on with the connected nodes if they make the ``quorum``, else it stops
+        the run goes on with the connected nodes if they make the ``Rounds.quorum``, else it stops
         with :class:`~flwr_isoloco.strategies.core.nodes.NodeWaitError` (the run ends failed)."""
         connected = list(grid.get_node_ids())
         k = max(int(len(connected) * fraction), min_nodes)
@@ -309,7 +309,7 @@ class DiLoCo(FromRunConfig, DiLoCoState, ResumableStrategy):
 
         A bad reply is dropped and named, never the round; the counts logged and returned
         agree. Raises :class:`~flwr_isoloco.strategies.core.guard.NoProgressError` only when
-        ``max_empty_rounds`` consecutive rounds used no reply.
+        ``Rounds.max_empty_rounds`` consecutive rounds used no reply.
         """
         self.server_round += 1
         if self.theta is None:
