@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import math
 import secrets
+from dataclasses import replace
 from typing import Any, NamedTuple
 
 import torch
@@ -194,6 +195,7 @@ class StrategyDP:
         # ClientApp rebuilds the strategy from the run config.
         self.uniform_forced = s.weighting == "examples"
         s.weighting = "uniform"
+        s.checks = replace(s.checks, weighting="uniform")  # what the strategy says it does
 
     def epsilon(self) -> float:
         """Epsilon spent so far at ``delta`` (0 before any release, inf without noise)."""
