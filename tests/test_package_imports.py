@@ -4,7 +4,6 @@ no two modules of the package or of an app import each other (read from the sour
 
 import ast
 import importlib
-import importlib.util
 import pkgutil
 import pydoc
 import subprocess
@@ -43,47 +42,6 @@ def test_fresh_import_has_no_cycle(name):
     assert out.stdout.strip() == "5"
 
 
-def _module_imports(path, name, is_package, modules):
-    """The modules of ``modules`` that module ``name`` imports at module level (``if
-    TYPE_CHECKING:`` blocks included: a type-only import is still a dependency), each the most
-    specific module named (``from pkg import sub`` is ``pkg.sub`` when ``sub`` is a module)."""
-    import ast
-
-    base = name if is_package else name.rpartition(".")[0]
-    found = set()
-    nodes = list(ast.parse(path.read_text()).body)
-    while nodes:
-        node = nodes.pop()
-        if isinstance(node, ast.If):  # TYPE_CHECKING blocks; function bodies are not walked
-            nodes += node.body + node.orelse
-        elif isinstance(node, ast.Try):
-            nodes += node.body + node.orelse + node.finalbody
-        elif isinstance(node, ast.Import):
-            found |= {a.name for a in node.names}
-        elif isinstance(node, ast.ImportFrom):
-            mod = node.module or ""
-            if node.level:
-                parent = base.rsplit(".", node.level - 1)[0]
-                mod = f"{parent}.{mod}" if mod else parent
-            subs = {f"{mod}.{a.name}" for a in node.names} & modules
-            found |= subs or {mod}
-    return (found & modules) - {name}
-
-
-def import_graph(package):
-    """Module-level import edges between the modules of ``package`` (a dotted name)."""
-    root = Path(importlib.util.find_spec(package).origin).parent  # not imported
-    files = {}
-    for path in root.rglob("*.py"):
-        rel = path.relative_to(root).with_suffix("").parts
-        is_package = rel[-1] == "__init__"
-        files[".".join((package, *rel[:-1]) if is_package else (package, *rel))] = (
-            path,
-            is_package,
-        )
-    return {m: _module_imports(p, m, pkg, set(files)) for m, (p, pkg) in files.items()}
-
-
 def find_cycles(graph):
     """Every strongly connected component of more than one module (Tarjan)."""
     index, low, stack, on, out = {}, {}, [], set(), []
@@ -113,18 +71,6 @@ def find_cycles(graph):
         if v not in index:
             visit(v)
     return out
-
-
-APPS = Path(__file__).resolve().parents[1] / "simulations"
-
-
-@pytest.mark.parametrize("package", ["flwr_isoloco", "isoloco_lm", "rwlora_sentiment"])
-def test_no_two_modules_import_each_other(package, monkeypatch):
-    """No import cycle among a package's modules (the library, the two simulation apps),
-    type-only imports counted (a cycle hidden behind ``TYPE_CHECKING`` is still two modules
-    that cannot be read one before the other)."""
-    monkeypatch.syspath_prepend(str(APPS / package))
-    assert find_cycles(import_graph(package)) == []
 
 
 def test_the_cycle_finder_sees_a_type_only_cycle(tmp_path):
