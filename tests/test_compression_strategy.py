@@ -259,6 +259,8 @@ def test_run_config_keys_and_codec_request():
         and s.codec_request["upload-error-feedback"] is False
     )
     assert DiLoCo.from_run_config({}).codec_request == {}  # default: plain replies
+    sparse = DiLoCo.from_run_config({"strategy.upload-codec": "sparseloco"}).codec_request
+    assert sparse["upload-codec"] == "sparseloco"  # options without a key: the codec's defaults
     with pytest.raises(ValueError, match="strategy.upload-codec"):
         DiLoCo.from_run_config({"strategy.upload-codec": "gzip"})
     with pytest.raises(ValueError, match="strategy.codec-fraction"):

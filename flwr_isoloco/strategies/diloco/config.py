@@ -212,11 +212,12 @@ RUN_CONFIG_CHECKS: dict[str, Any] = {
 
 
 def codec_options(c: Mapping[str, Any]) -> dict[str, Any]:
-    """The chosen codec's options from the flat ``codec-*`` keys."""
+    """The chosen codec's options from the flat ``codec-*`` keys of the section (an option
+    without a key here, e.g. sparseloco's ``chunk``, takes the codec's default)."""
     from flwr_isoloco.compression import OPTION_KEYS, normalize_options
 
     allowed = normalize_options(c["upload-codec"])
-    return {o: c[k] for k, o in OPTION_KEYS.items() if o in allowed}
+    return {o: c[k] for k, o in OPTION_KEYS.items() if o in allowed and k in c}
 
 
 def read_section(
