@@ -22,7 +22,7 @@ REPO = Path(__file__).resolve().parents[1]
 """The checkout's root."""
 RESULTS = REPO / "benchmarks" / "results"
 """The records the docs and tests cite by name (they stay here whatever the script's folder)."""
-LM_APP = REPO / "simulations" / "isoloco_lm"
+LM_APP = REPO / "simulations" / "isoloco-lm"
 """The LM app (its ``isoloco_lm`` package is imported by the scripts that drive it)."""
 SMALL_LM = {"model.hidden": 64, "model.heads": 2, "data.val-tokens": 4096}
 """Run-config keys of the small LM that the Ray benchmarks of the LM app train and evaluate."""
@@ -43,7 +43,7 @@ def status_mib(field: str) -> float | None:
 
 def on_path(*folders: str) -> None:
     """Put ``REPO / folder`` first on ``sys.path`` for each folder, the first named first
-    (``"simulations/isoloco_lm"`` for the LM app, ``"tests"`` for FakeGrid and test helpers)."""
+    (``"simulations/isoloco-lm"`` for the LM app, ``"tests"`` for FakeGrid and test helpers)."""
     paths = [str(REPO / f) for f in folders]
     sys.path[:0] = [p for p in paths if p not in sys.path]
 
@@ -120,7 +120,7 @@ def run_lm_app(rc: dict[str, Any], client_app: Any, nodes: int) -> tuple[dict[st
     """The LM app's server (``server_app.run_server`` on run config ``rc``, 2 s to settle)
     with ``client_app`` in a Ray simulation of ``nodes`` SuperNodes; returns the run's
     ``results.json`` (under ``rc["output-dir"]``) and the simulation's wall seconds.
-    ``isoloco_lm`` must be importable (:func:`on_path` ``"simulations/isoloco_lm"``)."""
+    ``isoloco_lm`` must be importable (:func:`on_path` ``"simulations/isoloco-lm"``)."""
     from flwr.serverapp import ServerApp
     from isoloco_lm import server_app
 

@@ -3,7 +3,7 @@
 #
 #   bash scripts/install.sh && bash scripts/demo.sh
 #
-# Runs `flwr run simulations/isoloco_lm` with the app's default run config (only the output
+# Runs `flwr run simulations/isoloco-lm` with the app's default run config (only the output
 # folder is set: <repo>/outputs/demo-<UTC time>) against a private SuperLink and FLWR_HOME under
 # <repo>/.flwr/ (see scripts/run_app.sh), checks that the run completed, prints where the results
 # are, and stops everything it started. NUM_SUPERNODES / CPUS_PER_CLIENT override the federation.
@@ -13,7 +13,7 @@ main() {  # parsed whole before it runs (safe to edit while a demo runs)
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 OUT="$REPO/outputs/demo-$(date -u +%Y%m%d-%H%M%S)"
 T0=$(date +%s)
-bash "$REPO/scripts/run_app.sh" "$REPO/simulations/isoloco_lm" "$OUT"
+bash "$REPO/scripts/run_app.sh" "$REPO/simulations/isoloco-lm" "$OUT"
 T1=$(date +%s)
 "$REPO/.venv/bin/python" - "$OUT" "$((T1 - T0))" <<'PY'
 import json, sys

@@ -3,7 +3,7 @@
 #
 #   scripts/run_app.sh <app-dir> <output-dir> [run-config override]...
 #
-#   e.g. scripts/run_app.sh simulations/isoloco_lm /tmp/out num-server-rounds=3 "strategy.name='diloco'"
+#   e.g. scripts/run_app.sh simulations/isoloco-lm /tmp/out num-server-rounds=3 "strategy.name='diloco'"
 #   (each override is key=value, TOML value syntax; no spaces inside a value)
 #
 # Flower 1.42 does the run itself (`flwr run <app> <connection> --stream --federation-config

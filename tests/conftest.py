@@ -11,6 +11,6 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 # The isoloco-lm app's package (``import isoloco_lm``), for the tests that drive it in-process.
-_LM_APP_DIR = str(Path(__file__).resolve().parents[1] / "simulations" / "isoloco_lm")
+_LM_APP_DIR = str(Path(__file__).resolve().parents[1] / "simulations" / "isoloco-lm")
 if _LM_APP_DIR not in sys.path:
     sys.path.insert(0, _LM_APP_DIR)

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
-APP_DIR = REPO / "simulations" / "isoloco_lm"
+APP_DIR = REPO / "simulations" / "isoloco-lm"
 
 TINY_MODEL = {
     "model.hidden": 32,

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "simulations" / "isoloco_lm"))
-sys.path.insert(0, str(REPO / "simulations" / "rwlora_sentiment"))
+sys.path.insert(0, str(REPO / "simulations" / "isoloco-lm"))
+sys.path.insert(0, str(REPO / "simulations" / "rwlora-sentiment"))
 sys.path.insert(0, str(REPO / "tests"))
 
 from fakegrid import FakeGrid  # noqa: E402
@@ -142,7 +142,7 @@ def test_real_flwr_run_log_has_no_model_loading_bars_and_exports_the_adapter(tmp
         [
             "bash",
             str(REPO / "scripts" / "run_app.sh"),
-            str(REPO / "simulations" / "rwlora_sentiment"),
+            str(REPO / "simulations" / "rwlora-sentiment"),
             str(out),
             *overrides,
         ],

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "simulations" / "isoloco_lm"))
-sys.path.insert(0, str(REPO / "simulations" / "rwlora_sentiment"))
+sys.path.insert(0, str(REPO / "simulations" / "isoloco-lm"))
+sys.path.insert(0, str(REPO / "simulations" / "rwlora-sentiment"))
 sys.path.insert(0, str(REPO / "tests"))
 
 from fakegrid import FakeGrid  # noqa: E402

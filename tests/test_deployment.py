@@ -27,9 +27,9 @@ from deploy_harness import (
 pytestmark = pytest.mark.deployment
 
 REPO = Path(__file__).resolve().parents[1]
-TINY_APP = REPO / "tests" / "deploy_app"
-ISOLOCO_APP = REPO / "simulations" / "isoloco_lm"
-RWLORA_APP = REPO / "simulations" / "rwlora_sentiment"
+TINY_APP = REPO / "tests" / "deploy-app"
+ISOLOCO_APP = REPO / "simulations" / "isoloco-lm"
+RWLORA_APP = REPO / "simulations" / "rwlora-sentiment"
 
 # Tiny but real: a 1-layer LLaMA on Shakespeare, 3 SuperNodes, 4 rounds of 3 inner steps.
 ISOLOCO_CONFIG = {
@@ -329,7 +329,7 @@ def test_rwlora_token_survives_a_supernode_sigkill(deployment, tmp_path):
 
 
 # ---------------------------------------------------------------- quorum + grace window
-QUORUM_APP = REPO / "tests" / "deploy_quorum_app"
+QUORUM_APP = REPO / "tests" / "deploy-quorum-app"
 
 
 def test_quorum_and_grace_window_over_tls(deployment, tmp_path):

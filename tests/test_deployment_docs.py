@@ -230,8 +230,8 @@ def test_the_quorum_run_is_on_the_page_and_valid():
         (["flwr", "supernode", "rgister", "k.pub"], "rgister"),
         (["flwr", "log", "1", "federation", "--follow"], "--follow"),
         (["scripts/deploy/start_supernode.sh", "ca.crt", "a:1"], "arguments"),
-        (["scripts/deploy/run_app.sh", "simulations/isoloco_lm", "f", "strategy.quorum=0.0"], ""),
-        (["scripts/deploy/run_app.sh", "simulations/isoloco_lm", "f", "strategy.qorum=1.0"], ""),
+        (["scripts/deploy/run_app.sh", "simulations/isoloco-lm", "f", "strategy.quorum=0.0"], ""),
+        (["scripts/deploy/run_app.sh", "simulations/isoloco-lm", "f", "strategy.qorum=1.0"], ""),
         (["uv", "pip", "install", "."], "uv"),
     ],
 )

@@ -42,6 +42,6 @@ def test_central_dp_with_a_robust_rule_names_the_keys_set_and_the_fix():
     msg = str(exc.value)
     assert "clipping_norm=0.5" in msg and "robust='distance-filter'" in msg
     assert "robust='none'" in msg and "LocalDP" in msg
-    app = Path(__file__).resolve().parents[1] / "simulations" / "isoloco_lm"
+    app = Path(__file__).resolve().parents[1] / "simulations" / "isoloco-lm"
     (msg,) = precheck_app_config(app, {**RC, "strategy.robust": "distance-filter"})
     assert "'strategy.dp-clipping-norm'" in msg and "'strategy.dp-mode'" not in msg

@@ -1,4 +1,4 @@
-"""examples/hf_causal_lm (the recipe of docs/user-guide.md, "Your own Hugging Face model") runs
+"""examples/hf-causal-lm (the recipe of docs/user-guide.md, "Your own Hugging Face model") runs
 as written on a tiny random LlamaForCausalLM saved with save_pretrained, and its code blocks in
 the guide are the example's code."""
 
@@ -12,7 +12,7 @@ import torch
 from flwr.app import Context, RecordDict
 
 REPO = Path(__file__).resolve().parents[1]
-EXAMPLE = REPO / "examples" / "hf_causal_lm"
+EXAMPLE = REPO / "examples" / "hf-causal-lm"
 sys.path.insert(0, str(EXAMPLE))
 sys.path.insert(0, str(REPO / "tests"))
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "simulations" / "isoloco_lm"))
+sys.path.insert(0, str(ROOT / "simulations" / "isoloco-lm"))
 
 from isoloco_lm import task  # noqa: E402
 

@@ -13,7 +13,7 @@ from flwr_isoloco.runconfig import RunConfigError
 from flwr_isoloco.strategies.core.guard import NoProgressError
 
 REPO = Path(__file__).resolve().parents[1]
-APP_DIR = REPO / "simulations" / "isoloco_lm"
+APP_DIR = REPO / "simulations" / "isoloco-lm"
 sys.path.insert(0, str(APP_DIR))
 sys.path.insert(0, str(REPO / "tests"))
 

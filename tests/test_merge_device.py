@@ -100,7 +100,7 @@ def test_run_config_key_reaches_the_strategy_and_is_prechecked():
     assert IsoLoCo.from_run_config({}).merge_device == CPU  # default "auto", no GPU here
     with pytest.raises(RunConfigError, match="'strategy.merge-device' has bad value 'gpu'"):
         DiLoCo.from_run_config({"strategy.merge-device": "gpu"})
-    lm = ROOT / "simulations" / "isoloco_lm"
+    lm = ROOT / "simulations" / "isoloco-lm"
     assert precheck_app_config(lm, {"strategy.merge-device": "cpu"}) == []
     (problem,) = precheck_app_config(lm, {"strategy.merge-device": "tpu"})
     assert "'strategy.merge-device' has bad value 'tpu'" in problem

@@ -197,21 +197,25 @@ APPS = _apps()
 
 def test_the_apps_are_found():
     names = {str(a.relative_to(REPO)) for a in APPS}
-    assert {"simulations/isoloco_lm", "examples/hf_causal_lm", "tests/secagg_app"} <= names
+    assert {"simulations/isoloco-lm", "examples/hf-causal-lm", "tests/secagg-app"} <= names
     assert len(APPS) >= 9
 
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")  # flwr's own pathspec/click use
 @pytest.mark.parametrize("app", APPS, ids=[str(a.relative_to(REPO)) for a in APPS])
 def test_app_is_a_valid_flower_hub_app_of_fab_format_1(app):
-    """What ``flwr build`` checks after the folder name, in process: the ``[project] name`` rule
-    (letters, digits, hyphens; a letter first; <= 32 characters), the pyproject validation and
-    the FAB format 1 rules (``license = { file = "LICENSE" }`` included in the FAB, a ``flwr>=``
-    bound, ``flwr-version-target`` inside it), by building the FAB in memory."""
+    """What ``flwr build`` (and so ``flwr app publish``) checks, in process: the app FOLDER's name
+    (``flwr build`` refuses a directory name with an underscore: letters, digits, hyphens; a
+    letter first; <= 32 characters; the Python package inside keeps its underscore), the same
+    rule for ``[project] name``, the pyproject validation and the FAB format 1 rules
+    (``license = { file = "LICENSE" }`` included in the FAB, a ``flwr>=`` bound,
+    ``flwr-version-target`` inside it), by building the FAB in memory."""
     from flwr.cli.build import build_fab_from_files
-    from flwr.cli.utils import collect_files
+    from flwr.cli.utils import collect_files, validate_project_name
     from flwr.supercore.utils import is_valid_name
 
+    # flwr build's own first check, on the folder it is given
+    validate_project_name(app.name, "The Flower App directory name")
     config = tomllib.loads((app / "pyproject.toml").read_text())
     project = config["project"]
     assert is_valid_name(project["name"]) == (True, ""), project["name"]

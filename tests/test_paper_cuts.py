@@ -60,7 +60,7 @@ def test_rwlora_sentiment_keeps_server_side_evaluation_only():
     from pathlib import Path
 
     sys.path.insert(
-        0, str(Path(__file__).resolve().parents[1] / "simulations" / "rwlora_sentiment")
+        0, str(Path(__file__).resolve().parents[1] / "simulations" / "rwlora-sentiment")
     )
     from rwlora_sentiment.task import build_strategy, load_config
 
@@ -266,7 +266,7 @@ def test_precheck_runs_the_apps_own_value_checks():
     ServerApp after the simulation had started."""
     from flwr_isoloco.runconfig import precheck_app_config
 
-    lm = REPO_ROOT / "simulations" / "isoloco_lm"
+    lm = REPO_ROOT / "simulations" / "isoloco-lm"
     assert precheck_app_config(lm, {"strategy.name": "diloco", "train.lr": 1}) == []
     from flwr_isoloco.merging import MERGE_RULES
 
@@ -282,7 +282,7 @@ def test_precheck_runs_the_apps_own_value_checks():
         "run-config key 'train.lr' has value 'fast' of type str; expected float (declared 0.003)",
         "run-config key 'seed' has value 1.5 of type float; expected int (declared 0)",
     ]
-    sentiment = REPO_ROOT / "simulations" / "rwlora_sentiment"
+    sentiment = REPO_ROOT / "simulations" / "rwlora-sentiment"
     (problem,) = precheck_app_config(sentiment, {"strategy.name": "walk"})
     assert problem.startswith("run-config key 'strategy.name' has bad value 'walk'")
 
@@ -293,7 +293,7 @@ def test_precheck_never_imports_a_plain_flower_app():
 
     from flwr_isoloco.runconfig import precheck_app_config
 
-    app = REPO_ROOT / "examples" / "quickstart_swap"
+    app = REPO_ROOT / "examples" / "quickstart-swap"
     before = set(sys.modules)
     assert precheck_app_config(app, {"lr": 1, "local-epochs": 3}) == []
     assert precheck_app_config(app, {"local-epochs": 2.0}) == [
@@ -304,14 +304,14 @@ def test_precheck_never_imports_a_plain_flower_app():
 
 @pytest.mark.slow
 def test_plain_app_whose_strategy_refuses_its_arguments_is_failed_in_flwr_ls(tmp_path):
-    """A plain Flower app (examples/quickstart_swap) with ``RWLoRA(fraction_fit=0.5)``, run by
+    """A plain Flower app (examples/quickstart-swap) with ``RWLoRA(fraction_fit=0.5)``, run by
     ``flwr run`` on Ray: Flower ends it ``finished:failed``, and run_app.sh exits 1."""
     import json
     import shutil
     import subprocess
 
     app = tmp_path / "app"
-    shutil.copytree(REPO_ROOT / "examples" / "quickstart_swap", app)
+    shutil.copytree(REPO_ROOT / "examples" / "quickstart-swap", app)
     server = app / "quickstart_swap" / "server_app.py"
     line = "    strategy = FedAvg(fraction_evaluate=0.5)\n"
     assert server.read_text().count(line) == 1

@@ -16,8 +16,8 @@ from flwr_isoloco.checkpoint import save_checkpoint, write_json_atomic
 from flwr_isoloco.plotting import run_label, save_figure
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "simulations" / "isoloco_lm"))
-sys.path.insert(0, str(REPO / "simulations" / "rwlora_sentiment"))
+sys.path.insert(0, str(REPO / "simulations" / "isoloco-lm"))
+sys.path.insert(0, str(REPO / "simulations" / "rwlora-sentiment"))
 sys.path.insert(0, str(REPO / "tests"))
 
 

@@ -86,7 +86,7 @@ def test_local_dp_allows_every_rule_and_drops_replies_without_the_echo():
 def test_lm_app_precheck_names_the_dp_key():
     from flwr_isoloco.runconfig import precheck_app_config
 
-    app = Path(__file__).resolve().parents[1] / "simulations" / "isoloco_lm"
+    app = Path(__file__).resolve().parents[1] / "simulations" / "isoloco-lm"
     (msg,) = precheck_app_config(app, {"strategy.dp-noise-multiplier": 1.0})
     assert "'strategy.dp-noise-multiplier'" in msg and "needs strategy.dp-clipping-norm" in msg
     ties = {"strategy.dp-noise-multiplier": 1.0, "strategy.dp-clipping-norm": 0.5}

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "simulations" / "isoloco_lm"))
+sys.path.insert(0, str(REPO / "simulations" / "isoloco-lm"))
 _spec = importlib.util.spec_from_file_location(
     "privacy_utility", REPO / "benchmarks" / "privacy" / "privacy_utility.py"
 )

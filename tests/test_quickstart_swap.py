@@ -1,4 +1,4 @@
-"""The quickstart swap: in a plain Flower app (examples/quickstart_swap, ClientApp with only
+"""The quickstart swap: in a plain Flower app (examples/quickstart-swap, ClientApp with only
 @app.train / @app.evaluate), each of DiLoCo, IsoLoCo, RWLoRA and GossipLoRA replaces FedAvg by
 one changed line and the run completes (in-process, and on Ray: slow)."""
 
@@ -14,7 +14,7 @@ import pytest
 from flwr.app import Context, RecordDict
 
 REPO = Path(__file__).resolve().parents[1]
-EXAMPLE = REPO / "examples" / "quickstart_swap"
+EXAMPLE = REPO / "examples" / "quickstart-swap"
 sys.path.insert(0, str(EXAMPLE))
 
 from fakegrid import FakeGrid  # noqa: E402

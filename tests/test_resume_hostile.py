@@ -17,8 +17,8 @@ from flwr_isoloco.checkpoint import CheckpointError, load_checkpoint, save_check
 from flwr_isoloco.runconfig import RunConfigError
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "simulations" / "isoloco_lm"))
-sys.path.insert(0, str(REPO / "simulations" / "rwlora_sentiment"))
+sys.path.insert(0, str(REPO / "simulations" / "isoloco-lm"))
+sys.path.insert(0, str(REPO / "simulations" / "rwlora-sentiment"))
 sys.path.insert(0, str(REPO / "tests"))
 
 from fakegrid import FakeGrid  # noqa: E402

@@ -1,4 +1,4 @@
-"""The run-config key tables (docs/user-guide.md, simulations/rwlora_sentiment/README.md) list
+"""The run-config key tables (docs/user-guide.md, simulations/rwlora-sentiment/README.md) list
 every key both apps declare, with the declared default and the app's own one-line meaning
 (``config_docs.KEY_DOCS``), and are what ``python scripts/runconfig_docs.py`` writes now.
 docs/strategies.md's run-config section names every DiLoCo / IsoLoCo strategy key."""
@@ -52,7 +52,7 @@ def test_the_user_guide_lists_every_key_of_both_apps_once():
     assert set(keys) == set(gen.APPS)
     for app in gen.APPS:
         assert keys[app] == list(gen.declared_literals(REPO / app)), app
-    lm = set(keys["simulations/isoloco_lm"])
+    lm = set(keys["simulations/isoloco-lm"])
     assert {
         "strategy.quorum",
         "strategy.grace-s",
@@ -62,12 +62,12 @@ def test_the_user_guide_lists_every_key_of_both_apps_once():
 
 
 def test_the_rwlora_readme_lists_its_keys():
-    keys = _table_keys((REPO / "simulations/rwlora_sentiment/README.md").read_text("utf-8"))
-    assert keys == {None: list(gen.declared_literals(REPO / "simulations/rwlora_sentiment"))}
+    keys = _table_keys((REPO / "simulations/rwlora-sentiment/README.md").read_text("utf-8"))
+    assert keys == {None: list(gen.declared_literals(REPO / "simulations/rwlora-sentiment"))}
 
 
 def test_a_key_without_a_meaning_or_a_stale_table_is_caught(monkeypatch):
-    app = "simulations/isoloco_lm"
+    app = "simulations/isoloco-lm"
     docs = gen.key_docs(REPO / app)
     del docs["strategy.quorum"]
     monkeypatch.setattr(gen, "key_docs", lambda app_dir: dict(docs))

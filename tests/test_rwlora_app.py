@@ -13,7 +13,7 @@ import torch
 from fakegrid import FakeGrid
 
 ROOT = Path(__file__).resolve().parents[1]
-APP = ROOT / "simulations" / "rwlora_sentiment"
+APP = ROOT / "simulations" / "rwlora-sentiment"
 sys.path.insert(0, str(APP))
 
 from rwlora_sentiment.client_app import app as client_app  # noqa: E402

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-APP = Path(__file__).resolve().parents[1] / "simulations" / "rwlora_sentiment"
+APP = Path(__file__).resolve().parents[1] / "simulations" / "rwlora-sentiment"
 sys.path.insert(0, str(APP))
 
 from rwlora_sentiment.task import build_strategy, load_config  # noqa: E402

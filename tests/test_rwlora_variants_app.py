@@ -9,7 +9,7 @@ import pytest
 from test_rwlora_app import TINY, _run
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "simulations" / "rwlora_sentiment"))
+sys.path.insert(0, str(ROOT / "simulations" / "rwlora-sentiment"))
 
 from rwlora_sentiment.task import (  # noqa: E402
     build_strategy,

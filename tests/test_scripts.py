@@ -19,7 +19,7 @@ import tomllib
 REPO = Path(__file__).resolve().parents[1]
 WRITE_CLI = REPO / "scripts" / "deploy" / "write_cli_config.sh"
 RUN_APP = REPO / "scripts" / "run_app.sh"
-TINY_APP = REPO / "tests" / "deploy_app"
+TINY_APP = REPO / "tests" / "deploy-app"
 
 # a double quote, a literal backslash-t, a backslash, a single quote, a space, a real tab,
 # a real newline and a non-ASCII letter

@@ -1,6 +1,6 @@
 """SecAgg+ over a real loopback deployment: TLS SuperLink, 3 authenticated SuperNodes.
 
-The instrumented app ``tests/secagg_app`` runs DiLoCo (tiny LLaMA, uniform weights, 1 round)
+The instrumented app ``tests/secagg-app`` runs DiLoCo (tiny LLaMA, uniform weights, 1 round)
 plain and under SecAgg+ as two concurrent runs on the same deployment. Asserted:
 
 - both runs complete;
@@ -30,7 +30,7 @@ from deploy_harness import loopback_deployment
 
 pytestmark = pytest.mark.deployment
 
-APP = Path(__file__).resolve().parent / "secagg_app"
+APP = Path(__file__).resolve().parent / "secagg-app"
 STEP = 16 / 2**22
 LR, MU = 0.7, 0.9
 

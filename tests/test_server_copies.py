@@ -13,7 +13,7 @@ from flwr.app import ArrayRecord, Message, Metadata, MetricRecord, RecordDict
 
 from flwr_isoloco.strategies import DiLoCo
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "simulations" / "isoloco_lm"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "simulations" / "isoloco-lm"))
 from isoloco_lm.server_app import shape_reference  # noqa: E402
 
 

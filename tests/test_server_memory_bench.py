@@ -75,7 +75,7 @@ def test_synthetic_app_is_the_lm_app_with_the_benchmark_workers(tmp_path):
     toml = (app / "pyproject.toml").read_text()
     assert 'clientapp = "isoloco_lm.synthetic_client:app"' in toml
     assert 'serverapp = "isoloco_lm.server_app:app"' in toml
-    lm = REPO / "simulations" / "isoloco_lm"
+    lm = REPO / "simulations" / "isoloco-lm"
     assert (app / "isoloco_lm" / "server_app.py").read_bytes() == (
         lm / "isoloco_lm" / "server_app.py"
     ).read_bytes()

@@ -1,4 +1,4 @@
-"""The one-line FedAvg -> IsoLoCo example (examples/swap_fedavg) runs, with either strategy."""
+"""The one-line FedAvg -> IsoLoCo example (examples/swap-fedavg) runs, with either strategy."""
 
 import importlib
 import json
@@ -12,7 +12,7 @@ import pytest
 from flwr.app import Context, RecordDict
 
 REPO = Path(__file__).resolve().parents[1]
-EXAMPLE = REPO / "examples" / "swap_fedavg"
+EXAMPLE = REPO / "examples" / "swap-fedavg"
 sys.path.insert(0, str(EXAMPLE))
 sys.path.insert(0, str(REPO / "tests"))
 

@@ -12,7 +12,7 @@ import pytest
 from flwr.app import Context, RecordDict
 
 REPO = Path(__file__).resolve().parents[1]
-EXAMPLE = REPO / "examples" / "hf_causal_lm"
+EXAMPLE = REPO / "examples" / "hf-causal-lm"
 sys.path.insert(0, str(EXAMPLE))
 
 
@@ -36,7 +36,7 @@ def test_an_uncapped_perplexity_is_printed_as_before():
 
 def test_every_hf_causal_lm_readme_command_writes_to_an_absolute_output_dir():
     readme = (EXAMPLE / "README.md").read_text(encoding="utf-8")
-    commands = [ln for ln in readme.splitlines() if ln.startswith("flwr run examples/hf_causal")]
+    commands = [ln for ln in readme.splitlines() if ln.startswith("flwr run examples/hf-causal")]
     assert len(commands) >= 2
     for cmd in commands:
         assert re.search(r"output-dir='/[^']+'", cmd), cmd

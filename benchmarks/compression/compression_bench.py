@@ -8,7 +8,7 @@ Three parts, each writing its own JSON under ``benchmarks/results/``:
     element error, the codec's stated bound, and payload bytes / fp32 bytes.
 
 ``bytes`` -> ``compression_bytes.json``
-    One real ``flwr run`` of ``simulations/isoloco_lm`` per codec (``scripts/run_app.sh``:
+    One real ``flwr run`` of ``simulations/isoloco-lm`` per codec (``scripts/run_app.sh``:
     private SuperLink, Ray simulation, 2 nodes, 2 rounds, the app's default model) and the
     ``bytes-up`` / ``bytes-down`` per round from its ``results.json``; ratios against the
     uncompressed run of the same invocation.
@@ -44,9 +44,9 @@ import common  # noqa: E402
 from flwr_isoloco.strategies import Codec
 
 REPO = common.REPO
-common.on_path("", "simulations/isoloco_lm", "tests")
+common.on_path("", "simulations/isoloco-lm", "tests")
 RESULTS = common.RESULTS
-APP = REPO / "simulations" / "isoloco_lm"
+APP = REPO / "simulations" / "isoloco-lm"
 CACHE = REPO / ".flwr" / "compression-cache"  # gitignored
 
 # name -> (codec, options); "none" is the uncompressed baseline

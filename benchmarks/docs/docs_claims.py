@@ -75,7 +75,7 @@ def bigram() -> str:
     behind = iso > min(fed, dil) + 0.1
     return (
         ("It is not as good as the mean everywhere: on" if behind else "On")
-        + " a byte-bigram table trained with Adam (`examples/swap_fedavg`, 3 nodes, 3 rounds) "
+        + " a byte-bigram table trained with Adam (`examples/swap-fedavg`, 3 nodes, 3 rounds) "
         f"the validation loss goes from {start:.3f} to {iso:.3f} with `IsoLoCo()`, to {fed:.3f} "
         f"with FedAvg and to {dil:.3f} with `DiLoCo()` "
         "(`benchmarks/results/swap_fedavg_bigram.json`)"

@@ -1,5 +1,5 @@
 """The drop-in's cases beyond the digits app (``isoloco_dropin.py`` runs them): the byte bigram
-of ``examples/swap_fedavg``, the LM app, and the running-variance case of a BatchNorm buffer;
+of ``examples/swap-fedavg``, the LM app, and the running-variance case of a BatchNorm buffer;
 each in-process on the fake grid (``tests/fakegrid.py``)."""
 
 from __future__ import annotations
@@ -28,16 +28,16 @@ def _paper(**kw):
 
 
 def bigram_case(factory: Callable[[], object], rounds: int = 3) -> list[float]:
-    """``examples/swap_fedavg`` (byte-bigram table, Adam inner steps, 3 nodes) in-process with
+    """``examples/swap-fedavg`` (byte-bigram table, Adam inner steps, 3 nodes) in-process with
     ``factory()`` as its strategy; validation loss per round (round 0 first)."""
     import importlib
     import tempfile
     import types
 
-    common.on_path("examples/swap_fedavg")
+    common.on_path("examples/swap-fedavg")
     from fakegrid import FakeGrid
 
-    src = (REPO / "examples" / "swap_fedavg" / "swap_fedavg" / "server_app.py").read_text()
+    src = (REPO / "examples" / "swap-fedavg" / "swap_fedavg" / "server_app.py").read_text()
     mod = types.ModuleType("swap_fedavg.server_app_bench")
     mod.__package__ = "swap_fedavg"
     exec(compile(src, "server_app.py", "exec"), mod.__dict__)
@@ -65,10 +65,10 @@ LM_VARIANTS = {
 
 
 def lm_case(rounds: int, out_dir: Path, only: list[str] | None = None) -> dict:
-    """The LM app (simulations/isoloco_lm, its pyproject defaults: 4 nodes, tiny LLaMA, AdamW
+    """The LM app (simulations/isoloco-lm, its pyproject defaults: 4 nodes, tiny LLaMA, AdamW
     inner steps) in-process on the fake grid; final validation loss per strategy. The paper
     preset is given by its values (the app's run config has no preset key)."""
-    common.on_path("simulations/isoloco_lm")
+    common.on_path("simulations/isoloco-lm")
     from fakegrid import FakeGrid
     from isoloco_lm import client_app, server_app
 

@@ -1,4 +1,4 @@
-"""The byte-bigram example (``examples/swap_fedavg``) under each strategy the docs compare.
+"""The byte-bigram example (``examples/swap-fedavg``) under each strategy the docs compare.
 
 Runs the example in-process on the fake grid (3 nodes, 3 rounds, 10 Adam steps at lr 0.1 per
 round: :func:`benchmarks.isoloco_dropin.bigram_case`) once per strategy and writes the
@@ -73,7 +73,7 @@ def main() -> None:
         "commit": common.git("rev-parse", "HEAD"),
         "uncommitted-changes": bool(common.git("status", "--porcelain", "--untracked-files=no")),
         "config": {
-            "app": "examples/swap_fedavg",
+            "app": "examples/swap-fedavg",
             "nodes": 3,
             "rounds": 3,
             "local-steps": 10,

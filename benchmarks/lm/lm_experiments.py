@@ -1,6 +1,6 @@
 """IsoLoCo vs DiLoCo on the isoloco-lm app, same seed and budget, at M = 4 and M = 8 workers.
 
-Each run is a real ``flwr run`` of ``simulations/isoloco_lm`` through ``scripts/run_app.sh``
+Each run is a real ``flwr run`` of ``simulations/isoloco-lm`` through ``scripts/run_app.sh``
 (private SuperLink, Ray simulation, one CPU per ClientApp) with the app's default run config
 except the strategy and the worker count. Records wall time, final validation loss and the
 validation curve per run into ``benchmarks/results/lm_experiments.json`` (runs are merged in by
@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: com
 import common  # noqa: E402
 
 REPO = common.REPO
-APP = REPO / "simulations" / "isoloco_lm"
+APP = REPO / "simulations" / "isoloco-lm"
 RESULTS = common.RESULTS / "lm_experiments.json"
 PLOT = REPO / "docs" / "img" / "lm_val_loss.png"
 DOC = REPO / "docs" / "results-lm.md"

@@ -1,6 +1,6 @@
 """Server memory against the number of workers M in a real Ray simulation (issue 18).
 
-Runs ``simulations/isoloco_lm`` through ``scripts/run_app.sh`` (NUM_SUPERNODES=M,
+Runs ``simulations/isoloco-lm`` through ``scripts/run_app.sh`` (NUM_SUPERNODES=M,
 CPUS_PER_CLIENT=1) with a model of 51.0 MiB of fp32 arrays (``model.hidden=512
 model.layers=4 model.heads=8 model.intermediate=1152``, vocabulary 2048: 13,373,952
 parameters), 2 rounds of 1 inner step, and samples every 0.2 s with psutil:
@@ -195,13 +195,21 @@ def watch(proc: subprocess.Popen, min_free: float, period: float = 0.2) -> dict:
             **(load if loads else {})}  # fmt: skip
 
 
+def lm_app_dir(code_dir: Path) -> Path:
+    """``code_dir``'s LM app folder: ``simulations/isoloco-lm``, or ``simulations/isoloco_lm`` in a
+    checkout from before the app folders were renamed for Flower Hub (``--code-dir`` of a
+    ``before`` revision)."""
+    new = code_dir / "simulations" / "isoloco-lm"
+    return new if new.is_dir() else code_dir / "simulations" / "isoloco_lm"
+
+
 def synthetic_app(dest: Path, code_dir: Path) -> Path:
-    """``simulations/isoloco_lm`` copied under ``dest`` with the benchmark-only ClientApp
+    """``simulations/isoloco-lm`` copied under ``dest`` with the benchmark-only ClientApp
     (``benchmarks/memory/apps/server_load/client_app.py``) as its ``clientapp``; the ServerApp, its
     config schema and defaults are the app's own, unchanged."""
-    app = dest / "isoloco_lm_server_load"
+    app = dest / "isoloco-lm-server-load"
     ignore = shutil.ignore_patterns("__pycache__", "*.png")
-    shutil.copytree(code_dir / "simulations" / "isoloco_lm", app, ignore=ignore)
+    shutil.copytree(lm_app_dir(code_dir), app, ignore=ignore)
     client = code_dir / SYNTHETIC_CLIENT.relative_to(REPO)
     shutil.copy(client, app / "isoloco_lm" / "synthetic_client.py")
     toml = app / "pyproject.toml"
@@ -243,7 +251,7 @@ def run_cell(
     out = Path(tempfile.mkdtemp(prefix=f"server-memory-{strategy}-{m}-"))
     env = {**os.environ, "NUM_SUPERNODES": str(m), "CPUS_PER_CLIENT": "1"}
     env["PYTHONPATH"] = str(code_dir)
-    app = synthetic_app(out, code_dir) if synthetic else code_dir / "simulations" / "isoloco_lm"
+    app = synthetic_app(out, code_dir) if synthetic else lm_app_dir(code_dir)
     common = [c for c in COMMON if not c.startswith("num-server-rounds=")]
     sizes = SYNTHETIC_SIZES if synthetic else SIZES
     cmd = [str(code_dir / "scripts" / "run_app.sh"), str(app), str(out / "run")]

@@ -1,6 +1,6 @@
 """Where the LM app's server memory goes at 135M: one in-process run, RSS per stage (issue 18).
 
-Runs ``simulations/isoloco_lm``'s ServerApp (``run_server``: build, rounds, evaluation,
+Runs ``simulations/isoloco-lm``'s ServerApp (``run_server``: build, rounds, evaluation,
 checkpoint, export) on SmolLM2-135M in this process with the test suite's in-process grid
 (``tests/fakegrid.py``) and the benchmark-only workers of
 ``benchmarks/memory/apps/server_load/client_app.py`` (seeded pseudo-gradients; no training). A thread
@@ -119,7 +119,7 @@ TINY = {
 
 
 def run(nodes: int, rounds: int, cache: str, threads: int, tiny: bool = False) -> dict:
-    sys.path[:0] = [str(REPO / "simulations" / "isoloco_lm"), str(REPO / "tests"),
+    sys.path[:0] = [str(REPO / "simulations" / "isoloco-lm"), str(REPO / "tests"),
                     str(REPO / "benchmarks" / "memory" / "apps" / "server_load")]  # fmt: skip
     import torch
 

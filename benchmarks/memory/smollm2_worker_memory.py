@@ -1,6 +1,6 @@
 """One DiLoCo worker round on SmolLM2-135M in this process: peak RSS and seconds per inner step.
 
-The worker of ``simulations/isoloco_lm`` (``model.name-or-path='smollm2'``, batch 4 x 256, its
+The worker of ``simulations/isoloco-lm`` (``model.name-or-path='smollm2'``, batch 4 x 256, its
 node-0-of-2 shard) on one message holding ``model_arrays`` of the pretrained model, H inner
 steps, ``micro_batch`` m (0 = whole batch), optionally gradient checkpointing. Prints one JSON
 line: entries of ``state_dict`` vs of the travelling record (the tie sent once), the record's
@@ -23,7 +23,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common.py
 import common  # noqa: E402
 
-common.on_path("simulations/isoloco_lm", "tests")
+common.on_path("simulations/isoloco-lm", "tests")
 
 
 def main() -> None:

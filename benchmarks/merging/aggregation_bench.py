@@ -45,7 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: com
 import common  # noqa: E402
 
 REPO = common.REPO
-common.on_path("tests", "simulations/isoloco_lm")
+common.on_path("tests", "simulations/isoloco-lm")
 
 from fakegrid import FakeGrid  # noqa: E402  (in-process Grid; delivers replies, no Ray)
 from isoloco_lm import task  # noqa: E402

@@ -50,7 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: com
 import common  # noqa: E402
 
 REPO = common.REPO
-common.on_path("tests", "simulations/isoloco_lm")
+common.on_path("tests", "simulations/isoloco-lm")
 RESULTS = common.RESULTS  # attack-<size>-<strategies>.json, one per invocation
 DOCS = {  # the docs whose attack table block is regenerated, and the grids each shows
     REPO / "docs" / "strategies.md": ("full", "headline", "quick"),

@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: com
 import common  # noqa: E402
 
 REPO = common.REPO
-common.on_path("simulations/isoloco_lm", "")
+common.on_path("simulations/isoloco-lm", "")
 RESULTS = common.RESULTS / "privacy_utility.json"
 DOC = REPO / "docs" / "privacy.md"
 BEGIN, END = "<!-- BEGIN PRIVACY UTILITY TABLE -->", "<!-- END PRIVACY UTILITY TABLE -->"
@@ -164,7 +164,7 @@ def main() -> None:
     args = ap.parse_args()
     done = json.loads(args.out.read_text()) if args.out.exists() else []
     if not args.table:
-        common.export_path("", "simulations/isoloco_lm")
+        common.export_path("", "simulations/isoloco-lm")
         for strategy in args.strategies:
             for nodes in args.nodes:
                 for eps in args.epsilons:

@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: com
 import common  # noqa: E402
 
 REPO = common.REPO
-common.on_path("simulations/isoloco_lm")
+common.on_path("simulations/isoloco-lm")
 RESULTS = common.RESULTS / "weight_bound.json"
 DOC = REPO / "docs" / "strategies.md"
 BEGIN, END = "<!-- BEGIN WEIGHT BOUND TABLE -->", "<!-- END WEIGHT BOUND TABLE -->"
@@ -119,7 +119,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=RESULTS)
     args = ap.parse_args()
     # Ray's workers import this file (the ClientApp above) and the LM app
-    common.export_path("benchmarks/privacy", "simulations/isoloco_lm")
+    common.export_path("benchmarks/privacy", "simulations/isoloco-lm")
     done = json.loads(args.out.read_text()) if args.out.exists() else []
     for strategy in args.strategies:
         for case in args.cases:

@@ -29,10 +29,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: com
 import common  # noqa: E402
 
 ROOT = common.REPO
-APP_DIR = ROOT / "simulations" / "rwlora_sentiment"
-common.on_path("tests", "simulations/rwlora_sentiment")
+APP_DIR = ROOT / "simulations" / "rwlora-sentiment"
+common.on_path("tests", "simulations/rwlora-sentiment")
 common.offline_env()
-common.export_path("simulations/rwlora_sentiment", "tests")
+common.export_path("simulations/rwlora-sentiment", "tests")
 
 
 def run_config(args, method: str, graph: str, out: Path) -> dict:

