@@ -55,9 +55,9 @@ from flwr_isoloco.checkpoint import (
 )
 from flwr_isoloco.clients.node_state import RESUME_DIR_KEY, RESUME_ROUND_KEY, STATE_DIR_KEY
 from flwr_isoloco.runconfig import RunConfigError, check_resumable, prepare_output_dir
-from flwr_isoloco.strategies.diloco.dp_journal import attach_dp_journal
 from flwr_isoloco.strategies.core.guard import NoProgressError
 from flwr_isoloco.strategies.core.nodes import wait_for_nodes
+from flwr_isoloco.strategies.diloco.dp_journal import attach_dp_journal
 
 __all__ = [
     "CHECKPOINT",
