@@ -245,6 +245,38 @@ def test_compressed_reply_that_does_not_decode_is_dropped_naming_the_key(fault, 
     assert report.bytes_up == payload_nbytes(bad.content["arrays"])
 
 
+def test_run_config_sparseloco_and_int4_options():
+    """strategy.codec-chunk / -k / -bits / -ef-decay reach the Codec options the codec takes
+    (-1 decay: the codec's default), and are checked."""
+    s = DiLoCo.from_run_config(
+        {
+            "strategy.upload-codec": "sparseloco",
+            "strategy.codec-chunk": 1024,
+            "strategy.codec-k": 32,
+            "strategy.codec-bits": 4,
+            "strategy.codec-ef-decay": 0.9,
+        }
+    )
+    req = s.codec_request
+    assert (req["codec-chunk"], req["codec-k"], req["codec-bits"]) == (1024, 32, 4)
+    assert req["upload-ef-decay"] == 0.9
+    default = DiLoCo.from_run_config({"strategy.upload-codec": "sparseloco"}).codec_request
+    assert (default["codec-chunk"], default["codec-k"], default["codec-bits"]) == (4096, 64, 2)
+    assert default["upload-ef-decay"] == 0.95  # -1: sparseloco's own decay
+    int4 = DiLoCo.from_run_config(
+        {"strategy.upload-codec": "int4", "strategy.codec-k": 8, "strategy.codec-ef-decay": 0.5}
+    ).codec_request
+    assert "codec-k" not in int4 and "codec-chunk" not in int4  # options int4 does not take
+    assert int4["upload-ef-decay"] == 0.5
+    for key, bad in [("codec-bits", 3), ("codec-ef-decay", 1.5), ("codec-k", 0)]:
+        with pytest.raises(ValueError, match=f"strategy.{key}"):
+            DiLoCo.from_run_config({f"strategy.{key}": bad})
+    with pytest.raises(ValueError, match="chunk"):  # not a square: the codec refuses
+        DiLoCo.from_run_config(
+            {"strategy.upload-codec": "sparseloco", "strategy.codec-chunk": 1000}
+        )
+
+
 def test_run_config_keys_and_codec_request():
     s = IsoLoCo.from_run_config(
         {

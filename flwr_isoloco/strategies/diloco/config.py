@@ -84,6 +84,10 @@ DILOCO_RUN_CONFIG: dict[str, Any] = {
     "codec-fraction": 0.01,
     "codec-values": "fp32",
     "codec-min-dims": 2,
+    "codec-chunk": 4096,
+    "codec-k": 64,
+    "codec-bits": 2,
+    "codec-ef-decay": -1.0,
     "error-feedback": True,
     "on-divergence": "warn",
     "divergence-factor": DEFAULT_DIVERGENCE_FACTOR,
@@ -160,6 +164,11 @@ def _default_or_positive(value: int) -> None:
         raise ValueError("must be >= 1, or -1 for the default")
 
 
+def _default_or_decay(value: float) -> None:
+    if value != -1 and not 0 <= value <= 1:
+        raise ValueError("must be in [0, 1], or -1 for the codec's default")
+
+
 def _default_or_factor(value: float) -> None:
     if value != -1 and not 1 <= value < math.inf:
         raise ValueError("must be a finite number >= 1, or -1 for the default (2.0)")
@@ -188,6 +197,10 @@ RUN_CONFIG_CHECKS: dict[str, Any] = {
     "codec-block-size": in_range(1, 1 << 20),
     "codec-min-dims": in_range(0, 8),
     "codec-fraction": in_range(0, 1, lo_open=True),
+    "codec-chunk": in_range(4, 1 << 20),  # a square: checked by the codec (Codec(...))
+    "codec-k": in_range(1, 1 << 20),  # <= chunk: checked by the codec
+    "codec-bits": choices(2, 4),
+    "codec-ef-decay": _default_or_decay,
     "on-divergence": choices(*DIVERGENCE_MODES),
     "divergence-factor": _off_or_at_least_one,
     "quorum": in_range(0, 1 << 31, lo_open=True),
@@ -211,13 +224,19 @@ RUN_CONFIG_CHECKS: dict[str, Any] = {
 """Value checks per key (types come from the defaults); merge options are checked by the rule."""
 
 
-def codec_options(c: Mapping[str, Any]) -> dict[str, Any]:
-    """The chosen codec's options from the flat ``codec-*`` keys of the section (an option
-    without a key here, e.g. sparseloco's ``chunk``, takes the codec's default)."""
+def codec_options(c: Mapping[str, Any], codec_key: str = "upload-codec") -> dict[str, Any]:
+    """The options of the codec named by ``c[codec_key]`` from the flat ``codec-*`` keys of the
+    section: only the options that codec takes (sparseloco: chunk, k, bits; int8: block_size,
+    ...); an option without a key here takes the codec's default, as does ``codec-ef-decay``
+    at -1."""
     from flwr_isoloco.compression import OPTION_KEYS, normalize_options
 
-    allowed = normalize_options(c["upload-codec"])
-    return {o: c[k] for k, o in OPTION_KEYS.items() if o in allowed and k in c}
+    allowed = normalize_options(c[codec_key])
+    opts = {o: c[k] for k, o in OPTION_KEYS.items() if o in allowed and k in c}
+    decay = c.get("codec-ef-decay", -1)
+    if "ef_decay" in allowed and decay != -1:
+        opts["ef_decay"] = float(decay)
+    return opts
 
 
 def read_section(

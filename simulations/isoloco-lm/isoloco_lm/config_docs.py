@@ -80,6 +80,11 @@ KEY_DOCS: dict[str, str] = {
     "strategy.codec-fraction": "top-k: fraction of each tensor's entries sent",
     "strategy.codec-values": "top-k values: `fp32` or `int8`",
     "strategy.codec-min-dims": "tensors with fewer dimensions travel as fp32",
+    "strategy.codec-chunk": "sparseloco: entries per chunk, a square (64 x 64 tiles for 2-D)",
+    "strategy.codec-k": "sparseloco: entries sent per chunk (<= codec-chunk)",
+    "strategy.codec-bits": "sparseloco: bits per sent value, 2 or 4 (lookup table of bin means)",
+    "strategy.codec-ef-decay": "error feedback decay beta of `e <- beta e + delta - sent` "
+    "(-1 = the codec's default: 0.95 sparseloco, 1.0 the others)",
     "strategy.error-feedback": "workers carry what compression lost into their next upload",
     "strategy.on-divergence": "divergence guard: a round whose val loss is non-finite or jumps "
     "is logged (`warn`), undone (`skip`) or ends the run `failed` (`stop`); strategies.md, "
