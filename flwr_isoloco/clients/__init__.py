@@ -7,17 +7,21 @@
   between rounds the large records wait there, a handle in ``context.state``.
 - ``hf_lm.py``: helpers to run the DiLoCo worker on any Hugging Face causal LM and a
   ``datasets.Dataset`` of text (model function, tokenization, flwr-datasets partitions).
+- ``download.py``: :func:`download_mod`, the node side of compressed downloads (rebuilds the
+  broadcast model from the stored copy + the update before an unchanged handler runs).
 - ``query.py``: :func:`partition_id_query`, an ``@app.query()`` handler for the graph
   strategies' vertex query.
 """
 
 from .diloco_worker import make_diloco_train_handler, make_lm_evaluate_handler
+from .download import download_mod
 from .lora_client import LoRAClient, LoRAClientConfig
 from .query import partition_id_query
 
 __all__ = [
     "LoRAClient",
     "LoRAClientConfig",
+    "download_mod",
     "make_diloco_train_handler",
     "make_lm_evaluate_handler",
     "partition_id_query",

@@ -80,6 +80,7 @@ DILOCO_RUN_CONFIG: dict[str, Any] = {
     "ns-steps": -1,
     "spectral-pattern": "",
     "upload-codec": "none",
+    "download-codec": "none",
     "codec-block-size": 256,
     "codec-fraction": 0.01,
     "codec-values": "fp32",
@@ -193,6 +194,7 @@ RUN_CONFIG_CHECKS: dict[str, Any] = {
     "client-sends": choices(*PAYLOADS),
     "dtype-policy": choices(*DTYPE_POLICIES),
     "upload-codec": choices(*CODECS),
+    "download-codec": choices(*CODECS),
     "codec-values": choices("fp32", "int8"),
     "codec-block-size": in_range(1, 1 << 20),
     "codec-min-dims": in_range(0, 8),
@@ -274,7 +276,7 @@ def section_kwargs(c: Mapping[str, Any]) -> dict[str, Any]:
         v = c[key]
         if (isinstance(v, str) and v != "") or (not isinstance(v, str) and v >= 0):
             options[opt] = v
-    upload = c["upload-codec"]
+    upload, download = c["upload-codec"], c.get("download-codec", "none")
     return dict(
         merge=c["merge"],
         merge_options=options,
@@ -302,6 +304,9 @@ def section_kwargs(c: Mapping[str, Any]) -> dict[str, Any]:
         upload=None
         if upload == "none"
         else Codec(upload, error_feedback=c["error-feedback"], **codec_options(c)),
+        download=None
+        if download == "none"
+        else Codec(download, **codec_options(c, "download-codec")),
         divergence=Divergence(c["on-divergence"], c["divergence-factor"]),
         robust=as_robust(c["robust"], robust_options(c)),
         privacy=section_privacy(c),

@@ -46,6 +46,13 @@ from flwr_isoloco.strategies.diloco.config import (
     FromRunConfig,
     check_arguments,
 )
+from flwr_isoloco.strategies.diloco.downloads import (
+    broadcast_messages,
+    broadcast_state,
+    new_broadcast,
+    note_download,
+    parse_broadcast,
+)
 from flwr_isoloco.strategies.diloco.privacy import StrategyDP
 from flwr_isoloco.strategies.diloco.settings import (
     Codec,
@@ -141,6 +148,7 @@ class DiLoCo(FromRunConfig, DiLoCoState, ResumableStrategy):
         checks: ReplyChecks = ReplyChecks(),  # noqa: B008 (frozen)
         rounds: Rounds = Rounds(),  # noqa: B008 (frozen)
         upload: Codec | str | None = None,
+        download: Codec | str | None = None,
         divergence: Divergence = Divergence(),  # noqa: B008 (frozen)
         robust: Robust | str | None = None,
         privacy: DPSettings | None = None,
@@ -162,6 +170,8 @@ class DiLoCo(FromRunConfig, DiLoCoState, ResumableStrategy):
             {} if u is None else request_config(u.name, u.options, u.error_feedback)
         )
         self.upload_codec = "none" if u is None else u.name
+        self.download = as_codec(download)
+        self.broadcast = None if self.download is None else new_broadcast(self.download)
         self._bytes_down = 0
         self.fraction_train = float(fraction_train)
         self.fraction_evaluate = float(fraction_evaluate)
@@ -267,8 +277,21 @@ class DiLoCo(FromRunConfig, DiLoCoState, ResumableStrategy):
     def _messages(
         self, arrays: ArrayRecord, config: ConfigRecord, nodes: list[int], mtype: str
     ) -> list[Message]:
+        if self.broadcast is not None:  # per node: the update, nothing or the full B
+            return broadcast_messages(self, config, nodes, mtype)
         record = RecordDict({self.arrayrecord_key: arrays, self.configrecord_key: config})
+        self._bytes_down = payload_nbytes(arrays) * len(nodes)
         return [Message(content=record, message_type=mtype, dst_node_id=n) for n in nodes]
+
+    @property
+    def train_base(self) -> dict[str, torch.Tensor] | None:
+        """The model the workers trained from, which their deltas are taken against: ``B``
+        with compressed downloads (compression/broadcast.py; in fp32, as ``theta``, a no-copy
+        view for an fp32 model), else ``theta``."""
+        b = self.broadcast
+        if b is None or b.base is None:
+            return self.theta
+        return {k: v.float() for k, v in b.base.items()}
 
     def configure_train(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
@@ -284,8 +307,9 @@ class DiLoCo(FromRunConfig, DiLoCoState, ResumableStrategy):
         config["server-round"] = self.server_round + 1
         for k, v in {**self.codec_request, **self.dp.request()}.items():
             config[k] = v
-        record = self._model_record()
-        self._bytes_down = payload_nbytes(record) * len(nodes)
+        if self.broadcast is not None:
+            self.broadcast.advance(self.theta, self._dtypes)
+        record = self._model_record() if self.broadcast is None else ArrayRecord()
         return self._train_ledger.remember(self._messages(record, config, nodes, MessageType.TRAIN))
 
     def configure_evaluate(
@@ -298,9 +322,13 @@ class DiLoCo(FromRunConfig, DiLoCoState, ResumableStrategy):
             self._adopt(arrays)
         nodes = self._sample(grid, self.fraction_evaluate, self.min_evaluate_nodes)
         config["server-round"] = self.server_round
-        return self._eval_ledger.remember(
-            self._messages(self._model_record(), config, nodes, MessageType.EVALUATE)
-        )
+        if self.broadcast is not None and self.broadcast.base is None:
+            self.broadcast.advance(self.theta, self._dtypes)
+        saved = self._bytes_down  # bytes-down reports the train messages
+        record = self._model_record() if self.broadcast is None else ArrayRecord()
+        msgs = self._messages(record, config, nodes, MessageType.EVALUATE)
+        self._bytes_down = saved
+        return self._eval_ledger.remember(msgs)
 
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]
@@ -383,6 +411,8 @@ class DiLoCo(FromRunConfig, DiLoCoState, ResumableStrategy):
         self, server_round: int, replies: Iterable[Message]
     ) -> MetricRecord | None:
         """Weighted mean of the valid replies' metrics (bad replies dropped, never raises)."""
+        if self.broadcast is not None:
+            replies = [note_download(self, m) for m in replies]
         return aggregate_metrics(
             self.eval_validator, replies, self._eval_ledger, self.evaluate_metrics_aggr_fn
         )
@@ -395,6 +425,8 @@ class DiLoCo(FromRunConfig, DiLoCoState, ResumableStrategy):
             sd["meta"]["weight_reference"] = self.weight_reference
         if self.dp.state() is not None:
             sd["meta"]["dp"] = self.dp.state()
+        if self.broadcast is not None and self.broadcast.base is not None:
+            sd["tensors"]["broadcast"], sd["meta"]["broadcast"] = broadcast_state(self.broadcast)
         return sd
 
     @staticmethod
@@ -404,6 +436,7 @@ class DiLoCo(FromRunConfig, DiLoCoState, ResumableStrategy):
         spec = DiLoCoState._state_spec()
         spec["weight_reference"] = Field("float", min=0, optional=True)
         spec["dp"] = Field("dict", optional=True)  # Flower's accountant state (privacy.py)
+        spec["broadcast"] = Field("dict", optional=True)  # B's digest (downloads.py)
         return spec
 
     def load_state_dict(
@@ -420,7 +453,13 @@ class DiLoCo(FromRunConfig, DiLoCoState, ResumableStrategy):
                 dp = self.dp.parse_state(meta.get("dp"), meta["server_round"])
             except ValueError as exc:
                 raise CheckpointError(f"DP accountant: {exc}") from None
+        try:
+            broadcast = parse_broadcast(self, state)  # None: no download codec or no B saved
+        except ValueError as exc:
+            raise CheckpointError(f"broadcast model: {exc}") from None
         super().load_state_dict(state, reference)
+        if broadcast is not None:
+            self.broadcast = broadcast
         self.dp.restore(dp)
         ref = state["meta"].get("weight_reference")
         self.weight_reference = None if ref is None else float(ref)

@@ -145,6 +145,8 @@ def use_secagg(strategy: DiLoCo, settings: SecAggSettings | None = None, **kw: A
     ``ValueError`` (:func:`~flwr_isoloco.strategies.diloco.privacy.require_secagg`) when it uses an
     option that needs single replies, or a bad SecAgg+ parameter (``kw``: the fields of
     :class:`SecAggSettings`)."""
+    if getattr(strategy, "download", None) is not None:  # the masked sum is taken against theta
+        raise ValueError("secagg: not supported with a download codec (download=)")
     require_secagg(strategy)
     settings = settings if settings is not None else SecAggSettings(**kw)
     settings.check()

@@ -81,7 +81,11 @@ class TrainRound:
         floats = [k for k, t in s.theta.items() if t.is_floating_point()]
         dp = s.dp.mechanism(server_round, len(s._train_ledger._sent), floats)  # None: DP off
         buffers = buffer_keys(s)  # merged as FedAvg does, outside the outer step
-        self.fold = RoundFold(s.merger, s.theta, server_round, spill=spill, dp=dp, buffers=buffers)
+        # deltas against the model the workers trained from: B with compressed downloads
+        self.base = getattr(s, "train_base", s.theta)
+        self.fold = RoundFold(
+            s.merger, self.base, server_round, spill=spill, dp=dp, buffers=buffers
+        )
         self.taken: list[CheckedReply] = []
         self.answered: set[str] = set()
         self._w: dict[int, float] = {}  # id(reply) -> merge weight
@@ -98,7 +102,9 @@ class TrainRound:
     def _take(self, msg: Message) -> None:
         self.answered.add(msg.metadata.reply_to_message_id)
         s, v = self.s, self.v
-        r = v.check(msg, s.theta, s._train_ledger, self.report)
+        if getattr(s, "broadcast", None) is not None:  # compressed downloads: the node's copy
+            s.broadcast.note(s._train_ledger.sender(msg), msg)
+        r = v.check(msg, self.base, s._train_ledger, self.report)
         if isinstance(r, Rejection):
             return
         why = s.dp.reply_problem(r.content)  # local DP: the reply must say it applied it

@@ -27,6 +27,7 @@ from flwr.clientapp import ClientApp
 from flwr.common.logger import log
 
 from flwr_isoloco.clients.diloco_worker import make_diloco_train_handler
+from flwr_isoloco.clients.download import download_mod
 from flwr_isoloco.clients.node_state import with_node_state
 from flwr_isoloco.secagg_mod import secagg_mod
 
@@ -40,7 +41,9 @@ from .task import (
     node_batches,
 )
 
-app = ClientApp(mods=[secagg_mod])  # SecAgg+ train stages only; other messages pass through
+# download_mod: strategy.download-codec (rebuilds the broadcast model; no-op at "none");
+# secagg_mod: SecAgg+ train stages only; other messages pass through
+app = ClientApp(mods=[download_mod, secagg_mod])
 
 
 def _partition(context: Context) -> tuple[int, int]:

@@ -76,6 +76,8 @@ KEY_DOCS: dict[str, str] = {
     "others take the mean (empty = every 2-D tensor)",
     "strategy.upload-codec": "compress the workers' uploads: `none` or a codec of "
     "docs/compression.md (`int8`, `fp8`, `topk`, ...)",
+    "strategy.download-codec": "compress the server's downloads to an update of the broadcast "
+    "model (server-side error feedback; `none` = the full model each round; docs/compression.md)",
     "strategy.codec-block-size": "entries per fp32 scale (int8, fp8, top-k with int8 values)",
     "strategy.codec-fraction": "top-k: fraction of each tensor's entries sent",
     "strategy.codec-values": "top-k values: `fp32` or `int8`",

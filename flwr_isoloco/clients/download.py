@@ -1,0 +1,86 @@
+"""``download_mod``: the node side of compressed downloads (flwr_isoloco/compression/broadcast.py).
+
+``ClientApp(train=..., evaluate=..., mods=[download_mod])`` with an unchanged handler: the mod
+rebuilds the full arrays ``B`` from the node's stored copy and the received update before the
+handler runs, stores ``B`` (and its digest) in ``context.state``, and adds the digest to the
+reply. A message without ``download-digest`` in its config passes through untouched.
+
+Refusals (an error reply, the handler never runs): an update whose base digest is not the
+stored copy's, a result whose digest is not the announced one, an undecodable update.
+"""
+
+from __future__ import annotations
+
+from flwr.app import ArrayRecord, ConfigRecord, Context, Error, Message
+from flwr.clientapp.typing import ClientAppCallable
+
+from flwr_isoloco.compression.broadcast import (
+    BASE_KEY,
+    DIGEST_KEY,
+    HELD_KEY,
+    REPLY_RECORD,
+    apply_update,
+    model_digest,
+)
+from flwr_isoloco.compression.record import decompress
+
+STATE_ARRAYS = "download-base-model"
+STATE_CONFIG = "download-base-digest"
+REFUSED_CODE = 2  # CLIENT_APP_RAISED_EXCEPTION: the server drops the reply and names the node
+
+__all__ = ["REFUSED_CODE", "STATE_ARRAYS", "STATE_CONFIG", "download_mod", "stored_digest"]
+
+
+def stored_digest(context: Context) -> str:
+    """The digest of the copy ``context.state`` holds (``""``: none)."""
+    rec = context.state.config_records.get(STATE_CONFIG)
+    held = None if rec is None else rec.get(HELD_KEY)
+    return held if isinstance(held, str) else ""
+
+
+def _refuse(msg: Message, why: str) -> Message:
+    return Message(Error(REFUSED_CODE, f"download_mod refused: {why}"), reply_to=msg)
+
+
+def _rebuild(msg: Message, context: Context, key: str, base: str, digest: str):
+    """The full ``B`` (name -> tensor) or a refusal reason (str)."""
+    arrays = msg.content.array_records[key]
+    if base == "":
+        return arrays.to_torch_state_dict()
+    if stored_digest(context) != base or STATE_ARRAYS not in context.state.array_records:
+        return (
+            f"update for base {base[:12]}, this node holds {stored_digest(context)[:12] or 'none'}"
+        )
+    held = context.state.array_records[STATE_ARRAYS].to_torch_state_dict()
+    if model_digest(held) != base:  # the stored copy itself was changed or corrupted
+        return "the stored copy does not match its digest"
+    if base == digest and len(arrays) == 0:
+        return held
+    try:
+        return apply_update(held, decompress(arrays))
+    except ValueError as exc:
+        return f"update does not decode: {exc}"
+
+
+def download_mod(msg: Message, context: Context, call_next: ClientAppCallable) -> Message:
+    """Rebuild ``B`` (module docstring), run the handler on it, report ``B``'s digest."""
+    cfg = msg.content.config_records.get("config")
+    if cfg is None or DIGEST_KEY not in cfg:
+        return call_next(msg, context)
+    digest, base = cfg.get(DIGEST_KEY), cfg.get(BASE_KEY, "")
+    keys = list(msg.content.array_records)
+    if not isinstance(digest, str) or not isinstance(base, str) or len(keys) != 1:
+        return _refuse(msg, "malformed download entries")
+    full = _rebuild(msg, context, keys[0], base, digest)
+    if isinstance(full, str):
+        return _refuse(msg, full)
+    if model_digest(full) != digest:
+        return _refuse(msg, "the rebuilt model's digest is not the announced one")
+    record = ArrayRecord(full)
+    context.state[STATE_ARRAYS] = record
+    context.state[STATE_CONFIG] = ConfigRecord({HELD_KEY: digest})
+    msg.content[keys[0]] = ArrayRecord(full)
+    reply = call_next(msg, context)
+    if not reply.has_error():
+        reply.content[REPLY_RECORD] = ConfigRecord({HELD_KEY: digest})
+    return reply

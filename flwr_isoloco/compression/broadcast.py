@@ -1,0 +1,153 @@
+"""Compressed downloads: the broadcast model ``B``, its version digest, per-node bookkeeping.
+
+The server keeps ``B``, the model every up-to-date node holds, and an error-feedback residual
+``e``. Each train round (:meth:`Broadcast.advance`)::
+
+    c  = (theta - B) + beta e         # the codec's ErrorFeedback (feedback.py)
+    u  = Q(c);  e <- c - decode(u)
+    B <- B + decode(u)                # exactly the node's arithmetic, in B's dtypes
+
+Protocol (config keys of the instruction, one ConfigRecord entry in the reply):
+
+- ``download-digest``: the sha256 digest of ``B`` after the node applies the message;
+- ``download-base``: the digest of the copy the arrays apply to, ``""`` = the arrays are the
+  full ``B``;
+- the reply carries ``ConfigRecord({"held": digest})`` under ``download`` (REPLY_RECORD).
+
+The server sends the update ``u`` only to a node whose last reported digest equals the
+previous ``B``, an empty record to a node already holding the current ``B`` (evaluation after
+training), else the full ``B``. A node whose copy's digest differs from ``download-base`` refuses
+(an error reply, dropped and named by the server), and a node whose result's digest differs from
+``download-digest`` refuses too: nobody trains on a model other than ``B``, silently.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from flwr.app import ArrayRecord, Message
+
+from flwr_isoloco.compression.feedback import ErrorFeedback
+from flwr_isoloco.compression.record import decompress
+
+DIGEST_KEY = "download-digest"
+BASE_KEY = "download-base"
+REPLY_RECORD = "download"
+HELD_KEY = "held"
+
+
+def model_digest(tensors: Mapping[str, torch.Tensor]) -> str:
+    """sha256 over (name, dtype, shape, bytes) of every tensor, names sorted."""
+    h = hashlib.sha256()
+    for k in sorted(tensors):
+        t = tensors[k].detach().contiguous().cpu()
+        h.update(f"{k}|{t.dtype}|{tuple(t.shape)}|".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()
+
+
+def apply_update(
+    base: Mapping[str, torch.Tensor], decoded: Mapping[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    """``B + decode(u)`` in B's dtypes (fp32 sum); ValueError on other names or shapes."""
+    if set(decoded) != set(base):
+        raise ValueError("update and stored model name different tensors")
+    out = {}
+    for k, b in base.items():
+        d = decoded[k]
+        if d.shape != b.shape:
+            raise ValueError(f"update of {k!r} has shape {tuple(d.shape)}, model {tuple(b.shape)}")
+        out[k] = (b.float() + d.float()).to(b.dtype)
+    return out
+
+
+def reply_digest(msg: Message) -> str | None:
+    """The digest a reply says its node holds, or None (error reply, absent, not a string)."""
+    if msg.has_error():
+        return None
+    rec = msg.content.config_records.get(REPLY_RECORD)
+    held = None if rec is None else rec.get(HELD_KEY)
+    return held if isinstance(held, str) and len(held) == 64 else None
+
+
+class Broadcast:
+    """Server side of compressed downloads (module docstring): ``B``, ``e``, nodes' digests."""
+
+    def __init__(self, codec: str, options: Mapping[str, Any]) -> None:
+        self.ef = ErrorFeedback(codec, **dict(options))
+        self.base: dict[str, torch.Tensor] | None = None
+        self.digest = ""
+        self.prev = ""
+        self.update: ArrayRecord | None = None
+        self.held: dict[int, str] = {}  # node -> digest of its copy, from its last reply
+        self._full: ArrayRecord | None = None
+
+    def advance(self, theta: Mapping[str, torch.Tensor], dtypes: Mapping[str, Any]) -> None:
+        """A new round: ``B`` becomes ``B + decode(Q(theta - B + beta e))`` (first: ``theta``)."""
+        if self.base is None:
+            self.base = {k: v.to(dtypes.get(k, v.dtype)).clone() for k, v in theta.items()}
+            self.prev, self.update = "", None
+        else:
+            delta = {k: theta[k].float() - self.base[k].float() for k in self.base}
+            self.update = self.ef.compress(delta)
+            self.base = apply_update(self.base, decompress(self.update))
+            self.prev = self.digest
+        bad = [k for k, v in self.base.items() if not v.is_floating_point()]
+        if bad:
+            raise ValueError(f"compressed downloads need floating tensors, got {bad[:3]}")
+        self.digest = model_digest(self.base)
+        self._full = None
+
+    def full(self) -> ArrayRecord:
+        """``B`` as an ArrayRecord (built once per version)."""
+        assert self.base is not None
+        if self._full is None:
+            self._full = ArrayRecord({k: v.clone() for k, v in self.base.items()})
+        return self._full
+
+    def for_node(self, node: int) -> tuple[ArrayRecord, dict[str, str]]:
+        """What ``node`` gets (module docstring) and the config entries that describe it."""
+        held = self.held.get(node)
+        entries = {DIGEST_KEY: self.digest}
+        if held == self.digest:
+            return ArrayRecord(), {**entries, BASE_KEY: self.digest}
+        if self.update is not None and held == self.prev and self.prev:
+            return self.update, {**entries, BASE_KEY: self.prev}
+        return self.full(), {**entries, BASE_KEY: ""}
+
+    def note(self, node: int, msg: Message) -> None:
+        """Record the digest ``node`` reported (none: it holds no known copy)."""
+        held = reply_digest(msg)
+        if held is None:
+            self.held.pop(node, None)
+        else:
+            self.held[node] = held
+
+    def state_dict(self) -> dict[str, Any]:
+        """``B``, its digests, the residual (the per-node digests are not kept: after a resume
+        every node gets the full ``B`` once)."""
+        return {
+            "base": None if self.base is None else {k: v.clone() for k, v in self.base.items()},
+            "digest": self.digest,
+            "ef": self.ef.state_dict(),
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore, checked as hostile input: tensors finite and floating, digest matching."""
+        base = state.get("base")
+        if base is not None:
+            if not isinstance(base, Mapping) or not all(
+                isinstance(v, torch.Tensor) and v.is_floating_point() for v in base.values()
+            ):
+                raise ValueError("broadcast state: 'base' is not a mapping of floating tensors")
+            if not all(bool(torch.isfinite(v).all()) for v in base.values()):
+                raise ValueError("broadcast state: 'base' has non-finite entries")
+            if model_digest(base) != state.get("digest"):
+                raise ValueError("broadcast state: 'base' does not match its digest")
+            base = {k: v.clone() for k, v in base.items()}
+        self.ef.load_state_dict(state.get("ef", {}))
+        self.base, self.digest = base, str(state.get("digest", "")) if base is not None else ""
+        self.prev, self.update, self.held, self._full = "", None, {}, None

@@ -1,0 +1,239 @@
+"""Compressed downloads (``download=``, compression/broadcast.py, clients/download.py): an
+unchanged FedAvg-style ClientApp behind ``download_mod``, in-process via FakeGrid."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from fakegrid import FakeGrid
+from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
+from flwr.clientapp import ClientApp
+
+from flwr_isoloco.clients import download_mod
+from flwr_isoloco.clients.download import STATE_ARRAYS, STATE_CONFIG
+from flwr_isoloco.compression import payload_nbytes
+from flwr_isoloco.compression.broadcast import BASE_KEY, DIGEST_KEY, model_digest
+from flwr_isoloco.strategies import DiLoCo
+
+TRAINED_ON: dict[tuple[int, int], str] = {}  # (node, round) -> digest of the arrays it got
+
+
+def theta0() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return {"w": torch.randn(32, 64, generator=g), "b": torch.randn(64, generator=g)}
+
+
+def make_app() -> ClientApp:
+    """A plain FedAvg-style ClientApp: pull each tensor 10 % towards a node-specific target."""
+    app = ClientApp(mods=[download_mod])
+
+    @app.train()
+    def train(msg: Message, context: Context) -> Message:
+        sd = msg.content["arrays"].to_torch_state_dict()
+        pid = int(context.node_config["partition-id"])
+        rnd = int(msg.content["config"]["server-round"])
+        TRAINED_ON[(pid, rnd)] = model_digest(sd)
+        new = {k: v + 0.1 * (float(pid + 1) - v) for k, v in sd.items()}
+        return Message(
+            RecordDict({"arrays": ArrayRecord(new), "metrics": MetricRecord({"num-examples": 10})}),
+            reply_to=msg,
+        )
+
+    @app.evaluate()
+    def evaluate(msg: Message, context: Context) -> Message:
+        sd = msg.content["arrays"].to_torch_state_dict()
+        loss = float(sum(v.float().pow(2).mean() for v in sd.values()))
+        metrics = MetricRecord({"num-examples": 10, "loss": loss})
+        return Message(RecordDict({"metrics": metrics}), reply_to=msg)
+
+    return app
+
+
+def run(download=None, rounds=3, nodes=2, fraction=1.0, grid=None, **kw):
+    TRAINED_ON.clear()
+    grid = grid or FakeGrid(make_app(), num_nodes=nodes)
+    s = DiLoCo(
+        min_available_nodes=nodes,
+        min_train_nodes=1,
+        min_evaluate_nodes=1,
+        fraction_train=fraction,
+        fraction_evaluate=0.0,
+        download=download,
+        **kw,
+    )
+    res = s.start(grid=grid, initial_arrays=ArrayRecord(theta0()), num_rounds=rounds)
+    return s, res, grid
+
+
+def test_int8_download_sends_fewer_bytes_and_nodes_train_from_b():
+    _, fp32, _ = run(None)
+    s, res, _ = run("int8")
+    down = [res.train_metrics_clientapp[r]["bytes-down"] for r in (1, 2, 3)]
+    full = [fp32.train_metrics_clientapp[r]["bytes-down"] for r in (1, 2, 3)]
+    assert down[0] == full[0]  # round 1: every node is new, it gets the full B
+    assert sum(down) < sum(full) and down[2] < full[2] / 2
+    for r in (1, 2, 3):
+        assert res.train_metrics_clientapp[r]["replies-used"] == 2
+    assert s.broadcast.digest == model_digest(s.broadcast.base)
+    final = res.arrays.to_torch_state_dict()  # close to the fp32 run's (the codec's error)
+    ref = fp32.arrays.to_torch_state_dict()
+    assert max(float((final[k] - ref[k]).abs().max()) for k in ref) < 0.05
+
+
+def test_default_none_is_unchanged():
+    _, a, _ = run(None)
+    _, b, _ = run("none")
+    for k, v in a.arrays.to_torch_state_dict().items():
+        assert torch.equal(v, b.arrays.to_torch_state_dict()[k])
+    assert a.train_metrics_clientapp[1]["bytes-down"] == b.train_metrics_clientapp[1]["bytes-down"]
+
+
+def test_nodes_that_skip_rounds_train_from_the_broadcast_model():
+    """fraction_train 0.5 of 4 nodes: a node sampled after skipping rounds gets the full B;
+    every node trained on exactly the server's B of that round."""
+    digests = {}
+    s = DiLoCo(
+        min_available_nodes=4,
+        min_train_nodes=1,
+        fraction_train=0.5,
+        fraction_evaluate=0.0,
+        download="int8",
+    )
+    orig = s.broadcast.advance
+
+    def advance(theta, dtypes):
+        orig(theta, dtypes)
+        digests[s.server_round + 1] = s.broadcast.digest
+
+    s.broadcast.advance = advance
+    TRAINED_ON.clear()
+    grid = FakeGrid(make_app(), num_nodes=4)
+    s.start(grid=grid, initial_arrays=ArrayRecord(theta0()), num_rounds=5)
+    assert len(TRAINED_ON) == 10
+    for (_, rnd), d in TRAINED_ON.items():
+        assert d == digests[rnd]
+    assert len({pid for pid, _ in TRAINED_ON}) >= 3  # some nodes skipped rounds and came back
+
+
+def test_deleted_state_gets_the_full_model():
+    s, _, grid = run("int8", rounds=2)
+    for ctx in grid.contexts.values():  # every node loses its stored copy
+        del ctx.state[STATE_ARRAYS]
+        del ctx.state[STATE_CONFIG]
+    s.broadcast.held.clear()  # as a restarted node's missing reply digest would
+    TRAINED_ON.clear()
+    res = s.start(grid=grid, initial_arrays=ArrayRecord(theta0()), num_rounds=s.server_round + 1)
+    (m,) = res.train_metrics_clientapp.values()  # round 3 (the count continues)
+    assert m["replies-used"] == 2 and m["bytes-down"] == 2 * payload_nbytes(ArrayRecord(theta0()))
+    assert set(TRAINED_ON.values()) == {s.broadcast.digest}
+
+
+def test_node_refuses_an_update_for_a_base_it_does_not_hold():
+    s, _, grid = run("int8", rounds=2)
+    ctx = next(iter(grid.contexts.values()))
+    ctx.state[STATE_CONFIG] = ConfigRecord({"held": "0" * 64})  # a copy of another version
+    TRAINED_ON.clear()
+    res = s.start(grid=grid, initial_arrays=ArrayRecord(theta0()), num_rounds=s.server_round + 1)
+    (m,) = res.train_metrics_clientapp.values()
+    assert (m["replies-used"], m["replies-rejected"]) == (1, 1)
+    assert len(TRAINED_ON) == 1  # the refusing node never ran its handler
+    # next round it reported nothing: it gets the full B and trains again
+    TRAINED_ON.clear()
+    res = s.start(grid=grid, initial_arrays=ArrayRecord(theta0()), num_rounds=s.server_round + 1)
+    (m,) = res.train_metrics_clientapp.values()
+    assert m["replies-used"] == 2
+
+
+def test_mod_refuses_directly():
+    app = make_app()
+    ctx = Context(
+        run_id=1, node_id=1, node_config={"partition-id": 0}, state=RecordDict(), run_config={}
+    )
+    cfg = ConfigRecord({DIGEST_KEY: "a" * 64, BASE_KEY: "b" * 64, "server-round": 1})
+    msg = Message(
+        RecordDict({"arrays": ArrayRecord(theta0()), "config": cfg}),
+        dst_node_id=1,
+        message_type="train",
+    )
+    reply = app(msg, ctx)
+    assert reply.has_error() and "refused" in reply.error.reason
+
+
+def test_evaluation_uses_the_same_path():
+    """Evaluation after training: nodes holding B get an empty record and evaluate B; the
+    reported loss is B's."""
+    s, res, grid = run("int8", rounds=2, nodes=2)
+    assert res.evaluate_metrics_clientapp == {}  # fraction_evaluate 0 in run(); now evaluate
+    s.fraction_evaluate, s.min_evaluate_nodes = 1.0, 2
+    msgs = list(s.configure_evaluate(2, ArrayRecord(), ConfigRecord({}), grid))
+    assert all(len(m.content["arrays"]) == 0 for m in msgs)  # both hold the current B
+    replies = grid.send_and_receive(msgs)
+    agg = s.aggregate_evaluate(2, replies)
+    b = s.broadcast.base
+    assert agg["loss"] == pytest.approx(float(sum(v.float().pow(2).mean() for v in b.values())))
+
+
+def test_resume_keeps_b_and_residual_bitwise(tmp_path):
+    """A checkpoint holds B and the residual; a resumed run ends bitwise where the
+    uninterrupted one does; a tampered B is refused."""
+    from flwr_isoloco.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+
+    whole, res_whole, _ = run("int8", rounds=4)
+    s, _, grid = run("int8", rounds=2)
+    sd = s.state_dict()
+    save_checkpoint(tmp_path / "ck", sd["tensors"], sd["meta"])
+    tensors, meta = load_checkpoint(tmp_path / "ck")
+    fresh = DiLoCo(
+        min_available_nodes=2,
+        min_train_nodes=1,
+        min_evaluate_nodes=1,
+        fraction_evaluate=0.0,
+        download="int8",
+    )
+    fresh.load_state_dict({"tensors": tensors, "meta": meta})
+    for k, v in s.broadcast.base.items():
+        assert torch.equal(v, fresh.broadcast.base[k])
+    for k, v in s.broadcast.ef.residual.items():
+        assert torch.equal(v, fresh.broadcast.ef.residual[k])
+    res = fresh.start(grid=grid, initial_arrays=ArrayRecord(theta0()), num_rounds=4)
+    for k, v in res_whole.arrays.to_torch_state_dict().items():
+        assert torch.equal(v, res.arrays.to_torch_state_dict()[k])
+    assert fresh.broadcast.digest == whole.broadcast.digest
+    bad = {**tensors, "broadcast": {**tensors["broadcast"]}}
+    bad["broadcast"]["base"] = {k: v + 1 for k, v in tensors["broadcast"]["base"].items()}
+    with pytest.raises(CheckpointError, match="digest"):
+        fresh.load_state_dict({"tensors": bad, "meta": meta})
+
+
+def test_diloco_worker_and_isoloco_run_config_through_the_mod():
+    """The DiLoCo worker behind download_mod (its delta taken against B), IsoLoCo built from
+    strategy.download-codec; SecAgg+ with a download codec is refused."""
+    from test_compression_strategy import theta0 as lm_theta0
+    from test_compression_strategy import worker
+
+    from flwr_isoloco.strategies import IsoLoCo
+    from flwr_isoloco.strategies.diloco.secagg import use_secagg
+
+    handler = worker()
+    grid = FakeGrid({"train": lambda m, c: download_mod(m, c, handler)}, num_nodes=2)
+    s = IsoLoCo.from_run_config(
+        {
+            "strategy.download-codec": "int8",
+            "strategy.codec-block-size": 64,
+            "strategy.fraction-evaluate": 0.0,
+        }
+    )
+    assert s.download.name == "int8" and s.download.options["block_size"] == 64
+    res = s.start(grid=grid, initial_arrays=ArrayRecord(lm_theta0()), num_rounds=3)
+    full = payload_nbytes(ArrayRecord(lm_theta0()))
+    for r in (1, 2, 3):
+        assert res.train_metrics_clientapp[r]["replies-used"] == 2
+    assert res.train_metrics_clientapp[3]["bytes-down"] < full  # 2 updates < 1 full model
+    for ctx in grid.contexts.values():
+        held = ctx.state[STATE_ARRAYS].to_torch_state_dict()
+        assert model_digest(held) == s.broadcast.digest
+    assert DiLoCo.from_run_config({}).download is None
+    with pytest.raises(ValueError, match="strategy.download-codec"):
+        DiLoCo.from_run_config({"strategy.download-codec": "gzip"})
+    with pytest.raises(ValueError, match="download codec"):
+        use_secagg(DiLoCo(download="int8"))
