@@ -237,3 +237,33 @@ def test_diloco_worker_and_isoloco_run_config_through_the_mod():
         DiLoCo.from_run_config({"strategy.download-codec": "gzip"})
     with pytest.raises(ValueError, match="download codec"):
         use_secagg(DiLoCo(download="int8"))
+
+
+def test_node_state_files_keep_b_between_rounds(tmp_path):
+    """with_node_state offloads context.state (B among it) to files between rounds: the mod
+    reads it back first, so no round is refused and B is in the node's file after each round."""
+    from flwr_isoloco.clients.node_state import HANDLE_KEY, with_node_state
+
+    handler = with_node_state(
+        _train,
+        default_dir=tmp_path,
+    )
+    grid = FakeGrid({"train": lambda m, c: download_mod(m, c, handler)}, num_nodes=2)
+    s, res, _ = run("int8", rounds=4, grid=grid)
+    for r in (1, 2, 3, 4):
+        m = res.train_metrics_clientapp[r]
+        assert (m["replies-used"], m["replies-rejected"]) == (2, 0)
+    assert res.train_metrics_clientapp[4]["bytes-down"] < payload_nbytes(ArrayRecord(theta0()))
+    for ctx in grid.contexts.values():
+        assert HANDLE_KEY in ctx.state and STATE_ARRAYS not in ctx.state  # offloaded
+    assert set(TRAINED_ON.values()) >= {s.broadcast.digest}
+
+
+def _train(msg: Message, context: Context) -> Message:
+    """make_app's train handler as a plain function (for wrappers)."""
+    sd = msg.content["arrays"].to_torch_state_dict()
+    pid = int(context.node_config["partition-id"])
+    TRAINED_ON[(pid, int(msg.content["config"]["server-round"]))] = model_digest(sd)
+    new = {k: v + 0.1 * (float(pid + 1) - v) for k, v in sd.items()}
+    metrics = MetricRecord({"num-examples": 10})
+    return Message(RecordDict({"arrays": ArrayRecord(new), "metrics": metrics}), reply_to=msg)

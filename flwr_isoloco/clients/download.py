@@ -62,6 +62,18 @@ def _rebuild(msg: Message, context: Context, key: str, base: str, digest: str):
         return f"update does not decode: {exc}"
 
 
+def _reload_offloaded(context: Context) -> None:
+    """Read back the ArrayRecords :func:`~flwr_isoloco.clients.node_state.with_node_state` put
+    in its file (the stored ``B`` among them) before this mod reads or replaces ``B``: the
+    wrapper, seeing no handle, then saves and offloads them again after the round; otherwise
+    its reload would put the file's older ``B`` back over the new one."""
+    from flwr_isoloco.clients.node_state import HANDLE_KEY, _reload
+
+    pid = context.node_config.get("partition-id")
+    if HANDLE_KEY in context.state and pid is not None:
+        _reload(context, int(pid))
+
+
 def download_mod(msg: Message, context: Context, call_next: ClientAppCallable) -> Message:
     """Rebuild ``B`` (module docstring), run the handler on it, report ``B``'s digest."""
     cfg = msg.content.config_records.get("config")
@@ -71,6 +83,7 @@ def download_mod(msg: Message, context: Context, call_next: ClientAppCallable) -
     keys = list(msg.content.array_records)
     if not isinstance(digest, str) or not isinstance(base, str) or len(keys) != 1:
         return _refuse(msg, "malformed download entries")
+    _reload_offloaded(context)
     full = _rebuild(msg, context, keys[0], base, digest)
     if isinstance(full, str):
         return _refuse(msg, full)
