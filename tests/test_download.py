@@ -12,7 +12,7 @@ from flwr.clientapp import ClientApp
 from flwr_isoloco.clients import download_mod
 from flwr_isoloco.clients.download import STATE_ARRAYS, STATE_CONFIG
 from flwr_isoloco.compression import payload_nbytes
-from flwr_isoloco.compression.broadcast import BASE_KEY, DIGEST_KEY, model_digest
+from flwr_isoloco.compression.broadcast import BASE_KEY, DIGEST_KEY, model_digest, reply_digest
 from flwr_isoloco.strategies import DiLoCo
 
 TRAINED_ON: dict[tuple[int, int], str] = {}  # (node, round) -> digest of the arrays it got
@@ -267,3 +267,41 @@ def _train(msg: Message, context: Context) -> Message:
     new = {k: v + 0.1 * (float(pid + 1) - v) for k, v in sd.items()}
     metrics = MetricRecord({"num-examples": 10})
     return Message(RecordDict({"arrays": ArrayRecord(new), "metrics": metrics}), reply_to=msg)
+
+
+def test_none_sends_one_shared_record_and_deltas_against_theta():
+    """download None: one RecordDict for every node, no download keys, deltas against theta."""
+    s = DiLoCo(min_available_nodes=2, fraction_evaluate=0.0)
+    grid = FakeGrid(make_app(), num_nodes=2)
+    s.prepare(grid, ArrayRecord(theta0()), 5.0)
+    msgs = list(s.configure_train(1, ArrayRecord(theta0()), ConfigRecord({}), grid))
+    assert msgs[0].content is msgs[1].content and DIGEST_KEY not in msgs[0].content["config"]
+    assert s.train_base is s.theta and s.broadcast is None
+
+
+def test_hostile_digests_and_corrupt_copies():
+    """A reply's 'held' that is not a 64-char string counts as none (full B next time); a
+    stored copy changed behind its digest, or an update that does not decode, is refused."""
+    s, _, grid = run("int8", rounds=2)
+    nodes = list(grid.contexts)
+    for held in (123, "x" * 10, ["a"]):
+        reply = Message(RecordDict({"download": ConfigRecord({"held": held})}), reply_to=_sent())
+        assert reply_digest(reply) is None
+    ctx = grid.contexts[nodes[0]]
+    stored = ctx.state[STATE_ARRAYS].to_torch_state_dict()
+    ctx.state[STATE_ARRAYS] = ArrayRecord({k: v + 1 for k, v in stored.items()})
+    TRAINED_ON.clear()
+    res = s.start(grid=grid, initial_arrays=ArrayRecord(theta0()), num_rounds=s.server_round + 1)
+    (m,) = res.train_metrics_clientapp.values()
+    assert (m["replies-used"], m["replies-rejected"]) == (1, 1) and len(TRAINED_ON) == 1
+    held = grid.contexts[nodes[1]].state[STATE_CONFIG]["held"]
+    cfg = ConfigRecord({DIGEST_KEY: "c" * 64, BASE_KEY: held, "server-round": 9})
+    junk = ArrayRecord({"w": torch.zeros(3)})  # no codec header: does not decode
+    msg = Message(RecordDict({"arrays": junk, "config": cfg}), dst_node_id=1, message_type="train")
+    reply = make_app()(msg, grid.contexts[nodes[1]])
+    assert reply.has_error() and "does not decode" in reply.error.reason
+
+
+def _sent() -> Message:
+    cfg = ConfigRecord({"server-round": 1})
+    return Message(RecordDict({"config": cfg}), dst_node_id=1, message_type="train")
