@@ -470,13 +470,15 @@ class DiLoCo(FromRunConfig, DiLoCoState, ResumableStrategy):
 
     def _outer_step(self, g: Mapping[str, torch.Tensor]) -> None:
         """``theta <- theta - lr u`` (OuterSGD; ``u`` orthogonalised with "update") for the
-        parameters; ``theta_b <- theta_b - g_b`` (the nodes' weighted mean) for the buffers."""
+        parameters; ``theta_b <- base_b - g_b`` (the nodes' weighted mean; ``base``: the model
+        the nodes got, :attr:`train_base`) for the buffers."""
         assert self.theta is not None
         buffers = buffer_keys(self)
         params = {k: self.theta[k] for k in g if k not in buffers}
         transform = self.merger.update_transform(self.server_round)
         new = self.outer.step(params, {k: g[k] for k in params}, update_transform=transform)
-        new.update({k: self.theta[k] - g[k].to(self.theta[k].dtype) for k in g if k in buffers})
+        base = self.train_base  # the buffers' mean is taken against the model sent (B or theta)
+        new.update({k: base[k] - g[k].to(self.theta[k].dtype) for k in g if k in buffers})
         for k in buffers:  # a checkpoint from before buffers were told apart may hold some
             self.outer.momentum_buffer.pop(k, None)
         self.theta = {**self.theta, **{k: v.float() for k, v in new.items()}}
