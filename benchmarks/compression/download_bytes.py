@@ -1,0 +1,70 @@
+"""Bytes down per round with each download codec (issue 36, item 2), in-process on FakeGrid.
+
+A plain FedAvg-style ClientApp behind ``download_mod`` (the one of ``tests/test_download.py``)
+holding one SmolLM2-sized matrix (576 x 576) and a bias; DiLoCo at its defaults, 2 nodes, 4
+rounds, every node sampled every round. Round 1 sends the full model to every node (they hold
+nothing yet); later rounds send the compressed difference. Uploads stay plain here.
+
+    PYTHONPATH=.:tests .venv/bin/python benchmarks/compression/download_bytes.py
+
+writes ``benchmarks/results/download_bytes.json``.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import common  # noqa: E402
+
+common.on_path("", "tests")
+import torch  # noqa: E402
+from fakegrid import FakeGrid  # noqa: E402
+from flwr.app import ArrayRecord  # noqa: E402
+from test_download import make_app  # noqa: E402
+
+from flwr_isoloco.strategies import DiLoCo  # noqa: E402
+
+CODECS = ("none", "int8", "int4", "sparseloco")
+ROUNDS, NODES = 4, 2
+
+
+def model() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return {"w": torch.randn(576, 576, generator=g), "b": torch.randn(576, generator=g)}
+
+
+def run(codec: str) -> dict:
+    s = DiLoCo(
+        min_available_nodes=NODES,
+        min_train_nodes=NODES,
+        fraction_evaluate=0.0,
+        download=codec,
+    )
+    grid = FakeGrid(make_app(), num_nodes=NODES)
+    res = s.start(grid=grid, initial_arrays=ArrayRecord(model()), num_rounds=ROUNDS)
+    m = res.train_metrics_clientapp
+    return {
+        "bytes-down": [int(m[r]["bytes-down"]) for r in range(1, ROUNDS + 1)],
+        "replies-used": [int(m[r]["replies-used"]) for r in range(1, ROUNDS + 1)],
+    }
+
+
+def main() -> None:
+    runs = {c: run(c) for c in CODECS}
+    full = runs["none"]["bytes-down"]
+    for c, r in runs.items():
+        later = sum(r["bytes-down"][1:]) / sum(full[1:])
+        r["rounds-2-on-vs-none"] = round(later, 5)
+        print(
+            f"{c:>10}: bytes-down per round {r['bytes-down']} (rounds 2+: {1 / later:.1f}x fewer)"
+        )
+    common.save_json(
+        common.RESULTS / "download_bytes.json",
+        {"command": "benchmarks/compression/download_bytes.py", "nodes": NODES, "runs": runs},
+    )
+
+
+if __name__ == "__main__":
+    main()
