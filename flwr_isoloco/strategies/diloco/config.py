@@ -6,6 +6,11 @@ the value checks. An app composes the section into its own schema and validates 
 once (:func:`flwr_isoloco.runconfig.read_run_config`), then builds the strategy from the
 validated section with :meth:`DiLoCo.from_section <flwr_isoloco.strategies.DiLoCo.from_section>`;
 :meth:`~flwr_isoloco.strategies.DiLoCo.from_run_config` does both for a plain Flower app.
+
+Every ClientApp of a run sees the same run config, strategy section included, and may check it;
+:data:`SERVER_ONLY_KEYS` are the keys that name something of the server's machine (the merge's
+device), which a node checks for spelling only (:func:`node_view`) and the server resolves
+when it builds the strategy (a CUDA device must exist there; the error names the key).
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ from typing import Any
 from flwr_isoloco.compression import CODECS
 from flwr_isoloco.merging import MERGE_RULES
 from flwr_isoloco.merging.buffers import check_buffers_spec
-from flwr_isoloco.merging.device import parse_device
+from flwr_isoloco.merging.device import parse_device, resolve_device
 from flwr_isoloco.merging.robust import ROBUST_OPTIONS, ROBUST_RULES
 from flwr_isoloco.outer import ISOLOCO_PRESETS
 from flwr_isoloco.runconfig import choices, in_range, non_negative, positive, read_run_config
@@ -44,7 +49,9 @@ __all__ = [
     "DILOCO_RUN_CONFIG",
     "ISOLOCO_RUN_CONFIG",
     "RUN_CONFIG_CHECKS",
+    "SERVER_ONLY_KEYS",
     "FromRunConfig",
+    "node_view",
     "read_section",
     "section_kwargs",
 ]
@@ -175,6 +182,29 @@ def _default_or_factor(value: float) -> None:
         raise ValueError("must be a finite number >= 1, or -1 for the default (2.0)")
 
 
+SERVER_ONLY_KEYS: dict[str, Any] = {"merge-device": "cpu"}
+"""Keys that name the server's hardware, with a value that resolves on any machine: what a node
+checks instead (:func:`node_view`), after the spelling check of :data:`RUN_CONFIG_CHECKS`."""
+
+MERGE_DEVICE_FIX = (
+    "run the ServerApp where a CUDA device is visible, or set strategy.merge-device to "
+    "'auto' (CUDA where visible, else the CPU) or 'cpu'"
+)
+
+
+def node_view(section: Mapping[str, Any]) -> dict[str, Any]:
+    """``section`` as a node checks it: :data:`SERVER_ONLY_KEYS` replaced by values that resolve
+    anywhere, so a server-only setting (``merge-device = "cuda"`` for a GPU server) never fails
+    on a GPU-less node. Their spelling was checked by :data:`RUN_CONFIG_CHECKS` before."""
+    return {**section, **{k: v for k, v in SERVER_ONLY_KEYS.items() if k in section}}
+
+
+def merge_device_arg(option: Any) -> Any:
+    """``strategy.merge-device`` resolved on this (the server's) machine: a ``ValueError``
+    naming the key, and the fix, for a CUDA device that is not visible here."""
+    return resolve_device(option, what="strategy.merge-device", fix=MERGE_DEVICE_FIX)
+
+
 RUN_CONFIG_CHECKS: dict[str, Any] = {
     "merge": _rule_or_preset,
     "preset": choices(*ISOLOCO_PRESETS),
@@ -207,7 +237,7 @@ RUN_CONFIG_CHECKS: dict[str, Any] = {
     "divergence-factor": _off_or_at_least_one,
     "quorum": in_range(0, 1 << 31, lo_open=True),
     "grace-s": non_negative,
-    "merge-device": parse_device,  # spelling here; a CUDA device must exist at construction
+    "merge-device": parse_device,  # spelling here; the server resolves it (merge_device_arg)
     "dp-noise-multiplier": non_negative,
     "dp-clipping-norm": non_negative,
     "dp-delta": in_range(0, 1, lo_open=True, hi_open=True),
@@ -290,7 +320,7 @@ def section_kwargs(c: Mapping[str, Any]) -> dict[str, Any]:
         min_evaluate_nodes=c["min-evaluate-nodes"],
         min_available_nodes=c["min-available-nodes"],
         seed=c["seed"],
-        merge_device=c["merge-device"],
+        merge_device=merge_device_arg(c["merge-device"]),
         buffers=c["buffers"],
         checks=ReplyChecks(
             weighting=c["weighting"],

@@ -57,7 +57,7 @@ def _partition(context: Context) -> tuple[int, int]:
 
 
 def _train(msg: Message, context: Context) -> Message:
-    cfg = load_config(context.run_config)
+    cfg = load_config(context.run_config, node=True)
     torch.set_num_threads(cfg["torch-threads"])
     pid, parts = _partition(context)
     data_path = str(context.node_config.get(DATA_PATH_KEY, "") or "")

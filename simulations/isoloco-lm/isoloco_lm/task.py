@@ -33,6 +33,7 @@ from flwr_isoloco.strategies.diloco.config import (
     DILOCO_RUN_CONFIG,
     ISOLOCO_RUN_CONFIG,
     RUN_CONFIG_CHECKS,
+    node_view,
 )
 
 from . import pretrained
@@ -223,8 +224,12 @@ VALIDATORS = {
 }
 
 
-def load_config(run_config: Mapping[str, Any]) -> DictConfig:
-    """Validated app config (raises :class:`RunConfigError` naming the bad key)."""
+def load_config(run_config: Mapping[str, Any], *, node: bool = False) -> DictConfig:
+    """Validated app config (raises :class:`RunConfigError` naming the bad key).
+
+    ``node=True`` (a ClientApp): the server's own settings (``strategy.merge-device``) are
+    checked for spelling only, not resolved on the node's machine (:func:`node_view`).
+    """
     for key, why in NOT_IN_APP.items():
         if f"strategy.{key}" in run_config:
             raise RunConfigError(f"run-config key 'strategy.{key}' has no meaning here: {why}")
@@ -252,8 +257,10 @@ def load_config(run_config: Mapping[str, Any]) -> DictConfig:
             f"run-config key 'strategy.fast' = true conflicts with strategy.merge {s.merge!r}"
         )
     try:  # merge options (prune-fraction, drop-rate, ...) are checked by the merge rule
-        build_strategy(cfg)
+        build_strategy(cfg, node=node)
     except ValueError as exc:
+        if str(exc).startswith("strategy.merge-device"):  # the server's device (config.py)
+            raise RunConfigError(f"run-config key {exc}") from None
         if s.secagg and ("secure aggregation" in str(exc) or "secagg" in str(exc).lower()):
             raise RunConfigError(f"run-config key 'strategy.secagg' = true: {exc}") from None
         named = (*_OPTION_KEYS, *_DP_KEYS)
@@ -342,13 +349,16 @@ def evaluate_model(model: torch.nn.Module, batches: list[torch.Tensor]) -> float
 
 
 # ----------------------------------------------------------------------------- strategy
-def build_strategy(cfg: DictConfig):
+def build_strategy(cfg: DictConfig, *, node: bool = False):
     """DiLoCo / IsoLoCo / FedAvg (= DiLoCo(mean, lr 1, momentum 0)) from the validated app
-    config (no second validation: :meth:`DiLoCo.from_section`); server-side evaluation only."""
+    config (no second validation: :meth:`DiLoCo.from_section`); server-side evaluation only.
+    ``node=True``: the check a node makes, without the server's own settings (:func:`node_view`)."""
     from flwr_isoloco.strategies import DiLoCo, IsoLoCo
 
     s = cfg.strategy
     section = {k: s[k] for k in STRATEGY_SECTION if k not in APP_STRATEGY_KEYS}
+    if node:
+        section = node_view(section)
     for key in ("min-train-nodes", "min-available-nodes"):
         section[key] = s["min-nodes"] if s[key] == -1 else s[key]
     section.update({"fraction-evaluate": 0.0, "min-evaluate-nodes": 0, "seed": cfg.seed})
