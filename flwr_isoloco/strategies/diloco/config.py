@@ -186,12 +186,6 @@ SERVER_ONLY_KEYS: dict[str, Any] = {"merge-device": "cpu"}
 """Keys that name the server's hardware, with a value that resolves on any machine: what a node
 checks instead (:func:`node_view`), after the spelling check of :data:`RUN_CONFIG_CHECKS`."""
 
-MERGE_DEVICE_FIX = (
-    "run the ServerApp where a CUDA device is visible, or set strategy.merge-device to "
-    "'auto' (CUDA where visible, else the CPU) or 'cpu'"
-)
-
-
 def node_view(section: Mapping[str, Any]) -> dict[str, Any]:
     """``section`` as a node checks it: :data:`SERVER_ONLY_KEYS` replaced by values that resolve
     anywhere, so a server-only setting (``merge-device = "cuda"`` for a GPU server) never fails
@@ -202,7 +196,12 @@ def node_view(section: Mapping[str, Any]) -> dict[str, Any]:
 def merge_device_arg(option: Any) -> Any:
     """``strategy.merge-device`` resolved on this (the server's) machine: a ``ValueError``
     naming the key, and the fix, for a CUDA device that is not visible here."""
-    return resolve_device(option, what="strategy.merge-device", fix=MERGE_DEVICE_FIX)
+    try:
+        return resolve_device(option)
+    except ValueError as exc:
+        raise ValueError(
+            f"strategy.merge-device: {exc}, or run the ServerApp where a CUDA device is visible"
+        ) from None
 
 
 RUN_CONFIG_CHECKS: dict[str, Any] = {
