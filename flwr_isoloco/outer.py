@@ -13,6 +13,25 @@ with ``g`` the pseudo-gradient and ``b`` a zero-initialised buffer::
 
 With ``mu = 0`` and ``lr = 1``, ``theta - g`` with ``g`` the mean pseudo-gradient is FedAvg.
 
+Delayed momentum (``delay = N > 1``; Liu et al., "Asynchronous Local-SGD Training for Language
+Modeling", arXiv 2401.09135, "delayed Nesterov"): the buffer moves once every ``N`` steps, on
+the mean of the ``N`` pseudo-gradients since its last move, and the steps in between are plain
+SGD steps of ``g / N``. With ``a`` a zero-initialised accumulator and ``t`` the step count
+(1, 2, ...)::
+
+    a <- a + g
+    t mod N != 0:  u = g / N
+    t mod N == 0:  b' = mu * b + a / N
+                   u = g / N + mu * b'   (nesterov)  |  g / N + mu * b  (heavy-ball)
+                   b <- b';  a <- 0
+    theta <- theta - lr * u
+
+Over the ``N`` steps of one period ``theta`` moves by ``-lr (mean(g) + mu b')`` (Nesterov), the
+synchronous optimiser's one step on the period's mean pseudo-gradient; each step in between
+already moves ``theta`` by its own share, so workers that fetch the model then get the newest
+one. ``delay = 1`` is the optimiser above, the same code path, bit for bit. With ``mu = 0``
+the delay changes nothing but the step size (``u = g / N``), so it is refused there.
+
 Why not ``torch.optim.SGD`` itself: it gives bitwise the same numbers (tested step by step in
 fp32 and fp64, all three modes; on the 0.92M-parameter LM too), but it applies the direction to
 the parameters in the same call that computes it (``param.add_(d_p, alpha=-lr)``), so there is
@@ -56,10 +75,25 @@ class OuterSGD:
     Inputs are never modified. Momentum buffers are kept in fp32 (fp64 for fp64 params).
     """
 
-    def __init__(self, lr: float, momentum: float = 0.0, nesterov: bool = False) -> None:
+    def __init__(
+        self, lr: float, momentum: float = 0.0, nesterov: bool = False, delay: int = 1
+    ) -> None:
         self.lr, self.momentum, self.nesterov = self._check_hyper(lr, momentum, nesterov)
+        self.delay = self._check_delay(delay, self.momentum)
         self.momentum_buffer: dict[str, torch.Tensor] = {}
+        self.accumulator: dict[str, torch.Tensor] = {}  # ``a`` (delay > 1 only)
         self.steps = 0
+
+    @staticmethod
+    def _check_delay(delay: object, momentum: float) -> int:
+        if isinstance(delay, bool) or not isinstance(delay, int) or delay < 1:
+            raise ValueError(f"outer momentum delay must be an int >= 1, got {delay!r}")
+        if delay > 1 and momentum == 0:
+            raise ValueError(
+                f"outer momentum delay={delay} needs momentum > 0 (without momentum it only "
+                "divides the step by the delay)"
+            )
+        return delay
 
     @staticmethod
     def _check_hyper(lr: float, momentum: float, nesterov: bool) -> tuple[float, float, bool]:
@@ -93,6 +127,8 @@ class OuterSGD:
         keys or shapes or non-finite values; state is only updated when the step succeeds.
         """
         self._check_pair(params, grads)
+        if self.delay > 1:
+            return self._delayed_step(params, grads, update_transform)
         mu = self.momentum
         new_buffers: dict[str, torch.Tensor] = {}
         updates: dict[str, torch.Tensor] = {}
@@ -110,6 +146,19 @@ class OuterSGD:
             buf = g.clone() if old is None else old.to(g.device, g.dtype).mul(mu).add_(g)
             new_buffers[name] = buf
             updates[name] = g.add(buf, alpha=mu) if self.nesterov else buf
+        out = self._apply(params, updates, update_transform)
+        self._check_finite(out, new_buffers)
+        self.momentum_buffer.update(new_buffers)
+        self.steps += 1
+        return out
+
+    def _apply(
+        self,
+        params: Mapping[str, torch.Tensor],
+        updates: dict[str, torch.Tensor],
+        update_transform: UpdateTransform | None,
+    ) -> dict[str, torch.Tensor]:
+        """``theta - lr * transform(u)`` for every name, in the params' dtypes."""
         if update_transform is not None:
             updates = self._apply_transform(update_transform, updates)
         out: dict[str, torch.Tensor] = {}
@@ -117,8 +166,48 @@ class OuterSGD:
             u = updates[name]
             theta = p.detach().to(u.dtype)
             out[name] = theta.sub(u, alpha=self.lr).to(p.dtype)
-        self._check_finite(out, new_buffers)
+        return out
+
+    def _delayed_step(
+        self,
+        params: Mapping[str, torch.Tensor],
+        grads: Mapping[str, torch.Tensor],
+        update_transform: UpdateTransform | None,
+    ) -> dict[str, torch.Tensor]:
+        """One step with ``delay = N > 1`` (module docstring, "Delayed momentum")."""
+        mu, n = self.momentum, self.delay
+        milestone = (self.steps + 1) % n == 0
+        new_buffers: dict[str, torch.Tensor] = {}
+        new_acc: dict[str, torch.Tensor] = {}
+        updates: dict[str, torch.Tensor] = {}
+        for name, p in params.items():
+            g = grads[name].detach().to(device=p.device, dtype=_compute_dtype(p.dtype))
+            old_a = self.accumulator.get(name)
+            old_b = self.momentum_buffer.get(name)
+            for kind, old in (("accumulator", old_a), ("momentum buffer", old_b)):
+                if old is not None and old.shape != g.shape:
+                    raise ValueError(
+                        f"key {name!r}: {kind} shape {tuple(old.shape)} != "
+                        f"gradient shape {tuple(g.shape)}"
+                    )
+            acc = g.clone() if old_a is None else old_a.to(g.device, g.dtype).add(g)
+            u = g.div(n)
+            if not milestone:
+                new_acc[name] = acc
+                updates[name] = u
+                continue
+            prev = None if old_b is None else old_b.to(g.device, g.dtype)
+            buf = acc.div(n) if prev is None else prev.mul(mu).add_(acc.div(n))
+            new_buffers[name] = buf
+            ahead = buf if self.nesterov else prev
+            updates[name] = u if ahead is None else u.add(ahead, alpha=mu)
+        out = self._apply(params, updates, update_transform)
+        self._check_finite(out, {**new_buffers, **new_acc})
         self.momentum_buffer.update(new_buffers)
+        if milestone:
+            for name in params:
+                self.accumulator.pop(name, None)
+        self.accumulator.update(new_acc)
         self.steps += 1
         return out
 
@@ -171,8 +260,9 @@ class OuterSGD:
 
     def state_dict(self, copy: bool = True) -> dict:
         """Hyper-parameters, step count and momentum buffers (``{"momentum_buffer": {name: t}}``);
+        with ``delay > 1`` also ``delay`` and the accumulators (``{"accumulator": {name: t}}``);
         ``copy=False``: the buffers themselves (:meth:`step` replaces them, never changes them)."""
-        return {
+        state = {
             "lr": self.lr,
             "momentum": self.momentum,
             "nesterov": self.nesterov,
@@ -181,6 +271,12 @@ class OuterSGD:
                 k: v.clone() if copy else v for k, v in self.momentum_buffer.items()
             },
         }
+        if self.delay > 1:
+            state["delay"] = self.delay
+            state["accumulator"] = {
+                k: v.clone() if copy else v for k, v in self.accumulator.items()
+            }
+        return state
 
     def load_state_dict(self, state: Mapping) -> None:
         """Restore a ``state_dict()``; like ``torch.optim``, saved hyper-parameters win."""
@@ -190,6 +286,12 @@ class OuterSGD:
         except (KeyError, TypeError) as exc:
             raise ValueError(f"outer optimiser state is missing {exc}") from None
         self.lr, self.momentum, self.nesterov = self._check_hyper(lr, mu, nesterov)
+        delay = self._check_delay(state.get("delay", 1), self.momentum)
+        acc = state.get("accumulator", {})
+        if not isinstance(acc, Mapping) or not all(
+            isinstance(t, torch.Tensor) for t in acc.values()
+        ):
+            raise ValueError("outer optimiser state: accumulator must be a dict of tensors")
         if not isinstance(steps, int) or steps < 0:
             raise ValueError(f"outer optimiser state: steps must be an int >= 0, got {steps!r}")
         if not isinstance(buffers, Mapping):
@@ -197,8 +299,9 @@ class OuterSGD:
         for name, t in buffers.items():
             if not isinstance(t, torch.Tensor):
                 raise ValueError(f"key {name!r}: momentum buffer is not a tensor")
-        self.steps = steps
+        self.steps, self.delay = steps, delay
         self.momentum_buffer = {k: v.detach().clone() for k, v in buffers.items()}
+        self.accumulator = {k: v.detach().clone() for k, v in acc.items()}
 
 
 def nesterov_step_limit(momentum: float, nesterov: bool = True) -> float:

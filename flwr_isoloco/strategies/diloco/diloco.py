@@ -40,6 +40,7 @@ from flwr_isoloco.strategies.core.lifecycle import ResumableStrategy, RoundOutco
 from flwr_isoloco.strategies.core.nodes import DEFAULT_NODE_WAIT_S, nodes_for_round
 from flwr_isoloco.strategies.core.replies import CheckedReply
 from flwr_isoloco.strategies.core.rounds import ReplyStream, check_quorum
+from flwr_isoloco.strategies.diloco import asynchronous_setup as asyn
 from flwr_isoloco.strategies.diloco.config import (
     DILOCO_RUN_CONFIG,
     ISOLOCO_RUN_CONFIG,
@@ -104,7 +105,10 @@ class DiLoCo(FromRunConfig, DiLoCoState, ResumableStrategy):
     checks : ReplyChecks
         Weighting, default payload, norm and weight bounds, dtype policy of the replies.
     rounds : Rounds
-        Quorum and grace window of a round; consecutive empty rounds before a stop.
+        Quorum and grace window of a round; consecutive empty rounds before a stop; or
+        asynchronous rounds (:mod:`.asynchronous`: a round is one outer step of K replies).
+    asynchronous : bool | None
+        ``True`` is ``rounds=Rounds(asynchronous=True, ...)`` (None: as ``rounds`` says).
     upload : Codec | str | None
         The codec workers compress their delta with (``"int8"``, ``"topk"``...; None: plain).
     divergence : Divergence
@@ -152,9 +156,11 @@ class DiLoCo(FromRunConfig, DiLoCoState, ResumableStrategy):
         divergence: Divergence = Divergence(),  # noqa: B008 (frozen)
         robust: Robust | str | None = None,
         privacy: DPSettings | None = None,
+        asynchronous: bool | None = None,
     ) -> None:
         args = dict(locals())  # every argument by name, for the checks and setters below
         check_arguments(**args)  # fractions, node counts, orthogonalize, seed, settings types
+        rounds = asyn.resolve_rounds(rounds, asynchronous)
         self.checks, self.rounds, self.divergence = checks, rounds, divergence
         self.upload, self.privacy = as_codec(upload), privacy
         self.quorum, self.grace_s = check_quorum(rounds.quorum, rounds.grace_s)
@@ -185,6 +191,7 @@ class DiLoCo(FromRunConfig, DiLoCoState, ResumableStrategy):
         self._reset_bookkeeping(seed)
         self.dp = StrategyDP(privacy)
         self.dp.check_strategy(self)  # refuses rules / options DP cannot bound; weights uniform
+        self.async_rounds = asyn.asynchronous_rounds(self, rounds)  # None: synchronous
 
     def _reset_bookkeeping(self, seed: int) -> None:
         """No model, no round aggregated yet; sampling from ``seed``; empty ledgers, streams."""
@@ -361,7 +368,10 @@ class DiLoCo(FromRunConfig, DiLoCoState, ResumableStrategy):
     ) -> RoundOutcome:
         """Train then evaluate; replies are taken as they arrive (:mod:`~flwr_isoloco.strategies.core.rounds`), each train
         reply folded into the merge at once (:class:`.train_round.TrainRound`); an evaluation
-        that sends nothing is skipped (:func:`~flwr_isoloco.strategies.core.evaluation.evaluation_round`)."""
+        that sends nothing is skipped (:func:`~flwr_isoloco.strategies.core.evaluation.evaluation_round`).
+        Asynchronous rounds: one outer step (:class:`.asynchronous.AsyncRounds`)."""
+        if self.async_rounds is not None:
+            return self.async_rounds.run_round(self, grid, server_round, train_config, timeout)
         if self.secagg is not None:  # the train half under SecAgg+ (strategies/diloco/secagg.py)
             return self.secagg.run_round(
                 self, grid, server_round, train_config, evaluate_config, timeout
@@ -427,6 +437,8 @@ class DiLoCo(FromRunConfig, DiLoCoState, ResumableStrategy):
             sd["meta"]["dp"] = self.dp.state()
         if self.broadcast is not None and self.broadcast.base is not None:
             sd["tensors"]["broadcast"], sd["meta"]["broadcast"] = broadcast_state(self.broadcast)
+        if self.async_rounds is not None:  # the tasks in flight and the models they train from
+            self.async_rounds.save(sd, self.server_round)
         return sd
 
     @staticmethod
@@ -437,6 +449,7 @@ class DiLoCo(FromRunConfig, DiLoCoState, ResumableStrategy):
         spec["weight_reference"] = Field("float", min=0, optional=True)
         spec["dp"] = Field("dict", optional=True)  # Flower's accountant state (privacy.py)
         spec["broadcast"] = Field("dict", optional=True)  # B's digest (downloads.py)
+        spec["async"] = asyn.state_spec()  # asynchronous rounds' tasks
         return spec
 
     def load_state_dict(
@@ -457,7 +470,10 @@ class DiLoCo(FromRunConfig, DiLoCoState, ResumableStrategy):
             broadcast = parse_broadcast(self, state)  # None: no download codec or no B saved
         except ValueError as exc:
             raise CheckpointError(f"broadcast model: {exc}") from None
+        tasks = asyn.parse_checkpoint(self, state)  # asynchronous rounds' versions and tasks
         super().load_state_dict(state, reference)
+        if tasks is not None:
+            self.async_rounds.restore(*tasks)
         if broadcast is not None:
             self.broadcast = broadcast
         self.dp.restore(dp)

@@ -122,17 +122,31 @@ class ReplyChecks:
 
 @dataclass(frozen=True)
 class Rounds:
-    """When a round closes and when a run stops.
+    """When a round closes and when a run stops; synchronous or asynchronous rounds.
 
     ``quorum``: the round closes once this many of the sampled nodes replied (a fraction in
     (0, 1] or a count >= 1; None: all), waiting ``grace_s`` more seconds for the rest.
     ``max_empty_rounds``: stop with :class:`~flwr_isoloco.strategies.core.guard.NoProgressError`
     after this many consecutive rounds that used no reply (0: never).
+
+    ``asynchronous=True`` (:mod:`~flwr_isoloco.strategies.diloco.asynchronous`): a node gets new
+    work from the newest model as soon as its reply is in, and a round is one outer step, taken
+    once ``buffer`` replies (K; None: the number of nodes training) are accepted. A reply that
+    trained from a model ``tau`` outer steps old weighs ``(1 + tau) ** -staleness`` (``s(tau)``,
+    0: no discount, 0.5: FedBuff's ``1/sqrt(1+tau)``); beyond ``max_staleness`` steps it is
+    dropped. ``momentum_every``: the outer momentum moves once every N outer steps
+    (delayed Nesterov, :class:`~flwr_isoloco.outer.OuterSGD` ``delay``; 1: every step).
+    ``quorum`` and ``grace_s`` are for synchronous rounds only.
     """
 
     quorum: float | int | None = None
     grace_s: float = 0.0
     max_empty_rounds: int = 3
+    asynchronous: bool = False
+    buffer: int | None = None
+    max_staleness: int = 16
+    staleness: float = 0.5
+    momentum_every: int = 1
 
     def __post_init__(self) -> None:
         try:
@@ -140,6 +154,42 @@ class Rounds:
             EmptyRoundGuard(self.max_empty_rounds)
         except ValueError as exc:
             raise _renamed("Rounds", exc) from None
+        if not isinstance(self.asynchronous, bool):
+            raise ValueError(f"Rounds.asynchronous must be a bool, got {self.asynchronous!r}")
+        for name, low in (("buffer", 1), ("max_staleness", 0), ("momentum_every", 1)):
+            v = getattr(self, name)
+            if (v is None and name == "buffer") or (
+                isinstance(v, int) and not isinstance(v, bool) and v >= low
+            ):
+                continue
+            raise ValueError(f"Rounds.{name} must be an int >= {low}, got {v!r}")
+        if not (_is_number(self.staleness) and self.staleness >= 0):
+            raise ValueError(
+                f"Rounds.staleness must be a finite number >= 0 (the exponent a of "
+                f"s(tau) = (1 + tau)^-a), got {self.staleness!r}"
+            )
+        if self.asynchronous:
+            if self.quorum is not None or self.grace_s:
+                raise ValueError(
+                    "Rounds.quorum / grace_s close a synchronous round; asynchronous rounds "
+                    "never wait for a cohort (an outer step takes the first `buffer` replies): "
+                    "leave them unset with asynchronous=True"
+                )
+            return
+        changed = [
+            f"{f.name}={getattr(self, f.name)!r}"
+            for f in fields(self)
+            if f.name in ASYNC_FIELDS and getattr(self, f.name) != f.default
+        ]
+        if changed:
+            raise ValueError(
+                f"Rounds: {', '.join(changed)} apply to asynchronous rounds only; "
+                "set asynchronous=True or leave them at their defaults"
+            )
+
+
+ASYNC_FIELDS = ("buffer", "max_staleness", "staleness", "momentum_every")
+"""The fields of :class:`Rounds` that only asynchronous rounds read."""
 
 
 @dataclass(frozen=True)

@@ -202,6 +202,7 @@ class DiLoCoState:
             "merge_options": meta.get("merge_options", {}),
             "orthogonalize": meta.get("orthogonalize", self.orthogonalize),
             **{f"outer.{k}": meta["outer"][k] for k in ("lr", "momentum", "nesterov")},
+            "outer.delay": meta["outer"].get("delay", 1),
         }
         ours = {
             "merge_options": json.loads(json.dumps(self.merge_options)),
@@ -209,6 +210,7 @@ class DiLoCoState:
             "outer.lr": self.outer.lr,
             "outer.momentum": self.outer.momentum,
             "outer.nesterov": self.outer.nesterov,
+            "outer.delay": self.outer.delay,
         }
         for name, value in saved.items():
             if value != ours[name]:
@@ -267,6 +269,9 @@ class DiLoCoState:
         check_tensors(
             buffers, {k: theta[k] for k in buffers if k in theta}, "outer/momentum_buffer"
         )
+        acc = outer_t.get("accumulator", {})  # delayed momentum (OuterSGD delay > 1)
+        check_tensors(acc, None, "outer/accumulator")
+        check_tensors(acc, {k: theta[k] for k in acc if k in theta}, "outer/accumulator")
         version, internal, gauss = meta["rng"]
         try:
             rng = random.Random()

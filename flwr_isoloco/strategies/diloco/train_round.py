@@ -16,6 +16,14 @@ weight is ``min(w_i, r * m)`` where ``m`` is the *reference weight*: the median 
 replies used in the last round that used any (kept in the checkpoint). A round without a
 reference (the first, or one after a resume from an older checkpoint) uses its own median, as a
 two-pass merge would: its deltas are spilled and merged when the round closes.
+
+Asynchronous rounds (:mod:`~flwr_isoloco.strategies.diloco.asynchronous`) pass ``per_reply``:
+each reply is then checked against the model its node was sent (``per_reply.base(msg)``), and
+the reply :meth:`per_reply.adopt <flwr_isoloco.strategies.diloco.asynchronous.PerReply.adopt>`
+returns carries its ``discount`` ``s(tau)``: its merge weight is the bounded weight times
+``s(tau)``, and ``g`` is scaled by ``rho = sum_i w_i s_i / sum_i w_i`` (``w_i`` the bounded
+weights), so that a buffer of stale replies moves the model less. Without ``per_reply`` none of
+this runs (synchronous rounds, bit for bit as before).
 """
 
 from __future__ import annotations
@@ -67,9 +75,10 @@ class RoundStrategy(Protocol):
 class TrainRound:
     """The train round ``server_round`` of strategy ``s`` (module docstring)."""
 
-    def __init__(self, s: RoundStrategy, server_round: int) -> None:
+    def __init__(self, s: RoundStrategy, server_round: int, per_reply: Any = None) -> None:
         assert s.theta is not None
         self.s, self.server_round = s, server_round
+        self.per_reply = per_reply  # asynchronous rounds: each reply's own base and discount
         self.busy_s = 0.0  # server time spent on this round's replies (not waiting for them)
         self.report = ReplyReport()
         self.v = s.train_validator
@@ -89,6 +98,7 @@ class TrainRound:
         self.taken: list[CheckedReply] = []
         self.answered: set[str] = set()
         self._w: dict[int, float] = {}  # id(reply) -> merge weight
+        self._bounded: dict[int, float] = {}  # id(reply) -> weight before s(tau) (per_reply)
 
     # ------------------------------------------------------------------ per reply
     def take(self, msg: Message) -> None:
@@ -104,15 +114,18 @@ class TrainRound:
         s, v = self.s, self.v
         if getattr(s, "broadcast", None) is not None:  # compressed downloads: the node's copy
             s.broadcast.note(s._train_ledger.sender(msg), msg)
-        r = v.check(msg, self.base, s._train_ledger, self.report)
+        base = self.base if self.per_reply is None else self.per_reply.base(msg)
+        r = v.check(msg, base, s._train_ledger, self.report)
         if isinstance(r, Rejection):
             return
+        if self.per_reply is not None:
+            r = self.per_reply.adopt(r, msg)
         why = s.dp.reply_problem(r.content)  # local DP: the reply must say it applied it
         if why is not None:
             r.release()
             v.reject(self.report, r.node_id, why)
             return
-        w = self._capped(r)
+        w = self._discounted(r, self._capped(r))
         try:
             self.fold.add(r, w)
         except (ValueError, RuntimeError) as exc:
@@ -124,6 +137,17 @@ class TrainRound:
         r.strip()
         self._w[id(r)] = w
         self.taken.append(r)
+
+    def _discounted(self, r: CheckedReply, w: float) -> float:
+        """``w s(tau)`` for a reply with a staleness discount (asynchronous rounds), else ``w``."""
+        if self.per_reply is None:
+            return w
+        self._bounded[id(r)] = w
+        return w * r.discount
+
+    def reject(self, node: int, why: str) -> None:
+        """Drop a reply before it is checked (an asynchronous round's stale reply), named."""
+        self.v.reject(self.report, node, why)
 
     def _capped(self, r: CheckedReply) -> float:
         w = self.s._weight(r)
@@ -158,7 +182,7 @@ class TrainRound:
                 bounded[i],
                 self.ratio,
             )
-        self._w.update({id(r): w for r, w in zip(keep, bounded, strict=True)})
+        self._w.update({id(r): self._discounted(r, w) for r, w in zip(keep, bounded, strict=True)})
 
     def finish(self, wait: RoundWait | None = None) -> tuple[ArrayRecord | None, MetricRecord]:
         """Merge, outer step, metrics (the counts logged and returned agree).
@@ -183,6 +207,8 @@ class TrainRound:
         )
         new_arrays, extra = None, {}
         self._log_left_out(g is not None)
+        if g is not None and self.per_reply is not None:
+            g, extra["staleness-scale"] = self._stale_scaled(g, checked)
         if g is not None:
             extra["pseudo-grad-norm"] = tensor_norm(g)
             kept = getattr(self.fold.robust, "last_kept", None)  # the choosing rules set it
@@ -222,6 +248,15 @@ class TrainRound:
         if s._train_ledger.sent_any():
             s._guard.record(self.server_round, report.used, [why for _, why in report.reasons])
         return new_arrays, metric_record(metrics)
+
+    def _stale_scaled(self, g: dict[str, Any], used: list[Any]) -> tuple[dict[str, Any], float]:
+        """``(rho g, rho)``, ``rho = sum_i w_i s_i / sum_i w_i`` over the used replies (``w_i``
+        the bounded weights): the mean discount of the buffer (module docstring)."""
+        total = sum(self._bounded[id(r)] for r in used)
+        rho = sum(self._w[id(r)] for r in used) / total if total > 0 else 1.0
+        if rho == 1.0:
+            return g, 1.0
+        return {k: v * rho for k, v in g.items()}, rho
 
     def _log_left_out(self, merged: bool) -> None:
         """Name the nodes whose update the robust rule did not choose (they stay 'used': they

@@ -1,0 +1,401 @@
+"""Asynchronous rounds of DiLoCo / IsoLoCo: no node waits for another (``Rounds(asynchronous=True)``).
+
+Each node always has one task: the newest model to train from. As soon as its reply is in, it
+is checked (the strategy's one reply path, :class:`~.train_round.TrainRound`: reply checks,
+weight bound, dtype policy, norm bounds) and buffered, and the node is sent new work from the
+newest model. A *round* is one outer step, taken once ``K`` replies (``Rounds.buffer``; None:
+the number of nodes training) are accepted; ``num_rounds`` counts outer steps, so with the
+default ``K`` a run of ``num_rounds`` steps uses as many replies as ``num_rounds`` synchronous
+rounds of every node.
+
+Staleness. Model *version* ``v`` is the model after ``v`` outer steps. A reply to a task sent
+version ``v`` that arrives while the server has taken ``d`` steps has staleness
+``tau = d - v``. Its pseudo-gradient is taken against the model it was sent,
+``delta_i = theta_v - theta_i`` (not the newest model), and it is merged with weight
+
+    w_i = bound(n_i) * s(tau_i),   s(tau) = (1 + tau)^(-a)   (a = Rounds.staleness, 0.5)
+
+(``n_i`` its ``num-examples``, ``bound`` the weight bound of ``ReplyChecks.max_weight_ratio``,
+1 with uniform weighting; ``a = 0.5`` is FedBuff's ``1/sqrt(1+tau)``, ``a = 0`` no discount).
+The buffer's merge ``m = merge(delta_1..delta_K; w)`` is the strategy's rule (mean, Iso-C,
+... and a robust rule per buffer) and the outer step takes
+
+    g = rho * m,   rho = sum_i bound(n_i) s(tau_i) / sum_i bound(n_i)
+
+so that, for the mean, ``g = sum_i bound(n_i) s(tau_i) delta_i / sum_i bound(n_i)`` (FedBuff's
+discounted sum): a buffer of stale replies moves the model less, a fresh one (``tau = 0``) as
+a synchronous round would. A reply with ``tau > Rounds.max_staleness`` is dropped before any
+check, logged with its node and the reason, and counted (``replies-stale``).
+
+Outer momentum: ``Rounds.momentum_every = N`` moves the momentum once every ``N`` outer steps
+on the mean of their ``g`` and takes plain steps ``g / N`` in between (delayed Nesterov, Liu et
+al. arXiv 2401.09135; the formula is :mod:`flwr_isoloco.outer`'s module docstring). ``K = 1``
+with ``N`` = the number of nodes is that paper's setting; the default ``K`` = nodes, ``N = 1``
+moves the momentum once per ``K`` buffered pseudo-gradients.
+
+Memory. The server keeps the models it sent that a task in flight still trains from and that
+are at most ``max_staleness`` steps old: ``min(max_staleness + 1, nodes + 1)`` fp32 model copies
+at most, the current one included (a model is shared, not copied, while it is current). A
+buffer holds what a synchronous round holds (folded or spilled deltas, :mod:`~flwr_isoloco.merging.round`).
+
+An outer step also closes without ``K`` replies when ``max(K, nodes)`` replies in a row failed
+their checks (stale ones aside: it then merges those it has, possibly none: an empty round,
+counted by ``Rounds.max_empty_rounds``),
+when no task is in flight, or after ``timeout`` seconds (Flower's round timeout; the tasks
+older than that are given up, their nodes get new work). A node whose reply is an error (a
+ClientApp that raised, a dead SuperNode) gets new work at the next step if still connected.
+
+Checkpoint (:meth:`AsyncRounds.state`): the settings, the tasks in flight (node, version) in
+the order they were sent and the versions they train from. A resumed run sends every node of
+the checkpoint that is connected the model of the task it held (so a run resumed with the same
+arrival order is the uninterrupted run, bit for bit), the newest model if that version is gone
+or the node is new, and tops up to the number of nodes training.
+
+What does not compose is refused at construction
+(:func:`~.asynchronous_setup.check_composition`): SecAgg+ (a
+fixed cohort sums its masked updates), central and local DP (the accountant counts rounds of a
+sampled cohort; a buffer is the first ``K`` replies of whichever nodes are fastest, possibly
+one node twice, so neither the sampling nor the per-node count of releases that
+Flower's ``RdpAccountant`` composes holds), compressed downloads (the broadcast model is one
+version for every node) and federated evaluation (an evaluate message would queue behind a
+node's training task and stall it: evaluate on the server with ``evaluate_fn``).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from logging import INFO, WARNING
+from typing import Any
+
+import torch
+from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, RecordDict
+from flwr.common.logger import log
+from flwr.serverapp import Grid
+
+from flwr_isoloco.compression import payload_nbytes
+from flwr_isoloco.strategies.core.ledger import SentLedger
+from flwr_isoloco.strategies.core.lifecycle import RoundOutcome
+from flwr_isoloco.strategies.core.replies import reply_nbytes
+from flwr_isoloco.strategies.core.rounds import POLL_S
+from flwr_isoloco.strategies.diloco.settings import Rounds
+from flwr_isoloco.strategies.diloco.train_round import TrainRound
+
+__all__ = ["AsyncRounds", "BasedReply", "refuse_secagg", "staleness_discount"]
+
+VERSION_KEY = "model-version"
+"""ConfigRecord key of a task: the version (outer steps) of the model sent."""
+
+
+def staleness_discount(tau: int, a: float) -> float:
+    """``s(tau) = (1 + tau)^(-a)``: 1 for a fresh reply (``tau = 0``) and for ``a = 0``."""
+    return 1.0 if tau == 0 or a == 0 else float((1.0 + tau) ** -a)
+
+
+def refuse_secagg(s: Any) -> None:
+    """SecAgg+ sums the masked updates of a fixed cohort: refused with asynchronous rounds."""
+    if getattr(s, "secagg", None) is not None:
+        raise ValueError(
+            "asynchronous rounds: SecAgg+ needs a fixed cohort that masks and sums its updates "
+            "together; asynchronous replies arrive one by one from different model versions. "
+            "Use synchronous rounds with use_secagg"
+        )
+
+
+class BasedReply:
+    """A checked reply whose delta is taken against the model its node was sent (``base``,
+    version ``tau`` steps old), with its staleness discount; every other attribute is the
+    :class:`~flwr_isoloco.strategies.core.replies.CheckedReply`'s."""
+
+    def __init__(self, reply: Any, base: Mapping[str, torch.Tensor], tau: int, discount: float):
+        self.__dict__.update(reply=reply, base=base, staleness=tau, discount=discount)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.__dict__["reply"], name)
+
+    def update(self, reference: Any = None) -> dict[str, torch.Tensor]:
+        """``delta_i = theta_v - theta_i`` against the model sent (``reference`` is ignored)."""
+        return self.reply.update(self.base)
+
+    def strip(self) -> None:
+        """The reply's arrays and the model it trained from are no longer needed."""
+        self.reply.strip()
+        self.__dict__["base"] = None
+
+
+@dataclass
+class Task:
+    """One node's work in flight: the node, the model version it got, when it was sent."""
+
+    node: int
+    version: int
+    sent_at: float = 0.0
+
+
+class TaskLedger(SentLedger):
+    """The tasks in flight (message id -> :class:`Task`, in the order sent): attributes a reply
+    to the node its task went to (a dead node's error comes from the SuperLink)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tasks: dict[str, Task] = {}
+        self._answering: dict[str, int] = {}  # the reply being taken: message id -> node
+
+    def sender(self, reply: Message) -> int:
+        rid = reply.metadata.reply_to_message_id
+        node = self._answering.get(rid)
+        return reply.metadata.src_node_id if node is None else node
+
+    def sent_any(self) -> bool:
+        return True
+
+    def unanswered(self, answered: set[str]) -> list[int]:
+        return []  # a task in flight is not missing: it goes on into the next step
+
+    def busy(self) -> set[int]:
+        """Nodes with a task in flight."""
+        return {t.node for t in self.tasks.values()}
+
+
+class AsyncRounds:
+    """The asynchronous round driver of one strategy (module docstring)."""
+
+    def __init__(self, rounds: Rounds, poll_s: float = POLL_S) -> None:
+        self.settings, self.poll_s = rounds, poll_s
+        self.buffer: int | None = rounds.buffer  # K, fixed at the first step when None
+        self.nodes = 0  # nodes kept training (the first sample's size)
+        self.versions: dict[int, dict[str, torch.Tensor]] = {}  # version -> model sent
+        self.ledger = TaskLedger()
+        self.plan: list[tuple[int, int]] = []  # (node, version) to re-send after a resume
+        self.started = False
+        self.current = 0  # the version theta is (outer steps taken)
+        self.stale_total = 0
+        self._current: tuple[Task, int] | None = None
+        self._down = 0
+
+    # ------------------------------------------------------------------ TrainRound hooks
+    def base(self, msg: Message) -> Mapping[str, torch.Tensor]:
+        """The model the reply being taken trained from."""
+        assert self._current is not None
+        return self.versions[self._current[0].version]
+
+    def adopt(self, reply: Any, msg: Message) -> BasedReply:
+        """The checked reply with its base and discount ``s(tau)``."""
+        assert self._current is not None
+        task, tau = self._current
+        a = self.settings.staleness
+        return BasedReply(reply, self.versions[task.version], tau, staleness_discount(tau, a))
+
+    # ------------------------------------------------------------------ one outer step
+    def run_round(
+        self, s: Any, grid: Grid, server_round: int, train_config: ConfigRecord, timeout: float
+    ) -> RoundOutcome:
+        """Wait for ``K`` accepted replies (sending each node new work as its reply comes in),
+        then take the outer step: the new model (None if kept) and the step's metrics."""
+        refuse_secagg(s)
+        clock = getattr(grid, "time_source", None) or time
+        done = self.current = s.server_round  # theta is version `done` until the step
+        self.versions[done] = s.theta
+        self._down = 0
+        self._config = ConfigRecord(dict(train_config))
+        for k, v in s.codec_request.items():
+            self._config[k] = v
+        self._start_or_top_up(s, grid, clock)
+        assert self.buffer is not None
+        s.server_round = done + 1
+        train = TrainRound(s, done + 1, per_reply=self)
+        try:
+            deferred, wait = self._wait(s, grid, train, done, clock, timeout)
+            s._bytes_down = self._down
+            new_arrays, metrics = train.finish()
+        finally:
+            train.close()
+        self.current = s.server_round
+        if deferred is not None:
+            self._send(s, grid, [deferred], clock)  # from the model this step made
+        self._prune(s.server_round)
+        values = {
+            **dict(metrics),
+            **wait,
+            "buffer": self.buffer,
+            "tasks-in-flight": len(self.ledger.tasks),
+            "versions-kept": len(self.versions),
+        }
+        return RoundOutcome(new_arrays, type(metrics)(values), None)
+
+    def _wait(
+        self, s: Any, grid: Grid, train: TrainRound, done: int, clock: Any, timeout: float
+    ) -> tuple[int | None, dict[str, float]]:
+        """Pull replies until the step closes (module docstring); returns the node whose reply
+        closed the buffer (sent new work after the step) and the wait's metrics."""
+        k = self.buffer
+        accepted = dropped_run = arrived = stale = 0
+        taus: list[int] = []
+        t0 = clock.monotonic()
+        while True:
+            took = 0
+            for mid in list(self.ledger.tasks):
+                for reply in grid.pull_messages([mid]):
+                    task = self.ledger.tasks.pop(reply.metadata.reply_to_message_id, None)
+                    if task is None:
+                        log(WARNING, "asynchronous round: discarded a reply to no task in flight")
+                        continue
+                    took, arrived = took + 1, arrived + 1
+                    tau = done - task.version
+                    ok = self._take(train, reply, task, tau)
+                    if ok:
+                        accepted, dropped_run = accepted + 1, 0
+                        taus.append(tau)
+                        if accepted >= k:
+                            return task.node, self._wait_metrics(arrived, stale, taus, clock, t0)
+                    elif tau > self.settings.max_staleness:
+                        stale += 1  # its node gets the newest model: not a failing node
+                    else:
+                        dropped_run += 1
+                    if not reply.has_error():
+                        self._send(s, grid, [task.node], clock)
+            if dropped_run >= max(k, self.nodes) or not self.ledger.tasks:
+                break
+            if clock.monotonic() - t0 >= timeout:
+                self._give_up(train, clock, timeout)
+                break
+            if not took:
+                clock.sleep(self.poll_s)
+        return None, self._wait_metrics(arrived, stale, taus, clock, t0)
+
+    def _wait_metrics(
+        self, arrived: int, stale: int, taus: list[int], clock: Any, t0: float
+    ) -> dict[str, float]:
+        self.stale_total += stale
+        return {
+            "replies-arrived": arrived,
+            "replies-stale": stale,
+            "staleness-mean": sum(taus) / len(taus) if taus else 0.0,
+            "staleness-max": max(taus, default=0),
+            "wait-s": clock.monotonic() - t0,
+        }
+
+    def _take(self, train: TrainRound, reply: Message, task: Task, tau: int) -> bool:
+        """Drop a reply beyond ``max_staleness`` (named), else the round's one reply path;
+        True when it entered the buffer."""
+        rid = reply.metadata.reply_to_message_id
+        if tau > self.settings.max_staleness:
+            train.report.bytes_up += reply_nbytes(reply)
+            train.reject(
+                task.node,
+                f"stale: trained from the model of step {task.version}, {tau} outer steps old "
+                f"(max_staleness {self.settings.max_staleness})",
+            )
+            return False
+        self._current = (task, tau)
+        self.ledger._answering[rid] = task.node
+        before = len(train.taken)
+        try:
+            train.take(reply)
+        finally:
+            self.ledger._answering.pop(rid, None)
+            self._current = None
+        return len(train.taken) > before
+
+    def _give_up(self, train: TrainRound, clock: Any, timeout: float) -> None:
+        """Tasks in flight for ``timeout`` seconds are given up (counted missing)."""
+        now = clock.monotonic()
+        for mid, task in list(self.ledger.tasks.items()):
+            if now - task.sent_at >= timeout:
+                del self.ledger.tasks[mid]
+                train.v.count_missing([task.node], train.report)
+
+    # ------------------------------------------------------------------ sending work
+    def _start_or_top_up(self, s: Any, grid: Grid, clock: Any) -> None:
+        """First step: sample the nodes (a resumed run re-sends its checkpoint's tasks first);
+        later: connected nodes without a task get one, up to the number training."""
+        if not self.started:
+            self.started = True
+            if self.plan:
+                connected = set(grid.get_node_ids())
+                for node, version in self.plan:
+                    if node in connected and node not in self.ledger.busy():
+                        self._send(s, grid, [node], clock, version)
+                self.plan = []
+            else:
+                nodes = s._sample(grid, s.fraction_train, s.min_train_nodes)
+                self.nodes = len(nodes)
+                self._send(s, grid, nodes, clock)
+            if self.buffer is None:
+                self.buffer = max(self.nodes, 1)
+            log(INFO, "asynchronous rounds: %d nodes, buffer K=%d", self.nodes, self.buffer)
+        busy = self.ledger.busy()
+        idle = sorted(n for n in grid.get_node_ids() if n not in busy)
+        room = self.nodes - len(busy)
+        if room > 0 and idle:
+            self._send(s, grid, s._rng.sample(idle, min(room, len(idle))), clock)
+        if not self.ledger.tasks:  # nobody to work: wait for nodes as a round does
+            self._send(s, grid, s._sample(grid, s.fraction_train, s.min_train_nodes), clock)
+
+    def _send(
+        self, s: Any, grid: Grid, nodes: Iterable[int], clock: Any, version: int | None = None
+    ) -> None:
+        """Push a task to each node: the newest model (or ``version``, when still kept)."""
+        current = self.current
+        v = current if version is None or version not in self.versions else version
+        if v == current:
+            self.versions[current] = s.theta
+            record = s._model_record()
+        else:
+            model = self.versions[v]
+            record = ArrayRecord({k: t.to(s._dtypes.get(k, t.dtype)) for k, t in model.items()})
+        config = ConfigRecord(dict(self._config))
+        config["server-round"] = current + 1
+        config[VERSION_KEY] = v
+        content = RecordDict({s.arrayrecord_key: record, s.configrecord_key: config})
+        for node in nodes:
+            msg = Message(content=content, message_type=MessageType.TRAIN, dst_node_id=node)
+            ids = [i for i in grid.push_messages([msg]) if i]
+            if not ids:
+                log(WARNING, "asynchronous round: the grid refused a task for node %d", node)
+                continue
+            self.ledger.tasks[ids[0]] = Task(node, v, clock.monotonic())
+            self._down += payload_nbytes(record)
+
+    def _prune(self, current: int) -> None:
+        """Keep the current model and the versions a task in flight trains from that are at
+        most ``max_staleness`` steps old."""
+        low = current - self.settings.max_staleness
+        used = {t.version for t in self.ledger.tasks.values() if t.version >= low}
+        self.versions = {v: m for v, m in self.versions.items() if v == current or v in used}
+
+    # ------------------------------------------------------------------ checkpoint
+    def settings_meta(self) -> dict[str, Any]:
+        """The settings a resumed run must share (``buffer``: K as resolved)."""
+        r = self.settings
+        return {
+            "buffer": self.buffer,
+            "max_staleness": r.max_staleness,
+            "staleness": r.staleness,
+            "momentum_every": r.momentum_every,
+        }
+
+    def save(self, sd: dict[str, Any], current: int) -> None:
+        """Into a strategy's ``state_dict`` ``sd``: ``tensors["versions"]``, the versions other
+        than the current one (the strategy's own tensors, not copies), and ``meta["async"]``,
+        the settings and the tasks in flight in the order sent."""
+        tensors = {str(v): dict(m) for v, m in self.versions.items() if v != current}
+        tasks = [[t.node, t.version] for t in self.ledger.tasks.values()]
+        if not self.started:  # restored, not run yet: the plan is still the state
+            tasks = [[n, v] for n, v in self.plan]
+        sd["tensors"]["versions"] = tensors
+        sd["meta"]["async"] = {**self.settings_meta(), "nodes": self.nodes, "tasks": tasks}
+
+    def restore(
+        self,
+        versions: dict[int, dict[str, torch.Tensor]],
+        plan: list[tuple[int, int]],
+        nodes: int,
+        buffer: int | None,
+    ) -> None:
+        """Set what :func:`~.asynchronous_setup.parse_checkpoint` returned: the next step
+        re-sends the plan's tasks."""
+        self.versions, self.plan, self.nodes, self.buffer = versions, plan, nodes, buffer
+        self.ledger = TaskLedger()
+        self.started = False

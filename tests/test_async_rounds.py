@@ -1,0 +1,358 @@
+"""Asynchronous DiLoCo / IsoLoCo rounds (issue 38): staleness weights, delayed Nesterov, the stale
+bound, default-off, exact resume, refusals, and one real Ray run with nodes of unequal speed.
+
+Federations run on :class:`ScriptedGrid`, a ``FakeGrid`` whose replies arrive in a fixed order
+of nodes (``order``: the k-th reply to arrive is the task in flight of node ``order[k]``), so
+every expected model is computed by hand or by :func:`reference_run`, an independent
+implementation of the documented semantics in plain torch (fp64).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import pytest
+import torch
+from fakegrid import FakeGrid
+from flwr.app import ArrayRecord, Message, MetricRecord, RecordDict
+
+from flwr_isoloco.checkpoint import load_checkpoint, save_checkpoint
+from flwr_isoloco.checkpoint_spec import CheckpointError
+from flwr_isoloco.outer import OuterSGD
+from flwr_isoloco.strategies import CentralDP, DiLoCo, IsoLoCo, LocalDP, ReplyChecks, Rounds
+from flwr_isoloco.strategies.diloco.asynchronous import staleness_discount
+
+torch.set_num_threads(1)
+
+N_EX = [1, 1, 2]  # num-examples of partitions 0, 1, 2
+
+
+def target(pid: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 + pid)
+    return {"w": torch.randn(4, 3, generator=g), "b": torch.randn(3, generator=g)}
+
+
+def init_model() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return {"w": torch.randn(4, 3, generator=g), "b": torch.randn(3, generator=g)}
+
+
+def train(msg: Message, ctx) -> Message:
+    """theta_i = theta + 0.5 (target_pid - theta): delta_i = 0.5 (theta - target_pid)."""
+    theta = msg.content["arrays"].to_torch_state_dict()
+    pid = int(ctx.node_config["partition-id"])
+    t = target(pid)
+    new = {k: v + 0.5 * (t[k] - v) for k, v in theta.items()}
+    metrics = MetricRecord({"num-examples": N_EX[pid], "train-loss": float(pid)})
+    return Message(RecordDict({"arrays": ArrayRecord(new), "metrics": metrics}), reply_to=msg)
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def sleep(self, s: float) -> None:
+        self.now += s
+
+
+class ScriptedGrid(FakeGrid):
+    """Replies arrive in the order of ``order`` (partition ids); a pull of any other message
+    returns nothing. ``taken`` counts the replies released."""
+
+    def __init__(self, order: list[int], num_nodes: int = 3) -> None:
+        super().__init__({"train": train}, num_nodes=num_nodes)
+        self.order, self.taken = list(order), 0
+        self.time_source = _Clock()
+
+    def pull_messages(self, message_ids):
+        out = []
+        for mid in list(message_ids):
+            msg = self._pending.get(mid)
+            if msg is None or self.taken >= len(self.order):
+                continue
+            if self.partition_of[msg.metadata.dst_node_id] != self.order[self.taken]:
+                continue
+            self.taken += 1
+            out.extend(super().pull_messages([mid]))
+        return out
+
+
+def strategy(**kw) -> DiLoCo:
+    rounds = {
+        k: kw.pop(k) for k in ("buffer", "max_staleness", "staleness", "momentum_every") if k in kw
+    }
+    base = dict(
+        merge="mean",
+        outer_lr=1.0,
+        outer_momentum=0.0,
+        min_train_nodes=3,
+        min_available_nodes=3,
+        fraction_evaluate=0.0,
+        checks=ReplyChecks(max_weight_ratio=None),
+        rounds=Rounds(asynchronous=True, **rounds),
+    )
+    return DiLoCo(**{**base, **kw})
+
+
+def run(s, order, steps, **kw):
+    grid = ScriptedGrid(order)
+    res = s.start(grid=grid, initial_arrays=ArrayRecord(init_model()), num_rounds=steps, **kw)
+    return res, grid
+
+
+def delta(theta, pid):
+    t = target(pid)
+    return {k: 0.5 * (theta[k].double() - t[k].double()) for k in theta}
+
+
+# ----------------------------------------------------------------------------- hand computations
+def test_staleness_weights_match_a_hand_computation():
+    """K=2, order 0 1 | 2 1: step 1 merges two fresh replies; in step 2 node 2's reply trained
+    from theta_0 (tau = 1, s = 1/sqrt 2) and node 1's from theta_1 (tau = 0):
+    g_2 = (2 s delta_2(theta_0) + 1 delta_1(theta_1)) / (2 + 1) (rho times the weighted mean)."""
+    s = strategy(buffer=2)
+    res, _ = run(s, [0, 1, 2, 1], 2)
+    th0 = {k: v.double() for k, v in init_model().items()}
+    d0, d1 = delta(th0, 0), delta(th0, 1)
+    th1 = {k: th0[k] - (d0[k] + d1[k]) / 2 for k in th0}
+    sd = 1 / math.sqrt(2)
+    d2, d1b = delta(th0, 2), delta(th1, 1)
+    th2 = {k: th1[k] - (2 * sd * d2[k] + d1b[k]) / 3 for k in th0}
+    got = res.arrays.to_torch_state_dict()
+    for k in th2:
+        torch.testing.assert_close(got[k].double(), th2[k], rtol=1e-6, atol=1e-6)
+    m2 = res.train_metrics_clientapp[2]
+    assert m2["staleness-max"] == 1 and m2["staleness-mean"] == 0.5
+    assert m2["staleness-scale"] == pytest.approx((2 * sd + 1) / 3)
+    assert m2["replies-used"] == 2 and m2["buffer"] == 2
+
+
+def test_discount_formula():
+    assert staleness_discount(0, 0.5) == 1.0
+    assert staleness_discount(3, 0.5) == pytest.approx(0.5)
+    assert staleness_discount(3, 0.0) == 1.0
+    assert staleness_discount(1, 1.0) == pytest.approx(0.5)
+
+
+def reference_run(order, steps, k, smax, a, lr, mu, nesterov, every, n=3):
+    """The documented semantics, independently: every node starts on version 0; a reply of
+    staleness tau > smax is dropped (its node re-sent the newest model); else buffered with
+    weight n_p s(tau); the K-th closes the step (g = sum w delta / sum n), and that node gets
+    the new model; others get the newest model at once. Outer step: delayed momentum."""
+    theta = {k_: v.double() for k_, v in init_model().items()}
+    versions = {0: theta}
+    task = dict.fromkeys(range(n), 0)
+    buf, b, acc, done = [], {}, {}, 0
+    for p in order:
+        if done == steps:
+            break
+        v = task[p]
+        tau = done - v
+        if tau > smax:
+            task[p] = done
+            continue
+        buf.append((delta(versions[v], p), N_EX[p] * (1 + tau) ** -a, N_EX[p]))
+        if len(buf) < k:
+            task[p] = done
+            continue
+        g = {x: sum(w * d[x] for d, w, _ in buf) / sum(m for _, _, m in buf) for x in theta}
+        buf, done = [], done + 1
+        theta = dict(theta)
+        for x in theta:
+            acc[x] = acc.get(x, 0) + g[x]
+            u = g[x] / every
+            if done % every == 0:
+                old = b.get(x, torch.zeros_like(g[x]))
+                b[x] = mu * old + acc[x] / every
+                u = u + mu * (b[x] if nesterov else old)
+                acc[x] = 0
+            theta[x] = theta[x] - lr * u
+        versions[done] = theta
+        task[p] = done
+    return theta, done
+
+
+ORDER = [0, 1, 2, 0, 0, 1, 0, 2, 1, 0, 0, 1, 2, 0, 1, 1, 0, 2, 0, 1, 0, 0, 2, 1] * 2
+
+
+@pytest.mark.parametrize(
+    "k,every,nesterov,smax",
+    [(1, 3, True, 16), (2, 2, True, 1), (3, 1, True, 16), (2, 3, False, 16)],
+)
+def test_delayed_nesterov_run_matches_the_reference(k, every, nesterov, smax):
+    """Whole asynchronous runs (buffers, staleness, the stale bound, delayed momentum over
+    several periods) against :func:`reference_run`."""
+    steps = 9
+    s = strategy(
+        buffer=k,
+        momentum_every=every,
+        max_staleness=smax,
+        outer_lr=0.7,
+        outer_momentum=0.9,
+        nesterov=nesterov,
+    )
+    res, _ = run(s, ORDER, steps)
+    want, done = reference_run(ORDER, steps, k, smax, 0.5, 0.7, 0.9, nesterov, every)
+    assert done == steps
+    got = res.arrays.to_torch_state_dict()
+    for x in want:
+        torch.testing.assert_close(got[x].double(), want[x], rtol=1e-5, atol=1e-5)
+
+
+def test_outer_delay_against_its_formula_and_the_period_identity():
+    """OuterSGD(delay=N): plain steps g/N, the momentum once per N steps on the mean of their
+    g; the period's total move equals one synchronous Nesterov step on that mean."""
+    lr, mu, n = 0.7, 0.9, 3
+    gen = torch.Generator().manual_seed(3)
+    grads = [{"w": torch.randn(5, 4, generator=gen, dtype=torch.float64)} for _ in range(9)]
+    theta = {"w": torch.randn(5, 4, generator=gen, dtype=torch.float64)}
+    opt, sync = OuterSGD(lr, mu, True, delay=n), OuterSGD(lr, mu, True)
+    p, q = dict(theta), dict(theta)
+    b, acc = torch.zeros(5, 4, dtype=torch.float64), torch.zeros(5, 4, dtype=torch.float64)
+    for t, g in enumerate(grads, start=1):
+        p = opt.step(p, g)
+        acc = acc + g["w"]
+        u = g["w"] / n
+        if t % n == 0:
+            b = mu * b + acc / n
+            u = u + mu * b
+            acc = torch.zeros_like(acc)
+            mean = sum(x["w"] for x in grads[t - n : t]) / n
+            q = sync.step(q, {"w": mean})
+            torch.testing.assert_close(p["w"], q["w"], rtol=1e-12, atol=1e-12)
+        theta = {"w": theta["w"] - lr * u}
+        torch.testing.assert_close(p["w"], theta["w"], rtol=1e-12, atol=1e-12)
+    assert opt.steps == 9 and not opt.accumulator  # emptied at the period's end
+    with pytest.raises(ValueError, match="delay"):
+        OuterSGD(0.7, 0.0, delay=2)
+    assert "delay" not in OuterSGD(0.7, 0.9, True).state_dict()  # delay 1: today's state
+
+
+# ----------------------------------------------------------------------------- stale, default off
+def test_reply_beyond_max_staleness_is_dropped_and_named(caplog):
+    """max_staleness 0, K=2, order 0 1 | 2 0 1 2: nodes 2 and 0 trained from theta_0 (node 0's
+    second task was sent before step 1), so after step 1 both are one step old: dropped, named,
+    re-sent theta_1; step 2 merges node 1's and node 2's fresh replies."""
+    s = strategy(buffer=2, max_staleness=0)
+    with caplog.at_level(logging.WARNING, logger="flwr"):
+        res, grid = run(s, [0, 1, 2, 0, 1, 2], 2)
+    m = res.train_metrics_clientapp[2]
+    assert m["replies-stale"] == 2 and m["replies-rejected"] == 2 and m["replies-used"] == 2
+    assert m["staleness-max"] == 0
+    for pid in (0, 2):
+        node = grid.node_ids[pid]
+        assert any(
+            f"node {node}" in r.getMessage() and "stale" in r.getMessage() for r in caplog.records
+        )
+    assert s.async_rounds.stale_total == 2
+    th0 = {k: v.double() for k, v in init_model().items()}
+    d0, d1 = delta(th0, 0), delta(th0, 1)
+    th1 = {k: th0[k] - (d0[k] + d1[k]) / 2 for k in th0}
+    d1b, d2b = delta(th1, 1), delta(th1, 2)
+    th2 = {k: th1[k] - (d1b[k] + 2 * d2b[k]) / 3 for k in th0}
+    got = res.arrays.to_torch_state_dict()
+    for k in th2:
+        torch.testing.assert_close(got[k].double(), th2[k], rtol=1e-6, atol=1e-6)
+
+
+def test_default_off_is_the_synchronous_strategy_bit_for_bit():
+    """asynchronous=False / default Rounds(): the same model and checkpoint as before."""
+    out = []
+    for kw in ({}, {"asynchronous": False}, {"rounds": Rounds(asynchronous=False)}):
+        s = DiLoCo(min_train_nodes=3, min_available_nodes=3, **kw)
+        grid = FakeGrid({"train": train, "evaluate": _evaluate}, num_nodes=3)
+        res = s.start(grid=grid, initial_arrays=ArrayRecord(init_model()), num_rounds=3)
+        assert s.async_rounds is None and s.outer.delay == 1
+        assert "async" not in s.state_dict()["meta"] and "versions" not in s.state_dict()["tensors"]
+        out.append(res.arrays.to_torch_state_dict())
+    for other in out[1:]:
+        assert all(torch.equal(out[0][k], other[k]) for k in out[0])
+
+
+def _evaluate(msg: Message, ctx) -> Message:
+    return Message(RecordDict({"m": MetricRecord({"num-examples": 1, "loss": 1.0})}), reply_to=msg)
+
+
+def test_plain_keyword_and_settings_checks():
+    s = IsoLoCo(asynchronous=True, fraction_evaluate=0.0)
+    assert s.rounds.asynchronous and s.async_rounds is not None
+    with pytest.raises(ValueError, match="contradicts"):
+        DiLoCo(asynchronous=False, rounds=Rounds(asynchronous=True), fraction_evaluate=0.0)
+    with pytest.raises(ValueError, match="asynchronous rounds only"):
+        Rounds(buffer=4)
+    with pytest.raises(ValueError, match="quorum"):
+        Rounds(asynchronous=True, quorum=2)
+
+
+# ----------------------------------------------------------------------------- refusals
+@pytest.mark.parametrize(
+    "kw,match",
+    [
+        ({"privacy": CentralDP(clipping_norm=1.0, noise_multiplier=1.0)}, "accountant"),
+        ({"privacy": LocalDP(clipping_norm=1.0, noise_multiplier=1.0)}, "accountant"),
+        ({"download": "int8"}, "download"),
+        ({"fraction_evaluate": 1.0}, "evaluate_fn"),
+    ],
+)
+def test_what_does_not_compose_is_refused(kw, match):
+    with pytest.raises(ValueError, match=f"asynchronous rounds: .*{match}"):
+        DiLoCo(asynchronous=True, **{"fraction_evaluate": 0.0, **kw})
+
+
+def test_secagg_is_refused():
+    from flwr_isoloco.strategies.diloco.secagg import use_secagg
+
+    s = use_secagg(strategy(buffer=2), num_shares=3, reconstruction_threshold=2)
+    with pytest.raises(ValueError, match="SecAgg"):
+        run(s, [0, 1, 2], 1)
+
+
+# ----------------------------------------------------------------------------- checkpoints
+def test_resume_mid_run_is_bitwise_the_uninterrupted_run(tmp_path):
+    """Checkpoint after step 3 (tasks in flight from older versions), resume on a new grid
+    whose arrival order continues the script: the model after step 7 is the same bits."""
+    kw = dict(buffer=2, momentum_every=2, outer_lr=0.7, outer_momentum=0.9)
+    saved = {}
+
+    def hook(rnd, arrays, tm, em):
+        if rnd == 3:
+            sd = s1.state_dict()
+            save_checkpoint(tmp_path / "ck", sd["tensors"], sd["meta"])
+            saved["taken"] = g1.taken
+
+    s1 = strategy(**kw)
+    g1 = ScriptedGrid(ORDER)
+    full = s1.start(
+        grid=g1, initial_arrays=ArrayRecord(init_model()), num_rounds=7, on_round_end=hook
+    )
+    tensors, meta = load_checkpoint(tmp_path / "ck")
+    assert meta["async"]["tasks"] and "versions" in tensors  # old versions were in flight
+    s2 = strategy(**kw)
+    s2.load_state_dict({"tensors": tensors, "meta": meta}, reference=init_model())
+    g2 = ScriptedGrid(ORDER[saved["taken"] :])
+    rest = s2.start(grid=g2, initial_arrays=ArrayRecord(init_model()), num_rounds=7)
+    a, b = full.arrays.to_torch_state_dict(), rest.arrays.to_torch_state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert sorted(rest.train_metrics_clientapp) == [4, 5, 6, 7]
+
+
+def test_checkpoint_modes_and_settings_must_match(tmp_path):
+    s = strategy(buffer=2)
+    run(s, ORDER, 2)
+    sd = s.state_dict()
+    with pytest.raises(CheckpointError, match="asynchronous"):
+        DiLoCo(min_train_nodes=3, outer_lr=1.0, outer_momentum=0.0).load_state_dict(sd)
+    with pytest.raises(CheckpointError, match="buffer"):
+        strategy(buffer=3).load_state_dict(sd)
+    sync = DiLoCo(min_train_nodes=3, outer_lr=1.0, outer_momentum=0.0)
+    sync.start(
+        grid=FakeGrid({"train": train, "evaluate": _evaluate}, num_nodes=3),
+        initial_arrays=ArrayRecord(init_model()),
+        num_rounds=1,
+    )
+    with pytest.raises(CheckpointError, match="synchronous"):
+        strategy(buffer=2).load_state_dict(sync.state_dict())
