@@ -138,21 +138,22 @@ def test_discount_formula():
     assert staleness_discount(1, 1.0) == pytest.approx(0.5)
 
 
-def reference_run(order, steps, k, smax, a, lr, mu, nesterov, every, n=3):
+def reference_run(order, steps, k, smax, a, lr, mu, nesterov, every, n=3, bad=()):
     """The documented semantics, independently: every node starts on version 0; a reply of
     staleness tau > smax is dropped (its node re-sent the newest model); else buffered with
     weight n_p s(tau); the K-th closes the step (g = sum w delta / sum n), and that node gets
-    the new model; others get the newest model at once. Outer step: delayed momentum."""
+    the new model; others get the newest model at once (also after a reply that fails its
+    checks: arrival indices ``bad``). Outer step: delayed momentum."""
     theta = {k_: v.double() for k_, v in init_model().items()}
     versions = {0: theta}
     task = dict.fromkeys(range(n), 0)
     buf, b, acc, done = [], {}, {}, 0
-    for p in order:
+    for i, p in enumerate(order):
         if done == steps:
             break
         v = task[p]
         tau = done - v
-        if tau > smax:
+        if tau > smax or i in bad:
             task[p] = done
             continue
         buf.append((delta(versions[v], p), N_EX[p] * (1 + tau) ** -a, N_EX[p]))
@@ -230,6 +231,72 @@ def test_outer_delay_against_its_formula_and_the_period_identity():
     with pytest.raises(ValueError, match="delay"):
         OuterSGD(0.7, 0.0, delay=2)
     assert "delay" not in OuterSGD(0.7, 0.9, True).state_dict()  # delay 1: today's state
+
+
+# ----------------------------------------------------------------------------- composition
+def test_a_reply_that_fails_its_checks_is_dropped_and_its_node_gets_new_work(caplog):
+    """Node 1's second reply (arrival 5) carries a NaN: the reply checks drop it, named, the
+    node is sent the newest model, and the run equals the reference without that reply."""
+    s = strategy(buffer=2, outer_lr=0.7, outer_momentum=0.9, momentum_every=2)
+    grid = ScriptedGrid(ORDER)
+    state = {"n": 0}
+
+    def nan_on_second(reply):
+        state["n"] += 1
+        if state["n"] == 2:
+            rec = reply.content["arrays"].to_torch_state_dict()
+            rec["w"][0, 0] = float("nan")
+            reply.content["arrays"] = ArrayRecord(rec)
+        return reply
+
+    grid.set_fault(1, nan_on_second)
+    with caplog.at_level(logging.WARNING, logger="flwr"):
+        res = s.start(grid=grid, initial_arrays=ArrayRecord(init_model()), num_rounds=6)
+    bad = [i for i, p in enumerate(ORDER) if p == 1][1]
+    want, _ = reference_run(ORDER, 6, 2, 16, 0.5, 0.7, 0.9, True, 2, bad=(bad,))
+    got = res.arrays.to_torch_state_dict()
+    for x in want:
+        torch.testing.assert_close(got[x].double(), want[x], rtol=1e-5, atol=1e-5)
+    assert sum(m["replies-rejected"] for m in res.train_metrics_clientapp.values()) == 1
+    assert any(f"node {grid.node_ids[1]}" in r.getMessage() for r in caplog.records)
+
+
+def test_an_error_reply_costs_only_that_task():
+    """Node 2's first task raises: its node is idle until the next step sends it work again."""
+    s = strategy(buffer=2)
+    grid = ScriptedGrid([2, 0, 1, 2, 0, 1, 2, 0])
+    grid.set_fault(2, "raise", times=1)
+    res = s.start(grid=grid, initial_arrays=ArrayRecord(init_model()), num_rounds=3)
+    m = res.train_metrics_clientapp
+    assert m[1]["replies-rejected"] == 1 and m[1]["replies-used"] == 2
+    assert [m[r]["replies-used"] for r in (2, 3)] == [2, 2]
+    assert sorted(res.train_metrics_clientapp) == [1, 2, 3]
+
+
+def test_isoloco_with_a_robust_rule_per_buffer_and_the_divergence_guard():
+    """IsoLoCo (Iso-C per buffer) with a trimmed mean over each buffer of K=3 replies and
+    evaluate_fn after every outer step, the divergence guard watching it."""
+    from flwr_isoloco.strategies import MultiKrum
+
+    s = IsoLoCo(
+        asynchronous=True,
+        rounds=Rounds(asynchronous=True, buffer=3),
+        fraction_evaluate=0.0,
+        min_train_nodes=3,
+        min_available_nodes=3,
+        robust=MultiKrum(f=0, select=2),
+    )
+    seen = []
+
+    def evaluate_fn(rnd, arrays):
+        seen.append(rnd)
+        w = arrays.to_torch_state_dict()["w"]
+        return MetricRecord({"loss": float(w.norm())})
+
+    res, _ = run(s, ORDER, 4, evaluate_fn=evaluate_fn)
+    assert seen == [0, 1, 2, 3, 4]
+    assert all(res.train_metrics_clientapp[r]["robust-kept"] == 2 for r in (1, 2, 3, 4))
+    assert all(torch.isfinite(v).all() for v in res.arrays.to_torch_state_dict().values())
 
 
 # ----------------------------------------------------------------------------- stale, default off
@@ -356,3 +423,24 @@ def test_checkpoint_modes_and_settings_must_match(tmp_path):
     )
     with pytest.raises(CheckpointError, match="synchronous"):
         strategy(buffer=2).load_state_dict(sync.state_dict())
+
+
+# ----------------------------------------------------------------------------- real Flower
+@pytest.mark.slow
+def test_ray_nodes_of_unequal_speed_never_wait_for_the_slowest():
+    """A real Ray simulation (benchmarks/async/async_bench.py --quick): 3 nodes whose tasks take
+    0.2 s, 1.1 s and 2 s, K = 2, 10 outer steps. Every node's reply enters the model, the fast
+    node does several times the slow node's tasks, and no node's gap between two tasks comes
+    near the slow node's task time (synchronous rounds make node 0 wait ~1.8 s each round)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks" / "async"))
+    import async_bench
+
+    s = async_bench.main(["--quick"])["asynchronous"]
+    nodes = s["nodes"]
+    assert sorted(int(r) for r in s["metrics"]) == list(range(1, 11))
+    assert all(nodes[p]["tasks"] >= 1 for p in nodes)  # the slow node contributes too
+    assert nodes[0]["tasks"] >= 3 * nodes[2]["tasks"]
+    assert all(nodes[p]["max_gap_s"] < 1.0 for p in nodes)  # half the slow node's task time
