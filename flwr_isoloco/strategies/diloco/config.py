@@ -186,6 +186,7 @@ SERVER_ONLY_KEYS: dict[str, Any] = {"merge-device": "cpu"}
 """Keys that name the server's hardware, with a value that resolves on any machine: what a node
 checks instead (:func:`node_view`), after the spelling check of :data:`RUN_CONFIG_CHECKS`."""
 
+
 def node_view(section: Mapping[str, Any]) -> dict[str, Any]:
     """``section`` as a node checks it: :data:`SERVER_ONLY_KEYS` replaced by values that resolve
     anywhere, so a server-only setting (``merge-device = "cuda"`` for a GPU server) never fails
