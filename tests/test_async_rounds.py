@@ -330,6 +330,38 @@ def test_compressed_uploads_are_decoded_against_the_model_sent():
     assert 0 < diff < 0.05
 
 
+def test_divergence_skip_puts_the_step_back_and_sends_no_work_from_the_skipped_model():
+    """on_divergence="skip": step 2's loss blows up, its model is put back; the node whose reply
+    closed step 2 is sent the restored model (at the next step), not the skipped one."""
+    from flwr_isoloco.strategies import Divergence
+
+    s = strategy(buffer=2, divergence=Divergence(on_divergence="skip"))
+    evaluated = []
+
+    def evaluate_fn(rnd, arrays):
+        evaluated.append((rnd, arrays.to_torch_state_dict()))
+        return MetricRecord({"loss": 1e6 if rnd == 2 and len(evaluated) == 3 else 1.0})
+
+    sent = []
+    grid = ScriptedGrid(ORDER)
+    push = grid.push_messages
+
+    def record(msgs):
+        msgs = list(msgs)
+        sent.extend(m.content["arrays"].to_torch_state_dict() for m in msgs)
+        return push(msgs)
+
+    grid.push_messages = record
+    res = s.start(
+        grid=grid, initial_arrays=ArrayRecord(init_model()), num_rounds=3, evaluate_fn=evaluate_fn
+    )
+    assert res.evaluate_metrics_serverapp[2]["diverged"] == 1
+    assert [r for r, _ in evaluated] == [0, 1, 2, 2, 3]
+    skipped, restored = evaluated[2][1], evaluated[3][1]
+    assert all(torch.equal(restored[k], evaluated[1][1][k]) for k in restored)  # step 1's model
+    assert not any(all(torch.equal(m[k], skipped[k]) for k in m) for m in sent)
+
+
 # ----------------------------------------------------------------------------- stale, default off
 def test_reply_beyond_max_staleness_is_dropped_and_named(caplog):
     """max_staleness 0, K=2, order 0 1 | 2 0 1 2: nodes 2 and 0 trained from theta_0 (node 0's

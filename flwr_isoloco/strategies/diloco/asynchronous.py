@@ -212,8 +212,10 @@ class AsyncRounds:
         finally:
             train.close()
         self.current = s.server_round
-        if deferred is not None:
+        if deferred is not None and s.divergence_guard.mode != "skip":
             self._send(s, grid, [deferred], clock)  # from the model this step made
+        # with on_divergence="skip" the step's model may be put back after evaluate_fn: the
+        # node is then sent work at the next step's top-up, from the model that stands
         self._prune(s.server_round)
         values = {
             **dict(metrics),
