@@ -273,6 +273,36 @@ def test_an_error_reply_costs_only_that_task():
     assert sorted(res.train_metrics_clientapp) == [1, 2, 3]
 
 
+def test_a_dead_node_is_named_by_its_task_and_a_run_of_bad_replies_stops(caplog):
+    """A dead SuperNode's error comes from the SuperLink (src 1): it is named by the node its
+    task went to. Nodes that only send NaN: each step closes empty after max(K, nodes) dropped
+    replies, and the run stops at max_empty_rounds (3) with NoProgressError."""
+    from flwr_isoloco.strategies.core.guard import NoProgressError
+
+    s = strategy(buffer=2)
+    grid = ScriptedGrid([2, 0, 1, 2, 0, 1, 2, 0])
+    grid.set_fault(2, "dead", times=1)
+    with caplog.at_level(logging.WARNING, logger="flwr"):
+        s.start(grid=grid, initial_arrays=ArrayRecord(init_model()), num_rounds=2)
+    assert any(
+        f"node {grid.node_ids[2]}: error reply (code 5)" in r.getMessage() for r in caplog.records
+    )
+
+    def nan(reply):
+        rec = reply.content["arrays"].to_torch_state_dict()
+        rec["b"][0] = float("nan")
+        reply.content["arrays"] = ArrayRecord(rec)
+        return reply
+
+    s = strategy(buffer=2)
+    grid = ScriptedGrid([0, 1, 2] * 10)
+    for p in range(3):
+        grid.set_fault(p, nan)
+    with pytest.raises(NoProgressError, match="3 consecutive rounds"):
+        s.start(grid=grid, initial_arrays=ArrayRecord(init_model()), num_rounds=10)
+    assert grid.taken == 9  # three empty steps of max(K, nodes) = 3 dropped replies each
+
+
 def test_isoloco_with_a_robust_rule_per_buffer_and_the_divergence_guard():
     """IsoLoCo (Iso-C per buffer) with a trimmed mean over each buffer of K=3 replies and
     evaluate_fn after every outer step, the divergence guard watching it."""

@@ -42,7 +42,8 @@ An outer step also closes without ``K`` replies when ``max(K, nodes)`` replies i
 their checks (stale ones aside: it then merges those it has, possibly none: an empty round,
 counted by ``Rounds.max_empty_rounds``),
 when no task is in flight, or after ``timeout`` seconds (Flower's round timeout; the tasks
-older than that are given up, their nodes get new work). A node whose reply is an error (a
+older than that, and at each step's start those of nodes no longer connected, are given up and
+their nodes can get new work). A node whose reply is an error (a
 ClientApp that raised, a dead SuperNode) gets new work at the next step if still connected.
 
 Checkpoint (:meth:`AsyncRounds.state`): the settings, the tasks in flight (node, version) in
@@ -201,11 +202,12 @@ class AsyncRounds:
         self._config = ConfigRecord(dict(train_config))
         for k, v in s.codec_request.items():
             self._config[k] = v
-        self._start_or_top_up(s, grid, clock)
-        assert self.buffer is not None
+        s._train_ledger = self.ledger  # replies are attributed to the node of their task
         s.server_round = done + 1
         train = TrainRound(s, done + 1, per_reply=self)
         try:
+            self._give_up(train, clock, timeout, set(grid.get_node_ids()))
+            self._start_or_top_up(s, grid, clock)
             deferred, wait = self._wait(s, grid, train, done, clock, timeout)
             s._bytes_down = self._down
             new_arrays, metrics = train.finish()
@@ -300,11 +302,15 @@ class AsyncRounds:
             self._current = None
         return len(train.taken) > before
 
-    def _give_up(self, train: TrainRound, clock: Any, timeout: float) -> None:
-        """Tasks in flight for ``timeout`` seconds are given up (counted missing)."""
+    def _give_up(
+        self, train: TrainRound, clock: Any, timeout: float, connected: set[int] | None = None
+    ) -> None:
+        """Tasks in flight for ``timeout`` seconds, or whose node is no longer connected, are
+        given up (counted missing, logged): their node can be sent work again."""
         now = clock.monotonic()
         for mid, task in list(self.ledger.tasks.items()):
-            if now - task.sent_at >= timeout:
+            gone = connected is not None and task.node not in connected
+            if gone or now - task.sent_at >= timeout:
                 del self.ledger.tasks[mid]
                 train.v.count_missing([task.node], train.report)
 
