@@ -94,6 +94,18 @@ def log_summary(s: Any) -> None:
         s.train_validator.max_norm_ratio,
         s.max_weight_ratio or "off",
     )
+    a = getattr(s, "async_rounds", None)
+    if a is not None:
+        r = a.settings
+        log(
+            INFO,
+            "\t├──> Rounds: asynchronous | buffer %s | max-staleness %d | staleness (1+tau)^-%g"
+            " | momentum every %d outer steps",
+            r.buffer or "nodes",
+            r.max_staleness,
+            r.staleness,
+            r.momentum_every,
+        )
     log(INFO, "\t├──> Uploads: codec %s %s", s.upload_codec, s.codec_request)
     log(INFO, "\t└──> Keys in records:")
     log(INFO, "\t\t├── Weighted by: '%s'", s.weighted_by_key)
