@@ -131,6 +131,24 @@ def test_staleness_weights_match_a_hand_computation():
     assert m2["replies-used"] == 2 and m2["buffer"] == 2
 
 
+def test_the_weight_bound_applies_to_tokens_before_the_discount():
+    """max_weight_ratio=1: step 1 (no reference yet) bounds by its own median (1); in step 2
+    node 2's n = 2 is clipped to 1 x the reference 1, then discounted: g_2 = (1 s delta_2 +
+    1 delta_1) / (1 + 1); the next reference is the median of the raw token counts (2, 1)."""
+    s = strategy(buffer=2, checks=ReplyChecks(max_weight_ratio=1))
+    res, _ = run(s, [0, 1, 2, 1], 2)
+    th0 = {k: v.double() for k, v in init_model().items()}
+    d0, d1 = delta(th0, 0), delta(th0, 1)
+    th1 = {k: th0[k] - (d0[k] + d1[k]) / 2 for k in th0}
+    sd = 1 / math.sqrt(2)
+    d2, d1b = delta(th0, 2), delta(th1, 1)
+    th2 = {k: th1[k] - (sd * d2[k] + d1b[k]) / 2 for k in th0}
+    got = res.arrays.to_torch_state_dict()
+    for k in th2:
+        torch.testing.assert_close(got[k].double(), th2[k], rtol=1e-6, atol=1e-6)
+    assert s.weight_reference == 1.5
+
+
 def test_discount_formula():
     assert staleness_discount(0, 0.5) == 1.0
     assert staleness_discount(3, 0.5) == pytest.approx(0.5)
