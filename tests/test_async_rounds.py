@@ -555,3 +555,35 @@ def test_ray_nodes_of_unequal_speed_never_wait_for_the_slowest():
     assert all(nodes[p]["tasks"] >= 1 for p in nodes)  # the slow node contributes too
     assert nodes[0]["tasks"] >= 3 * nodes[2]["tasks"]
     assert all(nodes[p]["max_gap_s"] < 1.0 for p in nodes)  # half the slow node's task time
+
+
+@pytest.mark.parametrize(
+    "spoil,match",
+    [
+        (
+            lambda t, m: t["versions"][next(iter(t["versions"]))]["w"].fill_(float("nan")),
+            "non-finite",
+        ),
+        (lambda t, m: t["versions"].update({"999": t["theta"]}), "not a kept version"),
+        (lambda t, m: m["async"].update(tasks=[[1, 2, 3]]), "tasks"),
+        (lambda t, m: m["async"].update(max_staleness=3), "max_staleness"),
+    ],
+)
+def test_a_hostile_asynchronous_checkpoint_is_refused_before_anything_is_set(spoil, match):
+    s = strategy(buffer=2)
+    run(s, ORDER, 3)
+    sd = s.state_dict()
+    tensors = {
+        "theta": {k: v.clone() for k, v in sd["tensors"]["theta"].items()},
+        "outer": sd["tensors"]["outer"],
+        "versions": {
+            v: {k: t.clone() for k, t in m.items()} for v, m in sd["tensors"]["versions"].items()
+        },
+    }
+    meta = {**sd["meta"], "async": dict(sd["meta"]["async"])}
+    assert tensors["versions"]
+    spoil(tensors, meta)
+    fresh = strategy(buffer=2)
+    with pytest.raises(CheckpointError, match=match):
+        fresh.load_state_dict({"tensors": tensors, "meta": meta})
+    assert fresh.theta is None and fresh.server_round == 0
