@@ -39,22 +39,22 @@ at most, the current one included (a model is shared, not copied, while it is cu
 buffer holds what a synchronous round holds (folded or spilled deltas, :mod:`~flwr_isoloco.merging.round`).
 
 An outer step also closes without ``K`` replies when ``max(K, nodes)`` replies in a row failed
-their checks (stale ones aside: it then merges those it has, possibly none: an empty round,
-counted by ``Rounds.max_empty_rounds``),
-when no task is in flight, or after ``timeout`` seconds (Flower's round timeout; the tasks
-older than that, and at each step's start those of nodes no longer connected, are given up and
-their nodes can get new work). A node whose reply is an error (a
-ClientApp that raised, a dead SuperNode) gets new work at the next step if still connected.
+their checks (stale ones aside; it then merges those it has, possibly none: an empty round,
+counted by ``Rounds.max_empty_rounds``), when no task is in flight, or after ``timeout``
+seconds (Flower's round timeout). Tasks older than that, and at each step's start those of
+nodes no longer connected, are given up; their nodes can get new work. A node whose reply is
+an error (a ClientApp that raised, a dead SuperNode) gets new work at the next step if still
+connected.
 
-Checkpoint (:meth:`AsyncRounds.state`): the settings, the tasks in flight (node, version) in
+Checkpoint (:meth:`AsyncRounds.save`): the settings, the tasks in flight (node, version) in
 the order they were sent and the versions they train from. A resumed run sends every node of
 the checkpoint that is connected the model of the task it held (so a run resumed with the same
 arrival order is the uninterrupted run, bit for bit), the newest model if that version is gone
 or the node is new, and tops up to the number of nodes training.
 
-What does not compose is refused at construction
-(:func:`~.asynchronous_setup.check_composition`): SecAgg+ (a
-fixed cohort sums its masked updates), central and local DP (the accountant counts rounds of a
+What does not compose is refused (:func:`~.asynchronous_setup.check_composition` at
+construction, :func:`refuse_secagg` when the run starts): SecAgg+ (a fixed cohort sums its
+masked updates), central and local DP (the accountant counts rounds of a
 sampled cohort; a buffer is the first ``K`` replies of whichever nodes are fastest, possibly
 one node twice, so neither the sampling nor the per-node count of releases that
 Flower's ``RdpAccountant`` composes holds), compressed downloads (the broadcast model is one
@@ -172,19 +172,19 @@ class AsyncRounds:
         self.started = False
         self.current = 0  # the version theta is (outer steps taken)
         self.stale_total = 0
-        self._current: tuple[Task, int] | None = None
+        self._taking: tuple[Task, int] | None = None
         self._down = 0
 
     # ------------------------------------------------------------------ TrainRound hooks
     def base(self, msg: Message) -> Mapping[str, torch.Tensor]:
         """The model the reply being taken trained from."""
-        assert self._current is not None
-        return self.versions[self._current[0].version]
+        assert self._taking is not None
+        return self.versions[self._taking[0].version]
 
     def adopt(self, reply: Any, msg: Message) -> BasedReply:
         """The checked reply with its base and discount ``s(tau)``."""
-        assert self._current is not None
-        task, tau = self._current
+        assert self._taking is not None
+        task, tau = self._taking
         a = self.settings.staleness
         return BasedReply(reply, self.versions[task.version], tau, staleness_discount(tau, a))
 
@@ -292,14 +292,14 @@ class AsyncRounds:
                 f"(max_staleness {self.settings.max_staleness})",
             )
             return False
-        self._current = (task, tau)
+        self._taking = (task, tau)
         self.ledger._answering[rid] = task.node
         before = len(train.taken)
         try:
             train.take(reply)
         finally:
             self.ledger._answering.pop(rid, None)
-            self._current = None
+            self._taking = None
         return len(train.taken) > before
 
     def _give_up(

@@ -19,7 +19,7 @@ two-pass merge would: its deltas are spilled and merged when the round closes.
 
 Asynchronous rounds (:mod:`~flwr_isoloco.strategies.diloco.asynchronous`) pass ``per_reply``:
 each reply is then checked against the model its node was sent (``per_reply.base(msg)``), and
-the reply :meth:`per_reply.adopt <flwr_isoloco.strategies.diloco.asynchronous.PerReply.adopt>`
+the reply :meth:`per_reply.adopt <flwr_isoloco.strategies.diloco.asynchronous.AsyncRounds.adopt>`
 returns carries its ``discount`` ``s(tau)``: its merge weight is the bounded weight times
 ``s(tau)``, and ``g`` is scaled by ``rho = sum_i w_i s_i / sum_i w_i`` (``w_i`` the bounded
 weights), so that a buffer of stale replies moves the model less. Without ``per_reply`` none of
