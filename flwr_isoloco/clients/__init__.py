@@ -1,6 +1,9 @@
 """Client building blocks: ClientApp handlers and their training loops.
 
-- ``diloco_worker.py``: DiLoCo worker (H inner AdamW steps, optimiser state in ``context.state``).
+- ``diloco_worker.py``: DiLoCo worker (H inner AdamW steps, optimiser state in ``context.state``);
+  ``inner_loop.py`` its inner steps, ``worker_cache.py`` its per-process cache (model and
+  moments on the device between messages), ``precision.py`` autocast / fp16 scaler
+  (``PRECISIONS``, ``check_precision``), shared with the LoRA clients.
 - ``lora_client.py``: peft LoRA client that sends only the adapter.
 - ``adamw_state.py``: the AdamW state codec both use (named fp32 tensors, no pickle).
 - ``node_state.py``: :func:`~.node_state.with_node_state`, node-state files for exact resume;

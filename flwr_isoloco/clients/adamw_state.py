@@ -14,7 +14,8 @@ Flower ``Array`` costs a ``.npy`` encode/decode (~70 us) on every message and a 
 model's named state made that a third of a small worker's time per message. The LoRA client
 carries the named moments with the RW-LoRA token (ArrayRecord ``optimizer``) and the step in
 ConfigRecord ``optimizer-config``. Restoring puts
-every moment on its parameter's device and dtype, so a save/restore round-trip continues
+every moment on its parameter's device and dtype (and the step count there too for a fused or
+capturable optimiser, whose kernels read it on the device; on the CPU otherwise), so a save/restore round-trip continues
 exactly where the optimiser stopped (the repository's ``tests/test_lora_client.py``: K + K steps == 2K steps).
 """
 
@@ -30,6 +31,13 @@ MOMENTS = ("exp_avg", "exp_avg_sq")
 """The AdamW state entries stored per parameter (besides its step)."""
 
 Named = Sequence[tuple[str, torch.nn.Parameter]]
+
+
+def _step_tensor(opt: torch.optim.Optimizer, p: torch.Tensor, step: float) -> torch.Tensor:
+    """The fp32 step count as ``opt`` keeps it: on ``p``'s device for a fused or capturable
+    optimiser, on the CPU otherwise (what ``torch.optim.AdamW`` itself creates)."""
+    on_device = bool(opt.defaults.get("fused") or opt.defaults.get("capturable"))
+    return torch.tensor(step, dtype=torch.float32, device=p.device if on_device else "cpu")
 
 
 def adamw_to_arrays(
@@ -111,7 +119,7 @@ def arrays_to_adamw(
         else:
             s = float(step)
         restored[p] = {
-            "step": torch.tensor(s, dtype=torch.float32),
+            "step": _step_tensor(opt, p, s),
             "exp_avg": ea.to(device=p.device, dtype=p.dtype).clone(),
             "exp_avg_sq": eas.to(device=p.device, dtype=p.dtype).clone(),
         }
@@ -176,7 +184,7 @@ def flat_to_adamw(
         n = p.numel()
         if steps[i] > 0:
             restored[p] = {
-                "step": torch.tensor(float(steps[i]), dtype=torch.float32),
+                "step": _step_tensor(opt, p, float(steps[i])),
                 **{
                     m: flat[m][off : off + n].reshape(p.shape).to(p.device, p.dtype).clone()
                     for m in MOMENTS

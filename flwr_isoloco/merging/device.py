@@ -1,10 +1,14 @@
-"""Where the server merge computes: :func:`resolve_device`; out-of-memory errors told apart.
+"""Which device computes: :func:`resolve_device` (the server merge, a node's training);
+out-of-memory errors told apart.
 
 The merge moves each tensor's M worker slices to the device, merges there and brings the result
 back to the CPU, so only one tensor's slices (and its temporaries) live on the device at a time.
 ``"auto"`` (the default) uses CUDA where ``torch.cuda.is_available()``, else the CPU; results on
 the CPU are the same code path, bit for bit, whichever of ``None``, ``"auto"`` or ``"cpu"`` led
-there.
+there. A node's training resolves its ``train.device`` with the same function
+(:func:`resolve_node_device`): in a Ray simulation an actor given
+``options.backend.client-resources.num-gpus > 0`` sees its GPU(s) through
+``CUDA_VISIBLE_DEVICES`` (so ``cuda`` is the GPU Ray assigned), one given none sees none.
 
 Out of memory is the server's problem, not the replies': :func:`is_out_of_memory` tells such an
 error (``torch.OutOfMemoryError``, a ``RuntimeError`` is its base) from one caused by the data
@@ -19,21 +23,34 @@ import torch
 
 __all__ = [
     "DEVICE_CHOICES",
+    "NODE_DEVICE_FIX",
     "MergeOutOfMemoryError",
     "is_out_of_memory",
     "parse_device",
     "resolve_device",
+    "resolve_node_device",
 ]
 
 #: Spellings :func:`resolve_device` accepts besides a ``torch.device``.
 DEVICE_CHOICES = ("auto", "cpu", "cuda", "cuda:<index>")
 
+#: What to do when a node is asked to train on a CUDA device it cannot see.
+NODE_DEVICE_FIX = (
+    "in a simulation give each node a GPU with options.backend.client-resources.num-gpus "
+    "(e.g. 1, or 0.5 to share one GPU between two nodes; sharing does not cap their memory); "
+    "in deployment check CUDA_VISIBLE_DEVICES of the process that runs the ClientApp; "
+    "or use 'auto' or 'cpu'"
+)
 
-def parse_device(option: str | torch.device | None) -> torch.device | None:
+
+def parse_device(
+    option: str | torch.device | None, what: str = "merge device"
+) -> torch.device | None:
     """The device ``option`` names (None for ``None`` / ``"auto"``), not checked to exist.
 
-    Raises ``ValueError`` naming the option for a spelling that is not a CPU or CUDA device
-    (a run-config pre-check, made where the server's GPUs may not be visible).
+    Raises ``ValueError`` naming the option (``what``, e.g. ``"train.device"``) for a spelling
+    that is not a CPU or CUDA device (a run-config pre-check, made where the devices that will
+    run it may not be visible).
     """
     if option is None or (isinstance(option, str) and option.strip().lower() == "auto"):
         return None
@@ -48,33 +65,49 @@ def parse_device(option: str | torch.device | None) -> torch.device | None:
         dev = None
     if dev is None or dev.type not in ("cpu", "cuda"):
         raise ValueError(
-            f"merge device {option!r} is not one of {', '.join(DEVICE_CHOICES)} (or a torch.device)"
+            f"{what} {option!r} is not one of {', '.join(DEVICE_CHOICES)} (or a torch.device)"
         )
     return dev
 
 
-def resolve_device(option: str | torch.device | None = "auto") -> torch.device:
+def resolve_device(
+    option: str | torch.device | None = "auto",
+    *,
+    what: str = "merge device",
+    fix: str = "use 'auto' or 'cpu'",
+) -> torch.device:
     """The ``torch.device`` for a ``device`` option.
 
     ``None`` or ``"auto"``: ``cuda`` (the current CUDA device) where ``torch.cuda.is_available()``,
     else ``cpu``. ``"cpu"``, ``"cuda"``, ``"cuda:1"`` or a ``torch.device``: that device, checked
-    to exist. Raises ``ValueError`` naming the option for anything else (unknown spelling, CUDA
-    asked for but not available, index out of range).
+    to exist. Raises ``ValueError`` naming the option (``what``) and, when CUDA is asked for but
+    not there, the ``fix``, for anything else (unknown spelling, CUDA asked for but not
+    available, index out of range).
     """
-    dev = parse_device(option)
+    dev = parse_device(option, what)
     if dev is None:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if dev.type == "cuda":
         if not torch.cuda.is_available():
             raise ValueError(
-                f"merge device {option!r}: no CUDA device is visible here "
-                "(torch.cuda.is_available() is False); use 'auto' or 'cpu'"
+                f"{what} {option!r}: no CUDA device is visible here "
+                f"(torch.cuda.is_available() is False); {fix}"
             )
         if dev.index is not None and dev.index >= torch.cuda.device_count():
             raise ValueError(
-                f"merge device {option!r}: only {torch.cuda.device_count()} CUDA device(s)"
+                f"{what} {option!r}: only {torch.cuda.device_count()} CUDA device(s) "
+                f"are visible here; {fix}"
             )
     return dev
+
+
+def resolve_node_device(
+    option: str | torch.device | None = "auto", what: str = "train.device"
+) -> torch.device:
+    """:func:`resolve_device` for a node's training or evaluation: ``"auto"`` is the GPU this
+    process sees (in a Ray simulation the one assigned to the node's actor), else the CPU; a
+    CUDA device that is not visible is refused with :data:`NODE_DEVICE_FIX`."""
+    return resolve_device(option, what=what, fix=NODE_DEVICE_FIX)
 
 
 _OOM_MESSAGES = ("out of memory", "can't allocate memory", "not enough memory")
