@@ -18,6 +18,9 @@ held-out perplexity (the setting of Flower's FlowerTune LLM example).
 - **Loss and metric.** Next-token cross-entropy on a row; held-out perplexity
   ``exp(sum of token NLL / number of predicted tokens)`` over non-overlapping windows of the
   held-out text (:func:`heldout_nll`).
+- **Device and precision.** ``device`` / ``precision`` / ``compile`` as the sentence client's
+  (:mod:`flwr_isoloco.clients.lora_client`): the batches go to the model's device, the loss
+  (and the held-out NLL) under the precision's autocast, the adapter and its moments fp32.
 """
 
 from __future__ import annotations
@@ -34,6 +37,8 @@ import torch
 from flwr_isoloco.clients.diloco_worker import next_token_loss
 from flwr_isoloco.clients.hf_lm import corpus_tokens as hf_corpus_tokens
 from flwr_isoloco.clients.hf_lm import encode_text, tokenizer_digest
+from flwr_isoloco.clients.lora_client import check_train_options, model_device
+from flwr_isoloco.clients.precision import autocast
 from flwr_isoloco.data import text as textdata
 from flwr_isoloco.models import classifier
 from flwr_isoloco.models.export import quiet_hf
@@ -222,8 +227,12 @@ class CausalLoRAClientConfig:
     num_partitions_key: str = "num-partitions"
     data_path_key: str = "data-path"
     cache_dir: str = ""  # "" = flwr_isoloco.data.text.default_cache_dir()
+    device: str = "auto"  # "auto" | "cpu" | "cuda" | "cuda:<index>" (lora_client docstring)
+    precision: str = "fp32"  # "fp32" | "bf16" | "fp16": autocast, fp32 adapter and moments
+    compile: bool = False  # torch.compile the training forward, once per process
 
     def __post_init__(self):
+        check_train_options(self)
         for name in ("batch_size", "local_steps", "seq_len", "eval_tokens"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
@@ -245,12 +254,14 @@ def heldout_nll(
     model, tokens: np.ndarray, seq_len: int, batch_size: int = 4, max_tokens: int | None = None
 ) -> tuple[float, int]:
     """(mean next-token NLL, predicted tokens) over non-overlapping ``seq_len`` windows of the
-    first ``max_tokens`` held-out tokens; perplexity is ``exp`` of the first."""
+    first ``max_tokens`` held-out tokens, on the model's device; perplexity is ``exp`` of the
+    first."""
     was_training = model.training
     model.eval()
     total, count = 0.0, 0
+    device = model_device(model)
     for batch in textdata.eval_batches(tokens, batch_size, seq_len, max_tokens):
-        loss, n = next_token_loss(model, batch)
+        loss, n = next_token_loss(model, batch.to(device))
         total += float(loss) * n
         count += n
     model.train(was_training)
@@ -298,14 +309,16 @@ class CausalLMTask:
     def num_train(self, data: TextShard) -> int:
         return len(data.train_rows)
 
-    def batch_loss(self, model, tokenizer, data: TextShard, idx: Sequence[int], cfg):
+    def batch_loss(self, model, tokenizer, data: TextShard, idx: Sequence[int], cfg, device=None):
+        """Mean next-token loss of rows ``idx``, the batch on ``device`` (None: the CPU)."""
         batch = torch.from_numpy(data.train_rows[np.asarray(idx)].astype(np.int64))
-        return next_token_loss(model, batch)[0]
+        return next_token_loss(model, batch if device is None else batch.to(device))[0]
 
     def evaluate(self, model, tokenizer, data: TextShard, cfg) -> dict[str, float]:
-        nll, count = heldout_nll(
-            model, data.val_tokens, cfg.seq_len, cfg.batch_size, cfg.eval_tokens
-        )
+        with autocast(model_device(model), cfg.precision):
+            nll, count = heldout_nll(
+                model, data.val_tokens, cfg.seq_len, cfg.batch_size, cfg.eval_tokens
+            )
         return {"num-examples": count, "eval_loss": nll, "eval_ppl": perplexity(nll)}
 
 

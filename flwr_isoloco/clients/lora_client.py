@@ -8,23 +8,40 @@ metrics; the handlers, the batch stream and the optimiser state are shared. The 
 the message layout (``arrays``, ``config``, ``optimizer``, ``optimizer-config``, the reply
 metrics) and the seeded batch order are specified in "The LoRA client" of the repository's ``docs/rwlora.md`` ("RW-LoRA and gossip LoRA").
 The AdamW state travels through :mod:`flwr_isoloco.clients.adamw_state`.
+
+Device and precision (both configs' ``device``, ``precision``, ``compile``): the node resolves
+``device`` first (:func:`~flwr_isoloco.merging.device.resolve_node_device`: ``"auto"`` is the
+GPU this process sees, in a Ray simulation the one assigned to the node's actor, else the CPU;
+a CUDA device that is not visible is refused before the model or the data are loaded, the fix
+named) and logs once which device it trains on. The cached model moves to the device; the
+batches follow it. ``precision`` ``"bf16"`` / ``"fp16"`` runs the forward and loss under
+autocast (:mod:`flwr_isoloco.clients.precision`) while the adapter, its gradients and the
+AdamW moments stay fp32 (fp16 adds a gradient scaler); ``"fp32"`` is the plain loop. The
+adapter travels as fp32 CPU tensors whatever the device.
 """
 
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
+from logging import INFO
+from types import SimpleNamespace
+from typing import Any
 
 import numpy as np
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
+from flwr.common.logger import log
 
 from flwr_isoloco.clients.node_state import with_node_state
 from flwr_isoloco.data import sentiment
+from flwr_isoloco.merging.device import parse_device, resolve_node_device
 from flwr_isoloco.models import classifier
 
 from .adamw_state import adamw_to_arrays, arrays_to_adamw
+from .precision import autocast, check_precision, grad_scaler
 
 OPTIMIZER_KEY = "optimizer"
 OPTIMIZER_CONFIG_KEY = "optimizer-config"
@@ -53,8 +70,12 @@ class LoRAClientConfig:
     partition_key: str = "partition-id"
     num_partitions_key: str = "num-partitions"
     data_path_key: str = "data-path"  # node-config key of the site's own file ("" = none)
+    device: str = "auto"  # "auto" | "cpu" | "cuda" | "cuda:<index>" (module docstring)
+    precision: str = "fp32"  # "fp32" | "bf16" | "fp16": autocast, fp32 adapter and moments
+    compile: bool = False  # torch.compile the training forward, once per process
 
     def __post_init__(self):
+        check_train_options(self)
         for name in ("batch_size", "local_steps", "max_length"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
@@ -166,6 +187,84 @@ def _trainable(model) -> list[tuple[str, torch.nn.Parameter]]:
     return [(n, p) for n, p in model.named_parameters() if p.requires_grad]
 
 
+def check_train_options(cfg: Any) -> None:
+    """``ValueError`` naming ``device`` (spelling only: the node resolves it), ``precision`` or
+    ``compile`` of a client config when out of its choices."""
+    parse_device(cfg.device, what="device")
+    check_precision(cfg.precision, what="precision")
+    if not isinstance(cfg.compile, bool):
+        raise ValueError(f"compile must be True or False, got {cfg.compile!r}")
+
+
+def model_device(model: torch.nn.Module) -> torch.device:
+    """Where ``model``'s parameters are (its inputs go there)."""
+    return next(model.parameters()).device
+
+
+_ANNOUNCED: set[tuple[int, int]] = set()
+
+
+def announce_device(context: Context, device: torch.device, cfg: Any) -> None:
+    """Log (INFO) once per process and node where it trains, in which precision."""
+    if (context.run_id, context.node_id) in _ANNOUNCED:
+        return
+    _ANNOUNCED.add((context.run_id, context.node_id))
+    where = str(device)
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        where = f"cuda:{index} ({torch.cuda.get_device_name(index)})"
+    log(
+        INFO,
+        "LoRA client (%s): node %s (partition %s) trains on %s in %s%s (process %d)",
+        cfg.task.name,
+        context.node_id,
+        context.node_config.get(cfg.partition_key, "-"),
+        where,
+        cfg.precision,
+        ", torch.compile" if cfg.compile else "",
+        os.getpid(),
+    )
+
+
+_COMPILED: dict[int, tuple[torch.nn.Module, Any]] = {}
+
+
+def compiled_forward(model: torch.nn.Module) -> Any:
+    """``torch.compile(model)``, made once per model object in this process (the cached
+    models live as long as the process, so each compiles once) and reused by every message."""
+    hit = _COMPILED.get(id(model))
+    if hit is None or hit[0] is not model:
+        if len(_COMPILED) >= 4:
+            _COMPILED.clear()
+        hit = _COMPILED[id(model)] = (model, torch.compile(model))
+    return hit[1]
+
+
+class _OnDevice:
+    """``model`` as :func:`classifier.evaluate` uses it (CPU inputs, ``.logits`` read against
+    CPU labels) when the model is on another device: inputs go to the device, fp32 logits
+    come back to the CPU."""
+
+    def __init__(self, model: torch.nn.Module, device: torch.device) -> None:
+        self.model, self.device = model, device
+
+    @property
+    def training(self) -> bool:
+        return self.model.training
+
+    def eval(self) -> _OnDevice:
+        self.model.eval()
+        return self
+
+    def train(self, mode: bool = True) -> _OnDevice:
+        self.model.train(mode)
+        return self
+
+    def __call__(self, **batch: torch.Tensor) -> SimpleNamespace:
+        out = self.model(**{k: v.to(self.device) for k, v in batch.items()})
+        return SimpleNamespace(logits=out.logits.float().cpu())
+
+
 class SentenceTask:
     """The sentence-classifier task: cross-entropy on labels, loss and accuracy."""
 
@@ -183,16 +282,22 @@ class SentenceTask:
     def num_train(self, data: NodeData) -> int:
         return len(data.train_texts)
 
-    def batch_loss(self, model, tokenizer, data: NodeData, idx, cfg) -> torch.Tensor:
+    def batch_loss(self, model, tokenizer, data: NodeData, idx, cfg, device=None) -> torch.Tensor:
+        """Mean cross-entropy of rows ``idx``; the batch goes to ``device`` (None: the CPU)."""
         batch = classifier.encode(tokenizer, [data.train_texts[i] for i in idx], cfg.max_length)
         y = torch.tensor([data.train_labels[i] for i in idx])
+        if device is not None and device.type != "cpu":
+            batch, y = {k: v.to(device) for k, v in batch.items()}, y.to(device)
         return torch.nn.functional.cross_entropy(model(**batch).logits.float(), y)
 
     def evaluate(self, model, tokenizer, data: NodeData, cfg) -> dict[str, float]:
         texts, labels = data.val_texts, data.val_labels
         if not texts:  # no validation slice: fall back to the training rows
             texts, labels = data.train_texts, data.train_labels
-        res = classifier.evaluate(model, tokenizer, texts, labels, max_length=cfg.max_length)
+        dev = model_device(model)
+        view = model if dev.type == "cpu" else _OnDevice(model, dev)
+        with autocast(dev, cfg.precision):
+            res = classifier.evaluate(view, tokenizer, texts, labels, max_length=cfg.max_length)
         return {"num-examples": len(texts), "eval_loss": res["loss"], "eval_acc": res["accuracy"]}
 
 
@@ -210,25 +315,39 @@ def train_steps(
     cursor: int,
     seed: int,
     opt_state: tuple[Mapping[str, torch.Tensor], int] | None = None,
+    forward: Any = None,
 ) -> tuple[float, int, tuple[dict[str, torch.Tensor], int]]:
     """``steps`` AdamW steps from stream position ``cursor`` (fresh AdamW unless ``opt_state``
     = (moments, step) is given) on ``cfg.task``'s loss; returns (mean loss, new cursor,
-    (moments, step))."""
+    (moments, step)).
+
+    On ``model``'s device, the loss under ``cfg.precision``'s autocast (fp16: through a
+    gradient scaler, a step with an inf/NaN gradient skipped); ``forward`` (default ``model``)
+    is what computes it, e.g. its ``torch.compile`` wrapper."""
     task = cfg.task
     named = _trainable(model)
     opt = torch.optim.AdamW([p for _, p in named], lr=lr, weight_decay=cfg.weight_decay)
     if opt_state is not None:
         arrays_to_adamw(opt, named, *opt_state)
     n = task.num_train(data)
+    device = model_device(model)
+    scaler = grad_scaler(device, cfg.precision)
+    forward = model if forward is None else forward
     model.train()
     losses = []
     with torch.random.fork_rng(devices=[]):
         for _ in range(steps):
             idx = batch_indices(cursor, cfg.batch_size, n, seed)
             torch.manual_seed(int(np.random.default_rng([seed, cursor]).integers(2**62)))
-            loss = task.batch_loss(model, tokenizer, data, idx, cfg)
-            loss.backward()
-            opt.step()
+            with autocast(device, cfg.precision):
+                loss = task.batch_loss(forward, tokenizer, data, idx, cfg, device)
+            if scaler is None:
+                loss.backward()
+                opt.step()
+            else:
+                scaler.scale(loss).backward()
+                scaler.step(opt)
+                scaler.update()
             opt.zero_grad(set_to_none=True)
             losses.append(float(loss.detach()))
             cursor += cfg.batch_size
@@ -272,8 +391,10 @@ class LoRAClient:
 
     def _setup(self, msg: Message, context: Context):
         cfg = self.config(context)
+        device = resolve_node_device(cfg.device, what="device")  # before anything is loaded
         pid, n = node_partition(context, cfg)
-        model = cfg.task.model(cfg)
+        announce_device(context, device, cfg)
+        model = cfg.task.model(cfg).to(device)  # the cached model: moved once
         if self.arrayrecord_key not in msg.content.array_records:
             raise KeyError(f"message has no ArrayRecord {self.arrayrecord_key!r}")
         adapter = msg.content.array_records[self.arrayrecord_key].to_torch_state_dict()
@@ -313,6 +434,7 @@ class LoRAClient:
             cursor=cursor,
             seed=seed,
             opt_state=opt_state,
+            forward=compiled_forward(model) if cfg.compile else None,
         )
         _set_cursor(context, cursor)
         content = RecordDict(

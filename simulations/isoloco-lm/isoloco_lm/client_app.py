@@ -14,6 +14,13 @@ be used the node logs why and replies with an error (the server drops it, the ru
 With a pretrained model (``model.name-or-path``) the reply's metrics add ``worker-time-s``
 (load, H inner steps, reply; the strategy averages it over the nodes, token-weighted) and
 ``worker-peak-rss-mb`` (the node process's peak RSS, averaged the same way).
+
+``train.device`` is resolved first, before the node's data or model are touched: ``auto`` is
+the GPU this node's process sees (in a simulation, one given by
+``options.backend.client-resources.num-gpus``; with the default 0 Ray hides every GPU from the
+node), else the CPU; ``cuda`` where none is visible is refused naming the key and the fix.
+``train.precision`` and ``train.compile`` go to the worker as they are. The node checks the
+strategy section for spelling only: ``strategy.merge-device`` is the server's (task.load_config).
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ from flwr.common.logger import log
 from flwr_isoloco.clients.diloco_worker import make_diloco_train_handler
 from flwr_isoloco.clients.download import download_mod
 from flwr_isoloco.clients.node_state import with_node_state
+from flwr_isoloco.merging.device import resolve_node_device
 from flwr_isoloco.secagg_mod import secagg_mod
 
 from .pretrained import is_pretrained, peak_rss_mb
@@ -58,6 +66,7 @@ def _partition(context: Context) -> tuple[int, int]:
 
 def _train(msg: Message, context: Context) -> Message:
     cfg = load_config(context.run_config, node=True)
+    device = resolve_node_device(cfg.train.device, what="train.device")  # before anything else
     torch.set_num_threads(cfg["torch-threads"])
     pid, parts = _partition(context)
     data_path = str(context.node_config.get(DATA_PATH_KEY, "") or "")
@@ -81,6 +90,9 @@ def _train(msg: Message, context: Context) -> Message:
         seed=cfg.seed,
         micro_batch=cfg.train["micro-batch"],
         gradient_checkpointing=cfg.train["gradient-checkpointing"],
+        device=device,
+        precision=cfg.train.precision,
+        compile=cfg.train.compile,
     )
     if not is_pretrained(cfg):
         return handler(msg, context)

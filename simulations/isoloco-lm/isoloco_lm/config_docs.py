@@ -98,8 +98,9 @@ KEY_DOCS: dict[str, str] = {
     "without a site that is down",
     "strategy.grace-s": "once the quorum is in, wait at most this many seconds for the rest "
     "(`round-timeout` stays the cap); later replies are discarded",
-    "strategy.merge-device": "where the server merge computes: `auto` (CUDA if available, else "
-    "the CPU), `cpu`, `cuda`, `cuda:<index>`",
+    "strategy.merge-device": "where the server merge and the server's validation compute: `auto` "
+    "(CUDA if the server sees one, else the CPU), `cpu`, `cuda`, `cuda:<index>`; resolved by the "
+    "ServerApp only (nodes check its spelling)",
     "strategy.buffers": "tensors merged as FedAvg does, outside the outer step (BatchNorm "
     "running statistics): `auto`, `none` or a regex of names",
     "strategy.dp-noise-multiplier": "differential privacy: noise std as a multiple of the "
@@ -138,6 +139,13 @@ KEY_DOCS: dict[str, str] = {
     "batch; less activation memory)",
     "train.gradient-checkpointing": "recompute activations in the backward pass "
     "(`gradient_checkpointing_enable()`)",
+    "train.device": "where each node trains: `auto` (the GPU its process sees, else the CPU; in a "
+    "simulation a node sees a GPU only with `client-resources-num-gpus` > 0), `cpu`, `cuda`, "
+    "`cuda:<index>`; `cuda` on a node without a visible GPU is refused with the fix",
+    "train.precision": "`fp32`, `bf16` or `fp16`: the forward and loss under autocast, the "
+    "weights, gradients, AdamW moments and pseudo-gradient in fp32 (fp16: with a gradient "
+    "scaler); `bf16` also runs on the CPU",
+    "train.compile": "`torch.compile` the model once per node process, reused across rounds",
     "model.hidden": "built-in LLaMA: hidden size",
     "model.layers": "built-in LLaMA: decoder layers",
     "model.heads": "built-in LLaMA: attention heads",

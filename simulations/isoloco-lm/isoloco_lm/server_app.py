@@ -2,7 +2,7 @@
 
 Per round the strategy sends the global model to the nodes, merges their pseudo-gradients and
 takes the outer step; the server then evaluates the held-out validation split (loss and
-perplexity). Results rows, ``results.json``, ``loss.png``, the checkpoint, ``resume-from``
+perplexity) in fp32 on the server's device, ``strategy.merge-device`` (where the merge runs too). Results rows, ``results.json``, ``loss.png``, the checkpoint, ``resume-from``
 and the export (``model/``: the model and its tokenizer) are the shared runner's
 (:mod:`flwr_isoloco.apprunner`); this module is the app's part: model, evaluator, row.
 """
@@ -23,6 +23,7 @@ from flwr.serverapp import Grid, ServerApp
 
 from flwr_isoloco.apprunner import CHECKPOINT, AppRun, AppSpec, run_app
 from flwr_isoloco.clients.node_state import remove_run_temp_dir
+from flwr_isoloco.merging.device import resolve_device
 from flwr_isoloco.models.export import export_causal_lm, export_pretrained
 from flwr_isoloco.models.hf import load_model_arrays, model_arrays
 from flwr_isoloco.models.llama import count_parameters
@@ -110,6 +111,8 @@ def build(cfg, nodes: list[int]) -> AppRun:
     model, strategy = build_model(cfg), build_strategy(cfg)
     hf_model = is_pretrained(cfg)
     initial = model_arrays(model)  # a tied tensor once (flwr_isoloco.models.hf)
+    device = resolve_device(cfg.strategy["merge-device"])  # checked by load_config
+    model.to(device)  # the server's copy: evaluated where the merge runs
     log(INFO, "isoloco-lm: %s", strategy_outer(cfg).message)
     n_params = count_parameters(model)  # a tied tensor counted once
     cache = str(cache_dir(cfg)) if cache_dir(cfg) else None
@@ -139,11 +142,14 @@ def build(cfg, nodes: list[int]) -> AppRun:
         }
 
     def export(arrays: ArrayRecord, out: Path) -> Path:
-        load_model_arrays(model, arrays)
-        if hf_model:  # its own architecture, tokenizer and generation config
-            return export_pretrained(model, pretrained_tokenizer(cfg, cache), out / "model")
-        export_causal_lm(model, data.tokenizer_path, out / "model")  # model + its tokenizer
-        return out / "model"
+        load_model_arrays(model.cpu(), arrays)  # written from the CPU, then back
+        try:
+            if hf_model:  # its own architecture, tokenizer and generation config
+                return export_pretrained(model, pretrained_tokenizer(cfg, cache), out / "model")
+            export_causal_lm(model, data.tokenizer_path, out / "model")  # model + its tokenizer
+            return out / "model"
+        finally:
+            model.to(device)
 
     return AppRun(
         strategy=strategy,

@@ -5,6 +5,7 @@ Kept free of ServerApp/ClientApp objects so tests can drive them in-process.
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Mapping
 from typing import Any
@@ -13,8 +14,10 @@ import torch
 from omegaconf import DictConfig
 
 from flwr_isoloco.clients.hf_lm import batch_generator as batch_generator  # re-exported
+from flwr_isoloco.clients.precision import PRECISIONS
 from flwr_isoloco.data.text import shard_tokens
 from flwr_isoloco.merging import MERGE_RULES
+from flwr_isoloco.merging.device import parse_device
 from flwr_isoloco.models.llama import build_llama, llama_config
 from flwr_isoloco.outer import ISOLOCO_PRESETS
 from flwr_isoloco.runconfig import (
@@ -133,6 +136,9 @@ DEFAULTS: dict[str, Any] = {
         "seq-len": 128,
         "micro-batch": 0,
         "gradient-checkpointing": False,
+        "device": "auto",
+        "precision": "fp32",
+        "compile": False,
     },
     "model": {
         "hidden": 128,
@@ -209,6 +215,9 @@ VALIDATORS = {
     "train.batch-size": positive,
     "train.seq-len": positive,
     "train.micro-batch": non_negative,
+    # spelling only: each node resolves it on its own machine (client_app.py)
+    "train.device": functools.partial(parse_device, what="train.device"),
+    "train.precision": choices(*PRECISIONS),
     "model.hidden": positive,
     "model.layers": positive,
     "model.heads": positive,
@@ -335,14 +344,16 @@ def validation_batches(cfg: DictConfig) -> list[torch.Tensor]:
 
 
 def evaluate_model(model: torch.nn.Module, batches: list[torch.Tensor]) -> float:
-    """Token-weighted mean next-token cross-entropy over ``batches``."""
+    """Token-weighted mean next-token cross-entropy over ``batches``, in fp32 on the model's
+    device (the batches go there)."""
     from flwr_isoloco.clients.diloco_worker import next_token_loss
 
     model.eval()
+    device = next(model.parameters()).device
     total, count = 0.0, 0
     with torch.no_grad():
         for b in batches:
-            loss, n = next_token_loss(model, b)
+            loss, n = next_token_loss(model, b.to(device))
             total += float(loss) * n
             count += n
     return total / count

