@@ -1,12 +1,20 @@
 """A plain Flower ClientApp, as in Flower's quickstart-pytorch: ``@app.train`` and
-``@app.evaluate`` only. The same for FedAvg and for every strategy that replaces it."""
+``@app.evaluate`` only. The same for FedAvg and for every strategy that replaces it.
+
+``download_mod`` lets a strategy with compressed downloads (``DiLoCo(download="int8")``...)
+send this node the compressed difference to the model it holds: the mod rebuilds the full model
+before the handlers below run (a message without the download entries, FedAvg's, passes
+through untouched)."""
 
 from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
+from flwr_isoloco.clients import download_mod
+
 from .task import Net, load_partition, test, train
 
-app = ClientApp()
+MODS = [download_mod]
+app = ClientApp(mods=MODS)
 
 
 def _data(context: Context):
@@ -17,6 +25,7 @@ def _data(context: Context):
         str(rc.get("partitioner", "iid")),
         float(rc.get("alpha", 0.5)),
         int(rc.get("partition-seed", 0)),
+        str(rc.get("split", "test")),
     )
 
 

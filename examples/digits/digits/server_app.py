@@ -30,7 +30,7 @@ def run_federation(grid: Grid, context: Context, strategy) -> dict[int, float]:
     """Train with ``strategy`` for ``num-server-rounds``; test accuracy per round."""
     rc = context.run_config
     net = Net(int(rc.get("model-seed", 0)), str(rc.get("model", "cnn")))
-    x, y = load_test()
+    x, y = load_test(str(rc.get("split", "test")))  # "validation": for tuning
 
     def global_evaluate(server_round: int, arrays: ArrayRecord) -> MetricRecord:
         net.load_state_dict(arrays.to_torch_state_dict())

@@ -5,6 +5,10 @@ Data: ``sklearn.datasets.load_digits`` (1797 images, 10 classes, values 0..16 sc
 The training images are split over ``num-partitions`` nodes by flwr-datasets' partitioners on
 an in-memory dataset: ``IidPartitioner`` or ``DirichletPartitioner`` (label skew,
 ``alpha``, ``partition-seed``).
+
+``split = "validation"`` (for tuning) holds out a fixed stratified 20 % of the training images
+(288, ``random_state=0``) as the evaluation set; the nodes then share the other 1149 and the
+test images are not touched. ``split = "test"`` (default) is the split above.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from torch import nn
 
 TEST_FRACTION = 0.2
 SPLIT_SEED = 0
+SPLITS = ("test", "validation")
 
 
 MODELS = ("cnn", "mlp", "cnn-bn")
@@ -53,38 +58,53 @@ class Net(nn.Module):
         return self.fc2(torch.relu(self.fc1(x.flatten(1))))
 
 
-@lru_cache(maxsize=1)
-def _split() -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    from sklearn.datasets import load_digits
+def _cut(x: np.ndarray, y: np.ndarray) -> list[np.ndarray]:
+    """The fixed stratified 80 / 20 cut: ``[x_a, x_b, y_a, y_b]``."""
     from sklearn.model_selection import train_test_split
 
+    return train_test_split(x, y, test_size=TEST_FRACTION, random_state=SPLIT_SEED, stratify=y)
+
+
+@lru_cache(maxsize=2)
+def _split(split: str = "test") -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """``(x_train, x_eval, y_train, y_eval)`` of ``split`` (module doc)."""
+    from sklearn.datasets import load_digits
+
+    if split not in SPLITS:
+        raise ValueError(f"run-config key 'split' must be one of {SPLITS}, got {split!r}")
     digits = load_digits()
     x = (digits.images / 16.0).astype(np.float32)[:, None, :, :]
     y = digits.target.astype(np.int64)
-    return tuple(
-        train_test_split(x, y, test_size=TEST_FRACTION, random_state=SPLIT_SEED, stratify=y)
-    )  # x_train, x_test, y_train, y_test
+    x_train, x_eval, y_train, y_eval = _cut(x, y)
+    if split == "validation":  # the same cut again, inside the training images
+        x_train, x_eval, y_train, y_eval = _cut(x_train, y_train)
+    return x_train, x_eval, y_train, y_eval
 
 
 def _tensors(x: np.ndarray, y: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.from_numpy(np.ascontiguousarray(x)), torch.from_numpy(np.ascontiguousarray(y))
 
 
-def load_test() -> tuple[torch.Tensor, torch.Tensor]:
-    """The fixed 360-image test set ``(x, y)``."""
-    _, x_test, _, y_test = _split()
+def load_test(split: str = "test") -> tuple[torch.Tensor, torch.Tensor]:
+    """The evaluation set ``(x, y)``: the fixed 360 test images, or ``split="validation"``'s
+    288 held-out training images."""
+    _, x_test, _, y_test = _split(split)
     return _tensors(x_test, y_test)
 
 
 @lru_cache(maxsize=64)
 def partition_indices(
-    num_partitions: int, partitioner: str = "iid", alpha: float = 0.5, seed: int = 0
+    num_partitions: int,
+    partitioner: str = "iid",
+    alpha: float = 0.5,
+    seed: int = 0,
+    split: str = "test",
 ) -> tuple[tuple[int, ...], ...]:
     """Training-set indices of every partition (flwr-datasets partitioners, seeded)."""
     from datasets import Dataset
     from flwr_datasets.partitioner import DirichletPartitioner, IidPartitioner
 
-    _, _, y_train, _ = _split()
+    _, _, y_train, _ = _split(split)
     if partitioner == "iid":
         part = IidPartitioner(num_partitions=num_partitions)
     elif partitioner == "dirichlet":
@@ -107,10 +127,13 @@ def load_partition(
     partitioner: str = "iid",
     alpha: float = 0.5,
     seed: int = 0,
+    split: str = "test",
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(x, y)`` of one node's share of the training set."""
-    x_train, _, y_train, _ = _split()
-    idx = np.asarray(partition_indices(num_partitions, partitioner, alpha, seed)[partition_id])
+    """``(x, y)`` of one node's share of the training set (of ``split``)."""
+    x_train, _, y_train, _ = _split(split)
+    idx = np.asarray(
+        partition_indices(num_partitions, partitioner, alpha, seed, split)[partition_id]
+    )
     return _tensors(x_train[idx], y_train[idx])
 
 
