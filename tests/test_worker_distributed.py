@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import copy
 import os
+import signal
 import time
 
 import pytest
@@ -77,6 +78,18 @@ def masked_loss(model, batch):
 def failing_data_fn(ctx):
     if os.environ.get("RANK") == "1":
         raise RuntimeError("rank one cannot read its shard")
+    return data_fn(ctx)
+
+
+def stuck_data_fn(ctx):
+    if os.environ.get("RANK") == "1":
+        time.sleep(3600)  # a rank that never reaches the first collective
+    return data_fn(ctx)
+
+
+def killed_data_fn(ctx):
+    if os.environ.get("RANK") == "1":
+        os.kill(os.getpid(), signal.SIGKILL)  # as the kernel's out-of-memory killer would
     return data_fn(ctx)
 
 
@@ -232,3 +245,21 @@ def test_a_rank_that_raises_fails_the_message_in_the_parent_without_hanging():
     assert "rank one cannot read its shard" in str(err.value)
     assert time.perf_counter() - start < 50  # the other rank was ended, not waited for
     assert ADAMW_STATE_KEY not in ctx.state  # nothing written back from a failed group
+
+
+@pytest.mark.slow
+def test_a_stuck_rank_times_out_and_a_killed_rank_is_named():
+    ctx, theta = _context(), model_fn().state_dict()
+    stuck = make_distributed_train_handler(
+        model_fn, stuck_data_fn, world_size=2, backend="gloo", timeout_s=20, **KW
+    )
+    start = time.perf_counter()
+    with pytest.raises(DistributedWorkerError, match="timeout|Timed out|timed out"):
+        _send(stuck, theta, 1, ctx)
+    assert time.perf_counter() - start < 40  # timeout_s and the clean-up, not an hour
+    killed = make_distributed_train_handler(
+        model_fn, killed_data_fn, world_size=2, backend="gloo", timeout_s=60, **KW
+    )
+    with pytest.raises(DistributedWorkerError, match="(?s)rank 1 of 2 failed.*SIGKILL.*killed"):
+        _send(killed, theta, 1, ctx)
+    assert not ctx.state  # nothing written back from a failed group

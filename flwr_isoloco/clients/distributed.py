@@ -47,6 +47,7 @@ from __future__ import annotations
 import inspect
 import os
 import pickle
+import signal
 import sys
 import tempfile
 import time
@@ -54,6 +55,7 @@ import traceback
 from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
 from logging import INFO
+from multiprocessing import connection as mp_connection
 from pathlib import Path
 from typing import Any
 
@@ -262,46 +264,67 @@ def _train_rank(rank: int, job: dict, device: torch.device) -> None:
         tmp.rename(Path(job["dir"]) / _RESULT)
 
 
-def _first_failure(job: dict, index: int, text: str) -> DistributedWorkerError:
-    """The error of the rank that failed first (by the time in its error file; torch reports
-    whichever failed rank it saw first), the later failures named after it."""
-    found = []
+def _group_error(job: dict, killed: dict[int, int]) -> DistributedWorkerError:
+    """The failure of the group, first cause first: the ranks that died without an error file
+    (``killed``: rank -> exit code; a signal, the out-of-memory killer), then the ranks' own
+    errors in the order of the times in their error files; the others fail on the broken group
+    and are named after it by their last line."""
+    found = [
+        (-1.0, r, f"exited with code {code}{_signal_name(code)} (killed, out of memory?)\n")
+        for r, code in sorted(killed.items())
+    ]
     for path in Path(job["dir"]).glob("rank*.error"):
         when, _, tb = path.read_text().partition("\n")
         found.append((float(when), int(path.stem[4:]), tb))
-    if not found:  # no error file: the process was killed (a signal, out of memory?)
-        found = [(0.0, index, f"{text} (killed, or out of memory?)")]
     found.sort()
-    _, rank, tb = found[0]
+    _, rank, text = found[0]
     later = "".join(
         f"\n(then rank {r}: {t.strip().splitlines()[-1]})" for _, r, t in found[1:] if t.strip()
     )
     return DistributedWorkerError(
-        f"distributed DiLoCo worker: rank {rank} of {job['world_size']} failed:\n{tb}{later}"
+        f"distributed DiLoCo worker: rank {rank} of {job['world_size']} failed:\n{text}{later}"
     )
+
+
+def _signal_name(code: int) -> str:
+    try:
+        return f" ({signal.Signals(-code).name})" if code < 0 else ""
+    except ValueError:
+        return ""
 
 
 def _run_group(job: dict, timeout_s: float) -> None:
-    """Start the ranks and wait; :class:`DistributedWorkerError` if one fails or time runs out
-    (torch terminates the remaining ranks when one exits with an error)."""
-    ctx = mp.start_processes(
+    """Start the ranks and wait for all to end; :class:`DistributedWorkerError` when one exits
+    with an error or time runs out. The ranks still running then are terminated."""
+    procs = mp.start_processes(
         _rank_main, args=(job,), nprocs=job["world_size"], join=False, start_method="spawn"
-    )
+    ).processes
     deadline = time.monotonic() + timeout_s
     try:
-        while not ctx.join(timeout=0.2):
+        while True:
+            codes = {r: p.exitcode for r, p in enumerate(procs) if p.exitcode is not None}
+            if any(codes.values()):
+                time.sleep(0.5)  # let the ranks that fail on the broken group write their error
+                errors = {int(f.stem[4:]) for f in Path(job["dir"]).glob("rank*.error")}
+                killed = {r: c for r, c in codes.items() if c and r not in errors}
+                raise _group_error(job, killed)
+            if len(codes) == len(procs):
+                return
             if time.monotonic() > deadline:
                 raise DistributedWorkerError(
                     f"distributed DiLoCo worker: no result after timeout_s={timeout_s:g} s; "
                     "the ranks were terminated"
                 )
-    except (mp.ProcessRaisedException, mp.ProcessExitedException) as exc:
-        raise _first_failure(job, exc.error_index, str(exc)) from None
+            mp_connection.wait([p.sentinel for p in procs if p.exitcode is None], timeout=0.2)
     finally:
-        for p in ctx.processes:
+        for p in procs:
             if p.is_alive():
                 p.terminate()
-                p.join(5)
+        for p in procs:
+            p.join(10)
+            if p.is_alive():
+                p.kill()
+                p.join()
 
 
 def _replace_state(state: RecordDict, new: RecordDict) -> None:
