@@ -11,7 +11,15 @@ from __future__ import annotations
 import pytest
 import torch
 from flwr.app import ArrayRecord
-from test_diloco_worker import BATCHES, fresh_process, handler, model_fn, new_context, send
+from test_diloco_worker import (
+    BATCHES,
+    data_fn,
+    fresh_process,
+    handler,
+    model_fn,
+    new_context,
+    send,
+)
 
 from flwr_isoloco.clients.diloco_worker import ADAMW_STATE_KEY, WORKER_STATE_KEY
 from flwr_isoloco.clients.node_state import HANDLE_KEY, with_node_state
@@ -245,3 +253,27 @@ def test_cache_nodes_is_checked():
     for bad in (-1, 1.5, True, "2"):
         with pytest.raises(ValueError, match="cache_nodes must be an int >= 0"):
             handler(cache_nodes=bad)
+
+
+def test_an_unhashable_model_fn_is_built_every_message_and_the_moments_still_hit():
+    """A callable that cannot key the model pool (a dataclass instance) builds the model every
+    message; the node's moments are still kept, and the replies are the no-cache ones."""
+    from dataclasses import dataclass
+
+    from flwr_isoloco.clients import make_diloco_train_handler
+
+    @dataclass
+    class ModelFn:
+        built: int = 0
+
+        def __call__(self, ctx):
+            self.built += 1
+            return model_fn(ctx)
+
+    fn = ModelFn()
+    kw = dict(lr=1e-2, local_steps=3, num_server_rounds=2, warmup_steps=2)
+    got = _rounds(make_diloco_train_handler(fn, data_fn, **kw), new_context(), _theta0())
+    assert fn.built == ROUNDS and cache_stats()["hits"] == ROUNDS - 1
+    assert cache_stats()["model-builds"] == 0
+    want = _rounds(handler(cache_nodes=0), new_context(), _theta0())
+    assert all(_same(g, w) for g, w in zip(got, want, strict=True))

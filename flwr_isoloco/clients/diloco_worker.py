@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass
 from logging import INFO
 from typing import Any
@@ -287,10 +287,10 @@ class _Worker:
 
     def model_key(self, context: Context, theta: Mapping[str, torch.Tensor]) -> tuple | None:
         """The model pool's key (:func:`~.worker_cache.borrow_model`; None: no pooling)."""
-        if self.cache_nodes == 0 and not self.compile:
+        code = getattr(self.model_fn, "__code__", self.model_fn)  # a lambda's: one per source
+        if (self.cache_nodes == 0 and not self.compile) or not isinstance(code, Hashable):
             return None
         sig = tuple((k, tuple(v.shape), v.dtype) for k, v in theta.items())
-        code = getattr(self.model_fn, "__code__", self.model_fn)
         return (context.run_id, code, sig, str(self.device), self.checkpointing, self.compile)
 
     def build(self, context: Context):
