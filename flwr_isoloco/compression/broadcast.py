@@ -1,11 +1,16 @@
 """Compressed downloads: the broadcast model ``B``, its version digest, per-node bookkeeping.
 
-The server keeps ``B``, the model every up-to-date node holds, and an error-feedback residual
-``e``. Each train round (:meth:`Broadcast.advance`)::
+The server keeps ``B``, the model every up-to-date node holds. Each train round
+(:meth:`Broadcast.advance`)::
 
-    c  = (theta - B) + beta e         # the codec's ErrorFeedback (feedback.py)
-    u  = Q(c);  e <- c - decode(u)
+    u  = Q(theta - B)
     B <- B + decode(u)                # exactly the node's arithmetic, in B's dtypes
+
+The gap ``theta - B`` is the error-feedback residual itself: whatever a round does not send stays
+in it and goes out in a later round, undecayed, so nothing is lost. (Adding a separate residual
+``beta e`` on top, as uploads do, would count the unsent part twice: ``theta - B`` already
+holds it. An entry left unsent for n rounds would then go out up to ``1 / (1 - beta)`` times too
+large.) ``ef_decay`` therefore has no effect on downloads.
 
 Protocol (config keys of the instruction, one ConfigRecord entry in the reply):
 
@@ -30,8 +35,7 @@ from typing import Any
 import torch
 from flwr.app import ArrayRecord, Message
 
-from flwr_isoloco.compression.feedback import ErrorFeedback
-from flwr_isoloco.compression.record import decompress
+from flwr_isoloco.compression.record import compress, decompress, normalize_options
 
 DIGEST_KEY = "download-digest"
 BASE_KEY = "download-base"
@@ -77,7 +81,8 @@ class Broadcast:
     """Server side of compressed downloads (module docstring): ``B``, ``e``, nodes' digests."""
 
     def __init__(self, codec: str, options: Mapping[str, Any]) -> None:
-        self.ef = ErrorFeedback(codec, **dict(options))
+        self.codec = codec
+        self.options = normalize_options(codec, dict(options))
         self.base: dict[str, torch.Tensor] | None = None
         self.digest = ""
         self.prev = ""
@@ -86,13 +91,13 @@ class Broadcast:
         self._full: ArrayRecord | None = None
 
     def advance(self, theta: Mapping[str, torch.Tensor], dtypes: Mapping[str, Any]) -> None:
-        """A new round: ``B`` becomes ``B + decode(Q(theta - B + beta e))`` (first: ``theta``)."""
+        """A new round: ``B`` becomes ``B + decode(Q(theta - B))`` (first: ``theta``)."""
         if self.base is None:
             self.base = {k: v.to(dtypes.get(k, v.dtype)).clone() for k, v in theta.items()}
             self.prev, self.update = "", None
         else:
             delta = {k: theta[k].float() - self.base[k].float() for k in self.base}
-            self.update = self.ef.compress(delta)
+            self.update = compress(delta, self.codec, **self.options)
             self.base = apply_update(self.base, decompress(self.update))
             self.prev = self.digest
         bad = [k for k, v in self.base.items() if not v.is_floating_point()]
@@ -127,12 +132,11 @@ class Broadcast:
             self.held[node] = held
 
     def state_dict(self) -> dict[str, Any]:
-        """``B``, its digests, the residual (the per-node digests are not kept: after a resume
-        every node gets the full ``B`` once)."""
+        """``B`` and its digest (the residual ``theta - B`` follows from theta; the per-node
+        digests are not kept: after a resume every node gets the full ``B`` once)."""
         return {
             "base": None if self.base is None else {k: v.clone() for k, v in self.base.items()},
             "digest": self.digest,
-            "ef": self.ef.state_dict(),
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -148,6 +152,5 @@ class Broadcast:
             if model_digest(base) != state.get("digest"):
                 raise ValueError("broadcast state: 'base' does not match its digest")
             base = {k: v.clone() for k, v in base.items()}
-        self.ef.load_state_dict(state.get("ef", {}))
         self.base, self.digest = base, str(state.get("digest", "")) if base is not None else ""
         self.prev, self.update, self.held, self._full = "", None, {}, None

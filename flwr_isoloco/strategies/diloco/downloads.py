@@ -53,10 +53,10 @@ def note_download(s: Any, msg: Message, ledger: Any = None) -> Message:
 
 
 def broadcast_state(b: Broadcast) -> tuple[dict[str, Any], dict[str, Any]]:
-    """``(tensors, meta)`` of the checkpoint: ``B`` and the residual; B's digest and codec."""
+    """``(tensors, meta)`` of the checkpoint: ``B``; its digest and codec (the residual is
+    ``theta - B``, restored with theta)."""
     sd = b.state_dict()
-    tensors = {"base": sd["base"], "residual": sd["ef"]["residual"]}
-    return tensors, {"digest": sd["digest"], "codec": b.ef.codec}
+    return {"base": sd["base"]}, {"digest": sd["digest"], "codec": b.codec}
 
 
 def parse_broadcast(s: Any, state: Any) -> Broadcast | None:
@@ -87,5 +87,6 @@ def parse_broadcast(s: Any, state: Any) -> Broadcast | None:
     if set(base) != set(theta):
         raise ValueError("'base' does not name theta's tensors")
     b = new_broadcast(s.download)
-    b.load_state_dict({"base": base, "digest": info.get("digest"), "ef": {"residual": residual}})
+    b.load_state_dict({"base": base, "digest": info.get("digest")})  # a residual saved by an
+    # older version (sent on top of theta - B, which double-counted) is checked, then dropped
     return b
