@@ -28,10 +28,12 @@ The reply equals the one-process reply up to fp32 summation order (the all-reduc
 forward pass add the same numbers in another order).
 
 The ranks rendezvous through a ``TCPStore`` the parent serves on a free loopback port (port 0:
-the kernel picks it; no race with other jobs). A rank that raises ends the group: the other
-ranks are terminated and the parent raises :class:`DistributedWorkerError` with the rank's
-traceback; collectives time out after ``timeout_s`` and the parent gives up on the whole group
-after ``timeout_s`` too, so nothing hangs.
+the kernel picks it; no race with other jobs). The message and the node's state reach the ranks
+through a pickle in a private temporary folder (written once by the parent, read by each rank);
+rank 0's result comes back the same way. A rank that raises or is killed ends the group: the
+other ranks are terminated and the parent raises :class:`DistributedWorkerError` naming the rank
+that failed first (its traceback, or its signal); collectives time out after ``timeout_s`` and
+the parent gives up on the whole group after ``timeout_s`` too, so nothing hangs.
 
 Dropout: rank 0 keeps the seed the handler sets; rank ``r > 0`` offsets it, so ranks draw
 independent masks (the one-process masks cannot be reproduced on a split batch; the reply then
@@ -337,6 +339,7 @@ def _replace_state(state: RecordDict, new: RecordDict) -> None:
 
 
 def _check_picklable(**fns: Any) -> None:
+    """``ValueError`` naming the first function a spawned rank could not receive."""
     for name, fn in fns.items():
         try:
             pickle.dumps(fn)
@@ -381,7 +384,9 @@ def make_distributed_train_handler(
     devs, backend = _resolve_devices(world_size, backend, devices)
     if not (isinstance(timeout_s, (int, float)) and timeout_s > 0):
         raise ValueError(f"timeout_s must be a number > 0, got {timeout_s!r}")
-    make_diloco_train_handler(model_fn, data_fn, loss_fn=loss_fn, **handler_kwargs)  # checks
+    # the one-process handler checks its options here, before any message (on the CPU: the
+    # ClientApp's own process touches no GPU; each rank takes its device)
+    make_diloco_train_handler(model_fn, data_fn, loss_fn=loss_fn, device="cpu", **handler_kwargs)
     if "cache_nodes" in inspect.signature(make_diloco_train_handler).parameters:
         handler_kwargs.setdefault("cache_nodes", 0)  # a rank's process ends with its message
     _check_picklable(model_fn=model_fn, data_fn=data_fn, loss_fn=loss_fn)
