@@ -39,6 +39,7 @@ from flwr_isoloco.clients.distributed import (
     slice_batch,
     token_weighted_loss,
 )
+from flwr_isoloco.clients.node_state import HANDLE_KEY, with_node_state
 from flwr_isoloco.models.llama import build_llama, llama_config
 
 torch.set_num_threads(1)
@@ -263,3 +264,24 @@ def test_a_stuck_rank_times_out_and_a_killed_rank_is_named():
     with pytest.raises(DistributedWorkerError, match="(?s)rank 1 of 2 failed.*SIGKILL.*killed"):
         _send(killed, theta, 1, ctx)
     assert not ctx.state  # nothing written back from a failed group
+
+
+@pytest.mark.slow
+def test_two_group_rounds_through_node_state_files_match_two_one_process_rounds(tmp_path):
+    """The group's own AdamW state, kept in a node-state file between rounds, restores round 2."""
+    finals = []
+    for group in (False, True):
+        kw = dict(KW, loss_fn=masked_loss)
+        train = (
+            make_distributed_train_handler(model_fn, data_fn, world_size=2, **kw)
+            if group
+            else make_diloco_train_handler(model_fn, data_fn, **kw)
+        )
+        train = with_node_state(train, default_dir=tmp_path / str(group))
+        ctx, theta = _context(), model_fn().state_dict()
+        for rnd in (1, 2):
+            theta = _arrays(_send(train, theta, rnd, ctx).content.array_records["arrays"])
+        assert HANDLE_KEY in ctx.state  # the records waited in the file, not in the Context
+        finals.append(theta)
+    assert _max_diff(finals[0], model_fn().state_dict()) > 1e-3
+    assert _max_diff(*finals) < TOL
