@@ -23,29 +23,31 @@ def theta0() -> dict[str, torch.Tensor]:
     return {"w": torch.randn(32, 64, generator=g), "b": torch.randn(64, generator=g)}
 
 
-def make_app() -> ClientApp:
-    """A plain FedAvg-style ClientApp: pull each tensor 10 % towards a node-specific target."""
-    app = ClientApp(mods=[download_mod])
+def train_fn(msg: Message, context: Context) -> Message:
+    """A plain FedAvg-style handler: pull each tensor 10 % towards a node-specific target."""
+    sd = msg.content["arrays"].to_torch_state_dict()
+    pid = int(context.node_config["partition-id"])
+    rnd = int(msg.content["config"]["server-round"])
+    TRAINED_ON[(pid, rnd)] = model_digest(sd)
+    new = {k: v + 0.1 * (float(pid + 1) - v) for k, v in sd.items()}
+    return Message(
+        RecordDict({"arrays": ArrayRecord(new), "metrics": MetricRecord({"num-examples": 10})}),
+        reply_to=msg,
+    )
 
-    @app.train()
-    def train(msg: Message, context: Context) -> Message:
-        sd = msg.content["arrays"].to_torch_state_dict()
-        pid = int(context.node_config["partition-id"])
-        rnd = int(msg.content["config"]["server-round"])
-        TRAINED_ON[(pid, rnd)] = model_digest(sd)
-        new = {k: v + 0.1 * (float(pid + 1) - v) for k, v in sd.items()}
-        return Message(
-            RecordDict({"arrays": ArrayRecord(new), "metrics": MetricRecord({"num-examples": 10})}),
-            reply_to=msg,
-        )
 
-    @app.evaluate()
-    def evaluate(msg: Message, context: Context) -> Message:
-        sd = msg.content["arrays"].to_torch_state_dict()
-        loss = float(sum(v.float().pow(2).mean() for v in sd.values()))
-        metrics = MetricRecord({"num-examples": 10, "loss": loss})
-        return Message(RecordDict({"metrics": metrics}), reply_to=msg)
+def evaluate_fn(msg: Message, context: Context) -> Message:
+    sd = msg.content["arrays"].to_torch_state_dict()
+    loss = float(sum(v.float().pow(2).mean() for v in sd.values()))
+    metrics = MetricRecord({"num-examples": 10, "loss": loss})
+    return Message(RecordDict({"metrics": metrics}), reply_to=msg)
 
+
+def make_app(mods=(download_mod,)) -> ClientApp:
+    """The plain handlers behind ``mods``."""
+    app = ClientApp(mods=list(mods))
+    app.train()(train_fn)
+    app.evaluate()(evaluate_fn)
     return app
 
 
@@ -326,3 +328,71 @@ def test_broadcast_gap_is_the_residual_and_closes_on_a_still_model(codec):
         gaps.append(float((theta["w"] - b.base["w"]).norm() / theta["w"].norm()))
     assert all(later <= earlier + 1e-6 for earlier, later in zip(gaps, gaps[1:], strict=False))
     assert gaps[-1] < (0.3 if codec == "sparseloco" else 1e-3)
+
+
+def test_upload_mod_compresses_a_plain_handlers_reply_with_error_feedback():
+    """[download_mod, upload_mod] around the unchanged FedAvg-style handler: the reply is the
+    int8 delta theta - theta_i, decoded within half an int8 step of the true delta, its residual
+    kept in context.state; upload bytes 3.3x below fp32 (2,112 entries: the header weighs); the
+    model moves as with uncompressed replies, to int8 accuracy."""
+    from flwr_isoloco.clients import upload_mod
+    from flwr_isoloco.clients.worker_reply import RESIDUAL_STATE_KEY
+    from flwr_isoloco.compression.record import decompress
+
+    app = make_app([download_mod, upload_mod])  # the very same handlers
+    s, res, grid = run("int8", rounds=3, upload="int8", grid=FakeGrid(app, num_nodes=2))
+    _, ref, _ = run("int8", rounds=3)
+    up = [m["bytes-up"] for m in res.train_metrics_clientapp.values()]
+    up_ref = [m["bytes-up"] for m in ref.train_metrics_clientapp.values()]
+    assert all(u < r / 3 for u, r in zip(up, up_ref, strict=True))  # 5,110 vs 16,896 B
+    assert all(m["replies-used"] == 2 for m in res.train_metrics_clientapp.values())
+    for ctx in grid.contexts.values():
+        assert RESIDUAL_STATE_KEY in ctx.state.array_records
+    a, b = res.arrays.to_torch_state_dict(), ref.arrays.to_torch_state_dict()
+    assert max(float((a[k] - b[k]).abs().max()) for k in a) < 0.05
+    # one reply by hand: the delta decodes to within half an int8 step of theta - theta_i
+    msg = Message(
+        RecordDict(
+            {
+                "arrays": ArrayRecord(theta0()),
+                "config": ConfigRecord({"upload-codec": "int8", "server-round": 1}),
+            }
+        ),
+        dst_node_id=1,
+        message_type="train",
+    )
+    ctx = Context(
+        run_id=1, node_id=1, node_config={"partition-id": 0}, state=RecordDict(), run_config={}
+    )
+    reply = app(msg, ctx)
+    got = decompress(reply.content["arrays"])
+    for k, v in theta0().items():
+        true = v - (v + 0.1 * (1.0 - v))
+        step = float(true.abs().max()) / 127
+        assert float((got[k] - true).abs().max()) <= step / 2 + 1e-6
+
+
+def test_upload_mod_passes_through_what_it_need_not_touch():
+    """No codec asked: the reply is the handler's own (full weights, no residual); a bad codec
+    option is refused with an error reply naming it, the handler never runs."""
+    from flwr_isoloco.clients import upload_mod
+
+    app = make_app([upload_mod])
+    base = {"arrays": ArrayRecord(theta0())}
+    ctx = Context(
+        run_id=1, node_id=1, node_config={"partition-id": 0}, state=RecordDict(), run_config={}
+    )
+    msg = Message(
+        RecordDict({**base, "config": ConfigRecord({"server-round": 1})}),
+        dst_node_id=1,
+        message_type="train",
+    )
+    reply = app(msg, ctx)
+    assert not reply.has_error() and "config" not in reply.content.config_records
+    assert len(ctx.state.array_records) == 0
+    TRAINED_ON.clear()
+    bad = ConfigRecord({"upload-codec": "int8", "codec-block-size": -3, "server-round": 1})
+    msg = Message(RecordDict({**base, "config": bad}), dst_node_id=1, message_type="train")
+    reply = app(msg, ctx)
+    assert reply.has_error() and "upload_mod refused" in reply.error.reason
+    assert not TRAINED_ON

@@ -12,6 +12,8 @@
   ``datasets.Dataset`` of text (model function, tokenization, flwr-datasets partitions).
 - ``download.py``: :func:`download_mod`, the node side of compressed downloads (rebuilds the
   broadcast model from the stored copy + the update before an unchanged handler runs).
+- ``upload.py``: :func:`upload_mod`, compressed uploads (with error feedback) for an unchanged
+  handler that replies full weights; ``mods=[download_mod, upload_mod]`` for both ways.
 - ``query.py``: :func:`partition_id_query`, an ``@app.query()`` handler for the graph
   strategies' vertex query.
 """
@@ -20,6 +22,7 @@ from .diloco_worker import make_diloco_train_handler, make_lm_evaluate_handler
 from .download import download_mod
 from .lora_client import LoRAClient, LoRAClientConfig
 from .query import partition_id_query
+from .upload import upload_mod
 
 __all__ = [
     "LoRAClient",
@@ -28,4 +31,5 @@ __all__ = [
     "make_diloco_train_handler",
     "make_lm_evaluate_handler",
     "partition_id_query",
+    "upload_mod",
 ]
