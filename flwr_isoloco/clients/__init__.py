@@ -3,7 +3,8 @@
 - ``diloco_worker.py``: DiLoCo worker (H inner AdamW steps, optimiser state in ``context.state``);
   ``inner_loop.py`` its inner steps, ``worker_cache.py`` its per-process cache (model and
   moments on the device between messages), ``precision.py`` autocast / fp16 scaler
-  (``PRECISIONS``, ``check_precision``), shared with the LoRA clients.
+  (:data:`PRECISIONS`, :func:`check_precision`), shared with the LoRA clients;
+  :func:`cache_stats` / :func:`clear_caches` report on and free the worker's cache.
 - ``lora_client.py``: peft LoRA client that sends only the adapter.
 - ``adamw_state.py``: the AdamW state codec both use (named fp32 tensors, no pickle).
 - ``node_state.py``: :func:`~.node_state.with_node_state`, node-state files for exact resume;
@@ -21,12 +22,18 @@
 from .diloco_worker import make_diloco_train_handler, make_lm_evaluate_handler
 from .download import download_mod
 from .lora_client import LoRAClient, LoRAClientConfig
+from .precision import PRECISIONS, check_precision
 from .query import partition_id_query
 from .upload import upload_mod
+from .worker_cache import cache_stats, clear_caches
 
 __all__ = [
+    "PRECISIONS",
     "LoRAClient",
     "LoRAClientConfig",
+    "cache_stats",
+    "check_precision",
+    "clear_caches",
     "download_mod",
     "make_diloco_train_handler",
     "make_lm_evaluate_handler",
