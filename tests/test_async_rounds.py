@@ -587,3 +587,26 @@ def test_a_hostile_asynchronous_checkpoint_is_refused_before_anything_is_set(spo
     with pytest.raises(CheckpointError, match=match):
         fresh.load_state_dict({"tensors": tensors, "meta": meta})
     assert fresh.theta is None and fresh.server_round == 0
+
+
+def test_run_config_keys():
+    rc = {
+        "strategy.asynchronous": True,
+        "strategy.async-buffer": 3,
+        "strategy.max-staleness": 4,
+        "strategy.async-staleness": 1.0,
+        "strategy.momentum-every": 2,
+        "strategy.fraction-evaluate": 0.0,
+    }
+    s = IsoLoCo.from_run_config(rc)
+    r = s.rounds
+    assert (r.asynchronous, r.buffer, r.max_staleness, r.staleness) == (True, 3, 4, 1.0)
+    assert r.momentum_every == 2 and s.outer.delay == 2 and s.async_rounds is not None
+    assert DiLoCo.from_run_config({**rc, "strategy.async-buffer": 0}).rounds.buffer is None
+    assert DiLoCo.from_run_config({}).async_rounds is None
+    with pytest.raises(ValueError, match="strategy.async-buffer apply to asynchronous"):
+        DiLoCo.from_run_config({"strategy.async-buffer": 3})
+    with pytest.raises(ValueError, match="strategy.quorum"):
+        DiLoCo.from_run_config({**rc, "strategy.quorum": 0.5})
+    with pytest.raises(ValueError, match="strategy.fraction-evaluate"):
+        DiLoCo.from_run_config({**rc, "strategy.fraction-evaluate": 1.0})

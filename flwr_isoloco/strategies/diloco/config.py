@@ -116,6 +116,11 @@ DILOCO_RUN_CONFIG: dict[str, Any] = {
     "robust-select": -1,
     "robust-factor": -1.0,
     "buffers": "auto",
+    "asynchronous": False,
+    "async-buffer": 0,
+    "max-staleness": 16,
+    "async-staleness": 0.5,
+    "momentum-every": 1,
 }
 """``quorum``: fraction of the sampled nodes in (0, 1] (1.0 = all) or a count >= 1; ``grace-s``:
 seconds to wait for the rest once the quorum is in (strategies/core/rounds.py). ``robust``: the
@@ -125,7 +130,10 @@ robust aggregation (merging/robust.py); its options ``robust-trim`` / ``robust-f
 fixed clipping norm, else adaptive clipping with ``dp-clip-lr`` and ``dp-clip-count-std``. ``merge-device``: where the
 server merge computes ("auto" | "cpu" | "cuda" | "cuda:<index>", merging/device.py). ``buffers``:
 the tensors merged as FedAvg does, outside the outer step ("auto" | "none" | a regex;
-merging/buffers.py)."""
+merging/buffers.py). ``asynchronous``: asynchronous rounds (strategies/diloco/asynchronous.py),
+an outer step per ``async-buffer`` replies (0: the number of nodes training), replies more
+than ``max-staleness`` steps old dropped, weights discounted by ``(1 + tau)^-async-staleness``,
+the outer momentum moved once every ``momentum-every`` steps (``Rounds``' fields)."""
 ISOLOCO_RUN_CONFIG: dict[str, Any] = {
     **DILOCO_RUN_CONFIG,
     "merge": "",  # "": the preset's rule
@@ -252,6 +260,10 @@ RUN_CONFIG_CHECKS: dict[str, Any] = {
     "robust-select": _default_or_positive,
     "robust-factor": _default_or_factor,
     "buffers": check_buffers_spec,
+    "async-buffer": non_negative,
+    "max-staleness": non_negative,
+    "async-staleness": non_negative,
+    "momentum-every": positive,
 }
 """Value checks per key (types come from the defaults); merge options are checked by the rule."""
 
@@ -330,7 +342,7 @@ def section_kwargs(c: Mapping[str, Any]) -> dict[str, Any]:
             max_weight_ratio=c["max-weight-ratio"],
             dtype_policy=c["dtype-policy"],
         ),
-        rounds=Rounds(quorum_arg(c["quorum"]), c["grace-s"], c["max-empty-rounds"]),
+        rounds=section_rounds(c),
         upload=None
         if upload == "none"
         else Codec(upload, error_feedback=c["error-feedback"], **codec_options(c)),
@@ -341,6 +353,40 @@ def section_kwargs(c: Mapping[str, Any]) -> dict[str, Any]:
         robust=as_robust(c["robust"], robust_options(c)),
         privacy=section_privacy(c),
     )
+
+
+ASYNC_KEYS = {
+    "async-buffer": "buffer",
+    "max-staleness": "max_staleness",
+    "async-staleness": "staleness",
+    "momentum-every": "momentum_every",
+}
+"""Run-config keys of asynchronous rounds -> :class:`Rounds` fields."""
+
+
+def section_rounds(c: Mapping[str, Any]) -> Rounds:
+    """``quorum``, ``grace-s``, ``max-empty-rounds`` and the asynchronous keys as :class:`Rounds`;
+    a ``ValueError`` naming the keys that do not go together (a section without the
+    asynchronous keys, e.g. an app's older schema, is synchronous)."""
+    quorum, grace = quorum_arg(c["quorum"]), c["grace-s"]
+    if not c.get("asynchronous", False):
+        given = [f"strategy.{k}" for k in ASYNC_KEYS if k in c and c[k] != DILOCO_RUN_CONFIG[k]]
+        if given:
+            raise ValueError(
+                f"{', '.join(given)} apply to asynchronous rounds only; set "
+                "strategy.asynchronous = true or leave them at their defaults"
+            )
+        return Rounds(quorum, grace, c["max-empty-rounds"])
+    if quorum is not None or grace:
+        raise ValueError(
+            "strategy.quorum / strategy.grace-s close a synchronous round; with "
+            "strategy.asynchronous = true leave them at 1.0 / 0.0 (an outer step takes the first "
+            "strategy.async-buffer replies)"
+        )
+    fields = {f: c[k] for k, f in ASYNC_KEYS.items() if k in c}
+    if fields.get("buffer") == 0:
+        fields["buffer"] = None  # 0: the number of nodes training
+    return Rounds(max_empty_rounds=c["max-empty-rounds"], asynchronous=True, **fields)
 
 
 def section_privacy(c: Mapping[str, Any]) -> DPSettings | None:

@@ -125,6 +125,16 @@ KEY_DOCS: dict[str, str] = {
     "strategy.robust-select": "`multikrum`: updates kept (-1 = from the round's number of replies)",
     "strategy.robust-factor": "`distance-filter`: drop updates farther than this x the median "
     "distance (-1 = 2.0)",
+    "strategy.asynchronous": "asynchronous rounds: each node gets new work as soon as its reply "
+    "is in, a round is one outer step of `strategy.async-buffer` replies (docs/strategies.md)",
+    "strategy.async-buffer": "asynchronous rounds: accepted replies per outer step (0 = the "
+    "number of nodes training)",
+    "strategy.max-staleness": "asynchronous rounds: drop a reply trained from a model more than "
+    "this many outer steps old",
+    "strategy.async-staleness": "asynchronous rounds: a reply `tau` steps old weighs "
+    "`(1 + tau)^-a` (0 = no discount, 0.5 = FedBuff's)",
+    "strategy.momentum-every": "asynchronous rounds: the outer momentum moves once every this "
+    "many outer steps, plain steps in between (delayed Nesterov)",
     "train.local-steps": "H, inner AdamW steps per round",
     "train.lr": "peak inner learning rate",
     "train.warmup-steps": "linear warm-up in inner steps; at most `num-server-rounds` x "
