@@ -360,9 +360,12 @@ def make_strategy(
     outer_momentum: float,
     seed: int,
     protocol: str = "main",
+    codecs: dict[str, Any] | None = None,
 ):
     """DiLoCo-family strategy of ``method`` (:data:`METHODS`); server-side evaluation only.
-    ``iso_c-no-embed``: Iso-C only on tensors matching :data:`NO_EMBED_PATTERN`."""
+    ``iso_c-no-embed``: Iso-C only on tensors matching :data:`NO_EMBED_PATTERN`. ``codecs``:
+    ``upload`` / ``download`` keyword arguments of the strategy (a Codec or a codec name);
+    none given: the strategy's defaults (no compression)."""
     from flwr_isoloco.strategies import DiLoCo
 
     merge_rule = METHODS[method][0]
@@ -382,6 +385,7 @@ def make_strategy(
         fraction_evaluate=0.0,
         min_evaluate_nodes=0,
         seed=seed,
+        **(codecs or {}),
     )
 
 
@@ -398,11 +402,22 @@ def run_flower(
     num_cpus: int | None = None,
     model_cache: bool = True,
     state_layout: str = "flat",
+    codecs: dict[str, Any] | None = None,
+    wrap_grid: Any = None,
+    in_process_grid: Any = None,
 ) -> dict[str, Any]:
-    """One real Flower simulation (Ray) of ``method`` at M = ``workers``; returns the losses."""
+    """One real Flower simulation (Ray) of ``method`` at M = ``workers``; returns the losses.
+
+    ``codecs``: see :func:`make_strategy`; the ClientApp carries ``download_mod`` (a message
+    without a compressed download passes through it untouched). ``wrap_grid(grid)``: the grid
+    the strategy drives (e.g. a byte counter). ``in_process_grid(client_app)``: a Grid that runs
+    the ClientApp in this process (tests' FakeGrid) instead of a Ray simulation. The strategy's
+    per-round train metrics land in ``RESULT["train_metrics"]``."""
     from flwr.app import ArrayRecord, ConfigRecord
     from flwr.clientapp import ClientApp
     from flwr.serverapp import ServerApp
+
+    from flwr_isoloco.clients import download_mod
 
     if size["global_batch"] % workers:
         raise ValueError(f"global batch {size['global_batch']} is not divisible by M = {workers}")
@@ -415,7 +430,7 @@ def run_flower(
         "model_cache": model_cache,
         "state_layout": state_layout,
     }
-    client = ClientApp()
+    client = ClientApp(mods=[download_mod])
     client.train()(client_train)
     server = ServerApp()
     RESULT.clear()
@@ -423,12 +438,12 @@ def run_flower(
     @server.main()
     def main(grid, context) -> None:
         torch.set_num_threads(1)
-        strategy = make_strategy(method, workers, outer_lr, outer_momentum, seed, protocol)
+        strategy = make_strategy(method, workers, outer_lr, outer_momentum, seed, protocol, codecs)
         ev = ServerEval(size, seed, size["rounds"])
         initial = ArrayRecord(build_model(size, seed).state_dict())
         config = ConfigRecord({"num-server-rounds": size["rounds"], "sweep.spec": json.dumps(spec)})
-        strategy.start(
-            grid=grid,
+        result = strategy.start(
+            grid=wrap_grid(grid) if wrap_grid else grid,
             initial_arrays=initial,
             num_rounds=size["rounds"],
             train_config=config,
@@ -436,13 +451,17 @@ def run_flower(
             timeout=3600,
         )
         RESULT.update(ev.final, curve=ev.curve, times=ev.times, rounds_done=strategy.server_round)
+        RESULT["train_metrics"] = {r: dict(m) for r, m in result.train_metrics_clientapp.items()}
 
-    if ray_address:
+    t0 = time.perf_counter()
+    if in_process_grid is not None:
+        main(in_process_grid(client), None)
+    elif ray_address:
         init_args: dict[str, Any] = {"address": ray_address}
     else:
         init_args = {"num_cpus": num_cpus or os.cpu_count() or 2}
-    t0 = time.perf_counter()
-    common.ray_simulation(server, client, workers, init_args=init_args)
+    if in_process_grid is None:
+        common.ray_simulation(server, client, workers, init_args=init_args)
     wall = time.perf_counter() - t0
     if RESULT.get("rounds_done") != size["rounds"] or "test_loss" not in RESULT:
         raise RuntimeError(f"{method} M={workers} seed={seed}: the run did not finish its rounds")
