@@ -10,8 +10,7 @@ message), for DiLoCo and IsoLoCo x
   feedback with the outer Nesterov momentum kept (mu = 0.9, as MuLoCo);
 - ``sparseloco, mu=0``: the same codecs, outer momentum 0 (error feedback replaces it, as
   SparseLoCo), outer lr around 1.
-- the two sparseloco rows again with ``NO_SERVER_EF`` for the downloads (a work-around, see
-  there); ``--diagnose``: :data:`DIAGNOSIS`, one direction at a time and 30 rounds.
+- ``--diagnose``: :data:`DIAGNOSIS`, one direction at a time and 30 rounds.
 
 Protocol: each configuration's outer lr is tuned on the validation split (the app's
 ``split="validation"``: 20 % of the training images held out, seed 0; 3 points, extended while
@@ -28,11 +27,8 @@ kept share is 64 / (h w) per tile: conv1 (16 x 9 = 144 entries, one tile) 44 %, 
 10 %, conv2 (32 x 144: three 32 x 48 tiles) 4.2 %, fc1 (64 x 128) 1.6 %; 1-D tensors (biases)
 travel as raw fp32 (``min_dims = 2``), as with every codec.
 
-WORK-AROUND (reported, not fixed here): flwr_isoloco has a client mod for compressed downloads
-(``download_mod``) but none for compressed uploads; the DiLoCo worker compresses inside its own
-handler. :func:`upload_mod` below does it for the digits app's unchanged handlers with the
-package's own reply code (``worker_reply.reply_content``: delta ``theta - theta_i``, codec as
-the server asks, error-feedback residual in ``context.state``).
+Uploads are compressed for the app's unchanged handlers by
+:func:`flwr_isoloco.clients.upload_mod` (downloads by ``download_mod``, which the app has).
 
     nice -n 15 .venv/bin/python benchmarks/compression/digits_frontier.py   # ~10 min, 2 cores
     .venv/bin/python benchmarks/compression/digits_frontier.py --configs NAME...  # add rows
@@ -64,11 +60,10 @@ import common  # noqa: E402
 
 common.on_path("examples/digits", "tests")
 import torch  # noqa: E402
-from flwr.app import Context, Message, RecordDict  # noqa: E402
+from flwr.app import Context, RecordDict  # noqa: E402
 from flwr.clientapp import ClientApp  # noqa: E402
 
-from flwr_isoloco.clients.worker_reply import reply_content  # noqa: E402
-from flwr_isoloco.compression import parse_request  # noqa: E402
+from flwr_isoloco.clients import upload_mod  # noqa: E402
 from flwr_isoloco.strategies import Codec, DiLoCo, IsoLoCo  # noqa: E402
 
 OUT = common.RESULTS / "digits_frontier.json"
@@ -76,46 +71,18 @@ README = common.REPO / "examples" / "digits" / "README.md"
 BEGIN, END = "<!-- BEGIN DIGITS FRONTIER -->", "<!-- END DIGITS FRONTIER -->"
 NODES, ROUNDS, SEEDS = 4, 10, (0, 1, 2)
 SPARSELOCO = Codec("sparseloco", chunk=4096, k=64, bits=2)
-NO_SERVER_EF = Codec("sparseloco", chunk=4096, k=64, bits=2, ef_decay=0.0)
-"""WORK-AROUND for downloads: the server's ``Broadcast`` encodes ``(theta - B) + beta e``, but
-``theta - B`` already holds what earlier rounds did not send, so ``e`` counts it twice and an
-entry left out for a while goes out up to ``1 / (1 - beta)`` = 20x too large (B overshoots
-theta; reported). ``ef_decay = 0`` there sends ``Q(theta - B)``, which loses nothing either."""
-
 CONFIGS: dict[str, dict[str, Any]] = {
     "fp32": {"codec": None, "momentum": 0.9},
     "int8": {"codec": "int8", "momentum": 0.9},
     "int4": {"codec": "int4", "momentum": 0.9},
     "sparseloco+nesterov": {"codec": SPARSELOCO, "momentum": 0.9},
     "sparseloco, mu=0": {"codec": SPARSELOCO, "momentum": 0.0},
-    "sparseloco+nesterov, no server EF": {
-        "upload": SPARSELOCO,
-        "download": NO_SERVER_EF,
-        "momentum": 0.9,
-    },
-    "sparseloco, mu=0, no server EF": {
-        "upload": SPARSELOCO,
-        "download": NO_SERVER_EF,
-        "momentum": 0.0,
-    },
 }
 DIAGNOSIS: dict[str, dict[str, Any]] = {  # where sparseloco+nesterov loses, at its tuned lr
     "sparseloco up only": {"upload": SPARSELOCO, "download": None, "momentum": 0.9},
     "sparseloco down only": {"upload": None, "download": SPARSELOCO, "momentum": 0.9},
     "sparseloco+nesterov, 30 rounds": {"codec": SPARSELOCO, "momentum": 0.9, "rounds": 30},
     "fp32, 30 rounds": {"codec": None, "momentum": 0.9, "rounds": 30, "lr-of": "fp32"},
-    "sparseloco down only, no server EF": {
-        "upload": None,
-        "download": NO_SERVER_EF,
-        "momentum": 0.9,
-    },
-    "sparseloco+nesterov, no server EF, 30 rounds": {
-        "upload": SPARSELOCO,
-        "download": NO_SERVER_EF,
-        "momentum": 0.9,
-        "rounds": 30,
-        "lr-of": "sparseloco+nesterov, no server EF",
-    },
 }
 STRATEGIES: dict[str, Callable[..., Any]] = {"DiLoCo": DiLoCo, "IsoLoCo": IsoLoCo}
 GRIDS = {  # (strategy, momentum) -> first 3 outer lrs, centred on the defaults (0.7 / 0.5) or 1
@@ -128,25 +95,8 @@ STEP = math.sqrt(2)  # an edge optimum adds the next point this factor out
 MAX_EXTEND = 3
 
 
-def upload_mod(msg: Message, context: Context, call_next) -> Message:
-    """WORK-AROUND (module doc): a train reply's ``arrays`` become the compressed delta
-    ``theta - theta_i`` (with error feedback) when the instruction asks for a codec."""
-    cfg = msg.content.config_records.get("config")
-    request = parse_request(cfg) if cfg is not None else None
-    if request is None or not msg.metadata.message_type.startswith("train"):
-        return call_next(msg, context)
-    theta = msg.content["arrays"].to_torch_state_dict()  # B, rebuilt by download_mod
-    reply = call_next(msg, context)
-    if reply.has_error():
-        return reply
-    new = reply.content["arrays"].to_torch_state_dict()
-    for name, rec in reply_content(theta, new, request, "weights", context.state, "arrays").items():
-        reply.content[name] = rec
-    return reply
-
-
 def client_app() -> ClientApp:
-    """The digits app's handlers behind its own mods (``download_mod``) and :func:`upload_mod`."""
+    """The digits app's handlers behind its own mods (``download_mod``) and ``upload_mod``."""
     from digits import client_app as app
 
     out = ClientApp(mods=[*app.MODS, upload_mod])
