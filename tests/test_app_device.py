@@ -194,7 +194,7 @@ def test_lora_client_bf16_on_cpu_keeps_fp32_adapter_and_moments(precision, caplo
     once."""
     from flwr.app import MessageType
 
-    from flwr_isoloco.clients import lora_client
+    from flwr_isoloco.clients import precision as precision_mod
     from flwr_isoloco.clients.lora_client import OPTIMIZER_KEY, LoRAClient
     from flwr_isoloco.models import classifier
 
@@ -202,7 +202,7 @@ def test_lora_client_bf16_on_cpu_keeps_fp32_adapter_and_moments(precision, caplo
     init = classifier.initial_adapter(cfg32.lora)
     carry = {"local-steps": 3, "carry-optimizer-state": True}
     a = _lora_send(LoRAClient(cfg32), MessageType.TRAIN, init, carry)
-    monkeypatch.setattr(lora_client, "_ANNOUNCED", set())  # the same node id: a new process
+    monkeypatch.setattr(precision_mod, "_ANNOUNCED", set())  # the same node id: a new process
     with caplog.at_level("INFO", logger="flwr"):
         client = LoRAClient(cfg16)
         b = _lora_send(client, MessageType.TRAIN, init, carry)

@@ -22,15 +22,12 @@ device, the reply and the stored state are fp32 on the CPU.
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass
-from logging import INFO
 from typing import Any
 
 import torch
 from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
-from flwr.common.logger import log
 
 from flwr_isoloco.compression import parse_request
 from flwr_isoloco.merging.device import resolve_node_device
@@ -39,7 +36,7 @@ from flwr_isoloco.models.hf import load_model_arrays
 
 from .inner_loop import Amp, InnerLoop, accumulate, inner_lr
 from .inner_loop import inner_steps as _inner_steps
-from .precision import autocast, check_precision, grad_scaler
+from .precision import announce, autocast, check_compile, check_precision, grad_scaler
 from .worker_cache import (
     ADAMW_STATE_KEY,
     borrow_model,
@@ -236,34 +233,7 @@ def _check_handler_options(
             raise ValueError(f"{name} must be an int >= 0, got {value!r}")
     _one_of("payload", payload, ("weights", "delta"))
     _one_of("state_layout", state_layout, ("flat", "named"))
-    if not isinstance(compile, bool):
-        raise ValueError(f"compile must be True or False, got {compile!r}")
-
-
-_ANNOUNCED: set[tuple[int, int]] = set()
-
-
-def _announce(context: Context, device: torch.device, precision: str, compiled: bool) -> None:
-    """Log once per process and node where it trains (INFO)."""
-    if (context.run_id, context.node_id) in _ANNOUNCED:
-        return
-    _ANNOUNCED.add((context.run_id, context.node_id))
-    where = str(device)
-    if device.type == "cuda":
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        where = f"cuda:{index} ({torch.cuda.get_device_name(index)})"
-    pid = context.node_config.get("partition-id", "-")
-    extra = ", torch.compile" if compiled else ""
-    log(
-        INFO,
-        "DiLoCo worker: node %s (partition %s) trains on %s in %s%s (process %d)",
-        context.node_id,
-        pid,
-        where,
-        precision,
-        extra,
-        os.getpid(),
-    )
+    check_compile(compile)
 
 
 @dataclass(frozen=True)
@@ -419,7 +389,8 @@ def make_diloco_train_handler(
     def train(msg: Message, context: Context) -> Message:
         c = _round_settings(_config(msg, configrecord_key), defaults)
         theta = _received_arrays(msg, arrayrecord_key)
-        _announce(context, w.device, w.precision, w.compile)
+        pid = context.node_config.get("partition-id", "-")
+        announce("DiLoCo worker", context, pid, w.device, w.precision, w.compile)
         with borrow_model(w.model_key(context, theta), w.build(context)) as (model, fwd, named):
             content = _train_round(w, c, theta, model, fwd, named, context)
         return Message(content, reply_to=msg)

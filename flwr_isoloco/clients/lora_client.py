@@ -23,17 +23,14 @@ adapter travels as fp32 CPU tensors whatever the device.
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
-from logging import INFO
 from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
-from flwr.common.logger import log
 
 from flwr_isoloco.clients.node_state import with_node_state
 from flwr_isoloco.data import sentiment
@@ -41,7 +38,7 @@ from flwr_isoloco.merging.device import parse_device, resolve_node_device
 from flwr_isoloco.models import classifier
 
 from .adamw_state import adamw_to_arrays, arrays_to_adamw
-from .precision import autocast, check_precision, grad_scaler
+from .precision import announce, autocast, check_compile, check_precision, grad_scaler
 
 OPTIMIZER_KEY = "optimizer"
 OPTIMIZER_CONFIG_KEY = "optimizer-config"
@@ -192,38 +189,12 @@ def check_train_options(cfg: Any) -> None:
     ``compile`` of a client config when out of its choices."""
     parse_device(cfg.device, what="device")
     check_precision(cfg.precision, what="precision")
-    if not isinstance(cfg.compile, bool):
-        raise ValueError(f"compile must be True or False, got {cfg.compile!r}")
+    check_compile(cfg.compile)
 
 
 def model_device(model: torch.nn.Module) -> torch.device:
     """Where ``model``'s parameters are (its inputs go there)."""
     return next(model.parameters()).device
-
-
-_ANNOUNCED: set[tuple[int, int]] = set()
-
-
-def announce_device(context: Context, device: torch.device, cfg: Any) -> None:
-    """Log (INFO) once per process and node where it trains, in which precision."""
-    if (context.run_id, context.node_id) in _ANNOUNCED:
-        return
-    _ANNOUNCED.add((context.run_id, context.node_id))
-    where = str(device)
-    if device.type == "cuda":
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        where = f"cuda:{index} ({torch.cuda.get_device_name(index)})"
-    log(
-        INFO,
-        "LoRA client (%s): node %s (partition %s) trains on %s in %s%s (process %d)",
-        cfg.task.name,
-        context.node_id,
-        context.node_config.get(cfg.partition_key, "-"),
-        where,
-        cfg.precision,
-        ", torch.compile" if cfg.compile else "",
-        os.getpid(),
-    )
 
 
 _COMPILED: dict[int, tuple[torch.nn.Module, Any]] = {}
@@ -393,7 +364,8 @@ class LoRAClient:
         cfg = self.config(context)
         device = resolve_node_device(cfg.device, what="device")  # before anything is loaded
         pid, n = node_partition(context, cfg)
-        announce_device(context, device, cfg)
+        pid = context.node_config.get(cfg.partition_key, "-")
+        announce(f"LoRA client ({cfg.task.name})", context, pid, device, cfg.precision, cfg.compile)
         model = cfg.task.model(cfg).to(device)  # the cached model: moved once
         if self.arrayrecord_key not in msg.content.array_records:
             raise KeyError(f"message has no ArrayRecord {self.arrayrecord_key!r}")

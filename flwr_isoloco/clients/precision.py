@@ -7,16 +7,31 @@ fp32 whatever the precision. fp16 has 5 exponent bits: gradients below ~6e-8 flu
 so its backward runs on a loss scaled by ``S`` (``torch.amp.GradScaler``) and the step is
 skipped when a scaled gradient is inf/NaN (``S`` halves; it doubles after 2000 clean steps).
 bf16 has fp32's exponent range and needs no scaler. CPU autocast supports both dtypes.
+
+:func:`announce` logs once per process and node where and how a node trains (the DiLoCo worker
+and the LoRA clients share it).
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Iterator
+from logging import INFO
 
 import torch
+from flwr.app import Context
+from flwr.common.logger import log
 
-__all__ = ["PRECISIONS", "autocast", "autocast_dtype", "check_precision", "grad_scaler"]
+__all__ = [
+    "PRECISIONS",
+    "announce",
+    "autocast",
+    "autocast_dtype",
+    "check_compile",
+    "check_precision",
+    "grad_scaler",
+]
 
 #: The precisions a worker trains (and evaluates) in.
 PRECISIONS = ("fp32", "bf16", "fp16")
@@ -58,3 +73,43 @@ def grad_scaler(device: torch.device | str, precision: str) -> torch.amp.GradSca
     if check_precision(precision) != "fp16":
         return None
     return torch.amp.GradScaler(torch.device(device).type)
+
+
+def check_compile(value: object) -> bool:
+    """``value`` if it is a bool (the ``compile`` option), else ``ValueError`` naming it."""
+    if not isinstance(value, bool):
+        raise ValueError(f"compile must be True or False, got {value!r}")
+    return value
+
+
+_ANNOUNCED: set[tuple[str, int, int]] = set()
+
+
+def announce(
+    who: str,
+    context: Context,
+    partition: object,
+    device: torch.device,
+    precision: str,
+    compiled: bool,
+) -> None:
+    """Log (INFO) once per process, ``who`` and node: the device (with the GPU's name), the
+    precision, whether compiled, and the process id (a simulation runs a node in several)."""
+    if (who, context.run_id, context.node_id) in _ANNOUNCED:
+        return
+    _ANNOUNCED.add((who, context.run_id, context.node_id))
+    where = str(device)
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        where = f"cuda:{index} ({torch.cuda.get_device_name(index)})"
+    log(
+        INFO,
+        "%s: node %s (partition %s) trains on %s in %s%s (process %d)",
+        who,
+        context.node_id,
+        partition,
+        where,
+        precision,
+        ", torch.compile" if compiled else "",
+        os.getpid(),
+    )
