@@ -9,8 +9,8 @@ optimiser {Nesterov 0.8 kept with error feedback (MuLoCo-style), outer momentum 
 feedback in its place (SparseLoCo-style)} x download {none, the same codec} (:data:`CONFIGS`).
 
 Uploads keep an error-feedback residual with decay 0.95 (``e <- 0.95 e + delta; send Q(e);
-e <- e - sent``); a compressed download keeps the server's residual undecayed (``ef_decay``
-1.0: nothing is lost, it goes out later). The run's result is the server's model ``theta``
+e <- e - sent``) with every codec; a compressed download sends ``Q(theta - B)`` and the gap
+``theta - B`` is the server's residual (nothing is lost, it goes out later). The run's result is the server's model ``theta``
 (what ``evaluate_fn`` gets), not the broadcast copy ``B`` the nodes hold.
 
 Protocol per configuration: seed 0 at 3 outer lrs a factor sqrt(2) apart around the fp32
@@ -314,13 +314,13 @@ PLAN: list[tuple[str, list[str]]] = [
     ("repro", [REPRO[0]]),
     ("tune", ["diloco-sl64-nesterov-both"]),
     ("tune", ["isoloco-sl64-nesterov-both"]),
-    ("seeds", ["diloco-sl64-nesterov-both", "isoloco-sl64-nesterov-both"]),
-    ("tune", ["diloco-sl64-m0-both", "isoloco-sl64-m0-both"]),
     ("point", ["diloco-int4-nesterov-both", "isoloco-int4-nesterov-both"]),
+    ("tune", ["diloco-sl64-m0-both", "isoloco-sl64-m0-both"]),
+    ("seeds", ["diloco-sl64-nesterov-both", "isoloco-sl64-nesterov-both"]),
     ("pseeds", ["diloco-int4-nesterov-both", "isoloco-int4-nesterov-both"]),
     ("seeds", ["diloco-sl64-m0-both", "isoloco-sl64-m0-both"]),
+    ("point", ["diloco-sl64-nesterov-up", "isoloco-sl64-nesterov-up"]),
     ("tune", ["diloco-sl128-nesterov-both", "isoloco-sl128-nesterov-both"]),
-    ("tune", ["diloco-sl64-nesterov-up", "isoloco-sl64-nesterov-up"]),
     ("point", ["diloco-int8-nesterov-both", "isoloco-int8-nesterov-both"]),
 ]
 
