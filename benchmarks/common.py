@@ -167,3 +167,40 @@ def write_block(doc: Path, begin: str, end: str, body: str) -> None:
 def rule(columns: int) -> str:
     """A markdown table's separator row for ``columns`` columns."""
     return "|---" * columns + "|"
+
+
+def machine() -> dict[str, Any]:
+    """Where a timing ran: CPUs, load average (1, 5, 15 min), torch and its CUDA device."""
+    import platform
+
+    import torch
+
+    cuda = torch.cuda.is_available()
+    return {
+        "platform": platform.platform(),
+        "cpus": os.cpu_count(),
+        "load-avg": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
+        "torch": torch.__version__,
+        "cuda-device": torch.cuda.get_device_name(0) if cuda else None,
+    }
+
+
+def node_context(partition_id: int = 0, num_partitions: int = 1, node_id: int = 77) -> Any:
+    """A SuperNode's ``Context`` (empty state and run config) for calling a ClientApp handler in
+    this process; Flower's task identity is set first (tests' ``FakeGrid``), without which no
+    ``Message`` can be built. Needs ``tests`` on the path (:func:`on_path`)."""
+    from fakegrid import FakeGrid
+    from flwr.app import Context, RecordDict
+
+    FakeGrid({}, num_nodes=1)
+    nc = {"partition-id": partition_id, "num-partitions": num_partitions}
+    return Context(1, node_id, nc, RecordDict(), {})
+
+
+def train_message(arrays: Any, config: dict[str, Any], node_id: int = 77) -> Any:
+    """A ``train`` Message to ``node_id`` holding the ArrayRecord ``arrays`` and ``config``, the
+    records a DiLoCo worker reads (call :func:`node_context` once before)."""
+    from flwr.app import ConfigRecord, Message, RecordDict
+
+    content = RecordDict({"arrays": arrays, "config": ConfigRecord(config)})
+    return Message(content, node_id, "train")

