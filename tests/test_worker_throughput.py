@@ -67,4 +67,4 @@ def test_merge_replaces_only_the_same_cells(quick, tmp_path):
     wt.update_record(path, "after", "cells", [{**b, "ratio": 0.7}], {"m": 3}, merge=True)
     rec = json.loads(path.read_text())["after"]
     assert [(c["size"], c["ratio"]) for c in rec["cells"]] == [("demo", 1.0), ("135m", 0.7)]
-    assert rec["runs"] == {"cells": {"m": 1}, "cells:135m": {"m": 3}}
+    assert rec["runs"] == {"cells": {"m": 1}, "cells:135m:fp32": {"m": 3}}

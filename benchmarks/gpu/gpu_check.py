@@ -85,8 +85,11 @@ def gpu_train(msg, context):
     reply = client_app.train(msg, common.with_run_config(context, APP_RC))
     cuda = torch.cuda.is_available()
     row = {
-        "node": context.node_id, "pid": os.getpid(), "handler_s": time.perf_counter() - t0,
-        "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"), "cuda_available": cuda,
+        "node": context.node_id,
+        "pid": os.getpid(),
+        "handler_s": time.perf_counter() - t0,
+        "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+        "cuda_available": cuda,
         "device_name": torch.cuda.get_device_name(0) if cuda else None,
         "peak_cuda_mb": torch.cuda.max_memory_allocated() / 2**20 if cuda else None,
         "reply_error": reply.error.reason if reply.has_error() else None,
@@ -105,8 +108,9 @@ def gpu_client_app():
     return client
 
 
-def app_part(budget_s: float, write) -> dict[str, Any]:
-    """2 nodes at ``num_gpus = 0.5`` on one GPU, 3 rounds in bf16 (module docstring)."""
+def app_part(budget_s: float, write, num_gpus: float = 0.5) -> dict[str, Any]:
+    """2 nodes at ``num_gpus = 0.5`` on one GPU, 3 rounds in bf16 (module docstring;
+    ``num_gpus = 0`` runs the same on the CPU)."""
     import gpu_check  # by name, so Ray's workers import it too
     from flwr.serverapp import ServerApp
     from flwr.simulation import run_simulation
@@ -125,9 +129,13 @@ def app_part(budget_s: float, write) -> dict[str, Any]:
 
         t0 = time.perf_counter()
         run_simulation(
-            server_app=server, client_app=gpu_check.gpu_client_app(), num_supernodes=2,
-            backend_config={"client_resources": {"num_cpus": 2, "num_gpus": 0.5},
-                            "init_args": {"include_dashboard": False}},
+            server_app=server,
+            client_app=gpu_check.gpu_client_app(),
+            num_supernodes=2,
+            backend_config={
+                "client_resources": {"num_cpus": 2, "num_gpus": num_gpus},
+                "init_args": {"include_dashboard": False},
+            },
         )
         wall = time.perf_counter() - t0
         rows = [json.loads(x) for x in info.read_text().splitlines()] if info.is_file() else []
@@ -135,8 +143,12 @@ def app_part(budget_s: float, write) -> dict[str, Any]:
         res = json.loads(res_path.read_text()) if res_path.is_file() else {}
     rounds = res.get("rounds", [])
     return {
-        "run_config": APP_RC, "nodes": 2, "num_gpus_per_node": 0.5, "wall_s": wall,
-        "node_messages": rows, "rounds_completed": len(rounds),
+        "run_config": APP_RC,
+        "nodes": 2,
+        "num_gpus_per_node": num_gpus,
+        "wall_s": wall,
+        "node_messages": rows,
+        "rounds_completed": len(rounds),
         "val_loss": [r.get("val-loss") for r in rounds],
         "all_nodes_saw_cuda": bool(rows) and all(r["cuda_available"] for r in rows),
     }
@@ -155,8 +167,9 @@ def smollm2_shapes() -> dict[str, tuple[int, ...]]:
 
 def random_deltas(shapes, workers: int = 4, seed: int = 0, std: float = 1e-3):
     g = torch.Generator().manual_seed(seed)
-    return [{k: torch.randn(s, generator=g) * std for k, s in shapes.items()}
-            for _ in range(workers)]
+    return [
+        {k: torch.randn(s, generator=g) * std for k, s in shapes.items()} for _ in range(workers)
+    ]
 
 
 def _timed_merge(merge, rule, deltas, device):
@@ -177,8 +190,12 @@ def merge_part(budget_s: float, write, device: str = "cuda", shapes=None) -> dic
     shapes = shapes if shapes is not None else smollm2_shapes()
     t0 = time.perf_counter()
     deltas = random_deltas(shapes)
-    out = {"workers": len(deltas), "parameters": sum(v.numel() for v in deltas[0].values()),
-           "device": device, "rules": []}
+    out = {
+        "workers": len(deltas),
+        "parameters": sum(v.numel() for v in deltas[0].values()),
+        "device": device,
+        "rules": [],
+    }
     for rule in MERGE_RULES:
         if time.perf_counter() - t0 > budget_s:
             out["rules"].append({"rule": rule, "skipped": f"part budget {budget_s:.0f} s used"})
@@ -189,10 +206,17 @@ def merge_part(budget_s: float, write, device: str = "cuda", shapes=None) -> dic
             res, warm_s = _timed_merge(merge, rule, deltas, device)
             diff = max(float((res[k] - ref[k]).abs().max()) for k in ref)
             scale = max(float(ref[k].abs().max()) for k in ref)
-            out["rules"].append({
-                "rule": rule, "cpu_s": cpu_s, "device_first_s": first_s, "device_warm_s": warm_s,
-                "max_abs_diff": diff, "max_abs_cpu": scale, "rel_diff": diff / scale,
-            })
+            out["rules"].append(
+                {
+                    "rule": rule,
+                    "cpu_s": cpu_s,
+                    "device_first_s": first_s,
+                    "device_warm_s": warm_s,
+                    "max_abs_diff": diff,
+                    "max_abs_cpu": scale,
+                    "rel_diff": diff / scale,
+                }
+            )
         except Exception as exc:  # noqa: BLE001 - recorded, the next rule goes on
             out["rules"].append({"rule": rule, "error": f"{type(exc).__name__}: {exc}"[:500]})
         write(out)
@@ -211,8 +235,9 @@ def run_part(name: str, limit_s: float) -> dict[str, Any]:
         cmd = [sys.executable, __file__, "--part", name, "--out", str(part_out)]
         t0 = time.perf_counter()
         # its own session: on a timeout the whole group goes (Ray's processes of the app part)
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                text=True, start_new_session=True)
+        proc = subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+        )
         try:
             log, _ = proc.communicate(timeout=limit_s)
             rc: int | str = proc.returncode
@@ -221,8 +246,12 @@ def run_part(name: str, limit_s: float) -> dict[str, Any]:
             log, _ = proc.communicate()
             rc = "timeout"
         result = json.loads(part_out.read_text()) if part_out.is_file() else {}
-    result |= {"part_s": time.perf_counter() - t0, "limit_s": limit_s, "exit": rc,
-               "log_tail": log[-3000:]}
+    result |= {
+        "part_s": time.perf_counter() - t0,
+        "limit_s": limit_s,
+        "exit": rc,
+        "log_tail": log[-3000:],
+    }
     if name == "app":
         lines = [x for x in log.splitlines() if "trains on" in x]
         result["log_trains_on"] = lines[:8]
@@ -245,15 +274,19 @@ def main(argv: list[str] | None = None) -> int:
         write(PARTS[args.part](budget, write))
         return 0
     record: dict[str, Any] = {
-        "cuda": torch.cuda.is_available(), "date": time.strftime("%Y-%m-%dT%H:%M:%SZ",
-                                                                  time.gmtime()),
-        "commit": common.git("rev-parse", "HEAD"), "machine": common.machine(),
-        "limits_s": LIMITS_S, "parts": {},
+        "cuda": torch.cuda.is_available(),
+        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "commit": common.git("rev-parse", "HEAD"),
+        "machine": common.machine(),
+        "limits_s": LIMITS_S,
+        "parts": {},
     }
     if not record["cuda"]:
-        record["message"] = ("no CUDA device visible (torch.cuda.is_available() is False, "
-                             f"torch {torch.__version__}): nothing was measured; run this on a "
-                             "machine with a GPU and a CUDA build of torch")
+        record["message"] = (
+            "no CUDA device visible (torch.cuda.is_available() is False, "
+            f"torch {torch.__version__}): nothing was measured; run this on a "
+            "machine with a GPU and a CUDA build of torch"
+        )
         write(record)
         print(f"gpu_check: {record['message']}; wrote {args.out}")
         return 0

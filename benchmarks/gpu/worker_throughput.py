@@ -105,36 +105,53 @@ def smollm2_135m_config(seq_len: int = 8192):
     )
 
 
-def sizes(device_type: str, quick: bool = False) -> dict[str, Size]:
-    """The benchmark's sizes on ``device_type`` (``--quick``: one tiny model)."""
+def sizes(device_type: str, quick: bool = False, names=None) -> dict[str, Size]:
+    """The benchmark's sizes on ``device_type`` (``--quick``: one tiny model); with ``names``,
+    only those (demo and sweep import the apps' code, which a "before" run of an older
+    package on ``PYTHONPATH`` may not import)."""
     from flwr_isoloco.models.llama import build_llama, llama_config
 
     if quick:
         cfg = llama_config(vocab_size=64, hidden=16, layers=1, heads=2, max_seq_len=16)
         return {"tiny": Size("tiny", lambda s: build_llama(cfg, s), 64, 2, 16, 3)}
+    gpu = device_type == "cuda"
+    big = (8, 512, 20) if gpu else (1, 64, 4)
+    table = {
+        "135m": Size(
+            "135m",
+            lambda s: build_llama(smollm2_135m_config(), s),
+            49152,
+            *big,
+            "SmolLM2-135M architecture" + ("" if gpu else ", short sequence and H = 4 on CPU"),
+        ),
+    }
+    if names is not None and not {"demo", "sweep"} & set(names):
+        return table
     import lm_sweep_lib as lib
     from isoloco_lm import task
 
     app = task.load_config({})
     t, m = app.train, app.model
     sweep = lib.SIZES["main"]
-    gpu = device_type == "cuda"
-    big = (8, 512, 20) if gpu else (1, 64, 4)
-    return {
-        "demo": Size(
-            "demo", lambda s: task.build_model(app), m["vocab-size"], t["batch-size"],
-            t["seq-len"], t["local-steps"], "isoloco-lm defaults (the README demo)",
-        ),
-        "sweep": Size(
-            "sweep", lambda s: lib.build_model(sweep, s), sweep["vocab"],
-            sweep["global_batch"] // 8, sweep["seq_len"], sweep["inner_steps"],
-            "lm_sweep SIZES['main'], per-worker batch G/M at M = 8",
-        ),
-        "135m": Size(
-            "135m", lambda s: build_llama(smollm2_135m_config(), s), 49152, *big,
-            "SmolLM2-135M architecture" + ("" if gpu else ", short sequence and H = 4 on CPU"),
-        ),
-    }
+    table["demo"] = Size(
+        "demo",
+        lambda s: task.build_model(app),
+        m["vocab-size"],
+        t["batch-size"],
+        t["seq-len"],
+        t["local-steps"],
+        "isoloco-lm defaults (the README demo)",
+    )
+    table["sweep"] = Size(
+        "sweep",
+        lambda s: lib.build_model(sweep, s),
+        sweep["vocab"],
+        sweep["global_batch"] // 8,
+        sweep["seq_len"],
+        sweep["inner_steps"],
+        "lm_sweep SIZES['main'], per-worker batch G/M at M = 8",
+    )
+    return table
 
 
 def handler_features() -> dict[str, bool]:
@@ -169,19 +186,25 @@ def autocast(device: torch.device, precision: str):
 
 class Bare:
     """The bare loop: model + AdamW kept across messages; AdamW fused where the worker fuses it
-    (``diloco_worker._use_fused_adamw``: CUDA and the CPU), so both arms run one optimiser."""
+    (``diloco_worker._use_fused_adamw``: CUDA and the CPU; a worker without it, before issue
+    37, runs the default AdamW), so both arms run one optimiser."""
 
     def __init__(self, model, device, precision, total_steps, warmup, compile_):
-        from flwr_isoloco.clients.diloco_worker import _use_fused_adamw
+        from flwr_isoloco.clients import diloco_worker
 
+        fused = getattr(diloco_worker, "_use_fused_adamw", lambda _device: False)
         self.model = model.to(device).train()
         self.device, self.precision = device, precision
         self.total, self.warmup = total_steps, warmup
-        kw = {"fused": True} if _use_fused_adamw(device) else {}
+        kw = {"fused": True} if fused(device) else {}
         self.opt_kwargs = kw
         self.opt = torch.optim.AdamW(
-            self.model.parameters(), lr=HP["lr"], betas=HP["betas"], eps=HP["eps"],
-            weight_decay=HP["weight_decay"], **kw,
+            self.model.parameters(),
+            lr=HP["lr"],
+            betas=HP["betas"],
+            eps=HP["eps"],
+            weight_decay=HP["weight_decay"],
+            **kw,
         )
         self.fwd = torch.compile(self.model) if compile_ else self.model
         self.step = 0
@@ -228,9 +251,16 @@ class Handler:
         self.handler = make_diloco_train_handler(
             lambda ctx: size.build(0),
             lambda ctx: lambda i: batches[i % len(batches)],
-            lr=HP["lr"], betas=HP["betas"], weight_decay=HP["weight_decay"],
-            clip_norm=HP["clip"], local_steps=size.h, num_server_rounds=total_msgs,
-            warmup_steps=warmup, min_lr_ratio=MIN_LR_RATIO, device=str(device), **kw,
+            lr=HP["lr"],
+            betas=HP["betas"],
+            weight_decay=HP["weight_decay"],
+            clip_norm=HP["clip"],
+            local_steps=size.h,
+            num_server_rounds=total_msgs,
+            warmup_steps=warmup,
+            min_lr_ratio=MIN_LR_RATIO,
+            device=str(device),
+            **kw,
         )
         self.context = common.node_context()
         self.arrays = model_arrays(template)
@@ -239,8 +269,9 @@ class Handler:
 
     def message(self) -> None:
         self.round += 1
-        reply = self.handler(common.train_message(self.arrays, {"server-round": self.round}),
-                             self.context)
+        reply = self.handler(
+            common.train_message(self.arrays, {"server-round": self.round}), self.context
+        )
         if reply.has_error():
             raise RuntimeError(f"handler error: {reply.error.reason}")
         self.arrays = reply.content["arrays"]
@@ -276,8 +307,9 @@ def arms(size, device, precision, compile_, messages):
     return bare, handler, make_batches(size)
 
 
-def measure_cell(size: Size, device: torch.device, precision: str, compile_: bool,
-                 repeats: int) -> dict[str, Any]:
+def measure_cell(
+    size: Size, device: torch.device, precision: str, compile_: bool, repeats: int
+) -> dict[str, Any]:
     """One cell: the medians, ratio, overhead in steps and the final-weight difference."""
     bare, handler, batches = arms(size, device, precision, compile_, repeats + 1)
     timed(lambda: bare.message(batches), device)  # warm-up (and compile) of both arms
@@ -298,16 +330,31 @@ def measure_cell(size: Size, device: torch.device, precision: str, compile_: boo
     tokens = size.batch * size.seq_len * size.h
     overhead = (mh - size.h * step) / step
     return {
-        "size": size.name, "note": size.note, "device": str(device), "precision": precision,
-        "compile": compile_, "parameters": sum(p.numel() for p in bare.model.parameters()),
-        "batch": size.batch, "seq_len": size.seq_len, "h": size.h, "repeats": repeats,
-        "bare_msg_s": tb, "handler_msg_s": th, "bare_median_s": mb, "handler_median_s": mh,
-        "bare_step_s": step, "tokens_per_s_bare": tokens / mb, "tokens_per_s_handler": tokens / mh,
-        "ratio": mb / mh, "overhead_steps": overhead,
+        "size": size.name,
+        "note": size.note,
+        "device": str(device),
+        "precision": precision,
+        "compile": compile_,
+        "parameters": sum(p.numel() for p in bare.model.parameters()),
+        "batch": size.batch,
+        "seq_len": size.seq_len,
+        "h": size.h,
+        "repeats": repeats,
+        "bare_msg_s": tb,
+        "handler_msg_s": th,
+        "bare_median_s": mb,
+        "handler_median_s": mh,
+        "bare_step_s": step,
+        "tokens_per_s_bare": tokens / mb,
+        "tokens_per_s_handler": tokens / mh,
+        "ratio": mb / mh,
+        "overhead_steps": overhead,
         "projected_ratio_at_h20": APP_LOCAL_STEPS / (APP_LOCAL_STEPS + overhead),
-        "model_fn_s": model_fn_s, "model_fn_steps": model_fn_s / step,
+        "model_fn_s": model_fn_s,
+        "model_fn_steps": model_fn_s / step,
         "max_abs_diff": max_abs_diff(handler, bare),
-        "bare_optimizer": {**bare.opt_kwargs}, "handler_loss_last": handler.loss,
+        "bare_optimizer": {**bare.opt_kwargs},
+        "handler_loss_last": handler.loss,
         "load_avg_end": list(os.getloadavg()),
     }
 
@@ -315,7 +362,7 @@ def measure_cell(size: Size, device: torch.device, precision: str, compile_: boo
 def run_cells(names, precisions, compiles, device, repeats, quick=False, limit_s=None):
     """Every (size, precision, compile) cell; a cell that fails records its error. Cells not
     started before ``limit_s`` seconds have passed are recorded as skipped."""
-    table = sizes(device.type, quick)
+    table = sizes(device.type, quick, names)
     feats = handler_features()
     t0, cells = time.perf_counter(), []
     for name in names:
@@ -335,8 +382,10 @@ def run_cells(names, precisions, compiles, device, repeats, quick=False, limit_s
                     cell = measure_cell(table[name], device, precision, comp, repeats)
                 except Exception as exc:  # noqa: BLE001 - recorded, the other cells go on
                     cell = {**key, "error": f"{type(exc).__name__}: {exc}"[:500]}
-                print(json.dumps({k: v for k, v in cell.items() if not k.endswith("msg_s")}),
-                      flush=True)
+                print(
+                    json.dumps({k: v for k, v in cell.items() if not k.endswith("msg_s")}),
+                    flush=True,
+                )
                 cells.append(cell)
     return cells
 
@@ -371,8 +420,12 @@ def share_train(msg, context):
     _TIMER.clear()
     t0 = time.perf_counter()
     reply = client_app.train(msg, context)
-    row = {"handler_s": time.perf_counter() - t0, "inner_s": _TIMER.get("inner_s"),
-           "pid": os.getpid(), "node": context.node_id}
+    row = {
+        "handler_s": time.perf_counter() - t0,
+        "inner_s": _TIMER.get("inner_s"),
+        "pid": os.getpid(),
+        "node": context.node_id,
+    }
     with open(os.environ[SHARE_TIMINGS_ENV], "a") as fh:
         fh.write(json.dumps(row) + "\n")
     return reply
@@ -397,25 +450,34 @@ def measure_share(nodes: int = 4, actors: int = 2) -> dict[str, Any]:
         timings = Path(tmp) / "timings.jsonl"
         os.environ[SHARE_TIMINGS_ENV] = str(timings)
         load0 = os.getloadavg()[0]
-        res, wall = common.run_lm_app({"output-dir": str(Path(tmp) / "out")},
-                                      wt.share_client_app(), nodes)
+        res, wall = common.run_lm_app(
+            {"output-dir": str(Path(tmp) / "out")}, wt.share_client_app(), nodes
+        )
         rows = [json.loads(line) for line in timings.read_text().splitlines()]
     inner = [r["inner_s"] for r in rows]
     rounds_s = sum(r["round-wall-s"] for r in res["rounds"])
     handler_s = sum(r["handler_s"] for r in rows)
     out = {
         "run": "isoloco-lm defaults (README demo) via common.run_lm_app (run_simulation, Ray)",
-        "nodes": nodes, "actors": actors, "messages": len(rows), "wall_s": wall,
-        "rounds_wall_s": rounds_s, "handler_s": handler_s,
+        "nodes": nodes,
+        "actors": actors,
+        "messages": len(rows),
+        "wall_s": wall,
+        "rounds_wall_s": rounds_s,
+        "handler_s": handler_s,
         "share_handler_of_wall": handler_s / (actors * wall),
-        "final_val_loss": res["rounds"][-1]["val-loss"], "load_avg_start": load0,
+        "final_val_loss": res["rounds"][-1]["val-loss"],
+        "load_avg_start": load0,
         "load_avg_end": os.getloadavg()[0],
         "method": "timer around diloco_worker._inner_steps and around the app's train handler, "
-                  "in each node's process; share = sum / (actors x seconds)",
+        "in each node's process; share = sum / (actors x seconds)",
     }
     if all(x is not None for x in inner):
-        out |= {"inner_s": sum(inner), "share_inner_of_wall": sum(inner) / (actors * wall),
-                "share_inner_of_rounds": sum(inner) / (actors * rounds_s)}
+        out |= {
+            "inner_s": sum(inner),
+            "share_inner_of_wall": sum(inner) / (actors * wall),
+            "share_inner_of_rounds": sum(inner) / (actors * rounds_s),
+        }
     else:
         out["inner_s"] = None  # the worker has no _inner_steps to time
     return out
@@ -426,22 +488,38 @@ def cell_key(cell: dict[str, Any]) -> tuple:
     return cell["size"], cell["precision"], cell["compile"]
 
 
-def update_record(path: Path, phase: str, part: str, value: Any, meta: dict[str, Any],
-                  merge: bool = False) -> None:
+def update_record(
+    path: Path, phase: str, part: str, value: Any, meta: dict[str, Any], merge: bool = False
+) -> None:
     """Set ``record[phase][part]`` (and its run's metadata) in the JSON at ``path``; ``merge``
     (cells only): replace the cells of the same (size, precision, compile), keep the others,
-    and file the run's metadata under ``runs["cells:<sizes>"]``."""
+    and file the run's metadata under ``runs["cells:<sizes>:<precisions>"]``."""
     data = json.loads(path.read_text()) if path.is_file() else {}
     entry = data.setdefault(phase, {})
     runs = entry.setdefault("runs", {})
     if merge and part == "cells" and part in entry:
         new = {cell_key(c) for c in value}
         entry[part] = [c for c in entry[part] if cell_key(c) not in new] + value
-        runs["cells:" + ",".join(dict.fromkeys(c["size"] for c in value))] = meta
+        runs[
+            ":".join(
+                [
+                    "cells",
+                    *(",".join(dict.fromkeys(c[k] for c in value)) for k in ("size", "precision")),
+                ]
+            )
+        ] = meta
     else:
         entry[part] = value
         runs[part] = meta
     common.save_json(path, data)
+
+
+def _package_dir() -> str:
+    """The folder of the ``flwr_isoloco`` measured (an older tree on ``PYTHONPATH`` for a
+    "before" run; its commit is then in the run's ``command`` note, not ``commit``)."""
+    import flwr_isoloco
+
+    return str(Path(flwr_isoloco.__file__).parent)
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -455,8 +533,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--device", default="auto", help="auto (CUDA if present) / cpu / cuda")
     ap.add_argument("--quick", action="store_true", help="tiny model, 1 repeat")
     ap.add_argument("--share", choices=("demo",), help="the demo's share of time in inner steps")
-    ap.add_argument("--merge", action="store_true",
-                    help="add these cells to the phase's record (replacing the same cells)")
+    ap.add_argument(
+        "--merge",
+        action="store_true",
+        help="add these cells to the phase's record (replacing the same cells)",
+    )
     ap.add_argument("--limit-s", type=float, help="start no cell after this many seconds")
     ap.add_argument("--out", type=Path, default=OUT)
     args = ap.parse_args(argv)
@@ -464,24 +545,31 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     meta = {
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "command": "python benchmarks/gpu/worker_throughput.py " + " ".join(argv or sys.argv[1:]),
-        "commit": common.git("rev-parse", "HEAD"), "machine": common.machine(),
+        "commit": common.git("rev-parse", "HEAD"),
+        "machine": common.machine(),
         "uncommitted-package-changes": bool(common.git("status", "--porcelain", "flwr_isoloco")),
-        "threads": args.threads, "handler_features": handler_features(),
+        "threads": args.threads,
+        "handler_features": handler_features(),
+        "package": _package_dir(),
         "note": "the shared 2-core machine, loaded by other work (load average in machine); "
-                "only the ratio is meaningful: both arms alternate in one process",
+        "only the ratio is meaningful: both arms alternate in one process",
     }
     if args.share:
         result = measure_share()
         meta["machine"]["load-avg-end"] = list(os.getloadavg())
         update_record(args.out, args.phase, "share", result, meta)
         return result
-    device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available()
-                          else ("cpu" if args.device == "auto" else args.device))
+    device = torch.device(
+        "cuda"
+        if args.device == "auto" and torch.cuda.is_available()
+        else ("cpu" if args.device == "auto" else args.device)
+    )
     names = ["tiny"] if args.quick else args.sizes.split(",")
     repeats = 1 if args.quick else args.repeats
     compiles = {"off": (False,), "on": (True,), "both": (False, True)}[args.compile]
-    cells = run_cells(names, args.precisions.split(","), compiles, device, repeats, args.quick,
-                      args.limit_s)
+    cells = run_cells(
+        names, args.precisions.split(","), compiles, device, repeats, args.quick, args.limit_s
+    )
     meta["machine"]["load-avg-end"] = list(os.getloadavg())
     update_record(args.out, args.phase, "cells", cells, meta, args.merge)
     return {"cells": cells, **meta}
