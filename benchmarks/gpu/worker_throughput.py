@@ -390,6 +390,46 @@ def run_cells(names, precisions, compiles, device, repeats, quick=False, limit_s
     return cells
 
 
+PROFILED = {
+    "message": "diloco_worker.py:train",
+    "inner_steps": "inner_loop.py:inner_steps",
+    "save_adamw": "worker_cache.py:save_adamw",
+    "adamw_to_flat": "adamw_state.py:adamw_to_flat",
+    "ArrayRecord.from_torch_state_dict": "arrayrecord.py:from_torch_state_dict",
+    "reply_content": "reply_content",
+    "load_model_arrays": "hf.py:load_model_arrays",
+}
+
+
+def profile_message(size: Size, device: torch.device, precision: str) -> dict[str, Any]:
+    """Where one handler message's seconds go (cProfile, cumulative seconds of the functions
+    of :data:`PROFILED`), after one warm-up message; and one bare message's seconds."""
+    import cProfile
+    import pstats
+
+    bare, handler, batches = arms(size, device, precision, False, 3)
+    handler.message()
+    prof = cProfile.Profile()
+    prof.enable()
+    handler.message()
+    prof.disable()
+    bare_s = timed(lambda: bare.message(batches), device)
+    cum: dict[str, float] = {}
+    for (file, _line, fn), row in pstats.Stats(prof).stats.items():
+        where = f"{Path(file).name}:{fn}"
+        for name, pat in PROFILED.items():
+            if where.endswith(pat) or (":" not in pat and fn == pat):
+                cum[name] = max(cum.get(name, 0.0), row[3])
+    return {
+        "size": size.name,
+        "precision": precision,
+        "h": size.h,
+        "bare_msg_s": bare_s,
+        "cumulative_s": cum,
+        "method": "cProfile of the second handler message",
+    }
+
+
 # ----------------------------------------------------------------------------- simulation share
 _TIMER: dict[str, float] = {}
 
@@ -522,6 +562,13 @@ def _package_dir() -> str:
     return str(Path(flwr_isoloco.__file__).parent)
 
 
+def device_of(option: str) -> torch.device:
+    """``--device``: ``auto`` is CUDA where visible, else the CPU."""
+    if option == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(option)
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--phase", default="before", help="record key (before / after / ...)")
@@ -537,6 +584,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "--merge",
         action="store_true",
         help="add these cells to the phase's record (replacing the same cells)",
+    )
+    ap.add_argument(
+        "--profile",
+        choices=("demo", "sweep", "135m"),
+        help="where one fp32 handler message's time goes at this size",
     )
     ap.add_argument("--limit-s", type=float, help="start no cell after this many seconds")
     ap.add_argument("--out", type=Path, default=OUT)
@@ -554,16 +606,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "note": "the shared 2-core machine, loaded by other work (load average in machine); "
         "only the ratio is meaningful: both arms alternate in one process",
     }
+    if args.profile:
+        table = sizes(device_of(args.device).type, names=[args.profile])
+        result = profile_message(table[args.profile], device_of(args.device), "fp32")
+        update_record(args.out, args.phase, "profile", result, meta)
+        return result
     if args.share:
         result = measure_share()
         meta["machine"]["load-avg-end"] = list(os.getloadavg())
         update_record(args.out, args.phase, "share", result, meta)
         return result
-    device = torch.device(
-        "cuda"
-        if args.device == "auto" and torch.cuda.is_available()
-        else ("cpu" if args.device == "auto" else args.device)
-    )
+    device = device_of(args.device)
     names = ["tiny"] if args.quick else args.sizes.split(",")
     repeats = 1 if args.quick else args.repeats
     compiles = {"off": (False,), "on": (True,), "both": (False, True)}[args.compile]
