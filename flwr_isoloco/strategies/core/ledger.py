@@ -12,8 +12,9 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from flwr.app import Message, Metadata
+from flwr.common.constant import ErrorCode
 
-__all__ = ["SentLedger"]
+__all__ = ["SentLedger", "node_gone", "not_this_round"]
 
 
 class SentLedger:
@@ -33,6 +34,12 @@ class SentLedger:
         """Whether the last round sent any instruction."""
         return bool(self._sent)
 
+    def sent_this_round(self, message_id: str) -> bool:
+        """Whether ``message_id`` is one of the last round's instructions (True when their ids
+        are not known: nothing to check against)."""
+        ids = {m.message_id for m in self._sent if m.message_id}
+        return not ids or message_id in ids
+
     def sender(self, reply: Message) -> int:
         """The node a reply answers for."""
         target = reply.metadata.reply_to_message_id
@@ -48,3 +55,22 @@ class SentLedger:
     def unanswered(self, answered: set[str]) -> list[int]:
         """Nodes whose (pushed) instruction's id is not among the ``answered`` message ids."""
         return [m.dst_node_id for m in self._sent if m.message_id and m.message_id not in answered]
+
+
+def not_this_round(msg: Message, ledger: SentLedger | None, seen: set[str]) -> str:
+    """Why ``msg`` is not one of this round's replies (``""`` if it is): a second reply to the
+    same message (a replayed delivery: applied once), or a reply to a message this round did not
+    send (an earlier round's, never folded into this one). Adds its message id to ``seen``."""
+    rid = msg.metadata.reply_to_message_id
+    if rid and rid in seen:
+        return f"duplicate reply to message {rid} (already taken once this round)"
+    seen.add(rid)
+    if ledger is not None and rid and not ledger.sent_this_round(rid):
+        return f"reply to message {rid}, not sent this round (an earlier round's reply)"
+    return ""
+
+
+def node_gone(msg: Message) -> bool:
+    """Whether ``msg`` is an error reply saying its node is gone (Flower's NODE_UNAVAILABLE,
+    sent by the SuperLink for a node that stopped answering), not an error of the node."""
+    return msg.has_error() and msg.error.code == ErrorCode.NODE_UNAVAILABLE

@@ -39,7 +39,7 @@ from flwr.common.logger import log
 
 from flwr_isoloco.compression import decompress, is_compressed, payload_nbytes
 from flwr_isoloco.merging.weights import norm_outlier
-from flwr_isoloco.strategies.core.ledger import SentLedger
+from flwr_isoloco.strategies.core.ledger import SentLedger, node_gone, not_this_round
 from flwr_isoloco.strategies.core.metrics import tensor_norm
 from flwr_isoloco.strategies.core.wire import decode_array, nonfinite_reason, record_tensors
 
@@ -133,7 +133,8 @@ class ReplyReport:
 
     used: int = 0
     rejected: int = 0
-    missing: int = 0  # sent but no reply came back (timeout)
+    missing: int = 0  # sent but no reply was in when the round closed (late or timed out)
+    lost: int = 0  # of ``rejected``: the node is gone (a NODE_UNAVAILABLE error reply)
     reasons: list[Rejection] = field(default_factory=list)
     bytes_up: int = 0  # array bytes of every reply received (payload_nbytes, dropped ones too)
 
@@ -143,6 +144,7 @@ class ReplyReport:
             "replies-used": self.used,
             "replies-rejected": self.rejected,
             "replies-missing": self.missing,
+            "replies-lost": self.lost,
             "bytes-up": self.bytes_up,
         }
 
@@ -292,7 +294,12 @@ class ReplyValidator:
         spec = _spec(expected)
         bounds = self.require_arrays and bool(self.max_update_norm or self.max_norm_ratio)
         checked: list[tuple[CheckedReply, float]] = []
+        seen: set[str] = set()
         for msg in sorted(replies, key=lambda m: (content_digest(m), _sender(m, ledger))):
+            why = not_this_round(msg, ledger, seen)
+            if why:
+                self.reject(report, _sender(msg, ledger), why)
+                continue
             reply = self._checked(msg, _sender(msg, ledger), spec, expected, report)
             if isinstance(reply, Rejection):
                 continue
@@ -320,7 +327,7 @@ class ReplyValidator:
         """Count and log the nodes that sent no reply at all."""
         for node in nodes:
             report.missing += 1
-            log(WARNING, "%s: no reply from node %d (timeout)", self.what, node)
+            log(WARNING, "%s: no reply from node %d when the round closed", self.what, node)
 
     def log_summary(self, report: ReplyReport, server_round: int | None = None) -> None:
         """One line with the round's final counts (they agree with the round's metrics)."""
@@ -342,6 +349,13 @@ class ReplyValidator:
         log(WARNING, "%s: dropped reply from node %d: %s", self.what, node, reason)
         return rejection
 
+    def lose(self, report: ReplyReport, node: int, reason: str) -> Rejection:
+        """Count ``node`` as lost (gone, not late nor hostile) and log why; its error reply is
+        dropped as any error reply is, so ``replies-lost`` is a part of ``replies-rejected``."""
+        report.lost += 1
+        log(WARNING, "%s: lost node %d (the node is gone): %s", self.what, node, reason)
+        return self.reject(report, node, reason)
+
     # ----------------------------------------------------------------- internals
     def _checked(
         self,
@@ -358,6 +372,8 @@ class ReplyValidator:
         except Exception as exc:  # noqa: BLE001 - never let one reply kill the round
             result = f"could not be read ({type(exc).__name__}: {exc})"
         if isinstance(result, str):
+            if node_gone(msg):
+                return self.lose(report, node, result)
             return self.reject(report, node, result)
         if expected is not None and self.require_arrays:
             result.update_norm = tensor_norm(result.update(expected))

@@ -14,7 +14,11 @@ hands each to ``on_reply`` at once, so the caller can fold it and drop it. The r
 Messages still unanswered when a round closes are remembered with their round: their ids are
 pulled with the next rounds' and a reply that still comes is discarded and logged with its node
 ("late reply ... discarded"), never handed to a later round (a reply is recognised by the id of
-the message it answers, ``reply_to_message_id``).
+the message it answers, ``reply_to_message_id``). A node left out is logged as late with why the
+round closed (its quorum, or the timeout); a NODE_UNAVAILABLE error that comes after the close
+(the SuperLink's answer for a dead node) is logged as a lost node (``lost``), not a late reply. A
+second reply to a message already answered (a replayed delivery) is refused and named
+(``duplicates``): no reply is handed on twice.
 """
 
 from __future__ import annotations
@@ -28,6 +32,8 @@ from logging import INFO, WARNING
 from flwr.app import Message
 from flwr.common.logger import log
 from flwr.serverapp import Grid
+
+from flwr_isoloco.strategies.core.ledger import node_gone
 
 __all__ = ["ReplyStream", "RoundWait", "check_quorum", "quorum_arg", "quorum_count"]
 
@@ -102,6 +108,10 @@ class ReplyStream:
         self.poll_s = poll_s
         self._stale: dict[str, tuple[int, int]] = {}  # message id -> (node, round)
         self.discarded: list[tuple[int, int]] = []  # (node, round) of late replies dropped
+        self.lost: list[tuple[int, int]] = []  # (node, round): NODE_UNAVAILABLE after close
+        self.duplicates: list[tuple[int, int]] = []  # (node, round) of replayed replies refused
+        self._taken: dict[str, tuple[int, int]] = {}  # message id -> (node, round) answered
+        self._round, self._node_of = 0, {}
 
     def run(
         self,
@@ -130,6 +140,8 @@ class ReplyStream:
             if mid:
                 node_of[mid] = m.metadata.dst_node_id
         del messages
+        self._taken = {m: v for m, v in self._taken.items() if v[1] >= server_round - STALE_ROUNDS}
+        self._round, self._node_of = server_round, node_of
         pending = list(node_of)
         wait = RoundWait(sent=len(pending))
         need = quorum_count(quorum, len(pending))
@@ -150,16 +162,18 @@ class ReplyStream:
             if not took:
                 clock.sleep(self.poll_s)
         wait.wait_s = clock.monotonic() - t0
+        why = "the round closed on its quorum" if quorum_at is not None else "timeout"
         for mid in pending:
             node = node_of[mid]
             wait.late.append(node)
             self._stale[mid] = (node, server_round)
             log(
                 WARNING,
-                "%s (round %d): closed without the reply of node %d (%d of %d arrived)",
+                "%s (round %d): closed without the reply of node %d, late: %s (%d of %d arrived)",
                 self.what,
                 server_round,
                 node,
+                why,
                 wait.arrived,
                 wait.sent,
             )
@@ -179,16 +193,35 @@ class ReplyStream:
                     self._discard(msg)
                 elif rid in pending:
                     pending.remove(rid)
+                    self._taken[rid] = (self._node_of.get(rid, -1), self._round)
                     took += 1
                     on_reply(msg)
+                elif rid in self._taken:
+                    self._duplicate(msg)
                 else:
                     log(WARNING, "%s: discarded a reply to an unknown message %r", self.what, rid)
             del replies
         return took
 
+    def _duplicate(self, msg: Message) -> None:
+        """Refuse a second reply to a message already answered (a replayed delivery)."""
+        node, rnd = self._taken[msg.metadata.reply_to_message_id]
+        self.duplicates.append((node, rnd))
+        log(
+            WARNING,
+            "%s: duplicate reply of node %d for round %d refused (already taken once)",
+            self.what,
+            node,
+            rnd,
+        )
+
     def _discard(self, msg: Message) -> None:
         rid = msg.metadata.reply_to_message_id
         node, rnd = self._stale.pop(rid, (msg.metadata.src_node_id, -1))
+        if node_gone(msg):
+            self.lost.append((node, rnd))
+            log(WARNING, "%s: lost node %d in round %d: %s", self.what, node, rnd, msg.error.reason)
+            return
         self.discarded.append((node, rnd))
         log(
             INFO,

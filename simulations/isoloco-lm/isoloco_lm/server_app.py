@@ -54,6 +54,8 @@ DP_COLUMNS = ("dp-epsilon", "dp-clipped-fraction")
 SECAGG_COLUMNS = ("secagg-bound", "secagg-clipped-entries", "secagg-time-s")
 ROBUST_COLUMNS = ("robust-kept",)  # krum, multikrum, distance-filter: updates merged
 REPLY_COLUMNS = ("replies-used", "replies-rejected", "replies-missing")
+# Nodes not in when a round closed (late) and nodes gone (NODE_UNAVAILABLE): 0 when none.
+ACCOUNT_COLUMNS = ("replies-late", "replies-lost")
 # With a pretrained model: the workers' time and memory (token-weighted means over the nodes).
 HF_COLUMNS = ("worker-time-s", "worker-peak-rss-mb")
 
@@ -133,6 +135,7 @@ def build(cfg, nodes: list[int]) -> AppRun:
             "val-ppl": em.get("val-ppl"),
             "diverged": int(em.get("diverged", 0)),
             **{k: int(tm.get(k, 0)) for k in REPLY_COLUMNS},
+            **{k: int(tm.get(k, 0)) for k in ACCOUNT_COLUMNS},
             **{k: tm.get(k) for k in TRAIN_COLUMNS},
             **({k: tm.get(k) for k in HF_COLUMNS} if hf_model else {}),
             **({"server-peak-rss-mb": peak_rss_mb()} if hf_model else {}),
