@@ -207,7 +207,7 @@ def _isoloco_summary(results: dict) -> dict:
     return {
         "rounds": len(rounds),
         "replies-used": [r["replies-used"] for r in rounds],
-        "replies-lost": sum(r["replies-missing"] + r["replies-rejected"] for r in rounds),
+        "replies-not-used": sum(r["replies-missing"] + r["replies-rejected"] for r in rounds),
         "final-val-loss": rounds[-1]["val-loss"],
     }
 
