@@ -10,8 +10,9 @@ feedback in its place (SparseLoCo-style)} x download {none, the same codec} (:da
 
 Uploads keep an error-feedback residual with decay 0.95 (``e <- 0.95 e + delta; send Q(e);
 e <- e - sent``) with every codec; a compressed download sends ``Q(theta - B)`` and the gap
-``theta - B`` is the server's residual (nothing is lost, it goes out later). The run's result is the server's model ``theta``
-(what ``evaluate_fn`` gets), not the broadcast copy ``B`` the nodes hold.
+``theta - B`` is the server's residual (nothing is lost, it goes out later). The run's result
+is the server's model ``theta`` (what ``evaluate_fn`` gets), not the broadcast copy ``B`` the
+nodes hold.
 
 Protocol per configuration: seed 0 at 3 outer lrs a factor sqrt(2) apart around the fp32
 optimum of its outer optimiser (:data:`CENTRES`), selected on the validation loss only; an
