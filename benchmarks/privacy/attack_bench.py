@@ -32,6 +32,7 @@ docs/strategies.md and docs/privacy.md are regenerated from all those files (``-
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import itertools
 import json
@@ -254,18 +255,29 @@ def lean_spec():
 
 
 @functools.lru_cache(maxsize=8)
-def _client_config(items: tuple):
+def _client_config(items: tuple, node: bool):
     from isoloco_lm import task
 
-    return task.load_config(dict(items))
+    return task.load_config(dict(items), node=node)
 
 
-def lean_client() -> None:
+@contextlib.contextmanager
+def lean_client():
     """The ClientApp validates its run config (omegaconf) on every message; every node of a
-    cell has the same one, so it is validated once per distinct config (a pure function)."""
+    cell has the same one, so it is validated once per distinct config (a pure function).
+    The patch lasts for one cell only: other runs in the process see the real function."""
     from isoloco_lm import client_app
 
-    client_app.load_config = lambda rc: _client_config(tuple(sorted(dict(rc).items())))
+    real = client_app.load_config
+
+    def cached(rc, *, node=False):
+        return _client_config(tuple(sorted(dict(rc).items())), node)
+
+    client_app.load_config = cached
+    try:
+        yield
+    finally:
+        client_app.load_config = real
 
 
 _RUN_IDS = itertools.count(os.getpid() * 10_000 + 1)
@@ -279,7 +291,6 @@ def run_cell(strategy, attack, f, defence, seed, size, cache: Path, extra=None) 
     from flwr_isoloco.apprunner import run_app
     from flwr_isoloco.clients.node_state import remove_run_temp_dir
 
-    lean_client()
     out = Path(tempfile.mkdtemp(prefix=f"attack-{strategy}-{attack}{f}-{defence}-"))
     rc = {**run_config(strategy, defence, seed, size, out, cache), **(extra or {})}
     grid_cls = attack_grid(FakeGrid, attack, f, seed)
@@ -289,7 +300,8 @@ def run_cell(strategy, attack, f, defence, seed, size, cache: Path, extra=None) 
     grid = grid_cls({"train": client_app.train}, num_nodes=NODES, run_config=rc, run_id=run_id)
     t0 = time.perf_counter()
     try:
-        res_dir = run_app(lean_spec(), grid, rc, run_id, settle_s=0.0)
+        with lean_client():
+            res_dir = run_app(lean_spec(), grid, rc, run_id, settle_s=0.0)
         res = json.loads((res_dir / "results.json").read_text())
     finally:
         remove_run_temp_dir(run_id)
