@@ -198,3 +198,39 @@ def test_flat_layout_pads_unstepped_parameters_on_their_device():
         assert flat[moment].device.type == "meta" and flat[moment].shape == (total,)
         assert flat[moment].dtype == torch.float32
     assert flat["step"].tolist() == [1.0, 0.0, 0.0, 0.0]
+
+
+@pytest.mark.parametrize("kind", ["foreach", "fused", "single"])
+def test_shared_flat_layout_copies_once_and_trains_bitwise(kind):
+    """share=True: the first call concatenates and makes the moments views of its buffers; the
+    next calls return those buffers (same memory, no copy) with the current values; training
+    with the views is bitwise the training without them (AdamW updates moments in place)."""
+    opts = {"foreach": {"foreach": True}, "fused": {"fused": True}, "single": {"foreach": False}}
+
+    def opt_of(named):
+        return torch.optim.AdamW([p for _, p in named], lr=1e-2, weight_decay=0.1, **opts[kind])
+
+    ref, ref_named = _model()
+    ref_opt = opt_of(ref_named)
+    a, a_named = _model()
+    a_opt = opt_of(a_named)
+    _steps(ref, ref_opt, 2)
+    _steps(a, a_opt, 2)
+    first = adamw_to_flat(a_opt, a_named, share=True)
+    for step in range(2, 6):
+        _steps(ref, ref_opt, 1, start=step)
+        _steps(a, a_opt, 1, start=step)
+        shared = adamw_to_flat(a_opt, a_named, share=True)
+        copied = adamw_to_flat(ref_opt, ref_named)
+        for m in MOMENTS:
+            assert shared[m].data_ptr() == first[m].data_ptr()  # no new buffer
+            assert torch.equal(shared[m], copied[m])
+        assert torch.equal(shared["step"], copied["step"])
+    for (_, p), (_, q) in zip(ref_named, a_named, strict=True):
+        assert torch.equal(p, q)
+    # the default still returns fresh tensors: stepping on does not change them
+    fresh = adamw_to_flat(a_opt, a_named)
+    before = fresh["exp_avg"].clone()
+    _steps(a, a_opt, 1, start=6)
+    assert torch.equal(fresh["exp_avg"], before)
+    assert fresh["exp_avg"].data_ptr() != first["exp_avg"].data_ptr()

@@ -127,20 +127,66 @@ def arrays_to_adamw(
         opt.state[p] = st
 
 
-def adamw_to_flat(opt: torch.optim.Optimizer, named: Named) -> dict[str, torch.Tensor]:
+def _packed(opt: torch.optim.Optimizer, named: Named) -> dict[str, torch.Tensor] | None:
+    """The flat buffers ``opt``'s moments are views of, in ``named`` order, or None when they
+    are not (a fresh optimiser, a parameter without state, another dtype or layout)."""
+    out = {}
+    for m in MOMENTS:
+        base, off = None, 0
+        for _, p in named:
+            t = (opt.state.get(p) or {}).get(m)
+            if t is None or t.dtype != torch.float32 or not t.is_contiguous():
+                return None
+            base = t._base if base is None else base
+            if base is None or t._base is not base:
+                return None
+            if t.storage_offset() - base.storage_offset() != off:
+                return None
+            off += p.numel()
+        if base is None or base.dim() != 1 or base.numel() != off or not base.is_contiguous():
+            return None
+        out[m] = base
+    return out
+
+
+def _share(opt: torch.optim.Optimizer, named: Named, flat: Mapping[str, torch.Tensor]) -> None:
+    """Make every stepped parameter's moments views of ``flat`` (same values, no copy)."""
+    off = 0
+    for _, p in named:
+        st, n = opt.state.get(p), p.numel()
+        if st and all(m in st for m in MOMENTS):
+            for m in MOMENTS:
+                st[m] = flat[m][off : off + n].view(p.shape)
+        off += n
+
+
+def adamw_to_flat(
+    opt: torch.optim.Optimizer, named: Named, *, share: bool = False
+) -> dict[str, torch.Tensor]:
     """The state of ``opt`` for ``named`` in the flat layout: ``exp_avg``, ``exp_avg_sq`` (fp32,
     length ``sum(p.numel())``, ``named`` order) and ``step`` (fp32, ``len(named)``). A parameter
     without state has zero moments and step 0, which is what AdamW creates on its first step;
     those zeros are made on the parameter's device (fp32, as every moment here), where AdamW
-    keeps the other parameters' moments, so the concatenation works on any device."""
+    keeps the other parameters' moments, so the concatenation works on any device.
+
+    ``share=True`` returns the optimiser's own memory: after the concatenation every moment
+    becomes a view of the returned buffers (AdamW updates its moments in place, foreach and
+    fused kernels too), so the next call returns them without copying (at 135M the copy was
+    0.5 s of a CPU message). The caller must copy them before ``opt`` steps again, as
+    ``ArrayRecord`` does when it serialises them. Default: fresh tensors."""
     if not named:
         return {}
     steps = torch.zeros(len(named), dtype=torch.float32)
-    parts: dict[str, list[torch.Tensor]] = {m: [] for m in MOMENTS}
     for i, (_, p) in enumerate(named):
         st = opt.state.get(p) or {}
         if "step" in st:
             steps[i] = float(torch.as_tensor(st["step"]).item())
+    packed = _packed(opt, named) if share else None
+    if packed is not None:
+        return {**packed, "step": steps}
+    parts: dict[str, list[torch.Tensor]] = {m: [] for m in MOMENTS}
+    for _, p in named:
+        st = opt.state.get(p) or {}
         for m in MOMENTS:
             t = st.get(m)
             parts[m].append(
@@ -148,7 +194,10 @@ def adamw_to_flat(opt: torch.optim.Optimizer, named: Named) -> dict[str, torch.T
                 if t is None
                 else t.detach().reshape(-1).to(torch.float32)
             )
-    return {**{m: torch.cat(parts[m]) for m in MOMENTS}, "step": steps}
+    flat = {m: torch.cat(parts[m]) for m in MOMENTS}
+    if share and all(p.dtype == torch.float32 for _, p in named):
+        _share(opt, named, flat)
+    return {**flat, "step": steps}
 
 
 def flat_to_adamw(

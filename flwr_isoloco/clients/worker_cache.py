@@ -223,7 +223,7 @@ def save_adamw(
 ) -> None:
     """Write the AdamW state to ``state`` (fp32, on the CPU), with the cache's ``token``."""
     if layout == "flat":
-        arrays = adamw_to_flat(opt, named)
+        arrays = adamw_to_flat(opt, named, share=True)  # ArrayRecord copies them at once
     else:
         arrays = adamw_to_arrays(opt, named, step_arrays=True)[0]
     if token is not None:
