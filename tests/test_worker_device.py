@@ -25,26 +25,16 @@ from test_diloco_worker import (
     schedule,
     send,
 )
+from test_worker_cache import _empty_caches, _theta0  # noqa: F401  (autouse fixture)
 
 from flwr_isoloco.clients import make_diloco_train_handler, make_lm_evaluate_handler
 from flwr_isoloco.clients.diloco_worker import ADAMW_STATE_KEY
 from flwr_isoloco.clients.precision import PRECISIONS, autocast, check_precision, grad_scaler
-from flwr_isoloco.clients.worker_cache import cache_stats, clear_caches
+from flwr_isoloco.clients.worker_cache import cache_stats
 from flwr_isoloco.merging.device import resolve_device, resolve_node_device
 
 H = 3
 NO_CUDA = not torch.cuda.is_available()
-
-
-@pytest.fixture(autouse=True)
-def _empty_caches():
-    clear_caches()
-    yield
-    clear_caches()
-
-
-def _theta0():
-    return {k: v.detach() for k, v in model_fn().state_dict().items()}
 
 
 def _round1(**kw):
