@@ -323,6 +323,9 @@ PLAN: list[tuple[str, list[str]]] = [
     ("point", ["diloco-sl64-nesterov-up", "isoloco-sl64-nesterov-up"]),
     ("tune", ["diloco-sl128-nesterov-both", "isoloco-sl128-nesterov-both"]),
     ("point", ["diloco-int8-nesterov-both", "isoloco-int8-nesterov-both"]),
+    ("point", ["diloco-sl64-m0-up", "isoloco-sl64-m0-up"]),
+    ("seeds", ["diloco-sl128-nesterov-both", "isoloco-sl128-nesterov-both"]),
+    ("pseeds", ["diloco-int8-nesterov-both", "isoloco-int8-nesterov-both"]),
 ]
 
 
