@@ -9,11 +9,11 @@ from fakegrid import FakeGrid
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
-from flwr_isoloco.clients import download_mod
+from flwr_isoloco.clients import download_mod, make_download_mod
 from flwr_isoloco.clients.download import STATE_ARRAYS, STATE_CONFIG
 from flwr_isoloco.compression import payload_nbytes
 from flwr_isoloco.compression.broadcast import BASE_KEY, DIGEST_KEY, model_digest, reply_digest
-from flwr_isoloco.strategies import DiLoCo
+from flwr_isoloco.strategies import Codec, DiLoCo
 
 TRAINED_ON: dict[tuple[int, int], str] = {}  # (node, round) -> digest of the arrays it got
 
@@ -396,3 +396,72 @@ def test_upload_mod_passes_through_what_it_need_not_touch():
     reply = app(msg, ctx)
     assert reply.has_error() and "upload_mod refused" in reply.error.reason
     assert not TRAINED_ON
+
+
+def test_nodes_that_build_the_initial_model_get_no_arrays_in_round_1():
+    """Codec(nodes_hold_initial=True) + make_download_mod(initial=theta0): round 1 sends no
+    arrays (only digests) and rounds 2+ the same updates as without it; every node trained on
+    the server's B of its round; 4 nodes at fraction 0.5, so nodes first sampled in a later
+    round build theta0 then apply that round's update against it."""
+    codec = Codec("int8", nodes_hold_initial=True)
+    digests = {}
+    s = DiLoCo(
+        min_available_nodes=4,
+        min_train_nodes=1,
+        fraction_train=0.5,
+        fraction_evaluate=0.0,
+        download=codec,
+    )
+    orig = s.broadcast.advance
+
+    def advance(theta, dtypes):
+        orig(theta, dtypes)
+        digests[s.server_round + 1] = s.broadcast.digest
+
+    s.broadcast.advance = advance
+    TRAINED_ON.clear()
+    grid = FakeGrid(make_app([make_download_mod(initial=lambda ctx: theta0())]), num_nodes=4)
+    res = s.start(grid=grid, initial_arrays=ArrayRecord(theta0()), num_rounds=4)
+    assert len(TRAINED_ON) == 8 and all(d == digests[rnd] for (_, rnd), d in TRAINED_ON.items())
+    _, ref, _ = run("int8", rounds=4, nodes=4, fraction=0.5)  # the same run without it
+    down = [res.train_metrics_clientapp[r]["bytes-down"] for r in (1, 2, 3, 4)]
+    ref_down = [ref.train_metrics_clientapp[r]["bytes-down"] for r in (1, 2, 3, 4)]
+    assert down[0] == 0 and ref_down[0] == 2 * payload_nbytes(ArrayRecord(theta0()))
+    assert all(d <= r for d, r in zip(down, ref_down, strict=True)) and sum(down) < sum(ref_down)
+    assert all(res.train_metrics_clientapp[r]["replies-used"] == 2 for r in (1, 2, 3, 4))
+    a, b = res.arrays.to_torch_state_dict(), ref.arrays.to_torch_state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)  # the same training, fewer bytes
+
+
+def test_a_node_whose_own_initial_model_differs_refuses_then_gets_the_full_model():
+    """One node builds another initial model: it refuses round 1 (named, nothing trained on
+    it) and gets the full B in round 2; a plain download_mod refuses the same way."""
+
+    def initial(ctx):
+        t = theta0()
+        if int(ctx.node_config["partition-id"]) == 1:
+            t["b"] = t["b"] + 1.0
+        return t
+
+    for mod in (make_download_mod(initial=initial), download_mod):
+        TRAINED_ON.clear()
+        s = DiLoCo(
+            min_available_nodes=2,
+            min_train_nodes=1,
+            fraction_evaluate=0.0,
+            download=Codec("int8", nodes_hold_initial=True),
+        )
+        grid = FakeGrid(make_app([mod]), num_nodes=2)
+        res = s.start(grid=grid, initial_arrays=ArrayRecord(theta0()), num_rounds=2)
+        r1, r2 = res.train_metrics_clientapp[1], res.train_metrics_clientapp[2]
+        used = 1 if mod is not download_mod else 0
+        assert (r1["replies-used"], r1["replies-rejected"]) == (used, 2 - used)
+        assert r2["replies-used"] == 2 and r2["bytes-down"] >= payload_nbytes(ArrayRecord(theta0()))
+        assert (1, 1) not in TRAINED_ON and (1, 2) in TRAINED_ON
+
+
+def test_nodes_hold_initial_is_for_downloads_only():
+    with pytest.raises(ValueError, match="downloads only"):
+        DiLoCo(upload=Codec("int8", nodes_hold_initial=True))
+    with pytest.raises(ValueError, match="nodes_hold_initial must be a bool"):
+        Codec("int8", nodes_hold_initial="yes")

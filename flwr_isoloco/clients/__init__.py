@@ -12,7 +12,8 @@
 - ``hf_lm.py``: helpers to run the DiLoCo worker on any Hugging Face causal LM and a
   ``datasets.Dataset`` of text (model function, tokenization, flwr-datasets partitions).
 - ``download.py``: :func:`download_mod`, the node side of compressed downloads (rebuilds the
-  broadcast model from the stored copy + the update before an unchanged handler runs).
+  broadcast model from the stored copy + the update before an unchanged handler runs);
+  :func:`make_download_mod` for nodes that build the initial model themselves.
 - ``upload.py``: :func:`upload_mod`, compressed uploads (with error feedback) for an unchanged
   handler that replies full weights; ``mods=[download_mod, upload_mod]`` for both ways.
 - ``query.py``: :func:`partition_id_query`, an ``@app.query()`` handler for the graph
@@ -20,7 +21,7 @@
 """
 
 from .diloco_worker import make_diloco_train_handler, make_lm_evaluate_handler
-from .download import download_mod
+from .download import download_mod, make_download_mod
 from .lora_client import LoRAClient, LoRAClientConfig
 from .precision import PRECISIONS, check_precision
 from .query import partition_id_query
@@ -36,6 +37,7 @@ __all__ = [
     "clear_caches",
     "download_mod",
     "make_diloco_train_handler",
+    "make_download_mod",
     "make_lm_evaluate_handler",
     "partition_id_query",
     "upload_mod",

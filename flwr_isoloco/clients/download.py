@@ -7,10 +7,19 @@ reply. A message without ``download-digest`` in its config passes through untouc
 
 Refusals (an error reply, the handler never runs): an update whose base digest is not the
 stored copy's, a result whose digest is not the announced one, an undecodable update.
+
+``make_download_mod(initial=fn)``: for a strategy whose download codec has
+``nodes_hold_initial=True`` (round 1 sends no arrays), ``fn(context)`` builds the initial model
+(name -> tensor, the server's names and dtypes) when the node holds no copy yet; a build whose
+digest is not the announced base is refused like any other mismatch (the server then sends the
+full model next time).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
+
+import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Error, Message
 from flwr.clientapp.typing import ClientAppCallable
 
@@ -28,7 +37,16 @@ STATE_ARRAYS = "download-base-model"
 STATE_CONFIG = "download-base-digest"
 REFUSED_CODE = 2  # CLIENT_APP_RAISED_EXCEPTION: the server drops the reply and names the node
 
-__all__ = ["REFUSED_CODE", "STATE_ARRAYS", "STATE_CONFIG", "download_mod", "stored_digest"]
+__all__ = [
+    "REFUSED_CODE",
+    "STATE_ARRAYS",
+    "STATE_CONFIG",
+    "download_mod",
+    "make_download_mod",
+    "stored_digest",
+]
+
+Initial = Callable[[Context], Mapping[str, torch.Tensor]]
 
 
 def stored_digest(context: Context) -> str:
@@ -42,18 +60,36 @@ def _refuse(msg: Message, why: str) -> Message:
     return Message(Error(REFUSED_CODE, f"download_mod refused: {why}"), reply_to=msg)
 
 
-def _rebuild(msg: Message, context: Context, key: str, base: str, digest: str):
-    """The full ``B`` (name -> tensor) or a refusal reason (str)."""
-    arrays = msg.content.array_records[key]
-    if base == "":
-        return arrays.to_torch_state_dict()
-    if stored_digest(context) != base or STATE_ARRAYS not in context.state.array_records:
+def _held(context: Context, base: str, initial: Initial | None):
+    """The node's copy that ``base`` names (stored, or built by ``initial`` when the node holds
+    none), or a refusal reason (str)."""
+    stored = STATE_ARRAYS in context.state.array_records and stored_digest(context) != ""
+    if not stored and initial is not None:
+        built = {k: torch.as_tensor(v) for k, v in initial(context).items()}
+        got = model_digest(built)
+        if got != base:
+            return f"this node's own initial model is {got[:12]}, the server's {base[:12]}"
+        return built
+    if stored_digest(context) != base or not stored:
         return (
             f"update for base {base[:12]}, this node holds {stored_digest(context)[:12] or 'none'}"
         )
     held = context.state.array_records[STATE_ARRAYS].to_torch_state_dict()
     if model_digest(held) != base:  # the stored copy itself was changed or corrupted
         return "the stored copy does not match its digest"
+    return held
+
+
+def _rebuild(
+    msg: Message, context: Context, key: str, base: str, digest: str, initial: Initial | None
+):
+    """The full ``B`` (name -> tensor) or a refusal reason (str)."""
+    arrays = msg.content.array_records[key]
+    if base == "":
+        return arrays.to_torch_state_dict()
+    held = _held(context, base, initial)
+    if isinstance(held, str):
+        return held
     if base == digest and len(arrays) == 0:
         return held
     try:
@@ -74,8 +110,21 @@ def _reload_offloaded(context: Context) -> None:
         _reload(context, int(pid))
 
 
+def make_download_mod(initial: Initial | None = None):
+    """``download_mod`` whose node builds the initial model with ``initial`` (module docstring)."""
+
+    def mod(msg: Message, context: Context, call_next: ClientAppCallable) -> Message:
+        return _download(msg, context, call_next, initial)
+
+    return mod
+
+
 def download_mod(msg: Message, context: Context, call_next: ClientAppCallable) -> Message:
     """Rebuild ``B`` (module docstring), run the handler on it, report ``B``'s digest."""
+    return _download(msg, context, call_next, None)
+
+
+def _download(msg: Message, context: Context, call_next: ClientAppCallable, initial) -> Message:
     cfg = msg.content.config_records.get("config")
     if cfg is None or DIGEST_KEY not in cfg:
         return call_next(msg, context)
@@ -84,7 +133,7 @@ def download_mod(msg: Message, context: Context, call_next: ClientAppCallable) -
     if not isinstance(digest, str) or not isinstance(base, str) or len(keys) != 1:
         return _refuse(msg, "malformed download entries")
     _reload_offloaded(context)
-    full = _rebuild(msg, context, keys[0], base, digest)
+    full = _rebuild(msg, context, keys[0], base, digest, initial)
     if isinstance(full, str):
         return _refuse(msg, full)
     if model_digest(full) != digest:

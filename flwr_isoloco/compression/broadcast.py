@@ -21,7 +21,10 @@ Protocol (config keys of the instruction, one ConfigRecord entry in the reply):
 
 The server sends the update ``u`` only to a node whose last reported digest equals the
 previous ``B``, an empty record to a node already holding the current ``B`` (evaluation after
-training), else the full ``B``. A node whose copy's digest differs from ``download-base`` refuses
+training), else the full ``B``. With ``nodes_hold_initial`` every node is taken to hold the first
+``B`` (the initial model) until it says otherwise: each builds it itself (the same seed, or the
+same pretrained checkpoint every site loads from its own disk or hub), so round 1 sends no
+arrays; the node's ``download_mod`` checks its build against the announced digest. A node whose copy's digest differs from ``download-base`` refuses
 (an error reply, dropped and named by the server), and a node whose result's digest differs from
 ``download-digest`` refuses too: nobody trains on a model other than ``B``, silently.
 """
@@ -80,8 +83,12 @@ def reply_digest(msg: Message) -> str | None:
 class Broadcast:
     """Server side of compressed downloads (module docstring): ``B``, ``e``, nodes' digests."""
 
-    def __init__(self, codec: str, options: Mapping[str, Any]) -> None:
+    def __init__(
+        self, codec: str, options: Mapping[str, Any], *, nodes_hold_initial: bool = False
+    ) -> None:
         self.codec = codec
+        self.nodes_hold_initial = nodes_hold_initial
+        self.assumed = ""  # the digest a node not heard from is taken to hold
         self.options = normalize_options(codec, dict(options))
         self.base: dict[str, torch.Tensor] | None = None
         self.digest = ""
@@ -92,7 +99,8 @@ class Broadcast:
 
     def advance(self, theta: Mapping[str, torch.Tensor], dtypes: Mapping[str, Any]) -> None:
         """A new round: ``B`` becomes ``B + decode(Q(theta - B))`` (first: ``theta``)."""
-        if self.base is None:
+        first = self.base is None
+        if first:
             self.base = {k: v.to(dtypes.get(k, v.dtype)).clone() for k, v in theta.items()}
             self.prev, self.update = "", None
         else:
@@ -104,6 +112,8 @@ class Broadcast:
         if bad:
             raise ValueError(f"compressed downloads need floating tensors, got {bad[:3]}")
         self.digest = model_digest(self.base)
+        if first and self.nodes_hold_initial:
+            self.assumed = self.digest
         self._full = None
 
     def full(self) -> ArrayRecord:
@@ -115,7 +125,7 @@ class Broadcast:
 
     def for_node(self, node: int) -> tuple[ArrayRecord, dict[str, str]]:
         """What ``node`` gets (module docstring) and the config entries that describe it."""
-        held = self.held.get(node)
+        held = self.held.get(node, self.assumed)
         entries = {DIGEST_KEY: self.digest}
         if held == self.digest:
             return ArrayRecord(), {**entries, BASE_KEY: self.digest}
@@ -124,12 +134,9 @@ class Broadcast:
         return self.full(), {**entries, BASE_KEY: ""}
 
     def note(self, node: int, msg: Message) -> None:
-        """Record the digest ``node`` reported (none: it holds no known copy)."""
-        held = reply_digest(msg)
-        if held is None:
-            self.held.pop(node, None)
-        else:
-            self.held[node] = held
+        """Record the digest ``node`` reported (none: it holds no known copy, and is no longer
+        taken to hold the initial model either)."""
+        self.held[node] = reply_digest(msg) or ""
 
     def state_dict(self) -> dict[str, Any]:
         """``B`` and its digest (the residual ``theta - B`` follows from theta; the per-node
@@ -154,3 +161,4 @@ class Broadcast:
             base = {k: v.clone() for k, v in base.items()}
         self.base, self.digest = base, str(state.get("digest", "")) if base is not None else ""
         self.prev, self.update, self.held, self._full = "", None, {}, None
+        self.assumed = ""  # a resumed B is not the nodes' own initial model

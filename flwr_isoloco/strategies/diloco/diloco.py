@@ -172,6 +172,8 @@ class DiLoCo(FromRunConfig, DiLoCoState, ResumableStrategy):
         setup_merge(self, merge, merge_options, orthogonalize, seed, as_robust(robust))
         self.buffers = check_buffers_spec(buffers)  # float tensors the outer step does not own
         u = self.upload
+        if u is not None and u.nodes_hold_initial:
+            raise ValueError("upload: nodes_hold_initial applies to downloads only")
         self.codec_request = (
             {} if u is None else request_config(u.name, u.options, u.error_feedback)
         )

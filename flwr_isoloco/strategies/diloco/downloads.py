@@ -26,7 +26,7 @@ def new_broadcast(codec: Codec) -> Broadcast:
     not sent has to go out later, else B drifts from theta for good)."""
     if not codec.error_feedback:
         raise ValueError("download codec needs error_feedback=True (the server's residual)")
-    return Broadcast(codec.name, codec.options)
+    return Broadcast(codec.name, codec.options, nodes_hold_initial=codec.nodes_hold_initial)
 
 
 def broadcast_messages(s: Any, config: ConfigRecord, nodes: list[int], mtype: str) -> list[Message]:

@@ -220,30 +220,48 @@ class Codec:
     ``Codec("int8", block_size=64)``, ``Codec("topk", fraction=0.01, values="int8")``; the
     options not given take the codec's defaults. ``error_feedback``: the worker keeps what the
     codec dropped and adds it to its next delta. One class for any direction a codec applies to.
+    ``nodes_hold_initial`` (downloads only): every node builds the initial model itself (same
+    seed or checkpoint; ``clients.make_download_mod(initial=...)``), so round 1 sends no arrays.
     """
 
     name: str
     options: Mapping[str, Any] = field(default_factory=dict)
     error_feedback: bool = True
+    nodes_hold_initial: bool = False
 
-    def __init__(self, name: str, *, error_feedback: bool = True, **options: Any) -> None:
+    def __init__(
+        self,
+        name: str,
+        *,
+        error_feedback: bool = True,
+        nodes_hold_initial: bool = False,
+        **options: Any,
+    ) -> None:
         try:
             normalize_options(name, options)  # unknown codec or option, bad value
         except ValueError as exc:
             raise _renamed("Codec", exc) from None
-        if not isinstance(error_feedback, bool):
-            raise ValueError(f"Codec.error_feedback must be a bool, got {error_feedback!r}")
+        for arg, v in (
+            ("error_feedback", error_feedback),
+            ("nodes_hold_initial", nodes_hold_initial),
+        ):
+            if not isinstance(v, bool):
+                raise ValueError(f"Codec.{arg} must be a bool, got {v!r}")
         object.__setattr__(self, "name", name)
         object.__setattr__(self, "options", MappingProxyType(dict(options)))
         object.__setattr__(self, "error_feedback", error_feedback)
+        object.__setattr__(self, "nodes_hold_initial", nodes_hold_initial)
 
     def __hash__(self) -> int:
-        return hash((self.name, tuple(sorted(self.options.items())), self.error_feedback))
+        opts = tuple(sorted(self.options.items()))
+        return hash((self.name, opts, self.error_feedback, self.nodes_hold_initial))
 
     def __repr__(self) -> str:
         args = [repr(self.name), *(f"{k}={v!r}" for k, v in self.options.items())]
         if not self.error_feedback:
             args.append("error_feedback=False")
+        if self.nodes_hold_initial:
+            args.append("nodes_hold_initial=True")
         return f"Codec({', '.join(args)})"
 
 
