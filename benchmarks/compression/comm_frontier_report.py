@@ -171,6 +171,15 @@ def _fmt_bytes(b: float) -> str:
     return f"{b:.0f} B"
 
 
+def _run_local0(name: str, b: dict[str, Any], nbytes: dict[str, Any]) -> float:
+    """The run total if every node built the initial model itself (a download codec with
+    ``nodes_hold_initial=True``): round 1 then sends no arrays down. Plain downloads send the
+    full model every round, so nothing changes for them."""
+    if F.CONFIGS[name]["down"] != "both":
+        return b["total_run"]
+    return b["total_run"] - nbytes["workers"] * nbytes["fp32_model_bytes"]
+
+
 def rows(done: dict[str, dict], nbytes: dict[str, Any]) -> list[dict[str, Any]]:
     base = {
         m: {r["seed"]: r["test_loss"] for r in config_runs(f"{m}-fp32-nesterov", done)[2]}
@@ -196,6 +205,7 @@ def rows(done: dict[str, dict], nbytes: dict[str, Any]) -> list[dict[str, Any]]:
                 "bytes": b,
                 "x_fewer": fp32["total_run"] / b["total_run"],
                 "x_fewer_round": fp32["total_per_node_round"] / b["total_per_node_round"],
+                "x_fewer_local0": fp32["total_run"] / _run_local0(name, b, nbytes),
             }
         )
     return out
@@ -218,11 +228,12 @@ def _loss_cells(r: dict[str, Any]) -> tuple[str, str, str]:
 def table_text(rs: list[dict[str, Any]]) -> str:
     head = (
         "| config | bytes up / node / round | down | total | x fewer (rounds 2+) | "
-        "run total (8 nodes, 60 rounds) | x fewer (run) | bytes | outer lr | "
+        "run total (8 nodes, 60 rounds) | x fewer (run) | x fewer (run, nodes build round 0) | "
+        "bytes | outer lr | "
         "test loss, mean ± half-range | every seed (0, 1, 2) | "
         "paired Δ vs fp32 same method, per seed |"
     )
-    lines = [head, common.rule(12)]
+    lines = [head, common.rule(13)]
     for r in rs:
         b = r["bytes"]
         lr = "—" if r["lr"] is None else f"{r['lr']:g} ({r['status']})"
@@ -231,7 +242,8 @@ def table_text(rs: list[dict[str, Any]]) -> str:
             f"| {r['config']} | {b['up_per_node_round']:,.0f} | {b['down_per_node_round']:,.0f} | "
             f"{b['total_per_node_round']:,.0f} | {r['x_fewer_round']:.1f}x | "
             f"{_fmt_bytes(b['total_run'])} | "
-            f"{r['x_fewer']:.1f}x | {b['source']} | {lr} | {loss} | {every} | {paired} |"
+            f"{r['x_fewer']:.1f}x | {r['x_fewer_local0']:.1f}x | {b['source']} | {lr} | {loss} | "
+            f"{every} | {paired} |"
         )
     return "\n".join(lines)
 
