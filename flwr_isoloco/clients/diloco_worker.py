@@ -22,6 +22,7 @@ device, the reply and the stored state are fp32 on the CPU.
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -55,9 +56,12 @@ __all__ = [
     "ADAMW_STATE_KEY",
     "WORKER_STATE_KEY",
     "RESIDUAL_STATE_KEY",
+    "TIME_BUDGET_KEY",
 ]
 
 WORKER_STATE_KEY = "diloco.worker"
+TIME_BUDGET_KEY = "time-budget-s"
+"""Message config key overriding the handler's ``time_budget_s`` (seconds; 0 = off)."""
 
 ModelFn = Callable[[Context], torch.nn.Module]
 DataFn = Callable[[Context], Any]
@@ -118,6 +122,7 @@ class _Round:
     clip: float
     request: tuple[str, dict, bool] | None
     dp: tuple[float, float] | None  # local DP (C, z) the server asked for, or None
+    budget: float = 0.0  # time-budget-s: inner steps until it is spent (0 = all H)
 
 
 def _round_settings(cfg: Mapping[str, Any], d: Mapping[str, Any]) -> _Round:
@@ -138,7 +143,10 @@ def _round_settings(cfg: Mapping[str, Any], d: Mapping[str, Any]) -> _Round:
         clip=_get(cfg, "clip-norm", d["clip_norm"], float),
         request=parse_request(cfg),  # bad codec config -> ValueError
         dp=_local_dp_request(cfg),
+        budget=_get(cfg, TIME_BUDGET_KEY, d["time_budget_s"], float),
     )
+    if c.budget < 0:
+        raise ValueError(f"{TIME_BUDGET_KEY} must be >= 0 (0 = off), got {c.budget!r}")
     if c.rnd < 1 or c.h < 1 or c.rounds < 1:
         raise ValueError(
             "server-round, local-steps and num-server-rounds must be >= 1, "
@@ -210,13 +218,18 @@ def _data_cursor(state: RecordDict) -> int:
     return int(wstate["data-cursor"]) if isinstance(wstate, ConfigRecord) else 0
 
 
-def _train_metrics(tokens: int, losses: list[float], step_lr: float, h: int, amp: Amp):
-    """The reply's metrics: ``num-examples`` = predicted tokens, mean loss, last lr, H (fp16:
-    and the steps the scaler skipped)."""
+def _train_metrics(tokens: int, losses: list[float], step_lr: float, c: _Round, amp: Amp, spent):
+    """The reply's metrics: ``num-examples`` = predicted tokens, mean loss, last lr, the inner
+    steps run (fp16: and the steps the scaler skipped; with a time budget: the H asked, the
+    budget and the measured seconds per step, ``spent`` / steps)."""
     metrics = {"num-examples": tokens, "train-loss": sum(losses) / len(losses), "lr": step_lr}
     if amp.scaler is not None:
         metrics["skipped-steps"] = amp.skipped
-    return MetricRecord({**metrics, "inner-steps": h})
+    metrics["inner-steps"] = len(losses)
+    if c.budget > 0:
+        metrics |= {"inner-steps-asked": c.h, TIME_BUDGET_KEY: c.budget}
+        metrics["step-time-s"] = spent / len(losses)
+    return MetricRecord(metrics)
 
 
 def _one_of(name: str, value: str, options: tuple[str, ...]) -> None:
@@ -290,7 +303,9 @@ def _train_round(w: _Worker, c: _Round, theta, model, forward, named, context: C
     torch.manual_seed(node_seed * 7919 + c.rnd)  # dropout etc., reproducible per round
     amp = Amp(w.device, w.precision, grad_scaler(w.device, w.precision))
     loop = InnerLoop(forward, opt, named, w.loss_fn, w.micro_batch, amp)
+    t0 = time.perf_counter()
     losses, tokens, step_lr, cursor = _inner_steps(loop, data, cursor, node_seed, c)
+    spent = time.perf_counter() - t0
     token = new_token() if w.cache_nodes > 0 else None
     save_adamw(opt, named, context.state, w.layout, token)
     context.state[WORKER_STATE_KEY] = ConfigRecord({"data-cursor": cursor, "last-round": c.rnd})
@@ -299,7 +314,7 @@ def _train_round(w: _Worker, c: _Round, theta, model, forward, named, context: C
         keep_moments((context.run_id, context.node_id), token, opt, named, w.device, w.cache_nodes)
     opt.zero_grad(set_to_none=True)  # a pooled model keeps no gradients between messages
     content = reply_content(theta, new, c.request, w.payload, context.state, w.key, c.dp)
-    content["metrics"] = _train_metrics(tokens, losses, step_lr, c.h, amp)
+    content["metrics"] = _train_metrics(tokens, losses, step_lr, c, amp, spent)
     return content
 
 
@@ -327,6 +342,7 @@ def make_diloco_train_handler(
     state_layout: str = "flat",
     micro_batch: int = 0,
     gradient_checkpointing: bool = False,
+    time_budget_s: float = 0.0,
 ) -> Callable[[Message, Context], Message]:
     """A ClientApp ``@app.train()`` handler running H inner AdamW steps (the repository's ``docs/strategies.md`` ("DiLoCo / IsoLoCo strategies")).
 
@@ -371,12 +387,26 @@ def make_diloco_train_handler(
         gradient accumulated (0: in one piece; same step to fp32 rounding); recompute
         activations in the backward pass (``model.gradient_checkpointing_enable()``, a
         Hugging Face model's method).
+    time_budget_s :
+        Speed-scaled local steps (0, the default: off, every round runs H steps). Seconds of
+        inner steps per round (the message config's ``time-budget-s`` overrides it): the node
+        runs steps until the budget is spent, at least 1 and at most H, predicting each next
+        step from its own mean step time so far (:func:`.inner_loop.another_step_fits`). The
+        reply reports the steps run (``inner-steps``), ``inner-steps-asked`` (H), the budget
+        and ``step-time-s``; ``num-examples`` counts the tokens of the steps run, so the server
+        weighs the node by the work it did. Given the step count the round is deterministic;
+        the count depends on wall time (the node's speed and load), so runs differ.
 
     The received arrays load with :func:`flwr_isoloco.models.hf.load_model_arrays` (names and
     shapes checked; a tied tensor arrives once and the tie holds), and the reply has the same
     names as the message.
     """
     _check_handler_options(micro_batch, payload, state_layout, cache_nodes, compile)
+    budget = time_budget_s
+    if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not budget >= 0:
+        raise ValueError(f"time_budget_s must be a number >= 0 (0 = off), got {budget!r}")
+    if not math.isfinite(budget):
+        raise ValueError(f"time_budget_s must be finite, got {budget!r}")
     w = _Worker(
         model_fn, data_fn, loss_fn, betas, payload, seed, arrayrecord_key,
         resolve_node_device(device), check_precision(precision), state_layout, micro_batch,
@@ -385,6 +415,7 @@ def make_diloco_train_handler(
     defaults = dict(local_steps=local_steps, num_server_rounds=num_server_rounds, lr=lr)
     defaults |= dict(warmup_steps=warmup_steps, min_lr_ratio=min_lr_ratio)
     defaults |= dict(weight_decay=weight_decay, clip_norm=clip_norm)
+    defaults |= dict(time_budget_s=float(time_budget_s))
 
     def train(msg: Message, context: Context) -> Message:
         c = _round_settings(_config(msg, configrecord_key), defaults)

@@ -9,11 +9,23 @@ clipping and the step act on the fp32 parameters and moments. In fp16 the backwa
 loss times the scaler's ``S``; the gradient is divided by ``S`` before clipping (so the clip sees
 the true norm) and a step whose gradient holds inf/NaN is skipped and counted
 (:attr:`Amp.skipped`).
+
+Time budget (``c.budget`` seconds > 0, off at 0): the loop runs inner steps until the budget is
+spent, at least 1 and at most ``c.h``. After ``n`` steps taking ``t_n`` seconds in all (the
+node's own clock) it takes another one iff ``n < H`` and ``t_n + t_n / n <= budget``: the next
+step is predicted to last the node's mean step time so far, so a node does not overrun its
+budget by more than one step's misprediction. The steps run are reported (the reply's
+``inner-steps``) and the tokens are those of the steps run, so the server weighs a slow node's
+shorter round by its tokens. Given the step count the round is deterministic (same batches,
+learning rates and update as a run told to take that many steps with the same ``H``: step ``h``
+of round ``r`` keeps its schedule position ``(r - 1) H + h``); the count itself depends on
+wall time, so two runs of the same config may differ.
 """
 
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -22,7 +34,15 @@ import torch
 
 from .precision import autocast
 
-__all__ = ["Amp", "InnerLoop", "accumulate", "batch_at", "inner_lr", "inner_steps"]
+__all__ = [
+    "Amp",
+    "InnerLoop",
+    "accumulate",
+    "another_step_fits",
+    "batch_at",
+    "inner_lr",
+    "inner_steps",
+]
 
 Named = list[tuple[str, torch.nn.Parameter]]
 LossFn = Callable[[Any, Any], tuple[torch.Tensor, int]]
@@ -150,14 +170,31 @@ class InnerLoop:
     amp: Amp
 
 
-def inner_steps(loop: InnerLoop, data, cursor: int, node_seed: int, c):
-    """Run ``c.h`` AdamW steps from batch ``cursor``; returns (losses, tokens, last lr, cursor).
+def another_step_fits(done: int, elapsed: float, h: int, budget: float) -> bool:
+    """Whether a loop that ran ``done`` steps in ``elapsed`` seconds takes another (module
+    docstring): ``done < h`` and, with a budget (> 0), ``elapsed + elapsed / done <= budget``."""
+    if done >= h:
+        return False
+    if budget <= 0 or done == 0:
+        return True
+    return elapsed + elapsed / done <= budget
+
+
+def inner_steps(loop: InnerLoop, data, cursor: int, node_seed: int, c, clock=None):
+    """Run up to ``c.h`` AdamW steps from batch ``cursor``; returns (losses, tokens, last lr,
+    cursor). ``len(losses)`` is the number of steps run: ``c.h``, or fewer when
+    ``c.budget`` (seconds, 0 = off; absent: off) runs out first (:func:`another_step_fits`,
+    timed with ``clock``, default ``time.perf_counter``; the count depends on wall time).
 
     ``c`` holds the round's ``rnd``, ``h``, ``rounds``, ``lr``, ``warm``, ``min_ratio`` and
     ``clip``. A non-finite loss raises ``FloatingPointError`` (nothing is stepped on it)."""
     losses, tokens, step_lr = [], 0, c.lr
     params = [p for _, p in loop.named]
-    for i in range(c.h):
+    budget = float(getattr(c, "budget", 0.0) or 0.0)
+    clock = clock or time.perf_counter
+    t0 = clock() if budget > 0 else 0.0
+    i = 0
+    while another_step_fits(i, clock() - t0 if budget > 0 else 0.0, c.h, budget):
         step_lr = inner_lr((c.rnd - 1) * c.h + i, c.rounds * c.h, c.lr, c.warm, c.min_ratio)
         for group in loop.opt.param_groups:
             group["lr"] = step_lr
@@ -174,4 +211,5 @@ def inner_steps(loop: InnerLoop, data, cursor: int, node_seed: int, c):
         loop.amp.step(loop.opt, params, c.clip)
         losses.append(float(loss.detach()))
         tokens += int(n)
+        i += 1
     return losses, tokens, step_lr, cursor

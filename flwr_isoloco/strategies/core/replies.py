@@ -14,7 +14,8 @@ The checks, in order (the first failure drops the reply): error reply; no ArrayR
 first); keys that differ from the model; an array that does not decode, has the wrong shape or
 a non-floating dtype (:func:`~.wire.decode_array`); another floating dtype (cast, or refused
 with ``dtype_policy="reject"``); NaN / inf (:func:`~.wire.nonfinite_reason`); a missing or
-invalid weight (``num-examples``: a finite number > 0); an invalid ``payload`` flag;
+invalid weight (``num-examples``: a finite number > 0); an ``inner-steps`` metric that is not
+a count in ``[1, asked_steps]`` (:func:`steps_problem`); an invalid ``payload`` flag;
 ``||u_i||_2 > MAX_MERGEABLE_NORM`` (1e18, beyond which fp32 squares overflow); the optional
 norm bounds; the repository's ``docs/strategies.md`` ("DiLoCo / IsoLoCo strategies"),
 "What is rejected", gives the reasons.
@@ -55,6 +56,7 @@ __all__ = [
     "content_digest",
     "reply_metrics",
     "reply_nbytes",
+    "steps_problem",
 ]
 
 PAYLOAD_KEY = "payload"
@@ -188,6 +190,22 @@ def reply_metrics(content: RecordDict) -> dict[str, float]:
     return out
 
 
+def steps_problem(content: RecordDict, asked: int | None) -> str | None:
+    """Why a reply's ``inner-steps`` metric (the inner steps a DiLoCo worker ran; fewer than
+    asked under a time budget) cannot be trusted, or None: each occurrence must be an integral
+    count ``>= 1`` and, when the server knows the ``local-steps`` it asked for, at most that
+    (a node claiming more work than asked is hostile). Absent is fine."""
+    for rec in content.metric_records.values():
+        if "inner-steps" not in rec:
+            continue
+        n = rec["inner-steps"]
+        if not _is_number(n) or not math.isfinite(float(n)) or float(n) != int(n) or n < 1:
+            return f"metric 'inner-steps' = {n!r} is not a count >= 1"
+        if asked is not None and n > asked:
+            return f"metric 'inner-steps' = {int(n)} is more than the {asked} local-steps asked"
+    return None
+
+
 def _is_number(v: object) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
@@ -224,6 +242,9 @@ class ReplyValidator:
         ``"weights"`` (FedAvg-style, ``u_i = theta - theta_i``) or ``"delta"`` (``u_i`` sent).
     what :
         Label used in log lines (e.g. ``"aggregate_train"``).
+    asked_steps :
+        The ``local-steps`` the train config asked for (None: unknown); a reply's
+        ``inner-steps`` is checked against it (:func:`steps_problem`).
     """
 
     arrayrecord_key: str = "arrays"
@@ -235,6 +256,7 @@ class ReplyValidator:
     max_norm_ratio: float | None = None
     default_payload: str = "weights"
     what: str = "aggregate_train"
+    asked_steps: int | None = None
 
     def __post_init__(self) -> None:
         if self.dtype_policy not in DTYPE_POLICIES:
@@ -412,6 +434,8 @@ class ReplyValidator:
             if not _is_number(w) or not math.isfinite(float(w)) or float(w) <= 0:
                 return f"invalid weight {self.weighted_by_key!r}={w!r} (need a finite number > 0)"
             weight = float(w)
+        if self.require_arrays and (why := steps_problem(content, self.asked_steps)):
+            return why
         payload = self.default_payload
         for crec in content.config_records.values():
             if isinstance(crec, ConfigRecord) and PAYLOAD_KEY in crec:

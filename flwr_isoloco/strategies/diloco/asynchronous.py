@@ -27,6 +27,12 @@ discounted sum): a buffer of stale replies moves the model less, a fresh one (``
 a synchronous round would. A reply with ``tau > Rounds.max_staleness`` is dropped before any
 check, logged with its node and the reason, and counted (``replies-stale``).
 
+Speed-scaled local steps: a DiLoCo worker with a time budget (``time_budget_s``, the LM app's
+``train.time-budget-s``) runs as many of the ``local-steps`` as fit its budget and reports them
+(``inner-steps``); its ``num-examples`` are the tokens of those steps, so the weight above
+already counts its work. A reply claiming more ``inner-steps`` than the train config's
+``local-steps`` is dropped and named (:func:`~flwr_isoloco.strategies.core.replies.steps_problem`).
+
 Outer momentum: ``Rounds.momentum_every = N`` moves the momentum once every ``N`` outer steps
 on the mean of their ``g`` and takes plain steps ``g / N`` in between (delayed Nesterov, Liu et
 al. arXiv 2401.09135; the formula is :mod:`flwr_isoloco.outer`'s module docstring). ``K = 1``
@@ -83,7 +89,7 @@ from flwr_isoloco.strategies.core.rounds import POLL_S
 from flwr_isoloco.strategies.diloco.settings import Rounds
 from flwr_isoloco.strategies.diloco.train_round import TrainRound
 
-__all__ = ["AsyncRounds", "BasedReply", "refuse_secagg", "staleness_discount"]
+__all__ = ["AsyncRounds", "BasedReply", "asked_steps", "refuse_secagg", "staleness_discount"]
 
 VERSION_KEY = "model-version"
 """ConfigRecord key of a task: the version (outer steps) of the model sent."""
@@ -92,6 +98,12 @@ VERSION_KEY = "model-version"
 def staleness_discount(tau: int, a: float) -> float:
     """``s(tau) = (1 + tau)^(-a)``: 1 for a fresh reply (``tau = 0``) and for ``a = 0``."""
     return 1.0 if tau == 0 or a == 0 else float((1.0 + tau) ** -a)
+
+
+def asked_steps(config: Mapping[str, Any]) -> int | None:
+    """The ``local-steps`` a train config asks for (an int >= 1), else None (not asked)."""
+    h = config.get("local-steps")
+    return h if isinstance(h, int) and not isinstance(h, bool) and h >= 1 else None
 
 
 def refuse_secagg(s: Any) -> None:
@@ -202,6 +214,7 @@ class AsyncRounds:
         self._config = ConfigRecord(dict(train_config))
         for k, v in s.codec_request.items():
             self._config[k] = v
+        s.train_validator.asked_steps = asked_steps(self._config)  # inner-steps <= it
         s._train_ledger = self.ledger  # replies are attributed to the node of their task
         s.server_round = done + 1
         train = TrainRound(s, done + 1, per_reply=self)

@@ -19,7 +19,8 @@ With a pretrained model (``model.name-or-path``) the reply's metrics add ``worke
 the GPU this node's process sees (in a simulation, one given by
 ``options.backend.client-resources.num-gpus``; with the default 0 Ray hides every GPU from the
 node), else the CPU; ``cuda`` where none is visible is refused naming the key and the fix.
-``train.precision`` and ``train.compile`` go to the worker as they are. The node checks the
+``train.precision``, ``train.compile`` and ``train.time-budget-s`` (speed-scaled local steps,
+0 = off) go to the worker as they are. The node checks the
 strategy section for spelling only: ``strategy.merge-device`` is the server's (task.load_config).
 """
 
@@ -93,6 +94,7 @@ def _train(msg: Message, context: Context) -> Message:
         device=device,
         precision=cfg.train.precision,
         compile=cfg.train.compile,
+        time_budget_s=float(cfg.train["time-budget-s"]),
     )
     if not is_pretrained(cfg):
         return handler(msg, context)

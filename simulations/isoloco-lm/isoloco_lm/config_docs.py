@@ -156,6 +156,9 @@ KEY_DOCS: dict[str, str] = {
     "weights, gradients, AdamW moments and pseudo-gradient in fp32 (fp16: with a gradient "
     "scaler); `bf16` also runs on the CPU",
     "train.compile": "`torch.compile` the model once per node process, reused across rounds",
+    "train.time-budget-s": "speed-scaled local steps: each node runs inner steps until this many "
+    "seconds are spent (at least 1, at most `train.local-steps`) and is weighted by the tokens "
+    "it trained; the step count depends on wall time (0 = off: every node runs all steps)",
     "model.hidden": "built-in LLaMA: hidden size",
     "model.layers": "built-in LLaMA: decoder layers",
     "model.heads": "built-in LLaMA: attention heads",

@@ -139,6 +139,7 @@ DEFAULTS: dict[str, Any] = {
         "device": "auto",
         "precision": "fp32",
         "compile": False,
+        "time-budget-s": 0.0,
     },
     "model": {
         "hidden": 128,
@@ -218,6 +219,7 @@ VALIDATORS = {
     # spelling only: each node resolves it on its own machine (client_app.py)
     "train.device": functools.partial(parse_device, what="train.device"),
     "train.precision": choices(*PRECISIONS),
+    "train.time-budget-s": non_negative,
     "model.hidden": positive,
     "model.layers": positive,
     "model.heads": positive,
