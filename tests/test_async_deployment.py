@@ -23,7 +23,9 @@ from deploy_harness import loopback_deployment
 pytestmark = pytest.mark.deployment
 
 APP = Path(__file__).resolve().parent / "deploy-async-app"
-STEPS = 6
+STEPS = 7
+# Steps last >= 4 s (the app's step-min-s), tasks are given up after 20 s: the killed node's
+# first task is given up at the latest at step 7's start (>= 24 s after it was sent).
 
 
 def _wait_for(path: Path, run, timeout: float) -> None:
@@ -35,7 +37,8 @@ def _wait_for(path: Path, run, timeout: float) -> None:
 
 
 def test_async_rounds_go_on_past_a_slow_and_a_killed_supernode(tmp_path):
-    """The run completes its 6 outer steps of 2 replies each on the fast and the slow node;
+    """The run completes its 7 outer steps on the fast and the slow node (2 replies each, or 1
+    where a step timed out on a loaded machine);
     the killed node's task is given up (or lost, if the SuperLink reports the node gone first)
     and named by its node id in the server's log; it never enters the model, which is exactly
     the sum of the other nodes' merged updates; the slow node's updates are among them."""
@@ -56,7 +59,7 @@ def test_async_rounds_go_on_past_a_slow_and_a_killed_supernode(tmp_path):
     results = json.loads((out / "results.json").read_text())
     steps = results["train_metrics"]
     assert sorted(steps, key=int) == [str(s) for s in range(1, STEPS + 1)]
-    assert all(m["replies-used"] == 2 for m in steps.values()), steps
+    assert all(m["replies-used"] in (1, 2) for m in steps.values()), steps
     means = [steps[str(s)]["partition-id"] for s in range(1, STEPS + 1)]
     assert all(0.0 <= m <= 1.0 for m in means), means  # partition 2 never merged
     assert any(m > 0 for m in means), means  # the slow node's updates were applied
