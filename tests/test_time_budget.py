@@ -161,6 +161,17 @@ def test_a_negative_budget_in_the_message_is_refused_before_training():
     assert WORKER_STATE_KEY not in ctx.state
 
 
+def test_a_budget_is_refused_in_a_ddp_group(monkeypatch):
+    """Each rank of the distributed worker would time its own steps: refused before training."""
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    ctx = new_context()
+    with pytest.raises(ValueError, match="distributed worker"):
+        send(handler(time_budget_s=1.0), theta0(), 1, ctx)
+    assert WORKER_STATE_KEY not in ctx.state
+    reply = send(handler(), theta0(), 1, new_context())  # no budget: unchanged
+    assert reply.content["metrics"]["inner-steps"] == H
+
+
 # ----------------------------------------------------------------------------- the server
 def _content(steps) -> RecordDict:
     arrays = ArrayRecord({"w": torch.zeros(2)})

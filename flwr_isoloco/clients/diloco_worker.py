@@ -147,6 +147,11 @@ def _round_settings(cfg: Mapping[str, Any], d: Mapping[str, Any]) -> _Round:
     )
     if c.budget < 0:
         raise ValueError(f"{TIME_BUDGET_KEY} must be >= 0 (0 = off), got {c.budget!r}")
+    if c.budget > 0 and torch.distributed.is_available() and torch.distributed.is_initialized():
+        raise ValueError(
+            f"{TIME_BUDGET_KEY} with a distributed worker: each rank would time its own steps "
+            "and the ranks could run different step counts (a hung collective); use 0"
+        )
     if c.rnd < 1 or c.h < 1 or c.rounds < 1:
         raise ValueError(
             "server-round, local-steps and num-server-rounds must be >= 1, "
