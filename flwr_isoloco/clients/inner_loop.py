@@ -16,10 +16,10 @@ node's own clock) it takes another one iff ``n < H`` and ``t_n + t_n / n <= budg
 step is predicted to last the node's mean step time so far, so a node does not overrun its
 budget by more than one step's misprediction. The steps run are reported (the reply's
 ``inner-steps``) and the tokens are those of the steps run, so the server weighs a slow node's
-shorter round by its tokens. Given the step count the round is deterministic (same batches,
-learning rates and update as a run told to take that many steps with the same ``H``: step ``h``
-of round ``r`` keeps its schedule position ``(r - 1) H + h``); the count itself depends on
-wall time, so two runs of the same config may differ.
+shorter round by its tokens. Given the step count ``n`` the round is deterministic: it is the
+first ``n`` steps of the full round (the same batches, and step ``h`` of round ``r`` keeps its
+learning rate at schedule position ``(r - 1) H + h``); the count itself depends on wall time,
+so two runs of the same config may differ.
 """
 
 from __future__ import annotations
