@@ -7,6 +7,7 @@ inner step, so the step counts below are exact."""
 
 from __future__ import annotations
 
+import json
 import logging
 from types import SimpleNamespace
 
@@ -262,3 +263,34 @@ def test_lm_app_key_default_off_and_checked():
     assert task.load_config({"train.time-budget-s": 2.5}).train["time-budget-s"] == 2.5
     with pytest.raises(RunConfigError, match="train.time-budget-s"):
         task.load_config({"train.time-budget-s": -1.0})
+
+
+def test_lm_app_runs_with_a_budget_and_off_unchanged(tmp_path):
+    """The LM app in-process (FakeGrid, 3 nodes, 2 rounds): with a budget of 1 ns every node
+    runs exactly 1 of its 3 inner steps (the first always runs; then 2 x elapsed > budget) and
+    replies 1 step's tokens; the run completes. Without the key the replies say 3 steps."""
+    from fakegrid import FakeGrid
+    from isoloco_lm import client_app, server_app
+    from lm_app import tiny_config, write_corpus
+
+    (tmp_path / "corpus").mkdir()
+    corpus = write_corpus(tmp_path / "corpus")
+    base = tiny_config(corpus, tmp_path / "cache", num_server_rounds=2)
+    for budget, steps in ((1e-9, 1), (None, 3)):
+        seen: list[dict] = []
+
+        def train(msg, ctx, seen=seen):
+            reply = client_app.train(msg, ctx)
+            seen.append(dict(reply.content["metrics"]))
+            return reply
+
+        rc = {**base, "output-dir": str(tmp_path / f"out-{steps}")}
+        if budget is not None:
+            rc["train.time-budget-s"] = budget
+        grid = FakeGrid({"train": train}, num_nodes=3, run_config=rc)
+        out = server_app.run_server(grid, rc, settle_s=0.0)
+        rounds = json.loads((out / "results.json").read_text())["rounds"]
+        assert [r["replies-used"] for r in rounds] == [3, 3]
+        assert len(seen) == 6 and all(m["inner-steps"] == steps for m in seen), seen
+        assert all(m["num-examples"] == steps * 4 * 32 for m in seen)
+        assert all(("time-budget-s" in m) is (budget is not None) for m in seen)
