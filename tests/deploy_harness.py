@@ -22,6 +22,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager, suppress
@@ -40,6 +41,16 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
 
 
 def base_env(flwr_home: Path | None = None) -> dict[str, str]:
@@ -224,8 +235,16 @@ class LoopbackDeployment:
         self.cwd = cwd or root
         self.port = 0
         self.superlink: ManagedProcess | None = None
+        # The SuperLink's state file (runs, registered SuperNodes): a restart keeps it.
+        self.database = root / "superlink.db"
+        self.superlink_starts = 0
         self.supernodes: list[SuperNodeInfo] = []
         self._procs: list[ManagedProcess] = []
+        self._starts: dict[str, int] = {}
+        # Processes may be started from other threads (a SuperNode restart that retries);
+        # once closed, nothing new starts, so nothing outlives close().
+        self._lock = threading.Lock()
+        self._closed = False
 
     # --- plumbing -------------------------------------------------------------------------
     @property
@@ -264,22 +283,29 @@ class LoopbackDeployment:
             raise RuntimeError(f"flwr {' '.join(args)}: no JSON: {res.stdout}{res.stderr}") from err
 
     def _start(self, name: str, cmd: list[str], flwr_home: Path) -> ManagedProcess:
-        log_path = self.root / f"{name}.log"
-        flwr_home.mkdir(parents=True, exist_ok=True)
-        log_file = open(log_path, "wb")
-        popen = subprocess.Popen(
-            cmd,
-            env=base_env(flwr_home),
-            cwd=self.cwd,
-            stdout=log_file,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            start_new_session=True,
-        )
-        log_file.close()
-        proc = ManagedProcess(name=name, popen=popen, log_path=log_path)
-        self._procs.append(proc)
-        return proc
+        # A restarted process keeps its name and gets a new log (name.1.log, ...): the old
+        # log is what the killed process wrote.
+        with self._lock:
+            if self._closed:
+                raise RuntimeError(f"the deployment is closed; {name} not started")
+            count = self._starts.get(name, 0)
+            self._starts[name] = count + 1
+            log_path = self.root / (f"{name}.log" if count == 0 else f"{name}.{count}.log")
+            flwr_home.mkdir(parents=True, exist_ok=True)
+            log_file = open(log_path, "wb")
+            popen = subprocess.Popen(
+                cmd,
+                env=base_env(flwr_home),
+                cwd=self.cwd,
+                stdout=log_file,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
+            log_file.close()
+            proc = ManagedProcess(name=name, popen=popen, log_path=log_path)
+            self._procs.append(proc)
+            return proc
 
     def _wait_for(self, what: str, predicate, timeout: float, procs=()) -> None:
         deadline = time.monotonic() + timeout
@@ -298,7 +324,11 @@ class LoopbackDeployment:
         self._script("make_certs.sh", str(self.cert_dir), "127.0.0.1", "localhost")
 
     def start_superlink(self, timeout: float = 60.0) -> None:
+        """Start the SuperLink on a free port with its state in ``self.database``."""
         self.port = free_port()
+        self._launch_superlink(timeout)
+
+    def _launch_superlink(self, timeout: float) -> None:
         self.superlink = self._start(
             "superlink",
             [
@@ -306,11 +336,20 @@ class LoopbackDeployment:
                 str(self.cert_dir),
                 "127.0.0.1",
                 str(self.port),
-                str(self.root / "superlink.db"),
+                str(self.database),
             ],
             self.root / "superlink-home",
         )
-        self._script("write_cli_config.sh", CONNECTION, self.address, str(self.cert_dir / "ca.crt"))
+        self.superlink_starts += 1
+        if self.superlink_starts == 1:  # a restart keeps the address: the CLI config stands
+            self._script(
+                "write_cli_config.sh", CONNECTION, self.address, str(self.cert_dir / "ca.crt")
+            )
+        self.wait_superlink(timeout)
+
+    def wait_superlink(self, timeout: float = 60.0) -> None:
+        """Wait until the SuperLink's Control API answers `flwr ls`."""
+        assert self.superlink is not None
 
         def control_api_answers() -> bool:
             try:
@@ -451,8 +490,78 @@ class LoopbackDeployment:
         with suppress(subprocess.TimeoutExpired):
             proc.popen.wait(timeout=10)
 
+    def kill_superlink(self, with_descendants: bool = False) -> list[int]:
+        """SIGKILL the SuperLink process (a crash of the coordinator's service).
+
+        By default only the SuperLink process itself is killed, as when it crashes or the
+        out-of-memory killer picks it; its descendants (SuperExec, ServerApp processes) are
+        left to live or die on their own. ``with_descendants=True`` kills them too at once
+        (the coordinator's machine losing power). Returns the pids of the descendants it saw
+        just before the kill, so a caller can check which of them outlived it.
+        """
+        proc = self.superlink
+        if proc is None or not proc.alive():
+            raise RuntimeError("the SuperLink is not running")
+        proc.remember_descendants()
+        children = _recorded_alive([proc])
+        _signal_pids([proc.pid, *(children if with_descendants else [])], signal.SIGKILL)
+        with suppress(subprocess.TimeoutExpired):
+            proc.popen.wait(timeout=10)
+        return children
+
+    def restart_superlink(self, timeout: float = 90.0) -> None:
+        """Start the SuperLink again after a kill: same port, certificates and database.
+
+        The port is reused as it is (a SIGKILLed process's listening socket is gone at
+        once); SuperNodes keep retrying the same address and the CLI connection is unchanged.
+        """
+        if self.superlink is not None and self.superlink.alive():
+            raise RuntimeError("the SuperLink is still running; kill_superlink() first")
+        if not self.port:
+            raise RuntimeError("the SuperLink was never started")
+        deadline = time.monotonic() + 30
+        while not _port_free(self.port) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        self._launch_superlink(timeout)
+
+    def restart_supernode(self, index: int, timeout: float = 150.0, retry_s: float = 3.0) -> int:
+        """Start a killed SuperNode again until it is online: same key (so the same node id),
+        node config, ClientAppIo port and FLWR_HOME (a site that reboots). Returns the
+        number of starts it took.
+
+        Flower 1.42 refuses to activate a node id it still lists as online (the SuperNode
+        exits with code 305, "[code: 2004] Failed to activate SuperNode"): a SIGKILLed node
+        stays online until its heartbeat window lapses (2 x 30 s after its last heartbeat).
+        So, like a site's service manager (systemd ``Restart=on-failure``), this starts it
+        again every ``retry_s`` seconds after such an exit, for at most ``timeout`` seconds.
+        """
+        info = self.supernodes[index]
+        if info.process is not None and info.process.alive():
+            raise RuntimeError(f"SuperNode {index} is still running")
+        deadline = time.monotonic() + timeout
+        starts = 0
+        while True:
+            self.start_supernode(info)
+            starts += 1
+            proc = info.process
+            assert proc is not None
+            # The SuperLink listing the node as online proves nothing here (the killed
+            # process's window); the new process logs its node id once it is activated.
+            while proc.alive() and time.monotonic() < deadline:
+                if f"SuperNode ID: {info.node_id}" in proc.log_tail(100_000):
+                    return starts
+                time.sleep(0.5)
+            if time.monotonic() >= deadline:
+                raise TimeoutError(
+                    f"SuperNode {index} not online after {timeout}s and {starts} starts:\n"
+                    f"{proc.log_tail()}"
+                )
+            time.sleep(retry_s)
+
     def close(self) -> None:
         """Stop every process this harness started (SuperNodes first, then the SuperLink)."""
+        with self._lock:
+            self._closed = True
         for proc in self._procs:
             proc.remember_descendants()
         stop_processes(list(reversed(self._procs)))
