@@ -408,7 +408,11 @@ def test_run_survives_three_supernode_kills_and_a_superlink_restart(tmp_path):
         assert len(n["missing-nodes"]) == n["missing"], n
         named_nodes = n["dropped-nodes"] + n["missing-nodes"]
         assert len(set(named_nodes)) == len(named_nodes), n  # no node counted twice
-        assert n["used"] >= 2, n  # the quorum
+        # Something merged each round. Not the quorum (2): both round-1 victims may be among
+        # the 3 sampled (node ids, so the sample, differ per deployment; 4 in 20), since Flower
+        # lists a dead node online for up to a minute; the round then closes on their
+        # NODE_UNAVAILABLE errors with 1 reply used, both losses named.
+        assert n["used"] >= 1, n
         assert row["replies-lost"] <= row["replies-rejected"]
         # each node sent to is used, rejected or missing, exactly once
         assert n["used"] + n["rejected"] + n["missing"] == n["sampled"], n
