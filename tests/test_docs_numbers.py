@@ -143,6 +143,12 @@ NO_RECORD: dict[tuple[str, str, str], str] = {
         "merge at lr 0.7, mu 0.9",
     ): "0.867 (`iso_c`, CNN IID seed 1) and 0.889 (`iso_c` on fc1 only, CNN IID seed 0) are in "
     "no record; isoloco_dropin.json keeps the other cells (seed 0's under `diagnosis`)",
+    (
+        "deployment.md",
+        "When the coordinator fails (SuperLink restart)",
+        "what was killed",
+    ): "timings read off the logs of hand-run probes (the reproducing commands follow the table); "
+    "the probes keep no record",
 }
 
 
