@@ -67,6 +67,17 @@ def run(download=None, rounds=3, nodes=2, fraction=1.0, grid=None, **kw):
     return s, res, grid
 
 
+def record_digests(s: DiLoCo, digests: dict[int, str]) -> None:
+    """Keep the digest of each round's B in ``digests`` (round -> digest)."""
+    orig = s.broadcast.advance
+
+    def advance(theta, dtypes):
+        orig(theta, dtypes)
+        digests[s.server_round + 1] = s.broadcast.digest
+
+    s.broadcast.advance = advance
+
+
 def test_int8_download_sends_fewer_bytes_and_nodes_train_from_b():
     _, fp32, _ = run(None)
     s, res, _ = run("int8")
@@ -101,13 +112,7 @@ def test_nodes_that_skip_rounds_train_from_the_broadcast_model():
         fraction_evaluate=0.0,
         download="int8",
     )
-    orig = s.broadcast.advance
-
-    def advance(theta, dtypes):
-        orig(theta, dtypes)
-        digests[s.server_round + 1] = s.broadcast.digest
-
-    s.broadcast.advance = advance
+    record_digests(s, digests)
     TRAINED_ON.clear()
     grid = FakeGrid(make_app(), num_nodes=4)
     s.start(grid=grid, initial_arrays=ArrayRecord(theta0()), num_rounds=5)
@@ -412,13 +417,7 @@ def test_nodes_that_build_the_initial_model_get_no_arrays_in_round_1():
         fraction_evaluate=0.0,
         download=codec,
     )
-    orig = s.broadcast.advance
-
-    def advance(theta, dtypes):
-        orig(theta, dtypes)
-        digests[s.server_round + 1] = s.broadcast.digest
-
-    s.broadcast.advance = advance
+    record_digests(s, digests)
     TRAINED_ON.clear()
     grid = FakeGrid(make_app([make_download_mod(initial=lambda ctx: theta0())]), num_nodes=4)
     res = s.start(grid=grid, initial_arrays=ArrayRecord(theta0()), num_rounds=4)
