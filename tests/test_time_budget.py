@@ -254,6 +254,32 @@ def test_asynchronous_rounds_drop_a_reply_claiming_more_steps_than_asked(caplog)
     assert "more than the 5 local-steps asked" in named[0]
 
 
+def test_synchronous_rounds_drop_a_reply_claiming_more_steps_than_asked(caplog):
+    """The same check in synchronous rounds: node 1 claims 6 of the 5 steps asked in round 1,
+    dropped and named; the other 5 replies of the two rounds are used."""
+    from flwr_isoloco.strategies.diloco.settings import Rounds
+
+    s = strategy(rounds=Rounds())
+    grid = ScriptedGrid([0, 1, 2, 0, 1, 2])
+
+    def claims(reply):
+        reply.content["metrics"]["inner-steps"] = 6
+        return reply
+
+    grid.set_fault(1, claims, times=1)
+    with caplog.at_level(logging.WARNING, logger="flwr"):
+        res = s.start(
+            grid=grid,
+            initial_arrays=ArrayRecord(init_model()),
+            num_rounds=2,
+            train_config=ConfigRecord({"local-steps": 5}),
+        )
+    m = res.train_metrics_clientapp
+    assert [(m[r]["replies-used"], m[r]["replies-rejected"]) for r in (1, 2)] == [(2, 1), (3, 0)]
+    named = [r.getMessage() for r in caplog.records if "inner-steps" in r.getMessage()]
+    assert len(named) == 1 and f"node {grid.node_ids[1]}" in named[0]
+
+
 # ----------------------------------------------------------------------------- the LM app
 def test_lm_app_key_default_off_and_checked():
     from isoloco_lm import task

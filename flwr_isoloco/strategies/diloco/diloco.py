@@ -41,6 +41,7 @@ from flwr_isoloco.strategies.core.nodes import DEFAULT_NODE_WAIT_S, nodes_for_ro
 from flwr_isoloco.strategies.core.replies import CheckedReply
 from flwr_isoloco.strategies.core.rounds import ReplyStream, check_quorum
 from flwr_isoloco.strategies.diloco import asynchronous_setup as asyn
+from flwr_isoloco.strategies.diloco.asynchronous import asked_steps
 from flwr_isoloco.strategies.diloco.config import (
     DILOCO_RUN_CONFIG,
     ISOLOCO_RUN_CONFIG,
@@ -316,6 +317,7 @@ class DiLoCo(FromRunConfig, DiLoCoState, ResumableStrategy):
         config["server-round"] = self.server_round + 1
         for k, v in {**self.codec_request, **self.dp.request()}.items():
             config[k] = v
+        self.train_validator.asked_steps = asked_steps(config)  # inner-steps <= it
         if self.broadcast is not None:
             self.broadcast.advance(self.theta, self._dtypes)
         record = self._model_record() if self.broadcast is None else ArrayRecord()
