@@ -464,3 +464,29 @@ def test_nodes_hold_initial_is_for_downloads_only():
         DiLoCo(upload=Codec("int8", nodes_hold_initial=True))
     with pytest.raises(ValueError, match="nodes_hold_initial must be a bool"):
         Codec("int8", nodes_hold_initial="yes")
+
+
+def test_lm_app_nodes_build_round_0_themselves(tmp_path):
+    """The LM app in process with int8 downloads: with strategy.download-nodes-hold-initial
+    round 1 sends no arrays down (each node builds the initial model from the run config and
+    its digest matches the server's), and the run is the same run as without the key."""
+    import json
+
+    from isoloco_lm import client_app, server_app
+    from lm_app import tiny_config, write_corpus
+
+    (tmp_path / "corpus").mkdir()
+    corpus = write_corpus(tmp_path / "corpus")
+    base = tiny_config(corpus, tmp_path / "cache", num_server_rounds=2)
+    base["strategy.download-codec"] = "int8"
+    rows = {}
+    for hold in (True, False):
+        rc = {**base, "output-dir": str(tmp_path / f"out-{hold}")}
+        rc["strategy.download-nodes-hold-initial"] = hold
+        grid = FakeGrid(client_app.app, num_nodes=3, run_config=rc)
+        out = server_app.run_server(grid, rc, settle_s=0.0)
+        rows[hold] = json.loads((out / "results.json").read_text())["rounds"]
+    assert [r["replies-used"] for r in rows[True]] == [3, 3]
+    assert rows[True][0]["bytes-down"] == 0 < rows[False][0]["bytes-down"]
+    assert rows[True][1]["bytes-down"] == rows[False][1]["bytes-down"]
+    assert [r["val-loss"] for r in rows[True]] == [r["val-loss"] for r in rows[False]]

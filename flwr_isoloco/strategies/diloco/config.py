@@ -88,6 +88,7 @@ DILOCO_RUN_CONFIG: dict[str, Any] = {
     "spectral-pattern": "",
     "upload-codec": "none",
     "download-codec": "none",
+    "download-nodes-hold-initial": False,
     "codec-block-size": 256,
     "codec-fraction": 0.01,
     "codec-values": "fp32",
@@ -348,7 +349,11 @@ def section_kwargs(c: Mapping[str, Any]) -> dict[str, Any]:
         else Codec(upload, error_feedback=c["error-feedback"], **codec_options(c)),
         download=None
         if download == "none"
-        else Codec(download, **codec_options(c, "download-codec")),
+        else Codec(
+            download,
+            nodes_hold_initial=c.get("download-nodes-hold-initial", False),
+            **codec_options(c, "download-codec"),
+        ),
         divergence=Divergence(c["on-divergence"], c["divergence-factor"]),
         robust=as_robust(c["robust"], robust_options(c)),
         privacy=section_privacy(c),

@@ -35,9 +35,10 @@ from flwr.clientapp import ClientApp
 from flwr.common.logger import log
 
 from flwr_isoloco.clients.diloco_worker import make_diloco_train_handler
-from flwr_isoloco.clients.download import download_mod
+from flwr_isoloco.clients.download import make_download_mod
 from flwr_isoloco.clients.node_state import with_node_state
 from flwr_isoloco.merging.device import resolve_node_device
+from flwr_isoloco.models.hf import model_arrays
 from flwr_isoloco.secagg_mod import secagg_mod
 
 from .pretrained import is_pretrained, peak_rss_mb
@@ -50,9 +51,17 @@ from .task import (
     node_batches,
 )
 
-# download_mod: strategy.download-codec (rebuilds the broadcast model; no-op at "none");
+
+def _initial_model(context: Context) -> dict[str, torch.Tensor]:
+    """The initial model as the server builds it (strategy.download-nodes-hold-initial)."""
+    cfg = load_config(context.run_config, node=True)
+    return model_arrays(build_model(cfg)).to_torch_state_dict()
+
+
+# download mod: strategy.download-codec (rebuilds the broadcast model; no-op at "none"), and
+# with strategy.download-nodes-hold-initial builds round 1's model here;
 # secagg_mod: SecAgg+ train stages only; other messages pass through
-app = ClientApp(mods=[download_mod, secagg_mod])
+app = ClientApp(mods=[make_download_mod(initial=_initial_model), secagg_mod])
 
 
 def _partition(context: Context) -> tuple[int, int]:

@@ -78,6 +78,8 @@ KEY_DOCS: dict[str, str] = {
     "docs/compression.md (`int8`, `fp8`, `topk`, ...)",
     "strategy.download-codec": "compress the server's downloads to an update of the broadcast "
     "model (server-side error feedback; `none` = the full model each round; docs/compression.md)",
+    "strategy.download-nodes-hold-initial": "with a download codec: every node builds the "
+    "initial model itself (same seed / checkpoint), so round 1 sends no arrays",
     "strategy.codec-block-size": "entries per fp32 scale (int8, fp8, top-k with int8 values)",
     "strategy.codec-fraction": "top-k: fraction of each tensor's entries sent",
     "strategy.codec-values": "top-k values: `fp32` or `int8`",
