@@ -67,6 +67,17 @@ def run(download=None, rounds=3, nodes=2, fraction=1.0, grid=None, **kw):
     return s, res, grid
 
 
+def half_of_four(download) -> DiLoCo:
+    """DiLoCo sampling half of 4 nodes per round, with ``download``."""
+    return DiLoCo(
+        min_available_nodes=4,
+        min_train_nodes=1,
+        fraction_train=0.5,
+        fraction_evaluate=0.0,
+        download=download,
+    )
+
+
 def record_digests(s: DiLoCo, digests: dict[int, str]) -> None:
     """Keep the digest of each round's B in ``digests`` (round -> digest)."""
     orig = s.broadcast.advance
@@ -105,13 +116,7 @@ def test_nodes_that_skip_rounds_train_from_the_broadcast_model():
     """fraction_train 0.5 of 4 nodes: a node sampled after skipping rounds gets the full B;
     every node trained on exactly the server's B of that round."""
     digests = {}
-    s = DiLoCo(
-        min_available_nodes=4,
-        min_train_nodes=1,
-        fraction_train=0.5,
-        fraction_evaluate=0.0,
-        download="int8",
-    )
+    s = half_of_four("int8")
     record_digests(s, digests)
     TRAINED_ON.clear()
     grid = FakeGrid(make_app(), num_nodes=4)
@@ -410,13 +415,7 @@ def test_nodes_that_build_the_initial_model_get_no_arrays_in_round_1():
     round build theta0 then apply that round's update against it."""
     codec = Codec("int8", nodes_hold_initial=True)
     digests = {}
-    s = DiLoCo(
-        min_available_nodes=4,
-        min_train_nodes=1,
-        fraction_train=0.5,
-        fraction_evaluate=0.0,
-        download=codec,
-    )
+    s = half_of_four(codec)
     record_digests(s, digests)
     TRAINED_ON.clear()
     grid = FakeGrid(make_app([make_download_mod(initial=lambda ctx: theta0())]), num_nodes=4)

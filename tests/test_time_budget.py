@@ -224,21 +224,23 @@ def test_the_validator_rejects_more_steps_than_asked_and_names_the_node():
             assert "'inner-steps' = 6 is more than the 5" in got.reason
 
 
-def test_asynchronous_rounds_drop_a_reply_claiming_more_steps_than_asked(caplog):
-    """Node 1 claims 6 inner steps where the train config asked for 5: dropped and named; node
-    0 reporting its 5 (or fewer) steps is used."""
-    s = strategy(buffer=2)
+def claims(n):
+    """A fault: the reply says it ran ``n`` inner steps."""
+
+    def fault(reply):
+        reply.content["metrics"]["inner-steps"] = n
+        return reply
+
+    return fault
+
+
+def run_with_a_claim(s, caplog, faults):
+    """Two rounds (or outer steps) of ``s`` on 3 scripted nodes asked for 5 local steps, with
+    ``faults`` ({partition: (fault, times)}); the train metrics, the warnings naming
+    inner-steps, the grid."""
     grid = ScriptedGrid([0, 1, 2, 0, 1, 2])
-
-    def claims(n):
-        def fault(reply):
-            reply.content["metrics"]["inner-steps"] = n
-            return reply
-
-        return fault
-
-    grid.set_fault(0, claims(3))
-    grid.set_fault(1, claims(6), times=1)
+    for pid, (fault, times) in faults.items():
+        grid.set_fault(pid, fault, times=times)
     with caplog.at_level(logging.WARNING, logger="flwr"):
         res = s.start(
             grid=grid,
@@ -246,10 +248,18 @@ def test_asynchronous_rounds_drop_a_reply_claiming_more_steps_than_asked(caplog)
             num_rounds=2,
             train_config=ConfigRecord({"local-steps": 5}),
         )
-    m = res.train_metrics_clientapp
+    named = [r.getMessage() for r in caplog.records if "inner-steps" in r.getMessage()]
+    return res.train_metrics_clientapp, named, grid
+
+
+def test_asynchronous_rounds_drop_a_reply_claiming_more_steps_than_asked(caplog):
+    """Node 1 claims 6 inner steps where the train config asked for 5: dropped and named; node
+    0 reporting its 5 (or fewer) steps is used."""
+    m, named, grid = run_with_a_claim(
+        strategy(buffer=2), caplog, {0: (claims(3), None), 1: (claims(6), 1)}
+    )
     assert sum(x["replies-rejected"] for x in m.values()) == 1
     assert sum(x["replies-used"] for x in m.values()) == 4
-    named = [r.getMessage() for r in caplog.records if "inner-steps" in r.getMessage()]
     assert len(named) == 1 and f"node {grid.node_ids[1]}" in named[0]
     assert "more than the 5 local-steps asked" in named[0]
 
@@ -259,24 +269,8 @@ def test_synchronous_rounds_drop_a_reply_claiming_more_steps_than_asked(caplog):
     dropped and named; the other 5 replies of the two rounds are used."""
     from flwr_isoloco.strategies.diloco.settings import Rounds
 
-    s = strategy(rounds=Rounds())
-    grid = ScriptedGrid([0, 1, 2, 0, 1, 2])
-
-    def claims(reply):
-        reply.content["metrics"]["inner-steps"] = 6
-        return reply
-
-    grid.set_fault(1, claims, times=1)
-    with caplog.at_level(logging.WARNING, logger="flwr"):
-        res = s.start(
-            grid=grid,
-            initial_arrays=ArrayRecord(init_model()),
-            num_rounds=2,
-            train_config=ConfigRecord({"local-steps": 5}),
-        )
-    m = res.train_metrics_clientapp
+    m, named, grid = run_with_a_claim(strategy(rounds=Rounds()), caplog, {1: (claims(6), 1)})
     assert [(m[r]["replies-used"], m[r]["replies-rejected"]) for r in (1, 2)] == [(2, 1), (3, 0)]
-    named = [r.getMessage() for r in caplog.records if "inner-steps" in r.getMessage()]
     assert len(named) == 1 and f"node {grid.node_ids[1]}" in named[0]
 
 
