@@ -34,6 +34,7 @@ from pathlib import Path
 
 import pytest
 from deploy_harness import LoopbackDeployment, loopback_deployment
+from test_deployment import ISOLOCO_CONFIG
 
 pytestmark = pytest.mark.deployment
 
@@ -48,22 +49,13 @@ SUPERLINK_AFTER_ROUND = 2  # the coordinator loses power once the round-2 checkp
 # The LM app at its smallest: a 1-layer LLaMA on Shakespeare, 3 of the 6 nodes per round,
 # a round closes 2 s after 2 of its 3 replies are in (so a dead node never holds it up).
 CONFIG = {
+    **ISOLOCO_CONFIG,  # test_deployment's tiny LM app (model, data, 3 inner steps)
     "num-server-rounds": ROUNDS,
     "seed": SEED,
     "round-timeout": 120.0,
-    "strategy.name": "isoloco",
-    "strategy.min-nodes": 2,
     "strategy.fraction-train": 0.5,
     "strategy.quorum": 0.6,
     "strategy.grace-s": 2.0,
-    "train.local-steps": 3,
-    "train.batch-size": 4,
-    "train.seq-len": 32,
-    "train.warmup-steps": 1,
-    "model.hidden": 32,
-    "model.layers": 1,
-    "model.heads": 2,
-    "data.val-tokens": 1024,
 }
 
 
