@@ -35,7 +35,7 @@ from flwr_isoloco.merging.device import resolve_node_device
 from flwr_isoloco.merging.dp import CLIP_KEY, NOISE_KEY
 from flwr_isoloco.models.hf import load_model_arrays
 
-from .inner_loop import Amp, InnerLoop, accumulate, inner_lr
+from .inner_loop import Amp, InnerLoop, Pace, accumulate, inner_lr
 from .inner_loop import inner_steps as _inner_steps
 from .precision import announce, autocast, check_compile, check_precision, grad_scaler
 from .worker_cache import (
@@ -272,6 +272,7 @@ class _Worker:
     checkpointing: bool
     compile: bool
     cache_nodes: int
+    pace: tuple[float, float] = (1.0, 0.0)  # emulated speed: (slowdown, step seconds)
 
     def model_key(self, context: Context, theta: Mapping[str, torch.Tensor]) -> tuple | None:
         """The model pool's key (:func:`~.worker_cache.borrow_model`; None: no pooling)."""
@@ -308,8 +309,11 @@ def _train_round(w: _Worker, c: _Round, theta, model, forward, named, context: C
     torch.manual_seed(node_seed * 7919 + c.rnd)  # dropout etc., reproducible per round
     amp = Amp(w.device, w.precision, grad_scaler(w.device, w.precision))
     loop = InnerLoop(forward, opt, named, w.loss_fn, w.micro_batch, amp)
+    pace = Pace(*w.pace)
     t0 = time.perf_counter()
-    losses, tokens, step_lr, cursor = _inner_steps(loop, data, cursor, node_seed, c)
+    losses, tokens, step_lr, cursor = _inner_steps(
+        loop, data, cursor, node_seed, c, pace=pace if pace.active else None
+    )
     spent = time.perf_counter() - t0
     token = new_token() if w.cache_nodes > 0 else None
     save_adamw(opt, named, context.state, w.layout, token)
@@ -320,6 +324,9 @@ def _train_round(w: _Worker, c: _Round, theta, model, forward, named, context: C
     opt.zero_grad(set_to_none=True)  # a pooled model keeps no gradients between messages
     content = reply_content(theta, new, c.request, w.payload, context.state, w.key, c.dp)
     content["metrics"] = _train_metrics(tokens, losses, step_lr, c, amp, spent)
+    if pace.active:  # what the emulation did: the study checks its speeds held
+        content["metrics"]["emulated-slowdown"] = pace.slowdown
+        content["metrics"]["pace-overruns"] = pace.overruns
     return content
 
 
@@ -348,6 +355,8 @@ def make_diloco_train_handler(
     micro_batch: int = 0,
     gradient_checkpointing: bool = False,
     time_budget_s: float = 0.0,
+    emulated_slowdown: float = 1.0,
+    emulated_step_s: float = 0.0,
 ) -> Callable[[Message, Context], Message]:
     """A ClientApp ``@app.train()`` handler running H inner AdamW steps (the repository's ``docs/strategies.md`` ("DiLoCo / IsoLoCo strategies")).
 
@@ -401,12 +410,20 @@ def make_diloco_train_handler(
         and ``step-time-s``; ``num-examples`` counts the tokens of the steps run, so the server
         weighs the node by the work it did. Given the step count the round is deterministic;
         the count depends on wall time (the node's speed and load), so runs differ.
+    emulated_slowdown, emulated_step_s :
+        Emulated speed for heterogeneity studies on one machine (1 and 0, the defaults: off;
+        :class:`~.inner_loop.Pace`): each inner step is padded with a sleep so the node runs
+        ``emulated_slowdown`` times slower, to ``emulated_slowdown * emulated_step_s`` seconds
+        a step when ``emulated_step_s > 0`` (independent of the machine's load while a step
+        computes in less; steps that compute longer are counted in ``pace-overruns``). The
+        reply adds ``emulated-slowdown`` and ``pace-overruns``.
 
     The received arrays load with :func:`flwr_isoloco.models.hf.load_model_arrays` (names and
     shapes checked; a tied tensor arrives once and the tie holds), and the reply has the same
     names as the message.
     """
     _check_handler_options(micro_batch, payload, state_layout, cache_nodes, compile)
+    Pace(emulated_slowdown, emulated_step_s)  # checked: ValueError naming the bad one
     budget = time_budget_s
     if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not budget >= 0:
         raise ValueError(f"time_budget_s must be a number >= 0 (0 = off), got {budget!r}")
@@ -416,6 +433,7 @@ def make_diloco_train_handler(
         model_fn, data_fn, loss_fn, betas, payload, seed, arrayrecord_key,
         resolve_node_device(device), check_precision(precision), state_layout, micro_batch,
         gradient_checkpointing, compile, cache_nodes,
+        pace=(float(emulated_slowdown), float(emulated_step_s)),
     )  # fmt: skip
     defaults = dict(local_steps=local_steps, num_server_rounds=num_server_rounds, lr=lr)
     defaults |= dict(warmup_steps=warmup_steps, min_lr_ratio=min_lr_ratio)

@@ -20,6 +20,14 @@ shorter round by its tokens. Given the step count ``n`` the round is determinist
 first ``n`` steps of the full round (the same batches, and step ``h`` of round ``r`` keeps its
 learning rate at schedule position ``(r - 1) H + h``); the count itself depends on wall time,
 so two runs of the same config may differ.
+
+Emulated speed (:class:`Pace`, for heterogeneity studies on one machine; off by default): after
+each step the loop sleeps so the node runs ``f`` times slower than it computes. With a fixed
+step time ``p > 0`` every step is padded to last ``f * p`` seconds, so the node's speed does not
+depend on the load of a shared machine as long as a step computes in less than that (a step
+that computes longer is not padded and is counted as an overrun); with ``p = 0`` a step that
+computed ``t`` seconds is followed by ``(f - 1) t``. The time budget's clock sees the padded
+steps, as it would see a slower machine.
 """
 
 from __future__ import annotations
@@ -37,6 +45,7 @@ from .precision import autocast
 __all__ = [
     "Amp",
     "InnerLoop",
+    "Pace",
     "accumulate",
     "another_step_fits",
     "batch_at",
@@ -180,14 +189,55 @@ def another_step_fits(done: int, elapsed: float, h: int, budget: float) -> bool:
     return elapsed + elapsed / done <= budget
 
 
-def inner_steps(loop: InnerLoop, data, cursor: int, node_seed: int, c, clock=None):
+@dataclass
+class Pace:
+    """Emulated speed (module docstring): ``slowdown`` ``f >= 1``, fixed step time ``step_s``
+    ``p >= 0`` (0: scale the node's own compute). Counts the steps it padded and the overruns."""
+
+    slowdown: float = 1.0
+    step_s: float = 0.0
+    sleep: Callable[[float], None] | None = None  # None: time.sleep
+    overruns: int = 0
+    slept_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        f, p = self.slowdown, self.step_s
+        for name, value, low in (("slowdown", f, 1.0), ("step_s", p, 0.0)):
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ValueError(f"{name} must be a number >= {low:g}, got {value!r}")
+            if not (math.isfinite(value) and value >= low):
+                raise ValueError(f"{name} must be a finite number >= {low:g}, got {value!r}")
+
+    @property
+    def active(self) -> bool:
+        return self.slowdown > 1.0 or self.step_s > 0.0
+
+    def pad(self, computed_s: float) -> float:
+        """Seconds to sleep after a step that computed ``computed_s``: ``f p - t`` (``p > 0``;
+        0 and an overrun when negative) or ``(f - 1) t``."""
+        if self.step_s > 0:
+            left = self.slowdown * self.step_s - computed_s
+            if left < 0:
+                self.overruns += 1
+            return max(left, 0.0)
+        return (self.slowdown - 1.0) * computed_s
+
+    def __call__(self, computed_s: float) -> None:
+        seconds = self.pad(computed_s)
+        if seconds > 0:
+            (self.sleep or time.sleep)(seconds)
+            self.slept_s += seconds
+
+
+def inner_steps(loop: InnerLoop, data, cursor: int, node_seed: int, c, clock=None, pace=None):
     """Run up to ``c.h`` AdamW steps from batch ``cursor``; returns (losses, tokens, last lr,
     cursor). ``len(losses)`` is the number of steps run: ``c.h``, or fewer when
     ``c.budget`` (seconds, 0 = off; absent: off) runs out first (:func:`another_step_fits`,
     timed with ``clock``, default ``time.perf_counter``; the count depends on wall time).
 
     ``c`` holds the round's ``rnd``, ``h``, ``rounds``, ``lr``, ``warm``, ``min_ratio`` and
-    ``clip``. A non-finite loss raises ``FloatingPointError`` (nothing is stepped on it)."""
+    ``clip``; ``pace`` (a :class:`Pace`, or None) slows each step. A non-finite loss raises
+    ``FloatingPointError`` (nothing is stepped on it)."""
     losses, tokens, step_lr = [], 0, c.lr
     params = [p for _, p in loop.named]
     budget = float(getattr(c, "budget", 0.0) or 0.0)
@@ -198,6 +248,7 @@ def inner_steps(loop: InnerLoop, data, cursor: int, node_seed: int, c, clock=Non
         step_lr = inner_lr((c.rnd - 1) * c.h + i, c.rounds * c.h, c.lr, c.warm, c.min_ratio)
         for group in loop.opt.param_groups:
             group["lr"] = step_lr
+        started = time.perf_counter() if pace is not None else 0.0
         batch = batch_at(data, cursor, node_seed)
         if isinstance(batch, torch.Tensor):
             batch = batch.to(loop.amp.device)
@@ -212,4 +263,6 @@ def inner_steps(loop: InnerLoop, data, cursor: int, node_seed: int, c, clock=Non
         losses.append(float(loss.detach()))
         tokens += int(n)
         i += 1
+        if pace is not None:
+            pace(time.perf_counter() - started)
     return losses, tokens, step_lr, cursor

@@ -20,7 +20,10 @@ the GPU this node's process sees (in a simulation, one given by
 ``options.backend.client-resources.num-gpus``; with the default 0 Ray hides every GPU from the
 node), else the CPU; ``cuda`` where none is visible is refused naming the key and the fix.
 ``train.precision``, ``train.compile`` and ``train.time-budget-s`` (speed-scaled local steps,
-0 = off) go to the worker as they are. The node checks the
+0 = off) go to the worker as they are. ``train.slowdown-spread`` / ``train.emulated-step-s`` emulate
+unequal sites on one machine (:func:`node_slowdown`; the worker's ``emulated_slowdown``): the
+reply then adds the task's wall-clock start and end (``task-start-s``, ``task-end-s``, for
+utilisation). The node checks the
 strategy section for spelling only: ``strategy.merge-device`` is the server's (task.load_config).
 """
 
@@ -74,6 +77,19 @@ def _partition(context: Context) -> tuple[int, int]:
         ) from None
 
 
+def node_slowdown(cfg, context: Context) -> float:
+    """This node's emulated slowdown: its ``node_config`` ``slowdown`` if set, else
+    ``1 + (s - 1) p / (N - 1)`` for partition ``p`` of ``N`` at spread ``s`` (node 0 at 1x, the
+    last at ``s`` x; a simulation's node_config holds only the partition)."""
+    own = context.node_config.get("slowdown")
+    if own is not None:
+        if isinstance(own, bool) or not isinstance(own, (int, float)) or not own >= 1:
+            raise ValueError(f"node_config slowdown must be a number >= 1, got {own!r}")
+        return float(own)
+    pid, parts = _partition(context)
+    return 1.0 + (cfg.train["slowdown-spread"] - 1.0) * pid / max(parts - 1, 1)
+
+
 def _train(msg: Message, context: Context) -> Message:
     cfg = load_config(context.run_config, node=True)
     device = resolve_node_device(cfg.train.device, what="train.device")  # before anything else
@@ -104,12 +120,17 @@ def _train(msg: Message, context: Context) -> Message:
         precision=cfg.train.precision,
         compile=cfg.train.compile,
         time_budget_s=float(cfg.train["time-budget-s"]),
+        emulated_slowdown=node_slowdown(cfg, context),
+        emulated_step_s=float(cfg.train["emulated-step-s"]),
     )
-    if not is_pretrained(cfg):
-        return handler(msg, context)
-    t0 = time.perf_counter()
+    started, t0 = time.time(), time.perf_counter()
     reply = handler(msg, context)
-    if not reply.has_error():  # where a pretrained model's round time and memory go
+    if reply.has_error():
+        return reply
+    if "emulated-slowdown" in reply.content["metrics"]:  # utilisation of an emulated site
+        reply.content["metrics"]["task-start-s"] = started
+        reply.content["metrics"]["task-end-s"] = time.time()
+    if is_pretrained(cfg):  # where a pretrained model's round time and memory go
         reply.content["metrics"]["worker-time-s"] = time.perf_counter() - t0
         reply.content["metrics"]["worker-peak-rss-mb"] = peak_rss_mb()
     return reply

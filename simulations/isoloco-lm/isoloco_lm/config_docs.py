@@ -161,6 +161,12 @@ KEY_DOCS: dict[str, str] = {
     "train.time-budget-s": "speed-scaled local steps: each node runs inner steps until this many "
     "seconds are spent (at least 1, at most `train.local-steps`) and is weighted by the tokens "
     "it trained; the step count depends on wall time (0 = off: every node runs all steps)",
+    "train.slowdown-spread": "emulated unequal sites (studies on one machine): node `p` of `N` "
+    "runs `1 + (s - 1) p / (N - 1)` times slower, each inner step padded with a sleep (a node's "
+    "`node_config` key `slowdown` overrides its factor; 1 = off)",
+    "train.emulated-step-s": "with emulated speeds: every inner step padded to its node's factor "
+    "x this many seconds, so a shared machine's load does not change the speeds (0 = pad by the "
+    "factor x the step's own compute)",
     "model.hidden": "built-in LLaMA: hidden size",
     "model.layers": "built-in LLaMA: decoder layers",
     "model.heads": "built-in LLaMA: attention heads",

@@ -140,6 +140,8 @@ DEFAULTS: dict[str, Any] = {
         "precision": "fp32",
         "compile": False,
         "time-budget-s": 0.0,
+        "slowdown-spread": 1.0,
+        "emulated-step-s": 0.0,
     },
     "model": {
         "hidden": 128,
@@ -220,6 +222,8 @@ VALIDATORS = {
     "train.device": functools.partial(parse_device, what="train.device"),
     "train.precision": choices(*PRECISIONS),
     "train.time-budget-s": non_negative,
+    "train.slowdown-spread": in_range(1.0, 1000.0),
+    "train.emulated-step-s": non_negative,
     "model.hidden": positive,
     "model.layers": positive,
     "model.heads": positive,
