@@ -116,6 +116,19 @@ def ray_simulation(
     )
 
 
+def engine_threads(nodes: int) -> None:
+    """Let a Ray simulation in this process run ``nodes`` nodes at once. Flower 1.42's
+    simulation engine runs its worker loops in a ``ThreadPoolExecutor()`` of the default size,
+    ``cpu_count + 4``: on 2 cores at most 6 nodes train at once whatever the actor pool holds,
+    and the others wait for a thread (``flwr/server/superlink/fleet/vce/vce_api.py``)."""
+    import functools
+    from concurrent.futures import ThreadPoolExecutor
+
+    from flwr.server.superlink.fleet.vce import vce_api
+
+    vce_api.ThreadPoolExecutor = functools.partial(ThreadPoolExecutor, max_workers=nodes + 2)
+
+
 def run_lm_app(rc: dict[str, Any], client_app: Any, nodes: int) -> tuple[dict[str, Any], float]:
     """The LM app's server (``server_app.run_server`` on run config ``rc``, 2 s to settle)
     with ``client_app`` in a Ray simulation of ``nodes`` SuperNodes; returns the run's

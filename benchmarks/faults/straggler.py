@@ -10,6 +10,13 @@ bit for bit, an in-process merge of the ``N - 1`` fast replies (the same strateg
 
     nice -n 10 python benchmarks/faults/straggler.py            # 8 nodes, 1 s / 10 s, grace 5 s
     nice -n 10 python benchmarks/faults/straggler.py --quick    # 3 nodes, 0.3 s / 3 s, grace 1 s, 3 rounds
+    nice -n 10 python benchmarks/faults/straggler.py --asynchronous --all-threads --rounds 6
+
+``--asynchronous`` adds the same federation in asynchronous rounds (``buffer = N - 1``: an outer
+step per ``N - 1`` replies, the slow node's reply merged when it comes, discounted by its
+staleness); reported per step: wall time, ``wait-s``, the replies used and which steps took the
+slow node's. ``--all-threads`` lets Flower's simulation engine run every node at once
+(:func:`common.engine_threads`; without it a 2-core machine runs 6 of 8 at a time).
 
 The client-side delay lives in this benchmark's own ClientApp, not in the library.
 """
@@ -55,7 +62,7 @@ def train(msg, ctx):
     time.sleep(float(s["base-s"]) * (float(s["slow-factor"]) if slow else 1.0))
     theta = msg.content["arrays"].to_torch_state_dict()
     new = _update(theta, pid, int(s["server-round"]))
-    metrics = MetricRecord({"num-examples": 10 + pid})
+    metrics = MetricRecord({"num-examples": 10 + pid, "slow": int(slow)})
     return Message(RecordDict({"arrays": ArrayRecord(new), "metrics": metrics}), reply_to=msg)
 
 
@@ -63,12 +70,11 @@ def _strategy(quorum, grace_s: float):
     from flwr_isoloco.strategies import DiLoCo
 
     n = SETTINGS["nodes"]
-    return DiLoCo(
-        min_available_nodes=n,
-        min_train_nodes=n,
-        fraction_evaluate=0.0,
-        rounds=Rounds(quorum=quorum, grace_s=grace_s),
-    )
+    if quorum == "async":
+        rounds = Rounds(asynchronous=True, buffer=n - 1)
+    else:
+        rounds = Rounds(quorum=quorum, grace_s=grace_s)
+    return DiLoCo(min_available_nodes=n, min_train_nodes=n, fraction_evaluate=0.0, rounds=rounds)
 
 
 def _apps():
@@ -84,7 +90,15 @@ def _apps():
     def main(grid: Grid, context: Context) -> None:
         torch.set_num_threads(1)
         strategy = _strategy(SETTINGS["quorum"], SETTINGS["grace_s"])
-        ends, models = [], {}
+        ends, models, slow_steps = [], {}, []
+
+        def slow_in(contents, key):  # which steps merged the slow node's reply
+            if any(int(rd["metrics"].get("slow", 0)) for rd in contents):
+                slow_steps.append(len(ends) + 1)
+            return strategy_default(contents, key)
+
+        strategy_default = strategy.train_metrics_aggr_fn
+        strategy.train_metrics_aggr_fn = slow_in
 
         def on_round_end(rnd, arrays, train_metrics, _):
             ends.append(time.perf_counter())
@@ -105,7 +119,8 @@ def _apps():
             round_wall_s=[b - a for a, b in zip([t0, *ends[:-1]], ends, strict=True)],
             metrics={r: dict(m) for r, m in res.train_metrics_clientapp.items()},
             model_round1=models.get(1),
-            discarded=list(strategy._train_stream.discarded),
+            discarded=list(getattr(strategy._train_stream, "discarded", [])),
+            slow_steps=slow_steps,
         )
 
     return server, client
@@ -173,10 +188,14 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--slow-factor", type=float, default=10.0)
     p.add_argument("--grace-s", type=float, default=5.0)
     p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--asynchronous", action="store_true", help="also asynchronous rounds")
+    p.add_argument("--all-threads", action="store_true", help="every node at once (see above)")
     p.add_argument("--out", type=Path, default=None, help="write the summary as JSON here")
     a = p.parse_args(argv)
     if a.quick:
         a.nodes, a.base_s, a.slow_factor, a.grace_s, a.rounds = 3, 0.3, 10.0, 1.0, 3
+    if a.all_threads:
+        common.engine_threads(a.nodes)
     common.export_path("benchmarks/faults")  # Ray's workers import this file
     SETTINGS.update(
         {
@@ -214,7 +233,19 @@ def main(argv: list[str] | None = None) -> dict:
             "discarded": quorum["discarded"],
         },
         "round1_model_equals_in_process_merge_of_fast_replies": equal,
+        "all_threads": a.all_threads,
     }
+    if a.asynchronous:
+        run = run_once("async", 0.0)
+        ms = [run["metrics"][r] for r in sorted(run["metrics"])]
+        summary["asynchronous"] = {
+            "buffer": a.nodes - 1,
+            "step_wall_s": run["round_wall_s"],
+            "wait_s": [m["wait-s"] for m in ms],
+            "replies_used": [m["replies-used"] for m in ms],
+            "replies_stale": [m.get("replies-stale", 0) for m in ms],
+            "steps_with_the_slow_node": run["slow_steps"],
+        }
     print(json.dumps(summary, indent=2))
     if a.out is not None:
         a.out.write_text(json.dumps(summary, indent=2) + "\n")
