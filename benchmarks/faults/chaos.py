@@ -15,6 +15,9 @@ and recorded per process kind (peak, and the largest process of each kind every 
     python benchmarks/faults/chaos.py --nodes 16 --rounds 30 --kills 12 --superlink-after 10
 
 ``--quick`` is the test's scenario plus its fault-free twin (same seed, config and nodes).
+``--plot`` runs nothing: it draws ``rss_mb_over_time`` of the last fault-free and the last chaos
+record (of ``--plot-mode``, default ``quick``) per process kind into docs/img/chaos_memory.png,
+with the kills from the chaos record's events marked.
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ from test_chaos_deployment import (  # noqa: E402
 )
 
 OUT = common.RESULTS / "chaos.json"
+PLOT = Path(__file__).resolve().parents[2] / "docs" / "img" / "chaos_memory.png"
 KINDS = (
     ("superlink", "flower-superlink"),
     ("superexec", "flower-superexec"),
@@ -185,6 +189,69 @@ def one(args, faults: bool, free_loss: float | None) -> dict:
     return rec
 
 
+EVENT_S = re.compile(r"^(\d+) s: (SIGKILL \S+|restart SuperLink)")
+
+
+def plot(mode: str = "quick", out: Path = PLOT) -> Path:
+    """Memory over time per process kind: the last fault-free and the last chaos record of
+    ``mode`` side by side (largest process of each kind every 5 s); the chaos record's kills
+    and the SuperLink restart as vertical lines (event times are from before the deployment
+    came up, so shifted by the record's ``setup_s`` onto the monitor's clock)."""
+    import json
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    records = [r for r in json.loads(OUT.read_text()) if r.get("mode") == mode]
+    pair = {}
+    for r in records:  # the last of each
+        pair[r["faults"]] = r
+    if not pair:
+        raise SystemExit(f"no {mode!r} record in {OUT}")
+    fig, axes = plt.subplots(1, len(pair), figsize=(6 * len(pair), 4.5), sharey=True, squeeze=False)
+    colours = {kind: f"C{i}" for i, (kind, _) in enumerate(KINDS)}
+    for ax, faults in zip(axes[0], sorted(pair), strict=True):
+        r = pair[faults]
+        for kind, _ in KINDS:
+            series = r["rss_mb_over_time"].get(kind)
+            if series:
+                t, mb = [], []
+                for i, (ti, mbi) in enumerate(series):
+                    if i and ti - series[i - 1][0] > 7.5:  # no such process then: a gap
+                        t.append(ti)
+                        mb.append(float("nan"))
+                    t.append(ti)
+                    mb.append(mbi)
+                ax.plot(t, mb, label=kind, color=colours[kind])
+        for ev in r.get("events", []):
+            m = EVENT_S.match(ev)
+            if m:
+                x = int(m.group(1)) - r.get("setup_s", 0.0)
+                style = "--" if m.group(2).startswith("SIGKILL supernode") else "-"
+                ax.axvline(x, color="grey", linestyle=style, linewidth=0.8)
+        ax.set_title(
+            f"{'chaos' if faults else 'fault-free'}: {r['supernodes']} SuperNodes, "
+            f"{r['rounds_completed']}/{r['rounds_planned']} rounds, seed {r['seed']}"
+            + (
+                "\ndashed: SuperNode SIGKILL, solid: coordinator SIGKILL / restart"
+                if faults
+                else ""
+            ),
+            fontsize=9,
+        )
+        ax.set_xlabel("s since the deployment was up")
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel("RSS MB (largest process of the kind)")
+    axes[0][0].legend(fontsize=8)
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    print(f"wrote {out}")
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument(
@@ -196,7 +263,14 @@ def main() -> None:
     ap.add_argument("--kills", type=int, default=3)
     ap.add_argument("--superlink-after", type=int, default=2)
     ap.add_argument("--no-fault-free", action="store_true", help="skip the fault-free twin")
+    ap.add_argument(
+        "--plot", action="store_true", help="run nothing: draw docs/img/chaos_memory.png"
+    )
+    ap.add_argument("--plot-mode", default="quick", help="which records --plot draws")
     args = ap.parse_args()
+    if args.plot:
+        plot(args.plot_mode)
+        return
     if args.quick:
         args.nodes, args.rounds, args.kills, args.superlink_after = 6, 3, 3, 2
     free_loss = None
