@@ -13,11 +13,12 @@ the loss at ``T`` is the last validation before ``T``. Wall time runs from when 
 started its first task (:func:`start_time`; a curve's first points can be before 0).
 
 Utilisation of a node = seconds inside its tasks (the ClientApp's ``task-start-s`` ..
-``task-end-s``; a task still running at the end counts from when it was sent) within
-``[0, T]``, over ``T`` (a node trains one task at a time, as a site would: the benchmark's
-ClientApp holds a per-node lock, since the simulation would run a quorum round's next task on
-another actor while the late one still trains). Discarded work (a quorum's late replies) counts as busy: the utilisation
-says how much a site computes, the loss what the computation bought.
+``task-end-s``; a task still running at the end counts from when it was sent) within ``[0, W]``,
+over ``W``: ``W`` is ``T``, or the end of the run's last step if earlier. A node trains one task
+at a time, as a site would (the benchmark's ClientApp holds a per-node lock: the simulation
+would run a quorum round's next task on another actor while the late one still trains).
+Discarded work (a quorum's late replies) counts as busy: the utilisation says how much a site
+computes, the loss what the computation bought.
 
     python benchmarks/async/async_lm.py --queue --until 14:30   # the plan, resumable
     python benchmarks/async/async_lm.py --one isoloco async 0   # one run
@@ -281,7 +282,9 @@ def run_one(method: str, mode: str, seed: int, spread: float) -> dict[str, Any]:
         (end_of[r["round"]] - t0, r["val-loss"]) for r in res["rounds"] if r["round"] in end_of
     ]
     curve[0] = (min(0.0, curve[1][0]) if len(curve) > 1 else 0.0, curve[0][1])
-    util = utilisation(log.replies, log.sent, t0, BUDGET_S)
+    window = min(BUDGET_S, curve[-1][0])  # a run that ended early is not charged the rest
+    util = utilisation(log.replies, log.sent, t0, window)
+    answered = {(r["node"], r["sent"]) for r in log.replies}
     factor = {}
     for r in log.replies:
         if r.get("emulated-slowdown") is not None:
@@ -305,6 +308,12 @@ def run_one(method: str, mode: str, seed: int, spread: float) -> dict[str, Any]:
         "end_s": curve[-1][0],
         "utilisation": {f"{factor.get(n, 0):.3f}": u for n, u in sorted(util.items())},
         "min_utilisation": min(util.values()) if util else None,
+        "utilisation_window_s": window,
+        "unanswered": [  # tasks sent and never answered: factor, sent (s from t0)
+            [factor.get(n, 0.0), round(w - t0, 3)]
+            for n, w in log.sent.values()
+            if (n, w) not in answered
+        ],
         "tasks": len(log.replies),
         "task_log": [  # factor, then sent / started / ended / pulled (s from t0), steps
             [
@@ -333,11 +342,13 @@ def run_one(method: str, mode: str, seed: int, spread: float) -> dict[str, Any]:
 # ----------------------------------------------------------------------------- the plan
 def plan() -> list[tuple[str, str, int, float]]:
     """Seed 0 of every cell first (so a cut-short queue has every mode), then seeds 1 and 2,
-    then the equal-speed check, then the staleness exponents (seed 0)."""
+    then the equal-speed check (seeds 0 and 1), the staleness exponents (seed 0), and the
+    equal-speed check's seed 2."""
     main = [m for m in MODES if m not in ("async-a0", "async-a1")]
     out = [(method, mode, seed, SPREAD) for seed in SEEDS for method in METHODS for mode in main]
-    out += [(method, mode, seed, 1.0) for seed in SEEDS for method in METHODS for mode in EQUAL]
-    return out + [(m, a, 0, SPREAD) for m in METHODS for a in ("async-a0", "async-a1")]
+    eq = [(method, mode, seed, 1.0) for seed in SEEDS for method in METHODS for mode in EQUAL]
+    staleness = [(m, a, 0, SPREAD) for m in METHODS for a in ("async-a0", "async-a1")]
+    return out + eq[:8] + staleness + eq[8:]
 
 
 def recorded() -> dict[str, dict[str, Any]]:
@@ -391,10 +402,10 @@ def table(records: list[dict[str, Any]]) -> str:
     """The markdown block of docs/strategies.md: one row per method and mode, every seed."""
     head = (
         f"| method | mode | val loss at {BUDGET_S:g} s, every seed | mean ± sd | outer steps "
-        "| utilisation, min over nodes (every seed) | mean utilisation | replies used / late "
+        "| last step ends (s) | utilisation, min over nodes (every seed) | mean utilisation | replies used / late "
         "| step overruns |"
     )
-    lines = [head, common.rule(9)]
+    lines = [head, common.rule(10)]
     for method in METHODS:
         for mode in MODES:
             rs = sorted(
@@ -409,7 +420,8 @@ def table(records: list[dict[str, Any]]) -> str:
             means = [sum(r["utilisation"].values()) / len(r["utilisation"]) for r in rs]
             lines.append(
                 f"| {method} | {LABELS[mode]} | {', '.join(f'{x:.4f}' for x in losses)} "
-                f"| {_mean_sd(losses)} | {rs[0]['rounds']} | {mins} "
+                f"| {_mean_sd(losses)} | {rs[0]['rounds']} "
+                f"| {sum(r['end_s'] for r in rs) / len(rs):.0f} | {mins} "
                 f"| {sum(means) / len(means):.2f} "
                 f"| {sum(r['replies_used'] for r in rs) / len(rs):.0f} / "
                 f"{sum(r['replies_late'] for r in rs) / len(rs):.0f} "
