@@ -93,11 +93,12 @@ def _apps():
         ends, models, slow_steps = [], {}, []
 
         def slow_in(contents, key):  # which steps merged the slow node's reply
+            from flwr.serverapp.strategy.strategy_utils import aggregate_metricrecords
+
             if any(int(rd["metrics"].get("slow", 0)) for rd in contents):
                 slow_steps.append(len(ends) + 1)
-            return strategy_default(contents, key)
+            return aggregate_metricrecords(contents, key)
 
-        strategy_default = strategy.train_metrics_aggr_fn
         strategy.train_metrics_aggr_fn = slow_in
 
         def on_round_end(rnd, arrays, train_metrics, _):
