@@ -57,3 +57,12 @@ def test_overlapping_spans_count_once():
     """Two spans of one node overlapping (10-14 and 12-16) are busy 10-16: 6 of 10 s."""
     tasks = [task(1, 9, 10, 14), task(1, 11, 12, 16)]
     assert async_lm.utilisation(tasks, {}, 10.0, 10.0) == {1: pytest.approx(0.6)}
+
+
+def test_the_docs_table_is_what_the_records_give():
+    """docs/strategies.md's async-lm block is ``table(records)`` (``--table`` regenerates it)."""
+    import common
+
+    doc = async_lm.DOC.read_text()
+    block = doc.split("<!-- async-lm:begin -->\n")[1].split("\n<!-- async-lm:end -->")[0]
+    assert block == async_lm.table(common.load_records(async_lm.RECORDS))
