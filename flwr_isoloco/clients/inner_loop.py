@@ -192,13 +192,11 @@ def another_step_fits(done: int, elapsed: float, h: int, budget: float) -> bool:
 @dataclass
 class Pace:
     """Emulated speed (module docstring): ``slowdown`` ``f >= 1``, fixed step time ``step_s``
-    ``p >= 0`` (0: scale the node's own compute). Counts the steps it padded and the overruns."""
+    ``p >= 0`` (0: scale the node's own compute). Counts the overruns."""
 
     slowdown: float = 1.0
     step_s: float = 0.0
-    sleep: Callable[[float], None] | None = None  # None: time.sleep
     overruns: int = 0
-    slept_s: float = 0.0
 
     def __post_init__(self) -> None:
         f, p = self.slowdown, self.step_s
@@ -225,8 +223,7 @@ class Pace:
     def __call__(self, computed_s: float) -> None:
         seconds = self.pad(computed_s)
         if seconds > 0:
-            (self.sleep or time.sleep)(seconds)
-            self.slept_s += seconds
+            time.sleep(seconds)
 
 
 def inner_steps(loop: InnerLoop, data, cursor: int, node_seed: int, c, clock=None, pace=None):
