@@ -189,3 +189,23 @@ def test_lm_results_rows_carry_late_and_lost(tiny, tmp_path):  # noqa: F811
         for r in rows
     ]
     assert got == [(2, 1, 1, 0), (3, 0, 0, 0)]
+
+
+class StallGrid(FakeGrid):
+    """The first pull blocks for 200 s of the virtual clock (Flower's grid waiting for the
+    objects of an upload that failed), past the round's 120 s timeout."""
+
+    def pull_messages(self, message_ids):
+        if self.pull_calls == 0:
+            self.time_source.now += 200.0
+        return super().pull_messages(message_ids)
+
+
+def test_a_reply_in_before_a_blocked_pull_returns_is_taken_not_late():
+    grid = StallGrid({"train": _metrics_only}, num_nodes=3)
+    grid.set_delay(1, pulls=1)  # not there at its first pull, there by its second
+    stream = ReplyStream("t")
+    taken = []
+    wait = stream.run(grid, _messages(grid, 1), taken.append, server_round=1, timeout=120.0)
+    assert len(taken) == 3 and wait.late == []
+    assert wait.wait_s >= 200.0  # the round did pass its deadline; one more sweep took node 1

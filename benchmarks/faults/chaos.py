@@ -1,20 +1,24 @@
 """Chaos benchmark (issue 39): a loopback TLS federation under a seeded fault schedule against
 the same run without faults; one record per run in ``benchmarks/results/chaos.json``.
 
-The scenario is the chaos deployment test's (``tests/test_chaos_deployment.py``,
-``run_chaos``): SuperLink with TLS, SuperNode authentication and ``--database <file>``, N
-SuperNodes (each its own process), the LM app (IsoLoCo, quorum) with every round
-checkpointed; SuperNodes SIGKILLed at seeded moments and restarted (retrying until Flower lets
-them back); the coordinator losing power once (SuperLink, SuperExec and ServerApp SIGKILLed)
-after round ``--superlink-after``, the SuperLink restarted with the same port and database,
-the lost run stopped and resumed from its checkpoint (``resume-from``), which counts as the
-ServerApp restart. While it runs, the resident memory of every process is sampled each second
-and recorded per process kind (peak, and the largest process of each kind every 5 s).
+The scenario is ``tests/chaos_scenario.py``'s ``run_chaos`` (the CI test's): SuperLink with TLS,
+SuperNode authentication and ``--database <file>``, N SuperNodes (each its own process), the LM
+app (IsoLoCo, quorum) with every round checkpointed; SuperNodes SIGKILLed at seeded moments
+(while training, the moment the ClientApp hands over its reply, between rounds) and restarted
+(retrying until Flower lets them back); the coordinator losing power once (SuperLink,
+SuperExec and ServerApp SIGKILLed) after round ``--superlink-after`` and, with
+``--serverapp-after``, the ServerApp process alone SIGKILLed after that round; each time the
+lost run is stopped and resumed from its checkpoint (``resume-from``). While it runs, the
+resident memory of every process is sampled each second and recorded per process kind (peak,
+and the largest process of each kind every 5 s), with the machine's load average.
 
     python benchmarks/faults/chaos.py --quick            # the CI test's scenario: 6 nodes, 3 rounds
-    python benchmarks/faults/chaos.py --nodes 16 --rounds 30 --kills 12 --superlink-after 10
+    python benchmarks/faults/chaos.py --nodes 16 --rounds 30 --fault-free-only
+    python benchmarks/faults/chaos.py --nodes 16 --rounds 30 --kills 12 --superlink-after 10 \
+        --serverapp-after 20 --no-fault-free
 
 ``--quick`` is the test's scenario plus its fault-free twin (same seed, config and nodes).
+``--table`` runs nothing: it writes the table of every record into docs/deployment.md.
 ``--plot`` runs nothing: it draws ``rss_mb_over_time`` of the last fault-free and the last chaos
 record (of ``--plot-mode``, default ``quick``) per process kind into docs/img/chaos_memory.png,
 with the kills from the chaos record's events marked.
@@ -23,6 +27,7 @@ with the kills from the chaos record's events marked.
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import sys
 import tempfile
@@ -37,11 +42,10 @@ import common  # noqa: E402
 
 common.on_path("tests")
 
-from test_chaos_deployment import (  # noqa: E402
-    DUPLICATE,
+from chaos_scenario import (  # noqa: E402
     SEED,
+    account,
     fault_schedule,
-    named_losses,
     run_chaos,
 )
 
@@ -71,6 +75,8 @@ class MemoryMonitor:
         self.interval_s, self.series_every_s = interval_s, series_every_s
         self.peak: dict[str, float] = {}
         self.series: dict[str, list[list[float]]] = {}
+        self.load: list[float] = []  # 1-minute load average: min, mean, max over the run
+        self._loads: list[float] = []
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -111,6 +117,8 @@ class MemoryMonitor:
             for kind, mb in now.items():
                 self.peak[kind] = max(self.peak.get(kind, 0.0), mb)
             t = time.monotonic() - t0
+            self._loads.append(os.getloadavg()[0])
+            self.load = [min(self._loads), sum(self._loads) / len(self._loads), max(self._loads)]
             if t >= next_series:
                 for kind, mb in now.items():
                     self.series.setdefault(kind, []).append([round(t, 1), round(mb, 1)])
@@ -121,9 +129,7 @@ class MemoryMonitor:
 def record(chaos, monitor: MemoryMonitor, args, faults: bool, free_loss: float | None) -> dict:
     final = chaos.final
     rounds = final["rounds"]
-    named = {}
-    for text in chaos.logs[:2]:
-        named.update(named_losses(text))
+    named, problems = account(chaos)
     lost_named = sum(
         len(named[r["round"]]["dropped-nodes"]) + len(named[r["round"]]["missing-nodes"])
         for r in rounds
@@ -135,24 +141,31 @@ def record(chaos, monitor: MemoryMonitor, args, faults: bool, free_loss: float |
         "seed": args.seed,
         "supernodes": args.nodes,
         "node_kills": chaos.node_kills,
+        "kill_moments": chaos.kill_moments,
         "node_starts_to_rejoin": chaos.node_starts,
         "superlink_restarts": chaos.superlink_restarts,
-        "serverapp_restarts": chaos.superlink_restarts,  # the lost run resumed from its checkpoint
+        "serverapp_kills": chaos.serverapp_kills,
+        # a new ServerApp per coordinator fault: the lost run resumed from its checkpoint
+        "serverapp_restarts": chaos.coordinator_faults,
         "rounds_planned": args.rounds,
         "rounds_completed": len(rounds) if final.get("status") == "completed" else 0,
-        "rounds_lost_in_flight": chaos.superlink_restarts,  # redone by the resumed run
+        "rounds_restored": chaos.restored,  # rounds each resume took from the lost run
+        "rounds_lost_in_flight": chaos.coordinator_faults,  # redone by the resumed run
         "run_statuses": chaos.statuses,
         "updates_lost": sum(r["replies-rejected"] + r["replies-missing"] for r in rounds),
         "updates_lost_named": lost_named,
-        "updates_applied_twice": len(DUPLICATE.findall("\n".join(chaos.logs[:2]))),
+        "updates_applied_twice": sum("duplicate" in p for p in problems),
+        "ledger_problems": problems,
         "replies_used": [r["replies-used"] for r in rounds],
         "replies_late": [r.get("replies-late", 0) for r in rounds],
         "replies_lost": [r.get("replies-lost", 0) for r in rounds],
         "resumed_model_bitwise": chaos.resumed_model_equal,
+        "lost_checkpoints_unchanged": chaos.checkpoint_unchanged,
         "final_val_loss": rounds[-1]["val-loss"] if rounds else None,
         "fault_free_val_loss": free_loss,
         "wall_s": round(chaos.wall_s, 1),
         "setup_s": round(chaos.setup_s, 1),
+        "load_avg_1m": [round(x, 2) for x in monitor.load],
         "peak_rss_mb": {k: round(v, 1) for k, v in sorted(monitor.peak.items())},
         "rss_mb_over_time": monitor.series,
         "events": chaos.events,
@@ -178,6 +191,7 @@ def one(args, faults: bool, free_loss: float | None) -> dict:
                 config=config,
                 kills=kills,
                 superlink_after=args.superlink_after if faults else None,
+                serverapp_after=args.serverapp_after if faults else None,
                 on_up=monitor.start,
             )
         finally:
@@ -187,6 +201,79 @@ def one(args, faults: bool, free_loss: float | None) -> dict:
     shown = {k: v for k, v in rec.items() if k not in ("rss_mb_over_time", "machine", "events")}
     print(re.sub(r"\s+", " ", str(shown)))
     return rec
+
+
+def last_fault_free_loss(args) -> float | None:
+    """The final loss of the last fault-free record with this run's nodes, rounds and seed."""
+    import json
+
+    if not OUT.exists():
+        return None
+    loss = None
+    for r in json.loads(OUT.read_text()):
+        same = (r["supernodes"], r["rounds_planned"], r["seed"]) == (
+            args.nodes,
+            args.rounds,
+            args.seed,
+        )
+        if same and not r["faults"]:
+            loss = r["final_val_loss"]
+    return loss
+
+
+DOC = Path(__file__).resolve().parents[2] / "docs" / "deployment.md"
+BLOCK = ("<!-- chaos:begin -->", "<!-- chaos:end -->")
+
+
+def _growth(series: list[list[float]], tail_s: float = 600.0) -> str:
+    """RSS of the kind's largest process: first sample -> last, and the change over the
+    last ``tail_s`` seconds (slow growth shows there, after the working set is built)."""
+    if not series:
+        return "-"
+    t_end, last = series[-1]
+    tail = [mb for t, mb in series if t >= t_end - tail_s]
+    return f"{series[0][1]:.0f} -> {last:.0f} ({last - tail[0]:+.0f} in the last {tail_s / 60:.0f} min)"
+
+
+def table(records: list[dict]) -> str:
+    """The docs table: one row per record (the fault-free twin beside its chaos run)."""
+    head = (
+        "| run | SuperNodes | node kills (moments seen) | SuperLink / ServerApp kills | "
+        "rounds done / planned | updates not merged (named) | applied twice | ledger breaches | "
+        "final val loss (fault-free) | wall | load avg | "
+        "peak RSS MB: SuperLink / ServerApp / SuperNode / ClientApp |"
+    )
+    rows = [head, common.rule(12)]
+    for r in records:
+        moments = {}
+        for m in r.get("kill_moments", []):
+            key = m.split(" (")[0].split(" not seen")[0]
+            moments[key] = moments.get(key, 0) + 1
+        seen = ", ".join(f"{v} {k}" for k, v in moments.items())
+        peak = r["peak_rss_mb"]
+        load = r.get("load_avg_1m")
+        load_text = f"{load[1]:.1f}" if load else f"{r['machine']['load-avg'][0]:.1f} at the end"
+        free = r.get("fault_free_val_loss")
+        rows.append(
+            f"| {'chaos' if r['faults'] else 'fault-free'}, seed {r['seed']}, {r['commit']} "
+            f"| {r['supernodes']} | {r['node_kills']}"
+            + (f" ({seen})" if seen else "")
+            + f" | {r['superlink_restarts']} / {r.get('serverapp_kills', 0)} "
+            f"| {r['rounds_completed']} / {r['rounds_planned']} "
+            f"| {r['updates_lost']} ({r['updates_lost_named']}) | {r['updates_applied_twice']} "
+            f"| {len(r.get('ledger_problems', [])) if 'ledger_problems' in r else 'n/a'} "
+            f"| {r['final_val_loss']:.4f}"
+            + (f" ({free:.4f})" if free is not None else "")
+            + f" | {r['wall_s']:.0f} s | {load_text} "
+            f"| {' / '.join(f'{peak.get(k, 0):.0f}' for k in ('superlink', 'serverapp', 'supernode', 'clientapp'))} |"
+        )
+    rows += ["", "SuperLink RSS over each run (largest process, MB):", ""]
+    rows += [
+        f"- {'chaos' if r['faults'] else 'fault-free'}, {r['supernodes']} SuperNodes, "
+        f"{r['rounds_planned']} rounds: {_growth(r['rss_mb_over_time'].get('superlink', []))}"
+        for r in records
+    ]
+    return "\n".join(rows)
 
 
 EVENT_S = re.compile(r"^(\d+) s: (SIGKILL \S+|restart SuperLink)")
@@ -262,22 +349,47 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--kills", type=int, default=3)
     ap.add_argument("--superlink-after", type=int, default=2)
-    ap.add_argument("--no-fault-free", action="store_true", help="skip the fault-free twin")
+    ap.add_argument(
+        "--serverapp-after",
+        type=int,
+        default=None,
+        help="also SIGKILL the ServerApp alone after this round (then stop + resume)",
+    )
+    ap.add_argument(
+        "--no-fault-free",
+        action="store_true",
+        help="skip the fault-free twin (its loss from the last matching record, if any)",
+    )
+    ap.add_argument("--fault-free-only", action="store_true", help="run only the fault-free twin")
     ap.add_argument(
         "--plot", action="store_true", help="run nothing: draw docs/img/chaos_memory.png"
     )
     ap.add_argument("--plot-mode", default="quick", help="which records --plot draws")
+    ap.add_argument("--plot-out", type=Path, default=PLOT)
+    ap.add_argument(
+        "--table", action="store_true", help="run nothing: write the records' table into the docs"
+    )
     args = ap.parse_args()
     if args.plot:
-        plot(args.plot_mode)
+        plot(args.plot_mode, args.plot_out)
+        return
+    if args.table:
+        import json
+
+        common.write_block(DOC, *BLOCK, table(json.loads(OUT.read_text())))
+        print(f"wrote the chaos table into {DOC}")
         return
     if args.quick:
         args.nodes, args.rounds, args.kills, args.superlink_after = 6, 3, 3, 2
+        args.serverapp_after = None
     free_loss = None
     if not args.no_fault_free:
         free = one(args, faults=False, free_loss=None)
         free_loss = free["final_val_loss"]
-    one(args, faults=True, free_loss=free_loss)
+    else:
+        free_loss = last_fault_free_loss(args)
+    if not args.fault_free_only:
+        one(args, faults=True, free_loss=free_loss)
 
 
 if __name__ == "__main__":

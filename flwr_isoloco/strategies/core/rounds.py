@@ -9,7 +9,10 @@ hands each to ``on_reply`` at once, so the caller can fold it and drop it. The r
 - every sampled node has replied; or
 - the quorum is in (``quorum``: a fraction of the sent messages in (0, 1], rounded up, or a
   count >= 1) and ``grace_s`` seconds passed since it was reached; or
-- ``timeout`` seconds passed since the push (Flower's overall cap).
+- ``timeout`` seconds passed since the push (Flower's overall cap), counted at the start of a
+  sweep: the sweep that began past the deadline is the last, so a reply that arrived while an
+  earlier pull blocked (Flower's grid waits for an upload's objects, ~2 min when a SuperNode's
+  upload failed) is taken, not left late.
 
 Messages still unanswered when a round closes are remembered with their round: their ids are
 pulled with the next rounds' and a reply that still comes is discarded and logged with its node
@@ -148,14 +151,16 @@ class ReplyStream:
         t0 = clock.monotonic()
         quorum_at = None if pending else t0
         while pending or self._stale:
+            # The deadline is read before the sweep, so the round closes only after a sweep
+            # that began past it: a reply that came in while a slow pull blocked (Flower's
+            # grid waits for an upload's objects) is taken, not counted late.
+            expired = timeout is not None and clock.monotonic() - t0 >= timeout
             took = self._sweep(grid, pending, on_reply)
             wait.arrived += took
             now = clock.monotonic()
             if quorum_at is None and wait.arrived >= need:
                 quorum_at = now
-            if not pending:
-                break
-            if timeout is not None and now - t0 >= timeout:
+            if not pending or expired:
                 break
             if quorum_at is not None and now - quorum_at >= grace_s:
                 break
