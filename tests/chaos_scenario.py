@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import json
 import random
-import re
 import threading
 import time
 from contextlib import suppress
@@ -135,22 +134,26 @@ def wait_for(what: str, predicate, timeout: float, run=None, period: float = 0.3
     raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
-def _has_clientapp(pid: int) -> bool:
-    with suppress(psutil.Error):
-        for child in psutil.Process(pid).children(recursive=True):
-            with suppress(psutil.Error):
-                if "flwr-clientapp" in " ".join(child.cmdline()[:3]):
-                    return True
-    return False
+def clientapps(dep: LoopbackDeployment) -> dict[int, dict[int, float]]:
+    """Live SuperNode index -> {pid: start time} of its live ``flwr-clientapp`` processes (a
+    ClientApp is a process per task; zombies, exited but not yet reaped, are left out)."""
+    out: dict[int, dict[int, float]] = {}
+    for info in dep.supernodes:
+        if info.process is None or not info.process.alive():
+            continue
+        apps = out[info.index] = {}
+        with suppress(psutil.Error):
+            for child in psutil.Process(info.process.pid).children(recursive=True):
+                with suppress(psutil.Error):
+                    if "flwr-clientapp" in " ".join(child.cmdline()[:3]):
+                        apps[child.pid] = child.create_time()
+    return out
 
 
-def training_nodes(dep: LoopbackDeployment) -> set[int]:
-    """Indices of the live SuperNodes with a ClientApp process running (a task in hand)."""
-    return {
-        info.index
-        for info in dep.supernodes
-        if info.process is not None and info.process.alive() and _has_clientapp(info.process.pid)
-    }
+def training_nodes(dep: LoopbackDeployment, since: float = 0.0) -> set[int]:
+    """SuperNodes with a ClientApp process started after ``since`` (wall clock): a task of the
+    current run in hand. (A ClientApp of a stopped run can stay alive, idle, for good.)"""
+    return {i for i, apps in clientapps(dep).items() if any(t > since for t in apps.values())}
 
 
 def _pick(preferred: int, candidates: set[int]) -> int | None:
@@ -160,31 +163,35 @@ def _pick(preferred: int, candidates: set[int]) -> int | None:
     return min(candidates, key=lambda i: (i - preferred) % 10_000)
 
 
-def _moment(dep, kill: NodeKill, down: set[int], timeout: float = 600.0) -> tuple[int, str]:
+def _moment(
+    dep, kill: NodeKill, down: set[int], since: float, timeout: float = 600.0
+) -> tuple[int, str]:
     """Waits for the kill's moment and returns (victim, what was seen); ``down``: sites still
-    coming back from an earlier kill (never chosen)."""
+    coming back from an earlier kill (never chosen); ``since``: the current run's start."""
     up = set(range(len(dep.supernodes))) - down
     if kill.phase == "between":
         victim = _pick(kill.index, up)
-        busy = _has_clientapp(dep.supernodes[victim].process.pid)
+        busy = victim in training_nodes(dep, since)
         return victim, "between rounds" + (" (a ClientApp still running)" if busy else "")
     deadline = time.monotonic() + timeout
     if kill.phase == "training":
         time.sleep(kill.delay_s)
         while time.monotonic() < deadline:
-            victim = _pick(kill.index, training_nodes(dep) - down)
+            victim = _pick(kill.index, training_nodes(dep, since) - down)
             if victim is not None:
                 return victim, "training (its ClientApp running)"
             time.sleep(0.2)
-    elif kill.phase == "upload":
-        before = training_nodes(dep) - down
+    elif kill.phase == "upload":  # a ClientApp process that was there is gone: reply handed over
+        before, t_before = clientapps(dep), time.monotonic()
         while time.monotonic() < deadline:
             time.sleep(0.05)
-            now = training_nodes(dep) - down
-            finished = {i for i in before - now if dep.supernodes[i].process.alive()}
+            now, t_now = clientapps(dep), time.monotonic()
+            finished = {i for i in now if i not in down and set(before.get(i, {})) - set(now[i])}
             if finished:
-                return _pick(kill.index, finished), "upload (ClientApp exited < 0.1 s before)"
-            before = now
+                return _pick(kill.index, finished), (
+                    f"upload (its ClientApp exited within the last {t_now - t_before:.1f} s)"
+                )
+            before, t_before = now, t_now
     else:
         raise ValueError(f"unknown kill phase {kill.phase!r}; expected one of {PHASES}")
     victim = _pick(kill.index, up)
@@ -220,6 +227,7 @@ class Driver:
     phases_seen: list = field(default_factory=list)
 
     def drive(self, run, results: Path, kills: list[NodeKill], restored: int = 0) -> None:
+        since = time.time()  # the run's ClientApps start after this
         for kill in kills:
             wait_for(
                 f"round {kill.after_round}",
@@ -229,7 +237,7 @@ class Driver:
                 run,
                 period=0.1,
             )
-            index, seen = _moment(self.dep, kill, self.down)
+            index, seen = _moment(self.dep, kill, self.down, since)
             self.down.add(index)
             self.dep.kill_supernode(index)
             self.phases_seen.append(seen)
@@ -251,71 +259,6 @@ class Driver:
             thread.join(timeout=200)
         assert not any(t.is_alive() for t in self.threads), "a SuperNode restart never finished"
         assert not self.errors, self.errors
-
-
-ROUND_SUMMARY = re.compile(r"\(round (\d+)\): (\d+) replies used, (\d+) rejected, (\d+) missing")
-DROPPED = re.compile(r"dropped reply from node (\d+)")
-NO_REPLY = re.compile(r"no reply from node (\d+) when the round closed")
-SAMPLED = re.compile(r"configure_train: sampled (\d+) nodes")
-DUPLICATE = re.compile(r"duplicate reply of node (\d+) for round (\d+)")
-
-
-def named_losses(log_text: str) -> dict[int, dict]:
-    """Per round summary line: the counts it states, the nodes named since the previous
-    summary (``dropped reply`` lines for the rejected, ``no reply`` lines for the missing) and
-    how many nodes the round was sent to (``configure_train: sampled N nodes``)."""
-    out: dict[int, dict] = {}
-    dropped: list[int] = []
-    missing: list[int] = []
-    sampled = -1
-    for line in log_text.splitlines():
-        if m := SAMPLED.search(line):
-            sampled = int(m.group(1))
-        elif m := DROPPED.search(line):
-            dropped.append(int(m.group(1)))
-        elif m := NO_REPLY.search(line):
-            missing.append(int(m.group(1)))
-        elif m := ROUND_SUMMARY.search(line):
-            rnd, used, rej, miss = (int(g) for g in m.groups())
-            out[rnd] = {
-                "used": used,
-                "rejected": rej,
-                "missing": miss,
-                "dropped-nodes": dropped,
-                "missing-nodes": missing,
-                "sampled": sampled,
-            }
-            dropped, missing, sampled = [], [], -1
-    return out
-
-
-def account(chaos: ChaosRun) -> tuple[dict[int, dict], list[str]]:
-    """The ledger of the final history: per round what the logs name (``named_losses`` over
-    every training run's log, a later run's line replacing an earlier one's) and every breach
-    of: the summary's counts are results.json's, each rejected / missing update is named once,
-    each node sent to is used, rejected or missing exactly once, no duplicate taken."""
-    named: dict[int, dict] = {}
-    for text in chaos.training_logs:
-        named.update(named_losses(text))
-    problems = []
-    for row in chaos.final.get("rounds", []):
-        r, n = row["round"], named.get(row["round"])
-        if n is None:
-            problems.append(f"round {r}: no summary line in the logs")
-            continue
-        counts = (row["replies-used"], row["replies-rejected"], row["replies-missing"])
-        if (n["used"], n["rejected"], n["missing"]) != counts:
-            problems.append(f"round {r}: log says {n}, results.json {counts}")
-        if len(n["dropped-nodes"]) != n["rejected"] or len(n["missing-nodes"]) != n["missing"]:
-            problems.append(f"round {r}: {n} names a different number of nodes than it counts")
-        nodes = n["dropped-nodes"] + n["missing-nodes"]
-        if len(set(nodes)) != len(nodes):
-            problems.append(f"round {r}: a node counted twice: {n}")
-        if n["used"] + n["rejected"] + n["missing"] != n["sampled"]:
-            problems.append(f"round {r}: used + rejected + missing != sent: {n}")
-    duplicates = DUPLICATE.findall("\n".join(chaos.training_logs))
-    problems += [f"duplicate reply of node {d[0]} for round {d[1]}" for d in duplicates]
-    return named, problems
 
 
 def model_tensors(model_dir: Path) -> dict:
@@ -347,6 +290,8 @@ class ChaosRun:
     superlink_restarts: int = 0
     serverapp_kills: int = 0  # the ServerApp process alone
     node_starts: int = 0  # SuperNode starts the restarts took (Flower refuses early ones)
+    # ClientApp processes still alive once every run ended: (SuperNode index, age s, RSS MB)
+    orphan_clientapps: list = field(default_factory=list)
     setup_s: float = 0.0
     wall_s: float = 0.0
 
@@ -506,6 +451,7 @@ def run_chaos(
             _verify_resume(dep, config, out, tmp_path / "run-verify", chaos)
         chaos.checkpoint_unchanged = all(p.read_bytes() == b for p, b in lost)
         driver.join()  # every killed site came back
+        chaos.orphan_clientapps = _orphans(dep)
         chaos.kill_moments = driver.phases_seen
         chaos.node_starts = sum(dep._starts.get(f"supernode-{i}", 1) - 1 for i in range(num_nodes))
     chaos.wall_s = time.monotonic() - t0
@@ -513,6 +459,20 @@ def run_chaos(
         (tmp_path / f"run-{i}.log").write_text(text)
     print("\nchaos events:", *chaos.events, sep="\n  ")
     return chaos
+
+
+def _orphans(dep: LoopbackDeployment, settle_s: float = 3.0) -> list[tuple[int, float, float]]:
+    """ClientApp processes alive when no run is left: the tasks of stopped runs that Flower
+    started and never ended (the SuperNode ignores a stopped run's message, its ClientApp
+    waits)."""
+    time.sleep(settle_s)
+    out = []
+    for index, apps in clientapps(dep).items():
+        for pid, started in apps.items():
+            with suppress(psutil.Error):
+                rss = psutil.Process(pid).memory_info().rss / 2**20
+                out.append((index, round(time.time() - started, 1), round(rss, 1)))
+    return out
 
 
 def _verify_resume(dep, config: dict, last: Path, out: Path, chaos: ChaosRun) -> None:

@@ -26,13 +26,13 @@ scenario (``run_chaos``) with a fault-free twin and memory sampling.
 from __future__ import annotations
 
 import pytest
+from chaos_accounting import account
 from chaos_scenario import (
     ISOLOCO_APP,
     PHASES,
     ROUNDS,
     SEED,
     SUPERLINK_AFTER_ROUND,
-    account,
     fault_schedule,
     run_chaos,
 )

@@ -42,12 +42,8 @@ import common  # noqa: E402
 
 common.on_path("tests")
 
-from chaos_scenario import (  # noqa: E402
-    SEED,
-    account,
-    fault_schedule,
-    run_chaos,
-)
+from chaos_accounting import account  # noqa: E402
+from chaos_scenario import SEED, fault_schedule, run_chaos  # noqa: E402
 
 OUT = common.RESULTS / "chaos.json"
 PLOT = Path(__file__).resolve().parents[2] / "docs" / "img" / "chaos_memory.png"
@@ -160,6 +156,8 @@ def record(chaos, monitor: MemoryMonitor, args, faults: bool, free_loss: float |
         "replies_late": [r.get("replies-late", 0) for r in rounds],
         "replies_lost": [r.get("replies-lost", 0) for r in rounds],
         "resumed_model_bitwise": chaos.resumed_model_equal,
+        # (SuperNode index, age s, RSS MB) of ClientApps alive after every run ended
+        "orphan_clientapps": chaos.orphan_clientapps,
         "lost_checkpoints_unchanged": chaos.checkpoint_unchanged,
         "final_val_loss": rounds[-1]["val-loss"] if rounds else None,
         "fault_free_val_loss": free_loss,
