@@ -44,6 +44,7 @@ ROUNDS = 3
 T0 = [0.0]  # the scenario's start (monotonic), for the event times it prints
 SUPERLINK_AFTER_ROUND = 2  # the coordinator loses power once the round-2 checkpoint is on disk
 PHASES = ("training", "upload", "between")
+RESTART_S = 300.0  # a killed SuperNode must be back within this (Flower refuses it ~60 s)
 SERVERAPP_WATCH_S = 90.0  # how long a ServerApp kill's run is watched before it is stopped
 
 # The LM app at its smallest: a 1-layer LLaMA on Shakespeare, half the nodes per round, a
@@ -204,7 +205,7 @@ def _restart_later(dep, index: int, kill: NodeKill, events: list[str], errors: l
     t_kill = time.monotonic()
     try:
         time.sleep(kill.down_s)
-        starts = dep.restart_supernode(index)
+        starts = dep.restart_supernode(index, timeout=RESTART_S)
         events.append(
             f"{time.monotonic() - T0[0]:.0f} s: supernode-{index} online again "
             f"{time.monotonic() - t_kill:.0f} s after its kill ({starts} starts)"
@@ -254,11 +255,15 @@ class Driver:
             thread.start()
             self.threads.append(thread)
 
-    def join(self) -> None:
+    def join(self, strict: bool = True) -> list[str]:
+        """Wait for the restarts; what failed (raised with ``strict``, else returned)."""
         for thread in self.threads:
-            thread.join(timeout=200)
-        assert not any(t.is_alive() for t in self.threads), "a SuperNode restart never finished"
-        assert not self.errors, self.errors
+            thread.join(timeout=RESTART_S + 60)
+        failed = [repr(e) for e in self.errors]
+        if any(t.is_alive() for t in self.threads):
+            failed.append("a SuperNode restart never finished")
+        assert not (strict and failed), failed
+        return failed
 
 
 def model_tensors(model_dir: Path) -> dict:
@@ -292,6 +297,7 @@ class ChaosRun:
     node_starts: int = 0  # SuperNode starts the restarts took (Flower refuses early ones)
     # ClientApp processes still alive once every run ended: (SuperNode index, age s, RSS MB)
     orphan_clientapps: list = field(default_factory=list)
+    restart_failures: list = field(default_factory=list)  # SuperNodes that did not come back
     setup_s: float = 0.0
     wall_s: float = 0.0
 
@@ -389,12 +395,14 @@ def run_chaos(
     superlink_after: int | None = SUPERLINK_AFTER_ROUND,
     serverapp_after: int | None = None,
     on_up=None,
+    strict: bool = True,
 ) -> ChaosRun:
     """The scenario: ``num_nodes`` SuperNodes, the LM app with ``config``, the SuperNode
     ``kills`` (default: ``fault_schedule(seed)``; ``[]`` for none), the coordinator faults
     after rounds ``superlink_after`` / ``serverapp_after`` (``None``: none), each followed by
     stopping the lost run and the documented resume, then a resume of the final checkpoint to
-    compare the exported model. ``on_up(dep)`` is called once the deployment is up."""
+    compare the exported model. ``on_up(dep)`` is called once the deployment is up. ``strict``:
+    a SuperNode that does not come back raises (else it is recorded in ``restart_failures``)."""
     config = {**CONFIG, "seed": seed, **(config or {})}
     kills = fault_schedule(seed) if kills is None else kills
     faults = coordinator_faults(superlink_after, serverapp_after)
@@ -450,7 +458,7 @@ def run_chaos(
         if faults and chaos.statuses[-1] == "finished:completed":
             _verify_resume(dep, config, out, tmp_path / "run-verify", chaos)
         chaos.checkpoint_unchanged = all(p.read_bytes() == b for p, b in lost)
-        driver.join()  # every killed site came back
+        chaos.restart_failures = driver.join(strict)  # every killed site came back
         chaos.orphan_clientapps = _orphans(dep)
         chaos.kill_moments = driver.phases_seen
         chaos.node_starts = sum(dep._starts.get(f"supernode-{i}", 1) - 1 for i in range(num_nodes))

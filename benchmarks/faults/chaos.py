@@ -158,6 +158,7 @@ def record(chaos, monitor: MemoryMonitor, args, faults: bool, free_loss: float |
         "resumed_model_bitwise": chaos.resumed_model_equal,
         # (SuperNode index, age s, RSS MB) of ClientApps alive after every run ended
         "orphan_clientapps": chaos.orphan_clientapps,
+        "restart_failures": chaos.restart_failures,
         "lost_checkpoints_unchanged": chaos.checkpoint_unchanged,
         "final_val_loss": rounds[-1]["val-loss"] if rounds else None,
         "fault_free_val_loss": free_loss,
@@ -191,6 +192,7 @@ def one(args, faults: bool, free_loss: float | None) -> dict:
                 superlink_after=args.superlink_after if faults else None,
                 serverapp_after=args.serverapp_after if faults else None,
                 on_up=monitor.start,
+                strict=False,  # a site that never came back is recorded, not raised
             )
         finally:
             monitor.stop()
