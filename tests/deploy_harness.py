@@ -34,6 +34,8 @@ import psutil
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = REPO_ROOT / "scripts" / "deploy"
 CONNECTION = "loopback"
+IN_MEMORY = ":flwr-in-memory:"
+"""``database`` for a SuperLink that keeps its state (and the messages' objects) in memory."""
 
 
 def free_port() -> int:
@@ -227,7 +229,9 @@ class RunningApp:
 class LoopbackDeployment:
     """SuperLink (TLS + SuperNode auth) and SuperNodes on 127.0.0.1, driven by the deploy scripts."""
 
-    def __init__(self, root: Path, *, cwd: Path | None = None) -> None:
+    def __init__(
+        self, root: Path, *, cwd: Path | None = None, database: str | Path | None = None
+    ) -> None:
         self.root = root
         self.cert_dir = root / "certs"
         self.key_dir = root / "keys"
@@ -236,7 +240,8 @@ class LoopbackDeployment:
         self.port = 0
         self.superlink: ManagedProcess | None = None
         # The SuperLink's state file (runs, registered SuperNodes): a restart keeps it.
-        self.database = root / "superlink.db"
+        # ``database`` overrides it: another file, or IN_MEMORY (a restart then loses it).
+        self.database = root / "superlink.db" if database is None else database
         self.superlink_starts = 0
         self.supernodes: list[SuperNodeInfo] = []
         self._procs: list[ManagedProcess] = []
@@ -577,11 +582,14 @@ def loopback_deployment(
     num_supernodes: int = 3,
     node_configs: list[str] | None = None,
     cwd: Path | None = None,
+    database: str | Path | None = None,
 ) -> Iterator[LoopbackDeployment]:
     """Certificates, a TLS SuperLink with SuperNode auth, N registered SuperNodes online.
 
     node_configs[i] is SuperNode i's ``--node-config`` (default
-    ``partition-id=i num-partitions=N``). Everything started is stopped on exit, also on error.
+    ``partition-id=i num-partitions=N``). ``database``: the SuperLink's ``--database`` (default
+    the file ``root/superlink.db``; :data:`IN_MEMORY` for Flower's in-memory state). Everything
+    started is stopped on exit, also on error.
     """
     if node_configs is None:
         node_configs = [
@@ -590,7 +598,7 @@ def loopback_deployment(
     if len(node_configs) != num_supernodes:
         raise ValueError(f"{len(node_configs)} node configs for {num_supernodes} SuperNodes")
     root.mkdir(parents=True, exist_ok=True)
-    dep = LoopbackDeployment(root, cwd=cwd)
+    dep = LoopbackDeployment(root, cwd=cwd, database=database)
     try:
         dep.make_certs()
         dep.start_superlink()
