@@ -51,11 +51,18 @@ def test_results_fields_per_message_sizes():
     assert f["message_mb_up"] == 1000.0 and f["round_wall_s"] == [10.0]
 
 
-def test_estimate_scales_nodes_and_clientapps():
-    recs = [_record(), _record(supernodes=8, status="failed")]
-    # 1.5 + 0.1 + 3 GB as measured, SuperNodes x 32/4, ClientApps x 4/2
-    assert cl.estimate_gb(recs, "smollm2-shapes", 32, 4) == (4600 + 16000 + 8000) / 1024
-    assert cl.estimate_gb(recs, "tiny-synthetic", 32, 4) is None
+def test_estimate_adds_idle_pairs_held_nodes_and_clientapps():
+    idle = {"supernode": 130.0, "superexec": 120.0}
+    recs = [_record(idle_rss_mb=idle), _record(supernodes=8, status="failed")]
+    # 28 more idle SuperNode + SuperExec pairs; held(32, 2, 2) = held(4, 2, 2) = 2
+    assert cl.estimate_gb(recs, "smollm2-shapes", 32, 2, 2) == (9000 + 28 * 250) / 1024
+    # held(32, 4, 3) = 8: 6 more at 1200 - 130; 2 more ClientApp + SuperNode peaks
+    want = 9000 + 28 * 250 + 6 * 1070 + 2 * 3200
+    assert cl.estimate_gb(recs, "smollm2-shapes", 32, 4, 3) == want / 1024
+    assert cl.estimate_gb(recs, "tiny-synthetic", 32, 4, 2) is None
+    series = {"supernode": [[0.0, 130.0], [5.0, 900.0]], "superexec": [[0.0, 120.0]]}
+    old = [_record(rss_mb_over_time=series)]  # no idle_rss_mb: the series' first samples
+    assert cl.estimate_gb(old, "smollm2-shapes", 32, 2, 2) == (9000 + 28 * 250) / 1024
 
 
 def test_recorded_and_table():

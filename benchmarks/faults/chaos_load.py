@@ -130,6 +130,7 @@ class Guard:
         self.count_peak: dict[str, int] = {}
         self.all_peak_mb = 0.0
         self.db_peak = 0
+        self.idle_mb: dict[str, float] = {}  # per kind, the smallest process at the first sample
         self.min_available_gb = math.inf
         self.aborted: str | None = None
         self._stop = threading.Event()
@@ -147,6 +148,7 @@ class Guard:
     def sample(self, dep) -> None:
         total: dict[str, float] = {}
         count: dict[str, int] = {}
+        low: dict[str, float] = {}
         for proc in list(dep._procs):
             try:
                 root = psutil.Process(proc.pid)
@@ -161,6 +163,9 @@ class Guard:
                 if kind is not None:
                     total[kind] = total.get(kind, 0.0) + mb
                     count[kind] = count.get(kind, 0) + 1
+                    low[kind] = min(low.get(kind, mb), mb)
+        if not self.idle_mb and "supernode" in low:  # the run not started yet: all idle
+            self.idle_mb = {k: round(v, 1) for k, v in low.items()}
         for kind, mb in total.items():
             self.total_peak[kind] = max(self.total_peak.get(kind, 0.0), mb)
             self.count_peak[kind] = max(self.count_peak.get(kind, 0), count[kind])
@@ -280,6 +285,7 @@ def run_cell(args, database: str) -> dict:
     rec["peak_rss_mb"] = {k: round(v, 1) for k, v in sorted(mon.peak.items())}
     rec["peak_total_rss_mb"] = {k: round(v, 1) for k, v in sorted(guard.total_peak.items())}
     rec["peak_all_rss_mb"] = round(guard.all_peak_mb, 1)
+    rec["idle_rss_mb"] = guard.idle_mb
     rec["max_processes"] = dict(sorted(guard.count_peak.items()))
     rec["rss_mb_over_time"] = mon.series
     rec["machine"] = common.machine()
@@ -287,20 +293,36 @@ def run_cell(args, database: str) -> dict:
     return rec
 
 
-def estimate_gb(records: list[dict], size: str, nodes: int, per_round: int) -> float | None:
-    """Expected peak of the summed RSS, from the recorded ``ok`` cell of ``size`` with the most
-    SuperNodes (N0 nodes, K0 per round): SuperLink + ServerApp as measured (taken not to grow
-    with N: an over-estimate is not a safety margin, the guard is), SuperNodes x N / N0
-    (all of them, active ones included: an upper bound), ClientApps x K / K0, each kind at its
-    peak sum; None without such a cell."""
+def estimate_gb(records: list[dict], size: str, nodes: int, per_round: int, rounds: int):
+    """Expected peak of the summed RSS of every process of the deployment (GiB), from the
+    recorded ``ok`` cell of ``size`` with the most SuperNodes (N0, K0, R0), or None::
+
+        peak = peak0 + (N - N0) (idle SuperNode + idle SuperExec)
+                     + (held(N, K, R) - held(N0, K0, R0)) (SuperNode peak - idle SuperNode)
+                     + (K - K0) (ClientApp peak + SuperNode peak)
+
+    ``held(N, K, R) = min(N - K, K (R - 1))``: SuperNodes that handled a message in an earlier
+    round and kept its memory (glibc keeps a freed ~1 GB heap: measured) while K others work in
+    the last round (an upper bound: the sample may pick a node twice). RSS counts shared pages
+    once per process, so this over-estimates what the machine loses by ~40 MB per process."""
     done = [r for r in records if r.get("size") == size and r.get("status") == "ok"]
     if not done:
         return None
     ref = max(done, key=lambda r: (r["supernodes"], r["started_utc"]))
-    tot = ref["peak_total_rss_mb"]
-    mb = sum(tot.get(k, 0.0) for k in ("superlink", "superexec", "serverapp"))
-    mb += tot.get("supernode", 0.0) * nodes / ref["supernodes"]
-    mb += tot.get("clientapp", 0.0) * per_round / ref["per_round"]
+    n0, k0, r0 = ref["supernodes"], ref["per_round"], ref["rounds_planned"]
+    # idle: the guard's first sample; in records from before it kept one, the monitor's first
+    # sample (t = 0, the run not started: the largest process of each kind, idle)
+    idle = ref.get("idle_rss_mb") or {k: v[0][1] for k, v in ref["rss_mb_over_time"].items()}
+    peak = ref["peak_rss_mb"]
+    pair = idle.get("supernode", 0.0) + idle.get("superexec", 0.0)
+    kept = peak.get("supernode", 0.0) - idle.get("supernode", 0.0)
+
+    def held(n: int, k: int, r: int) -> int:
+        return min(n - k, k * (r - 1))
+
+    mb = ref["peak_all_rss_mb"] + (nodes - n0) * pair
+    mb += (held(nodes, per_round, rounds) - held(n0, k0, r0)) * kept
+    mb += (per_round - k0) * (peak.get("clientapp", 0.0) + peak.get("supernode", 0.0))
     return mb / 1024
 
 
@@ -370,7 +392,7 @@ def sweep(args) -> None:
             if too_late(args.not_after):
                 print(f"chaos_load: past {args.not_after} UTC; {cell} not started")
                 return
-            est = estimate_gb(records, args.size, nodes, args.per_round)
+            est = estimate_gb(records, args.size, nodes, args.per_round, args.rounds)
             print(f"chaos_load: {cell}: expected peak {est if est is None else round(est, 1)} GiB")
             if est is not None and est > args.budget_gb:
                 print(f"chaos_load: over --budget-gb {args.budget_gb}; not started")
