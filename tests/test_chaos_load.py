@@ -22,6 +22,7 @@ def _record(**kw) -> dict:
         "peak_total_rss_mb": {"superlink": 1500, "superexec": 100, "serverapp": 3000,
                               "supernode": 2000, "clientapp": 4000},
         "max_processes": {"clientapp": 2}, "peak_all_rss_mb": 9000, "commit": "abc1234",
+        "replies_used": [2, 1], "replies_lost": [0, 1],
     }  # fmt: skip
     return {**rec, **kw}
 
@@ -73,5 +74,5 @@ def test_recorded_and_table():
     text = cl.table(recs)
     lines = text.splitlines()
     assert len(lines) == 4 and lines[1].count("|") == lines[0].count("|")
-    assert "| 4 | on-disk | 2 (2/2) | 538 / 538 | 2 / 2 | 61, 41 |" in lines[2]
+    assert "| 4 | on-disk | 2 (2/2) | 538 / 538 | 2 / 2 | 2/1 (1) | 61, 41 |" in lines[2]
     assert "| 2 (1100) |" in lines[2] and "| - |" in lines[3]  # DB MB: file, none in memory

@@ -37,6 +37,7 @@ import argparse
 import json
 import math
 import os
+import re
 import sys
 import tempfile
 import threading
@@ -66,6 +67,8 @@ SIZES = {
     "tiny-synthetic": SYNTHETIC_SIZES["tiny-synthetic"],
 }  # fmt: skip
 DATABASES = {"on-disk": None, "in-memory": IN_MEMORY}  # None: the harness's root/superlink.db
+# run-log lines kept in the record: lost or late replies, errors (Flower's and the app's)
+PROBLEM = re.compile(r"dropped reply|no reply|NODE_UNAVAILABLE|ERROR|Error|Traceback|lost|late")
 KEY = ("mode", "size", "supernodes", "database", "per_round", "rounds_planned")
 
 
@@ -241,10 +244,13 @@ def deploy_and_run(args, tmp: Path, database: str, rec: dict, guard: Guard, mon)
         rec["run_status"] = outcome.status
         rec["db_bytes_end"] = db_bytes(dep.database)
         guard.sample(dep)
-        if outcome.status != "finished:completed" and guard.aborted is None:
-            (tmp.parent / f"chaos-load-failed-{os.getpid()}.log").write_text(
-                outcome.output + outcome.logs + dep.diagnostics()
-            )
+        text = outcome.output + outcome.logs
+        rec["log_problems"] = [line[:300] for line in text.splitlines() if PROBLEM.search(line)][
+            :30
+        ]
+        name = f"chaos-load-{args.nodes_now}-{database}-{time.strftime('%H%M%S')}.log"
+        (tmp.parent / name).write_text(text + dep.diagnostics())  # kept for a post-mortem
+        rec["log_file"] = str(tmp.parent / name)
     rec.update(results_fields(read_results(out)))
 
 
@@ -336,15 +342,20 @@ def table(records: list[dict]) -> str:
     the slash) the sum over all processes of that kind at its peak."""
     head = (
         "| SuperNodes | database | trained / round (sent) | message MB down / up | rounds "
-        "| round wall s | SuperLink | ServerApp | SuperNode: largest / all | "
+        "| replies used (lost) | round wall s | SuperLink | ServerApp | SuperNode: largest / all | "
         "ClientApp: largest / all (at once) | all processes | DB MB end (peak) | load start -> end "
         "| status |"
     )
-    rows = [head, common.rule(14)]
+    rows = [head, common.rule(15)]
     for r in records:
         p, t = r.get("peak_rss_mb", {}), r.get("peak_total_rss_mb", {})
         nclient = r.get("max_processes", {}).get("clientapp", 0)
         sent = r.get("sent_per_round") or []
+        lost = r.get("replies_lost") or [0] * len(r.get("replies_used") or [])
+        used = "/".join(
+            f"{u}" + (f" ({n})" if n else "")
+            for u, n in zip(r.get("replies_used") or [], lost, strict=False)
+        )
         walls = ", ".join(f"{w:.0f}" for w in r.get("round_wall_s", [])) or "-"
         db = "-" if r["database"] == "in-memory" else (
             f"{r.get('db_bytes_end', 0) / 1e6:.0f} ({r.get('db_bytes_peak', 0) / 1e6:.0f})"
@@ -352,7 +363,7 @@ def table(records: list[dict]) -> str:
         rows.append(
             f"| {r['supernodes']} | {r['database']} | {r['per_round']} ({'/'.join(map(str, sent)) or '-'}) "
             f"| {_mb(r.get('message_mb_down'))} / {_mb(r.get('message_mb_up'))} "
-            f"| {r.get('rounds_completed', 0)} / {r['rounds_planned']} | {walls} "
+            f"| {r.get('rounds_completed', 0)} / {r['rounds_planned']} | {used} | {walls} "
             f"| {_mb(p.get('superlink'))} | {_mb(p.get('serverapp'))} "
             f"| {_mb(p.get('supernode'))} / {_mb(t.get('supernode'))} "
             f"| {_mb(p.get('clientapp'))} / {_mb(t.get('clientapp'))} ({nclient}) "
