@@ -130,6 +130,7 @@ class Guard:
     def __init__(self, min_free_gb: float, interval_s: float = 1.0) -> None:
         self.min_free_gb, self.interval_s = min_free_gb, interval_s
         self.total_peak: dict[str, float] = {}
+        self.max_peak: dict[str, float] = {}  # the largest process, orphans included
         self.count_peak: dict[str, int] = {}
         self.all_peak_mb = 0.0
         self.db_peak = 0
@@ -148,25 +149,38 @@ class Guard:
         if self._thread is not None:
             self._thread.join(timeout=30)
 
+    @staticmethod
+    def processes(dep) -> list[psutil.Process]:
+        """Every live process the deployment started and their descendants, also those that
+        left the tree: a ServerApp whose SuperExec died is re-parented to init (seen with the
+        on-disk database), so each descendant is remembered (``remember_descendants``: the
+        harness's teardown then stops it too) and found again by pid and start time."""
+        found: dict[int, psutil.Process] = {}
+        for proc in list(dep._procs):
+            proc.remember_descendants()
+            for pid, started in [(proc.pid, None), *proc.descendants.items()]:
+                try:
+                    p = psutil.Process(pid)
+                    if (started is None or p.create_time() == started) and p.status() != "zombie":
+                        found[pid] = p
+                except psutil.Error:
+                    continue
+        return list(found.values())
+
     def sample(self, dep) -> None:
         total: dict[str, float] = {}
         count: dict[str, int] = {}
         low: dict[str, float] = {}
-        for proc in list(dep._procs):
+        for p in self.processes(dep):
             try:
-                root = psutil.Process(proc.pid)
-                family = [root, *root.children(recursive=True)]
+                kind, mb = kind_of(p.cmdline()), p.memory_info().rss / common.MIB
             except psutil.Error:
                 continue
-            for p in family:
-                try:
-                    kind, mb = kind_of(p.cmdline()), p.memory_info().rss / common.MIB
-                except psutil.Error:
-                    continue
-                if kind is not None:
-                    total[kind] = total.get(kind, 0.0) + mb
-                    count[kind] = count.get(kind, 0) + 1
-                    low[kind] = min(low.get(kind, mb), mb)
+            if kind is not None:
+                total[kind] = total.get(kind, 0.0) + mb
+                count[kind] = count.get(kind, 0) + 1
+                low[kind] = min(low.get(kind, mb), mb)
+                self.max_peak[kind] = max(self.max_peak.get(kind, 0.0), mb)
         if not self.idle_mb and "supernode" in low:  # the run not started yet: all idle
             self.idle_mb = {k: round(v, 1) for k, v in low.items()}
         for kind, mb in total.items():
@@ -225,6 +239,17 @@ def read_results(out: Path) -> dict:
         return {}
 
 
+def process_failures(dep) -> dict:
+    """What the processes' own logs and states say: SuperNodes no longer running at the end,
+    the SuperLink's HTTP 500 answers and SQLite ``database is locked`` errors among them."""
+    text = dep.superlink.log_path.read_text(errors="replace") if dep.superlink else ""
+    return {
+        "supernodes_exited": sum(1 for n in dep.supernodes if n.process and not n.process.alive()),
+        "superlink_http_500": len(re.findall(r'HTTP/1.1" 500', text)),
+        "superlink_db_locked": text.count("database is locked"),
+    }
+
+
 def deploy_and_run(args, tmp: Path, database: str, rec: dict, guard: Guard, mon) -> None:
     """Start the federation, run the app once, fill ``rec`` (status, walls, DB size)."""
     app = synthetic_app(tmp, common.REPO)
@@ -244,6 +269,7 @@ def deploy_and_run(args, tmp: Path, database: str, rec: dict, guard: Guard, mon)
         rec["run_status"] = outcome.status
         rec["db_bytes_end"] = db_bytes(dep.database)
         guard.sample(dep)
+        rec.update(process_failures(dep))
         text = outcome.output + outcome.logs
         rec["log_problems"] = [line[:300] for line in text.splitlines() if PROBLEM.search(line)][
             :30
@@ -288,7 +314,12 @@ def run_cell(args, database: str) -> dict:
     rec["aborted"] = guard.aborted
     rec["min_available_gb"] = round(guard.min_available_gb, 2)
     rec["db_bytes_peak"] = guard.db_peak
-    rec["peak_rss_mb"] = {k: round(v, 1) for k, v in sorted(mon.peak.items())}
+    # the monitor's largest process per kind, or the guard's where larger (it sees orphans)
+    peak = {
+        k: max(mon.peak.get(k, 0.0), guard.max_peak.get(k, 0.0))
+        for k in {*mon.peak, *guard.max_peak}
+    }
+    rec["peak_rss_mb"] = {k: round(v, 1) for k, v in sorted(peak.items())}
     rec["peak_total_rss_mb"] = {k: round(v, 1) for k, v in sorted(guard.total_peak.items())}
     rec["peak_all_rss_mb"] = round(guard.all_peak_mb, 1)
     rec["idle_rss_mb"] = guard.idle_mb
