@@ -250,6 +250,24 @@ def process_failures(dep) -> dict:
     }
 
 
+def stop_if_broken(dep, running, grace_s: float = 30.0) -> str | None:
+    """Wait for the run; once half of the SuperNodes have exited (seen after a 500 from the
+    on-disk SuperLink) for ``grace_s``, stop it with ``flwr stop`` instead of letting the
+    strategy wait out its round timeout for nodes that will not come. Returns why, or None."""
+    since = None
+    while running.process.alive():
+        gone = sum(1 for n in dep.supernodes if n.process is not None and not n.process.alive())
+        if 2 * gone < len(dep.supernodes):
+            since = None
+        elif since is None:
+            since = time.monotonic()
+        elif time.monotonic() - since > grace_s and running.run_id() is not None:
+            dep.stop_run(running.run_id())
+            return f"{gone} of {len(dep.supernodes)} SuperNodes exited: run stopped"
+        time.sleep(2.0)
+    return None
+
+
 def deploy_and_run(args, tmp: Path, database: str, rec: dict, guard: Guard, mon) -> None:
     """Start the federation, run the app once, fill ``rec`` (status, walls, DB size)."""
     app = synthetic_app(tmp, common.REPO)
@@ -264,7 +282,9 @@ def deploy_and_run(args, tmp: Path, database: str, rec: dict, guard: Guard, mon)
         rec["fraction_train"] = cfg["strategy.fraction-train"]
         rec["quorum"], rec["grace_s"] = cfg["strategy.quorum"], cfg["strategy.grace-s"]
         t1 = time.monotonic()
-        outcome = dep.start_app(app, cfg, timeout=args.run_timeout).wait()
+        running = dep.start_app(app, cfg, timeout=args.run_timeout)
+        rec["stopped_early"] = stop_if_broken(dep, running)
+        outcome = running.wait()
         rec["run_wall_s"] = round(time.monotonic() - t1, 1)
         rec["run_status"] = outcome.status
         rec["db_bytes_end"] = db_bytes(dep.database)
