@@ -125,10 +125,11 @@ def db_bytes(database: Path | str) -> int:
 class Guard:
     """Each second: the summed RSS and the count of the processes of each kind (the
     MemoryMonitor keeps the largest one), the database file's size, and the machine's available
-    memory; under ``min_free_gb`` it stops the whole deployment (``dep.close()``)."""
+    memory; under ``min_free_gb``, or past ``deadline`` (``HH:MM`` UTC), it stops the whole
+    deployment (``dep.close()``)."""
 
-    def __init__(self, min_free_gb: float, interval_s: float = 1.0) -> None:
-        self.min_free_gb, self.interval_s = min_free_gb, interval_s
+    def __init__(self, min_free_gb: float, deadline: str = "", interval_s: float = 1.0) -> None:
+        self.min_free_gb, self.deadline, self.interval_s = min_free_gb, deadline, interval_s
         self.total_peak: dict[str, float] = {}
         self.max_peak: dict[str, float] = {}  # the largest process, orphans included
         self.count_peak: dict[str, int] = {}
@@ -193,8 +194,11 @@ class Guard:
         while not self._stop.is_set():
             available = psutil.virtual_memory().available / GIB
             self.min_available_gb = min(self.min_available_gb, available)
-            if available < self.min_free_gb and self.aborted is None:
+            if available < self.min_free_gb:
                 self.aborted = f"available memory {available:.1f} GiB < {self.min_free_gb} GiB"
+            elif too_late(self.deadline):
+                self.aborted = f"deadline {self.deadline} UTC"
+            if self.aborted is not None:
                 print(f"chaos_load: {self.aborted}: stopping the deployment", flush=True)
                 dep.close()
                 return
@@ -315,7 +319,7 @@ def run_cell(args, database: str) -> dict:
         "started_utc": time.strftime("%H:%M:%S", time.gmtime()),
     }
     print(f"chaos_load: {json.dumps(rec)}", flush=True)
-    mon, guard = MemoryMonitor(), Guard(args.min_free_gb)
+    mon, guard = MemoryMonitor(), Guard(args.min_free_gb, args.deadline)
     t0 = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="chaos-load-", dir=args.tmp) as tmp:
         try:
@@ -330,7 +334,9 @@ def run_cell(args, database: str) -> dict:
     rec["load_avg_1m"] = [round(x, 2) for x in mon.load]
     ok = rec.get("run_status") == "finished:completed"
     ok = ok and rec.get("rounds_completed") == args.rounds
-    rec["status"] = "aborted-low-memory" if guard.aborted else ("ok" if ok else "failed")
+    rec["status"] = "ok" if ok else "failed"
+    if guard.aborted:
+        rec["status"] = "aborted-deadline" if "deadline" in guard.aborted else "aborted-low-memory"
     rec["aborted"] = guard.aborted
     rec["min_available_gb"] = round(guard.min_available_gb, 2)
     rec["db_bytes_peak"] = guard.db_peak
@@ -481,6 +487,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--wait-free-gb", type=float, default=8.0, help="start a cell with this free")
     ap.add_argument("--budget-gb", type=float, default=16.0, help="refuse a cell expected above")
     ap.add_argument("--not-after", default="", help="start no cell after HH:MM UTC")
+    ap.add_argument("--deadline", default="", help="stop a cell still running at HH:MM UTC")
     ap.add_argument("--run-timeout", type=float, default=2400.0, help="run_app.sh's wait, s")
     ap.add_argument("--tmp", default=None, help="folder for the deployments (default: TMPDIR)")
     ap.add_argument("--out", type=Path, default=OUT)
