@@ -68,7 +68,7 @@ SIZES = {
 }  # fmt: skip
 DATABASES = {"on-disk": None, "in-memory": IN_MEMORY}  # None: the harness's root/superlink.db
 # run-log lines kept in the record: lost or late replies, errors (Flower's and the app's)
-PROBLEM = re.compile(r"dropped reply|no reply|NODE_UNAVAILABLE|ERROR|Error|Traceback|lost|late")
+PROBLEM = re.compile(r"dropped reply|no reply|lost node|Node Unavailable|ERROR|Traceback")
 KEY = ("mode", "size", "supernodes", "database", "per_round", "rounds_planned")
 
 
