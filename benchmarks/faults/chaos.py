@@ -153,6 +153,7 @@ def record(chaos, monitor: MemoryMonitor, args, faults: bool, free_loss: float |
         "updates_applied_twice": sum("duplicate" in p for p in problems),
         "ledger_problems": problems,
         "replies_used": [r["replies-used"] for r in rounds],
+        "round_wall_s": [round(r.get("round-wall-s", float("nan")), 1) for r in rounds],
         "replies_late": [r.get("replies-late", 0) for r in rounds],
         "replies_lost": [r.get("replies-lost", 0) for r in rounds],
         "resumed_model_bitwise": chaos.resumed_model_equal,
@@ -244,7 +245,10 @@ def table(records: list[dict]) -> str:
         "peak RSS MB: SuperLink / ServerApp / SuperNode / ClientApp |"
     )
     rows = [head, common.rule(12)]
+    notes = []
     for r in records:
+        if "note" in r:
+            notes.append(r["note"])
         moments = {}
         for m in r.get("kill_moments", []):
             key = m.split(" (")[0].split(" not seen")[0]
@@ -255,8 +259,9 @@ def table(records: list[dict]) -> str:
         load_text = f"{load[1]:.1f}" if load else f"{r['machine']['load-avg'][0]:.1f} at the end"
         free = r.get("fault_free_val_loss")
         rows.append(
-            f"| {'chaos' if r['faults'] else 'fault-free'}, seed {r['seed']}, {r['commit']} "
-            f"| {r['supernodes']} | {r['node_kills']}"
+            f"| {'chaos' if r['faults'] else 'fault-free'}, seed {r['seed']}, {r['commit']}"
+            + (f" (note {len(notes)})" if "note" in r else "")
+            + f" | {r['supernodes']} | {r['node_kills']}"
             + (f" ({seen})" if seen else "")
             + f" | {r['superlink_restarts']} / {r.get('serverapp_kills', 0)} "
             f"| {r['rounds_completed']} / {r['rounds_planned']} "
@@ -267,6 +272,7 @@ def table(records: list[dict]) -> str:
             + f" | {r['wall_s']:.0f} s | {load_text} "
             f"| {' / '.join(f'{peak.get(k, 0):.0f}' for k in ('superlink', 'serverapp', 'supernode', 'clientapp'))} |"
         )
+    rows += [""] + [f"Note {i}: {n}" for i, n in enumerate(notes, 1)]
     rows += ["", "SuperLink RSS over each run (largest process, MB):", ""]
     rows += [
         f"- {'chaos' if r['faults'] else 'fault-free'}, {r['supernodes']} SuperNodes, "
