@@ -73,9 +73,12 @@ def test_run_survives_three_supernode_kills_and_a_superlink_restart(tmp_path):
     assert chaos.resumed_model_equal is True
     # Every update not merged is named; none applied twice.
     assert len(chaos.kill_moments) == 3, chaos.events
-    named, problems = account(chaos)
+    named, problems, unlogged = account(chaos)
     assert not problems, problems
-    assert sorted(named) == list(range(1, ROUNDS + 1)), sorted(named)
+    # the lost run's last round may have no log line (shipped after the power went): counted
+    # in results.json, and the only round allowed to lack one
+    assert set(unlogged) <= {done_a}, unlogged
+    assert sorted(set(named) | set(unlogged)) == list(range(1, ROUNDS + 1)), sorted(named)
     for row in results_b["rounds"]:
         # Something merged each round. Not the quorum (2): both round-1 victims may be among
         # the 3 sampled (node ids, so the sample, differ per deployment; 4 in 20), since Flower

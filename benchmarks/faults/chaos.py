@@ -125,7 +125,7 @@ class MemoryMonitor:
 def record(chaos, monitor: MemoryMonitor, args, faults: bool, free_loss: float | None) -> dict:
     final = chaos.final
     rounds = final["rounds"]
-    named, problems = account(chaos)
+    named, problems, unlogged = account(chaos)
     lost_named = sum(
         len(named[r["round"]]["dropped-nodes"]) + len(named[r["round"]]["missing-nodes"])
         for r in rounds
@@ -152,6 +152,8 @@ def record(chaos, monitor: MemoryMonitor, args, faults: bool, free_loss: float |
         "updates_lost_named": lost_named,
         "updates_applied_twice": sum("duplicate" in p for p in problems),
         "ledger_problems": problems,
+        # a lost run's last round whose log lines went with the coordinator (results.json has it)
+        "rounds_unlogged": unlogged,
         "replies_used": [r["replies-used"] for r in rounds],
         "round_wall_s": [round(r.get("round-wall-s", float("nan")), 1) for r in rounds],
         "replies_late": [r.get("replies-late", 0) for r in rounds],
