@@ -64,15 +64,13 @@ def kind_of(cmdline: list[str]) -> str | None:
     return None
 
 
-class MemoryMonitor:
-    """Samples the RSS of every process the deployment started (and their descendants)."""
+class Sampler:
+    """A daemon thread that runs ``self._run(dep)`` from ``start(dep)`` until ``stop()``
+    (``_run`` loops while ``self._stop`` is not set)."""
 
-    def __init__(self, interval_s: float = 1.0, series_every_s: float = 5.0) -> None:
-        self.interval_s, self.series_every_s = interval_s, series_every_s
-        self.peak: dict[str, float] = {}
-        self.series: dict[str, list[list[float]]] = {}
-        self.load: list[float] = []  # 1-minute load average: min, mean, max over the run
-        self._loads: list[float] = []
+    join_s = 10.0
+
+    def __init__(self) -> None:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -83,7 +81,22 @@ class MemoryMonitor:
     def stop(self) -> None:
         self._stop.set()
         if self._thread is not None:
-            self._thread.join(timeout=10)
+            self._thread.join(timeout=self.join_s)
+
+    def _run(self, dep) -> None:
+        raise NotImplementedError
+
+
+class MemoryMonitor(Sampler):
+    """Samples the RSS of every process the deployment started (and their descendants)."""
+
+    def __init__(self, interval_s: float = 1.0, series_every_s: float = 5.0) -> None:
+        super().__init__()
+        self.interval_s, self.series_every_s = interval_s, series_every_s
+        self.peak: dict[str, float] = {}
+        self.series: dict[str, list[list[float]]] = {}
+        self.load: list[float] = []  # 1-minute load average: min, mean, max over the run
+        self._loads: list[float] = []
 
     def _sample(self, dep) -> dict[str, float]:
         now: dict[str, float] = {}

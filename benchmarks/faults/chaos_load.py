@@ -40,7 +40,6 @@ import os
 import re
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -51,7 +50,7 @@ import common  # noqa: E402
 
 common.on_path("tests", "benchmarks/memory", "benchmarks/faults")
 
-from chaos import MemoryMonitor, kind_of  # noqa: E402
+from chaos import MemoryMonitor, Sampler, kind_of  # noqa: E402
 from chaos_scenario import CONFIG  # noqa: E402
 from deploy_harness import IN_MEMORY, loopback_deployment  # noqa: E402
 from server_memory import SYNTHETIC_SIZES, synthetic_app, wait_for_memory  # noqa: E402
@@ -122,13 +121,16 @@ def db_bytes(database: Path | str) -> int:
     )
 
 
-class Guard:
+class Guard(Sampler):
     """Each second: the summed RSS and the count of the processes of each kind (the
     MemoryMonitor keeps the largest one), the database file's size, and the machine's available
     memory; under ``min_free_gb``, or past ``deadline`` (``HH:MM`` UTC), it stops the whole
     deployment (``dep.close()``)."""
 
+    join_s = 30.0
+
     def __init__(self, min_free_gb: float, deadline: str = "", interval_s: float = 1.0) -> None:
+        super().__init__()
         self.min_free_gb, self.deadline, self.interval_s = min_free_gb, deadline, interval_s
         self.total_peak: dict[str, float] = {}
         self.max_peak: dict[str, float] = {}  # the largest process, orphans included
@@ -138,17 +140,6 @@ class Guard:
         self.idle_mb: dict[str, float] = {}  # per kind, the smallest process at the first sample
         self.min_available_gb = math.inf
         self.aborted: str | None = None
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-
-    def start(self, dep) -> None:
-        self._thread = threading.Thread(target=self._run, args=(dep,), daemon=True)
-        self._thread.start()
-
-    def stop(self) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=30)
 
     @staticmethod
     def processes(dep) -> list[psutil.Process]:
