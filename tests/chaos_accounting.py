@@ -51,7 +51,7 @@ def account(chaos) -> tuple[dict[int, dict], list[str], list[int]]:
     the ServerApp ships its log to the SuperLink every few seconds, so a power loss right after
     a round can take that round's lines with it (its counts are in results.json and the
     checkpoint's history); any other round without one is a breach."""
-    lost_tails = set(getattr(chaos, "restored", []))
+    lost_tails = set(chaos.restored)
     unlogged: list[int] = []
     named: dict[int, dict] = {}
     for text in chaos.training_logs:

@@ -161,7 +161,7 @@ def _pick(preferred: int, candidates: set[int]) -> int | None:
     """``preferred`` if a candidate, else the next candidate index after it (cyclically)."""
     if not candidates:
         return None
-    return min(candidates, key=lambda i: (i - preferred) % 10_000)
+    return min(candidates, key=lambda i: (i < preferred, i))  # >= preferred first, then wrap
 
 
 def _moment(
