@@ -16,6 +16,7 @@ import pytest
 import torch
 from fakegrid import FakeGrid
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
+from outer_reference import assert_close, sync_rounds
 
 from flwr_isoloco.checkpoint import load_checkpoint, save_checkpoint
 from flwr_isoloco.checkpoint_spec import CheckpointError
@@ -38,12 +39,16 @@ def init_model() -> dict[str, torch.Tensor]:
     return {"w": torch.randn(4, 3, generator=g), "b": torch.randn(3, generator=g)}
 
 
-def train(msg: Message, ctx) -> Message:
+def local(theta: dict[str, torch.Tensor], pid: int, _rnd: int = 0) -> dict[str, torch.Tensor]:
     """theta_i = theta + 0.5 (target_pid - theta): delta_i = 0.5 (theta - target_pid)."""
-    theta = msg.content["arrays"].to_torch_state_dict()
-    pid = int(ctx.node_config["partition-id"])
     t = target(pid)
-    new = {k: v + 0.5 * (t[k] - v) for k, v in theta.items()}
+    return {k: v + 0.5 * (t[k] - v) for k, v in theta.items()}
+
+
+def train(msg: Message, ctx) -> Message:
+    """:func:`local` as a ClientApp handler."""
+    pid = int(ctx.node_config["partition-id"])
+    new = local(msg.content["arrays"].to_torch_state_dict(), pid)
     metrics = MetricRecord({"num-examples": N_EX[pid], "train-loss": float(pid)})
     return Message(RecordDict({"arrays": ArrayRecord(new), "metrics": metrics}), reply_to=msg)
 
@@ -437,18 +442,21 @@ def test_reply_beyond_max_staleness_is_dropped_and_named(caplog):
         torch.testing.assert_close(got[k].double(), th2[k], rtol=1e-6, atol=1e-6)
 
 
-def test_default_off_is_the_synchronous_strategy_bit_for_bit():
-    """asynchronous=False / default Rounds(): the same model and checkpoint as before."""
-    out = []
-    for kw in ({}, {"asynchronous": False}, {"rounds": Rounds(asynchronous=False)}):
-        s = DiLoCo(min_train_nodes=3, min_available_nodes=3, **kw)
-        grid = FakeGrid({"train": train, "evaluate": _evaluate}, num_nodes=3)
-        res = s.start(grid=grid, initial_arrays=ArrayRecord(init_model()), num_rounds=3)
-        assert s.async_rounds is None and s.outer.delay == 1
-        assert "async" not in s.state_dict()["meta"] and "versions" not in s.state_dict()["tensors"]
-        out.append(res.arrays.to_torch_state_dict())
-    for other in out[1:]:
-        assert all(torch.equal(out[0][k], other[k]) for k in out[0])
+@pytest.mark.parametrize(
+    "kw", [{}, {"asynchronous": False}, {"rounds": Rounds(asynchronous=False)}]
+)
+def test_default_off_is_the_synchronous_strategy(kw):
+    """asynchronous=False / default Rounds(): synchronous DiLoCo with its documented defaults,
+    against :func:`outer_reference.sync_rounds` (fp64): 3 rounds, every node's reply used,
+    g = sum n_p delta_p / sum n_p (n = 1, 1, 2), Nesterov with lr 0.7, mu 0.9, no delay; no
+    asynchronous state in the checkpoint."""
+    s = DiLoCo(min_train_nodes=3, min_available_nodes=3, **kw)
+    grid = FakeGrid({"train": train, "evaluate": _evaluate}, num_nodes=3)
+    res = s.start(grid=grid, initial_arrays=ArrayRecord(init_model()), num_rounds=3)
+    assert s.async_rounds is None and s.outer.delay == 1
+    assert "async" not in s.state_dict()["meta"] and "versions" not in s.state_dict()["tensors"]
+    want = sync_rounds(init_model(), local, 3, N_EX, lr=0.7, momentum=0.9, nesterov=True)
+    assert_close(res.arrays.to_torch_state_dict(), want)
 
 
 def _evaluate(msg: Message, ctx) -> Message:
