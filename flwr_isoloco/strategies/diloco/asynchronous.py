@@ -27,6 +27,18 @@ discounted sum): a buffer of stale replies moves the model less, a fresh one (``
 a synchronous round would. A reply with ``tau > Rounds.max_staleness`` is dropped before any
 check, logged with its node and the reason, and counted (``replies-stale``).
 
+Buffers (float tensors not trained by gradients, BatchNorm's running statistics:
+:mod:`flwr_isoloco.merging.buffers`) are not pseudo-gradients: a stale delta of a statistic
+applied to a newer model, then scaled by ``rho``, is no value any node reported (every node
+reporting ``running_var = 1`` drove it below zero). Node ``i``'s buffer delta is taken against
+the current model ``theta``, ``theta_b - theta_i,b`` (:meth:`BasedReply.update`), and is not
+scaled by ``rho``, so the step sets
+
+    theta_b <- sum_i w_i theta_i,b / sum_i w_i       (w_i = bound(n_i) s(tau_i))
+
+the weighted mean of the values reported, with the merge weights (a statistic measured on an
+older model counts less, as its update does), whatever the staleness of each.
+
 Speed-scaled local steps: a DiLoCo worker with a time budget (``time_budget_s``, the LM app's
 ``train.time-budget-s``) runs as many of the ``local-steps`` as fit its budget and reports them
 (``inner-steps``); its ``num-examples`` are the tokens of those steps, so the weight above
@@ -119,17 +131,36 @@ def refuse_secagg(s: Any) -> None:
 class BasedReply:
     """A checked reply whose delta is taken against the model its node was sent (``base``,
     version ``tau`` steps old), with its staleness discount; every other attribute is the
-    :class:`~flwr_isoloco.strategies.core.replies.CheckedReply`'s."""
+    :class:`~flwr_isoloco.strategies.core.replies.CheckedReply`'s. ``buffers``: the keys
+    taken against the current model instead (:meth:`update`)."""
 
-    def __init__(self, reply: Any, base: Mapping[str, torch.Tensor], tau: int, discount: float):
-        self.__dict__.update(reply=reply, base=base, staleness=tau, discount=discount)
+    def __init__(
+        self,
+        reply: Any,
+        base: Mapping[str, torch.Tensor],
+        tau: int,
+        discount: float,
+        buffers: frozenset[str] = frozenset(),
+    ):
+        self.__dict__.update(
+            reply=reply, base=base, staleness=tau, discount=discount, buffers=buffers
+        )
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.__dict__["reply"], name)
 
     def update(self, reference: Any = None) -> dict[str, torch.Tensor]:
-        """``delta_i = theta_v - theta_i`` against the model sent (``reference`` is ignored)."""
-        return self.reply.update(self.base)
+        """``delta_i = theta_v - theta_i`` against the model sent, for the parameters; for a
+        buffer ``b``, ``reference_b - theta_i,b = delta_i,b + (reference_b - theta_v,b)``
+        against ``reference`` (the current model, which the round's fold passes): the merged
+        buffer ``reference_b - mean_w(...)`` is then the weighted mean of the values the nodes
+        reported, however old the model each trained from."""
+        d = self.reply.update(self.base)
+        if reference is None:
+            return d
+        for k in self.buffers & d.keys():
+            d[k] = d[k] + (reference[k].float() - self.base[k].float())
+        return d
 
     def strip(self) -> None:
         """The reply's arrays and the model it trained from are no longer needed."""
@@ -193,12 +224,13 @@ class AsyncRounds:
         assert self._taking is not None
         return self.versions[self._taking[0].version]
 
-    def adopt(self, reply: Any, msg: Message) -> BasedReply:
-        """The checked reply with its base and discount ``s(tau)``."""
+    def adopt(self, reply: Any, msg: Message, buffers: frozenset[str] = frozenset()) -> BasedReply:
+        """The checked reply with its base and discount ``s(tau)``; ``buffers`` (the model's
+        buffer keys) are taken against the current model (:meth:`BasedReply.update`)."""
         assert self._taking is not None
         task, tau = self._taking
-        a = self.settings.staleness
-        return BasedReply(reply, self.versions[task.version], tau, staleness_discount(tau, a))
+        discount = staleness_discount(tau, self.settings.staleness)
+        return BasedReply(reply, self.versions[task.version], tau, discount, buffers)
 
     # ------------------------------------------------------------------ one outer step
     def run_round(

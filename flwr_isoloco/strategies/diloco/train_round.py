@@ -22,8 +22,10 @@ each reply is then checked against the model its node was sent (``per_reply.base
 the reply :meth:`per_reply.adopt <flwr_isoloco.strategies.diloco.asynchronous.AsyncRounds.adopt>`
 returns carries its ``discount`` ``s(tau)``: its merge weight is the bounded weight times
 ``s(tau)``, and ``g`` is scaled by ``rho = sum_i w_i s_i / sum_i w_i`` (``w_i`` the bounded
-weights), so that a buffer of stale replies moves the model less. Without ``per_reply`` none of
-this runs (synchronous rounds, bit for bit as before).
+weights), so that a buffer of stale replies moves the model less; buffer keys (BatchNorm
+statistics, :mod:`~flwr_isoloco.merging.buffers`) are taken against the current model and
+not scaled, so they become the weighted mean of the values the nodes reported. Without
+``per_reply`` none of this runs (synchronous rounds, bit for bit as before).
 """
 
 from __future__ import annotations
@@ -89,7 +91,7 @@ class TrainRound:
         spill = self.collect or bool(self.v.max_norm_ratio)
         floats = [k for k, t in s.theta.items() if t.is_floating_point()]
         dp = s.dp.mechanism(server_round, len(s._train_ledger._sent), floats)  # None: DP off
-        buffers = buffer_keys(s)  # merged as FedAvg does, outside the outer step
+        self.buffers = buffers = buffer_keys(s)  # merged as FedAvg does, outside the step
         # deltas against the model the workers trained from: B with compressed downloads
         self.base = getattr(s, "train_base", s.theta)
         self.fold = RoundFold(
@@ -119,7 +121,7 @@ class TrainRound:
         if isinstance(r, Rejection):
             return
         if self.per_reply is not None:
-            r = self.per_reply.adopt(r, msg)
+            r = self.per_reply.adopt(r, msg, self.buffers)
         why = s.dp.reply_problem(r.content)  # local DP: the reply must say it applied it
         if why is not None:
             r.release()
@@ -251,12 +253,14 @@ class TrainRound:
 
     def _stale_scaled(self, g: dict[str, Any], used: list[Any]) -> tuple[dict[str, Any], float]:
         """``(rho g, rho)``, ``rho = sum_i w_i s_i / sum_i w_i`` over the used replies (``w_i``
-        the bounded weights): the mean discount of the buffer (module docstring)."""
+        the bounded weights): the mean discount of the replies (module docstring). Buffer keys
+        stay unscaled: their ``g`` is ``theta - mean``, the weighted mean of the reported
+        values, and ``rho`` times it would leave that mean."""
         total = sum(self._bounded[id(r)] for r in used)
         rho = sum(self._w[id(r)] for r in used) / total if total > 0 else 1.0
         if rho == 1.0:
             return g, 1.0
-        return {k: v * rho for k, v in g.items()}, rho
+        return {k: v if k in self.buffers else v * rho for k, v in g.items()}, rho
 
     def _log_left_out(self, merged: bool) -> None:
         """Name the nodes whose update the robust rule did not choose (they stay 'used': they

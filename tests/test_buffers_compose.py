@@ -1,0 +1,121 @@
+"""Buffers (BatchNorm running statistics) with the features that touch them: asynchronous
+rounds, ``buffers="auto"`` on real torch modules, central DP.
+
+A buffer's new value is the weighted mean of the values the nodes reported (FedAvg's merge,
+:mod:`flwr_isoloco.merging.buffers`); every expected value below is computed by hand from
+the values the fake nodes report, not by the strategy's code.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from flwr.app import ArrayRecord, Message, MetricRecord, RecordDict
+from test_async_rounds import ScriptedGrid
+
+from flwr_isoloco.strategies import DiLoCo, ReplyChecks, Rounds
+
+torch.set_num_threads(1)
+
+N_EX = [1, 1, 2]  # num-examples of partitions 0, 1, 2
+
+
+def _bn_model(var0: float = 5.0) -> dict[str, torch.Tensor]:
+    """A parameter and BatchNorm statistics far from what the nodes will report."""
+    g = torch.Generator().manual_seed(0)
+    return {
+        "fc.weight": torch.randn(3, 4, generator=g),
+        "bn.running_var": torch.full((4,), var0),
+        "bn.running_mean": torch.full((4,), -2.0),
+        "bn.num_batches_tracked": torch.tensor(0),
+    }
+
+
+def _bn_train(var: tuple[float, ...], mean: tuple[float, ...]):
+    """Node ``p`` moves ``fc.weight`` and reports ``running_var = var[p]``, ``running_mean =
+    mean[p]`` whatever model it was sent (its own data's statistics)."""
+
+    def train(msg: Message, ctx) -> Message:
+        th = msg.content["arrays"].to_torch_state_dict()
+        pid = int(ctx.node_config["partition-id"])
+        new = dict(th)
+        new["fc.weight"] = th["fc.weight"] * 0.9 + 0.01 * pid
+        new["bn.running_var"] = torch.full_like(th["bn.running_var"], var[pid])
+        new["bn.running_mean"] = torch.full_like(th["bn.running_mean"], mean[pid])
+        metrics = MetricRecord({"num-examples": N_EX[pid]})
+        return Message(RecordDict({"arrays": ArrayRecord(new), "metrics": metrics}), reply_to=msg)
+
+    return train
+
+
+def _async_run(order, steps, var, mean, **kw):
+    """Asynchronous DiLoCo, K=2 of 3 nodes, replies in ``order`` (partition ids); the model
+    after each step (``evaluate_fn`` sees it)."""
+    seen: dict[int, dict[str, torch.Tensor]] = {}
+
+    def evaluate_fn(rnd, arrays):
+        seen[rnd] = {k: v.clone() for k, v in arrays.to_torch_state_dict().items()}
+        return None
+
+    s = DiLoCo(
+        merge="mean",
+        outer_lr=0.7,
+        outer_momentum=0.9,
+        min_train_nodes=3,
+        min_available_nodes=3,
+        fraction_evaluate=0.0,
+        checks=ReplyChecks(max_weight_ratio=None),
+        rounds=Rounds(asynchronous=True, buffer=2),
+        **kw,
+    )
+    grid = ScriptedGrid(order)
+    grid.app = {"train": _bn_train(var, mean)}
+    s.start(
+        grid=grid,
+        initial_arrays=ArrayRecord(_bn_model()),
+        num_rounds=steps,
+        evaluate_fn=evaluate_fn,
+    )
+    return s, seen
+
+
+# Order 0 1 | 2 1 | 0 2 | 1 0. A reply that does not close a step gets its node new work from
+# the model before the step; the closing one after it. Node 2's first reply (step 2) trained
+# from version 0 (tau 1), node 0's in step 3 from version 0 (tau 2), node 2's in step 3 from
+# version 1 (tau 1), nodes 1 and 0 in step 4 from version 2 (tau 1).
+ORDER = [0, 1, 2, 1, 0, 2, 1, 0]
+
+
+def test_async_running_var_all_one_stays_exactly_one():
+    """Every node reports running_var 1.0: the merged value is 1.0 after every step, stale
+    replies or not (it was theta - rho * stale delta: -3.24 after two steps, NaN in BN)."""
+    s, seen = _async_run(ORDER, 4, var=(1.0, 1.0, 1.0), mean=(0.5, 0.5, 0.5))
+    assert sorted(seen) == [0, 1, 2, 3, 4]
+    for step in (1, 2, 3, 4):
+        assert torch.equal(seen[step]["bn.running_var"], torch.ones(4)), step
+        assert torch.allclose(seen[step]["bn.running_mean"], torch.full((4,), 0.5)), step
+    assert set(s.outer.momentum_buffer) == {"fc.weight"}
+    assert not torch.equal(seen[4]["fc.weight"], seen[0]["fc.weight"])  # parameters did move
+
+
+def test_async_buffers_are_the_weighted_mean_of_the_reported_values():
+    """Distinct values: each step's buffer is ``sum_i w_i x_i / sum_i w_i`` over the step's
+    replies, ``w_i = n_i s(tau_i)`` (the merge weights, ``s(tau) = 1/sqrt(1+tau)``), never
+    scaled by ``rho``. Step 2 merges node 2 (tau 1) and node 1 (tau 0); step 3 node 0 (tau 2)
+    and node 2 (tau 1); step 4 node 1 and node 0 (both sent version 2: tau 1)."""
+    var, mean = (0.5, 2.0, 3.0), (-1.0, 0.25, 4.0)
+    _, seen = _async_run(ORDER, 4, var=var, mean=mean)
+    s1, s2 = 1 / math.sqrt(2), 1 / math.sqrt(3)
+    steps = {  # step -> [(partition, weight)]
+        1: [(0, 1.0), (1, 1.0)],
+        2: [(2, 2 * s1), (1, 1.0)],
+        3: [(0, 1 * s2), (2, 2 * s1)],
+        4: [(1, 1 * s1), (0, 1 * s1)],
+    }
+    for step, used in steps.items():
+        total = sum(w for _, w in used)
+        for key, values in (("bn.running_var", var), ("bn.running_mean", mean)):
+            want = sum(w * values[p] for p, w in used) / total
+            got = seen[step][key]
+            assert torch.allclose(got, torch.full((4,), want), atol=1e-6), (step, key, got, want)
