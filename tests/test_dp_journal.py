@@ -220,3 +220,85 @@ def test_the_app_runner_charges_a_release_lost_before_its_checkpoint(tmp_path, m
     assert rows[1]["dp-epsilon"] == pytest.approx(flower_epsilon(Z, 3, 1e-5, 1), rel=1e-12)
     doc = json.loads((b / "dp-journal.json").read_text())
     assert [(r["round"], r["attempt"]) for r in doc["releases"]] == [(1, 0), (2, 0), (2, 1)]
+
+
+def _resume_into(tmp_path, folder: str, checkpoint, missing_in_round=None):
+    """The documented resume: a new output folder whose journal continues the one beside
+    ``checkpoint`` (the app runner's ``attach_dp_journal``). The released model of round 2."""
+    from flwr_isoloco.strategies.diloco.dp_journal import attach_dp_journal
+
+    out = tmp_path / folder
+    s = _strategy(tmp_path / "unused")
+    attach_dp_journal(s, out, checkpoint)
+    tensors, meta = load_checkpoint(checkpoint)
+    s.load_state_dict({"tensors": tensors, "meta": meta})
+    res = s.start(
+        grid=FakeGrid(_app(missing_in_round), num_nodes=K),
+        initial_arrays=ArrayRecord({"w": torch.zeros(8, 8)}),
+        num_rounds=2,
+    )
+    return s, res.arrays.to_torch_state_dict()["w"].double()
+
+
+def _leak(a: torch.Tensor, b: torch.Tensor) -> float:
+    """``||(a - b) - clip(delta_0) / k||``: 0 when ``a`` (all nodes) and ``b`` (node 0
+    missing) were released under the same noise."""
+    n = a.numel()
+    node0 = torch.full_like(a, -STEP).mul_(C / (STEP * math.sqrt(n)))
+    return float(((b - a) - node0 / K).norm())
+
+
+def test_resuming_one_checkpoint_twice_never_replays_noise_and_charges_every_release(tmp_path):
+    """The resume command run twice from the same checkpoint (two output folders): the second
+    sees the first's release of round 2 (the journal beside the checkpoint records it), draws
+    new noise and charges it: round 1, round 2 before the crash and in each resume, 4."""
+    (tmp_path / "unused").mkdir()
+    _, path = _first_run(tmp_path)
+    first, a = _resume_into(tmp_path, "b", path, missing_in_round=2)
+    second, b = _resume_into(tmp_path, "c", path)
+    noise_norm = Z * C * math.sqrt(2 * a.numel()) / K  # of (N - N') / k
+    assert _leak(b, a) > 0.3 * noise_norm
+    assert first.dp.accountant.num_releases == 3 and second.dp.accountant.num_releases == 4
+    doc = json.loads((tmp_path / "dp-journal.json").read_text())
+    assert [(r["round"], r["attempt"]) for r in doc["releases"]] == [(1, 0), (2, 0), (2, 1), (2, 2)]
+    assert len({r["nonce"] for r in doc["releases"]}) == 4  # a fresh secret per release
+
+
+def test_a_forked_journal_still_draws_new_noise(tmp_path):
+    """Checkpoint and journal copied to another folder before the first resume: the second
+    resume cannot see the first's release (same attempt), but each release's nonce is fresh,
+    so the two released models do not differ by node 0's bare update."""
+    import shutil
+
+    (tmp_path / "unused").mkdir()
+    _, path = _first_run(tmp_path)
+    fork = tmp_path / "fork"
+    fork.mkdir()
+    for name in ("ck.safetensors", "dp-journal.json"):
+        shutil.copy(tmp_path / name, fork / name)
+    _, a = _resume_into(tmp_path, "b", path, missing_in_round=2)
+    _, b = _resume_into(tmp_path, "c", fork / "ck.safetensors")
+    noise_norm = Z * C * math.sqrt(2 * a.numel()) / K
+    assert _leak(b, a) > 0.3 * noise_norm
+
+
+def test_a_round_whose_outer_step_fails_after_the_dp_merge_is_charged(tmp_path, monkeypatch):
+    """The noised sum was formed and its norm is published even when the outer step fails:
+    the round is journaled and charged. No round publishes the exact clipped count."""
+    s = _strategy(tmp_path)
+
+    def fail(*a, **k):
+        raise ValueError("outer step refused")
+
+    monkeypatch.setattr(s.outer, "step", fail)
+    res = s.start(
+        grid=FakeGrid(_app(), num_nodes=K),
+        initial_arrays=ArrayRecord({"w": torch.zeros(8, 8)}),
+        num_rounds=1,
+    )
+    m = res.train_metrics_clientapp[1]
+    assert "pseudo-grad-norm" in m and "dp-clipped-fraction" not in m
+    assert s.dp.accountant.num_releases == 1
+    assert m["dp-epsilon"] == pytest.approx(flower_epsilon(Z, 1, 1e-5, 1), rel=1e-12)
+    doc = json.loads((tmp_path / "dp-journal.json").read_text())
+    assert [(r["round"], r["attempt"]) for r in doc["releases"]] == [(1, 0)]

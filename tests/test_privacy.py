@@ -118,12 +118,11 @@ def test_budget_stops_before_the_round_that_would_exceed_it():
     assert sum(1 for r in grid.log if r.message_type == "train") == 2  # round 1 only
 
 
-def test_resume_continues_epsilon_and_the_noise(tmp_path):
-    """A secret noise key (dp_seed=None) travels in the checkpoint: the resumed run's rounds 3-4
-    are bitwise those of a straight run with that key, and epsilon continues from round 2."""
-    kw = dict(**QUIET, seed=3, privacy=CentralDP(noise_multiplier=0.9, clipping_norm=0.03))
+def _resume_rounds_3_4(tmp_path, privacy):
+    """Rounds 1-2, a checkpoint, rounds 3-4 resumed from it; and rounds 1-4 straight with the
+    first run's key as a fixed seed. ``(first, second, resumed result, straight result)``."""
+    kw = dict(**QUIET, seed=3, privacy=privacy)
     first = DiLoCo(**kw)
-    assert first.dp.noise_key != DiLoCo(**kw).dp.noise_key  # drawn from the OS, per strategy
     first.dp.attach_journal(tmp_path / "dp-journal.json")
     start_run(first, 3, 2)
     tensors, meta = through_checkpoint(first, tmp_path)
@@ -133,7 +132,7 @@ def test_resume_continues_epsilon_and_the_noise(tmp_path):
     assert second.dp.noise_key == first.dp.noise_key
     assert second.dp.epsilon() == pytest.approx(first.dp.epsilon())
     rest = start_run(second, 3, 4)
-    straight = DiLoCo(**{**kw, "privacy": replace(kw["privacy"], seed=first.dp.noise_key)})
+    straight = DiLoCo(**{**kw, "privacy": replace(privacy, seed=first.dp.noise_key)})
     full = start_run(straight, 3, 4)
     for r in (3, 4):
         assert rest.train_metrics_clientapp[r]["dp-epsilon"] == pytest.approx(
@@ -141,8 +140,28 @@ def test_resume_continues_epsilon_and_the_noise(tmp_path):
         )
     assert rest.train_metrics_clientapp[3]["dp-epsilon"] > first.dp.epsilon()
     assert second.dp.accountant.num_releases == 4
+    return first, second, rest, full
+
+
+def test_resume_continues_epsilon_with_fresh_secret_noise(tmp_path):
+    """A secret noise key (seed=None) travels in the checkpoint and epsilon continues from
+    round 2; each release also draws a fresh secret nonce, so the resumed rounds' noise is not
+    the noise a straight run with that key would draw (a resume can never replay noise)."""
+    privacy = CentralDP(noise_multiplier=0.9, clipping_norm=0.03)
+    first, _, rest, full = _resume_rounds_3_4(tmp_path, privacy)
+    assert first.dp.noise_key != DiLoCo(**QUIET, privacy=privacy).dp.noise_key  # from the OS
     a, b = rest.arrays.to_torch_state_dict(), full.arrays.to_torch_state_dict()
-    for k in a:  # same noise in rounds 3-4: drawn from (key, round)
+    # the same clipped sums; noise of std z C / k = 0.009 per entry in each of 2 rounds
+    assert float((a["w"] - b["w"]).double().pow(2).mean().sqrt()) > 0.003
+
+
+def test_resume_with_a_fixed_seed_is_bitwise(tmp_path):
+    """A fixed DP seed (tests, benchmarks; not private) keys the noise by (seed, round, tensor,
+    attempt) alone: the resumed rounds 3-4 are bitwise a straight run's."""
+    privacy = CentralDP(noise_multiplier=0.9, clipping_norm=0.03, seed=11)
+    _, _, rest, full = _resume_rounds_3_4(tmp_path, privacy)
+    a, b = rest.arrays.to_torch_state_dict(), full.arrays.to_torch_state_dict()
+    for k in a:
         torch.testing.assert_close(a[k], b[k], rtol=0, atol=0)
 
 

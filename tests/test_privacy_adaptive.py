@@ -64,7 +64,8 @@ def test_adaptive_clipping_norm_moves_to_the_quantile():
 def test_adaptive_clipping_epsilon_and_noise_per_round():
     """A federation with adaptive C: dp-epsilon is Flower's accountant fed one event of the
     accounted z per round; the update noise is z_delta C_t / k; C_{t+1} follows the round's
-    clipped count (from the metrics) and count noise (from the key)."""
+    clipped count (computed here from the nodes' updates) and count noise (from the key); the
+    round publishes only the noised unclipped fraction, never the exact count."""
     from flwr_isoloco.strategies.diloco.privacy import COUNT_NOISE_INDEX
 
     z, std, q, lr, c0, key, rounds, k = 1.1, 1.0, 0.5, 0.3, 0.05, 11, 4, 3
@@ -76,15 +77,19 @@ def test_adaptive_clipping_epsilon_and_noise_per_round():
         assert m["dp-epsilon"] == pytest.approx(flower_epsilon(z, r, 1e-5, 1), rel=1e-12)
         assert m["dp-clipping-norm"] == c
         assert m["dp-noise-std"] == pytest.approx(_z_update(z, std) * c / k, rel=1e-12)
-        clipped = round(m["dp-clipped-fraction"] * k)
+        # step_client: node pid's delta is 0.01 (pid + 1) on each of the 72 entries
+        clipped = sum(0.01 * (pid + 1) * math.sqrt(72) > c for pid in range(k))
         noise = float(noise_like(torch.zeros(()), std, key, r, COUNT_NOISE_INDEX))
-        c = c * math.exp(-lr * ((k - clipped + noise) / k - q))
+        released = (k - clipped + noise) / k
+        assert "dp-clipped-fraction" not in m  # the exact count is what the noise protects
+        assert m["dp-unclipped-fraction"] == pytest.approx(released, rel=1e-12)
+        c = c * math.exp(-lr * (released - q))
     assert s.dp.c == pytest.approx(c, rel=1e-14)
     assert len({res.train_metrics_clientapp[r]["dp-clipping-norm"] for r in (1, 2, 3, 4)}) == 4
 
 
 def test_adaptive_clipping_resume_keeps_the_clipping_norm_bitwise(tmp_path):
-    kw = _adaptive(0.9, 0.03, 0.5, 1.0, seed=3)
+    kw = _adaptive(0.9, 0.03, 0.5, 1.0, seed=3, key=5)  # fixed key: reproducible noise
     first = DiLoCo(**kw)
     first.dp.attach_journal(tmp_path / "dp-journal.json")
     start_run(first, 3, 2)

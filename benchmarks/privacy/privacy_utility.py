@@ -103,7 +103,7 @@ def run_cell(strategy: str, nodes: int, eps: float, clip: float, quick: bool) ->
         "initial_val_loss": res["initial"]["val-loss"],
         "val_loss": [r["val-loss"] for r in rows],
         "dp_epsilon": [r.get("dp-epsilon") for r in rows],
-        "clipped_fraction": [r.get("dp-clipped-fraction") for r in rows],
+        "unclipped_fraction": [r.get("dp-unclipped-fraction") for r in rows],  # adaptive C only
         "pseudo_grad_norm": [r.get("pseudo-grad-norm") for r in rows],
         "model_parameters": res.get("model-parameters"),
         "wall_s": wall,

@@ -13,11 +13,12 @@ Adding or removing one site changes the sum by at most ``C`` in L2 norm, so this
 Gaussian mechanism of noise multiplier ``z`` on a sensitivity-``C`` query; whatever is computed
 from ``g`` afterwards (Iso-C, outer momentum, the model) is post-processing.
 
-Noise is a function of ``(seed, round, tensor index, attempt)`` only (:func:`noise_like`): a
-round merged again in one process (a failed merge retried on fewer replies) draws the same
-noise, and ``attempt`` (how many releases of that round the DP journal already holds,
-:mod:`flwr_isoloco.strategies.diloco.dp_journal`) makes a round redone after a crash draw new noise, so
-two different sums are never released under one noise.
+Noise is a function of ``(seed, round, tensor index, attempt, nonce)`` only
+(:func:`noise_like`): a round merged again in one process (a failed merge retried on fewer
+replies) draws the same noise, and ``attempt`` (how many releases of that round the DP journal
+already holds) with ``nonce`` (a fresh secret per release,
+:mod:`flwr_isoloco.strategies.diloco.dp_journal`) makes a round redone after a crash draw new
+noise, so two different sums are never released under one noise.
 
 :func:`privatize` is the local (client-side) variant: one site clips and noises its own delta.
 """
@@ -62,13 +63,22 @@ def clip_to_norm(delta: Mapping[str, torch.Tensor], c: float) -> tuple[Tensors, 
 
 
 def noise_like(
-    t: torch.Tensor, std: float, seed: int, server_round: int, index: int, attempt: int = 0
+    t: torch.Tensor,
+    std: float,
+    seed: int,
+    server_round: int,
+    index: int,
+    attempt: int = 0,
+    nonce: int = 0,
 ) -> torch.Tensor:
     """``N(0, std^2)`` of ``t``'s shape in fp64, drawn from ``(seed, server_round, index)`` and,
-    for ``attempt > 0`` (a round redone after a release), ``attempt`` too."""
+    for ``attempt > 0`` (a round redone after a release) or ``nonce > 0`` (a release's own
+    secret), ``(attempt, nonce)`` too."""
     entropy = [int(seed) & (2**63 - 1), int(server_round), int(index)]
-    if attempt:
+    if attempt or nonce:
         entropy.append(int(attempt))
+    if nonce:
+        entropy.append(int(nonce))
     state = np.random.SeedSequence(entropy)
     gen = torch.Generator().manual_seed(int(state.generate_state(1, np.uint64)[0] >> 1))
     return torch.randn(t.shape, generator=gen, dtype=torch.float64).mul_(std)
@@ -78,8 +88,8 @@ class GaussianSum:
     """One round's mechanism: :meth:`clip` each delta, :meth:`release` each mean tensor.
 
     ``denominator`` is ``k``, the number of sites sampled this round. ``keys`` fixes the tensor
-    order that indexes the noise (the model's float entries, in model order); ``attempt``
-    keys the noise of a round redone after a crash (module docstring).
+    order that indexes the noise (the model's float entries, in model order); ``attempt`` and
+    ``nonce`` key the noise of one release (module docstring).
     """
 
     def __init__(
@@ -91,6 +101,7 @@ class GaussianSum:
         seed: int,
         server_round: int,
         attempt: int = 0,
+        nonce: int = 0,
     ) -> None:
         if not (clipping_norm > 0 and math.isfinite(clipping_norm)):
             raise ValueError(f"clipping norm must be > 0 and finite, got {clipping_norm!r}")
@@ -101,6 +112,7 @@ class GaussianSum:
         self.c, self.z, self.k = float(clipping_norm), float(noise_multiplier), int(denominator)
         self.index = {key: i for i, key in enumerate(keys)}
         self.seed, self.server_round, self.attempt = seed, server_round, int(attempt)
+        self.nonce = int(nonce)
         self.clipped = 0  # deltas scaled down this round
         self.norms: list[float] = []
 
@@ -132,7 +144,9 @@ class GaussianSum:
         total = mean.double() * used
         if self.z > 0:
             std, i = self.z * self.c, self.index[key]
-            total += noise_like(mean, std, self.seed, self.server_round, i, self.attempt)
+            total += noise_like(
+                mean, std, self.seed, self.server_round, i, self.attempt, self.nonce
+            )
         return total.div_(self.k).to(mean.dtype)
 
 

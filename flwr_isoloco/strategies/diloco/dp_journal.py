@@ -8,11 +8,15 @@ its noise drawn again from ``(key, round)`` and its replies different (one site 
 released means ``(S + N) / k`` and ``(S' + N) / k`` would differ by one site's clipped update
 without noise; and the first release would be missing from epsilon. Two rules close this:
 
-1. Before a release, its record ``(round, attempt)`` is added to the journal, a JSON file
-   replaced atomically and fsync'd (:func:`~flwr_isoloco.checkpoint.write_json_atomic`);
-   if that write fails the release does not happen.
-2. The noise of a round is drawn from ``(key, round, attempt)`` with ``attempt`` the number of
-   releases of that round the journal already holds, so a redo never reuses released noise.
+1. Before a release, its record ``(round, attempt, nonce)`` is added to the journal, a JSON
+   file replaced atomically and fsync'd (:func:`~flwr_isoloco.checkpoint.write_json_atomic`);
+   if that write fails the release does not happen. A resumed run writes its records to its own
+   journal *and* to the one it continued (beside the checkpoint), so a second resume from the
+   same checkpoint sees the first resume's releases.
+2. The noise of a round is drawn from ``(key, round, attempt, nonce)``: ``attempt`` is the number
+   of releases of that round the journal already holds, ``nonce`` a fresh 63-bit secret drawn
+   for each release (0 under a fixed DP ``seed``, whose noise is reproducible by design). A redo
+   never reuses released noise, even when the journal it read was lost, copied or forked.
 
 On resume (:meth:`~flwr_isoloco.strategies.diloco.privacy.StrategyDP.parse_state`), every record of a
 round after the checkpoint's is a release the checkpoint's accountant does not hold: each is
@@ -46,15 +50,23 @@ def _bad(path: Path, why: str) -> ValueError:
     return ValueError(f"DP journal {str(path)!r}: {why}")
 
 
-def _read(path: Path) -> tuple[str | None, list[tuple[int, int]]]:
-    """``(run id, [(round, attempt), ...])`` of the journal at ``path``; ``(None, [])`` when
-    there is no file. ``ValueError`` naming the file for anything malformed."""
+Release = tuple[int, int, int]  # (round, attempt, nonce)
+
+
+def _nat(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+def _read(path: Path) -> tuple[str | None, list[Release]]:
+    """``(run id, [(round, attempt, nonce), ...])`` of the journal at ``path``; ``(None, [])``
+    when there is no file (a record without a nonce has nonce 0). ``ValueError`` naming the
+    file for anything malformed, ``OSError`` for a file that cannot be read."""
     try:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
         return None, []
-    except OSError as exc:
-        raise _bad(path, f"cannot be read ({exc.strerror or exc})") from None
+    except OSError as exc:  # an OSError still: before a release, it stops the release
+        raise OSError(f"DP journal {str(path)!r}: cannot be read ({exc.strerror or exc})") from None
     try:
         doc = json.loads(text)
     except ValueError as exc:
@@ -66,12 +78,13 @@ def _read(path: Path) -> tuple[str | None, list[tuple[int, int]]]:
         raise _bad(path, "needs 'run' (a non-empty str) and 'releases' (a list)")
     out = []
     for item in items:
-        rnd = item.get("round") if isinstance(item, dict) else None
-        att = item.get("attempt") if isinstance(item, dict) else None
-        ok = all(isinstance(v, int) and not isinstance(v, bool) for v in (rnd, att))
-        if not ok or rnd < 1 or att < 0:
-            raise _bad(path, f"bad release {item!r} (needs int 'round' >= 1, 'attempt' >= 0)")
-        out.append((rnd, att))
+        got = item if isinstance(item, dict) else {}
+        rnd, att, nonce = got.get("round"), got.get("attempt"), got.get("nonce", 0)
+        if not (_nat(rnd) and _nat(att) and _nat(nonce)) or rnd < 1:
+            raise _bad(
+                path, f"bad release {item!r} (needs int 'round' >= 1, 'attempt', 'nonce' >= 0)"
+            )
+        out.append((rnd, att, nonce))
     return run, out
 
 
@@ -79,7 +92,9 @@ class DPJournal:
     """The releases of one run (module docstring), written to ``path``.
 
     ``read_from`` (default ``path``) is the journal to continue: the one beside the checkpoint
-    a run resumes from. A missing file is an empty journal (:attr:`found` False).
+    a run resumes from. Both are read again before each count and each record (another resume
+    of the same checkpoint may have added releases), and every record is written to both. A
+    missing file is an empty journal (:attr:`found` False).
     """
 
     def __init__(self, path: str | os.PathLike, read_from: str | os.PathLike | None = None):
@@ -88,30 +103,45 @@ class DPJournal:
         self.run, self.releases = _read(self.source)
         self.found = self.run is not None
 
+    def _refresh(self, run: str) -> None:
+        """Add the releases of run ``run`` that either file holds and this copy does not."""
+        merged = list(self.releases) if run == self.run else []
+        for where in dict.fromkeys((self.source, self.path)):
+            got_run, got = _read(where)
+            if got_run == run:
+                merged += [r for r in got if r not in merged]
+        if merged:
+            self.run, self.releases = run, merged
+
     def attempts(self, run: str, server_round: int) -> int:
         """How many releases of round ``server_round`` of run ``run`` are recorded."""
+        self._refresh(run)
         if run != self.run:
             return 0
-        return sum(1 for r, _ in self.releases if r == server_round)
+        return sum(1 for r, _, _ in self.releases if r == server_round)
 
-    def after(self, run: str, server_round: int) -> list[tuple[int, int]]:
+    def after(self, run: str, server_round: int) -> list[Release]:
         """The recorded releases of run ``run`` in rounds after ``server_round``."""
         if run != self.run:
             return []
-        return [(r, a) for r, a in self.releases if r > server_round]
+        return [rel for rel in self.releases if rel[0] > server_round]
 
-    def record(self, run: str, server_round: int, attempt: int) -> None:
-        """Add ``(server_round, attempt)`` and write the journal (atomically, fsync'd) before
-        returning; a journal of another run (a fresh run in the same folder) is replaced."""
+    def record(self, run: str, server_round: int, attempt: int, nonce: int = 0) -> None:
+        """Add ``(server_round, attempt, nonce)`` and write the journal and the one it continues
+        (atomically, fsync'd) before returning; a journal of another run (a fresh run in the
+        same folder) is replaced."""
         from flwr_isoloco.checkpoint import write_json_atomic
 
-        releases = (self.releases if run == self.run else []) + [(server_round, attempt)]
+        self._refresh(run)
+        releases = (self.releases if run == self.run else []) + [(server_round, attempt, nonce)]
         doc = {
             "format": _FORMAT,
             "run": run,
-            "releases": [{"round": r, "attempt": a} for r, a in releases],
+            "releases": [{"round": r, "attempt": a, "nonce": n} for r, a, n in releases],
         }
-        write_json_atomic(self.path, doc, mode=0o600)
+        for where in dict.fromkeys((self.path, self.source)):
+            if where == self.path or _read(where)[0] == run:  # never another run's file
+                write_json_atomic(where, doc, mode=0o600)
         self.run, self.releases = run, releases
 
 
@@ -157,7 +187,7 @@ def charge_unsaved(
             "charged to epsilon, now %.4g",
             len(missed),
             server_round,
-            ", ".join(str(r) for r, _ in missed),
+            ", ".join(str(r) for r, _, _ in missed),
             accountant.get_epsilon(delta),
         )
 

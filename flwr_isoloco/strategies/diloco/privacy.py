@@ -21,9 +21,10 @@ is post-processing) and sets ``C_{t+1} = C_t exp(-eta (b - gamma))``. The two Ga
 of a round (sensitivity ``C_t``, std ``z_delta C_t``; sensitivity 1/2, std ``sigma_b``)
 compose to one of multiplier ``z`` when ``z_delta = (z^-2 - (2 sigma_b)^-2)^(-1/2)`` (Flower's
 ``compute_adaptive_noise_params``), so the accountant still composes one ``z`` per round.
-Every release is journaled before it leaves the server and its noise keyed by the attempt
-(:mod:`~flwr_isoloco.strategies.diloco.dp_journal`): a round redone after a crash never reuses
-released noise, and the release the checkpoint missed is charged on resume.
+Every release is journaled before it leaves the server and its noise keyed by the attempt and a
+fresh nonce per release (:mod:`~flwr_isoloco.strategies.diloco.dp_journal`): a redo, even from a
+forked journal, never reuses released noise, and the release the checkpoint missed is charged on
+resume.
 The derivation is in the repository's ``docs/privacy.md`` ("Privacy"), with
 the relation, the assumptions and what is not covered (client metrics, evaluation, counts).
 """
@@ -152,11 +153,15 @@ class StrategyDP:
         # None (default): drawn from the OS; kept in the checkpoint so a resumed run draws the
         # same noise. An int (tests, benchmarks) makes the noise reproducible from it.
         self.noise_key = secrets.randbits(63) if seed is None else seed
+        self.fixed_key = seed is not None  # reproducible noise: no per-release nonce
         # The run's id in the DP journal and the checkpoint; attempt: the noise's attempt key.
         self.run_id, self.journal, self.attempt = secrets.token_hex(8), None, 0
         self.uniform_forced = False  # weighting='examples' was overridden (said in describe())
         self.accountant = None if self.z is None else _accountant(self.delta)
         self.last: GaussianSum | None = None
+        # Published: only what a mechanism released (the noised unclipped fraction of adaptive
+        # clipping); the exact count of clipped updates is what that release protects.
+        self.released_fraction: float | None = None
         self.quantile, self.clip_lr, self.count_std = None, DEFAULT_CLIP_LR, None
         self.z_update = self.z  # the update sum's multiplier (z_delta under adaptive clipping)
         adaptive = getattr(settings, "adaptive", None)
@@ -230,23 +235,27 @@ class StrategyDP:
         self.journal = DPJournal(path, read_from)
         return self.journal
 
-    def _journal(self, server_round: int, attempt: int | None = None) -> None:
-        """Write the release ``(server_round, attempt)`` (default: the next attempt) to the
-        journal, if attached, before it happens: an ``OSError`` stops the release."""
+    def _journal(self, server_round: int, attempt: int | None = None, nonce: int = 0) -> None:
+        """Write the release ``(server_round, attempt, nonce)`` (default: the next attempt) to
+        the journal, if attached, before it happens: an ``OSError`` stops the release."""
         if self.journal is not None:
             if attempt is None:
                 attempt = self.journal.attempts(self.run_id, server_round)
-            self.journal.record(self.run_id, server_round, attempt)
+            self.journal.record(self.run_id, server_round, attempt, nonce)
 
     def mechanism(self, server_round: int, sampled: int, keys: list[str]) -> GaussianSum | None:
         """The round's :class:`GaussianSum` (``sampled`` = nodes the round was sent to)."""
         if not self.enabled or self.mode == "local":
             return None
-        # attempt: releases of this round already journaled (a redo after a crash): new noise
-        j = self.journal
+        # attempt: releases of this round already journaled (a redo after a crash); nonce: this
+        # release's own secret, so that a redo from a lost or forked journal draws new noise too
+        j, self.released_fraction = self.journal, None
         self.attempt = 0 if j is None else j.attempts(self.run_id, server_round)
+        nonce = 0 if self.fixed_key else 1 + secrets.randbits(62)
         z, k = self.z_update or 0.0, max(sampled, 1)
-        self.last = GaussianSum(self.c, z, k, keys, self.noise_key, server_round, self.attempt)
+        self.last = GaussianSum(
+            self.c, z, k, keys, self.noise_key, server_round, self.attempt, nonce
+        )
         return self.last
 
     def _event(self) -> Any:
@@ -256,11 +265,13 @@ class StrategyDP:
         return _event(self.z / 2 if self.mode == "local" else self.z)
 
     def account(self, released: bool, sent: bool) -> None:
-        """Account the round: central, when its update reached the outer step; local, when it
-        was sent (a site releases its noised delta by replying, whatever the server does)."""
+        """Account the round: central, when its noised sum was formed (``released``: every
+        output of the round, the model or only a metric such as its norm, derives from it);
+        local, when it was sent (a site releases its noised delta by replying, whatever the
+        server does)."""
         if self.accountant is not None and (released if self.mode == "central" else sent):
             if self.mode == "central" and self.last is not None:  # before it leaves the server
-                self._journal(self.last.server_round, self.last.attempt)
+                self._journal(self.last.server_round, self.last.attempt, self.last.nonce)
             self.accountant.compose(self._event())
             if self.quantile is not None and self.last is not None:
                 self.c = self.next_clipping_norm(self.last)
@@ -281,8 +292,10 @@ class StrategyDP:
             gs.server_round,
             COUNT_NOISE_INDEX,
             gs.attempt,
+            gs.nonce,
         )
         unclipped = (gs.centred_count + float(noise)) / gs.k + 0.5
+        self.released_fraction = unclipped
         return gs.c * math.exp(-self.clip_lr * (unclipped - self.quantile))
 
     def request(self) -> dict[str, float]:
@@ -314,11 +327,11 @@ class StrategyDP:
         if self.mode == "local":
             out["dp-noise-std"] = (self.z or 0.0) * self.c  # on each site's delta
         elif self.last is not None:
-            n = len(self.last.norms)
-            out["dp-clipped-fraction"] = self.last.clipped / n if n else 0.0
             out["dp-noise-std"] = self.last.std_of_mean
             if self.quantile is not None:  # the round's C; self.c is already the next one
                 out["dp-clipping-norm"] = self.last.c
+            if self.released_fraction is not None:  # the noised estimate, never the count
+                out["dp-unclipped-fraction"] = self.released_fraction
         return out
 
     def describe(self) -> str:

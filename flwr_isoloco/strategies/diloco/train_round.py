@@ -207,8 +207,8 @@ class TrainRound:
                 WARNING, "aggregate_train: merge failed (%s); checking replies one by one", exc
             ),
         )
-        new_arrays, extra = None, {}
-        self._log_left_out(g is not None)
+        new_arrays, extra, merged = None, {}, g is not None
+        self._log_left_out(merged)
         if g is not None and self.per_reply is not None:
             g, extra["staleness-scale"] = self._stale_scaled(g, checked)
         if g is not None:
@@ -226,7 +226,8 @@ class TrainRound:
                     v.reject(report, r.node_id, f"outer step failed, model kept: {exc}")
                 checked = []
         del g
-        s.dp.account(released=new_arrays is not None, sent=s._train_ledger.sent_any())
+        # central DP: a merged g is a release whether or not the step took (its norm is published)
+        s.dp.account(released=merged, sent=s._train_ledger.sent_any())
         report.used = len(checked)
         v.log_summary(report, self.server_round)
         if checked and self.ratio:

@@ -50,7 +50,7 @@ __all__ = ["CHECKPOINT", "SPEC", "app", "run_server"]
 app = ServerApp()
 # Round columns copied from the strategy's aggregated train metrics.
 TRAIN_COLUMNS = ("train-loss", "aggregation-time-s", "pseudo-grad-norm", "bytes-up", "bytes-down")
-DP_COLUMNS = ("dp-epsilon", "dp-clipped-fraction")
+DP_COLUMNS = ("dp-epsilon", "dp-unclipped-fraction", "dp-clipping-norm")  # released values only
 SECAGG_COLUMNS = ("secagg-bound", "secagg-clipped-entries", "secagg-time-s")
 ROBUST_COLUMNS = ("robust-kept",)  # krum, multikrum, distance-filter: updates merged
 REPLY_COLUMNS = ("replies-used", "replies-rejected", "replies-missing")
