@@ -1,9 +1,10 @@
-"""Out of memory in the server merge is not the replies' fault (issue 34, item 4).
+"""Out of memory in the server merge is not the replies' fault.
 
-A fake ``OrderFreeMean.result`` raises ``torch.OutOfMemoryError`` on its first call. Before,
-``RoundFold.finish`` took it for a bad merge and rejected every reply (three such rounds end the
-run with ``NoProgressError``); now the merge is retried on the CPU (logged), and an
-out-of-memory error on the CPU ends the run loudly.
+A fake ``OrderFreeMean.result`` raises ``torch.OutOfMemoryError`` on its first call: the merge
+is retried on the CPU (logged) instead of rejecting every reply (three such rounds would end the
+run with ``NoProgressError``), and an out-of-memory error on the CPU ends the run loudly. The
+transform of the outer update (``orthogonalize="update"``, a fake ``merge``) falls back the same
+way.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import torch
 from fakegrid import FakeGrid
 from flwr.app import ArrayRecord, Message, MetricRecord, RecordDict
 
+import flwr_isoloco.merging.device as device_mod
 import flwr_isoloco.merging.round as round_mod
 from flwr_isoloco.merging.streaming import OrderFreeMean
 from flwr_isoloco.strategies import DiLoCo, ReplyChecks, Rounds
@@ -66,7 +68,7 @@ def _run(s: DiLoCo, rounds: int = 1):
 def test_gpu_out_of_memory_falls_back_to_the_cpu_for_the_round(monkeypatch, error):
     devices = _oom_once(monkeypatch, error)
     warnings: list[str] = []
-    monkeypatch.setattr(round_mod._log, "warning", lambda msg, *a: warnings.append(msg % a))
+    monkeypatch.setattr(device_mod._log, "warning", lambda msg, *a: warnings.append(msg % a))
     s = _strategy()
     s.merger.device = torch.device("cuda")  # as if resolved on a GPU server (never used here)
     res = _run(s, rounds=2)
@@ -93,3 +95,64 @@ def test_a_data_error_still_rejects_the_replies(monkeypatch):
     )  # folded round
     res = _run(DiLoCo(**kw, fraction_evaluate=0.0))
     assert res.train_metrics_clientapp[1]["replies-rejected"] == 3
+
+
+def _fake_transform_oom(monkeypatch, error: Exception) -> list[str]:
+    """``merge`` (the update transform's call) raises ``error`` whenever it is asked for a
+    device other than the CPU; the fold's mean computes on the CPU whatever it is asked for."""
+    orig_merge, orig_result, devices = round_mod.merge, OrderFreeMean.result, []
+
+    def fake_merge(rule, deltas, weights=None, *, device="auto", **kw):
+        devices.append(str(device))
+        if str(device) != "cpu":
+            raise error
+        return orig_merge(rule, deltas, weights, device=device, **kw)
+
+    def fake_result(self, rule="mean", device="auto", **kw):
+        return orig_result(self, rule, device="cpu", **kw)
+
+    monkeypatch.setattr(round_mod, "merge", fake_merge)
+    monkeypatch.setattr(OrderFreeMean, "result", fake_result)
+    return devices
+
+
+def _update_strategy() -> DiLoCo:
+    kw = dict(min_train_nodes=1, min_evaluate_nodes=1, min_available_nodes=1)
+    return DiLoCo(
+        **kw,
+        merge="iso_c",
+        orthogonalize="update",
+        fraction_evaluate=0.0,
+        merge_device="cpu",
+        rounds=Rounds(max_empty_rounds=1),
+    )
+
+
+def test_update_transform_out_of_memory_falls_back_to_the_cpu(monkeypatch):
+    """orthogonalize="update": Iso-C of the outer update u runs on the merge device; out of
+    memory there is retried on the CPU (logged), and the step equals the CPU's."""
+    devices = _fake_transform_oom(monkeypatch, torch.OutOfMemoryError("CUDA out of memory."))
+    warnings: list[str] = []
+    monkeypatch.setattr(device_mod._log, "warning", lambda msg, *a: warnings.append(msg % a))
+    s = _update_strategy()
+    s.merger.device = torch.device("cuda")  # as if resolved on a GPU server (never used here)
+    res = _run(s, rounds=2)
+    assert res.train_metrics_clientapp[2]["replies-used"] == 3
+    assert devices == ["cuda", "cpu", "cuda", "cpu"], devices  # each round tries the device
+    assert sum("out of memory" in w and "on the CPU" in w for w in warnings) == 2, warnings
+
+    reference = _update_strategy()  # the same run on the CPU from the start
+    expected = _run(reference, rounds=2).arrays.to_torch_state_dict()
+    got = res.arrays.to_torch_state_dict()
+    assert all(torch.equal(got[k], expected[k]) for k in expected)
+
+
+def test_update_transform_out_of_memory_on_the_cpu_fails_loudly(monkeypatch):
+    from flwr_isoloco.merging.device import MergeOutOfMemoryError
+
+    def fake_merge(*a, **kw):
+        raise RuntimeError("DefaultCPUAllocator: can't allocate memory")
+
+    monkeypatch.setattr(round_mod, "merge", fake_merge)
+    with pytest.raises(MergeOutOfMemoryError, match="on the CPU"):
+        _run(_update_strategy())

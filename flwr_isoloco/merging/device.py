@@ -14,10 +14,16 @@ Out of memory is the server's problem, not the replies': :func:`is_out_of_memory
 error (``torch.OutOfMemoryError``, a ``RuntimeError`` is its base) from one caused by the data
 (a bad delta, an SVD that does not converge), so a round merge can retry on the CPU instead of
 rejecting every reply, and raise :class:`MergeOutOfMemoryError` (not a ``RuntimeError``: no
-caller mistakes it for a bad reply) when the CPU runs out too.
+caller mistakes it for a bad reply) when the CPU runs out too. :func:`on_device_or_cpu` is that
+retry, for the round merge and for the transform of the outer update
+(``orthogonalize="update"``).
 """
 
 from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 
@@ -26,10 +32,14 @@ __all__ = [
     "NODE_DEVICE_FIX",
     "MergeOutOfMemoryError",
     "is_out_of_memory",
+    "on_device_or_cpu",
     "parse_device",
     "resolve_device",
     "resolve_node_device",
 ]
+
+_log = logging.getLogger("flwr")  # Flower's logger, by name (this module imports no Flower)
+T = TypeVar("T")
 
 #: Spellings :func:`resolve_device` accepts besides a ``torch.device``.
 DEVICE_CHOICES = ("auto", "cpu", "cuda", "cuda:<index>")
@@ -125,3 +135,32 @@ def is_out_of_memory(exc: BaseException) -> bool:
     if isinstance(exc, (torch.OutOfMemoryError, MemoryError)):
         return True
     return isinstance(exc, RuntimeError) and any(m in str(exc).lower() for m in _OOM_MESSAGES)
+
+
+def on_device_or_cpu(
+    compute: Callable[[torch.device], T], device: torch.device, what: str, server_round: int
+) -> T:
+    """``compute(device)``; if that runs out of memory (:func:`is_out_of_memory`) on a device
+    other than the CPU, a logged warning and ``compute(cpu)``: the data are not at fault, the
+    device is. :class:`MergeOutOfMemoryError` naming ``what`` when the CPU runs out too; any
+    other error as raised."""
+    cpu = torch.device("cpu")
+    if device.type != "cpu":
+        try:
+            return compute(device)
+        except (RuntimeError, MemoryError) as exc:
+            if not is_out_of_memory(exc):
+                raise
+            _log.warning(
+                "round %d: %s out of memory on %s (%s); computing it on the CPU for this round",
+                server_round,
+                what,
+                device,
+                exc,
+            )
+    try:
+        return compute(cpu)
+    except (RuntimeError, MemoryError) as exc:
+        if is_out_of_memory(exc):
+            raise MergeOutOfMemoryError(f"round {what} out of memory on the CPU: {exc}") from exc
+        raise

@@ -27,13 +27,12 @@ no Flower.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable, Collection, Iterable, Mapping
 from typing import Any
 
 import torch
 
-from .device import MergeOutOfMemoryError, is_out_of_memory, resolve_device
+from .device import on_device_or_cpu, resolve_device
 from .dp import GaussianSum
 from .merge import merge
 from .rules import MERGE_RULES, check_options, rule_applies
@@ -47,8 +46,6 @@ DARE_SEED_STRIDE = 1_000_003
 """DARE's seed in round ``r`` is ``seed * DARE_SEED_STRIDE + r`` (a prime stride: no overlap)."""
 
 Tensors = dict[str, torch.Tensor]
-
-_log = logging.getLogger("flwr")  # Flower's logger, by name (this module imports no Flower)
 
 
 def finite_or_raise(g: Tensors) -> Tensors:
@@ -91,11 +88,20 @@ class RoundMerge:
         return MERGE_RULES["mean"] if self.orthogonalize == "update" else self.rule
 
     def update_transform(self, server_round: int) -> Callable[[Tensors], Tensors] | None:
-        """``u -> rule([u])`` for ``orthogonalize="update"``, else None."""
+        """``u -> rule([u])`` for ``orthogonalize="update"``, else None. It computes on the
+        merge device, and on the CPU when that runs out of memory, as the round merge does
+        (:func:`~.device.on_device_or_cpu`)."""
         if self.orthogonalize != "update":
             return None
         opts = self.round_options(server_round)
-        return lambda u: merge(self.rule, [u], None, device=self.device, **opts)
+
+        def transform(u: Tensors) -> Tensors:
+            def on(device: torch.device) -> Tensors:
+                return merge(self.rule, [u], None, device=device, **opts)
+
+            return on_device_or_cpu(on, self.device, "update transform", server_round)
+
+        return transform
 
     def merge(
         self,
@@ -287,29 +293,14 @@ class RoundFold:
             )
 
     def _merge(self, replies: list[Any], weight: Callable[[Any], float]) -> Tensors:
-        """:meth:`_merge_on` on the merge device; on out of memory, again on the CPU (the rest
-        of the round stays there), and :class:`MergeOutOfMemoryError` if the CPU runs out."""
-        try:
+        """:meth:`_merge_on` on the merge device; on out of memory, again on the CPU, where the
+        rest of the round stays (:func:`~.device.on_device_or_cpu`)."""
+
+        def on(device: torch.device) -> Tensors:
+            self.device, self.opts = device, {**self.opts, "device": device}
             return self._merge_on(replies, weight)
-        except (RuntimeError, MemoryError) as exc:
-            if not is_out_of_memory(exc):
-                raise
-            if self.device.type == "cpu":
-                raise MergeOutOfMemoryError(f"round merge out of memory on the CPU: {exc}") from exc
-            _log.warning(
-                "round %d: merge out of memory on %s (%s); merging this round on the CPU",
-                self.server_round,
-                self.device,
-                exc,
-            )
-            self.device = torch.device("cpu")
-            self.opts = {**self.opts, "device": self.device}
-        try:
-            return self._merge_on(replies, weight)
-        except (RuntimeError, MemoryError) as exc:
-            if is_out_of_memory(exc):
-                raise MergeOutOfMemoryError(f"round merge out of memory on the CPU: {exc}") from exc
-            raise
+
+        return on_device_or_cpu(on, self.device, "merge", self.server_round)
 
     def _merge_on(self, replies: list[Any], weight: Callable[[Any], float]) -> Tensors:
         if self._store is None:
