@@ -133,7 +133,11 @@ def test_module_buffers_and_auto_names():
         "a.running_mean": torch.zeros(2),
         "b.moving_variance": torch.zeros(2),
         "params.batch_stats.BatchNorm_0.mean": torch.zeros(2),
+        "conv.weight_orig": torch.zeros(2, 2),  # spectral_norm: weight_u / weight_v buffers
         "conv.weight_u": torch.zeros(2),
+        "wn.weight_g": torch.zeros(2, 1),  # weight_norm: weight_v is a parameter
+        "wn.weight_v": torch.zeros(2, 2),
+        "lone.weight_u": torch.zeros(2),  # no weight_orig beside it: a parameter (safe side)
         "lin.parametrizations.weight.0._v": torch.zeros(2),
         "lin.weight": torch.zeros(2, 2),
         "running.weight": torch.zeros(2),

@@ -9,11 +9,15 @@ the values the fake nodes report, not by the strategy's code.
 from __future__ import annotations
 
 import math
+import warnings
 
 import torch
+from fakegrid import FakeGrid
 from flwr.app import ArrayRecord, Message, MetricRecord, RecordDict
 from test_async_rounds import ScriptedGrid
+from torch import nn
 
+from flwr_isoloco.merging.buffers import resolve_buffers
 from flwr_isoloco.strategies import DiLoCo, ReplyChecks, Rounds
 
 torch.set_num_threads(1)
@@ -119,3 +123,68 @@ def test_async_buffers_are_the_weighted_mean_of_the_reported_values():
             want = sum(w * values[p] for p, w in used) / total
             got = seen[step][key]
             assert torch.allclose(got, torch.full((4,), want), atol=1e-6), (step, key, got, want)
+
+
+# ----------------------------------------------------------------------------- buffers="auto"
+class _Kernel(nn.Module):
+    """A parameter not called ``weight``: spectral norm's vectors are then ``kernel_u/_v``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.kernel = nn.Parameter(torch.randn(3, 4))
+
+
+def _normed() -> nn.Module:
+    """Every torch weight/spectral normalisation, old style and parametrised, and BatchNorm."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the old-style functions are deprecated
+        return nn.ModuleDict(
+            {
+                "wn": nn.utils.weight_norm(nn.Linear(4, 3)),  # params weight_g, weight_v
+                "sn": nn.utils.spectral_norm(nn.Linear(4, 3)),  # buffers weight_u, weight_v
+                "snk": nn.utils.spectral_norm(_Kernel(), name="kernel"),
+                "pwn": nn.utils.parametrizations.weight_norm(nn.Linear(4, 3)),
+                "psn": nn.utils.parametrizations.spectral_norm(nn.Linear(4, 3)),
+                "bn": nn.BatchNorm1d(3),
+            }
+        )
+
+
+def test_auto_tells_weight_norm_parameters_from_spectral_norm_buffers():
+    """``"auto"`` sees names only; on a state_dict of real torch modules it must name exactly
+    the module's own floating buffers (torch's ``named_buffers``), so weight_norm's trainable
+    ``weight_v`` / ``weight_g`` are parameters and spectral_norm's ``weight_u`` / ``weight_v``
+    buffers."""
+    m = _normed()
+    sd = m.state_dict()
+    truth = {n for n, t in m.named_buffers() if t.is_floating_point()}
+    assert {"sn.weight_u", "sn.weight_v", "snk.kernel_u", "bn.running_var"} <= truth
+    assert resolve_buffers("auto", sd) == truth
+    assert resolve_buffers(m, sd) == truth
+    assert not {"wn.weight_v", "wn.weight_g"} & resolve_buffers("auto", sd)
+
+
+def _wn_train(msg: Message, ctx) -> Message:
+    """Every node shrinks every float tensor by 10 % (weights 1, 1, 2: the mean is the same)."""
+    th = msg.content["arrays"].to_torch_state_dict()
+    pid = int(ctx.node_config["partition-id"])
+    new = {k: v * 0.9 if v.is_floating_point() else v for k, v in th.items()}
+    metrics = MetricRecord({"num-examples": N_EX[pid]})
+    return Message(RecordDict({"arrays": ArrayRecord(new), "metrics": metrics}), reply_to=msg)
+
+
+def test_weight_norm_v_takes_the_outer_nesterov_step():
+    """One round of DiLoCo (lr 0.7, Nesterov mu 0.9): a parameter with delta ``g = 0.1 x``
+    becomes ``x - 0.7 (g + 0.9 g)``; a buffer becomes the nodes' value ``0.9 x``."""
+    m = _normed()
+    sd = {k: v.detach().clone() for k, v in m.state_dict().items()}
+    s = DiLoCo(min_train_nodes=3, min_available_nodes=3, fraction_evaluate=0.0)
+    grid = FakeGrid({"train": _wn_train}, num_nodes=3)
+    s.start(grid=grid, initial_arrays=ArrayRecord(sd), num_rounds=1)
+    for k in ("wn.weight_v", "wn.weight_g"):
+        want = sd[k] * (1 - 0.7 * 1.9 * 0.1)
+        torch.testing.assert_close(s.theta[k], want, rtol=1e-5, atol=1e-6)
+        assert k in s.outer.momentum_buffer
+    for k in ("sn.weight_u", "sn.weight_v", "bn.running_var"):
+        torch.testing.assert_close(s.theta[k], sd[k] * 0.9, rtol=1e-5, atol=1e-6)
+        assert k not in s.outer.momentum_buffer

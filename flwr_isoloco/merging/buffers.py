@@ -17,33 +17,51 @@ the weighted mean of the nodes' values (the round's bounded merge weights), with
 - ``"auto"`` (default): :data:`DEFAULT_BUFFER_PATTERN`, the common names of running statistics:
   a last name component ``running_*`` (torch BatchNorm / InstanceNorm / SyncBatchNorm:
   ``running_mean``, ``running_var``), ``moving_*`` (Keras-style ``moving_mean``,
-  ``moving_variance``), any tensor under a ``batch_stats`` component (Flax), and spectral
-  norm's power-iteration vectors (``weight_u`` / ``weight_v``, or ``..._u`` / ``..._v`` under
-  ``parametrizations``). Integer tensors (``num_batches_tracked``) are never in the outer step.
+  ``moving_variance``), any tensor under a ``batch_stats`` component (Flax), and parametrised
+  spectral norm's power-iteration vectors (``..._u`` / ``..._v`` under ``parametrizations``);
+  plus :func:`spectral_norm_vectors`. Integer tensors (``num_batches_tracked``) are never in
+  the outer step.
 - ``None`` / ``"none"``: no buffers (every floating tensor is a parameter: the behaviour before
   buffers were told apart).
 - any other string: a regular expression, searched in each name (``re.search``).
 - a callable ``fn(name, tensor) -> bool``.
-- an ``nn.Module``: the names of its ``named_buffers()`` (those in the state_dict).
+- an ``nn.Module``: the names of its ``named_buffers()`` (those in the state_dict). The one
+  exact answer: a state_dict does not say which tensors are parameters.
 - an iterable of names (each must be a floating tensor of the model).
+
+A name alone cannot tell torch's two old-style normalisations apart: ``weight_norm`` registers
+the *parameters* ``<p>_g`` and ``<p>_v`` (trained: they need the merge rule, the momentum and
+the outer step), ``spectral_norm`` the parameter ``<p>_orig`` and the *buffers* ``<p>_u`` and
+``<p>_v``. ``"auto"`` reads the siblings: ``<p>_u`` / ``<p>_v`` are buffers only beside a
+``<p>_orig`` (:func:`spectral_norm_vectors`). A ``..._u`` / ``..._v`` without that sibling stays
+a parameter: the safe side, since a buffer taken for a parameter is still merged and stepped as
+the model was before buffers were told apart, while a parameter taken for a buffer would lose
+its outer optimiser.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from typing import Any
 
 import torch
 
-__all__ = ["DEFAULT_BUFFER_PATTERN", "check_buffers_spec", "resolve_buffers"]
+__all__ = [
+    "DEFAULT_BUFFER_PATTERN",
+    "check_buffers_spec",
+    "resolve_buffers",
+    "spectral_norm_vectors",
+]
 
 DEFAULT_BUFFER_PATTERN = (
-    r"(^|\.)(running_[^.]*|moving_[^.]*|weight_[uv])$"
+    r"(^|\.)(running_[^.]*|moving_[^.]*)$"
     r"|(^|\.)batch_stats\."
     r"|(^|\.)parametrizations\.[^.]+\.\d+\._[uv]$"
 )
-"""The names ``buffers="auto"`` treats as buffers (module docstring)."""
+"""The names ``buffers="auto"`` treats as buffers by their name alone (module docstring)."""
+
+_UV = re.compile(r"^(.+)_[uv]$")
 
 _NONE = ("none", "")
 
@@ -72,6 +90,16 @@ def check_buffers_spec(spec: Any) -> Any:
     )
 
 
+def spectral_norm_vectors(names: Collection[str]) -> frozenset[str]:
+    """The names ``<p>_u`` / ``<p>_v`` with a ``<p>_orig`` among ``names``: old-style
+    ``torch.nn.utils.spectral_norm``'s power-iteration buffers, never weight_norm's trained
+    ``<p>_v`` (whose sibling is ``<p>_g``; module docstring)."""
+    have = set(names)
+    return frozenset(
+        k for k in have if (m := _UV.match(k)) is not None and f"{m.group(1)}_orig" in have
+    )
+
+
 def resolve_buffers(spec: Any, theta: Mapping[str, torch.Tensor]) -> frozenset[str]:
     """The floating tensors of ``theta`` that ``spec`` names as buffers (module docstring).
 
@@ -82,9 +110,12 @@ def resolve_buffers(spec: Any, theta: Mapping[str, torch.Tensor]) -> frozenset[s
     if isinstance(spec, torch.nn.Module):
         own = {name for name, _ in spec.named_buffers()}
         return frozenset(k for k in floats if k in own)
+    if isinstance(spec, str) and spec.strip().lower() == "auto":
+        found = re.compile(DEFAULT_BUFFER_PATTERN)
+        vectors = spectral_norm_vectors(theta)
+        return frozenset(k for k in floats if found.search(k) or k in vectors)
     if isinstance(spec, str):
-        pattern = DEFAULT_BUFFER_PATTERN if spec.strip().lower() == "auto" else spec
-        found = re.compile(pattern)
+        found = re.compile(spec)
         return frozenset(k for k in floats if found.search(k))
     if callable(spec):
         fn: Callable[[str, torch.Tensor], bool] = spec
