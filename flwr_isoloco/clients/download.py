@@ -3,7 +3,9 @@
 ``ClientApp(train=..., evaluate=..., mods=[download_mod])`` with an unchanged handler: the mod
 rebuilds the full arrays ``B`` from the node's stored copy and the received update before the
 handler runs, stores ``B`` (and its digest) in ``context.state``, and adds the digest to the
-reply. A message without ``download-digest`` in its config passes through untouched.
+reply. The config is the message's ConfigRecord that carries ``download-digest``, whatever the
+strategy named it (``configrecord_key``); a message where none does passes through untouched,
+one where several do is refused (the mod cannot tell which one the server wrote).
 
 Refusals (an error reply, the handler never runs): an update whose base digest is not the
 stored copy's, a result whose digest is not the announced one, an undecodable update.
@@ -18,9 +20,11 @@ full model next time).
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from logging import WARNING
 
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Error, Message
+from flwr.common.logger import log
 from flwr.clientapp.typing import ClientAppCallable
 
 from flwr_isoloco.compression.broadcast import (
@@ -41,6 +45,7 @@ __all__ = [
     "REFUSED_CODE",
     "STATE_ARRAYS",
     "STATE_CONFIG",
+    "config_carrying",
     "download_mod",
     "make_download_mod",
     "stored_digest",
@@ -57,7 +62,18 @@ def stored_digest(context: Context) -> str:
 
 
 def _refuse(msg: Message, why: str) -> Message:
+    log(WARNING, "download_mod refused: %s", why)
     return Message(Error(REFUSED_CODE, f"download_mod refused: {why}"), reply_to=msg)
+
+
+def config_carrying(msg: Message, key: str) -> ConfigRecord | str | None:
+    """The ConfigRecord of ``msg`` that holds ``key``, whatever its name (a strategy's
+    ``configrecord_key`` need not be ``"config"``); None when none holds it, the reason (str)
+    when several do: which one the server meant cannot be told, so the mod refuses."""
+    found = [name for name, rec in msg.content.config_records.items() if key in rec]
+    if len(found) > 1:
+        return f"ConfigRecords {found} all carry {key!r}: ambiguous, which is the server's?"
+    return msg.content.config_records[found[0]] if found else None
 
 
 def _held(context: Context, base: str, initial: Initial | None):
@@ -125,9 +141,11 @@ def download_mod(msg: Message, context: Context, call_next: ClientAppCallable) -
 
 
 def _download(msg: Message, context: Context, call_next: ClientAppCallable, initial) -> Message:
-    cfg = msg.content.config_records.get("config")
-    if cfg is None or DIGEST_KEY not in cfg:
+    cfg = config_carrying(msg, DIGEST_KEY)
+    if cfg is None:
         return call_next(msg, context)
+    if isinstance(cfg, str):
+        return _refuse(msg, cfg)
     digest, base = cfg.get(DIGEST_KEY), cfg.get(BASE_KEY, "")
     keys = list(msg.content.array_records)
     if not isinstance(digest, str) or not isinstance(base, str) or len(keys) != 1:
