@@ -22,6 +22,7 @@ from test_diloco_worker import (
     handler,
     model_fn,
     new_context,
+    reference_continuous_adamw,
     schedule,
     send,
 )
@@ -84,12 +85,20 @@ def test_auto_is_the_visible_gpu_else_the_cpu(monkeypatch):
         resolve_node_device("cuda:1")
 
 
-def test_auto_and_cpu_give_bitwise_the_same_reply_here():
+@pytest.mark.parametrize("device", ["auto", torch.device("cpu")])
+def test_auto_and_cpu_give_the_plain_adamw_loop_here(device):
+    """Without a GPU, "auto" is the CPU: the first round's reply is H = 3 steps of the plain
+    fp32 ``torch.optim.AdamW`` loop written in test_diloco_worker (warm-up + cosine lr, grad
+    clip 1), to fp32 round-off."""
     if not NO_CUDA:
         pytest.skip("auto is the GPU here")
-    a, _ = _round1(device="auto")
-    b, _ = _round1(device=torch.device("cpu"))
-    assert all(torch.equal(a[k], b[k]) for k in a)
+    got, metrics = _round1(device=device)
+    want = reference_continuous_adamw(H)
+    for k in want:
+        torch.testing.assert_close(
+            got[k], want[k], rtol=0, atol=1e-7, msg=lambda m, k=k: f"{k}: {m}"
+        )
+    assert metrics["inner-steps"] == H and "skipped-steps" not in metrics
 
 
 def test_the_node_logs_its_device_once_per_process(caplog):
