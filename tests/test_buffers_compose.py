@@ -17,8 +17,9 @@ from flwr.app import ArrayRecord, Message, MetricRecord, RecordDict
 from test_async_rounds import ScriptedGrid
 from torch import nn
 
-from flwr_isoloco.merging.buffers import resolve_buffers
-from flwr_isoloco.strategies import DiLoCo, ReplyChecks, Rounds
+from flwr_isoloco.merging.buffers import nonnegative_variances, resolve_buffers
+from flwr_isoloco.merging.dp import noise_like
+from flwr_isoloco.strategies import CentralDP, DiLoCo, ReplyChecks, Rounds
 
 torch.set_num_threads(1)
 
@@ -188,3 +189,60 @@ def test_weight_norm_v_takes_the_outer_nesterov_step():
     for k in ("sn.weight_u", "sn.weight_v", "bn.running_var"):
         torch.testing.assert_close(s.theta[k], sd[k] * 0.9, rtol=1e-5, atol=1e-6)
         assert k not in s.outer.momentum_buffer
+
+
+# ----------------------------------------------------------------------------- central DP
+def test_central_dp_running_var_is_clamped_at_zero_and_the_rest_is_the_release():
+    """Central DP, 3 nodes, z = 1, C = 10, seed 1, one round. By hand (the mechanism of
+    ``CentralDP``): no delta reaches C, so the released mean of tensor ``i`` (model order of the
+    float entries) is ``(sum_p delta_p + N_i) / 3`` with ``N_i = noise_like(., z C, seed, 1, i)``;
+    running_var ``= max(1 - released, 0)``, running_mean ``= -2 - released`` (no clamp: a mean
+    may be negative)."""
+    var, mean, c = (0.2, 0.2, 0.2), (0.0, 0.5, 1.0), 10.0
+    init = _bn_model(var0=1.0)
+    s = DiLoCo(
+        min_train_nodes=3,
+        min_available_nodes=3,
+        fraction_evaluate=0.0,
+        checks=ReplyChecks(weighting="uniform"),
+        privacy=CentralDP(noise_multiplier=1.0, clipping_norm=c, seed=1),
+    )
+    grid = FakeGrid({"train": _bn_train(var, mean)}, num_nodes=3)
+    s.start(grid=grid, initial_arrays=ArrayRecord(init), num_rounds=1)
+
+    floats = [k for k, t in init.items() if t.is_floating_point()]
+    for p in range(3):  # each node's delta norm is under C: nothing is clipped
+        d = torch.cat([(init["fc.weight"] * 0.1 - 0.01 * p).flatten(), torch.full((4,), 0.8)])
+        assert torch.cat([d, torch.full((4,), -2.0 - mean[p])]).norm() < c
+
+    def released(key: str, total: float) -> torch.Tensor:
+        return (total + noise_like(torch.zeros(4), c, 1, 1, floats.index(key))) / 3
+
+    raw_var = 1.0 - released("bn.running_var", 3 * 0.8)
+    assert (raw_var < 0).any() and (raw_var > 0).any()  # the seed makes both kinds
+    want_var = raw_var.clamp(min=0.0)
+    torch.testing.assert_close(s.theta["bn.running_var"].double(), want_var, rtol=0, atol=1e-5)
+    assert (s.theta["bn.running_var"][raw_var < 0] == 0).all()
+    want_mean = -2.0 - released("bn.running_mean", sum(-2.0 - m for m in mean))
+    assert (want_mean < 0).any()
+    torch.testing.assert_close(s.theta["bn.running_mean"].double(), want_mean, rtol=0, atol=1e-5)
+
+
+def test_only_variances_are_clamped():
+    """The variance names of torch, Keras and Flax are clamped at 0; a mean, or a name that
+    merely contains ``var``, keeps its negative value."""
+    x = torch.tensor([-0.5, 0.25])
+    names = {
+        "bn.running_var": True,
+        "norm.moving_variance": True,
+        "moving_var": True,
+        "params.batch_stats.BatchNorm_0.var": True,
+        "bn.running_mean": False,
+        "params.batch_stats.BatchNorm_0.mean": False,
+        "layer.variance_scale": False,
+        "bn.running_var.extra": False,
+    }
+    out = nonnegative_variances({k: x.clone() for k in names})
+    for k, clamped in names.items():
+        want = [0.0, 0.25] if clamped else [-0.5, 0.25]
+        assert out[k].tolist() == want, k

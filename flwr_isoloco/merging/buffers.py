@@ -29,6 +29,16 @@ the weighted mean of the nodes' values (the round's bounded merge weights), with
   exact answer: a state_dict does not say which tensors are parameters.
 - an iterable of names (each must be a floating tensor of the model).
 
+Variances (:data:`VARIANCE_PATTERN`: ``running_var``, ``moving_var`` / ``moving_variance``, a
+Flax ``batch_stats`` ``var``) are clamped at 0 after the merge (:func:`nonnegative_variances`).
+The weighted mean of the nodes' variances is never negative, but a noised one can be (central
+DP adds ``N(0, (z C / k)^2)`` to the mean; local DP noises each node's value), and BatchNorm
+returns NaN for ``sqrt(var + eps)`` of a negative ``var + eps``. ``max(v, 0)`` is
+post-processing of the release (no privacy cost) and the nearest valid variance to it, so it
+moves nothing that is valid; 0 rather than a small floor because BatchNorm adds its own
+``eps`` (1e-5 by default) under the square root, and any floor above 0 would be a guess at the
+data's scale.
+
 A name alone cannot tell torch's two old-style normalisations apart: ``weight_norm`` registers
 the *parameters* ``<p>_g`` and ``<p>_v`` (trained: they need the merge rule, the momentum and
 the outer step), ``spectral_norm`` the parameter ``<p>_orig`` and the *buffers* ``<p>_u`` and
@@ -49,7 +59,10 @@ import torch
 
 __all__ = [
     "DEFAULT_BUFFER_PATTERN",
+    "VARIANCE_PATTERN",
     "check_buffers_spec",
+    "merged_buffers",
+    "nonnegative_variances",
     "resolve_buffers",
     "spectral_norm_vectors",
 ]
@@ -61,7 +74,14 @@ DEFAULT_BUFFER_PATTERN = (
 )
 """The names ``buffers="auto"`` treats as buffers by their name alone (module docstring)."""
 
+VARIANCE_PATTERN = (
+    r"(^|\.)(running_var|moving_var|moving_variance)$"
+    r"|(^|\.)batch_stats\.(.+\.)?var$"
+)
+"""The buffers that are variances, clamped at 0 after the merge (module docstring)."""
+
 _UV = re.compile(r"^(.+)_[uv]$")
+_VARIANCE = re.compile(VARIANCE_PATTERN)
 
 _NONE = ("none", "")
 
@@ -98,6 +118,21 @@ def spectral_norm_vectors(names: Collection[str]) -> frozenset[str]:
     return frozenset(
         k for k in have if (m := _UV.match(k)) is not None and f"{m.group(1)}_orig" in have
     )
+
+
+def nonnegative_variances(values: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``values`` (merged buffers) with every variance (:data:`VARIANCE_PATTERN`) set to
+    ``max(v, 0)``; the other entries as they are (module docstring)."""
+    return {k: t.clamp(min=0.0) if _VARIANCE.search(k) else t for k, t in values.items()}
+
+
+def merged_buffers(
+    base: Mapping[str, torch.Tensor], g: Mapping[str, torch.Tensor], buffers: Collection[str]
+) -> dict[str, torch.Tensor]:
+    """``theta_b = base_b - g_b`` for the keys of ``g`` in ``buffers``: the nodes' weighted
+    mean when ``g_b`` is the mean of ``base_b - theta_b,i`` (in ``base``'s dtype), with
+    :func:`nonnegative_variances`."""
+    return nonnegative_variances({k: base[k] - g[k].to(base[k].dtype) for k in g if k in buffers})
 
 
 def resolve_buffers(spec: Any, theta: Mapping[str, torch.Tensor]) -> frozenset[str]:

@@ -32,7 +32,7 @@ from flwr.serverapp import Grid
 
 from flwr_isoloco.compression import payload_nbytes, request_config
 from flwr_isoloco.merging import resolve_device
-from flwr_isoloco.merging.buffers import check_buffers_spec
+from flwr_isoloco.merging.buffers import check_buffers_spec, merged_buffers
 from flwr_isoloco.strategies.core.evaluation import aggregate_metrics, evaluation_round
 from flwr_isoloco.strategies.core.guard import EmptyRoundGuard
 from flwr_isoloco.strategies.core.ledger import SentLedger
@@ -490,15 +490,15 @@ class DiLoCo(FromRunConfig, DiLoCoState, ResumableStrategy):
 
     def _outer_step(self, g: Mapping[str, torch.Tensor]) -> None:
         """``theta <- theta - lr u`` (OuterSGD; ``u`` orthogonalised with "update") for the
-        parameters; ``theta_b <- base_b - g_b`` (the nodes' weighted mean; ``base``: the model
-        the nodes got, :attr:`train_base`) for the buffers."""
+        parameters; ``theta_b <- base_b - g_b`` (the nodes' weighted mean, variances clamped at
+        0: :func:`~flwr_isoloco.merging.buffers.merged_buffers`) for the buffers."""
         assert self.theta is not None
         buffers = buffer_keys(self)
         params = {k: self.theta[k] for k in g if k not in buffers}
         transform = self.merger.update_transform(self.server_round)
         new = self.outer.step(params, {k: g[k] for k in params}, update_transform=transform)
         base = self.train_base  # the buffers' mean is taken against the model sent (B or theta)
-        new.update({k: base[k] - g[k].to(self.theta[k].dtype) for k in g if k in buffers})
+        new.update(merged_buffers(base, g, buffers))  # a noised variance is clamped at 0
         for k in buffers:  # a checkpoint from before buffers were told apart may hold some
             self.outer.momentum_buffer.pop(k, None)
         self.theta = {**self.theta, **{k: v.float() for k, v in new.items()}}
