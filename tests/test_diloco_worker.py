@@ -77,17 +77,22 @@ def schedule(s, total=ROUNDS * H, lr=LR, warm=WARM, r=0.1):
     return lr * (r + (1 - r) * 0.5 * (1 + math.cos(math.pi * (s - warm) / (total - warm))))
 
 
-def reference_continuous_adamw(steps):
+def reference_continuous_adamw(steps, batches=BATCHES, lr_at=schedule, losses=None):
+    """``steps`` plain fp32 ``torch.optim.AdamW`` steps (betas 0.9/0.95, wd 0.1, grad clip 1) on
+    ``batches`` in order, step ``s`` at lr ``lr_at(s)``; the model's state dict after them (and
+    each step's loss appended to ``losses``)."""
     model = model_fn()
     opt = torch.optim.AdamW(
         model.parameters(), lr=LR, betas=(0.9, 0.95), weight_decay=0.1, eps=1e-8
     )
     for s in range(steps):
         for grp in opt.param_groups:
-            grp["lr"] = schedule(s)
-        batch = BATCHES[s % len(BATCHES)]
+            grp["lr"] = lr_at(s)
+        batch = batches[s % len(batches)]
         logits = model(input_ids=batch[:, :-1]).logits
         loss = torch.nn.functional.cross_entropy(logits.reshape(-1, 32), batch[:, 1:].reshape(-1))
+        if losses is not None:
+            losses.append(float(loss))
         opt.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)

@@ -11,8 +11,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from test_diloco_worker import new_context, send
-from test_time_budget import H, StepClock, handler, theta0
+from test_diloco_worker import new_context, reference_continuous_adamw, schedule, send
+from test_time_budget import BATCHES, TODAY_KEYS, H, StepClock, handler, theta0
 
 from flwr_isoloco.clients import inner_loop
 from flwr_isoloco.clients.inner_loop import Pace
@@ -73,21 +73,35 @@ def test_the_time_budget_sees_the_emulated_speed(monkeypatch, kw, steps, overrun
     assert ("emulated-slowdown" in m) is bool(kw)
 
 
-def test_off_by_default_sends_the_same_bytes(monkeypatch):
-    """``emulated_slowdown=1, emulated_step_s=0`` (the defaults) is the worker as it was: the
-    same arrays and metrics as a handler built without the keywords, and nothing sleeps."""
+@pytest.mark.parametrize("kw", [{}, {"emulated_slowdown": 1.0, "emulated_step_s": 0.0}])
+def test_off_by_default_is_the_plain_worker(monkeypatch, kw):
+    """``emulated_slowdown=1, emulated_step_s=0`` (the defaults, or given): nothing sleeps, and
+    the reply is the plain worker's, pinned to a plain fp32 ``torch.optim.AdamW`` loop
+    (test_diloco_worker's) of H = 5 steps on the handler's batches at the cosine lr
+    (1e-2, no warm-up, 2 rounds x 5 steps); its metrics are the usual four, with the loop's
+    mean loss, 5 x 2 x 8 predicted tokens and the last step's lr, and no pace key."""
 
-    def no_sleep(_s):
-        raise AssertionError("slept with the emulation off")
+    def no_sleep(s):
+        raise AssertionError(f"slept {s} s with the emulation off")
 
-    monkeypatch.setattr(
-        inner_loop, "time", SimpleNamespace(perf_counter=lambda: 0.0, sleep=no_sleep)
-    )
-    a = send(handler(), theta0(), 1, new_context())
-    b = send(handler(emulated_slowdown=1.0, emulated_step_s=0.0), theta0(), 1, new_context())
-    x, y = (r.content["arrays"].to_torch_state_dict() for r in (a, b))
-    assert all(torch.equal(x[k], y[k]) for k in x)
-    assert dict(a.content["metrics"]) == dict(b.content["metrics"])
+    clock = StepClock(0.1)  # each step computes 0.1 s: a slowdown would pad it
+    monkeypatch.setattr(inner_loop, "time", SimpleNamespace(perf_counter=clock, sleep=no_sleep))
+    reply = send(handler(clock, **kw), theta0(), 1, new_context())
+    got = reply.content["arrays"].to_torch_state_dict()
+
+    def lr_at(s):
+        return schedule(s, total=2 * H, lr=1e-2, warm=0)
+
+    losses = []
+    want = reference_continuous_adamw(H, BATCHES, lr_at, losses)
+    for k in want:
+        torch.testing.assert_close(
+            got[k], want[k], rtol=0, atol=1e-7, msg=lambda m, k=k: f"{k}: {m}"
+        )
+    m = dict(reply.content["metrics"])
+    assert set(m) == TODAY_KEYS and m["num-examples"] == H * 2 * 8 and m["inner-steps"] == H
+    assert m["train-loss"] == pytest.approx(sum(losses) / H, rel=1e-6)
+    assert m["lr"] == pytest.approx(lr_at(H - 1), rel=1e-12)
 
 
 # ----------------------------------------------------------------------------- the LM app
