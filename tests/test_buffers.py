@@ -23,7 +23,10 @@ torch.set_num_threads(1)
 WEIGHTS = [1, 1, 2]
 
 
-def _client(var=(0.2, 0.2, 0.2), cov: bool = False):
+def bn_client(var=(0.2, 0.2, 0.2), cov: bool = False):
+    """Node ``p`` (weight ``WEIGHTS[p]``) reports ``running_var = var[p]`` and ``running_mean =
+    0.5 p`` whatever model it was sent, and moves ``fc.weight``."""
+
     def train(msg: Message, ctx) -> Message:
         th = msg.content["arrays"].to_torch_state_dict()
         pid = int(ctx.node_config["partition-id"])
@@ -53,7 +56,7 @@ def _quiet(**kw):
 
 
 def _run(strategy, rounds=2, var=(0.2, 0.2, 0.2), cov=False):
-    grid = FakeGrid(_client(var, cov), num_nodes=3)
+    grid = FakeGrid(bn_client(var, cov), num_nodes=3)
     return strategy.start(grid=grid, initial_arrays=ArrayRecord(_init(cov)), num_rounds=rounds)
 
 

@@ -15,15 +15,18 @@ import torch
 from fakegrid import FakeGrid
 from flwr.app import ArrayRecord, Message, MetricRecord, RecordDict
 from test_async_rounds import ScriptedGrid
+from test_async_rounds import strategy as async_strategy
+from test_buffers import bn_client
 from torch import nn
 
 from flwr_isoloco.merging.buffers import nonnegative_variances, resolve_buffers
 from flwr_isoloco.merging.dp import noise_like
-from flwr_isoloco.strategies import CentralDP, DiLoCo, ReplyChecks, Rounds
+from flwr_isoloco.strategies import CentralDP, DiLoCo, ReplyChecks
 
 torch.set_num_threads(1)
 
-N_EX = [1, 1, 2]  # num-examples of partitions 0, 1, 2
+N_EX = [1, 1, 2]  # num-examples of partitions 0, 1, 2 (as test_buffers.WEIGHTS)
+MEAN = (0.0, 0.5, 1.0)  # the running_mean bn_client's node p reports: 0.5 p
 
 
 def _bn_model(var0: float = 5.0) -> dict[str, torch.Tensor]:
@@ -37,45 +40,19 @@ def _bn_model(var0: float = 5.0) -> dict[str, torch.Tensor]:
     }
 
 
-def _bn_train(var: tuple[float, ...], mean: tuple[float, ...]):
-    """Node ``p`` moves ``fc.weight`` and reports ``running_var = var[p]``, ``running_mean =
-    mean[p]`` whatever model it was sent (its own data's statistics)."""
-
-    def train(msg: Message, ctx) -> Message:
-        th = msg.content["arrays"].to_torch_state_dict()
-        pid = int(ctx.node_config["partition-id"])
-        new = dict(th)
-        new["fc.weight"] = th["fc.weight"] * 0.9 + 0.01 * pid
-        new["bn.running_var"] = torch.full_like(th["bn.running_var"], var[pid])
-        new["bn.running_mean"] = torch.full_like(th["bn.running_mean"], mean[pid])
-        metrics = MetricRecord({"num-examples": N_EX[pid]})
-        return Message(RecordDict({"arrays": ArrayRecord(new), "metrics": metrics}), reply_to=msg)
-
-    return train
-
-
-def _async_run(order, steps, var, mean, **kw):
-    """Asynchronous DiLoCo, K=2 of 3 nodes, replies in ``order`` (partition ids); the model
-    after each step (``evaluate_fn`` sees it)."""
+def _async_run(order, steps, var):
+    """Asynchronous DiLoCo (lr 0.7, Nesterov 0.9), K=2 of 3 nodes, replies in ``order``
+    (partition ids), nodes of :func:`test_buffers.bn_client`; the model after each step
+    (``evaluate_fn`` sees it)."""
     seen: dict[int, dict[str, torch.Tensor]] = {}
 
     def evaluate_fn(rnd, arrays):
         seen[rnd] = {k: v.clone() for k, v in arrays.to_torch_state_dict().items()}
         return None
 
-    s = DiLoCo(
-        merge="mean",
-        outer_lr=0.7,
-        outer_momentum=0.9,
-        min_train_nodes=3,
-        min_available_nodes=3,
-        fraction_evaluate=0.0,
-        checks=ReplyChecks(max_weight_ratio=None),
-        rounds=Rounds(asynchronous=True, buffer=2),
-        **kw,
-    )
+    s = async_strategy(buffer=2, outer_lr=0.7, outer_momentum=0.9)
     grid = ScriptedGrid(order)
-    grid.app = {"train": _bn_train(var, mean)}
+    grid.app = bn_client(var)
     s.start(
         grid=grid,
         initial_arrays=ArrayRecord(_bn_model()),
@@ -94,12 +71,12 @@ ORDER = [0, 1, 2, 1, 0, 2, 1, 0]
 
 def test_async_running_var_all_one_stays_exactly_one():
     """Every node reports running_var 1.0: the merged value is 1.0 after every step, stale
-    replies or not (it was theta - rho * stale delta: -3.24 after two steps, NaN in BN)."""
-    s, seen = _async_run(ORDER, 4, var=(1.0, 1.0, 1.0), mean=(0.5, 0.5, 0.5))
+    replies or not (it was ``theta - rho x`` the stale delta: -0.886 after step 2 here, from
+    a model at 5.0)."""
+    s, seen = _async_run(ORDER, 4, var=(1.0, 1.0, 1.0))
     assert sorted(seen) == [0, 1, 2, 3, 4]
     for step in (1, 2, 3, 4):
         assert torch.equal(seen[step]["bn.running_var"], torch.ones(4)), step
-        assert torch.allclose(seen[step]["bn.running_mean"], torch.full((4,), 0.5)), step
     assert set(s.outer.momentum_buffer) == {"fc.weight"}
     assert not torch.equal(seen[4]["fc.weight"], seen[0]["fc.weight"])  # parameters did move
 
@@ -109,8 +86,8 @@ def test_async_buffers_are_the_weighted_mean_of_the_reported_values():
     replies, ``w_i = n_i s(tau_i)`` (the merge weights, ``s(tau) = 1/sqrt(1+tau)``), never
     scaled by ``rho``. Step 2 merges node 2 (tau 1) and node 1 (tau 0); step 3 node 0 (tau 2)
     and node 2 (tau 1); step 4 node 1 and node 0 (both sent version 2: tau 1)."""
-    var, mean = (0.5, 2.0, 3.0), (-1.0, 0.25, 4.0)
-    _, seen = _async_run(ORDER, 4, var=var, mean=mean)
+    var = (0.5, 2.0, 3.0)
+    _, seen = _async_run(ORDER, 4, var=var)
     s1, s2 = 1 / math.sqrt(2), 1 / math.sqrt(3)
     steps = {  # step -> [(partition, weight)]
         1: [(0, 1.0), (1, 1.0)],
@@ -120,7 +97,7 @@ def test_async_buffers_are_the_weighted_mean_of_the_reported_values():
     }
     for step, used in steps.items():
         total = sum(w for _, w in used)
-        for key, values in (("bn.running_var", var), ("bn.running_mean", mean)):
+        for key, values in (("bn.running_var", var), ("bn.running_mean", MEAN)):
             want = sum(w * values[p] for p, w in used) / total
             got = seen[step][key]
             assert torch.allclose(got, torch.full((4,), want), atol=1e-6), (step, key, got, want)
@@ -198,7 +175,7 @@ def test_central_dp_running_var_is_clamped_at_zero_and_the_rest_is_the_release()
     float entries) is ``(sum_p delta_p + N_i) / 3`` with ``N_i = noise_like(., z C, seed, 1, i)``;
     running_var ``= max(1 - released, 0)``, running_mean ``= -2 - released`` (no clamp: a mean
     may be negative)."""
-    var, mean, c = (0.2, 0.2, 0.2), (0.0, 0.5, 1.0), 10.0
+    var, c = (0.2, 0.2, 0.2), 10.0
     init = _bn_model(var0=1.0)
     s = DiLoCo(
         min_train_nodes=3,
@@ -207,13 +184,13 @@ def test_central_dp_running_var_is_clamped_at_zero_and_the_rest_is_the_release()
         checks=ReplyChecks(weighting="uniform"),
         privacy=CentralDP(noise_multiplier=1.0, clipping_norm=c, seed=1),
     )
-    grid = FakeGrid({"train": _bn_train(var, mean)}, num_nodes=3)
+    grid = FakeGrid(bn_client(var), num_nodes=3)
     s.start(grid=grid, initial_arrays=ArrayRecord(init), num_rounds=1)
 
     floats = [k for k, t in init.items() if t.is_floating_point()]
     for p in range(3):  # each node's delta norm is under C: nothing is clipped
         d = torch.cat([(init["fc.weight"] * 0.1 - 0.01 * p).flatten(), torch.full((4,), 0.8)])
-        assert torch.cat([d, torch.full((4,), -2.0 - mean[p])]).norm() < c
+        assert torch.cat([d, torch.full((4,), -2.0 - MEAN[p])]).norm() < c
 
     def released(key: str, total: float) -> torch.Tensor:
         return (total + noise_like(torch.zeros(4), c, 1, 1, floats.index(key))) / 3
@@ -223,7 +200,7 @@ def test_central_dp_running_var_is_clamped_at_zero_and_the_rest_is_the_release()
     want_var = raw_var.clamp(min=0.0)
     torch.testing.assert_close(s.theta["bn.running_var"].double(), want_var, rtol=0, atol=1e-5)
     assert (s.theta["bn.running_var"][raw_var < 0] == 0).all()
-    want_mean = -2.0 - released("bn.running_mean", sum(-2.0 - m for m in mean))
+    want_mean = -2.0 - released("bn.running_mean", sum(-2.0 - m for m in MEAN))
     assert (want_mean < 0).any()
     torch.testing.assert_close(s.theta["bn.running_mean"].double(), want_mean, rtol=0, atol=1e-5)
 
