@@ -58,7 +58,7 @@ def test_strategy_gets_the_weight_bound_and_empty_round_limit():
     s = task.build_strategy(
         task.load_config({"strategy.max-weight-ratio": 0.0, "strategy.max-empty-rounds": 7})
     )
-    assert s.max_weight_ratio == 0.0 and s._guard.limit == 7
+    assert s.max_weight_ratio == 0.0 and s.book.guard.limit == 7
     assert task.build_strategy(task.load_config({})).max_weight_ratio == 5.0
 
 

@@ -52,7 +52,8 @@ def test_one_record_per_model_state_and_the_ledger_keeps_no_model():
     want = {k: v.clone() for k, v in s.theta.items()}
     got = result.arrays.to_torch_state_dict()
     assert all(torch.equal(got[k], want[k]) for k in want)  # the record is the model now
-    assert s._train_ledger._sent and all(isinstance(m, Metadata) for m in s._train_ledger._sent)
+    sent = s.book.train_ledger.sent()
+    assert sent and all(isinstance(m, Metadata) for m in sent)
     s.theta = {k: v + 1 for k, v in s.theta.items()}  # a new model: a new record
     fresh = s.current_arrays()
     assert fresh is not result.arrays

@@ -123,13 +123,13 @@ def negative_variance(rounds: int = 5, **strategy_kw) -> dict:
     for name, factory in NEGVAR_VARIANTS.items():
         s = factory(**kw, **strategy_kw)
         seen: list[float] = []
-        step = s._outer_step
+        step = s.outer_step
 
         def recorded(g, s=s, step=step, seen=seen):
             step(g)
             seen.append(round(float(s.theta["bn.running_var"][0]), 4))
 
-        s._outer_step = recorded
+        s.outer_step = recorded
         s.start(
             grid=FakeGrid({"train": train}, num_nodes=3),
             initial_arrays=ArrayRecord(init),

@@ -55,7 +55,7 @@ class Stages:
         self._libc.malloc_trim(0)
         return self.rss()
 
-    def _sample(self) -> None:
+    def sample_nodes(self) -> None:
         while not self.done:
             if self.stack:
                 top = self.stack[-1]
@@ -100,7 +100,7 @@ def patch(st: Stages, server_app, fakegrid) -> None:
     TrainRound.take = st.wrap("take one reply (decode, check, fold/spill)", TrainRound.take,
                               trim=False)  # fmt: skip
     RoundFold.finish = st.wrap("merge (RoundFold.finish)", RoundFold.finish)
-    DiLoCo._outer_step = st.wrap("outer step", DiLoCo._outer_step)
+    DiLoCo.outer_step = st.wrap("outer step", DiLoCo.outer_step)
     apprunner.Recorder.evaluate_fn = st.wrap("server evaluation", apprunner.Recorder.evaluate_fn)
     apprunner.Recorder.checkpoint = st.wrap("checkpoint", apprunner.Recorder.checkpoint)
     apprunner._finish = st.wrap("finish: export", apprunner._finish)

@@ -34,6 +34,14 @@ class SentLedger:
         """Whether the last round sent any instruction."""
         return bool(self._sent)
 
+    def count(self) -> int:
+        """How many instructions the last round sent."""
+        return len(self._sent)
+
+    def sent(self) -> list[Metadata]:
+        """The metadata of the last round's instructions (ids filled in once pushed)."""
+        return list(self._sent)
+
     def sent_this_round(self, message_id: str) -> bool:
         """Whether ``message_id`` is one of the last round's instructions (True when their ids
         are not known: nothing to check against)."""

@@ -89,7 +89,7 @@ from logging import INFO, WARNING
 from typing import Any
 
 import torch
-from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, RecordDict
+from flwr.app import ConfigRecord, Message, MessageType, RecordDict
 from flwr.common.logger import log
 from flwr.serverapp import Grid
 
@@ -184,11 +184,12 @@ class TaskLedger(SentLedger):
     def __init__(self) -> None:
         super().__init__()
         self.tasks: dict[str, Task] = {}
-        self._answering: dict[str, int] = {}  # the reply being taken: message id -> node
+        # the reply being taken: message id -> the node of its task (set by AsyncRounds)
+        self.answering: dict[str, int] = {}
 
     def sender(self, reply: Message) -> int:
         rid = reply.metadata.reply_to_message_id
-        node = self._answering.get(rid)
+        node = self.answering.get(rid)
         return reply.metadata.src_node_id if node is None else node
 
     def sent_any(self) -> bool:
@@ -247,14 +248,14 @@ class AsyncRounds:
         for k, v in s.codec_request.items():
             self._config[k] = v
         s.train_validator.asked_steps = asked_steps(self._config)  # inner-steps <= it
-        s._train_ledger = self.ledger  # replies are attributed to the node of their task
+        s.book.train_ledger = self.ledger  # replies are attributed to the node of their task
         s.server_round = done + 1
         train = TrainRound(s, done + 1, per_reply=self)
         try:
             self._give_up(train, clock, timeout, set(grid.get_node_ids()))
             self._start_or_top_up(s, grid, clock)
             deferred, wait = self._wait(s, grid, train, done, clock, timeout)
-            s._bytes_down = self._down
+            s.book.bytes_down = self._down
             new_arrays, metrics = train.finish()
         finally:
             train.close()
@@ -338,12 +339,12 @@ class AsyncRounds:
             )
             return False
         self._taking = (task, tau)
-        self.ledger._answering[rid] = task.node
+        self.ledger.answering[rid] = task.node
         before = len(train.taken)
         try:
             train.take(reply)
         finally:
-            self.ledger._answering.pop(rid, None)
+            self.ledger.answering.pop(rid, None)
             self._taking = None
         return len(train.taken) > before
 
@@ -372,7 +373,7 @@ class AsyncRounds:
                         self._send(s, grid, [node], clock, version)
                 self.plan = []
             else:
-                nodes = s._sample(grid, s.fraction_train, s.min_train_nodes)
+                nodes = s.sample_nodes(grid, s.fraction_train, s.min_train_nodes)
                 self.nodes = len(nodes)
                 self._send(s, grid, nodes, clock)
             if self.buffer is None:
@@ -382,9 +383,9 @@ class AsyncRounds:
         idle = sorted(n for n in grid.get_node_ids() if n not in busy)
         room = self.nodes - len(busy)
         if room > 0 and idle:
-            self._send(s, grid, s._rng.sample(idle, min(room, len(idle))), clock)
+            self._send(s, grid, s.draw(idle, room), clock)
         if not self.ledger.tasks:  # nobody to work: wait for nodes as a round does
-            self._send(s, grid, s._sample(grid, s.fraction_train, s.min_train_nodes), clock)
+            self._send(s, grid, s.sample_nodes(grid, s.fraction_train, s.min_train_nodes), clock)
 
     def _send(
         self, s: Any, grid: Grid, nodes: Iterable[int], clock: Any, version: int | None = None
@@ -394,10 +395,9 @@ class AsyncRounds:
         v = current if version is None or version not in self.versions else version
         if v == current:
             self.versions[current] = s.theta
-            record = s._model_record()
+            record = s.current_arrays()
         else:
-            model = self.versions[v]
-            record = ArrayRecord({k: t.to(s._dtypes.get(k, t.dtype)) for k, t in model.items()})
+            record = s.record_of(self.versions[v])
         config = ConfigRecord(dict(self._config))
         config["server-round"] = current + 1
         config[VERSION_KEY] = v

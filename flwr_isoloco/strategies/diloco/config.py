@@ -1,11 +1,13 @@
-"""DiLoCo's and IsoLoCo's run-config section: keys, defaults, checks, constructor arguments.
+"""DiLoCo's and IsoLoCo's run-config section: keys, defaults, value checks, and the checks of the
+constructor's plain arguments.
 
 The strategy owns its section (flat Flower keys ``strategy.<key>``): :data:`DILOCO_RUN_CONFIG`
 and :data:`ISOLOCO_RUN_CONFIG` are the defaults (written once, here), :data:`RUN_CONFIG_CHECKS`
 the value checks. An app composes the section into its own schema and validates its run config
 once (:func:`flwr_isoloco.runconfig.read_run_config`), then builds the strategy from the
 validated section with :meth:`DiLoCo.from_section <flwr_isoloco.strategies.DiLoCo.from_section>`;
-:meth:`~flwr_isoloco.strategies.DiLoCo.from_run_config` does both for a plain Flower app.
+:meth:`~flwr_isoloco.strategies.DiLoCo.from_run_config` does both for a plain Flower app. The
+mapping from keys to constructor arguments is :mod:`~flwr_isoloco.strategies.diloco.sections`.
 
 Every ClientApp of a run sees the same run config, strategy section included, and may check it;
 :data:`SERVER_ONLY_KEYS` are the keys that name something of the server's machine (the merge's
@@ -22,27 +24,22 @@ from typing import Any
 from flwr_isoloco.compression import CODECS
 from flwr_isoloco.merging import MERGE_RULES
 from flwr_isoloco.merging.buffers import check_buffers_spec
-from flwr_isoloco.merging.device import parse_device, resolve_device
-from flwr_isoloco.merging.robust import ROBUST_OPTIONS, ROBUST_RULES
+from flwr_isoloco.merging.device import parse_device
+from flwr_isoloco.merging.robust import ROBUST_RULES
 from flwr_isoloco.outer import ISOLOCO_PRESETS
 from flwr_isoloco.runconfig import choices, in_range, non_negative, positive, read_run_config
 from flwr_isoloco.strategies.core.divergence import DEFAULT_DIVERGENCE_FACTOR, DIVERGENCE_MODES
 from flwr_isoloco.strategies.core.evaluation import check_count, check_fraction
 from flwr_isoloco.strategies.core.replies import PAYLOADS
-from flwr_isoloco.strategies.core.rounds import quorum_arg
 from flwr_isoloco.strategies.diloco.settings import (
     DEFAULT_MAX_WEIGHT_RATIO,
     DTYPE_POLICIES,
     WEIGHTINGS,
-    AdaptiveClipping,
     CentralDP,
-    Codec,
     Divergence,
-    DPSettings,
     LocalDP,
     ReplyChecks,
     Rounds,
-    as_robust,
 )
 
 __all__ = [
@@ -50,10 +47,9 @@ __all__ = [
     "ISOLOCO_RUN_CONFIG",
     "RUN_CONFIG_CHECKS",
     "SERVER_ONLY_KEYS",
-    "FromRunConfig",
     "node_view",
     "read_section",
-    "section_kwargs",
+    "run_config_quorum",
 ]
 
 ORTHOGONALIZE = ("gradient", "update")
@@ -123,8 +119,9 @@ DILOCO_RUN_CONFIG: dict[str, Any] = {
     "async-staleness": 0.5,
     "momentum-every": 1,
 }
-"""``quorum``: fraction of the sampled nodes in (0, 1] (1.0 = all) or a count >= 1; ``grace-s``:
-seconds to wait for the rest once the quorum is in (strategies/core/rounds.py). ``robust``: the
+"""``quorum``: a fraction of the sampled nodes in (0, 1] (1.0, or 1 in TOML: all) or a whole
+count >= 2 (:func:`run_config_quorum`); ``grace-s``: seconds to wait for the rest once the quorum
+is in (strategies/core/rounds.py; needs a quorum below all). ``robust``: the
 robust aggregation (merging/robust.py); its options ``robust-trim`` / ``robust-f`` /
 ``robust-select`` / ``robust-factor`` at -1 take the rule's default. ``dp-*``: central DP (strategies/diloco/privacy.py);
 0 for the noise multiplier, clipping norm or max epsilon = off; ``dp-adaptive-quantile`` 0 =
@@ -141,13 +138,6 @@ ISOLOCO_RUN_CONFIG: dict[str, Any] = {
     "preset": "dropin",  # IsoLoCo's presets (flwr_isoloco.outer.ISOLOCO_PRESETS)
     "outer-lr": -1.0,  # -1: the preset's value
     "outer-momentum": -1.0,
-}
-_MERGE_OPTION_KEYS = {
-    "prune-fraction": "prune_fraction",
-    "drop-rate": "drop_rate",
-    "common-fraction": "common_fraction",
-    "ns-steps": "ns_steps",
-    "spectral-pattern": "spectral_pattern",
 }
 
 
@@ -186,6 +176,20 @@ def _default_or_decay(value: float) -> None:
         raise ValueError("must be in [0, 1], or -1 for the codec's default")
 
 
+def _fraction_or_count(value: float) -> None:
+    if not (0 < value <= 1 or (value >= 2 and float(value).is_integer())):
+        raise ValueError("must be a fraction in (0, 1] (1.0: all) or a whole count >= 2")
+
+
+def run_config_quorum(value: float) -> float | int | None:
+    """A checked ``strategy.quorum`` as ``Rounds.quorum``: 1.0 (or TOML's 1) is None (every
+    reply), a fraction below 1 stays a float, a whole number >= 2 is the int count. One value,
+    one meaning: ``Rounds(quorum=1)`` is refused rather than read as a count of one."""
+    if value == 1:
+        return None
+    return value if value < 1 else int(value)
+
+
 def _default_or_factor(value: float) -> None:
     if value != -1 and not 1 <= value < math.inf:
         raise ValueError("must be a finite number >= 1, or -1 for the default (2.0)")
@@ -201,17 +205,6 @@ def node_view(section: Mapping[str, Any]) -> dict[str, Any]:
     anywhere, so a server-only setting (``merge-device = "cuda"`` for a GPU server) never fails
     on a GPU-less node. Their spelling was checked by :data:`RUN_CONFIG_CHECKS` before."""
     return {**section, **{k: v for k, v in SERVER_ONLY_KEYS.items() if k in section}}
-
-
-def merge_device_arg(option: Any) -> Any:
-    """``strategy.merge-device`` resolved on this (the server's) machine: a ``ValueError``
-    naming the key, and the fix, for a CUDA device that is not visible here."""
-    try:
-        return resolve_device(option)
-    except ValueError as exc:
-        raise ValueError(
-            f"strategy.merge-device: {exc}, or run the ServerApp where a CUDA device is visible"
-        ) from None
 
 
 RUN_CONFIG_CHECKS: dict[str, Any] = {
@@ -244,7 +237,7 @@ RUN_CONFIG_CHECKS: dict[str, Any] = {
     "codec-ef-decay": _default_or_decay,
     "on-divergence": choices(*DIVERGENCE_MODES),
     "divergence-factor": _off_or_at_least_one,
-    "quorum": in_range(0, 1 << 31, lo_open=True),
+    "quorum": _fraction_or_count,
     "grace-s": non_negative,
     "merge-device": parse_device,  # spelling here; the server resolves it (merge_device_arg)
     "dp-noise-multiplier": non_negative,
@@ -269,21 +262,6 @@ RUN_CONFIG_CHECKS: dict[str, Any] = {
 """Value checks per key (types come from the defaults); merge options are checked by the rule."""
 
 
-def codec_options(c: Mapping[str, Any], codec_key: str = "upload-codec") -> dict[str, Any]:
-    """The options of the codec named by ``c[codec_key]`` from the flat ``codec-*`` keys of the
-    section: only the options that codec takes (sparseloco: chunk, k, bits; int8: block_size,
-    ...); an option without a key here takes the codec's default, as does ``codec-ef-decay``
-    at -1."""
-    from flwr_isoloco.compression import OPTION_KEYS, normalize_options
-
-    allowed = normalize_options(c[codec_key])
-    opts = {o: c[k] for k, o in OPTION_KEYS.items() if o in allowed and k in c}
-    decay = c.get("codec-ef-decay", -1)
-    if "ef_decay" in allowed and decay != -1:
-        opts["ef_decay"] = float(decay)
-    return opts
-
-
 def read_section(
     run_config: Mapping[str, Any],
     defaults: Mapping[str, Any],
@@ -306,136 +284,6 @@ def read_section(
     for part in parts:
         cfg = cfg[part]
     return {k: cfg[k] for k in defaults}
-
-
-def section_kwargs(c: Mapping[str, Any]) -> dict[str, Any]:
-    """DiLoCo constructor arguments from a validated section ``c`` (every key present): the one
-    mapping from run-config keys to arguments and settings objects.
-
-    Merge options at -1 / "" are left to the rule; norm bounds at 0 are off (None).
-    """
-    options = {}
-    for key, opt in _MERGE_OPTION_KEYS.items():
-        v = c[key]
-        if (isinstance(v, str) and v != "") or (not isinstance(v, str) and v >= 0):
-            options[opt] = v
-    upload, download = c["upload-codec"], c.get("download-codec", "none")
-    return dict(
-        merge=c["merge"],
-        merge_options=options,
-        outer_lr=c["outer-lr"],
-        outer_momentum=c["outer-momentum"],
-        nesterov=c["nesterov"],
-        orthogonalize=c["orthogonalize"],
-        fraction_train=c["fraction-train"],
-        fraction_evaluate=c["fraction-evaluate"],
-        min_train_nodes=c["min-train-nodes"],
-        min_evaluate_nodes=c["min-evaluate-nodes"],
-        min_available_nodes=c["min-available-nodes"],
-        seed=c["seed"],
-        merge_device=merge_device_arg(c["merge-device"]),
-        buffers=c["buffers"],
-        checks=ReplyChecks(
-            weighting=c["weighting"],
-            client_sends=c["client-sends"],
-            max_update_norm=c["max-update-norm"] or None,
-            max_norm_ratio=c["max-norm-ratio"] or None,
-            max_weight_ratio=c["max-weight-ratio"],
-            dtype_policy=c["dtype-policy"],
-        ),
-        rounds=section_rounds(c),
-        upload=None
-        if upload == "none"
-        else Codec(upload, error_feedback=c["error-feedback"], **codec_options(c)),
-        download=None
-        if download == "none"
-        else Codec(
-            download,
-            nodes_hold_initial=c.get("download-nodes-hold-initial", False),
-            **codec_options(c, "download-codec"),
-        ),
-        divergence=Divergence(c["on-divergence"], c["divergence-factor"]),
-        robust=as_robust(c["robust"], robust_options(c)),
-        privacy=section_privacy(c),
-    )
-
-
-ASYNC_KEYS = {
-    "async-buffer": "buffer",
-    "max-staleness": "max_staleness",
-    "async-staleness": "staleness",
-    "momentum-every": "momentum_every",
-}
-"""Run-config keys of asynchronous rounds -> :class:`Rounds` fields."""
-
-
-def section_rounds(c: Mapping[str, Any]) -> Rounds:
-    """``quorum``, ``grace-s``, ``max-empty-rounds`` and the asynchronous keys as :class:`Rounds`;
-    a ``ValueError`` naming the keys that do not go together (a section without the
-    asynchronous keys, e.g. an app's older schema, is synchronous)."""
-    quorum, grace = quorum_arg(c["quorum"]), c["grace-s"]
-    if not c.get("asynchronous", False):
-        given = [f"strategy.{k}" for k in ASYNC_KEYS if k in c and c[k] != DILOCO_RUN_CONFIG[k]]
-        if given:
-            raise ValueError(
-                f"{', '.join(given)} apply to asynchronous rounds only; set "
-                "strategy.asynchronous = true or leave them at their defaults"
-            )
-        return Rounds(quorum, grace, c["max-empty-rounds"])
-    if quorum is not None or grace:
-        raise ValueError(
-            "strategy.quorum / strategy.grace-s close a synchronous round; with "
-            "strategy.asynchronous = true leave them at 1.0 / 0.0 (an outer step takes the first "
-            "strategy.async-buffer replies)"
-        )
-    fields = {f: c[k] for k, f in ASYNC_KEYS.items() if k in c}
-    if fields.get("buffer") == 0:
-        fields["buffer"] = None  # 0: the number of nodes training
-    return Rounds(max_empty_rounds=c["max-empty-rounds"], asynchronous=True, **fields)
-
-
-def section_privacy(c: Mapping[str, Any]) -> DPSettings | None:
-    """The ``dp-*`` keys as :class:`CentralDP` / :class:`LocalDP`; clipping norm 0: DP off (then
-    a noise multiplier or max epsilon is refused, as the constructor refused them alone)."""
-    z, clip, max_eps = c["dp-noise-multiplier"], c["dp-clipping-norm"], c["dp-max-epsilon"]
-    quantile = c["dp-adaptive-quantile"]
-    if not clip:
-        given = [
-            k for k in ("dp-noise-multiplier", "dp-max-epsilon", "dp-adaptive-quantile") if c[k]
-        ]
-        if given:
-            raise ValueError(
-                f"strategy.{' and strategy.'.join(given)} {'needs' if len(given) == 1 else 'need'}"
-                " strategy.dp-clipping-norm > 0 (the sensitivity C)"
-            )
-        return None
-    common = dict(
-        clipping_norm=clip,
-        noise_multiplier=z,
-        delta=float(c["dp-delta"]),
-        max_epsilon=max_eps or None,
-    )
-    if c["dp-mode"] == "local":
-        if quantile:
-            raise ValueError("strategy.dp-adaptive-quantile needs strategy.dp-mode 'central'")
-        return LocalDP(**common)
-    adaptive = None
-    if quantile:
-        adaptive = AdaptiveClipping(quantile, c["dp-clip-count-std"] or None, c["dp-clip-lr"])
-    return CentralDP(**common, adaptive=adaptive)
-
-
-def robust_options(c: Mapping[str, Any]) -> dict[str, Any]:
-    """The chosen robust rule's options from ``robust-trim`` / ``robust-f`` / ``robust-select`` /
-    ``robust-factor`` (-1: the rule's default; a key the rule does not take is ignored)."""
-    allowed = ROBUST_OPTIONS[c["robust"]]
-    keys = {
-        "trim": "robust-trim",
-        "f": "robust-f",
-        "select": "robust-select",
-        "factor": "robust-factor",
-    }
-    return {o: c[k] for o, k in keys.items() if o in allowed and c[k] != -1}
 
 
 SETTINGS_TYPES = {
@@ -466,42 +314,3 @@ def check_arguments(**args: Any) -> None:
         if not isinstance(args[name], types):
             want = " or ".join("None" if t is type(None) else t.__name__ for t in types)
             raise ValueError(f"{name} must be a {want}, got {args[name]!r}")
-
-
-class FromRunConfig:
-    """Mixin of :class:`~flwr_isoloco.strategies.DiLoCo`: construction from a run config."""
-
-    RUN_CONFIG_DEFAULTS = DILOCO_RUN_CONFIG
-
-    @classmethod
-    def from_run_config(
-        cls,
-        run_config: Mapping[str, Any],
-        prefix: str = "strategy.",
-        ignore: Iterable[str] = APP_KEYS,
-        **overrides: Any,
-    ) -> Any:
-        """Build from Flower's flat run config (keys ``strategy.<key>``, see ``RUN_CONFIG_DEFAULTS``).
-
-        Keys outside ``prefix`` are ignored, as are ``prefix + k`` for ``k`` in ``ignore`` (the
-        app's own keys such as ``strategy.name``). An unknown ``strategy.*`` key, a value of the
-        wrong type, an unknown merge rule or a negative lr raise ``ValueError`` naming it.
-        ``overrides`` are constructor arguments applied last.
-        """
-        section = read_section(run_config, cls.RUN_CONFIG_DEFAULTS, prefix, ignore)
-        return cls.from_section(section, **overrides)
-
-    @classmethod
-    def from_section(cls, section: Mapping[str, Any], **overrides: Any) -> Any:
-        """Build from an already validated section (keys of ``RUN_CONFIG_DEFAULTS`` without the
-        prefix; missing keys take their defaults), e.g. the ``strategy`` part of an app's
-        schema checked with :data:`~flwr_isoloco.strategies.diloco.config.RUN_CONFIG_CHECKS`."""
-        c = {**cls.RUN_CONFIG_DEFAULTS, **section}
-        kwargs = section_kwargs(c)
-        kwargs.update(cls._extra_from_config(c))
-        kwargs.update(overrides)
-        return cls(**kwargs)
-
-    @classmethod
-    def _extra_from_config(cls, c: Mapping[str, Any]) -> dict[str, Any]:
-        return {}

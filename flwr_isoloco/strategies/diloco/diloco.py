@@ -30,7 +30,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricReco
 from flwr.common.logger import log
 from flwr.serverapp import Grid
 
-from flwr_isoloco.compression import payload_nbytes, request_config
+from flwr_isoloco.compression import payload_nbytes
 from flwr_isoloco.merging import resolve_device
 from flwr_isoloco.merging.buffers import check_buffers_spec, merged_buffers
 from flwr_isoloco.strategies.core.evaluation import aggregate_metrics, evaluation_round
@@ -39,13 +39,12 @@ from flwr_isoloco.strategies.core.ledger import SentLedger
 from flwr_isoloco.strategies.core.lifecycle import ResumableStrategy, RoundOutcome
 from flwr_isoloco.strategies.core.nodes import DEFAULT_NODE_WAIT_S, nodes_for_round
 from flwr_isoloco.strategies.core.replies import CheckedReply
-from flwr_isoloco.strategies.core.rounds import ReplyStream, check_quorum
+from flwr_isoloco.strategies.core.rounds import ReplyStream
 from flwr_isoloco.strategies.diloco import asynchronous_setup as asyn
 from flwr_isoloco.strategies.diloco.asynchronous import asked_steps
 from flwr_isoloco.strategies.diloco.config import (
     DILOCO_RUN_CONFIG,
     ISOLOCO_RUN_CONFIG,
-    FromRunConfig,
     check_arguments,
 )
 from flwr_isoloco.strategies.diloco.downloads import (
@@ -56,6 +55,7 @@ from flwr_isoloco.strategies.diloco.downloads import (
     parse_broadcast,
 )
 from flwr_isoloco.strategies.diloco.privacy import StrategyDP
+from flwr_isoloco.strategies.diloco.sections import FromRunConfig
 from flwr_isoloco.strategies.diloco.settings import (
     Codec,
     Divergence,
@@ -68,7 +68,9 @@ from flwr_isoloco.strategies.diloco.settings import (
 )
 from flwr_isoloco.strategies.diloco.setup import (
     PLAIN_ARGUMENTS,
+    SettingsViews,
     buffer_keys,
+    check_codecs,
     outer_optimizer,
     setup_merge,
     validators,
@@ -79,7 +81,7 @@ from flwr_isoloco.strategies.diloco.train_round import TrainRound
 __all__ = ["DiLoCo", "DILOCO_RUN_CONFIG", "ISOLOCO_RUN_CONFIG"]
 
 
-class DiLoCo(FromRunConfig, DiLoCoState, ResumableStrategy):
+class DiLoCo(FromRunConfig, SettingsViews, DiLoCoState, ResumableStrategy):
     """DiLoCo: merge the nodes' pseudo-gradients, then an outer SGD/Nesterov step.
 
     Parameters (keyword-only)
@@ -163,23 +165,14 @@ class DiLoCo(FromRunConfig, DiLoCoState, ResumableStrategy):
         check_arguments(**args)  # fractions, node counts, orthogonalize, seed, settings types
         rounds = asyn.resolve_rounds(rounds, asynchronous)
         self.checks, self.rounds, self.divergence = checks, rounds, divergence
-        self.upload, self.privacy = as_codec(upload), privacy
-        self.quorum, self.grace_s = check_quorum(rounds.quorum, rounds.grace_s)
+        self.upload, self.download, self.privacy = as_codec(upload), as_codec(download), privacy
+        check_codecs(self.upload, self.download)  # an option that does nothing that way
         self.merge_device = resolve_device(merge_device)  # ValueError: e.g. "cuda" without a GPU
         d = divergence
         self.set_divergence_guard(d.on_divergence, d.factor, d.key, d.collapse_factor)
-        self.max_weight_ratio = float(checks.max_weight_ratio or 0.0)
         self._guard = EmptyRoundGuard(rounds.max_empty_rounds, "aggregate_train")
         setup_merge(self, merge, merge_options, orthogonalize, seed, as_robust(robust))
         self.buffers = check_buffers_spec(buffers)  # float tensors the outer step does not own
-        u = self.upload
-        if u is not None and u.nodes_hold_initial:
-            raise ValueError("upload: nodes_hold_initial applies to downloads only")
-        self.codec_request = (
-            {} if u is None else request_config(u.name, u.options, u.error_feedback)
-        )
-        self.upload_codec = "none" if u is None else u.name
-        self.download = as_codec(download)
         self.broadcast = None if self.download is None else new_broadcast(self.download)
         self._bytes_down = 0
         self.fraction_train = float(fraction_train)
@@ -188,7 +181,6 @@ class DiLoCo(FromRunConfig, DiLoCoState, ResumableStrategy):
         self.min_evaluate_nodes = 0 if fraction_evaluate == 0 else min_evaluate_nodes
         for name in PLAIN_ARGUMENTS:  # weighted_by_key, the record keys, seed...: as given
             setattr(self, name, args[name])
-        self.weighting, self.client_sends = checks.weighting, checks.client_sends
         self.outer = outer_optimizer(outer_lr, outer_momentum, nesterov)
         self.train_validator, self.eval_validator = validators(self, checks)
         self._reset_bookkeeping(seed)
@@ -486,7 +478,7 @@ class DiLoCo(FromRunConfig, DiLoCoState, ResumableStrategy):
 
     # ------------------------------------------------------------------ maths glue
     def _weight(self, reply: CheckedReply) -> float:
-        return 1.0 if self.weighting == "uniform" else reply.weight
+        return 1.0 if self.effective_weighting == "uniform" else reply.weight
 
     def _outer_step(self, g: Mapping[str, torch.Tensor]) -> None:
         """``theta <- theta - lr u`` (OuterSGD; ``u`` orthogonalised with "update") for the

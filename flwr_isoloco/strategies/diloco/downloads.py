@@ -31,7 +31,7 @@ def new_broadcast(codec: Codec) -> Broadcast:
 
 def broadcast_messages(s: Any, config: ConfigRecord, nodes: list[int], mtype: str) -> list[Message]:
     """One message per node (the update, nothing, or the full ``B``: Broadcast.for_node);
-    sets ``s._bytes_down`` to the bytes of the arrays sent."""
+    sets ``s.book.bytes_down`` to the bytes of the arrays sent."""
     msgs, total = [], 0
     for n in nodes:
         arrays, entries = s.broadcast.for_node(n)
@@ -39,7 +39,7 @@ def broadcast_messages(s: Any, config: ConfigRecord, nodes: list[int], mtype: st
         total += payload_nbytes(arrays)
         content = RecordDict({s.arrayrecord_key: arrays, s.configrecord_key: cfg})
         msgs.append(Message(content=content, message_type=mtype, dst_node_id=n))
-    s._bytes_down = total
+    s.book.bytes_down = total
     return msgs
 
 
@@ -47,7 +47,7 @@ def note_download(s: Any, msg: Message, ledger: Any = None) -> Message:
     """Record the digest the reply's node says it holds (none or an error: it gets the full
     ``B`` next time); returns ``msg``."""
     if s.broadcast is not None:
-        node = (ledger or s._eval_ledger).sender(msg)
+        node = (ledger or s.book.eval_ledger).sender(msg)
         s.broadcast.note(node, msg)
     return msg
 

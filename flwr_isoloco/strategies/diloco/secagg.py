@@ -147,6 +147,13 @@ def use_secagg(strategy: DiLoCo, settings: SecAggSettings | None = None, **kw: A
     :class:`SecAggSettings`)."""
     if getattr(strategy, "download", None) is not None:  # the masked sum is taken against theta
         raise ValueError("secagg: not supported with a download codec (download=)")
+    if strategy.rounds.asynchronous:
+        raise ValueError(
+            "secagg: not supported with asynchronous rounds: SecAgg+ unmasks the sum of one "
+            "cohort that exchanged keys in the same round, while an asynchronous outer step "
+            "takes the first K replies of nodes that each trained from their own model version; "
+            "use synchronous rounds (Rounds(asynchronous=False)) with secure aggregation"
+        )
     require_secagg(strategy)
     settings = settings if settings is not None else SecAggSettings(**kw)
     settings.check()

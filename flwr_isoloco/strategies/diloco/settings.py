@@ -12,10 +12,12 @@ outer optimiser: small frozen objects, each checked when built (``ValueError`` n
 - ``privacy=CentralDP(...) | LocalDP(...)``: differential privacy, with
   ``CentralDP(adaptive=AdaptiveClipping(...))`` for adaptive clipping.
 
+A quorum's type says what it is: a float a fraction, an int a count (so the int 1, which the
+run config's ``strategy.quorum = 1`` reads as all, and ``3.0`` are refused with the fix).
 A new policy is one new class here. Checks that involve the strategy (DP refuses a robust rule or
 a merge rule whose output is not a function of the sum; ``median`` needs a mean-based rule) stay
 at the strategy's construction. The run-config keys map onto these objects in one place,
-:func:`~flwr_isoloco.strategies.diloco.config.section_kwargs`.
+:func:`~flwr_isoloco.strategies.diloco.sections.section_kwargs`.
 """
 
 from __future__ import annotations
@@ -90,15 +92,16 @@ class ReplyChecks:
     ConfigRecord ``payload`` overrides it). ``max_update_norm`` / ``max_norm_ratio``: drop a
     reply whose ``||delta_i||_2`` is above this (absolute; x the median of the others; None or
     0: off). ``max_weight_ratio``: each weight clipped to ``r x`` the round's median weight, so
-    no one site owns the merge (None or 0: off). ``dtype_policy``: a reply array of another
-    floating dtype is cast (``"cast"``) or the reply dropped (``"reject"``).
+    no one site owns the merge (None or 0: off; ``"auto"``: 5, off under ``"uniform"``, where a
+    number is refused: every weight is 1). ``dtype_policy``: a reply array of another floating
+    dtype is cast (``"cast"``) or the reply dropped (``"reject"``).
     """
 
     weighting: str = "examples"
     client_sends: str = "weights"
     max_update_norm: float | None = None
     max_norm_ratio: float | None = None
-    max_weight_ratio: float | None = DEFAULT_MAX_WEIGHT_RATIO
+    max_weight_ratio: float | str | None = "auto"
     dtype_policy: str = "cast"
 
     def __post_init__(self) -> None:
@@ -114,18 +117,33 @@ class ReplyChecks:
         _off_or_positive("ReplyChecks.max_update_norm", self.max_update_norm)
         _off_or_positive("ReplyChecks.max_norm_ratio", self.max_norm_ratio)
         r = self.max_weight_ratio
-        if r is not None and not (_is_number(r) and (r == 0 or r >= 1)):
+        if r is not None and r != "auto" and not (_is_number(r) and (r == 0 or r >= 1)):
             raise ValueError(
-                f"ReplyChecks.max_weight_ratio must be >= 1, or 0/None for off, got {r!r}"
+                f"ReplyChecks.max_weight_ratio must be >= 1, 0/None for off or 'auto', got {r!r}"
             )
+        if self.weighting == "uniform" and r not in ("auto", None, 0):
+            raise ValueError(
+                f"ReplyChecks.max_weight_ratio={r!r} clips weights, but weighting='uniform' "
+                "gives every reply weight 1, so it would clip nothing: leave max_weight_ratio "
+                "out (or 0) with uniform weights, or use weighting='examples'"
+            )
+
+    @property
+    def weight_ratio(self) -> float:
+        """The bound ``r`` in force, ``"auto"`` resolved (0.0: off, always under uniform)."""
+        r = self.max_weight_ratio
+        if self.weighting == "uniform" or not r:
+            return 0.0
+        return DEFAULT_MAX_WEIGHT_RATIO if r == "auto" else float(r)
 
 
 @dataclass(frozen=True)
 class Rounds:
     """When a round closes and when a run stops; synchronous or asynchronous rounds.
 
-    ``quorum``: the round closes once this many of the sampled nodes replied (a fraction in
-    (0, 1] or a count >= 1; None: all), waiting ``grace_s`` more seconds for the rest.
+    ``quorum``: the round closes once this many of the sampled nodes replied: a float in (0, 1]
+    (a fraction, rounded up; 1.0: all) or an int >= 2 (a count); None: all. ``grace_s``: then
+    wait at most this many seconds more for the rest (needs a quorum below all).
     ``max_empty_rounds``: stop with :class:`~flwr_isoloco.strategies.core.guard.NoProgressError`
     after this many consecutive rounds that used no reply (0: never).
 
@@ -149,6 +167,7 @@ class Rounds:
     momentum_every: int = 1
 
     def __post_init__(self) -> None:
+        check_quorum_type(self.quorum)
         try:
             check_quorum(self.quorum, self.grace_s)
             EmptyRoundGuard(self.max_empty_rounds)
@@ -186,10 +205,33 @@ class Rounds:
                 f"Rounds: {', '.join(changed)} apply to asynchronous rounds only; "
                 "set asynchronous=True or leave them at their defaults"
             )
+        if self.grace_s and self.closing_quorum is None:
+            raise ValueError(
+                f"Rounds.grace_s={self.grace_s:g} is a wait for the rest once a quorum is in, "
+                f"but quorum={self.quorum!r} waits for every reply: set quorum to a fraction "
+                "below 1.0 or a count, or leave grace_s at 0"
+            )
+
+    @property
+    def closing_quorum(self) -> float | int | None:
+        """The quorum that closes a round before every reply is in (None: all, 1.0 too)."""
+        return None if self.quorum is None or self.quorum == 1.0 else self.quorum
 
 
 ASYNC_FIELDS = ("buffer", "max_staleness", "staleness", "momentum_every")
 """The fields of :class:`Rounds` that only asynchronous rounds read."""
+
+
+def check_quorum_type(quorum: object) -> None:
+    """``ValueError`` with the fix for the int 1 and a whole float above 1 (module doc)."""
+    if type(quorum) is int and quorum == 1:
+        raise ValueError(
+            "Rounds.quorum=1 is ambiguous: the int count closes a round on one reply, while "
+            "strategy.quorum = 1 in the run config (and the fraction 1.0) waits for every reply; "
+            "write quorum=None (or 1.0) for every reply, or a count >= 2"
+        )
+    if isinstance(quorum, float) and quorum > 1 and quorum.is_integer():
+        raise ValueError(f"Rounds.quorum={quorum!r}: a count is an int: write {int(quorum)}")
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,6 @@
 """DiLoCo's construction helpers: the merge rule and round merge, the outer optimiser, the
-reply validators, and the names of the constructor arguments stored as given.
+reply validators, the names of the constructor arguments stored as given, and
+:class:`SettingsViews`, the strategy's read-only views of its settings objects.
 
 The argument checks themselves are :func:`~flwr_isoloco.strategies.diloco.config.check_arguments`.
 """
@@ -9,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from flwr_isoloco.compression import request_config
 from flwr_isoloco.merging import MERGE_RULES
 from flwr_isoloco.merging.buffers import resolve_buffers
 from flwr_isoloco.merging.robust import RobustMerge, resolve_robust
@@ -16,7 +18,15 @@ from flwr_isoloco.merging.round import RoundMerge
 from flwr_isoloco.merging.rules import check_options
 from flwr_isoloco.outer import OuterSGD
 from flwr_isoloco.strategies.core.replies import ReplyValidator
-from flwr_isoloco.strategies.diloco.settings import ReplyChecks, Robust, _is_number
+from flwr_isoloco.strategies.diloco.settings import (
+    CentralDP,
+    Codec,
+    DPSettings,
+    ReplyChecks,
+    Robust,
+    Rounds,
+    _is_number,
+)
 
 SPECTRAL_FOR_UPDATE = ("iso_c", "iso_c_ns")
 """The rules that ``orthogonalize="update"`` applies to the outer update."""
@@ -120,3 +130,82 @@ def validators(s: Any, checks: ReplyChecks) -> tuple[ReplyValidator, ReplyValida
         what="aggregate_evaluate",
     )  # aggregation as the graph strategies' federated evaluation (evaluation.py)
     return train, evaluate
+
+
+class SettingsViews:
+    """What DiLoCo reads of its settings objects (``checks``, ``rounds``, ``upload``,
+    ``privacy``), as read-only properties: one source of truth, so a view and its setting can
+    never disagree."""
+
+    checks: ReplyChecks
+    rounds: Rounds
+    upload: Codec | None
+    privacy: DPSettings | None
+
+    @property
+    def weighting(self) -> str:
+        """The weighting configured: ``checks.weighting``."""
+        return self.checks.weighting
+
+    @weighting.setter
+    def weighting(self, value: str) -> None:
+        """Assigning the weighting in force (:attr:`effective_weighting`) changes nothing; any
+        other value is refused: the weighting is read from ``checks``, never stored apart."""
+        if value != self.effective_weighting:
+            raise AttributeError(
+                f"weighting is read from checks.weighting; build the strategy with "
+                f"checks=ReplyChecks(weighting={value!r})"
+            )
+
+    @property
+    def effective_weighting(self) -> str:
+        """The weighting in force: ``checks.weighting``, but ``"uniform"`` under central DP (its
+        noise is sized for ``w_i = 1``, privacy.py)."""
+        return "uniform" if isinstance(self.privacy, CentralDP) else self.checks.weighting
+
+    @property
+    def max_weight_ratio(self) -> float:
+        """The weight bound ``r`` in force (0.0: off, always under uniform weights):
+        :attr:`ReplyChecks.weight_ratio` for the :attr:`effective_weighting`."""
+        return 0.0 if self.effective_weighting == "uniform" else self.checks.weight_ratio
+
+    @property
+    def client_sends(self) -> str:
+        """What replies hold by default: ``checks.client_sends``."""
+        return self.checks.client_sends
+
+    @property
+    def quorum(self) -> float | int | None:
+        """The quorum that closes a round before every reply is in (None: all):
+        :attr:`Rounds.closing_quorum`."""
+        return self.rounds.closing_quorum
+
+    @property
+    def grace_s(self) -> float:
+        """Seconds to wait for the rest once the quorum is in: ``rounds.grace_s``."""
+        return float(self.rounds.grace_s)
+
+    @property
+    def upload_codec(self) -> str:
+        """The upload codec's name (``"none"``: plain replies)."""
+        return "none" if self.upload is None else self.upload.name
+
+    @property
+    def codec_request(self) -> dict[str, Any]:
+        """The train-config entries asking the workers for the upload codec (empty: none)."""
+        u = self.upload
+        return {} if u is None else request_config(u.name, u.options, u.error_feedback)
+
+
+def check_codecs(upload: Codec | None, download: Codec | None) -> None:
+    """``ValueError`` for a codec option that does nothing in the direction it is given for:
+    ``nodes_hold_initial`` on an upload (the initial model goes down), ``ef_decay`` on a
+    download (the server's residual is sent whole, compression/broadcast.py: no decay)."""
+    if upload is not None and upload.nodes_hold_initial:
+        raise ValueError("upload: nodes_hold_initial applies to downloads only")
+    if download is not None and "ef_decay" in download.options:
+        raise ValueError(
+            f"download: ef_decay={download.options['ef_decay']!r} decays a worker's error "
+            "feedback, an upload's; the server sends its whole residual with the next "
+            "broadcast, so a decay would do nothing: leave ef_decay out of download=Codec(...)"
+        )

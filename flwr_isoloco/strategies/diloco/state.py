@@ -119,7 +119,7 @@ class DiLoCoState:
     theta: dict[str, torch.Tensor] | None
     server_round: int
     divergence_guard: Any  # ResumableStrategy's
-    _guard: Any  # DiLoCo's EmptyRoundGuard
+    book: Any  # DiLoCo's RoundBook (the empty-round guard)
 
     def state_dict(self) -> dict[str, Any]:
         """``{"tensors": nested dict of tensors, "meta": JSON-able dict}`` (no pickle needed).
@@ -148,7 +148,7 @@ class DiLoCoState:
                 "merge_options": self.merge_options,
                 "orthogonalize": self.orthogonalize,
                 "divergence": self.divergence_guard.state(),
-                "empty_streak": self._guard.streak,
+                "empty_streak": self.book.guard.streak,
             },
         }
 
@@ -297,4 +297,4 @@ class DiLoCoState:
         self._rng.setstate(rng.getstate())
         self.server_round = meta["server_round"]
         self.divergence_guard.load_state(meta.get("divergence", {}))
-        self._guard.streak = meta.get("empty_streak", 0)  # absent in older checkpoints
+        self.book.guard.streak = meta.get("empty_streak", 0)  # absent in older checkpoints

@@ -41,8 +41,9 @@ from flwr.common.logger import log
 from flwr_isoloco.merging.device import is_out_of_memory
 from flwr_isoloco.merging.round import RoundFold
 from flwr_isoloco.merging.weights import bounded_weights
-from flwr_isoloco.strategies.core.metrics import metric_record, tensor_norm, train_client_metrics
+from flwr_isoloco.strategies.core.metrics import metric_record, train_client_metrics
 from flwr_isoloco.strategies.core.replies import CheckedReply, Rejection, ReplyReport
+from flwr_isoloco.strategies.diloco.round_close import RoundClose, RoundHost
 from flwr_isoloco.strategies.diloco.setup import buffer_keys
 
 if TYPE_CHECKING:
@@ -51,9 +52,10 @@ if TYPE_CHECKING:
 __all__ = ["RoundStrategy", "TrainRound"]
 
 
-class RoundStrategy(Protocol):
-    """What a train round reads and calls of its strategy (DiLoCo, IsoLoCo). A protocol, not
-    an import of ``diloco``: that module builds the round, so the round must not import it."""
+class RoundStrategy(RoundHost, Protocol):
+    """What a train round reads and calls of its strategy (DiLoCo, IsoLoCo): public members
+    only. A protocol, not an import of ``diloco``: that module builds the round, so the round
+    must not import it."""
 
     theta: dict[str, Any] | None
     train_validator: Any
@@ -65,13 +67,8 @@ class RoundStrategy(Protocol):
     max_weight_ratio: float
     weight_reference: float | None
     train_metrics_aggr_fn: Any
-    _train_ledger: Any
-    _guard: Any
-    _bytes_down: int
 
-    def _weight(self, reply: CheckedReply) -> float: ...
-    def _outer_step(self, g: Any) -> None: ...
-    def _model_record(self) -> ArrayRecord: ...
+    def merge_weight(self, reply: CheckedReply) -> float: ...
 
 
 class TrainRound:
@@ -90,7 +87,7 @@ class TrainRound:
         self.cap = self.ratio * ref if self.ratio and ref is not None else None
         spill = self.collect or bool(self.v.max_norm_ratio)
         floats = [k for k, t in s.theta.items() if t.is_floating_point()]
-        dp = s.dp.mechanism(server_round, len(s._train_ledger._sent), floats)  # None: DP off
+        dp = s.dp.mechanism(server_round, s.book.train_ledger.count(), floats)  # None: DP off
         self.buffers = buffers = buffer_keys(s)  # merged as FedAvg does, outside the step
         # deltas against the model the workers trained from: B with compressed downloads
         self.base = getattr(s, "train_base", s.theta)
@@ -115,9 +112,9 @@ class TrainRound:
         self.answered.add(msg.metadata.reply_to_message_id)
         s, v = self.s, self.v
         if getattr(s, "broadcast", None) is not None:  # compressed downloads: the node's copy
-            s.broadcast.note(s._train_ledger.sender(msg), msg)
+            s.broadcast.note(s.book.train_ledger.sender(msg), msg)
         base = self.base if self.per_reply is None else self.per_reply.base(msg)
-        r = v.check(msg, base, s._train_ledger, self.report)
+        r = v.check(msg, base, s.book.train_ledger, self.report)
         if isinstance(r, Rejection):
             return
         if self.per_reply is not None:
@@ -152,7 +149,7 @@ class TrainRound:
         self.v.reject(self.report, node, why)
 
     def _capped(self, r: CheckedReply) -> float:
-        w = self.s._weight(r)
+        w = self.s.merge_weight(r)
         if self.cap is not None and w > self.cap:
             log(
                 WARNING,
@@ -171,7 +168,7 @@ class TrainRound:
     # ------------------------------------------------------------------ end of round
     def _bound_now(self, keep: list[CheckedReply]) -> None:
         """The round's own median bound (a round without a reference weight)."""
-        raw = [self.s._weight(r) for r in keep]
+        raw = [self.s.merge_weight(r) for r in keep]
         bounded, clipped = bounded_weights(raw, self.ratio)
         for i in clipped:
             log(
@@ -193,7 +190,7 @@ class TrainRound:
         reply as it arrived plus this merge and outer step (the wait is ``wait-s``)."""
         t0 = time.perf_counter()
         s, v, report = self.s, self.v, self.report
-        v.count_missing(s._train_ledger.unanswered(self.answered), report)
+        v.count_missing(s.book.train_ledger.unanswered(self.answered), report)
         keep = sorted(self.taken, key=lambda r: (r.digest, r.node_id))
         if v.max_norm_ratio:
             keep = v.norm_filter(keep, report)
@@ -207,49 +204,29 @@ class TrainRound:
                 WARNING, "aggregate_train: merge failed (%s); checking replies one by one", exc
             ),
         )
-        new_arrays, extra, merged = None, {}, g is not None
-        self._log_left_out(merged)
+        close, extra = RoundClose(s, self.server_round, report), {}
+        self._log_left_out(g is not None)
         if g is not None and self.per_reply is not None:
             g, extra["staleness-scale"] = self._stale_scaled(g, checked)
-        if g is not None:
-            extra["pseudo-grad-norm"] = tensor_norm(g)
-            kept = getattr(self.fold.robust, "last_kept", None)  # the choosing rules set it
-            if kept is not None:
-                extra["robust-kept"] = len(kept)
-            try:
-                s._outer_step(g)
-                new_arrays = s._model_record()
-            except (ValueError, RuntimeError) as exc:
-                if is_out_of_memory(exc):  # not the replies' fault: fail loudly
-                    raise
-                for r in checked:
-                    v.reject(report, r.node_id, f"outer step failed, model kept: {exc}")
-                checked = []
+        kept = getattr(self.fold.robust, "last_kept", None)  # the choosing rules set it
+        if g is not None and kept is not None:
+            extra["robust-kept"] = len(kept)
+        new_arrays, checked, stepped = close.step(g, checked)
         del g
-        # central DP: a merged g is a release whether or not the step took (its norm is published)
-        s.dp.account(released=merged, sent=s._train_ledger.sent_any())
-        report.used = len(checked)
-        v.log_summary(report, self.server_round)
         if checked and self.ratio:
-            s.weight_reference = statistics.median(s._weight(r) for r in checked)
-        if not checked:
-            log(
-                WARNING,
-                "aggregate_train: no usable reply in round %d, model kept",
-                self.server_round,
-            )
-        metrics = {
-            **self._client_metrics(checked),
-            **report.as_metrics(),
-            **extra,
-            **s.dp.metrics(),
-            **(wait.as_metrics() if wait is not None else {}),
-            "spill-bytes": self.fold.spill_bytes,
-            "bytes-down": s._bytes_down,
-            "aggregation-time-s": self.busy_s + time.perf_counter() - t0,
-        }
-        if s._train_ledger.sent_any():
-            s._guard.record(self.server_round, report.used, [why for _, why in report.reasons])
+            s.weight_reference = statistics.median(s.merge_weight(r) for r in checked)
+        metrics = close.close(
+            checked,
+            {
+                **self._client_metrics(checked),
+                **extra,
+                **stepped,
+                **(wait.as_metrics() if wait is not None else {}),
+                "spill-bytes": self.fold.spill_bytes,
+                "bytes-down": s.book.bytes_down,
+                "aggregation-time-s": self.busy_s + time.perf_counter() - t0,
+            },
+        )
         return new_arrays, metric_record(metrics)
 
     def _stale_scaled(self, g: dict[str, Any], used: list[Any]) -> tuple[dict[str, Any], float]:
