@@ -12,6 +12,7 @@ import torch
 
 from flwr_isoloco.outer import OuterSGD
 from flwr_isoloco.strategies.diloco.asynchronous import AsyncRounds
+from flwr_isoloco.strategies.diloco.composition import refusal
 from flwr_isoloco.strategies.diloco.settings import Rounds
 
 __all__ = [
@@ -38,27 +39,17 @@ def resolve_rounds(rounds: Rounds, asynchronous: bool | None) -> Rounds:
 
 
 def check_composition(s: Any, fraction_evaluate: float, fraction_train: float) -> None:
-    """Refuse, with the reason, what asynchronous rounds do not compose with (module doc)."""
+    """Refuse, with the reason, what asynchronous rounds do not compose with (the sentences of
+    :mod:`.composition`)."""
     why = None
-    if getattr(s, "privacy", None) is not None:
-        why = (
-            f"{type(s.privacy).__name__}: the DP accountant composes one release per round of "
-            "a sampled cohort; an asynchronous buffer is the first K replies of whichever nodes "
-            "are fastest (a node may appear twice), so neither the sampling rate nor the "
-            "per-node count of releases it assumes holds. Use synchronous rounds with DP"
-        )
+    privacy = getattr(s, "privacy", None)
+    if privacy is not None:
+        col = "local-dp" if privacy.mode == "local" else "central-dp"
+        why = f"{type(privacy).__name__}: {refusal('asynchronous', col)}"
     elif getattr(s, "download", None) is not None:
-        why = (
-            "download= (compressed downloads) keeps one broadcast model for every node; "
-            "asynchronous nodes train from different versions. Use download=None"
-        )
+        why = refusal("asynchronous", "download")
     elif fraction_evaluate > 0:
-        why = (
-            f"fraction_evaluate={fraction_evaluate:g}: a federated evaluation message would "
-            "queue behind each node's training task and stall the run; set "
-            "fraction_evaluate=0 (strategy.fraction-evaluate=0) and evaluate on the server "
-            "with evaluate_fn, which runs after every outer step"
-        )
+        why = f"fraction_evaluate={fraction_evaluate:g}: {refusal('asynchronous', 'evaluation')}"
     elif fraction_train == 0:
         why = "fraction_train=0 trains nothing"
     if why is not None:

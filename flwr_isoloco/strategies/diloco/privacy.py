@@ -40,6 +40,7 @@ import torch
 from flwr.serverapp.exception import PrivacyBudgetExhausted  # Flower's own (its DP wrappers')
 
 from flwr_isoloco.merging.dp import CLIP_KEY, NOISE_KEY, GaussianSum
+from flwr_isoloco.strategies.diloco import composition
 from flwr_isoloco.strategies.diloco.dp_journal import DPJournal, charge_unsaved
 from flwr_isoloco.strategies.diloco.settings import DEFAULT_CLIP_LR, DEFAULT_DP_DELTA, DPSettings
 
@@ -445,13 +446,13 @@ def secagg_problems(s: Any) -> list[str]:
             "ReplyChecks.max_weight_ratio needs every weight (use weighting='uniform' or ratio 0)"
         )
     if s.upload_codec != "none":
-        out.append(f"upload={s.upload_codec!r}: SecAgg+ masks dense, quantised vectors")
+        out.append(f"upload={s.upload_codec!r}: {composition.refusal('secagg', 'upload')}")
     if s.quorum is not None or s.grace_s:
-        out.append("Rounds.quorum / grace_s: SecAgg+ has its own dropout threshold")
+        out.append(f"Rounds.quorum / grace_s: {composition.refusal('secagg', 'quorum')}")
     if getattr(s, "robust", "none") != "none":
-        out.append(f"robust={s.robust!r} needs every update (the server sees only the sum)")
+        out.append(f"robust={s.robust!r}: {composition.refusal('secagg', 'robust')}")
     if s.dp.enabled and s.dp.mode == "central":
-        out.append("central DP clips each update on the server, which cannot see them")
+        out.append(composition.refusal("secagg", "central-dp"))
     return out
 
 
