@@ -61,6 +61,7 @@ from flwr_isoloco.strategies.core.lifecycle import RoundOutcome
 from flwr_isoloco.strategies.core.metrics import metric_record, tensor_norm, train_client_metrics
 from flwr_isoloco.strategies.core.replies import MAX_MERGEABLE_NORM, CheckedReply, ReplyReport
 from flwr_isoloco.strategies.diloco.privacy import require_secagg
+from flwr_isoloco.strategies.diloco.round_close import RoundClose
 from flwr_isoloco.strategies.diloco.setup import buffer_keys
 
 if TYPE_CHECKING:
@@ -146,7 +147,11 @@ def use_secagg(strategy: DiLoCo, settings: SecAggSettings | None = None, **kw: A
     option that needs single replies, or a bad SecAgg+ parameter (``kw``: the fields of
     :class:`SecAggSettings`)."""
     if getattr(strategy, "download", None) is not None:  # the masked sum is taken against theta
-        raise ValueError("secagg: not supported with a download codec (download=)")
+        raise ValueError(  # the sentence of composition.SECAGG_DOWNLOAD
+            "secagg: not supported with a download codec (download=): SecAgg+ sends every node "
+            "the full model and sums the deltas against it, so there is no broadcast model for "
+            "a download codec to compress; use download=None with SecAgg+"
+        )
     if strategy.rounds.asynchronous:
         raise ValueError(
             "secagg: not supported with asynchronous rounds: SecAgg+ unmasks the sum of one "
@@ -372,9 +377,9 @@ class SecAggRound(LegacyStrategy):
     def _aggregate_fit(
         self, results: list[tuple[ClientProxy, FitRes]], failures: list[Any]
     ) -> None:
-        s, v, report = self.s, self.s.train_validator, ReplyReport()
+        s, report = self.s, ReplyReport()
         # Flower lists a node lost in the masked-vector stage twice: count by what came back
-        report.missing = max(0, len(s._train_ledger._sent) - len(results))
+        report.missing = max(0, s.book.train_ledger.count() - len(results))
         for f in dict.fromkeys(str(f).split("\n")[0][:300] for f in failures):
             log(WARNING, "aggregate_train (round %d): SecAgg+ lost a node: %s", self.round, f)
         replies, problems = [], []
@@ -400,8 +405,7 @@ class SecAggRound(LegacyStrategy):
         agg = self._aggregate(results[0][1].parameters) if results else None
         if isinstance(agg, str):
             problems.append((-1, f"the aggregate: {agg}"))
-        extra: dict[str, Any] = {}
-        new_arrays = None
+        close, extra, new_arrays = RoundClose(s, self.round, report), {}, None
         if problems or agg is None:
             for nid, why in problems:
                 log(
@@ -412,18 +416,12 @@ class SecAggRound(LegacyStrategy):
                     nid,
                     why,
                 )
-            for r in replies:
-                v.reject(report, r.node_id, "the round's SecAgg+ aggregate was dropped")
+            close.drop(replies, "the round's SecAgg+ aggregate was dropped")
             replies = []
         else:
-            new_arrays, extra = self._step(agg, replies, report)
-            if new_arrays is None:
-                replies = []
-        s.dp.account(released=new_arrays is not None, sent=s._train_ledger.sent_any())
-        report.used = len(replies)
-        v.log_summary(report, self.round)
+            new_arrays, replies, extra = self._step(close, agg, replies)
         metrics = {
-            # the plain round's epilogue; SecAgg+ merges with weights w_i (no further bound)
+            # SecAgg+ merges with weights w_i (no further bound)
             **train_client_metrics(
                 replies,
                 [r.weight for r in replies],
@@ -431,43 +429,36 @@ class SecAggRound(LegacyStrategy):
                 s.train_metrics_aggr_fn,
                 exclude=[CLIPPED_METRIC],
             ),
-            **report.as_metrics(),
             **extra,
-            **s.dp.metrics(),
             CLIPPED_METRIC: sum(int(r.metrics.get(CLIPPED_METRIC, 0)) for r in replies),
         }
-        self._result = (new_arrays, metrics)
-        if s._train_ledger.sent_any():
-            s._guard.record(self.round, report.used, [why for _, why in report.reasons])
+        self._result = (new_arrays, close.close(replies, metrics))
 
     def _step(
-        self, agg: Mapping[str, torch.Tensor], replies: list[CheckedReply], report: ReplyReport
-    ) -> tuple[ArrayRecord | None, dict[str, Any]]:
-        """``g = rule([agg])`` and the outer step; a failure drops the round (logged)."""
+        self, close: RoundClose, agg: Mapping[str, torch.Tensor], replies: list[CheckedReply]
+    ) -> tuple[ArrayRecord | None, list[CheckedReply], dict[str, Any]]:
+        """``g = rule([agg])``, then the round's outer step (:meth:`RoundClose.step`): the new
+        model (None: kept), the replies used and the extra metrics; a failure drops the round's
+        replies (named)."""
         s = self.s
         assert s.theta is not None
         t0 = time.perf_counter()
-        used: list[Any] = []
         try:
             aggregate = [_Aggregate(dict(agg))]
             g = s.merger.merge(
-                s.theta, aggregate, used, lambda r: 1.0, self.round, buffers=buffer_keys(s)
+                s.theta, aggregate, [], lambda r: 1.0, self.round, buffers=buffer_keys(s)
             )
-            if g is None:
-                return None, {}
-            extra = {
-                "pseudo-grad-norm": tensor_norm(g),
-                "secagg-bound": self.settings.bound([r.weight for r in replies], s.weighting),
-            }
-            s._outer_step(g)
         except (ValueError, RuntimeError) as exc:
             if is_out_of_memory(exc):  # the server's fault, not the replies': fail loudly
                 raise
-            for r in replies:
-                s.train_validator.reject(report, r.node_id, f"merge / outer step failed: {exc}")
-            return None, {}
-        extra["aggregation-time-s"] = time.perf_counter() - t0
-        return s._model_record(), extra
+            close.drop(replies, f"merge failed, model kept: {exc}")
+            return None, [], {}
+        if g is None:
+            return None, [], {}
+        bound = self.settings.bound([r.weight for r in replies], s.weighting)
+        new_arrays, used, extra = close.step(g, replies)
+        extra.update({"secagg-bound": bound, "aggregation-time-s": time.perf_counter() - t0})
+        return new_arrays, used, extra
 
     def outcome(self, grid: _CountingGrid, wall_s: float) -> tuple[ArrayRecord | None, Any]:
         """The round's new model (None: kept) and train metrics; a workflow that halted before
@@ -476,11 +467,9 @@ class SecAggRound(LegacyStrategy):
         if self._result is None:
             if self.round:  # sent, but SecAgg+ halted or failed: no aggregate reached us
                 log(WARNING, "aggregate_train: SecAgg+ halted in round %d; model kept", self.round)
-                report = ReplyReport(missing=len(s._train_ledger._sent))
-                s.train_validator.log_summary(report, self.round)
-                s.dp.account(released=False, sent=s._train_ledger.sent_any())
-                self._result = (None, {**report.as_metrics(), **s.dp.metrics()})
-                s._guard.record(self.round, 0, ["SecAgg+ halted (too few or bad replies)"])
+                close = RoundClose(s, self.round, ReplyReport(missing=s.book.train_ledger.count()))
+                halted = ["SecAgg+ halted (too few or bad replies)"]
+                self._result = (None, close.close([], {}, empty_reasons=halted))
             else:
                 return None, None
         arrays, metrics = self._result
