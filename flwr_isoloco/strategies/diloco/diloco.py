@@ -35,7 +35,6 @@ from flwr_isoloco.merging import resolve_device
 from flwr_isoloco.merging.buffers import check_buffers_spec, merged_buffers
 from flwr_isoloco.strategies.core.evaluation import aggregate_metrics, evaluation_round
 from flwr_isoloco.strategies.core.guard import EmptyRoundGuard
-from flwr_isoloco.strategies.core.ledger import SentLedger
 from flwr_isoloco.strategies.core.lifecycle import ResumableStrategy, RoundOutcome
 from flwr_isoloco.strategies.core.nodes import DEFAULT_NODE_WAIT_S, nodes_for_round
 from flwr_isoloco.strategies.core.replies import CheckedReply
@@ -55,6 +54,7 @@ from flwr_isoloco.strategies.diloco.downloads import (
     parse_broadcast,
 )
 from flwr_isoloco.strategies.diloco.privacy import StrategyDP
+from flwr_isoloco.strategies.diloco.round_close import RoundBook
 from flwr_isoloco.strategies.diloco.sections import FromRunConfig
 from flwr_isoloco.strategies.diloco.settings import (
     Codec,
@@ -170,11 +170,10 @@ class DiLoCo(FromRunConfig, SettingsViews, DiLoCoState, ResumableStrategy):
         self.merge_device = resolve_device(merge_device)  # ValueError: e.g. "cuda" without a GPU
         d = divergence
         self.set_divergence_guard(d.on_divergence, d.factor, d.key, d.collapse_factor)
-        self._guard = EmptyRoundGuard(rounds.max_empty_rounds, "aggregate_train")
+        self.book = RoundBook(EmptyRoundGuard(rounds.max_empty_rounds, "aggregate_train"))
         setup_merge(self, merge, merge_options, orthogonalize, seed, as_robust(robust))
         self.buffers = check_buffers_spec(buffers)  # float tensors the outer step does not own
         self.broadcast = None if self.download is None else new_broadcast(self.download)
-        self._bytes_down = 0
         self.fraction_train = float(fraction_train)
         self.fraction_evaluate = float(fraction_evaluate)
         self.min_train_nodes = 0 if fraction_train == 0 else min_train_nodes
@@ -190,7 +189,7 @@ class DiLoCo(FromRunConfig, SettingsViews, DiLoCoState, ResumableStrategy):
 
     def _reset_bookkeeping(self, seed: int) -> None:
         """No model, no round aggregated yet; sampling from ``seed``; empty ledgers, streams."""
-        self._train_ledger, self._eval_ledger = SentLedger(), SentLedger()
+        self.book = RoundBook(self.book.guard)  # empty ledgers; the guard's limit stays
         self._rng = random.Random(seed)
         self.theta = None  # fp32 master copy (a property: see _model_record)
         self._dtypes: dict[str, torch.dtype] = {}
@@ -225,9 +224,13 @@ class DiLoCo(FromRunConfig, SettingsViews, DiLoCoState, ResumableStrategy):
         cached = self.__dict__.get("_record")
         if cached is not None and cached[0] is self._dtypes:  # dtypes: replaced, never changed
             return cached[1]
-        record = ArrayRecord({k: v.to(self._dtypes.get(k, v.dtype)) for k, v in self.theta.items()})
+        record = self.record_of(self.theta)
         self.__dict__["_record"] = (self._dtypes, record)
         return record
+
+    def record_of(self, model: Mapping[str, torch.Tensor]) -> ArrayRecord:
+        """``model`` (fp32, as ``theta``) as a record in the model's own dtypes."""
+        return ArrayRecord({k: v.to(self._dtypes.get(k, v.dtype)) for k, v in model.items()})
 
     @property
     def completed_rounds(self) -> int:
@@ -240,7 +243,7 @@ class DiLoCo(FromRunConfig, SettingsViews, DiLoCoState, ResumableStrategy):
 
     def prepare(self, grid: Grid, initial_arrays: ArrayRecord, timeout: float) -> None:
         """Adopt ``initial_arrays``; a restored strategy keeps its ``theta`` (same keys).
-        ``timeout`` also bounds each round's wait for nodes (:meth:`_sample`)."""
+        ``timeout`` also bounds each round's wait for nodes (:meth:`sample_nodes`)."""
         self._round_timeout = timeout
         if self.theta is None:
             self._adopt(initial_arrays)
@@ -258,7 +261,7 @@ class DiLoCo(FromRunConfig, SettingsViews, DiLoCoState, ResumableStrategy):
         if self.secagg is not None:
             log(INFO, "\t└──> Secure aggregation: %s", self.secagg.describe())
 
-    def _sample(self, grid: Grid, fraction: float, min_nodes: int) -> list[int]:
+    def sample_nodes(self, grid: Grid, fraction: float, min_nodes: int) -> list[int]:
         """``k = max(floor(fraction N), min_nodes)`` of the ``N`` connected nodes, drawn with
         the seeded generator, once ``max(min_available_nodes, k)`` are connected. The wait is
         bounded by the round timeout given to ``start`` (:func:`~flwr_isoloco.strategies.core.nodes.nodes_for_round`): then
@@ -273,8 +276,11 @@ class DiLoCo(FromRunConfig, SettingsViews, DiLoCoState, ResumableStrategy):
             quorum=self.quorum,
             what="DiLoCo",
         )
-        k = min(k, len(all_nodes))
-        return self._rng.sample(all_nodes, k)
+        return self.draw(all_nodes, k)
+
+    def draw(self, nodes: list[int], k: int) -> list[int]:
+        """``min(k, len(nodes))`` of ``nodes``, drawn with the strategy's seeded generator."""
+        return self._rng.sample(nodes, min(k, len(nodes)))
 
     def _messages(
         self, arrays: ArrayRecord, config: ConfigRecord, nodes: list[int], mtype: str
@@ -282,7 +288,7 @@ class DiLoCo(FromRunConfig, SettingsViews, DiLoCoState, ResumableStrategy):
         if self.broadcast is not None:  # per node: the update, nothing or the full B
             return broadcast_messages(self, config, nodes, mtype)
         record = RecordDict({self.arrayrecord_key: arrays, self.configrecord_key: config})
-        self._bytes_down = payload_nbytes(arrays) * len(nodes)
+        self.book.bytes_down = payload_nbytes(arrays) * len(nodes)
         return [Message(content=record, message_type=mtype, dst_node_id=n) for n in nodes]
 
     @property
@@ -304,7 +310,7 @@ class DiLoCo(FromRunConfig, SettingsViews, DiLoCoState, ResumableStrategy):
         if self.theta is None:
             self._adopt(arrays)
         self.dp.before_round(self.server_round + 1)  # PrivacyBudgetExhausted before sending
-        nodes = self._sample(grid, self.fraction_train, self.min_train_nodes)
+        nodes = self.sample_nodes(grid, self.fraction_train, self.min_train_nodes)
         log(INFO, "configure_train: sampled %d nodes", len(nodes))
         config["server-round"] = self.server_round + 1
         for k, v in {**self.codec_request, **self.dp.request()}.items():
@@ -313,7 +319,8 @@ class DiLoCo(FromRunConfig, SettingsViews, DiLoCoState, ResumableStrategy):
         if self.broadcast is not None:
             self.broadcast.advance(self.theta, self._dtypes)
         record = self._model_record() if self.broadcast is None else ArrayRecord()
-        return self._train_ledger.remember(self._messages(record, config, nodes, MessageType.TRAIN))
+        msgs = self._messages(record, config, nodes, MessageType.TRAIN)
+        return self.book.train_ledger.remember(msgs)
 
     def configure_evaluate(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
@@ -323,15 +330,15 @@ class DiLoCo(FromRunConfig, SettingsViews, DiLoCoState, ResumableStrategy):
             return []
         if self.theta is None:
             self._adopt(arrays)
-        nodes = self._sample(grid, self.fraction_evaluate, self.min_evaluate_nodes)
+        nodes = self.sample_nodes(grid, self.fraction_evaluate, self.min_evaluate_nodes)
         config["server-round"] = self.server_round
         if self.broadcast is not None and self.broadcast.base is None:
             self.broadcast.advance(self.theta, self._dtypes)
-        saved = self._bytes_down  # bytes-down reports the train messages
+        saved = self.book.bytes_down  # bytes-down reports the train messages
         record = self._model_record() if self.broadcast is None else ArrayRecord()
         msgs = self._messages(record, config, nodes, MessageType.EVALUATE)
-        self._bytes_down = saved
-        return self._eval_ledger.remember(msgs)
+        self.book.bytes_down = saved
+        return self.book.eval_ledger.remember(msgs)
 
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]
@@ -420,7 +427,7 @@ class DiLoCo(FromRunConfig, SettingsViews, DiLoCoState, ResumableStrategy):
         if self.broadcast is not None:
             replies = [note_download(self, m) for m in replies]
         return aggregate_metrics(
-            self.eval_validator, replies, self._eval_ledger, self.evaluate_metrics_aggr_fn
+            self.eval_validator, replies, self.book.eval_ledger, self.evaluate_metrics_aggr_fn
         )
 
     # ------------------------------------------------------------------ checkpoint extras
@@ -477,10 +484,10 @@ class DiLoCo(FromRunConfig, SettingsViews, DiLoCoState, ResumableStrategy):
         self.weight_reference = None if ref is None else float(ref)
 
     # ------------------------------------------------------------------ maths glue
-    def _weight(self, reply: CheckedReply) -> float:
+    def merge_weight(self, reply: CheckedReply) -> float:
         return 1.0 if self.effective_weighting == "uniform" else reply.weight
 
-    def _outer_step(self, g: Mapping[str, torch.Tensor]) -> None:
+    def outer_step(self, g: Mapping[str, torch.Tensor]) -> None:
         """``theta <- theta - lr u`` (OuterSGD; ``u`` orthogonalised with "update") for the
         parameters; ``theta_b <- base_b - g_b`` (the nodes' weighted mean, variances clamped at
         0: :func:`~flwr_isoloco.merging.buffers.merged_buffers`) for the buffers."""
