@@ -770,10 +770,6 @@ EXTRA = {  # a second guarantee met in the same cell: (collector, guarantee, wit
     ("synchronous", "evaluation", "download"): lambda: check_evaluation_download(),
 }
 PENDING: dict[tuple[str, str, str], str] = {
-    ("secagg", "late", ""): (
-        "a node lost at SecAgg+'s masked-vector stage is counted missing but not named "
-        "(secagg.py is being reworked; the fix names the sent nodes absent from the results)"
-    ),
     ("synchronous", "restart", "download"): (
         "being fixed: a node that lost its copy of B refuses the update and is merged only "
         "the round after (the full model within the round is not wired yet)"

@@ -378,8 +378,11 @@ class SecAggRound(LegacyStrategy):
         self, results: list[tuple[ClientProxy, FitRes]], failures: list[Any]
     ) -> None:
         s, report = self.s, ReplyReport()
-        # Flower lists a node lost in the masked-vector stage twice: count by what came back
-        report.missing = max(0, s.book.train_ledger.count() - len(results))
+        # Flower lists a node lost in the masked-vector stage twice: count by what came back,
+        # and name each node sent the round whose masked vector did not (a straggler, a death)
+        back = {self._node(proxy) for proxy, _ in results}
+        lost = [m.dst_node_id for m in s.book.train_ledger.sent() if m.dst_node_id not in back]
+        s.train_validator.count_missing(lost, report)
         for f in dict.fromkeys(str(f).split("\n")[0][:300] for f in failures):
             log(WARNING, "aggregate_train (round %d): SecAgg+ lost a node: %s", self.round, f)
         replies, problems = [], []
