@@ -506,13 +506,17 @@ def check_resume(row: str, tmp_path) -> None:
         if rnd == 2:
             saved["state"], saved["np"] = _through_file(s, tmp_path), np.random.get_state()
 
-    np.random.seed(SEED)
-    s = _strategy(row, **kw)
-    _, _, whole = _run(row, s, Nodes().handlers(), 4, after=after)
-    again = _strategy(row, **kw)
-    again.load_state_dict(saved["state"], reference=init_model())
-    np.random.set_state(saved["np"])
-    res, _, rest = _run(row, again, Nodes().handlers(), 4)
+    outside = np.random.get_state()
+    try:
+        np.random.seed(SEED)
+        s = _strategy(row, **kw)
+        _, _, whole = _run(row, s, Nodes().handlers(), 4, after=after)
+        again = _strategy(row, **kw)
+        again.load_state_dict(saved["state"], reference=init_model())
+        np.random.set_state(saved["np"])
+        res, _, rest = _run(row, again, Nodes().handlers(), 4)
+    finally:
+        np.random.set_state(outside)
     assert sorted(res.train_metrics_clientapp) == [3, 4]
     assert _same(rest[4], whole[4])
 
