@@ -229,8 +229,18 @@ def test_bad_dp_arguments_are_refused():
     with pytest.raises(ValueError, match="delta"):
         DiLoCo(privacy=CentralDP(noise_multiplier=1.0, clipping_norm=1.0, delta=1.0))
     assert (
-        DiLoCo(privacy=CentralDP(clipping_norm=1.0)).weighting == "uniform"
+        DiLoCo(privacy=CentralDP(clipping_norm=1.0)).effective_weighting == "uniform"
     )  # DP's weights are w_i = 1
+
+
+def test_the_dp_check_reads_the_configuration_and_never_rewrites_it():
+    """Central DP merges with w_i = 1 whatever ``checks`` say: the strategy's weighting in
+    force is uniform, its ``checks`` stay the object the user passed, unchanged."""
+    checks = ReplyChecks(weighting="examples")
+    s = DiLoCo(checks=checks, privacy=CentralDP(clipping_norm=1.0))
+    assert s.checks is checks and s.checks.weighting == "examples"
+    assert s.effective_weighting == "uniform" and s.max_weight_ratio == 0.0
+    assert "weighting='examples' ignored" in s.dp.describe()
 
 
 def test_run_config_keys_build_the_mechanism():

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import math
 import secrets
-from dataclasses import replace
 from typing import Any, NamedTuple
 
 import torch
@@ -197,11 +196,10 @@ class StrategyDP:
                 "central DP refuses max_norm_ratio: whether a reply is kept would depend on the "
                 "other sites' norms (clipping to clipping_norm already bounds every update)"
             )
-        # Said once, in the strategy summary (describe()): not per construction, since every
-        # ClientApp rebuilds the strategy from the run config.
-        self.uniform_forced = s.weighting == "examples"
-        s.weighting = "uniform"
-        s.checks = replace(s.checks, weighting="uniform")  # what the strategy says it does
+        # A check reads, never writes: the strategy's weighting in force is uniform under central
+        # DP (its effective_weighting). Said once, in the strategy summary (describe()), not per
+        # construction, since every ClientApp rebuilds the strategy from the run config.
+        self.uniform_forced = s.checks.weighting == "examples"
 
     def epsilon(self) -> float:
         """Epsilon spent so far at ``delta`` (0 before any release, inf without noise)."""
