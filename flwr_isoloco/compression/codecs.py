@@ -36,13 +36,14 @@ def topk_count(n: int, fraction: float) -> int:
     return min(n, max(1, round(fraction * n)))
 
 
-def _blocks(x: torch.Tensor, block_size: int) -> torch.Tensor:
+def blocks(x: torch.Tensor, block_size: int) -> torch.Tensor:
+    """``x`` flattened, zero-padded to whole blocks, as ``(n_blocks, block_size)``."""
     nb = n_blocks(x.numel(), block_size)
     pad = nb * block_size - x.numel()
     return torch.nn.functional.pad(x, (0, pad)).view(nb, block_size)
 
 
-def _scales(xb: torch.Tensor, top: float) -> tuple[torch.Tensor, torch.Tensor]:
+def block_scales(xb: torch.Tensor, top: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-block scales ``max|x_b| / top`` and a divisor safe for all-zero blocks."""
     scale = xb.abs().amax(dim=1) / top
     return scale, torch.where(scale > 0, scale, torch.ones_like(scale))
@@ -50,8 +51,8 @@ def _scales(xb: torch.Tensor, top: float) -> tuple[torch.Tensor, torch.Tensor]:
 
 def encode_int8(x: torch.Tensor, block_size: int) -> dict[str, torch.Tensor]:
     """Symmetric int8 with one fp32 scale per block: parts ``q`` (int8, n), ``s`` (fp32)."""
-    xb = _blocks(x, block_size)
-    scale, safe = _scales(xb, INT8_MAX)
+    xb = blocks(x, block_size)
+    scale, safe = block_scales(xb, INT8_MAX)
     q = torch.round(xb / safe[:, None]).clamp_(-INT8_MAX, INT8_MAX).to(torch.int8)
     return {"q": q.reshape(-1)[: x.numel()].contiguous(), "s": scale.contiguous()}
 
@@ -65,8 +66,8 @@ def decode_int8(q: torch.Tensor, s: torch.Tensor, block_size: int) -> torch.Tens
 
 def encode_fp8(x: torch.Tensor, block_size: int) -> dict[str, torch.Tensor]:
     """float8 e4m3 of ``x / s_b`` carried as its uint8 bit pattern: parts ``q``, ``s``."""
-    xb = _blocks(x, block_size)
-    scale, safe = _scales(xb, FP8_MAX)
+    xb = blocks(x, block_size)
+    scale, safe = block_scales(xb, FP8_MAX)
     y = (xb / safe[:, None]).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     return {"q": y.view(torch.uint8).reshape(-1)[: x.numel()].contiguous(), "s": scale}
 
@@ -150,6 +151,8 @@ __all__ = [
     "FP8_MAX",
     "INT8_MAX",
     "n_blocks",
+    "blocks",
+    "block_scales",
     "topk_count",
     "encode_int8",
     "decode_int8",

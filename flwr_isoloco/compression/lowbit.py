@@ -213,8 +213,8 @@ def sparseloco_bytes(shape: tuple[int, ...], o) -> int:
 
 def encode_int4(x: torch.Tensor, block_size: int) -> dict[str, torch.Tensor]:
     """Parts ``q`` (uint8, two nibbles ``q + 8`` per byte, ceil(n/2)) and ``s`` (fp32)."""
-    xb = C._blocks(x, block_size)
-    scale, safe = C._scales(xb, INT4_MAX)
+    xb = C.blocks(x, block_size)
+    scale, safe = C.block_scales(xb, INT4_MAX)
     q = torch.round(xb / safe[:, None]).clamp_(-INT4_MAX, INT4_MAX).to(torch.int64) + 8
     return {"q": pack_bits(q.reshape(-1)[: x.numel()], 4), "s": scale.contiguous()}
 
