@@ -60,6 +60,7 @@ from flwr_isoloco.secagg_mod import (
 from flwr_isoloco.strategies.core.lifecycle import RoundOutcome
 from flwr_isoloco.strategies.core.metrics import metric_record, tensor_norm, train_client_metrics
 from flwr_isoloco.strategies.core.replies import MAX_MERGEABLE_NORM, CheckedReply, ReplyReport
+from flwr_isoloco.strategies.diloco.composition import refusal
 from flwr_isoloco.strategies.diloco.privacy import require_secagg
 from flwr_isoloco.strategies.diloco.round_close import RoundClose
 from flwr_isoloco.strategies.diloco.setup import buffer_keys
@@ -153,12 +154,8 @@ def use_secagg(strategy: DiLoCo, settings: SecAggSettings | None = None, **kw: A
             "a download codec to compress; use download=None with SecAgg+"
         )
     if strategy.rounds.asynchronous:
-        raise ValueError(
-            "secagg: not supported with asynchronous rounds: SecAgg+ unmasks the sum of one "
-            "cohort that exchanged keys in the same round, while an asynchronous outer step "
-            "takes the first K replies of nodes that each trained from their own model version; "
-            "use synchronous rounds (Rounds(asynchronous=False)) with secure aggregation"
-        )
+        why = refusal("asynchronous", "secagg")
+        raise ValueError(f"secagg: not supported with asynchronous rounds: {why}")
     require_secagg(strategy)
     settings = settings if settings is not None else SecAggSettings(**kw)
     settings.check()
