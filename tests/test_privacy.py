@@ -241,6 +241,8 @@ def test_the_dp_check_reads_the_configuration_and_never_rewrites_it():
     assert s.checks is checks and s.checks.weighting == "examples"
     assert s.effective_weighting == "uniform" and s.max_weight_ratio == 0.0
     assert "weighting='examples' ignored" in s.dp.describe()
+    with pytest.raises(ValueError, match="central DP refuses ReplyChecks.max_weight_ratio=3"):
+        DiLoCo(checks=ReplyChecks(max_weight_ratio=3), privacy=CentralDP(clipping_norm=1.0))
 
 
 def test_run_config_keys_build_the_mechanism():

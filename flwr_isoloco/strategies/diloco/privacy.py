@@ -196,6 +196,13 @@ class StrategyDP:
                 "central DP refuses max_norm_ratio: whether a reply is kept would depend on the "
                 "other sites' norms (clipping to clipping_norm already bounds every update)"
             )
+        r = s.checks.max_weight_ratio
+        if r not in ("auto", None, 0):
+            raise ValueError(
+                f"central DP refuses ReplyChecks.max_weight_ratio={r!r}: its noise is sized for "
+                "weights w_i = 1, so every reply weighs 1 and the bound would clip nothing; "
+                "leave max_weight_ratio out (or 0) with central DP"
+            )
         # A check reads, never writes: the strategy's weighting in force is uniform under central
         # DP (its effective_weighting). Said once, in the strategy summary (describe()), not per
         # construction, since every ClientApp rebuilds the strategy from the run config.
