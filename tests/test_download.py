@@ -8,6 +8,7 @@ import torch
 from fakegrid import FakeGrid
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
+from outer_reference import assert_close, sync_rounds
 
 from flwr_isoloco.clients import download_mod, make_download_mod
 from flwr_isoloco.clients.download import STATE_ARRAYS, STATE_CONFIG
@@ -104,12 +105,22 @@ def test_int8_download_sends_fewer_bytes_and_nodes_train_from_b():
     assert max(float((final[k] - ref[k]).abs().max()) for k in ref) < 0.05
 
 
-def test_default_none_is_unchanged():
-    _, a, _ = run(None)
-    _, b, _ = run("none")
-    for k, v in a.arrays.to_torch_state_dict().items():
-        assert torch.equal(v, b.arrays.to_torch_state_dict()[k])
-    assert a.train_metrics_clientapp[1]["bytes-down"] == b.train_metrics_clientapp[1]["bytes-down"]
+@pytest.mark.parametrize("download", [None, "none"])
+def test_default_none_is_unchanged(download):
+    """No download codec: every round sends both nodes the fp32 model, 2 x 4 x (32 x 64 + 64)
+    bytes (hand-computed from the shapes), and the run is plain DiLoCo: its model is
+    :func:`outer_reference.sync_rounds` (fp64) of train_fn's step (10 % towards pid + 1, equal
+    weights) with DiLoCo's default Nesterov, lr 0.7, mu 0.9, over 3 rounds."""
+    s, res, _ = run(download)
+    assert s.broadcast is None
+    for rnd in (1, 2, 3):
+        assert res.train_metrics_clientapp[rnd]["bytes-down"] == 2 * 4 * (32 * 64 + 64)
+
+    def local(theta, pid, _rnd):
+        return {k: v + 0.1 * (float(pid + 1) - v) for k, v in theta.items()}
+
+    want = sync_rounds(theta0(), local, 3, [10, 10], lr=0.7, momentum=0.9, nesterov=True)
+    assert_close(res.arrays.to_torch_state_dict(), want)
 
 
 def test_nodes_that_skip_rounds_train_from_the_broadcast_model():
