@@ -773,16 +773,7 @@ EXTRA = {  # a second guarantee met in the same cell: (collector, guarantee, wit
     ("synchronous", "restart", "download"): lambda: check_restart_download(),
     ("synchronous", "evaluation", "download"): lambda: check_evaluation_download(),
 }
-PENDING: dict[tuple[str, str, str], str] = {
-    ("synchronous", "restart", "download"): (
-        "being fixed: a node that lost its copy of B refuses the update and is merged only "
-        "the round after (the full model within the round is not wired yet)"
-    ),
-    ("synchronous", "evaluation", "download"): (
-        "being fixed: federated evaluation under a download codec measures B from before "
-        "the round's step (one round behind)"
-    ),
-}
+PENDING: dict[tuple[str, str, str], str] = {}
 """Checks (``(collector, guarantee, "")`` for a cell's own) whose fix has not landed yet:
 strict xfail, with the reason."""
 

@@ -6,14 +6,21 @@ from __future__ import annotations
 import pytest
 import torch
 from fakegrid import FakeGrid
-from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, Context, Error, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 from outer_reference import assert_close, sync_rounds
 
 from flwr_isoloco.clients import download_mod, make_download_mod
 from flwr_isoloco.clients.download import STATE_ARRAYS, STATE_CONFIG
-from flwr_isoloco.compression import payload_nbytes
-from flwr_isoloco.compression.broadcast import BASE_KEY, DIGEST_KEY, model_digest, reply_digest
+from flwr_isoloco.compression import compress, payload_nbytes
+from flwr_isoloco.compression.broadcast import (
+    BASE_KEY,
+    DIGEST_KEY,
+    NEEDS_FULL,
+    NEEDS_FULL_CODE,
+    model_digest,
+    reply_digest,
+)
 from flwr_isoloco.strategies import Codec, DiLoCo
 
 TRAINED_ON: dict[tuple[int, int], str] = {}  # (node, round) -> digest of the arrays it got
@@ -138,33 +145,54 @@ def test_nodes_that_skip_rounds_train_from_the_broadcast_model():
     assert len({pid for pid, _ in TRAINED_ON}) >= 3  # some nodes skipped rounds and came back
 
 
-def test_deleted_state_gets_the_full_model():
+def test_a_restarted_node_trains_that_round_from_the_full_model():
+    """Both nodes restart after round 2 (their context.state is gone) while the server, untouched,
+    takes them to hold round 2's B and sends the update: each refuses it asking for the full B,
+    gets it within round 3 and trains from it. Each trained from the very B (digest) the nodes of
+    an uninterrupted run rebuilt from the updates, so round 3 ends bitwise where that run's does;
+    bytes down: the int8 update plus the fp32 model per node (counted on records built here)."""
+    _, whole, _ = run("int8", rounds=3)
+    whole_b3 = {k: d for k, d in TRAINED_ON.items() if k[1] == 3}
     s, _, grid = run("int8", rounds=2)
-    for ctx in grid.contexts.values():  # every node loses its stored copy
-        del ctx.state[STATE_ARRAYS]
-        del ctx.state[STATE_CONFIG]
-    s.broadcast.held.clear()  # as a restarted node's missing reply digest would
+    for ctx in grid.contexts.values():
+        ctx.state = RecordDict()  # a restart: nothing the node kept survives
     TRAINED_ON.clear()
     res = s.start(grid=grid, initial_arrays=ArrayRecord(theta0()), num_rounds=s.server_round + 1)
     (m,) = res.train_metrics_clientapp.values()  # round 3 (the count continues)
-    assert m["replies-used"] == 2 and m["bytes-down"] == 2 * payload_nbytes(ArrayRecord(theta0()))
-    assert set(TRAINED_ON.values()) == {s.broadcast.digest}
+    assert (m["replies-used"], m["replies-rejected"]) == (2, 0)
+    assert TRAINED_ON == whole_b3 and len(whole_b3) == 2
+    update = payload_nbytes(compress({k: torch.zeros_like(v) for k, v in theta0().items()}, "int8"))
+    assert m["bytes-down"] == 2 * (update + 4 * (32 * 64 + 64))
+    a, b = res.arrays.to_torch_state_dict(), whole.arrays.to_torch_state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_node_refuses_an_update_for_a_base_it_does_not_hold():
+def test_a_node_holding_another_copy_gets_the_full_model_within_the_round():
+    """A node whose stored copy is of another version refuses round 3's update (its handler
+    does not run on it) and asks for the full B: it gets it within the round and trains from the
+    server's B. A node that asks every time is answered once a round (3 full models down in
+    round 1: 2 sent, 1 resent), then its refusal is dropped and named; the round goes on."""
+    digests = {}
     s, _, grid = run("int8", rounds=2)
+    record_digests(s, digests)
     ctx = next(iter(grid.contexts.values()))
     ctx.state[STATE_CONFIG] = ConfigRecord({"held": "0" * 64})  # a copy of another version
     TRAINED_ON.clear()
     res = s.start(grid=grid, initial_arrays=ArrayRecord(theta0()), num_rounds=s.server_round + 1)
     (m,) = res.train_metrics_clientapp.values()
-    assert (m["replies-used"], m["replies-rejected"]) == (1, 1)
-    assert len(TRAINED_ON) == 1  # the refusing node never ran its handler
-    # next round it reported nothing: it gets the full B and trains again
-    TRAINED_ON.clear()
-    res = s.start(grid=grid, initial_arrays=ArrayRecord(theta0()), num_rounds=s.server_round + 1)
-    (m,) = res.train_metrics_clientapp.values()
-    assert m["replies-used"] == 2
+    assert (m["replies-used"], m["replies-rejected"]) == (2, 0)
+    assert len(TRAINED_ON) == 2 and set(TRAINED_ON.values()) == {digests[3]}
+
+    def asks_always(msg: Message, context: Context, call_next) -> Message:
+        if int(context.node_config["partition-id"]) == 1:
+            return Message(Error(NEEDS_FULL_CODE, f"{NEEDS_FULL} (every time)"), reply_to=msg)
+        return call_next(msg, context)
+
+    _, res, _ = run("int8", rounds=2, grid=FakeGrid(make_app([asks_always, download_mod]), 2))
+    for r in (1, 2):
+        m = res.train_metrics_clientapp[r]
+        assert (m["replies-used"], m["replies-rejected"]) == (1, 1)
+    assert res.train_metrics_clientapp[1]["bytes-down"] == 3 * payload_nbytes(ArrayRecord(theta0()))
 
 
 def test_mod_refuses_directly():
@@ -183,17 +211,24 @@ def test_mod_refuses_directly():
 
 
 def test_evaluation_uses_the_same_path():
-    """Evaluation after training: nodes holding B get an empty record and evaluate B; the
-    reported loss is B's."""
+    """Evaluation after round 2: B takes its step towards round 2's theta, so the nodes (holding
+    the B they trained from) get the int8 update (the evaluation's bytes-down, counted on a
+    record built here), rebuild and evaluate that B: the reported loss is its loss. Round 3's
+    training then sends no arrays: the nodes hold its B already."""
     s, res, grid = run("int8", rounds=2, nodes=2)
     assert res.evaluate_metrics_clientapp == {}  # fraction_evaluate 0 in run(); now evaluate
     s.fraction_evaluate, s.min_evaluate_nodes = 1.0, 2
+    before = s.broadcast.digest
     msgs = list(s.configure_evaluate(2, ArrayRecord(), ConfigRecord({}), grid))
-    assert all(len(m.content["arrays"]) == 0 for m in msgs)  # both hold the current B
-    replies = grid.send_and_receive(msgs)
-    agg = s.aggregate_evaluate(2, replies)
+    update = payload_nbytes(compress({k: torch.zeros_like(v) for k, v in theta0().items()}, "int8"))
+    assert [payload_nbytes(m.content["arrays"]) for m in msgs] == [update, update]
+    assert s.broadcast.digest != before
+    agg = s.aggregate_evaluate(2, grid.send_and_receive(msgs))
     b = s.broadcast.base
     assert agg["loss"] == pytest.approx(float(sum(v.float().pow(2).mean() for v in b.values())))
+    assert agg["bytes-down"] == 2 * update
+    msgs = list(s.configure_train(3, ArrayRecord(), ConfigRecord({}), grid))
+    assert [len(m.content["arrays"]) for m in msgs] == [0, 0]
 
 
 def test_resume_keeps_b_and_residual_bitwise(tmp_path):
@@ -302,7 +337,8 @@ def test_none_sends_one_shared_record_and_deltas_against_theta():
 
 def test_hostile_digests_and_corrupt_copies():
     """A reply's 'held' that is not a 64-char string counts as none (full B next time); a
-    stored copy changed behind its digest, or an update that does not decode, is refused."""
+    stored copy changed behind its digest is refused (the full B follows within the round), an
+    update that does not decode too."""
     s, _, grid = run("int8", rounds=2)
     nodes = list(grid.contexts)
     for held in (123, "x" * 10, ["a"]):
@@ -314,7 +350,8 @@ def test_hostile_digests_and_corrupt_copies():
     TRAINED_ON.clear()
     res = s.start(grid=grid, initial_arrays=ArrayRecord(theta0()), num_rounds=s.server_round + 1)
     (m,) = res.train_metrics_clientapp.values()
-    assert (m["replies-used"], m["replies-rejected"]) == (1, 1) and len(TRAINED_ON) == 1
+    assert (m["replies-used"], m["replies-rejected"]) == (2, 0) and len(TRAINED_ON) == 2
+    assert len(set(TRAINED_ON.values())) == 1  # the full B resent: the corrupt copy replaced
     held = grid.contexts[nodes[1]].state[STATE_CONFIG]["held"]
     cfg = ConfigRecord({DIGEST_KEY: "c" * 64, BASE_KEY: held, "server-round": 9})
     junk = ArrayRecord({"w": torch.zeros(3)})  # no codec header: does not decode
@@ -351,74 +388,6 @@ def test_broadcast_gap_is_the_residual_and_closes_on_a_still_model(codec):
     assert gaps[-1] < (0.3 if codec == "sparseloco" else 1e-3)
 
 
-def test_upload_mod_compresses_a_plain_handlers_reply_with_error_feedback():
-    """[download_mod, upload_mod] around the unchanged FedAvg-style handler: the reply is the
-    int8 delta theta - theta_i, decoded within half an int8 step of the true delta, its residual
-    kept in context.state; upload bytes 3.3x below fp32 (2,112 entries: the header weighs); the
-    model moves as with uncompressed replies, to int8 accuracy."""
-    from flwr_isoloco.clients import upload_mod
-    from flwr_isoloco.clients.worker_reply import RESIDUAL_STATE_KEY
-    from flwr_isoloco.compression.record import decompress
-
-    app = make_app([download_mod, upload_mod])  # the very same handlers
-    s, res, grid = run("int8", rounds=3, upload="int8", grid=FakeGrid(app, num_nodes=2))
-    _, ref, _ = run("int8", rounds=3)
-    up = [m["bytes-up"] for m in res.train_metrics_clientapp.values()]
-    up_ref = [m["bytes-up"] for m in ref.train_metrics_clientapp.values()]
-    assert all(u < r / 3 for u, r in zip(up, up_ref, strict=True))  # 5,110 vs 16,896 B
-    assert all(m["replies-used"] == 2 for m in res.train_metrics_clientapp.values())
-    for ctx in grid.contexts.values():
-        assert RESIDUAL_STATE_KEY in ctx.state.array_records
-    a, b = res.arrays.to_torch_state_dict(), ref.arrays.to_torch_state_dict()
-    assert max(float((a[k] - b[k]).abs().max()) for k in a) < 0.05
-    # one reply by hand: the delta decodes to within half an int8 step of theta - theta_i
-    msg = Message(
-        RecordDict(
-            {
-                "arrays": ArrayRecord(theta0()),
-                "config": ConfigRecord({"upload-codec": "int8", "server-round": 1}),
-            }
-        ),
-        dst_node_id=1,
-        message_type="train",
-    )
-    ctx = Context(
-        run_id=1, node_id=1, node_config={"partition-id": 0}, state=RecordDict(), run_config={}
-    )
-    reply = app(msg, ctx)
-    got = decompress(reply.content["arrays"])
-    for k, v in theta0().items():
-        true = v - (v + 0.1 * (1.0 - v))
-        step = float(true.abs().max()) / 127
-        assert float((got[k] - true).abs().max()) <= step / 2 + 1e-6
-
-
-def test_upload_mod_passes_through_what_it_need_not_touch():
-    """No codec asked: the reply is the handler's own (full weights, no residual); a bad codec
-    option is refused with an error reply naming it, the handler never runs."""
-    from flwr_isoloco.clients import upload_mod
-
-    app = make_app([upload_mod])
-    base = {"arrays": ArrayRecord(theta0())}
-    ctx = Context(
-        run_id=1, node_id=1, node_config={"partition-id": 0}, state=RecordDict(), run_config={}
-    )
-    msg = Message(
-        RecordDict({**base, "config": ConfigRecord({"server-round": 1})}),
-        dst_node_id=1,
-        message_type="train",
-    )
-    reply = app(msg, ctx)
-    assert not reply.has_error() and "config" not in reply.content.config_records
-    assert len(ctx.state.array_records) == 0
-    TRAINED_ON.clear()
-    bad = ConfigRecord({"upload-codec": "int8", "codec-block-size": -3, "server-round": 1})
-    msg = Message(RecordDict({**base, "config": bad}), dst_node_id=1, message_type="train")
-    reply = app(msg, ctx)
-    assert reply.has_error() and "upload_mod refused" in reply.error.reason
-    assert not TRAINED_ON
-
-
 def test_nodes_that_build_the_initial_model_get_no_arrays_in_round_1():
     """Codec(nodes_hold_initial=True) + make_download_mod(initial=theta0): round 1 sends no
     arrays (only digests) and rounds 2+ the same updates as without it; every node trained on
@@ -442,9 +411,11 @@ def test_nodes_that_build_the_initial_model_get_no_arrays_in_round_1():
     assert all(torch.equal(a[k], b[k]) for k in a)  # the same training, fewer bytes
 
 
-def test_a_node_whose_own_initial_model_differs_refuses_then_gets_the_full_model():
-    """One node builds another initial model: it refuses round 1 (named, nothing trained on
-    it) and gets the full B in round 2; a plain download_mod refuses the same way."""
+def test_a_node_whose_own_initial_model_differs_gets_the_full_model_in_round_1():
+    """One node builds another initial model: it refuses round 1's empty update (its handler
+    never runs on its own build) and gets the full B within round 1, as both nodes of a plain
+    download_mod (no ``initial``: they hold nothing) do; round 1's bytes down are the full
+    models resent, and every node trained from the server's B."""
 
     def initial(ctx):
         t = theta0()
@@ -452,21 +423,24 @@ def test_a_node_whose_own_initial_model_differs_refuses_then_gets_the_full_model
             t["b"] = t["b"] + 1.0
         return t
 
-    for mod in (make_download_mod(initial=initial), download_mod):
+    full = payload_nbytes(ArrayRecord(theta0()))
+    for mod, resent in ((make_download_mod(initial=initial), 1), (download_mod, 2)):
         TRAINED_ON.clear()
+        digests = {}
         s = DiLoCo(
             min_available_nodes=2,
             min_train_nodes=1,
             fraction_evaluate=0.0,
             download=Codec("int8", nodes_hold_initial=True),
         )
+        record_digests(s, digests)
         grid = FakeGrid(make_app([mod]), num_nodes=2)
         res = s.start(grid=grid, initial_arrays=ArrayRecord(theta0()), num_rounds=2)
         r1, r2 = res.train_metrics_clientapp[1], res.train_metrics_clientapp[2]
-        used = 1 if mod is not download_mod else 0
-        assert (r1["replies-used"], r1["replies-rejected"]) == (used, 2 - used)
-        assert r2["replies-used"] == 2 and r2["bytes-down"] >= payload_nbytes(ArrayRecord(theta0()))
-        assert (1, 1) not in TRAINED_ON and (1, 2) in TRAINED_ON
+        assert (r1["replies-used"], r1["replies-rejected"]) == (2, 0)
+        assert r1["bytes-down"] == resent * full
+        assert r2["replies-used"] == 2
+        assert len(TRAINED_ON) == 4 and all(d == digests[r] for (_, r), d in TRAINED_ON.items())
 
 
 def test_nodes_hold_initial_is_for_downloads_only():

@@ -8,7 +8,10 @@ strategy named it (``configrecord_key``); a message where none does passes throu
 one where several do is refused (the mod cannot tell which one the server wrote).
 
 Refusals (an error reply, the handler never runs): an update whose base digest is not the
-stored copy's, a result whose digest is not the announced one, an undecodable update.
+stored copy's (none after a restart), a stored copy that no longer matches its digest, an
+undecodable update, a result whose digest is not the announced one. A refusal of an update
+says which copy the node holds and asks for the full model (``NEEDS_FULL_CODE``, reason
+``NEEDS_FULL ...``): the strategy sends it within the same round.
 
 ``make_download_mod(initial=fn)``: for a strategy whose download codec has
 ``nodes_hold_initial=True`` (round 1 sends no arrays), ``fn(context)`` builds the initial model
@@ -24,13 +27,15 @@ from logging import WARNING
 
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Error, Message
-from flwr.common.logger import log
 from flwr.clientapp.typing import ClientAppCallable
+from flwr.common.logger import log
 
 from flwr_isoloco.compression.broadcast import (
     BASE_KEY,
     DIGEST_KEY,
     HELD_KEY,
+    NEEDS_FULL,
+    NEEDS_FULL_CODE,
     REPLY_RECORD,
     apply_update,
     model_digest,
@@ -66,6 +71,14 @@ def _refuse(msg: Message, why: str) -> Message:
     return Message(Error(REFUSED_CODE, f"download_mod refused: {why}"), reply_to=msg)
 
 
+def _ask_full(msg: Message, context: Context, why: str) -> Message:
+    """Refuse an update and ask for the full model (broadcast.py: ``asks_for_full``)."""
+    held = stored_digest(context)[:12] or "none"
+    reason = f"{NEEDS_FULL} (refused: {why}; this node holds {held})"
+    log(WARNING, "%s", reason)
+    return Message(Error(NEEDS_FULL_CODE, reason), reply_to=msg)
+
+
 def config_carrying(msg: Message, key: str) -> ConfigRecord | str | None:
     """The ConfigRecord of ``msg`` that holds ``key``, whatever its name (a strategy's
     ``configrecord_key`` need not be ``"config"``); None when none holds it, the reason (str)
@@ -87,9 +100,7 @@ def _held(context: Context, base: str, initial: Initial | None):
             return f"this node's own initial model is {got[:12]}, the server's {base[:12]}"
         return built
     if stored_digest(context) != base or not stored:
-        return (
-            f"update for base {base[:12]}, this node holds {stored_digest(context)[:12] or 'none'}"
-        )
+        return f"an update for base {base[:12]}, not the copy this node holds"
     held = context.state.array_records[STATE_ARRAYS].to_torch_state_dict()
     if model_digest(held) != base:  # the stored copy itself was changed or corrupted
         return "the stored copy does not match its digest"
@@ -152,10 +163,10 @@ def _download(msg: Message, context: Context, call_next: ClientAppCallable, init
         return _refuse(msg, "malformed download entries")
     _reload_offloaded(context)
     full = _rebuild(msg, context, keys[0], base, digest, initial)
-    if isinstance(full, str):
-        return _refuse(msg, full)
-    if model_digest(full) != digest:
-        return _refuse(msg, "the rebuilt model's digest is not the announced one")
+    if not isinstance(full, str) and model_digest(full) != digest:
+        full = "the rebuilt model's digest is not the announced one"
+    if isinstance(full, str):  # an update the full model replaces; a full model: refused
+        return _refuse(msg, full) if base == "" else _ask_full(msg, context, full)
     record = ArrayRecord(full)
     context.state[STATE_ARRAYS] = record
     context.state[STATE_CONFIG] = ConfigRecord({HELD_KEY: digest})

@@ -18,8 +18,8 @@ from __future__ import annotations
 from logging import WARNING
 
 from flwr.app import Context, Error, Message
-from flwr.common.logger import log
 from flwr.clientapp.typing import ClientAppCallable
+from flwr.common.logger import log
 
 from flwr_isoloco.compression import CODEC_KEY, parse_request
 

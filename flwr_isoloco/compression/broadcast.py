@@ -25,8 +25,11 @@ training), else the full ``B``. With ``nodes_hold_initial`` every node is taken 
 ``B`` (the initial model) until it says otherwise: each builds it itself (the same seed, or the
 same pretrained checkpoint every site loads from its own disk or hub), so round 1 sends no
 arrays; the node's ``download_mod`` checks its build against the announced digest. A node whose copy's digest differs from ``download-base`` refuses
-(an error reply, dropped and named by the server), and a node whose result's digest differs from
-``download-digest`` refuses too: nobody trains on a model other than ``B``, silently.
+(an error reply), and a node whose result's digest differs from ``download-digest`` refuses too:
+nobody trains on a model other than ``B``, silently. A refusal of an update (not of the full
+``B``) has the code ``NEEDS_FULL_CODE`` and a reason starting ``NEEDS_FULL`` (it names the digest
+the node holds, or none): the server answers it within the round with the full ``B``
+(:func:`asks_for_full`), so a node that lost its copy (a restart) still trains that round.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from typing import Any
 
 import torch
 from flwr.app import ArrayRecord, Message
+from flwr.common.constant import ErrorCode
 
 from flwr_isoloco.compression.record import compress, decompress, normalize_options
 
@@ -44,6 +48,8 @@ DIGEST_KEY = "download-digest"
 BASE_KEY = "download-base"
 REPLY_RECORD = "download"
 HELD_KEY = "held"
+NEEDS_FULL_CODE = ErrorCode.MOD_FAILED_PRECONDITION  # the mod's precondition: holding the base
+NEEDS_FULL = "download_mod needs the full model"
 
 
 def model_digest(tensors: Mapping[str, torch.Tensor]) -> str:
@@ -80,6 +86,14 @@ def reply_digest(msg: Message) -> str | None:
     return held if isinstance(held, str) and len(held) == 64 else None
 
 
+def asks_for_full(msg: Message) -> bool:
+    """Whether ``msg`` is a node's refusal of an update that the full ``B`` answers (module
+    docstring: code ``NEEDS_FULL_CODE``, reason starting ``NEEDS_FULL``)."""
+    if not msg.has_error() or msg.error.code != NEEDS_FULL_CODE:
+        return False
+    return (msg.error.reason or "").startswith(NEEDS_FULL)
+
+
 class Broadcast:
     """Server side of compressed downloads (module docstring): ``B``, ``e``, nodes' digests."""
 
@@ -95,6 +109,7 @@ class Broadcast:
         self.prev = ""
         self.update: ArrayRecord | None = None
         self.held: dict[int, str] = {}  # node -> digest of its copy, from its last reply
+        self.version: Any = None  # the caller's name for the model B last advanced towards
         self._full: ArrayRecord | None = None
 
     def advance(self, theta: Mapping[str, torch.Tensor], dtypes: Mapping[str, Any]) -> None:
@@ -161,4 +176,4 @@ class Broadcast:
             base = {k: v.clone() for k, v in base.items()}
         self.base, self.digest = base, str(state.get("digest", "")) if base is not None else ""
         self.prev, self.update, self.held, self._full = "", None, {}, None
-        self.assumed = ""  # a resumed B is not the nodes' own initial model
+        self.assumed, self.version = "", None  # a resumed B is not the nodes' initial model

@@ -30,6 +30,12 @@ class SentLedger:
         self._sent = [m.metadata for m in messages]
         return messages
 
+    def replace(self, answered: str, message: Message) -> None:
+        """``message`` takes the place of the instruction whose id is ``answered`` (its node's
+        reply asked for another message in the same round: a full model for an update)."""
+        self._sent = [m for m in self._sent if m.message_id != answered]
+        self._sent.append(message.metadata)
+
     def sent_any(self) -> bool:
         """Whether the last round sent any instruction."""
         return bool(self._sent)

@@ -14,6 +14,11 @@ hands each to ``on_reply`` at once, so the caller can fold it and drop it. The r
   earlier pull blocked (Flower's grid waits for an upload's objects, ~2 min when a SuperNode's
   upload failed) is taken, not left late.
 
+``on_reply`` may return a message to send in the reply's place, to the same node within the round
+(a node that refused a compressed download and asks for the full model): the stream pushes it at
+once and waits for its reply as for the original's; the reply it replaces does not count as
+arrived.
+
 Messages still unanswered when a round closes are remembered with their round: their ids are
 pulled with the next rounds' and a reply that still comes is discarded and logged with its node
 ("late reply ... discarded"), never handed to a later round (a reply is recognised by the id of
@@ -39,6 +44,9 @@ from flwr.serverapp import Grid
 from flwr_isoloco.strategies.core.ledger import node_gone
 
 __all__ = ["ReplyStream", "RoundWait", "check_quorum", "quorum_arg", "quorum_count"]
+
+OnReply = Callable[[Message], "Message | None"]
+"""Takes one reply; returns None, or a message to push in its place (module docstring)."""
 
 POLL_S = 0.1
 """Seconds between two sweeps over the unanswered messages when none answered."""
@@ -120,14 +128,15 @@ class ReplyStream:
         self,
         grid: Grid,
         messages: Iterable[Message],
-        on_reply: Callable[[Message], None],
+        on_reply: OnReply,
         *,
         server_round: int,
         timeout: float | None,
         quorum: float | int | None = None,
         grace_s: float = 0.0,
     ) -> RoundWait:
-        """Run one round's wait; ``on_reply(reply)`` for each reply of this round.
+        """Run one round's wait; ``on_reply(reply)`` for each reply of this round (a message
+        it returns is pushed and its reply awaited in the reply's place).
 
         Time is ``time.monotonic`` / ``time.sleep``, or the grid's ``time_source`` (an object
         with ``monotonic()`` and ``sleep(s)``) when it has one: a test grid's virtual clock.
@@ -184,7 +193,7 @@ class ReplyStream:
             )
         return wait
 
-    def _sweep(self, grid: Grid, pending: list[str], on_reply: Callable[[Message], None]) -> int:
+    def _sweep(self, grid: Grid, pending: list[str], on_reply: OnReply) -> int:
         """Pull every unanswered id once (one per call); returns this round's replies taken."""
         took = 0
         for mid in list(self._stale):
@@ -199,14 +208,24 @@ class ReplyStream:
                 elif rid in pending:
                     pending.remove(rid)
                     self._taken[rid] = (self._node_of.get(rid, -1), self._round)
-                    took += 1
-                    on_reply(msg)
+                    follow = on_reply(msg)
+                    if follow is None:
+                        took += 1
+                    else:
+                        self._push_in_place(grid, follow, pending)
                 elif rid in self._taken:
                     self._duplicate(msg)
                 else:
                     log(WARNING, "%s: discarded a reply to an unknown message %r", self.what, rid)
             del replies
         return took
+
+    def _push_in_place(self, grid: Grid, msg: Message, pending: list[str]) -> None:
+        """Push ``msg`` (sent in a reply's place) and wait for its reply with the round's."""
+        for mid in grid.push_messages([msg]):
+            if mid:
+                pending.append(mid)
+                self._node_of[mid] = msg.metadata.dst_node_id
 
     def _duplicate(self, msg: Message) -> None:
         """Refuse a second reply to a message already answered (a replayed delivery)."""

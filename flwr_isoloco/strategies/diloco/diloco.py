@@ -40,18 +40,12 @@ from flwr_isoloco.strategies.core.nodes import DEFAULT_NODE_WAIT_S, nodes_for_ro
 from flwr_isoloco.strategies.core.replies import CheckedReply
 from flwr_isoloco.strategies.core.rounds import ReplyStream
 from flwr_isoloco.strategies.diloco import asynchronous_setup as asyn
+from flwr_isoloco.strategies.diloco import downloads
 from flwr_isoloco.strategies.diloco.asynchronous import asked_steps
 from flwr_isoloco.strategies.diloco.config import (
     DILOCO_RUN_CONFIG,
     ISOLOCO_RUN_CONFIG,
     check_arguments,
-)
-from flwr_isoloco.strategies.diloco.downloads import (
-    broadcast_messages,
-    broadcast_state,
-    new_broadcast,
-    note_download,
-    parse_broadcast,
 )
 from flwr_isoloco.strategies.diloco.privacy import StrategyDP
 from flwr_isoloco.strategies.diloco.round_close import RoundBook
@@ -173,7 +167,9 @@ class DiLoCo(FromRunConfig, SettingsViews, DiLoCoState, ResumableStrategy):
         self.book = RoundBook(EmptyRoundGuard(rounds.max_empty_rounds, "aggregate_train"))
         setup_merge(self, merge, merge_options, orthogonalize, seed, as_robust(robust))
         self.buffers = check_buffers_spec(buffers)  # float tensors the outer step does not own
-        self.broadcast = None if self.download is None else new_broadcast(self.download)
+        self.broadcast = None if self.download is None else downloads.new_broadcast(self.download)
+        self.eval_bytes_down = 0  # the evaluation messages' arrays (downloads.evaluated)
+        self.codec_use = downloads.CodecUse(self.upload, self.download, arrayrecord_key)
         self.fraction_train = float(fraction_train)
         self.fraction_evaluate = float(fraction_evaluate)
         self.min_train_nodes = 0 if fraction_train == 0 else min_train_nodes
@@ -286,20 +282,17 @@ class DiLoCo(FromRunConfig, SettingsViews, DiLoCoState, ResumableStrategy):
         self, arrays: ArrayRecord, config: ConfigRecord, nodes: list[int], mtype: str
     ) -> list[Message]:
         if self.broadcast is not None:  # per node: the update, nothing or the full B
-            return broadcast_messages(self, config, nodes, mtype)
+            msgs, self.book.bytes_down = downloads.broadcast_messages(self, config, nodes, mtype)
+            return msgs
         record = RecordDict({self.arrayrecord_key: arrays, self.configrecord_key: config})
         self.book.bytes_down = payload_nbytes(arrays) * len(nodes)
         return [Message(content=record, message_type=mtype, dst_node_id=n) for n in nodes]
 
     @property
     def train_base(self) -> dict[str, torch.Tensor] | None:
-        """The model the workers trained from, which their deltas are taken against: ``B``
-        with compressed downloads (compression/broadcast.py; in fp32, as ``theta``, a no-copy
-        view for an fp32 model), else ``theta``."""
-        b = self.broadcast
-        if b is None or b.base is None:
-            return self.theta
-        return {k: v.float() for k, v in b.base.items()}
+        """The model the workers trained from, their deltas' reference: ``B`` with a download
+        codec, else ``theta`` (:func:`.downloads.train_base`)."""
+        return downloads.train_base(self.broadcast, self.theta)
 
     def configure_train(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
@@ -316,8 +309,8 @@ class DiLoCo(FromRunConfig, SettingsViews, DiLoCoState, ResumableStrategy):
         for k, v in {**self.codec_request, **self.dp.request()}.items():
             config[k] = v
         self.train_validator.asked_steps = asked_steps(config)  # inner-steps <= it
-        if self.broadcast is not None:
-            self.broadcast.advance(self.theta, self._dtypes)
+        # a download codec's B: advanced towards theta here or by the evaluation before
+        downloads.follow_theta(self.broadcast, self.theta, self._dtypes, self.server_round)
         record = self._model_record() if self.broadcast is None else ArrayRecord()
         msgs = self._messages(record, config, nodes, MessageType.TRAIN)
         return self.book.train_ledger.remember(msgs)
@@ -325,19 +318,19 @@ class DiLoCo(FromRunConfig, SettingsViews, DiLoCoState, ResumableStrategy):
     def configure_evaluate(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
-        """Send the current ``theta`` to the sampled nodes for evaluation."""
+        """Send the current ``theta`` to the sampled nodes for evaluation (with a download
+        codec: ``B`` advanced towards it, the model they train from next round)."""
         if self.fraction_evaluate == 0.0:
             return []
         if self.theta is None:
             self._adopt(arrays)
         nodes = self.sample_nodes(grid, self.fraction_evaluate, self.min_evaluate_nodes)
         config["server-round"] = self.server_round
-        if self.broadcast is not None and self.broadcast.base is None:
-            self.broadcast.advance(self.theta, self._dtypes)
-        saved = self.book.bytes_down  # bytes-down reports the train messages
+        downloads.follow_theta(self.broadcast, self.theta, self._dtypes, self.server_round)
+        saved = self.book.bytes_down  # bytes-down of the train metrics: the train messages
         record = self._model_record() if self.broadcast is None else ArrayRecord()
         msgs = self._messages(record, config, nodes, MessageType.EVALUATE)
-        self.book.bytes_down = saved
+        self.eval_bytes_down, self.book.bytes_down = self.book.bytes_down, saved
         return self.book.eval_ledger.remember(msgs)
 
     def aggregate_train(
@@ -354,9 +347,11 @@ class DiLoCo(FromRunConfig, SettingsViews, DiLoCoState, ResumableStrategy):
             log(WARNING, "aggregate_train: no global model yet (configure_train not called)")
             return None, None
         train = TrainRound(self, self.server_round)
+        take = downloads.TrainReplies(self, self.book.train_ledger, train.take)  # codec use counted
         try:
             for msg in replies:
-                train.take(msg)
+                take(msg)
+            take.close(self.server_round)
             return train.finish()
         finally:
             train.close()
@@ -384,17 +379,19 @@ class DiLoCo(FromRunConfig, SettingsViews, DiLoCoState, ResumableStrategy):
         del arrays
         self.server_round += 1
         train = TrainRound(self, self.server_round)
+        take = downloads.TrainReplies(self, self.book.train_ledger, train.take, train_config)
         try:
             wait = self._train_stream.run(
                 grid,
                 messages,
-                train.take,
+                take,  # a node that lost its copy of B gets it in full, within the round
                 server_round=server_round,
                 timeout=timeout,
                 quorum=self.quorum,
                 grace_s=self.grace_s,
             )
             del messages
+            self.book.bytes_down += take.close(self.server_round)  # full models resent
             new_arrays, train_metrics = train.finish(wait)
         finally:
             train.close()
@@ -423,12 +420,11 @@ class DiLoCo(FromRunConfig, SettingsViews, DiLoCoState, ResumableStrategy):
     def aggregate_evaluate(
         self, server_round: int, replies: Iterable[Message]
     ) -> MetricRecord | None:
-        """Weighted mean of the valid replies' metrics (bad replies dropped, never raises)."""
-        if self.broadcast is not None:
-            replies = [note_download(self, m) for m in replies]
-        return aggregate_metrics(
-            self.eval_validator, replies, self.book.eval_ledger, self.evaluate_metrics_aggr_fn
-        )
+        """Weighted mean of the valid replies' metrics (bad replies dropped, never raises);
+        with a download codec also ``bytes-down`` (:func:`.downloads.evaluated`)."""
+        replies, ledger = list(replies), self.book.eval_ledger
+        agg = aggregate_metrics(self.eval_validator, replies, ledger, self.evaluate_metrics_aggr_fn)
+        return downloads.evaluated(self, ledger, replies, agg)
 
     # ------------------------------------------------------------------ checkpoint extras
     def state_dict(self) -> dict[str, Any]:
@@ -439,7 +435,7 @@ class DiLoCo(FromRunConfig, SettingsViews, DiLoCoState, ResumableStrategy):
         if self.dp.state() is not None:
             sd["meta"]["dp"] = self.dp.state()
         if self.broadcast is not None and self.broadcast.base is not None:
-            sd["tensors"]["broadcast"], sd["meta"]["broadcast"] = broadcast_state(self.broadcast)
+            sd["tensors"]["broadcast"], sd["meta"]["broadcast"] = downloads.broadcast_state(self)
         if self.async_rounds is not None:  # the tasks in flight and the models they train from
             self.async_rounds.save(sd, self.server_round)
         return sd
@@ -470,7 +466,7 @@ class DiLoCo(FromRunConfig, SettingsViews, DiLoCoState, ResumableStrategy):
             except ValueError as exc:
                 raise CheckpointError(f"DP accountant: {exc}") from None
         try:
-            broadcast = parse_broadcast(self, state)  # None: no download codec or no B saved
+            broadcast = downloads.parse_broadcast(self, state)  # None: no codec, or no B saved
         except ValueError as exc:
             raise CheckpointError(f"broadcast model: {exc}") from None
         tasks = asyn.parse_checkpoint(self, state)  # asynchronous rounds' versions and tasks

@@ -6,19 +6,31 @@ taken against ``B`` (``DiLoCo.train_base``) and the outer step moves the server'
 ``theta <- theta - lr * outer(mean_i(B - theta_i))``. ``B = theta - e`` lags ``theta`` by the
 residual ``e`` that error feedback sends later; the run's result is the server's ``theta`` (it
 holds every accepted update; ``B`` is ``theta`` less what is still queued), while federated
-evaluation measures ``B``, the model the nodes hold.
+evaluation measures ``B``, the model the nodes hold: after round r's outer step ``B`` advances
+once (:func:`follow_theta`), so round r's evaluation and round r + 1's training get the same
+``B + decode(Q(theta_r - B))``, ``theta_r`` less the residual.
+
+Per train reply (:class:`TrainReplies`): a node that refuses an update because it lost its copy
+gets the full ``B`` within the round, and :class:`CodecUse` says when the ClientApp does not run
+the mods a codec needs.
 """
 
 from __future__ import annotations
 
+from logging import INFO, WARNING
 from typing import Any
 
 import torch
-from flwr.app import ConfigRecord, Message, RecordDict
+from flwr.app import ConfigRecord, Message, MessageType, MetricRecord, RecordDict
+from flwr.common.logger import log
 
-from flwr_isoloco.compression import payload_nbytes
-from flwr_isoloco.compression.broadcast import Broadcast
+from flwr_isoloco.compression import is_compressed, payload_nbytes
+from flwr_isoloco.compression.broadcast import Broadcast, asks_for_full, reply_digest
 from flwr_isoloco.strategies.diloco.settings import Codec
+
+RESTORED = "restored"
+"""``Broadcast.version``'s object part after a resume whose checkpoint held the ``B`` of the
+theta it saved (the restored theta is a new object)."""
 
 
 def new_broadcast(codec: Codec) -> Broadcast:
@@ -29,34 +41,169 @@ def new_broadcast(codec: Codec) -> Broadcast:
     return Broadcast(codec.name, codec.options, nodes_hold_initial=codec.nodes_hold_initial)
 
 
-def broadcast_messages(s: Any, config: ConfigRecord, nodes: list[int], mtype: str) -> list[Message]:
-    """One message per node (the update, nothing, or the full ``B``: Broadcast.for_node);
-    sets ``s.book.bytes_down`` to the bytes of the arrays sent."""
+def train_base(b: Broadcast | None, theta: Any) -> Any:
+    """The model the workers trained from, which their deltas are taken against: ``B`` with a
+    download codec (in fp32, as ``theta``: a no-copy view for an fp32 model), else ``theta``."""
+    if b is None or b.base is None:
+        return theta
+    return {k: v.float() for k, v in b.base.items()}
+
+
+def follow_theta(b: Broadcast | None, theta: Any, dtypes: Any, server_round: int) -> None:
+    """``B`` takes one step towards ``theta`` (``Broadcast.advance``) per version of ``theta``.
+
+    Round r's evaluation (after its outer step) and round r + 1's training see the same version,
+    ``(rounds aggregated, the theta object)``: the first advances ``B``, the other sends the same
+    ``B``, so the nodes evaluate the model they then train from. ``theta`` is replaced, never
+    changed in place, so its object names its version within a round (a round the divergence
+    guard skips puts back another object: ``B`` follows it). A new round advances ``B`` again
+    even when no reply moved ``theta`` (the gap ``theta - B`` keeps closing)."""
+    if b is None:  # no download codec
+        return
+    key = (server_round, id(theta))
+    if b.base is None or b.version not in (key, (server_round, RESTORED)):
+        b.advance(theta, dtypes)
+    b.version = key
+
+
+def _message(s: Any, node: int, arrays: Any, config: Any, entries: dict, mtype: str) -> Message:
+    cfg = ConfigRecord({**dict(config), **entries})
+    content = RecordDict({s.arrayrecord_key: arrays, s.configrecord_key: cfg})
+    return Message(content=content, message_type=mtype, dst_node_id=node)
+
+
+def broadcast_messages(
+    s: Any, config: ConfigRecord, nodes: list[int], mtype: str
+) -> tuple[list[Message], int]:
+    """One message per node (the update, nothing, or the full ``B``: Broadcast.for_node) and
+    the bytes of the arrays they carry."""
     msgs, total = [], 0
     for n in nodes:
         arrays, entries = s.broadcast.for_node(n)
-        cfg = ConfigRecord({**dict(config), **entries})
         total += payload_nbytes(arrays)
-        content = RecordDict({s.arrayrecord_key: arrays, s.configrecord_key: cfg})
-        msgs.append(Message(content=content, message_type=mtype, dst_node_id=n))
-    s.book.bytes_down = total
-    return msgs
+        msgs.append(_message(s, n, arrays, config, entries, mtype))
+    return msgs, total
 
 
-def note_download(s: Any, msg: Message, ledger: Any = None) -> Message:
-    """Record the digest the reply's node says it holds (none or an error: it gets the full
-    ``B`` next time); returns ``msg``."""
-    if s.broadcast is not None:
-        node = (ledger or s.book.eval_ledger).sender(msg)
-        s.broadcast.note(node, msg)
-    return msg
+def evaluated(s: Any, ledger: Any, replies: list[Message], agg: Any) -> Any:
+    """An evaluation round's metrics ``agg`` (None: none) under a download codec: the digest
+    each reply's node says it holds is recorded (none or an error: the full ``B`` next time),
+    and ``bytes-down`` (``s.eval_bytes_down``) is added, the evaluation messages' arrays (the
+    update of ``B``, which the next round's training then need not send)."""
+    if s.broadcast is None:
+        return agg
+    for msg in replies:
+        s.broadcast.note(ledger.sender(msg), msg)
+    return None if agg is None else MetricRecord({**agg, "bytes-down": s.eval_bytes_down})
 
 
-def broadcast_state(b: Broadcast) -> tuple[dict[str, Any], dict[str, Any]]:
-    """``(tensors, meta)`` of the checkpoint: ``B``; its digest and codec (the residual is
-    ``theta - B``, restored with theta)."""
+UNUSED = {
+    "download": (
+        "download={codec!r}: {n} of {m} train replies of round {r} (nodes {nodes}) carry no "
+        "download digest: their ClientApp does not run download_mod, so they get the full model "
+        "in fp32 every round (no bytes saved) and train from B, which lags the server's model by "
+        "the codec's residual. Add it: ClientApp(train=..., mods=[download_mod, upload_mod]) "
+        "with `from flwr_isoloco.clients import download_mod, upload_mod`; or set download=None"
+    ),
+    "upload": (
+        "upload={codec!r}: {n} of {m} train replies of round {r} (nodes {nodes}) are not "
+        "compressed: their ClientApp does not run upload_mod (the DiLoCo worker compresses by "
+        "itself), so they go up in fp32. Add it: ClientApp(train=..., mods=[download_mod, "
+        "upload_mod]) with `from flwr_isoloco.clients import download_mod, upload_mod`; or set "
+        "upload=None"
+    ),
+}
+
+
+class CodecUse:
+    """Whether the ClientApp honours the codecs: under a download codec a train reply carries
+    its node's digest (``download_mod``), under an upload codec compressed arrays
+    (``upload_mod``, or the DiLoCo worker). A round with a reply that does not is said in a
+    WARNING (:data:`UNUSED`), once per run and direction. The run goes on: it is correct (the
+    nodes train from ``B``, their deltas are taken against it), it only pays for a codec it
+    does not get, and the other nodes of a mixed federation may well run the mods."""
+
+    def __init__(self, upload: Codec | None, download: Codec | None, arrayrecord_key: str):
+        self.codecs = {"download": download, "upload": upload}
+        self.key = arrayrecord_key
+        self.warned: set[str] = set()
+        self._lacking: dict[str, list[int]] = {"download": [], "upload": []}
+        self._replies = 0
+
+    def see(self, node: int, msg: Message) -> None:
+        """Count ``msg`` (an error reply says nothing about the ClientApp's mods)."""
+        if msg.has_error():
+            return
+        self._replies += 1
+        if self.codecs["download"] is not None and reply_digest(msg) is None:
+            self._lacking["download"].append(node)
+        arrays = msg.content.array_records.get(self.key)
+        if self.codecs["upload"] is not None and arrays is not None and not is_compressed(arrays):
+            self._lacking["upload"].append(node)
+
+    def close(self, server_round: int) -> None:
+        """Warn about round ``server_round``'s replies (class docstring), then forget them."""
+        for direction, nodes in self._lacking.items():
+            if nodes and direction not in self.warned:
+                self.warned.add(direction)
+                shown = ", ".join(str(n) for n in nodes[:5]) + (", ..." if len(nodes) > 5 else "")
+                text = UNUSED[direction].format(
+                    codec=self.codecs[direction].name,
+                    n=len(nodes),
+                    m=self._replies,
+                    r=server_round,
+                    nodes=shown,
+                )
+                log(WARNING, "%s", text)
+        self._lacking, self._replies = {"download": [], "upload": []}, 0
+
+
+class TrainReplies:
+    """A train round's replies on their way to ``take`` (``TrainRound.take``).
+
+    Each is counted by ``s.codec_use`` (:class:`CodecUse`). Under a download codec, when
+    ``config`` (the round's train config) is given, a node's refusal of an update that asks
+    for the full model (``asks_for_full``: it lost its copy, e.g. it restarted) is answered
+    within the round: the full ``B`` is returned for ReplyStream to push in the refusal's place
+    (once per node and round; ``ledger`` then expects that message's reply), and ``resent``
+    counts its bytes. Without ``config`` (Flower's one-list rounds) the refusal is dropped and
+    named, and the node gets the full ``B`` next round."""
+
+    def __init__(self, s: Any, ledger: Any, take: Any, config: ConfigRecord | None = None):
+        self.s, self.ledger, self.take, self.config = s, ledger, take, config
+        self.resent = 0
+        self._done: set[int] = set()
+
+    def close(self, server_round: int) -> int:
+        """End of the round: ``s.codec_use`` says what it saw; returns ``resent``."""
+        self.s.codec_use.close(server_round)
+        return self.resent
+
+    def __call__(self, msg: Message) -> Message | None:
+        s, node = self.s, self.ledger.sender(msg)
+        b = s.broadcast
+        if b is None or self.config is None or node in self._done or not asks_for_full(msg):
+            s.codec_use.see(node, msg)
+            self.take(msg)
+            return None
+        self._done.add(node)
+        b.note(node, msg)  # it holds no copy we know of: for_node gives the full B
+        arrays, entries = b.for_node(node)
+        follow = _message(s, node, arrays, self.config, entries, MessageType.TRAIN)
+        self.ledger.replace(msg.metadata.reply_to_message_id, follow)
+        self.resent += payload_nbytes(arrays)
+        log(INFO, "node %d: %s; sending it the full model in this round", node, msg.error.reason)
+        return follow
+
+
+def broadcast_state(s: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``(tensors, meta)`` of the checkpoint: ``B``; its digest, codec and whether it is the
+    ``B`` of the saved theta (advanced after the last step: :func:`follow_theta`); the residual
+    is ``theta - B``, restored with theta."""
+    b = s.broadcast
     sd = b.state_dict()
-    return {"base": sd["base"]}, {"digest": sd["digest"], "codec": b.codec}
+    current = b.version == (s.server_round, id(s.theta))
+    return {"base": sd["base"]}, {"digest": sd["digest"], "codec": b.codec, "current": current}
 
 
 def parse_broadcast(s: Any, state: Any) -> Broadcast | None:
@@ -89,4 +236,6 @@ def parse_broadcast(s: Any, state: Any) -> Broadcast | None:
     b = new_broadcast(s.download)
     b.load_state_dict({"base": base, "digest": info.get("digest")})  # a residual saved by an
     # older version (sent on top of theta - B, which double-counted) is checked, then dropped
+    if info.get("current") is True:  # the B of the saved theta: not advanced again
+        b.version = (state["meta"].get("server_round"), RESTORED)
     return b
