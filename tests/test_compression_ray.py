@@ -1,4 +1,5 @@
-"""One real Flower simulation (Ray backend) with int8 uploads: the bytes-up metric is real.
+"""Real Flower simulations (Ray backend): int8 uploads (the bytes-up metric is real); int8
+downloads with a node that restarts (the full model pushed within the round).
 
 Slow (Ray start ~10 s): select with ``pytest -m slow tests/test_compression_ray.py``.
 """
@@ -88,3 +89,59 @@ def test_int8_uploads_through_ray_cut_bytes_up():
         assert 0.2 * 2 * fp32 < m["bytes-up"] < 0.35 * 2 * fp32  # int8: ~1/4 plus scales, vectors
     final = res.arrays.to_torch_state_dict()
     assert max(float((final[k] - RESULT["initial"][k]).abs().max()) for k in final) > 1e-4
+
+
+def _forget(msg, context, call_next):
+    """A restart of partition 0 before round 3's training: its copy of B is gone."""
+    from flwr_isoloco.clients.download import STATE_ARRAYS, STATE_CONFIG
+
+    cfg = msg.content.config_records.get("config", {})
+    if int(context.node_config["partition-id"]) == 0 and cfg.get("server-round") == 3:
+        for key in (STATE_ARRAYS, STATE_CONFIG):
+            if key in context.state:
+                del context.state[key]
+    return call_next(msg, context)
+
+
+def test_a_restarted_node_gets_the_full_model_within_the_round_through_ray():
+    """int8 downloads in a real simulation: partition 0 loses its copy of B before round 3; its
+    refusal brings the full model within round 3 (pushed mid-round through Flower's grid), so
+    both replies are used; bytes down: two int8 updates plus the fp32 model."""
+    from flwr.app import ArrayRecord, Context
+    from flwr.clientapp import ClientApp
+    from flwr.serverapp import Grid, ServerApp
+    from flwr.simulation import run_simulation
+    from test_download import theta0, train_fn
+
+    from flwr_isoloco.clients import download_mod
+    from flwr_isoloco.compression import compress, payload_nbytes
+    from flwr_isoloco.strategies import DiLoCo
+
+    here = str(Path(__file__).parent)
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        p for p in (here, os.environ.get("PYTHONPATH", "")) if p
+    )
+    client = ClientApp(mods=[_forget, download_mod])
+    client.train()(train_fn)
+    server = ServerApp()
+
+    @server.main()
+    def main(grid: Grid, context: Context) -> None:
+        s = DiLoCo(min_available_nodes=2, fraction_evaluate=0.0, download="int8")
+        RESULT["restart"] = s.start(
+            grid=grid, initial_arrays=ArrayRecord(theta0()), num_rounds=3, timeout=120
+        )
+
+    run_simulation(
+        server_app=server,
+        client_app=client,
+        num_supernodes=2,
+        backend_config={
+            "client_resources": {"num_cpus": 1, "num_gpus": 0.0},
+            "init_args": {"num_cpus": 2, "include_dashboard": False},
+        },
+    )
+    m = RESULT["restart"].train_metrics_clientapp
+    update = payload_nbytes(compress({k: torch.zeros_like(v) for k, v in theta0().items()}, "int8"))
+    assert [m[r]["replies-used"] for r in (1, 2, 3)] == [2, 2, 2]
+    assert m[3]["bytes-down"] == 2 * update + 4 * (32 * 64 + 64)
