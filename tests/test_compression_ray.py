@@ -60,17 +60,15 @@ def _apps():
     return server, client
 
 
-def test_int8_uploads_through_ray_cut_bytes_up():
-    from flwr.app import ArrayRecord
+def simulate(server, client) -> None:
+    """``server`` and ``client`` in a 2-node Ray simulation, 1 CPU a node (this folder on the
+    actors' PYTHONPATH, for the apps' functions)."""
     from flwr.simulation import run_simulation
-
-    from flwr_isoloco.compression import payload_nbytes
 
     here = str(Path(__file__).parent)
     os.environ["PYTHONPATH"] = os.pathsep.join(
         p for p in (here, os.environ.get("PYTHONPATH", "")) if p
     )
-    server, client = _apps()
     run_simulation(
         server_app=server,
         client_app=client,
@@ -80,6 +78,15 @@ def test_int8_uploads_through_ray_cut_bytes_up():
             "init_args": {"num_cpus": 2, "include_dashboard": False},
         },
     )
+
+
+def test_int8_uploads_through_ray_cut_bytes_up():
+    from flwr.app import ArrayRecord
+
+    from flwr_isoloco.compression import payload_nbytes
+
+    server, client = _apps()
+    simulate(server, client)
     res = RESULT["result"]
     fp32 = payload_nbytes(ArrayRecord(RESULT["initial"]))
     for rnd in range(1, ROUNDS + 1):
@@ -110,17 +117,12 @@ def test_a_restarted_node_gets_the_full_model_within_the_round_through_ray():
     from flwr.app import ArrayRecord, Context
     from flwr.clientapp import ClientApp
     from flwr.serverapp import Grid, ServerApp
-    from flwr.simulation import run_simulation
     from test_download import theta0, train_fn
 
     from flwr_isoloco.clients import download_mod
     from flwr_isoloco.compression import compress, payload_nbytes
     from flwr_isoloco.strategies import DiLoCo
 
-    here = str(Path(__file__).parent)
-    os.environ["PYTHONPATH"] = os.pathsep.join(
-        p for p in (here, os.environ.get("PYTHONPATH", "")) if p
-    )
     client = ClientApp(mods=[_forget, download_mod])
     client.train()(train_fn)
     server = ServerApp()
@@ -132,15 +134,7 @@ def test_a_restarted_node_gets_the_full_model_within_the_round_through_ray():
             grid=grid, initial_arrays=ArrayRecord(theta0()), num_rounds=3, timeout=120
         )
 
-    run_simulation(
-        server_app=server,
-        client_app=client,
-        num_supernodes=2,
-        backend_config={
-            "client_resources": {"num_cpus": 1, "num_gpus": 0.0},
-            "init_args": {"num_cpus": 2, "include_dashboard": False},
-        },
-    )
+    simulate(server, client)
     m = RESULT["restart"].train_metrics_clientapp
     update = payload_nbytes(compress({k: torch.zeros_like(v) for k, v in theta0().items()}, "int8"))
     assert [m[r]["replies-used"] for r in (1, 2, 3)] == [2, 2, 2]
