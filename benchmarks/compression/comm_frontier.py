@@ -107,7 +107,7 @@ def codecs_of(name: str) -> dict[str, Any]:
     codec, opts = spec
     out = {"upload": Codec(codec, **opts, ef_decay=UPLOAD_EF_DECAY)}
     if CONFIGS[name]["down"] == "both":
-        out["download"] = Codec(codec, **opts, ef_decay=1.0)
+        out["download"] = Codec(codec, **opts)  # the server sends its whole residual: no decay
     return out
 
 
