@@ -137,7 +137,10 @@ _SYNC: dict[str, Holds | Refused] = {
     "download": Holds("nodes train on B recomputed as B + decode(Q(theta - B)); bytes counted"),
     "divergence-skip": Holds("the skipped round's model and momentum put back bitwise"),
     "resume": Holds("checkpoint after round 2, resumed: bitwise the uninterrupted run"),
-    "restart": Holds("a node that lost its state trains the next round, from the full B too"),
+    "restart": Holds(
+        "a node that lost its state between rounds trains the very next round (download codec: "
+        "from the full B, sent to it within that round)"
+    ),
     "late": Holds("a reply past the round timeout: left out, named, discarded next round"),
     "evaluation": Holds("nodes evaluate the model after the round's step (bitwise; B within Q)"),
 }
