@@ -383,6 +383,22 @@ def test_compressed_uploads_are_decoded_against_the_model_sent():
     assert 0 < diff < 0.05
 
 
+def test_an_upload_codec_the_clientapp_does_not_run_is_said_once(caplog):
+    """upload="int8" with a plain ClientApp (fp32 weights back): after the first step one
+    WARNING names upload_mod and the fix (the run goes on, every reply used); a worker that
+    compresses (the step above's int8 replies) is not warned about."""
+    import logging
+
+    s = strategy(buffer=2, upload="int8")
+    with caplog.at_level(logging.WARNING, logger="flwr"):
+        res = s.start(
+            grid=ScriptedGrid(ORDER), initial_arrays=ArrayRecord(init_model()), num_rounds=3
+        )
+    said = [r.getMessage() for r in caplog.records if "upload_mod" in r.getMessage()]
+    assert len(said) == 1 and said[0].startswith("upload='int8'") and "round 1" in said[0], said
+    assert all(m["replies-rejected"] == 0 for m in res.train_metrics_clientapp.values())
+
+
 def test_divergence_skip_puts_the_step_back_and_sends_no_work_from_the_skipped_model():
     """on_divergence="skip": step 2's loss blows up, its model is put back; the node whose reply
     closed step 2 is sent the restored model (at the next step), not the skipped one."""

@@ -256,6 +256,7 @@ class AsyncRounds:
             self._start_or_top_up(s, grid, clock)
             deferred, wait = self._wait(s, grid, train, done, clock, timeout)
             s.book.bytes_down = self._down
+            s.codec_use.close(done + 1)  # a ClientApp that does not run upload_mod is said
             new_arrays, metrics = train.finish()
         finally:
             train.close()
@@ -340,6 +341,7 @@ class AsyncRounds:
             return False
         self._taking = (task, tau)
         self.ledger.answering[rid] = task.node
+        train.s.codec_use.see(task.node, reply)
         before = len(train.taken)
         try:
             train.take(reply)
