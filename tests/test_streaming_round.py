@@ -26,7 +26,7 @@ from flwr_isoloco.merging.rules import MERGE_RULES
 from flwr_isoloco.merging.spill import SpillStore
 from flwr_isoloco.merging.streaming import OrderFreeMean
 from flwr_isoloco.strategies import DiLoCo, IsoLoCo, ReplyChecks, Rounds
-from flwr_isoloco.strategies.core.rounds import check_quorum, quorum_count
+from flwr_isoloco.strategies.core.rounds import check_quorum, quorum_arg, quorum_count
 
 torch.set_num_threads(1)
 
@@ -255,6 +255,19 @@ def test_quorum_arguments():
     for bad in (0, 0.0, -1, 1.5, True, "7"):
         with pytest.raises(ValueError, match="quorum"):
             check_quorum(bad, 0)
+    # the int 1 would close a round on one reply where a run config's 1 waits for all: refused
+    with pytest.raises(ValueError, match=r"quorum=1 is ambiguous.*count >= 2"):
+        check_quorum(1, 0)
+    assert [quorum_arg(v) for v in (1, 1.0, 0.5, 3.0, 3)] == [None, None, 0.5, 3, 3]
+    assert type(quorum_arg(3.0)) is int
+
+
+def test_gossip_reads_quorum_one_way():
+    """GossipLoRA shares the check: ``quorum=1`` is refused with the fix, as Rounds does."""
+    from flwr_isoloco.strategies import GossipLoRA
+
+    with pytest.raises(ValueError, match=r"quorum=1 is ambiguous"):
+        GossipLoRA(quorum=1)
     for bad in (-1, float("inf"), float("nan"), "5"):
         with pytest.raises(ValueError, match="grace_s"):
             check_quorum(None, bad)

@@ -43,7 +43,14 @@ from flwr.serverapp import Grid
 
 from flwr_isoloco.strategies.core.ledger import node_gone
 
-__all__ = ["ReplyStream", "RoundWait", "check_quorum", "quorum_arg", "quorum_count"]
+__all__ = [
+    "ONE_IS_AMBIGUOUS",
+    "ReplyStream",
+    "RoundWait",
+    "check_quorum",
+    "quorum_arg",
+    "quorum_count",
+]
 
 OnReply = Callable[[Message], "Message | None"]
 """Takes one reply; returns None, or a message to push in its place (module docstring)."""
@@ -54,18 +61,27 @@ STALE_ROUNDS = 3
 """Unanswered messages of a closed round are pulled (and their replies discarded) this long."""
 
 
+ONE_IS_AMBIGUOUS = (
+    "quorum=1 is ambiguous: the int count closes a round on one reply, while quorum = 1 in a "
+    "run config (and the fraction 1.0) waits for every reply; write quorum=None (or 1.0) for "
+    "every reply, or a count >= 2"
+)
+
+
 def check_quorum(quorum: object, grace_s: object) -> tuple[float | int | None, float]:
-    """``(quorum, grace_s)`` checked: quorum None (all), a float in (0, 1] or an int >= 1;
+    """``(quorum, grace_s)`` checked: quorum None (all), a float in (0, 1] or an int count
+    >= 2 (a whole float above 1 is that count; the int 1 is refused, :data:`ONE_IS_AMBIGUOUS`);
     ``grace_s`` a finite number >= 0. ``ValueError`` naming the bad one."""
     q = quorum
+    bad = f"quorum must be a fraction in (0, 1] or a count >= 2, got {quorum!r}"
     if isinstance(q, bool) or not (q is None or isinstance(q, (int, float))):
-        raise ValueError(f"quorum must be a fraction in (0, 1] or a count >= 1, got {quorum!r}")
+        raise ValueError(bad)
+    if type(q) is int and q == 1:
+        raise ValueError(ONE_IS_AMBIGUOUS)
     if isinstance(q, float) and q > 1 and q == int(q):
         q = int(q)
-    if isinstance(q, float) and not (0 < q <= 1):
-        raise ValueError(f"quorum must be a fraction in (0, 1] or a count >= 1, got {quorum!r}")
-    if isinstance(q, int) and q < 1:
-        raise ValueError(f"quorum must be a fraction in (0, 1] or a count >= 1, got {quorum!r}")
+    if (isinstance(q, float) and not (0 < q <= 1)) or (isinstance(q, int) and q < 2):
+        raise ValueError(bad)
     g = grace_s
     if isinstance(g, bool) or not isinstance(g, (int, float)) or not (0 <= g < math.inf):
         raise ValueError(f"grace_s must be a finite number >= 0, got {grace_s!r}")
@@ -73,9 +89,14 @@ def check_quorum(quorum: object, grace_s: object) -> tuple[float | int | None, f
 
 
 def quorum_arg(value: float | int) -> float | int | None:
-    """A run config's ``quorum`` key as the constructor's ``quorum=``: the float 1.0 (the
-    default: every reply) is None; any other value as given (:func:`check_quorum` checks it)."""
-    return None if isinstance(value, float) and value == 1.0 else value
+    """A run config's ``quorum`` key as the constructor's ``quorum=``: 1 or 1.0 (the default:
+    every reply) is None, a whole number above 1 the int count, any other value as given
+    (:func:`check_quorum` checks it). One value, one meaning, whichever way it is spelled."""
+    if value == 1:
+        return None
+    if isinstance(value, float) and value > 1 and value.is_integer():
+        return int(value)
+    return value
 
 
 def quorum_count(quorum: float | int | None, sent: int) -> int:

@@ -49,7 +49,6 @@ __all__ = [
     "SERVER_ONLY_KEYS",
     "node_view",
     "read_section",
-    "run_config_quorum",
 ]
 
 ORTHOGONALIZE = ("gradient", "update")
@@ -120,7 +119,7 @@ DILOCO_RUN_CONFIG: dict[str, Any] = {
     "momentum-every": 1,
 }
 """``quorum``: a fraction of the sampled nodes in (0, 1] (1.0, or 1 in TOML: all) or a whole
-count >= 2 (:func:`run_config_quorum`); ``grace-s``: seconds to wait for the rest once the quorum
+count >= 2 (:func:`~flwr_isoloco.strategies.core.rounds.quorum_arg`); ``grace-s``: seconds to wait for the rest once the quorum
 is in (strategies/core/rounds.py; needs a quorum below all). ``robust``: the
 robust aggregation (merging/robust.py); its options ``robust-trim`` / ``robust-f`` /
 ``robust-select`` / ``robust-factor`` at -1 take the rule's default. ``dp-*``: central DP (strategies/diloco/privacy.py);
@@ -179,15 +178,6 @@ def _default_or_decay(value: float) -> None:
 def _fraction_or_count(value: float) -> None:
     if not (0 < value <= 1 or (value >= 2 and float(value).is_integer())):
         raise ValueError("must be a fraction in (0, 1] (1.0: all) or a whole count >= 2")
-
-
-def run_config_quorum(value: float) -> float | int | None:
-    """A checked ``strategy.quorum`` as ``Rounds.quorum``: 1.0 (or TOML's 1) is None (every
-    reply), a fraction below 1 stays a float, a whole number >= 2 is the int count. One value,
-    one meaning: ``Rounds(quorum=1)`` is refused rather than read as a count of one."""
-    if value == 1:
-        return None
-    return value if value < 1 else int(value)
 
 
 def _default_or_factor(value: float) -> None:

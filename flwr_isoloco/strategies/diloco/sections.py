@@ -16,11 +16,11 @@ from typing import Any
 
 from flwr_isoloco.merging.device import resolve_device
 from flwr_isoloco.merging.robust import ROBUST_OPTIONS
+from flwr_isoloco.strategies.core.rounds import quorum_arg
 from flwr_isoloco.strategies.diloco.config import (
     APP_KEYS,
     DILOCO_RUN_CONFIG,
     read_section,
-    run_config_quorum,
 )
 from flwr_isoloco.strategies.diloco.settings import (
     DEFAULT_MAX_WEIGHT_RATIO,
@@ -169,11 +169,11 @@ ASYNC_KEYS = {
 
 
 def section_rounds(c: Mapping[str, Any]) -> Rounds:
-    """``quorum`` (:func:`~.config.run_config_quorum`), ``grace-s``, ``max-empty-rounds`` and
+    """``quorum`` (:func:`~flwr_isoloco.strategies.core.rounds.quorum_arg`), ``grace-s``, ``max-empty-rounds`` and
     the asynchronous keys as :class:`Rounds`; a ``ValueError`` naming the keys that do not go
     together (a section without the asynchronous keys, e.g. an app's older schema, is
     synchronous)."""
-    quorum, grace = run_config_quorum(c["quorum"]), c["grace-s"]
+    quorum, grace = quorum_arg(c["quorum"]), c["grace-s"]
     if not c.get("asynchronous", False):
         given = [f"strategy.{k}" for k in ASYNC_KEYS if k in c and c[k] != DILOCO_RUN_CONFIG[k]]
         if given:

@@ -223,13 +223,7 @@ ASYNC_FIELDS = ("buffer", "max_staleness", "staleness", "momentum_every")
 
 
 def check_quorum_type(quorum: object) -> None:
-    """``ValueError`` with the fix for the int 1 and a whole float above 1 (module doc)."""
-    if type(quorum) is int and quorum == 1:
-        raise ValueError(
-            "Rounds.quorum=1 is ambiguous: the int count closes a round on one reply, while "
-            "strategy.quorum = 1 in the run config (and the fraction 1.0) waits for every reply; "
-            "write quorum=None (or 1.0) for every reply, or a count >= 2"
-        )
+    """``ValueError`` with the fix for a whole float above 1 (a count is an int)."""
     if isinstance(quorum, float) and quorum > 1 and quorum.is_integer():
         raise ValueError(f"Rounds.quorum={quorum!r}: a count is an int: write {int(quorum)}")
 

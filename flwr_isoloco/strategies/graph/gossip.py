@@ -69,7 +69,8 @@ class GossipLoRA(GraphStrategy):
         replies of the round (needs 2 others).
     quorum, grace_s :
         Close a round once ``quorum`` of the vertices sent to have replied (a fraction in
-        (0, 1], rounded up, or a count; None = all) and ``grace_s`` seconds more have passed
+        (0, 1], rounded up, or an int count >= 2; None = all; the int 1 is refused as
+        ambiguous) and ``grace_s`` seconds more have passed
         (:mod:`~flwr_isoloco.strategies.core.rounds`; ``timeout`` stays the cap). A vertex whose
         reply is not in keeps its adapter, as on a timeout; its late reply is discarded.
     round_end_fn : callable, optional
