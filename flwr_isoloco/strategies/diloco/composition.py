@@ -6,16 +6,16 @@ a quorum (``Rounds(quorum=..., grace_s=...)``), asynchronous rounds
 a feature promises (buffers become the nodes' weighted mean, central DP's epsilon, a bitwise
 resume, ...). Each pair is one of:
 
-- :class:`Holds`: it composes; ``check`` says in a few words how ``tests/test_composition.py``
-  checks it against an independent computation;
+- :class:`Holds`: it composes; ``check`` says in a few words how the repository's
+  ``tests/test_composition.py`` checks it against an independent computation;
 - :class:`Refused`: the strategy refuses the pair when it is built (``ValueError``) with
   ``reason``, one sentence saying why and what to do instead. The raise sites use these
   sentences (:func:`refusal`): ``asynchronous_setup.check_composition``,
   ``privacy.secagg_problems``, ``secagg.use_secagg`` and ``Rounds``.
 
 :data:`ROW_PAIRS` holds the collectors that refuse each other. :func:`render` writes the matrix
-as the Markdown of docs/strategies.md ("What composes with what"); ``python -m
-flwr_isoloco.strategies.diloco.composition docs/strategies.md`` rewrites that block.
+as the Markdown of the repository's ``docs/strategies.md`` ("What composes with what");
+``python -m flwr_isoloco.strategies.diloco.composition <markdown file>`` rewrites that block.
 """
 
 from __future__ import annotations
@@ -264,7 +264,7 @@ def render() -> str:
 
 
 def render_block() -> str:
-    """:func:`render` between the markers that delimit it in docs/strategies.md."""
+    """:func:`render` between the markers that delimit it in the strategies reference."""
     return f"{BEGIN}\n\n{render()}\n{END}"
 
 

@@ -24,8 +24,8 @@ is rounded stochastically to a grid of ``2c / Q`` (``c = clipping_range``,
 
 Still checked: the aggregate (names, shapes, finite, norm) and each reply's weight and local-DP
 echo; a failure, or a malformed SecAgg+ reply that makes Flower's workflow raise, is a logged
-empty round (model kept), never a crash. The privacy guide (docs/privacy.md, "Secure
-aggregation") has the rest.
+empty round (model kept), never a crash. The privacy guide (the repository's
+``docs/privacy.md``, "Secure aggregation") has the rest.
 """
 
 from __future__ import annotations
