@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 
+import pytest
 import torch
 from fakegrid import FakeGrid
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
@@ -200,6 +201,11 @@ def test_resume_after_an_evaluated_round_continues_bitwise(tmp_path):
     a, b = res.arrays.to_torch_state_dict(), res_whole.arrays.to_torch_state_dict()
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert resumed.broadcast.digest == whole.broadcast.digest
+    from flwr_isoloco.checkpoint_spec import CheckpointError
+
+    forged = {**meta, "broadcast": {**meta["broadcast"], "current": "yes"}}
+    with pytest.raises(CheckpointError, match="broadcast.current' must be a bool"):
+        strategy().load_state_dict({"tensors": tensors, "meta": forged})
 
 
 def test_a_skipped_round_sends_b_towards_the_restored_model():

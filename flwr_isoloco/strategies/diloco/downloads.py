@@ -233,6 +233,8 @@ def parse_broadcast(s: Any, state: Any) -> Broadcast | None:
                 raise ValueError(f"{name} tensor {k!r} is not one of theta's, with its shape")
     if set(base) != set(theta):
         raise ValueError("'base' does not name theta's tensors")
+    if not isinstance(info.get("current", False), bool):
+        raise ValueError(f"'broadcast.current' must be a bool, got {info.get('current')!r}")
     b = new_broadcast(s.download)
     b.load_state_dict({"base": base, "digest": info.get("digest")})  # a residual saved by an
     # older version (sent on top of theta - B, which double-counted) is checked, then dropped
