@@ -150,7 +150,11 @@ def test_resume_refuses_a_changed_setting(tmp_path):
 
 @pytest.mark.slow
 def test_real_flwr_run_simulation_completes(tmp_path):
-    """`flwr run` of the app on a private SuperLink (Ray simulation, 3 SuperNodes)."""
+    """`flwr run` of the app on a private SuperLink (Ray simulation, 3 SuperNodes). The same run
+    checks issue 9, item 8 (a test of its own in test_app_exports.py before, a second run of
+    the same app): the streamed log holds what the ServerApp prints; it builds the classifier
+    with ``from_pretrained`` ("Loading weights" bar before) and saves the adapter ("Writing
+    model shards" in the LM app before): no bar may remain."""
     out = tmp_path / "run"
     env = {**os.environ, "NUM_SUPERNODES": "3", "CPUS_PER_CLIENT": "1"}
     overrides = [
@@ -180,6 +184,12 @@ def test_real_flwr_run_simulation_completes(tmp_path):
     assert all(r["walk-vertex"] in (0, 1, 2) for r in rows)
     assert (out / "accuracy.png").stat().st_size > 0 and (out / "visits.png").exists()
     assert (out / CHECKPOINT).exists()
+    log = (out / "flwr-run.log").read_text()
+    assert "rwlora-sentiment: done, 3 rounds in this run" in log
+    for bar in ("Loading weights", "Writing model shards", "it/s]"):
+        assert bar not in log, bar
+    assert (out / "adapter" / "adapter_config.json").is_file()
+    assert (out / "adapter" / "adapter_model.safetensors").is_file()
 
 
 def test_pyproject_config_matches_schema_defaults():
