@@ -51,7 +51,8 @@ def _messages(grid: FakeGrid, rnd: int) -> list[Message]:
 
 
 class ReplayGrid(FakeGrid):
-    """Every pull also hands back, again, the replies it handed out before (a replaying link)."""
+    """Every pull hands back each fresh reply twice and, again, the replies it handed out before
+    (a replaying link)."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -59,7 +60,7 @@ class ReplayGrid(FakeGrid):
 
     def pull_messages(self, message_ids):
         fresh = list(super().pull_messages(message_ids))
-        out = fresh + list(self.seen)
+        out = fresh + list(self.seen) + fresh
         self.seen.extend(fresh)
         return out
 

@@ -404,9 +404,11 @@ def _peak(make, m: int, numel: int) -> tuple[int, int]:
     ],
     ids=["diloco", "isoloco", "ties", "norm-ratio"],
 )
-def test_server_memory_does_not_grow_with_the_number_of_replies(make):
+def test_server_memory_does_not_grow_with_the_number_of_replies(make, monkeypatch):
     numel = 512 * 512  # 1 MiB of fp32 arrays, plus the bias
     model_bytes = 4 * (numel + 512)
+    # a pull call brings at most PULL_BYTES of replies (1 GiB; here two of these 1 MiB replies)
+    monkeypatch.setattr("flwr_isoloco.strategies.core.pull.PULL_BYTES", 2 * model_bytes)
     py4, t4 = _peak(make, 4, numel)
     py32, t32 = _peak(make, 32, numel)
     py_slope = (py32 - py4) / (28 * model_bytes)

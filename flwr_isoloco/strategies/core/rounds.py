@@ -3,16 +3,17 @@
 Flower's ``grid.send_and_receive`` returns every reply of a round in one list, so a server holds
 ``M`` replies at once and waits for the slowest node. :class:`ReplyStream` pushes the round's
 messages (``grid.push_messages``), then pulls the replies that have arrived
-(``grid.pull_messages``, one message id per call: a pulled reply is freed on the SuperLink) and
+(:class:`~flwr_isoloco.strategies.core.pull.Puller`: as many ids per call as keep the replies
+held at once under 1 GiB or one reply, a call never waited for past the round's deadline) and
 hands each to ``on_reply`` at once, so the caller can fold it and drop it. The round closes when
 
 - every sampled node has replied; or
 - the quorum is in (``quorum``: a fraction of the sent messages in (0, 1], rounded up, or a
   count >= 1) and ``grace_s`` seconds passed since it was reached; or
-- ``timeout`` seconds passed since the push (Flower's overall cap), counted at the start of a
-  sweep: the sweep that began past the deadline is the last, so a reply that arrived while an
-  earlier pull blocked (Flower's grid waits for an upload's objects, ~2 min when a SuperNode's
-  upload failed) is taken, not left late.
+- ``timeout`` seconds passed since the push (Flower's overall cap). A pull that blocks (Flower's
+  grid waits up to ~3 minutes for the objects of an upload a dead SuperNode never completed)
+  holds neither the round nor the other replies: its ids go on without it and, if it has not
+  returned when the round closes, its node is named late.
 
 ``on_reply`` may return a message to send in the reply's place, to the same node within the round
 (a node that refused a compressed download and asks for the full model): the stream pushes it at
@@ -42,6 +43,8 @@ from flwr.common.logger import log
 from flwr.serverapp import Grid
 
 from flwr_isoloco.strategies.core.ledger import node_gone
+from flwr_isoloco.strategies.core.pull import POLL_S, Puller
+from flwr_isoloco.strategies.core.reply import reply_nbytes
 
 __all__ = [
     "ONE_IS_AMBIGUOUS",
@@ -55,8 +58,6 @@ __all__ = [
 OnReply = Callable[[Message], "Message | None"]
 """Takes one reply; returns None, or a message to push in its place (module docstring)."""
 
-POLL_S = 0.1
-"""Seconds between two sweeps over the unanswered messages when none answered."""
 STALE_ROUNDS = 3
 """Unanswered messages of a closed round are pulled (and their replies discarded) this long."""
 
@@ -118,13 +119,16 @@ class RoundWait:
     arrived: int = 0
     late: list[int] = field(default_factory=list)
     wait_s: float = 0.0
+    pull_calls: int = 0
 
     def as_metrics(self) -> dict[str, float | int]:
-        """``replies-arrived``, ``replies-late``, ``wait-s``."""
+        """``replies-arrived``, ``replies-late``, ``wait-s``, ``pull-calls`` (SuperLink pull
+        calls of the wait)."""
         return {
             "replies-arrived": self.arrived,
             "replies-late": len(self.late),
             "wait-s": self.wait_s,
+            "pull-calls": self.pull_calls,
         }
 
 
@@ -138,6 +142,7 @@ class ReplyStream:
     def __init__(self, what: str = "round", poll_s: float = POLL_S) -> None:
         self.what = what
         self.poll_s = poll_s
+        self.puller = Puller()
         self._stale: dict[str, tuple[int, int]] = {}  # message id -> (node, round)
         self.discarded: list[tuple[int, int]] = []  # (node, round) of late replies dropped
         self.lost: list[tuple[int, int]] = []  # (node, round): NODE_UNAVAILABLE after close
@@ -167,6 +172,9 @@ class ReplyStream:
             if rnd < server_round - STALE_ROUNDS:
                 del self._stale[mid]  # a node that never answers is not pulled for ever
         messages = list(messages)
+        if messages:
+            self.puller.reply_bytes = reply_nbytes(messages[0])
+        calls0 = self.puller.calls
         node_of = {}
         ids = list(grid.push_messages(messages)) if messages else []
         for m, mid in zip(messages, ids, strict=False):
@@ -180,12 +188,10 @@ class ReplyStream:
         need = quorum_count(quorum, len(pending))
         t0 = clock.monotonic()
         quorum_at = None if pending else t0
+        deadline = None if timeout is None else t0 + timeout
         while pending or self._stale:
-            # The deadline is read before the sweep, so the round closes only after a sweep
-            # that began past it: a reply that came in while a slow pull blocked (Flower's
-            # grid waits for an upload's objects) is taken, not counted late.
-            expired = timeout is not None and clock.monotonic() - t0 >= timeout
-            took = self._sweep(grid, pending, on_reply)
+            expired = deadline is not None and clock.monotonic() >= deadline
+            took = self._sweep(grid, pending, on_reply, deadline, clock)
             wait.arrived += took
             now = clock.monotonic()
             if quorum_at is None and wait.arrived >= need:
@@ -197,6 +203,7 @@ class ReplyStream:
             if not took:
                 clock.sleep(self.poll_s)
         wait.wait_s = clock.monotonic() - t0
+        wait.pull_calls = self.puller.calls - calls0
         why = "the round closed on its quorum" if quorum_at is not None else "timeout"
         for mid in pending:
             node = node_of[mid]
@@ -214,32 +221,34 @@ class ReplyStream:
             )
         return wait
 
-    def _sweep(self, grid: Grid, pending: list[str], on_reply: OnReply) -> int:
-        """Pull every unanswered id once (one per call); returns this round's replies taken."""
+    def _sweep(
+        self, grid: Grid, pending: list[str], on_reply: OnReply, deadline: float | None, clock
+    ) -> int:
+        """Pull every unanswered id (:class:`Puller`); returns this round's replies taken."""
         took = 0
-        for mid in list(self._stale):
-            for msg in grid.pull_messages([mid]):
-                self._discard(msg)
-        for mid in list(pending):
-            replies = list(grid.pull_messages([mid]))
-            for msg in replies:
-                rid = msg.metadata.reply_to_message_id
-                if rid in self._stale:
-                    self._discard(msg)
-                elif rid in pending:
-                    pending.remove(rid)
-                    self._taken[rid] = (self._node_of.get(rid, -1), self._round)
-                    follow = on_reply(msg)
-                    if follow is None:
-                        took += 1
-                    else:
-                        self._push_in_place(grid, follow, pending)
-                elif rid in self._taken:
-                    self._duplicate(msg)
-                else:
-                    log(WARNING, "%s: discarded a reply to an unknown message %r", self.what, rid)
-            del replies
+        ids = list(self._stale) + list(pending)
+        for replies in self.puller.pull(grid, ids, deadline, clock):
+            while replies:
+                took += self._route(grid, replies.pop(0), pending, on_reply)
         return took
+
+    def _route(self, grid: Grid, msg: Message, pending: list[str], on_reply: OnReply) -> int:
+        """Hand one pulled reply on (1 when it is one of this round's, taken)."""
+        rid = msg.metadata.reply_to_message_id
+        if rid in self._stale:
+            self._discard(msg)
+        elif rid in pending:
+            pending.remove(rid)
+            self._taken[rid] = (self._node_of.get(rid, -1), self._round)
+            follow = on_reply(msg)
+            if follow is None:
+                return 1
+            self._push_in_place(grid, follow, pending)
+        elif rid in self._taken:
+            self._duplicate(msg)
+        else:
+            log(WARNING, "%s: discarded a reply to an unknown message %r", self.what, rid)
+        return 0
 
     def _push_in_place(self, grid: Grid, msg: Message, pending: list[str]) -> None:
         """Push ``msg`` (sent in a reply's place) and wait for its reply with the round's."""

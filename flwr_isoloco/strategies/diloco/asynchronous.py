@@ -84,7 +84,8 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from itertools import chain
 from logging import INFO, WARNING
 from typing import Any
 
@@ -96,8 +97,8 @@ from flwr.serverapp import Grid
 from flwr_isoloco.compression import payload_nbytes
 from flwr_isoloco.strategies.core.ledger import SentLedger
 from flwr_isoloco.strategies.core.lifecycle import RoundOutcome
+from flwr_isoloco.strategies.core.pull import POLL_S, Puller
 from flwr_isoloco.strategies.core.replies import reply_nbytes
-from flwr_isoloco.strategies.core.rounds import POLL_S
 from flwr_isoloco.strategies.diloco.settings import Rounds
 from flwr_isoloco.strategies.diloco.train_round import TrainRound
 
@@ -169,6 +170,19 @@ class BasedReply:
 
 
 @dataclass
+class _Wait:
+    """Counts of one step's wait."""
+
+    t0: float
+    calls0: int
+    accepted: int = 0
+    dropped_run: int = 0
+    arrived: int = 0
+    stale: int = 0
+    taus: list[int] = field(default_factory=list)
+
+
+@dataclass
 class Task:
     """One node's work in flight: the node, the model version it got, when it was sent."""
 
@@ -216,8 +230,18 @@ class AsyncRounds:
         self.started = False
         self.current = 0  # the version theta is (outer steps taken)
         self.stale_total = 0
+        self.puller = Puller()
+        self.took_s: dict[int, float] = {}  # node -> seconds its last task took, sent to reply
+        self.held: dict[int, float] = {}  # node -> when its hold ends (clock.monotonic())
+        self._carry: list[Message] = []  # replies pulled with the one that closed a step
         self._taking: tuple[Task, int] | None = None
         self._down = 0
+
+    @property
+    def carried(self) -> int:
+        """Replies pulled with the one that closed the last step, taken at the next; a
+        checkpoint counts their tasks as in flight (a resumed run sends them again)."""
+        return len(self._carry)
 
     # ------------------------------------------------------------------ TrainRound hooks
     def base(self, msg: Message) -> Mapping[str, torch.Tensor]:
@@ -254,21 +278,23 @@ class AsyncRounds:
         try:
             self._give_up(train, clock, timeout, set(grid.get_node_ids()))
             self._start_or_top_up(s, grid, clock)
-            deferred, wait = self._wait(s, grid, train, done, clock, timeout)
+            wait = self._wait(s, grid, train, done, clock, timeout)
             s.book.bytes_down = self._down
             s.codec_use.close(done + 1)  # a ClientApp that does not run upload_mod is said
             new_arrays, metrics = train.finish()
         finally:
             train.close()
         self.current = s.server_round
-        if deferred is not None and s.divergence_guard.mode != "skip":
-            self._send(s, grid, [deferred], clock)  # from the model this step made
+        held, self.held = sorted(self.held), {}
+        if s.divergence_guard.mode != "skip":
+            self._send(s, grid, held, clock)  # from the model this step made
         # with on_divergence="skip" the step's model may be put back after evaluate_fn: the
-        # node is then sent work at the next step's top-up, from the model that stands
+        # nodes are then sent work at the next step's top-up, from the model that stands
         self._prune(s.server_round)
         values = {
             **dict(metrics),
             **wait,
+            "nodes-held": len(held),
             "buffer": self.buffer,
             "tasks-in-flight": len(self.ledger.tasks),
             "versions-kept": len(self.versions),
@@ -277,54 +303,97 @@ class AsyncRounds:
 
     def _wait(
         self, s: Any, grid: Grid, train: TrainRound, done: int, clock: Any, timeout: float
-    ) -> tuple[int | None, dict[str, float]]:
-        """Pull replies until the step closes (module docstring); returns the node whose reply
-        closed the buffer (sent new work after the step) and the wait's metrics."""
-        k = self.buffer
-        accepted = dropped_run = arrived = stale = 0
-        taus: list[int] = []
-        t0 = clock.monotonic()
+    ) -> dict[str, float]:
+        """Pull replies until the step closes (module docstring); a node whose reply entered
+        the buffer is held for the step's model when :meth:`_holds` says so, else sent work at
+        once. Replies pulled with the one that closed the step are carried to the next step.
+        Returns the wait's metrics."""
+        w = _Wait(t0=clock.monotonic(), calls0=self.puller.calls)
+        deadline = w.t0 + timeout
         while True:
             took = 0
-            for mid in list(self.ledger.tasks):
-                for reply in grid.pull_messages([mid]):
-                    task = self.ledger.tasks.pop(reply.metadata.reply_to_message_id, None)
-                    if task is None:
-                        log(WARNING, "asynchronous round: discarded a reply to no task in flight")
-                        continue
-                    took, arrived = took + 1, arrived + 1
-                    tau = done - task.version
-                    ok = self._take(train, reply, task, tau)
-                    if ok:
-                        accepted, dropped_run = accepted + 1, 0
-                        taus.append(tau)
-                        if accepted >= k:
-                            return task.node, self._wait_metrics(arrived, stale, taus, clock, t0)
-                    elif tau > self.settings.max_staleness:
-                        stale += 1  # its node gets the newest model: not a failing node
-                    else:
-                        dropped_run += 1
-                    if not reply.has_error():
-                        self._send(s, grid, [task.node], clock)
-            if dropped_run >= max(k, self.nodes) or not self.ledger.tasks:
+            batches = self.puller.pull(grid, list(self.ledger.tasks), deadline, clock)
+            for replies in chain([self._carry], batches):
+                while replies:
+                    took += 1
+                    if self._one(s, grid, train, replies.pop(0), done, clock, w):
+                        self._carry = replies
+                        batches.close()
+                        return self._wait_metrics(w, clock)
+            self._carry = []
+            self._release(s, grid, clock)
+            if w.dropped_run >= max(self.buffer, self.nodes) or not self.ledger.tasks:
                 break
-            if clock.monotonic() - t0 >= timeout:
+            if clock.monotonic() >= deadline:
                 self._give_up(train, clock, timeout)
                 break
             if not took:
-                clock.sleep(self.poll_s)
-        return None, self._wait_metrics(arrived, stale, taus, clock, t0)
+                ends = [t - clock.monotonic() for t in self.held.values()]
+                clock.sleep(max(0.0, min([self.poll_s, *ends])))
+        return self._wait_metrics(w, clock)
 
-    def _wait_metrics(
-        self, arrived: int, stale: int, taus: list[int], clock: Any, t0: float
-    ) -> dict[str, float]:
-        self.stale_total += stale
+    def _one(
+        self, s: Any, grid: Grid, train: TrainRound, reply: Message, done: int, clock: Any, w: _Wait
+    ) -> bool:
+        """Take one reply; True when it closed the step (its node held for the new model)."""
+        task = self.ledger.tasks.pop(reply.metadata.reply_to_message_id, None)
+        if task is None:
+            log(WARNING, "asynchronous round: discarded a reply to no task in flight")
+            return False
+        w.arrived, now = w.arrived + 1, clock.monotonic()
+        self.took_s[task.node] = now - task.sent_at
+        tau = done - task.version
+        ok = self._take(train, reply, task, tau)
+        if ok:
+            w.accepted, w.dropped_run = w.accepted + 1, 0
+            w.taus.append(tau)
+            if w.accepted >= self.buffer:
+                self.held[task.node] = now
+                return True
+        elif tau > self.settings.max_staleness:
+            w.stale += 1  # its node gets the newest model: not a failing node
+        else:
+            w.dropped_run += 1
+        if reply.has_error():
+            return False
+        if ok and self._holds(task.node, now, self.buffer - w.accepted):
+            self.held[task.node] = now + self.settings.hold * self.took_s[task.node]
+        else:
+            self._send(s, grid, [task.node], clock)
+        return False
+
+    def _holds(self, node: int, now: float, need: int) -> bool:
+        """Whether ``node`` (its reply just entered the buffer) waits for the step's model: the
+        step is predicted to close, with ``need`` more replies, within ``hold x`` the time its
+        own task took. A task in flight is predicted to reply at its send time plus the time its
+        node's last task took (the replying node's when unknown), or now when overdue."""
+        own = self.took_s[node]
+        window = self.settings.hold * own
+        if window <= 0 or need <= 0:
+            return window > 0
+        eta = sorted(
+            max(now, t.sent_at + self.took_s.get(t.node, own)) for t in self.ledger.tasks.values()
+        )
+        return len(eta) >= need and eta[need - 1] <= now + window
+
+    def _release(self, s: Any, grid: Grid, clock: Any) -> None:
+        """Nodes whose hold ran out before the step closed get work from the current model."""
+        now = clock.monotonic()
+        done = sorted(n for n, until in self.held.items() if now >= until)
+        for n in done:
+            del self.held[n]
+        if done:
+            self._send(s, grid, done, clock)
+
+    def _wait_metrics(self, w: _Wait, clock: Any) -> dict[str, float]:
+        self.stale_total += w.stale
         return {
-            "replies-arrived": arrived,
-            "replies-stale": stale,
-            "staleness-mean": sum(taus) / len(taus) if taus else 0.0,
-            "staleness-max": max(taus, default=0),
-            "wait-s": clock.monotonic() - t0,
+            "pull-calls": self.puller.calls - w.calls0,
+            "replies-arrived": w.arrived,
+            "replies-stale": w.stale,
+            "staleness-mean": sum(w.taus) / len(w.taus) if w.taus else 0.0,
+            "staleness-max": max(w.taus, default=0),
+            "wait-s": clock.monotonic() - w.t0,
         }
 
     def _take(self, train: TrainRound, reply: Message, task: Task, tau: int) -> bool:
@@ -393,6 +462,9 @@ class AsyncRounds:
         self, s: Any, grid: Grid, nodes: Iterable[int], clock: Any, version: int | None = None
     ) -> None:
         """Push a task to each node: the newest model (or ``version``, when still kept)."""
+        nodes = list(nodes)
+        if not nodes:
+            return
         current = self.current
         v = current if version is None or version not in self.versions else version
         if v == current:
@@ -412,6 +484,7 @@ class AsyncRounds:
                 continue
             self.ledger.tasks[ids[0]] = Task(node, v, clock.monotonic())
             self._down += payload_nbytes(record)
+        self.puller.reply_bytes = payload_nbytes(record)
 
     def _prune(self, current: int) -> None:
         """Keep the current model and the versions a task in flight trains from that are at

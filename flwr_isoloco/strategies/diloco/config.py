@@ -117,6 +117,7 @@ DILOCO_RUN_CONFIG: dict[str, Any] = {
     "max-staleness": 16,
     "async-staleness": 0.5,
     "momentum-every": 1,
+    "async-hold": 0.1,
 }
 """``quorum``: a fraction of the sampled nodes in (0, 1] (1.0, or 1 in TOML: all) or a whole
 count >= 2 (:func:`~flwr_isoloco.strategies.core.rounds.quorum_arg`); ``grace-s``: seconds to wait for the rest once the quorum
@@ -130,7 +131,8 @@ the tensors merged as FedAvg does, outside the outer step ("auto" | "none" | a r
 merging/buffers.py). ``asynchronous``: asynchronous rounds (strategies/diloco/asynchronous.py),
 an outer step per ``async-buffer`` replies (0: the number of nodes training), replies more
 than ``max-staleness`` steps old dropped, weights discounted by ``(1 + tau)^-async-staleness``,
-the outer momentum moved once every ``momentum-every`` steps (``Rounds``' fields)."""
+the outer momentum moved once every ``momentum-every`` steps, a node held for the step's model
+up to ``async-hold`` x its task time (``Rounds``' fields)."""
 ISOLOCO_RUN_CONFIG: dict[str, Any] = {
     **DILOCO_RUN_CONFIG,
     "merge": "",  # "": the preset's rule
@@ -248,6 +250,7 @@ RUN_CONFIG_CHECKS: dict[str, Any] = {
     "max-staleness": non_negative,
     "async-staleness": non_negative,
     "momentum-every": positive,
+    "async-hold": non_negative,
 }
 """Value checks per key (types come from the defaults); merge options are checked by the rule."""
 

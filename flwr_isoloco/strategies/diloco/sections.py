@@ -164,6 +164,7 @@ ASYNC_KEYS = {
     "max-staleness": "max_staleness",
     "async-staleness": "staleness",
     "momentum-every": "momentum_every",
+    "async-hold": "hold",
 }
 """Run-config keys of asynchronous rounds -> :class:`Rounds` fields."""
 

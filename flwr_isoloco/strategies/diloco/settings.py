@@ -154,6 +154,10 @@ class Rounds:
     0: no discount, 0.5: FedBuff's ``1/sqrt(1+tau)``); beyond ``max_staleness`` steps it is
     dropped. ``momentum_every``: the outer momentum moves once every N outer steps
     (delayed Nesterov, :class:`~flwr_isoloco.outer.OuterSGD` ``delay``; 1: every step).
+    ``hold``: a node whose reply entered the buffer waits for the step's new model when that
+    step is predicted to close within ``hold`` x the time its own task took (else it gets the
+    current model at once, and at the latest when that time ran out): sites of equal speed then
+    take the synchronous steps; 0: never wait.
     ``quorum`` and ``grace_s`` are for synchronous rounds only.
     """
 
@@ -165,6 +169,7 @@ class Rounds:
     max_staleness: int = 16
     staleness: float = 0.5
     momentum_every: int = 1
+    hold: float = 0.1
 
     def __post_init__(self) -> None:
         check_quorum_type(self.quorum)
@@ -186,6 +191,11 @@ class Rounds:
             raise ValueError(
                 f"Rounds.staleness must be a finite number >= 0 (the exponent a of "
                 f"s(tau) = (1 + tau)^-a), got {self.staleness!r}"
+            )
+        if not (_is_number(self.hold) and self.hold >= 0):
+            raise ValueError(
+                f"Rounds.hold must be a finite number >= 0 (a fraction of a node's task time), "
+                f"got {self.hold!r}"
             )
         if self.asynchronous:
             if self.quorum is not None or self.grace_s:
@@ -218,7 +228,7 @@ class Rounds:
         return None if self.quorum is None or self.quorum == 1.0 else self.quorum
 
 
-ASYNC_FIELDS = ("buffer", "max_staleness", "staleness", "momentum_every")
+ASYNC_FIELDS = ("buffer", "max_staleness", "staleness", "momentum_every", "hold")
 """The fields of :class:`Rounds` that only asynchronous rounds read."""
 
 

@@ -137,6 +137,9 @@ KEY_DOCS: dict[str, str] = {
     "`(1 + tau)^-a` (0 = no discount, 0.5 = FedBuff's)",
     "strategy.momentum-every": "asynchronous rounds: the outer momentum moves once every this "
     "many outer steps, plain steps in between (delayed Nesterov)",
+    "strategy.async-hold": "asynchronous rounds: a node whose reply is in waits for the step's "
+    "new model if the step is predicted to close within this fraction of its task time (0 = "
+    "never wait; equal speeds then cost nothing)",
     "train.local-steps": "H, inner AdamW steps per round",
     "train.lr": "peak inner learning rate",
     "train.warmup-steps": "linear warm-up in inner steps; at most `num-server-rounds` x "

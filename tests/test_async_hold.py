@@ -1,0 +1,159 @@
+"""Asynchronous rounds hold a node whose reply is in for the step's model when that step is
+about to close (``Rounds.hold``): sites of equal speed then take exactly the synchronous steps,
+and a slow site still holds no one.
+
+:class:`TimedGrid` gives every node a task time in virtual seconds (a reply is in ``d_p``
+seconds after its task was pushed; the round driver's sleeps move the clock), so the runs are
+deterministic and the expected models come from the synchronous strategy on the same grid.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from fakegrid import FakeGrid
+from flwr.app import ArrayRecord
+from test_async_rounds import init_model, train
+
+from flwr_isoloco.strategies import DiLoCo, IsoLoCo, ReplyChecks, Rounds
+
+torch.set_num_threads(1)
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def sleep(self, s: float) -> None:
+        self.now += s
+
+
+class TimedGrid(FakeGrid):
+    """Node ``p``'s task takes ``durations[p]`` virtual seconds; ``pushed`` logs (time,
+    partition) of every train message, ``ready`` (time, partition) of every reply pulled."""
+
+    def __init__(self, durations: list[float]) -> None:
+        super().__init__({"train": train}, num_nodes=len(durations))
+        self.durations, self.due = list(durations), {}
+        self.time_source = _Clock()
+        self.pushed: list[tuple[float, int]] = []
+        self.ready: list[tuple[float, int]] = []
+
+    def push_messages(self, messages):
+        ids = list(super().push_messages(messages))
+        now = self.time_source.now
+        for mid in ids:
+            p = self.partition_of[self._pending[mid].metadata.dst_node_id]
+            self.due[mid] = now + self.durations[p]
+            self.pushed.append((now, p))
+        return ids
+
+    def pull_messages(self, message_ids):
+        now = self.time_source.now
+        due = sorted((self.due[m], m) for m in message_ids if m in self.due and self.due[m] <= now)
+        out = []
+        for t, mid in due:
+            p = self.partition_of[self._pending[mid].metadata.dst_node_id]
+            self.ready.append((t, p))
+            del self.due[mid]
+            out.extend(super().pull_messages([mid]))
+        return out
+
+
+def _kw(cls, **kw):
+    base = dict(
+        outer_lr=0.7,
+        outer_momentum=0.9,
+        min_train_nodes=3,
+        min_available_nodes=3,
+        fraction_evaluate=0.0,
+        checks=ReplyChecks(max_weight_ratio=None),
+    )
+    return {**base, **kw}
+
+
+def _run(s, durations, steps):
+    grid = TimedGrid(durations)
+    res = s.start(grid=grid, initial_arrays=ArrayRecord(init_model()), num_rounds=steps)
+    return res, grid
+
+
+@pytest.mark.parametrize("cls", [DiLoCo, IsoLoCo])
+def test_equal_speeds_take_bitwise_the_synchronous_steps(cls):
+    """Three sites of equal speed (1 s tasks, 1 ms apart, so the arrival order is fixed):
+    the asynchronous run holds every node for the new model and ends on the synchronous run's
+    bits, every reply fresh. Without the hold (hold=0) every task after the first trains from a
+    model one step old and the run ends elsewhere."""
+    durations = [1.0, 1.001, 1.002]
+    sync, _ = _run(cls(**_kw(cls)), durations, 6)
+    a = cls(**_kw(cls, rounds=Rounds(asynchronous=True)))
+    res, grid = _run(a, durations, 6)
+    want, got = sync.arrays.to_torch_state_dict(), res.arrays.to_torch_state_dict()
+    assert all(torch.equal(want[k], got[k]) for k in want)
+    for r in range(1, 7):
+        m = res.train_metrics_clientapp[r]
+        assert (m["staleness-max"], m["replies-used"], m["nodes-held"]) == (0, 3, 3)
+    off = cls(**_kw(cls, rounds=Rounds(asynchronous=True, hold=0.0)))
+    res0, _ = _run(off, durations, 6)
+    assert res0.train_metrics_clientapp[2]["staleness-max"] == 1
+    got0 = res0.arrays.to_torch_state_dict()
+    assert not all(torch.equal(want[k], got0[k]) for k in want)
+
+
+def _gaps(grid: TimedGrid, p: int) -> list[float]:
+    """Seconds node ``p`` waited between each reply and its next task."""
+    pushes = [t for t, q in grid.pushed if q == p]
+    replies = [t for t, q in grid.ready if q == p]
+    return [nxt - done for done, nxt in zip(replies, pushes[1:], strict=False)]
+
+
+def test_one_slow_node_holds_no_one():
+    """Tasks of 1 s, 1 s and 4 s, K = 3: the fast nodes wait at most once, for 0.1 x their
+    task time, while the slow node's time is still unknown; after that the step is predicted
+    to close with the slow reply, far off, and they are sent work at once."""
+    s = DiLoCo(**_kw(DiLoCo, rounds=Rounds(asynchronous=True)))
+    res, grid = _run(s, [1.0, 1.0, 4.0], 6)
+    end = grid.time_source.now
+    poll = 0.025 + 1e-9  # a reply is seen at the next sweep
+    for p in (0, 1):
+        gaps = _gaps(grid, p)
+        assert gaps[0] == pytest.approx(0.1, abs=poll), gaps  # the one hold
+        assert all(g <= poll for g in gaps[1:]), gaps
+        assert sum(1 for _, q in grid.ready if q == p) >= int(end) - 1
+    assert sorted(res.train_metrics_clientapp) == list(range(1, 7))
+
+
+def test_a_hold_never_outlasts_its_window():
+    """A node predicted to see the step close soon, whose step then does not close (the last
+    node is much slower than its first guess), gets the current model when 0.1 x its task time
+    ran out."""
+    s = DiLoCo(**_kw(DiLoCo, rounds=Rounds(asynchronous=True)))
+    _, grid = _run(s, [1.0, 1.0, 30.0], 1)
+    first = [t for t, q in grid.pushed if q == 0]
+    assert first[1] == pytest.approx(1.1, abs=0.03)  # held from 1.0 until its window ended
+
+
+def test_hold_is_checked_and_is_a_run_config_key():
+    with pytest.raises(ValueError, match="Rounds.hold"):
+        Rounds(asynchronous=True, hold=-1.0)
+    with pytest.raises(ValueError, match="asynchronous rounds only"):
+        Rounds(hold=0.5)
+    from flwr_isoloco.strategies.diloco.sections import section_rounds
+
+    r = section_rounds(
+        {
+            "asynchronous": True,
+            "async-hold": 0.3,
+            "quorum": 1.0,
+            "grace-s": 0.0,
+            "max-empty-rounds": 3,
+            "async-buffer": 0,
+            "max-staleness": 16,
+            "async-staleness": 0.5,
+            "momentum-every": 1,
+        }
+    )
+    assert r.hold == 0.3

@@ -1,0 +1,103 @@
+"""Pulls (strategies/core/pull.py): many ids per call within a byte budget, replies in the order
+asked, and a pull that blocks (an upload a dead SuperNode never completed: Flower's grid
+retries ~3 minutes) holds neither round driver past its deadline."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import torch
+from fakegrid import FakeGrid
+from flwr.app import ArrayRecord, Message, MetricRecord, RecordDict
+from test_async_rounds import init_model, train
+
+from flwr_isoloco.strategies import DiLoCo, ReplyChecks, Rounds
+from flwr_isoloco.strategies.core.pull import Puller
+from flwr_isoloco.strategies.core.rounds import ReplyStream
+
+
+def _metrics_only(msg: Message, ctx) -> Message:
+    return Message(RecordDict({"m": MetricRecord({"num-examples": 1})}), reply_to=msg)
+
+
+def _messages(grid: FakeGrid) -> list[Message]:
+    rec = RecordDict({"arrays": ArrayRecord({"w": torch.zeros(256)})})  # 1 KiB
+    return [grid.create_message(rec, "train", nid, "1") for nid in grid.node_ids]
+
+
+def test_one_call_per_sweep_within_the_budget_and_one_per_reply_beyond_it():
+    grid = FakeGrid({"train": _metrics_only}, num_nodes=8)
+    wait = ReplyStream("t").run(grid, _messages(grid), lambda m: None, server_round=1, timeout=9)
+    assert (wait.arrived, wait.pull_calls, grid.pull_calls) == (8, 1, 1)
+    grid = FakeGrid({"train": _metrics_only}, num_nodes=8)
+    stream = ReplyStream("t")
+    stream.puller.max_bytes = 2048  # two 1 KiB replies a call
+    wait = stream.run(grid, _messages(grid), lambda m: None, server_round=1, timeout=9)
+    assert (wait.arrived, wait.pull_calls) == (8, 4)
+
+
+def test_replies_come_in_the_order_asked_whatever_the_grid_returns():
+    grid = FakeGrid({"train": _metrics_only}, num_nodes=5)
+    ids = list(grid.push_messages(_messages(grid)))
+    real = grid.pull_messages
+    grid.pull_messages = lambda chunk: list(reversed(list(real(chunk))))
+    got = [m.metadata.reply_to_message_id for b in Puller().pull(grid, ids) for m in b]
+    assert got == ids
+
+
+class BlockingGrid(FakeGrid):
+    """Real time; the pull of a call holding node 0's reply blocks until ``release`` is set
+    (at most 60 s), as Flower's does for an upload that never completed."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.time_source = None
+        self.release = threading.Event()
+
+    def pull_messages(self, message_ids):
+        ids = list(message_ids)
+        mine = [m for m in ids if self._pending.get(m) is not None]
+        if any(self._pending[m].metadata.dst_node_id == self.node_ids[0] for m in mine):
+            self.release.wait(60)
+        return super().pull_messages(ids)
+
+
+def test_a_blocked_pull_holds_no_synchronous_round_past_its_timeout(caplog):
+    grid = BlockingGrid({"train": _metrics_only}, num_nodes=3)
+    stream = ReplyStream("t")
+    stream.puller.max_bytes = 1024  # one id a call: node 0's call blocks, the others return
+    t0 = time.monotonic()
+    try:
+        with caplog.at_level(logging.WARNING):
+            wait = stream.run(grid, _messages(grid), lambda m: None, server_round=1, timeout=2.0)
+        took = time.monotonic() - t0
+    finally:
+        grid.release.set()
+    assert took < 4.0, took  # it blocked 60 s before
+    assert wait.arrived == 2 and wait.late == [grid.node_ids[0]]
+    assert any(f"node {grid.node_ids[0]}, late: timeout" in r.message for r in caplog.records)
+
+
+def test_a_blocked_pull_holds_no_asynchronous_step_past_its_timeout():
+    grid = BlockingGrid({"train": train}, num_nodes=3)
+    s = DiLoCo(
+        outer_lr=1.0,
+        min_train_nodes=3,
+        min_available_nodes=3,
+        fraction_evaluate=0.0,
+        checks=ReplyChecks(max_weight_ratio=None),
+        rounds=Rounds(asynchronous=True, hold=0.0),
+    )
+    t0 = time.monotonic()
+    try:
+        res = s.start(
+            grid=grid, initial_arrays=ArrayRecord(init_model()), num_rounds=1, timeout=2.0
+        )
+        took = time.monotonic() - t0
+    finally:
+        grid.release.set()
+    assert took < 5.0, took
+    m = res.train_metrics_clientapp[1]
+    assert m["replies-missing"] >= 1  # node 0's task given up at the deadline
