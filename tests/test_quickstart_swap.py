@@ -65,26 +65,38 @@ def test_quickstart_swap_in_process(name):
 
 @pytest.mark.slow
 def test_quickstart_swap_on_ray():
-    """All four swaps through Flower's Ray simulation engine (3 SuperNodes, 3 rounds each)."""
+    """All four swaps through Flower's Ray simulation engine (3 SuperNodes, 3 rounds each). One
+    simulation, one Ray start: its ServerApp runs the four changed ServerApps' ``main`` one
+    after the other on the simulation's grid (the ClientApp keeps no state between messages,
+    so each swap sees the nodes as a run of its own would)."""
+    from flwr.serverapp import ServerApp
     from flwr.simulation import run_simulation
 
     os.environ["PYTHONPATH"] = os.pathsep.join(
         p for p in (str(EXAMPLE), str(REPO), os.environ.get("PYTHONPATH", "")) if p
     )
     client = importlib.import_module("quickstart_swap.client_app").app
-    accuracies = {}
-    for name in SWAPS:
-        mod = _variant(name)
+    mods = {name: _variant(name) for name in SWAPS}
+    for mod in mods.values():
         mod.LAST.clear()
-        run_simulation(
-            server_app=mod.app,
-            client_app=client,
-            num_supernodes=3,
-            backend_config={
-                "client_resources": {"num_cpus": 1, "num_gpus": 0.0},
-                "init_args": {"num_cpus": 2, "include_dashboard": False},
-            },
-        )  # run_simulation() takes no run config: the apps use pyproject.toml's defaults
+    server = ServerApp()
+
+    @server.main()
+    def main(grid, context):
+        for mod in mods.values():
+            mod.main(grid, context)
+
+    run_simulation(
+        server_app=server,
+        client_app=client,
+        num_supernodes=3,
+        backend_config={
+            "client_resources": {"num_cpus": 1, "num_gpus": 0.0},
+            "init_args": {"num_cpus": 2, "include_dashboard": False},
+        },
+    )  # run_simulation() takes no run config: the apps use pyproject.toml's defaults
+    accuracies = {}
+    for name, mod in mods.items():
         assert mod.LAST, f"{name}: the ServerApp did not finish"
         accuracies[name] = _check(mod, name)
     print("quickstart swap on Ray, test accuracy per round:", accuracies)
