@@ -157,3 +157,17 @@ def test_hold_is_checked_and_is_a_run_config_key():
         }
     )
     assert r.hold == 0.3
+
+
+def test_the_one_flag_switch_works_at_every_other_default(caplog):
+    """fraction_evaluate is FedAvg's 1.0 for synchronous rounds and 0 (said) for asynchronous
+    ones; given explicitly above 0 with asynchronous rounds it is still refused."""
+    import logging
+
+    assert DiLoCo().fraction_evaluate == 1.0
+    with caplog.at_level(logging.INFO):
+        s = IsoLoCo(asynchronous=True)
+    assert s.fraction_evaluate == 0.0 and s.async_rounds is not None
+    assert any("no federated evaluation" in r.message for r in caplog.records)
+    with pytest.raises(ValueError, match="fraction_evaluate=1"):
+        IsoLoCo(asynchronous=True, fraction_evaluate=1.0)

@@ -83,7 +83,8 @@ class DiLoCo(FromRunConfig, SettingsViews, DiLoCoState, ResumableStrategy):
     fraction_train, fraction_evaluate, min_train_nodes, min_evaluate_nodes,
     min_available_nodes, weighted_by_key, arrayrecord_key, configrecord_key,
     train_metrics_aggr_fn, evaluate_metrics_aggr_fn :
-        As in ``flwr.serverapp.strategy.FedAvg`` (client metrics: weighted mean by default).
+        As in ``flwr.serverapp.strategy.FedAvg`` (client metrics: weighted mean by default);
+        ``fraction_evaluate`` None: FedAvg's 1.0, or 0.0 with asynchronous rounds.
     merge, merge_options :
         The rule for ``g`` (a name in ``flwr_isoloco.merging.MERGE_RULES`` or a MergeRule) and
         its options (``prune_fraction``, ``drop_rate``, ``ns_steps``...; DARE's seed from ``seed``).
@@ -128,7 +129,7 @@ class DiLoCo(FromRunConfig, SettingsViews, DiLoCoState, ResumableStrategy):
         self,
         *,
         fraction_train: float = 1.0,
-        fraction_evaluate: float = 1.0,
+        fraction_evaluate: float | None = None,
         min_train_nodes: int = 2,
         min_evaluate_nodes: int = 2,
         min_available_nodes: int = 2,
@@ -156,8 +157,11 @@ class DiLoCo(FromRunConfig, SettingsViews, DiLoCoState, ResumableStrategy):
         asynchronous: bool | None = None,
     ) -> None:
         args = dict(locals())  # every argument by name, for the checks and setters below
-        check_arguments(**args)  # fractions, node counts, orthogonalize, seed, settings types
         rounds = asyn.resolve_rounds(rounds, asynchronous)
+        args["fraction_evaluate"] = fraction_evaluate = asyn.default_fraction_evaluate(
+            fraction_evaluate, rounds
+        )
+        check_arguments(**args)  # fractions, node counts, orthogonalize, seed, settings types
         self.checks, self.rounds, self.divergence = checks, rounds, divergence
         self.upload, self.download, self.privacy = as_codec(upload), as_codec(download), privacy
         check_codecs(self.upload, self.download)  # an option that does nothing that way

@@ -100,11 +100,12 @@ def log_summary(s: Any) -> None:
         log(
             INFO,
             "\t├──> Rounds: asynchronous | buffer %s | max-staleness %d | staleness (1+tau)^-%g"
-            " | momentum every %d outer steps",
+            " | momentum every %d outer steps | hold %g x a task",
             r.buffer or "nodes",
             r.max_staleness,
             r.staleness,
             r.momentum_every,
+            r.hold,
         )
     log(INFO, "\t├──> Uploads: codec %s %s", s.upload_codec, s.codec_request)
     log(INFO, "\t└──> Keys in records:")
