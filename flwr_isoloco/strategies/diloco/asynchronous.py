@@ -357,24 +357,30 @@ class AsyncRounds:
         if reply.has_error():
             return False
         if ok and self._holds(task.node, now, self.buffer - w.accepted):
-            self.held[task.node] = now + self.settings.hold * self.took_s[task.node]
+            self.held[task.node] = now + self.window(task.node)
         else:
             self._send(s, grid, [task.node], clock)
         return False
 
     def _holds(self, node: int, now: float, need: int) -> bool:
-        """Whether ``node`` (its reply just entered the buffer) waits for the step's model: the
-        step is predicted to close, with ``need`` more replies, within ``hold x`` the time its
-        own task took. A task in flight is predicted to reply at its send time plus the time its
-        node's last task took (the replying node's when unknown), or now when overdue."""
-        own = self.took_s[node]
-        window = self.settings.hold * own
+        """Whether ``node`` (its reply just entered the buffer) waits for the step's model:
+        the step is predicted to close, with ``need`` more replies, within its window
+        (:meth:`window`). A task in flight is predicted to reply at its send time plus the
+        time its node's last task took (the replying node's when unknown), or now if overdue."""
+        own, window = self.took_s[node], self.window(node)
         if window <= 0 or need <= 0:
             return window > 0
         eta = sorted(
             max(now, t.sent_at + self.took_s.get(t.node, own)) for t in self.ledger.tasks.values()
         )
         return len(eta) >= need and eta[need - 1] <= now + window
+
+    def window(self, node: int) -> float:
+        """How long ``node`` may wait for a step: ``hold x min(its last task time, the median
+        of the nodes' last task times)``, so a slow node waits no longer than a typical one."""
+        times = sorted(self.took_s.values())
+        median = times[len(times) // 2]
+        return self.settings.hold * min(self.took_s[node], median)
 
     def _release(self, s: Any, grid: Grid, clock: Any) -> None:
         """Nodes whose hold ran out before the step closed get work from the current model."""

@@ -117,7 +117,7 @@ DILOCO_RUN_CONFIG: dict[str, Any] = {
     "max-staleness": 16,
     "async-staleness": 0.5,
     "momentum-every": 1,
-    "async-hold": 0.1,
+    "async-hold": 0.25,
 }
 """``quorum``: a fraction of the sampled nodes in (0, 1] (1.0, or 1 in TOML: all) or a whole
 count >= 2 (:func:`~flwr_isoloco.strategies.core.rounds.quorum_arg`); ``grace-s``: seconds to wait for the rest once the quorum

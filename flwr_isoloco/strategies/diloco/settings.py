@@ -155,9 +155,9 @@ class Rounds:
     dropped. ``momentum_every``: the outer momentum moves once every N outer steps
     (delayed Nesterov, :class:`~flwr_isoloco.outer.OuterSGD` ``delay``; 1: every step).
     ``hold``: a node whose reply entered the buffer waits for the step's new model when that
-    step is predicted to close within ``hold`` x the time its own task took (else it gets the
-    current model at once, and at the latest when that time ran out): sites of equal speed then
-    take the synchronous steps; 0: never wait.
+    step is predicted to close within ``hold`` x its task time (its last task's, at most the
+    nodes' median); else, or once that time ran out, it gets the current model: sites of equal
+    speed then take the synchronous steps; 0: never wait.
     ``quorum`` and ``grace_s`` are for synchronous rounds only.
     """
 
@@ -169,7 +169,7 @@ class Rounds:
     max_staleness: int = 16
     staleness: float = 0.5
     momentum_every: int = 1
-    hold: float = 0.1
+    hold: float = 0.25
 
     def __post_init__(self) -> None:
         check_quorum_type(self.quorum)
