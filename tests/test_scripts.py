@@ -4,7 +4,8 @@
 wrote paths unescaped: a ``"`` broke the file, a ``\\t`` became a tab); ``scripts/run_app.sh``
 must hand Flower the exact output dir (with a ``'`` the run silently wrote elsewhere). The
 run_app.sh checks use its ``RUN_APP_DRY_RUN=1`` mode (overrides checked and read back with
-Flower's own parser, nothing started); one slow test does a real run of the tiny FedAvg app.
+Flower's own parser, nothing started); the real run into an awkward dir is the swap-fedavg
+example's (tests/test_swap_fedavg_example.py::test_example_through_flwr_run).
 """
 
 import json
@@ -170,17 +171,5 @@ def test_run_app_refuses_an_output_dir_that_is_not_utf8(tmp_path):
     assert b"is not valid UTF-8, so it cannot be passed to Flower" in proc.stderr
 
 
-@pytest.mark.slow
-def test_run_app_real_run_writes_into_the_awkward_dir(tmp_path):
-    out = tmp_path / 'it\'s "out" \\t'
-    proc = subprocess.run(
-        ["bash", str(RUN_APP), str(TINY_APP), str(out), "num-server-rounds=1"],
-        capture_output=True,
-        text=True,
-        timeout=420,
-        env={**os.environ, "NUM_SUPERNODES": "3", "CPUS_PER_CLIENT": "1"},
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert json.loads((out / "run_app.json").read_text())["status"] == "finished:completed"
-    assert (out / "results.json").is_file()  # written by the ServerApp into this very dir
-    assert sorted(p.name for p in tmp_path.iterdir()) == [out.name]
+# The real run into an awkward dir (the ServerApp writes into that very dir, nothing beside it)
+# is tests/test_swap_fedavg_example.py::test_example_through_flwr_run: one Ray run for both.

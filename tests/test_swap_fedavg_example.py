@@ -61,13 +61,18 @@ def test_one_line_swap(tmp_path):
 
 @pytest.mark.slow
 def test_example_through_flwr_run(tmp_path):
+    """The example through scripts/run_app.sh (Ray). Its output dir is awkward on purpose, so
+    the same real run checks run_app.sh's path handling (issue 8, B10; a run of the tiny FedAvg
+    app of its own in tests/test_scripts.py before): Flower is handed the exact dir, the
+    ServerApp writes into this very dir and nothing lands beside it."""
+    out = tmp_path / 'it\'s "out" \\t'  # quotes, a space and a literal backslash-t
     env = {**os.environ, "NUM_SUPERNODES": "3", "CPUS_PER_CLIENT": "1"}
     proc = subprocess.run(
         [
             "bash",
             str(REPO / "scripts" / "run_app.sh"),
             str(EXAMPLE),
-            str(tmp_path),
+            str(out),
             "num-server-rounds=2",
         ],
         capture_output=True,
@@ -76,5 +81,7 @@ def test_example_through_flwr_run(tmp_path):
         env=env,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    res = json.loads((tmp_path / "result.json").read_text())
+    assert json.loads((out / "run_app.json").read_text())["status"] == "finished:completed"
+    res = json.loads((out / "result.json").read_text())  # written by the ServerApp, here
     assert res["strategy"] == "IsoLoCo" and set(res["val-loss"]) == {"0", "1", "2"}
+    assert sorted(p.name for p in tmp_path.iterdir()) == [out.name]
