@@ -65,25 +65,35 @@ def test_app_runs_in_process_with_isoloco():
 @pytest.mark.slow
 def test_isoloco_default_matches_fedavg_on_ray():
     """FedAvg and IsoLoCo() on Flower's Ray engine (4 SuperNodes, 10 rounds, IID, seed 0);
-    run_simulation passes no run config, so the app runs at its code defaults."""
+    run_simulation passes no run config, so the app runs at its code defaults. One simulation,
+    one Ray start: its ServerApp runs the two variants' ``main`` one after the other on the
+    simulation's grid (the ClientApp keeps no state between messages)."""
+    from flwr.serverapp import ServerApp
     from flwr.simulation import run_simulation
 
     os.environ["PYTHONPATH"] = os.pathsep.join(
         p for p in (str(EXAMPLE), str(REPO), os.environ.get("PYTHONPATH", "")) if p
     )
     client = importlib.import_module("digits.client_app").app
+    mods = {name: _variant(FEDAVG_LINE.replace("FedAvg", name)) for name in ("FedAvg", "IsoLoCo")}
+    server = ServerApp()
+
+    @server.main()
+    def main(grid, context):
+        for mod in mods.values():
+            mod.main(grid, context)
+
+    run_simulation(
+        server_app=server,
+        client_app=client,
+        num_supernodes=4,
+        backend_config={
+            "client_resources": {"num_cpus": 1, "num_gpus": 0.0},
+            "init_args": {"num_cpus": 2, "include_dashboard": False},
+        },
+    )
     final = {}
-    for name in ("FedAvg", "IsoLoCo"):
-        mod = _variant(FEDAVG_LINE.replace("FedAvg", name))
-        run_simulation(
-            server_app=mod.app,
-            client_app=client,
-            num_supernodes=4,
-            backend_config={
-                "client_resources": {"num_cpus": 1, "num_gpus": 0.0},
-                "init_args": {"num_cpus": 2, "include_dashboard": False},
-            },
-        )
+    for name, mod in mods.items():
         assert mod.LAST.get("strategy") == name, f"{name}: the ServerApp did not finish"
         acc = {
             r: float(m["accuracy"])
