@@ -251,8 +251,10 @@ def test_a_rank_that_raises_fails_the_message_in_the_parent_without_hanging():
 @pytest.mark.slow
 def test_a_stuck_rank_times_out_and_a_killed_rank_is_named():
     ctx, theta = _context(), model_fn().state_dict()
+    # timeout_s: long enough for the spawned ranks to start (imports, rendezvous), no longer
+    # (the test waits it out); the group gives up after it whichever side times out first
     stuck = make_distributed_train_handler(
-        model_fn, stuck_data_fn, world_size=2, backend="gloo", timeout_s=20, **KW
+        model_fn, stuck_data_fn, world_size=2, backend="gloo", timeout_s=10, **KW
     )
     start = time.perf_counter()
     with pytest.raises(DistributedWorkerError, match="timeout|Timed out|timed out"):
