@@ -3,7 +3,7 @@
 Each node always has one task: the newest model to train from. As soon as its reply is in, it
 is checked (the strategy's one reply path, :class:`~.train_round.TrainRound`: reply checks,
 weight bound, dtype policy, norm bounds) and buffered, and the node is sent new work from the
-newest model. A *round* is one outer step, taken once ``K`` replies (``Rounds.buffer``; None:
+newest model, or held for the model of the step about to close (the hold, below). A *round* is one outer step, taken once ``K`` replies (``Rounds.buffer``; None:
 the number of nodes training) are accepted; ``num_rounds`` counts outer steps, so with the
 default ``K`` a run of ``num_rounds`` steps uses as many replies as ``num_rounds`` synchronous
 rounds of every node.
@@ -26,6 +26,18 @@ so that, for the mean, ``g = sum_i bound(n_i) s(tau_i) delta_i / sum_i bound(n_i
 discounted sum): a buffer of stale replies moves the model less, a fresh one (``tau = 0``) as
 a synchronous round would. A reply with ``tau > Rounds.max_staleness`` is dropped before any
 check, logged with its node and the reason, and counted (``replies-stale``).
+
+The hold (``Rounds.hold`` = ``h``, :class:`~.asynchronous_tasks.Hold`). A node whose reply
+entered the buffer waits for the step's model when the step is predicted to close within its
+window ``h x min(its last task time, the nodes' median)``: a task in flight is predicted to reply
+at its send time plus its node's last task time, and the step closes at the arrival that makes
+``K``. Sites of equal speed reply together, so every node waits a moment and the run takes the
+synchronous steps, bit for bit; a slow site is predicted far off and no one waits for it. A
+node whose window runs out first gets the current model; the node whose reply closed the step,
+and every node held, get the step's model. Replies pulled in one call with the one that closed
+a step are taken at the next step (:attr:`AsyncRounds.carried`). Pulls:
+:class:`~flwr_isoloco.strategies.core.pull.Puller` (every id in one call within a byte budget,
+never waited for past the step's deadline).
 
 Buffers (float tensors not trained by gradients, BatchNorm's running statistics:
 :mod:`flwr_isoloco.merging.buffers`) are not pseudo-gradients: a stale delta of a statistic
@@ -84,7 +96,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
 from itertools import chain
 from logging import INFO, WARNING
 from typing import Any
@@ -95,10 +106,18 @@ from flwr.common.logger import log
 from flwr.serverapp import Grid
 
 from flwr_isoloco.compression import payload_nbytes
-from flwr_isoloco.strategies.core.ledger import SentLedger
 from flwr_isoloco.strategies.core.lifecycle import RoundOutcome
 from flwr_isoloco.strategies.core.pull import POLL_S, Puller
 from flwr_isoloco.strategies.core.replies import reply_nbytes
+from flwr_isoloco.strategies.diloco.asynchronous_tasks import (
+    BasedReply,
+    Hold,
+    Task,
+    TaskLedger,
+    Wait,
+    asked_steps,
+    staleness_discount,
+)
 from flwr_isoloco.strategies.diloco.settings import Rounds
 from flwr_isoloco.strategies.diloco.train_round import TrainRound
 
@@ -106,17 +125,6 @@ __all__ = ["AsyncRounds", "BasedReply", "asked_steps", "refuse_secagg", "stalene
 
 VERSION_KEY = "model-version"
 """ConfigRecord key of a task: the version (outer steps) of the model sent."""
-
-
-def staleness_discount(tau: int, a: float) -> float:
-    """``s(tau) = (1 + tau)^(-a)``: 1 for a fresh reply (``tau = 0``) and for ``a = 0``."""
-    return 1.0 if tau == 0 or a == 0 else float((1.0 + tau) ** -a)
-
-
-def asked_steps(config: Mapping[str, Any]) -> int | None:
-    """The ``local-steps`` a train config asks for (an int >= 1), else None (not asked)."""
-    h = config.get("local-steps")
-    return h if isinstance(h, int) and not isinstance(h, bool) and h >= 1 else None
 
 
 def refuse_secagg(s: Any) -> None:
@@ -127,94 +135,6 @@ def refuse_secagg(s: Any) -> None:
             "together; asynchronous replies arrive one by one from different model versions. "
             "Use synchronous rounds with use_secagg"
         )
-
-
-class BasedReply:
-    """A checked reply whose delta is taken against the model its node was sent (``base``,
-    version ``tau`` steps old), with its staleness discount; every other attribute is the
-    :class:`~flwr_isoloco.strategies.core.replies.CheckedReply`'s. ``buffers``: the keys
-    taken against the current model instead (:meth:`update`)."""
-
-    def __init__(
-        self,
-        reply: Any,
-        base: Mapping[str, torch.Tensor],
-        tau: int,
-        discount: float,
-        buffers: frozenset[str] = frozenset(),
-    ):
-        self.__dict__.update(
-            reply=reply, base=base, staleness=tau, discount=discount, buffers=buffers
-        )
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.__dict__["reply"], name)
-
-    def update(self, reference: Any = None) -> dict[str, torch.Tensor]:
-        """``delta_i = theta_v - theta_i`` against the model sent, for the parameters; for a
-        buffer ``b``, ``reference_b - theta_i,b = delta_i,b + (reference_b - theta_v,b)``
-        against ``reference`` (the current model, which the round's fold passes): the merged
-        buffer ``reference_b - mean_w(...)`` is then the weighted mean of the values the nodes
-        reported, however old the model each trained from."""
-        d = self.reply.update(self.base)
-        if reference is None:
-            return d
-        for k in self.buffers & d.keys():
-            d[k] = d[k] + (reference[k].float() - self.base[k].float())
-        return d
-
-    def strip(self) -> None:
-        """The reply's arrays and the model it trained from are no longer needed."""
-        self.reply.strip()
-        self.__dict__["base"] = None
-
-
-@dataclass
-class _Wait:
-    """Counts of one step's wait."""
-
-    t0: float
-    calls0: int
-    accepted: int = 0
-    dropped_run: int = 0
-    arrived: int = 0
-    stale: int = 0
-    taus: list[int] = field(default_factory=list)
-
-
-@dataclass
-class Task:
-    """One node's work in flight: the node, the model version it got, when it was sent."""
-
-    node: int
-    version: int
-    sent_at: float = 0.0
-
-
-class TaskLedger(SentLedger):
-    """The tasks in flight (message id -> :class:`Task`, in the order sent): attributes a reply
-    to the node its task went to (a dead node's error comes from the SuperLink)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.tasks: dict[str, Task] = {}
-        # the reply being taken: message id -> the node of its task (set by AsyncRounds)
-        self.answering: dict[str, int] = {}
-
-    def sender(self, reply: Message) -> int:
-        rid = reply.metadata.reply_to_message_id
-        node = self.answering.get(rid)
-        return reply.metadata.src_node_id if node is None else node
-
-    def sent_any(self) -> bool:
-        return True
-
-    def unanswered(self, answered: set[str]) -> list[int]:
-        return []  # a task in flight is not missing: it goes on into the next step
-
-    def busy(self) -> set[int]:
-        """Nodes with a task in flight."""
-        return {t.node for t in self.tasks.values()}
 
 
 class AsyncRounds:
@@ -231,8 +151,7 @@ class AsyncRounds:
         self.current = 0  # the version theta is (outer steps taken)
         self.stale_total = 0
         self.puller = Puller()
-        self.took_s: dict[int, float] = {}  # node -> seconds its last task took, sent to reply
-        self.held: dict[int, float] = {}  # node -> when its hold ends (clock.monotonic())
+        self.hold = Hold(rounds.hold)
         self._carry: list[Message] = []  # replies pulled with the one that closed a step
         self._taking: tuple[Task, int] | None = None
         self._down = 0
@@ -285,7 +204,7 @@ class AsyncRounds:
         finally:
             train.close()
         self.current = s.server_round
-        held, self.held = sorted(self.held), {}
+        held = self.hold.release()
         if s.divergence_guard.mode != "skip":
             self._send(s, grid, held, clock)  # from the model this step made
         # with on_divergence="skip" the step's model may be put back after evaluate_fn: the
@@ -305,10 +224,10 @@ class AsyncRounds:
         self, s: Any, grid: Grid, train: TrainRound, done: int, clock: Any, timeout: float
     ) -> dict[str, float]:
         """Pull replies until the step closes (module docstring); a node whose reply entered
-        the buffer is held for the step's model when :meth:`_holds` says so, else sent work at
+        the buffer is held for the step's model when :meth:`Hold.decide` says so, else sent work at
         once. Replies pulled with the one that closed the step are carried to the next step.
         Returns the wait's metrics."""
-        w = _Wait(t0=clock.monotonic(), calls0=self.puller.calls)
+        w = Wait(t0=clock.monotonic(), calls0=self.puller.calls)
         deadline = w.t0 + timeout
         while True:
             took = 0
@@ -328,12 +247,11 @@ class AsyncRounds:
                 self._give_up(train, clock, timeout)
                 break
             if not took:
-                ends = [t - clock.monotonic() for t in self.held.values()]
-                clock.sleep(max(0.0, min([self.poll_s, *ends])))
+                clock.sleep(self.hold.sleep_s(clock.monotonic(), self.poll_s))
         return self._wait_metrics(w, clock)
 
     def _one(
-        self, s: Any, grid: Grid, train: TrainRound, reply: Message, done: int, clock: Any, w: _Wait
+        self, s: Any, grid: Grid, train: TrainRound, reply: Message, done: int, clock: Any, w: Wait
     ) -> bool:
         """Take one reply; True when it closed the step (its node held for the new model)."""
         task = self.ledger.tasks.pop(reply.metadata.reply_to_message_id, None)
@@ -341,14 +259,14 @@ class AsyncRounds:
             log(WARNING, "asynchronous round: discarded a reply to no task in flight")
             return False
         w.arrived, now = w.arrived + 1, clock.monotonic()
-        self.took_s[task.node] = now - task.sent_at
+        self.hold.took_s[task.node] = now - task.sent_at
         tau = done - task.version
         ok = self._take(train, reply, task, tau)
         if ok:
             w.accepted, w.dropped_run = w.accepted + 1, 0
             w.taus.append(tau)
             if w.accepted >= self.buffer:
-                self.held[task.node] = now
+                self.hold.keep(task.node, now)
                 return True
         elif tau > self.settings.max_staleness:
             w.stale += 1  # its node gets the newest model: not a failing node
@@ -356,42 +274,16 @@ class AsyncRounds:
             w.dropped_run += 1
         if reply.has_error():
             return False
-        if ok and self._holds(task.node, now, self.buffer - w.accepted):
-            self.held[task.node] = now + self.window(task.node)
-        else:
+        need = self.buffer - w.accepted
+        if not (ok and self.hold.decide(task.node, now, need, self.ledger.tasks.values())):
             self._send(s, grid, [task.node], clock)
         return False
 
-    def _holds(self, node: int, now: float, need: int) -> bool:
-        """Whether ``node`` (its reply just entered the buffer) waits for the step's model:
-        the step is predicted to close, with ``need`` more replies, within its window
-        (:meth:`window`). A task in flight is predicted to reply at its send time plus the
-        time its node's last task took (the replying node's when unknown), or now if overdue."""
-        own, window = self.took_s[node], self.window(node)
-        if window <= 0 or need <= 0:
-            return window > 0
-        eta = sorted(
-            max(now, t.sent_at + self.took_s.get(t.node, own)) for t in self.ledger.tasks.values()
-        )
-        return len(eta) >= need and eta[need - 1] <= now + window
-
-    def window(self, node: int) -> float:
-        """How long ``node`` may wait for a step: ``hold x min(its last task time, the median
-        of the nodes' last task times)``, so a slow node waits no longer than a typical one."""
-        times = sorted(self.took_s.values())
-        median = times[len(times) // 2]
-        return self.settings.hold * min(self.took_s[node], median)
-
     def _release(self, s: Any, grid: Grid, clock: Any) -> None:
         """Nodes whose hold ran out before the step closed get work from the current model."""
-        now = clock.monotonic()
-        done = sorted(n for n, until in self.held.items() if now >= until)
-        for n in done:
-            del self.held[n]
-        if done:
-            self._send(s, grid, done, clock)
+        self._send(s, grid, self.hold.expired(clock.monotonic()), clock)
 
-    def _wait_metrics(self, w: _Wait, clock: Any) -> dict[str, float]:
+    def _wait_metrics(self, w: Wait, clock: Any) -> dict[str, float]:
         self.stale_total += w.stale
         return {
             "pull-calls": self.puller.calls - w.calls0,

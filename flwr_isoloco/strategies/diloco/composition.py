@@ -90,7 +90,8 @@ ASYNC_DOWNLOAD = (
 ASYNC_EVALUATION = (
     "a federated evaluation message would queue behind each node's training task and stall the "
     "run, so asynchronous rounds default to fraction_evaluate=0 and evaluate on the server with "
-    "evaluate_fn, which runs after every outer step; leave fraction_evaluate unset or 0"
+    "evaluate_fn, which runs after every outer step; leave fraction_evaluate unset or 0 "
+    "(strategy.fraction-evaluate=0)"
 )
 ASYNC_SECAGG = (
     "SecAgg+ unmasks the sum of one cohort that exchanged keys in the same round, while an "

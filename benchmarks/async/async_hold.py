@@ -1,0 +1,161 @@
+"""The asynchronous LM study rerun with the hold (``Rounds.hold``) and the pulls of
+``strategies/core/pull.py``: the same runs as :mod:`async_lm` (8 nodes, H = 10, 90 s budget,
+every method at the LM app's tuned outer lr), recorded apart so the table puts each cell
+before (``async_lm.json``, the code without the hold) and after side by side.
+
+    python benchmarks/async/async_hold.py --queue --until 08:20   # the plan, resumable
+    python benchmarks/async/async_hold.py --table                 # docs/strategies.md block
+
+Records: ``benchmarks/results/async_hold.json``. Equal speeds compare against the synchronous
+records of ``async_lm.json`` (the synchronous round's arithmetic did not change; its pulls did).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common.py
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import async_lm  # noqa: E402
+import common  # noqa: E402
+
+RECORDS = common.RESULTS / "async_hold.json"
+SPREAD, SEEDS, METHODS = async_lm.SPREAD, async_lm.SEEDS, async_lm.METHODS
+
+
+def plan() -> list[tuple[str, str, int, float]]:
+    """Per seed: equal speeds (async), then 1x-4x (async, speed-scaled); then synchronous
+    rounds and the quorum at 1x-4x, seed 0 (their pulls changed)."""
+    out = []
+    for seed in SEEDS:
+        for method in METHODS:
+            out.append((method, "async", seed, 1.0))
+            out += [(method, mode, seed, SPREAD) for mode in ("async", "async-tb")]
+    return out + [(m, mode, 0, SPREAD) for mode in ("sync", "quorum") for m in METHODS]
+
+
+def recorded() -> dict[str, dict[str, Any]]:
+    return {r["key"]: r for r in common.load_records(RECORDS)}
+
+
+def one(method: str, mode: str, seed: int, spread: float) -> None:
+    k = async_lm.key(method, mode, seed, spread)
+    if k in recorded():
+        print(f"skip {k}: recorded")
+        return
+    rec = async_lm.run_one(method, mode, seed, spread)
+    common.append_record(RECORDS, rec)
+    t = rec["turnaround"]
+    print(
+        f"done {k}: loss@90 {rec['loss_at_budget']:.4f} final {rec['final_loss']:.4f} "
+        f"min util {rec['min_utilisation']:.3f} next median {t['next_median_s']} "
+        f"p95 {t['next_p95_s']} pulls {rec['pull_calls']} wall {rec['wall_s']:.0f}s",
+        flush=True,
+    )
+
+
+def queue(until: str | None) -> None:
+    stop = None
+    if until:
+        h, m = map(int, until.split(":"))
+        stop = dt.datetime.now(dt.timezone.utc).replace(hour=h, minute=m, second=0)
+    for method, mode, seed, spread in plan():
+        if async_lm.key(method, mode, seed, spread) in recorded():
+            continue
+        if stop and dt.datetime.now(dt.timezone.utc) >= stop:
+            print(f"queue: {until} UTC passed", flush=True)
+            return
+        print(f"queue: {dt.datetime.now(dt.timezone.utc):%H:%M:%S} start {method} {mode} {seed}")
+        cmd = [sys.executable, __file__, "--one", method, mode, str(seed), "--spread", str(spread)]
+        if subprocess.run(cmd, check=False).returncode:
+            print(f"queue: {method} {mode} {seed} failed; going on", flush=True)
+
+
+def _cells(records: list[dict[str, Any]], method: str, mode: str, spread: float) -> dict:
+    return {
+        r["seed"]: r
+        for r in records
+        if (r["method"], r["mode"], r["spread"]) == (method, mode, spread)
+    }
+
+
+def _losses(cells: dict, field: str) -> str:
+    return ", ".join(f"{cells[s][field]:.4f}" for s in sorted(cells)) or "—"
+
+
+def _delta(cells: dict, sync: dict) -> str:
+    both = sorted(set(cells) & set(sync))
+    return ", ".join(f"{cells[k]['final_loss'] - sync[k]['final_loss']:+.4f}" for k in both) or "—"
+
+
+def table(before: list[dict[str, Any]], after: list[dict[str, Any]]) -> str:
+    """Equal speeds (loss at equal tokens, paired against synchronous rounds) and 1x-4x (loss
+    at 90 s, min utilisation, turnaround), before and after, every seed."""
+    lines = [
+        "| method | equal speeds: sync, every seed | async before | Δ before | async after "
+        "| Δ after |",
+        common.rule(6),
+    ]
+    for m in METHODS:
+        s = _cells(before, m, "sync", 1.0)
+        b, a = _cells(before, m, "async", 1.0), _cells(after, m, "async", 1.0)
+        lines.append(
+            f"| {m} | {_losses(s, 'final_loss')} | {_losses(b, 'final_loss')} | {_delta(b, s)} "
+            f"| {_losses(a, 'final_loss')} | {_delta(a, s)} |"
+        )
+    lines += [
+        "",
+        "| method | 1x-4x mode | val loss at 90 s before | after | min utilisation before "
+        "| after | next task after a reply, median / p95 (s) | pull calls per node per s |",
+        common.rule(8),
+    ]
+    for m in METHODS:
+        for mode in ("sync", "quorum", "async", "async-tb"):
+            b, a = _cells(before, m, mode, SPREAD), _cells(after, m, mode, SPREAD)
+            if not a:
+                continue
+            turn = ", ".join(
+                f"{a[k]['turnaround']['next_median_s']:.3f} / {a[k]['turnaround']['next_p95_s']:.3f}"
+                for k in sorted(a)
+            )
+            rate = ", ".join(
+                f"{a[k]['pull_calls'] / (a[k]['wall_s'] * a[k]['nodes']):.2f}" for k in sorted(a)
+            )
+            util = lambda c: ", ".join(f"{c[k]['min_utilisation']:.3f}" for k in sorted(c))  # noqa: E731
+            lines.append(
+                f"| {m} | {async_lm.LABELS[mode]} | {_losses(b, 'loss_at_budget')} "
+                f"| {_losses(a, 'loss_at_budget')} | {util(b) or '—'} | {util(a)} | {turn} "
+                f"| {rate} |"
+            )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--queue", action="store_true", help="run the plan, resumable")
+    p.add_argument("--until", help="queue: start no run after HH:MM UTC")
+    p.add_argument("--one", nargs=3, metavar=("METHOD", "MODE", "SEED"))
+    p.add_argument("--spread", type=float, default=SPREAD)
+    p.add_argument("--table", action="store_true", help="docs/strategies.md block")
+    a = p.parse_args(argv)
+    common.offline_env()
+    common.export_path("simulations/isoloco-lm")
+    if a.one:
+        one(a.one[0], a.one[1], int(a.one[2]), a.spread)
+    elif a.queue:
+        queue(a.until)
+    if a.table:
+        text = table(common.load_records(async_lm.RECORDS), common.load_records(RECORDS))
+        common.write_block(
+            async_lm.DOC, "<!-- async-hold:begin -->", "<!-- async-hold:end -->", text
+        )
+        print(text)
+
+
+if __name__ == "__main__":
+    main()
