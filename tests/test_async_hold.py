@@ -13,22 +13,11 @@ import pytest
 import torch
 from fakegrid import FakeGrid
 from flwr.app import ArrayRecord
-from test_async_rounds import init_model, train
+from test_async_rounds import VirtualClock, init_model, train
 
 from flwr_isoloco.strategies import DiLoCo, IsoLoCo, ReplyChecks, Rounds
 
 torch.set_num_threads(1)
-
-
-class _Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def monotonic(self) -> float:
-        return self.now
-
-    def sleep(self, s: float) -> None:
-        self.now += s
 
 
 class TimedGrid(FakeGrid):
@@ -38,7 +27,7 @@ class TimedGrid(FakeGrid):
     def __init__(self, durations: list[float]) -> None:
         super().__init__({"train": train}, num_nodes=len(durations))
         self.durations, self.due = list(durations), {}
-        self.time_source = _Clock()
+        self.time_source = VirtualClock()
         self.pushed: list[tuple[float, int]] = []
         self.ready: list[tuple[float, int]] = []
 

@@ -53,7 +53,7 @@ def train(msg: Message, ctx) -> Message:
     return Message(RecordDict({"arrays": ArrayRecord(new), "metrics": metrics}), reply_to=msg)
 
 
-class _Clock:
+class VirtualClock:
     def __init__(self) -> None:
         self.now = 0.0
 
@@ -71,7 +71,7 @@ class ScriptedGrid(FakeGrid):
     def __init__(self, order: list[int], num_nodes: int = 3) -> None:
         super().__init__({"train": train}, num_nodes=num_nodes)
         self.order, self.taken = list(order), 0
-        self.time_source = _Clock()
+        self.time_source = VirtualClock()
 
     def pull_messages(self, message_ids):
         out = []

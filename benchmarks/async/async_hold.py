@@ -13,8 +13,6 @@ records of ``async_lm.json`` (the synchronous round's arithmetic did not change;
 from __future__ import annotations
 
 import argparse
-import datetime as dt
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -57,23 +55,6 @@ def one(method: str, mode: str, seed: int, spread: float) -> None:
         f"p95 {t['next_p95_s']} pulls {rec['pull_calls']} wall {rec['wall_s']:.0f}s",
         flush=True,
     )
-
-
-def queue(until: str | None) -> None:
-    stop = None
-    if until:
-        h, m = map(int, until.split(":"))
-        stop = dt.datetime.now(dt.timezone.utc).replace(hour=h, minute=m, second=0)
-    for method, mode, seed, spread in plan():
-        if async_lm.key(method, mode, seed, spread) in recorded():
-            continue
-        if stop and dt.datetime.now(dt.timezone.utc) >= stop:
-            print(f"queue: {until} UTC passed", flush=True)
-            return
-        print(f"queue: {dt.datetime.now(dt.timezone.utc):%H:%M:%S} start {method} {mode} {seed}")
-        cmd = [sys.executable, __file__, "--one", method, mode, str(seed), "--spread", str(spread)]
-        if subprocess.run(cmd, check=False).returncode:
-            print(f"queue: {method} {mode} {seed} failed; going on", flush=True)
 
 
 def _cells(records: list[dict[str, Any]], method: str, mode: str, spread: float) -> dict:
@@ -148,7 +129,7 @@ def main(argv: list[str] | None = None) -> None:
     if a.one:
         one(a.one[0], a.one[1], int(a.one[2]), a.spread)
     elif a.queue:
-        queue(a.until)
+        async_lm.queue(a.until, plan(), RECORDS, __file__)
     if a.table:
         text = table(common.load_records(async_lm.RECORDS), common.load_records(RECORDS))
         common.write_block(

@@ -302,21 +302,22 @@ def one(method: str, mode: str, seed: int, spread: float) -> None:
     )
 
 
-def queue(until: str | None) -> None:
-    """Each run of :func:`plan` not yet recorded, one subprocess at a time, until ``until``
-    (UTC ``HH:MM`` today) has passed."""
+def queue(until: str | None, runs: Any = None, records: Path = RECORDS, script: str = __file__):
+    """Each run of ``runs`` (:func:`plan`) not in ``records``, one subprocess of ``script`` at a
+    time, until ``until`` (UTC ``HH:MM`` today) has passed."""
+    runs = plan() if runs is None else runs
     stop = None
     if until:
         h, m = map(int, until.split(":"))
         stop = dt.datetime.now(dt.timezone.utc).replace(hour=h, minute=m, second=0)
-    for method, mode, seed, spread in plan():
-        if key(method, mode, seed, spread) in recorded():
+    for method, mode, seed, spread in runs:
+        if key(method, mode, seed, spread) in {r["key"] for r in common.load_records(records)}:
             continue
         if stop and dt.datetime.now(dt.timezone.utc) >= stop:
             print(f"queue: {until} UTC passed", flush=True)
             return
         print(f"queue: {dt.datetime.now(dt.timezone.utc):%H:%M:%S} start {method} {mode} {seed}")
-        cmd = [sys.executable, __file__, "--one", method, mode, str(seed), "--spread", str(spread)]
+        cmd = [sys.executable, script, "--one", method, mode, str(seed), "--spread", str(spread)]
         if subprocess.run(cmd, check=False).returncode:
             print(f"queue: {method} {mode} {seed} failed; going on", flush=True)
 
