@@ -12,8 +12,8 @@ from __future__ import annotations
 import pytest
 import torch
 from fakegrid import FakeGrid
-from flwr.app import ArrayRecord
-from test_async_rounds import VirtualClock, init_model, train
+from flwr.app import ArrayRecord, Message, MetricRecord, RecordDict
+from test_async_rounds import VirtualClock, init_model, target, train
 
 from flwr_isoloco.strategies import DiLoCo, IsoLoCo, ReplyChecks, Rounds
 
@@ -25,19 +25,28 @@ class TimedGrid(FakeGrid):
     partition) of every train message, ``ready`` (time, partition) of every reply pulled."""
 
     def __init__(self, durations: list[float]) -> None:
-        super().__init__({"train": train}, num_nodes=len(durations))
+        super().__init__({"train": train, "evaluate": evaluate}, num_nodes=len(durations))
         self.durations, self.due = list(durations), {}
         self.time_source = VirtualClock()
         self.pushed: list[tuple[float, int]] = []
         self.ready: list[tuple[float, int]] = []
+        self.tasks: list[tuple[float, int, str]] = []  # train messages: time, partition, id
+        self.evaluated: list[tuple[float, int, bool]] = []  # time, partition, had a task
 
     def push_messages(self, messages):
         ids = list(super().push_messages(messages))
         now = self.time_source.now
         for mid in ids:
-            p = self.partition_of[self._pending[mid].metadata.dst_node_id]
+            msg = self._pending[mid]
+            p = self.partition_of[msg.metadata.dst_node_id]
+            if msg.metadata.message_type == "evaluate":  # at once; never behind a train task
+                busy = any(q == p and m in self.due for _, q, m in self.tasks)
+                self.evaluated.append((now, p, busy))
+                self.due[mid] = now
+                continue
             self.due[mid] = now + self.durations[p]
             self.pushed.append((now, p))
+            self.tasks.append((now, p, mid))
         return ids
 
     def pull_messages(self, message_ids):
@@ -45,11 +54,22 @@ class TimedGrid(FakeGrid):
         due = sorted((self.due[m], m) for m in message_ids if m in self.due and self.due[m] <= now)
         out = []
         for t, mid in due:
-            p = self.partition_of[self._pending[mid].metadata.dst_node_id]
-            self.ready.append((t, p))
+            msg = self._pending[mid]
+            p = self.partition_of[msg.metadata.dst_node_id]
+            if msg.metadata.message_type != "evaluate":
+                self.ready.append((t, p))
             del self.due[mid]
             out.extend(super().pull_messages([mid]))
         return out
+
+
+def evaluate(msg: Message, ctx) -> Message:
+    """The squared distance of the model sent to partition ``p``'s target, weighted p + 1."""
+    pid = int(ctx.node_config["partition-id"])
+    th, t = msg.content["arrays"].to_torch_state_dict(), target(pid)
+    loss = sum(float((th[k].double() - t[k].double()).pow(2).sum()) for k in th)
+    metrics = MetricRecord({"loss": loss, "num-examples": pid + 1})
+    return Message(RecordDict({"metrics": metrics}), reply_to=msg)
 
 
 def _kw(cls, **kw):
@@ -148,15 +168,30 @@ def test_hold_is_checked_and_is_a_run_config_key():
     assert r.hold == 0.3
 
 
-def test_the_one_flag_switch_works_at_every_other_default(caplog):
-    """fraction_evaluate is FedAvg's 1.0 for synchronous rounds and 0 (said) for asynchronous
-    ones; given explicitly above 0 with asynchronous rounds it is still refused."""
-    import logging
+def check_evaluation_async() -> None:
+    """Federated evaluation with asynchronous rounds: at equal speeds every node evaluates the
+    step's model, bitwise the synchronous run's evaluation; with a slow node, only nodes with
+    no training task in flight get an evaluate message (the held ones), never a busy one."""
+    durations = [1.0, 1.001, 1.002]
+    sync, _ = _run(DiLoCo(**_kw(DiLoCo, fraction_evaluate=1.0)), durations, 4)
+    a = DiLoCo(**_kw(DiLoCo, fraction_evaluate=1.0, rounds=Rounds(asynchronous=True)))
+    res, grid = _run(a, durations, 4)
+    for r in range(1, 5):
+        want, got = sync.evaluate_metrics_clientapp[r], res.evaluate_metrics_clientapp[r]
+        assert got["loss"] == want["loss"] and got["replies-arrived"] == 3
+    assert len(grid.evaluated) == 12 and not any(busy for *_, busy in grid.evaluated)
+    s = DiLoCo(**_kw(DiLoCo, fraction_evaluate=1.0, rounds=Rounds(asynchronous=True)))
+    res, grid = _run(s, [1.0, 1.0, 4.0], 6)
+    assert grid.evaluated and not any(busy for *_, busy in grid.evaluated)
+    for r, m in res.evaluate_metrics_clientapp.items():
+        assert m["replies-arrived"] <= res.train_metrics_clientapp[r]["nodes-held"]
 
-    assert DiLoCo().fraction_evaluate == 1.0
-    with caplog.at_level(logging.INFO):
-        s = IsoLoCo(asynchronous=True)
-    assert s.fraction_evaluate == 0.0 and s.async_rounds is not None
-    assert any("no federated evaluation" in r.message for r in caplog.records)
-    with pytest.raises(ValueError, match="fraction_evaluate=1"):
-        IsoLoCo(asynchronous=True, fraction_evaluate=1.0)
+
+def test_federated_evaluation_runs_on_idle_nodes_only():
+    check_evaluation_async()
+
+
+def test_the_one_flag_switch_works_at_every_default():
+    """IsoLoCo(asynchronous=True) at FedAvg's fraction_evaluate=1.0 is accepted."""
+    s = IsoLoCo(asynchronous=True)
+    assert s.fraction_evaluate == 1.0 and s.async_rounds is not None

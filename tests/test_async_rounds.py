@@ -498,7 +498,6 @@ def test_plain_keyword_and_settings_checks():
         ({"privacy": CentralDP(clipping_norm=1.0, noise_multiplier=1.0)}, "accountant"),
         ({"privacy": LocalDP(clipping_norm=1.0, noise_multiplier=1.0)}, "accountant"),
         ({"download": "int8"}, "download"),
-        ({"fraction_evaluate": 1.0}, "evaluate_fn"),
     ],
 )
 def test_what_does_not_compose_is_refused(kw, match):
@@ -634,5 +633,4 @@ def test_run_config_keys():
         DiLoCo.from_run_config({"strategy.async-buffer": 3})
     with pytest.raises(ValueError, match="strategy.quorum"):
         DiLoCo.from_run_config({**rc, "strategy.quorum": 0.5})
-    with pytest.raises(ValueError, match="strategy.fraction-evaluate"):
-        DiLoCo.from_run_config({**rc, "strategy.fraction-evaluate": 1.0})
+    assert DiLoCo.from_run_config({**rc, "strategy.fraction-evaluate": 1.0}).async_rounds

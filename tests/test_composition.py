@@ -36,6 +36,7 @@ from fakegrid import FakeGrid
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 from privacy_helpers import flower_epsilon
+from test_async_hold import check_evaluation_async
 from test_async_rounds import N_EX, ORDER, ScriptedGrid, delta, init_model, local, target
 from test_async_rounds import strategy as async_strategy
 from test_async_rounds import train as async_train
@@ -761,6 +762,7 @@ def _cell_checks() -> dict[tuple[str, str], Callable]:
         "resume": check_resume_async,
         "restart": check_restart_async,
         "late": check_late_async,
+        "evaluation": check_evaluation_async,
     }
     for col, fn in asynchronous.items():
         out["asynchronous", col] = lambda row, *a, fn=fn: fn(*a)
@@ -821,7 +823,6 @@ BUILDS: dict[tuple[str, str], Callable[[], object]] = {
         **ASYNC, privacy=LocalDP(noise_multiplier=1.0, clipping_norm=1.0)
     ),
     ("asynchronous", "download"): lambda: DiLoCo(**ASYNC, download="int8"),
-    ("asynchronous", "evaluation"): lambda: DiLoCo(asynchronous=True, fraction_evaluate=0.5),
     ("secagg", "central-dp"): lambda: use_secagg(
         DiLoCo(**UNIFORM, privacy=CentralDP(noise_multiplier=1.0, clipping_norm=1.0))
     ),

@@ -88,8 +88,8 @@ masked updates), central and local DP (the accountant counts rounds of a
 sampled cohort; a buffer is the first ``K`` replies of whichever nodes are fastest, possibly
 one node twice, so neither the sampling nor the per-node count of releases that
 Flower's ``RdpAccountant`` composes holds), compressed downloads (the broadcast model is one
-version for every node) and federated evaluation (an evaluate message would queue behind a
-node's training task and stall it: evaluate on the server with ``evaluate_fn``).
+version for every node). Federated evaluation samples the nodes held when a step closes (idle:
+an evaluate message never waits behind a training task), before they are sent work.
 """
 
 from __future__ import annotations
@@ -152,6 +152,7 @@ class AsyncRounds:
         self.stale_total = 0
         self.puller = Puller()
         self.hold = Hold(rounds.hold)
+        self.idle: list[int] = []  # nodes held when a step closed, while they evaluate
         self._carry: list[Message] = []  # replies pulled with the one that closed a step
         self._taking: tuple[Task, int] | None = None
         self._down = 0
@@ -178,10 +179,18 @@ class AsyncRounds:
 
     # ------------------------------------------------------------------ one outer step
     def run_round(
-        self, s: Any, grid: Grid, server_round: int, train_config: ConfigRecord, timeout: float
+        self,
+        s: Any,
+        grid: Grid,
+        server_round: int,
+        train_config: ConfigRecord,
+        timeout: float,
+        evaluate_config: ConfigRecord | None = None,
     ) -> RoundOutcome:
-        """Wait for ``K`` accepted replies (sending each node new work as its reply comes in),
-        then take the outer step: the new model (None if kept) and the step's metrics."""
+        """Wait for ``K`` accepted replies (sending each node new work as its reply comes in,
+        or holding it), take the outer step, evaluate the new model on the nodes held
+        (:attr:`idle`; ``fraction_evaluate`` of them), then send them work: the new model
+        (None if kept), the step's metrics and the evaluation's (None when none ran)."""
         refuse_secagg(s)
         clock = getattr(grid, "time_source", None) or time
         done = self.current = s.server_round  # theta is version `done` until the step
@@ -205,6 +214,7 @@ class AsyncRounds:
             train.close()
         self.current = s.server_round
         held = self.hold.release()
+        evaluated = self._evaluate(s, grid, server_round, held, evaluate_config, timeout)
         if s.divergence_guard.mode != "skip":
             self._send(s, grid, held, clock)  # from the model this step made
         # with on_divergence="skip" the step's model may be put back after evaluate_fn: the
@@ -218,7 +228,20 @@ class AsyncRounds:
             "tasks-in-flight": len(self.ledger.tasks),
             "versions-kept": len(self.versions),
         }
-        return RoundOutcome(new_arrays, type(metrics)(values), None)
+        return RoundOutcome(new_arrays, type(metrics)(values), evaluated)
+
+    def _evaluate(
+        self, s: Any, grid: Grid, server_round: int, held: list[int], config: Any, timeout: float
+    ) -> Any:
+        """Federated evaluation of the step's model on the nodes held (idle: no evaluate
+        message waits behind a training task); None when it sends nothing."""
+        if s.fraction_evaluate == 0 or not held:
+            return None
+        self.idle = held
+        try:
+            return s.evaluate_half(grid, server_round, ConfigRecord(dict(config or {})), timeout)
+        finally:
+            self.idle = []
 
     def _wait(
         self, s: Any, grid: Grid, train: TrainRound, done: int, clock: Any, timeout: float

@@ -6,11 +6,9 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
-from logging import INFO
 from typing import Any
 
 import torch
-from flwr.common.logger import log
 
 from flwr_isoloco.outer import OuterSGD
 from flwr_isoloco.strategies.diloco.asynchronous import AsyncRounds
@@ -20,7 +18,6 @@ from flwr_isoloco.strategies.diloco.settings import Rounds
 __all__ = [
     "asynchronous_rounds",
     "check_composition",
-    "default_fraction_evaluate",
     "parse_checkpoint",
     "resolve_rounds",
     "state_spec",
@@ -41,24 +38,6 @@ def resolve_rounds(rounds: Rounds, asynchronous: bool | None) -> Rounds:
     return dataclasses.replace(rounds, asynchronous=True)
 
 
-def default_fraction_evaluate(given: float | None, rounds: Rounds) -> float:
-    """``fraction_evaluate`` as given; None (not given): FedAvg's 1.0, or 0.0 with asynchronous
-    rounds (said once): an evaluate message would queue behind a node's training task, so
-    asynchronous rounds evaluate on the server (``evaluate_fn``) unless told otherwise, and
-    ``Rounds(asynchronous=True)`` works at every other default."""
-    if given is not None:
-        return given
-    if not rounds.asynchronous:
-        return 1.0
-    log(
-        INFO,
-        "asynchronous rounds: no federated evaluation (fraction_evaluate defaults to 0 here: an "
-        "evaluate message would wait behind a node's training task); evaluate on the server "
-        "with evaluate_fn",
-    )
-    return 0.0
-
-
 def check_composition(s: Any, fraction_evaluate: float, fraction_train: float) -> None:
     """Refuse, with the reason, what asynchronous rounds do not compose with (the sentences of
     :mod:`.composition`)."""
@@ -69,8 +48,6 @@ def check_composition(s: Any, fraction_evaluate: float, fraction_train: float) -
         why = f"{type(privacy).__name__}: {refusal('asynchronous', col)}"
     elif getattr(s, "download", None) is not None:
         why = refusal("asynchronous", "download")
-    elif fraction_evaluate > 0:
-        why = f"fraction_evaluate={fraction_evaluate:g}: {refusal('asynchronous', 'evaluation')}"
     elif fraction_train == 0:
         why = "fraction_train=0 trains nothing"
     if why is not None:

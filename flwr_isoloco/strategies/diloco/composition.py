@@ -87,12 +87,6 @@ ASYNC_DOWNLOAD = (
     "download= (compressed downloads) keeps one broadcast model for every node, but "
     "asynchronous nodes train from different model versions; use download=None"
 )
-ASYNC_EVALUATION = (
-    "a federated evaluation message would queue behind each node's training task and stall the "
-    "run, so asynchronous rounds default to fraction_evaluate=0 and evaluate on the server with "
-    "evaluate_fn, which runs after every outer step; leave fraction_evaluate unset or 0 "
-    "(strategy.fraction-evaluate=0)"
-)
 ASYNC_SECAGG = (
     "SecAgg+ unmasks the sum of one cohort that exchanged keys in the same round, while an "
     "asynchronous outer step takes the first K replies of nodes that each trained from their "
@@ -169,7 +163,7 @@ _ASYNC: dict[str, Holds | Refused] = {
     "resume": Holds("checkpoint with tasks in flight, resumed: bitwise the uninterrupted run"),
     "restart": Holds("a node that lost its state keeps its tasks, every step full"),
     "late": Holds("tau > max_staleness dropped and named; else weighted (1 + tau)^-a"),
-    "evaluation": Refused(ASYNC_EVALUATION),
+    "evaluation": Holds("the nodes idle at the step evaluate its model; equal speeds: bitwise"),
 }
 _SECAGG: dict[str, Holds | Refused] = {
     "buffers": Holds("the mean of the reported values within one SecAgg+ step"),

@@ -66,7 +66,7 @@ DILOCO_RUN_CONFIG: dict[str, Any] = {
     "weighting": "examples",
     "client-sends": "weights",
     "fraction-train": 1.0,
-    "fraction-evaluate": -1.0,
+    "fraction-evaluate": 1.0,
     "min-train-nodes": 2,
     "min-evaluate-nodes": 2,
     "min-available-nodes": 2,
@@ -157,13 +157,6 @@ def _rule_or_preset(value: str) -> None:
         raise ValueError(f"must be one of {sorted(MERGE_RULES)}, or '' for the preset's (IsoLoCo)")
 
 
-def _default_or_fraction(value: float) -> None:
-    if value != -1 and not 0 <= value <= 1:
-        raise ValueError(
-            "must be in [0, 1], or -1 for the default (1, or 0 with asynchronous rounds)"
-        )
-
-
 def _default_or_trim(value: float) -> None:
     if value != -1 and not 0 <= value < 0.5:
         raise ValueError("must be in [0, 0.5), or -1 for the default (0.25)")
@@ -212,7 +205,7 @@ RUN_CONFIG_CHECKS: dict[str, Any] = {
     "outer-lr": _preset_or_non_negative,
     "outer-momentum": _preset_or_non_negative,
     "fraction-train": in_range(0, 1),
-    "fraction-evaluate": _default_or_fraction,
+    "fraction-evaluate": in_range(0, 1),
     "min-train-nodes": non_negative,
     "min-evaluate-nodes": non_negative,
     "min-available-nodes": non_negative,

@@ -83,8 +83,8 @@ class DiLoCo(FromRunConfig, SettingsViews, DiLoCoState, ResumableStrategy):
     fraction_train, fraction_evaluate, min_train_nodes, min_evaluate_nodes,
     min_available_nodes, weighted_by_key, arrayrecord_key, configrecord_key,
     train_metrics_aggr_fn, evaluate_metrics_aggr_fn :
-        As in ``flwr.serverapp.strategy.FedAvg`` (client metrics: weighted mean by default);
-        ``fraction_evaluate`` None: FedAvg's 1.0, or 0.0 with asynchronous rounds.
+        As in ``flwr.serverapp.strategy.FedAvg`` (client metrics: weighted mean by default;
+        with asynchronous rounds the evaluation samples the nodes idle when a step closes).
     merge, merge_options :
         The rule for ``g`` (a name in ``flwr_isoloco.merging.MERGE_RULES`` or a MergeRule) and
         its options (``prune_fraction``, ``drop_rate``, ``ns_steps``...; DARE's seed from ``seed``).
@@ -129,7 +129,7 @@ class DiLoCo(FromRunConfig, SettingsViews, DiLoCoState, ResumableStrategy):
         self,
         *,
         fraction_train: float = 1.0,
-        fraction_evaluate: float | None = None,
+        fraction_evaluate: float = 1.0,
         min_train_nodes: int = 2,
         min_evaluate_nodes: int = 2,
         min_available_nodes: int = 2,
@@ -157,11 +157,8 @@ class DiLoCo(FromRunConfig, SettingsViews, DiLoCoState, ResumableStrategy):
         asynchronous: bool | None = None,
     ) -> None:
         args = dict(locals())  # every argument by name, for the checks and setters below
-        rounds = asyn.resolve_rounds(rounds, asynchronous)
-        args["fraction_evaluate"] = fraction_evaluate = asyn.default_fraction_evaluate(
-            fraction_evaluate, rounds
-        )
         check_arguments(**args)  # fractions, node counts, orthogonalize, seed, settings types
+        rounds = asyn.resolve_rounds(rounds, asynchronous)
         self.checks, self.rounds, self.divergence = checks, rounds, divergence
         self.upload, self.download, self.privacy = as_codec(upload), as_codec(download), privacy
         check_codecs(self.upload, self.download)  # an option that does nothing that way
@@ -278,6 +275,16 @@ class DiLoCo(FromRunConfig, SettingsViews, DiLoCoState, ResumableStrategy):
         )
         return self.draw(all_nodes, k)
 
+    def evaluation_sample(self, grid: Grid) -> list[int]:
+        """The nodes to evaluate: :meth:`sample_nodes`; with asynchronous rounds, a
+        ``fraction_evaluate`` share (at least ``min_evaluate_nodes`` of them when there are so
+        many) of the nodes idle when the step closed, so no evaluation waits behind training."""
+        f = self.fraction_evaluate
+        if self.async_rounds is None:
+            return self.sample_nodes(grid, f, self.min_evaluate_nodes)
+        idle = self.async_rounds.idle
+        return self.draw(idle, max(int(len(idle) * f), min(self.min_evaluate_nodes, len(idle))))
+
     def draw(self, nodes: list[int], k: int) -> list[int]:
         """``min(k, len(nodes))`` of ``nodes``, drawn with the strategy's seeded generator."""
         return self._rng.sample(nodes, min(k, len(nodes)))
@@ -328,7 +335,7 @@ class DiLoCo(FromRunConfig, SettingsViews, DiLoCoState, ResumableStrategy):
             return []
         if self.theta is None:
             self._adopt(arrays)
-        nodes = self.sample_nodes(grid, self.fraction_evaluate, self.min_evaluate_nodes)
+        nodes = self.evaluation_sample(grid)
         config["server-round"] = self.server_round
         downloads.follow_theta(self.broadcast, self.theta, self._dtypes, self.server_round)
         saved = self.book.bytes_down  # bytes-down of the train metrics: the train messages
@@ -373,7 +380,9 @@ class DiLoCo(FromRunConfig, SettingsViews, DiLoCoState, ResumableStrategy):
         that sends nothing is skipped (:func:`~flwr_isoloco.strategies.core.evaluation.evaluation_round`).
         Asynchronous rounds: one outer step (:class:`.asynchronous.AsyncRounds`)."""
         if self.async_rounds is not None:
-            return self.async_rounds.run_round(self, grid, server_round, train_config, timeout)
+            return self.async_rounds.run_round(
+                self, grid, server_round, train_config, timeout, evaluate_config
+            )
         if self.secagg is not None:  # the train half under SecAgg+ (strategies/diloco/secagg.py)
             return self.secagg.run_round(
                 self, grid, server_round, train_config, evaluate_config, timeout

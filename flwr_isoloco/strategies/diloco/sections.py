@@ -143,7 +143,7 @@ def section_kwargs(c: Mapping[str, Any]) -> dict[str, Any]:
         nesterov=c["nesterov"],
         orthogonalize=c["orthogonalize"],
         fraction_train=c["fraction-train"],
-        fraction_evaluate=None if c["fraction-evaluate"] == -1 else c["fraction-evaluate"],
+        fraction_evaluate=c["fraction-evaluate"],
         min_train_nodes=c["min-train-nodes"],
         min_evaluate_nodes=c["min-evaluate-nodes"],
         min_available_nodes=c["min-available-nodes"],
