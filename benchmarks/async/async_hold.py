@@ -28,13 +28,15 @@ SPREAD, SEEDS, METHODS = async_lm.SPREAD, async_lm.SEEDS, async_lm.METHODS
 
 def plan() -> list[tuple[str, str, int, float]]:
     """Per seed: equal speeds (async), then 1x-4x (async, speed-scaled); then synchronous
-    rounds and the quorum at 1x-4x, seed 0 (their pulls changed)."""
+    rounds and the quorum at 1x-4x, seed 0 (their pulls changed); then K = 2 with delayed
+    Nesterov at 1x-4x."""
     out = []
     for seed in SEEDS:
         for method in METHODS:
             out.append((method, "async", seed, 1.0))
             out += [(method, mode, seed, SPREAD) for mode in ("async", "async-tb")]
-    return out + [(m, mode, 0, SPREAD) for mode in ("sync", "quorum") for m in METHODS]
+    out += [(m, mode, 0, SPREAD) for mode in ("sync", "quorum") for m in METHODS]
+    return out + [(m, "async-dn", seed, SPREAD) for seed in SEEDS for m in METHODS]
 
 
 def recorded() -> dict[str, dict[str, Any]]:
@@ -96,7 +98,7 @@ def table(before: list[dict[str, Any]], after: list[dict[str, Any]]) -> str:
         common.rule(8),
     ]
     for m in METHODS:
-        for mode in ("sync", "quorum", "async", "async-tb"):
+        for mode in ("sync", "quorum", "async", "async-dn", "async-tb"):
             b, a = _cells(before, m, mode, SPREAD), _cells(after, m, mode, SPREAD)
             if not a:
                 continue
