@@ -97,6 +97,7 @@ def async_run(m: int, before: bool, steps: int, hold: float = 0.1) -> dict[str, 
     grid = TimedGrid({"train": _train}, num_nodes=m)
     rounds = Rounds(asynchronous=True, hold=BEFORE["hold"] if before else hold)
     s = DiLoCo(
+        fraction_evaluate=0.0,
         min_train_nodes=m,
         min_available_nodes=m,
         checks=ReplyChecks(max_weight_ratio=None),
