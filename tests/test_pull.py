@@ -11,6 +11,8 @@ import time
 import torch
 from fakegrid import FakeGrid
 from flwr.app import ArrayRecord, Message, MetricRecord, RecordDict
+from flwr.common import Error
+from flwr.common.constant import ErrorCode
 from test_async_rounds import init_model, train
 
 from flwr_isoloco.strategies import DiLoCo, ReplyChecks, Rounds
@@ -101,3 +103,91 @@ def test_a_blocked_pull_holds_no_asynchronous_step_past_its_timeout():
     assert took < 30.0, took  # not the 60 s block
     m = res.train_metrics_clientapp[1]
     assert m["replies-missing"] >= 1  # node 0's task given up at the deadline
+
+
+class LinkGrid(FakeGrid):
+    """Real time, with the SuperLink's hand-out-once semantics: a reply is handed to the first
+    call that asks for it once it is in (``due_s[p]`` seconds after the push); a later call
+    asking for an id already handed out gets a MESSAGE_UNAVAILABLE error. The call that was
+    handed node 0's reply then takes ``slow_s`` seconds more (its objects), or until
+    ``release`` when ``slow_s`` is None (an upload that never completed)."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.time_source = None
+        self.release = threading.Event()
+        self.due_s, self.slow_s = [0.0, 0.5, 0.5], None
+        self.pushed_at: dict[str, float] = {}
+        self.handed: set[str] = set()
+        self.sent: dict[str, Message] = {}
+        self.lock = threading.Lock()
+
+    def push_messages(self, messages):
+        ids = list(super().push_messages(messages))
+        for mid in ids:
+            self.pushed_at[mid] = time.monotonic()
+        return ids
+
+    def pull_messages(self, message_ids):
+        out, slow = [], False
+        with self.lock:
+            for mid in message_ids:
+                if mid in self.handed:
+                    out.append(_unavailable(self.sent[mid]))
+                    continue
+                msg = self._pending.get(mid)
+                if msg is None:
+                    continue
+                p = self.partition_of[msg.metadata.dst_node_id]
+                if time.monotonic() - self.pushed_at[mid] < self.due_s[p]:
+                    continue
+                self.handed.add(mid)
+                self.sent[mid] = msg
+                slow = slow or p == 0
+                out.extend(super().pull_messages([mid]))
+        if slow:
+            self.release.wait(60 if self.slow_s is None else self.slow_s)
+        return out
+
+
+def _unavailable(msg: Message) -> Message:
+    """The SuperLink's answer for a message it no longer has."""
+    return Message(Error(ErrorCode.MESSAGE_UNAVAILABLE, "not found in the database"), reply_to=msg)
+
+
+def _link_run(grid, quorum, timeout, caplog):
+    stream = ReplyStream("t")
+    got: list[Message] = []
+    t0 = time.monotonic()
+    with caplog.at_level(logging.WARNING):
+        wait = stream.run(grid, _messages(grid), got.append, server_round=1, timeout=timeout,
+                          quorum=quorum)  # fmt: skip
+    return stream, got, wait, time.monotonic() - t0
+
+
+def test_a_pull_held_by_a_dead_upload_does_not_hold_replies_that_came_later(caplog):
+    """Node 0's reply is handed out at once and its objects never come; nodes 1 and 2 reply
+    0.5 s later. Their ids were in the blocked call too: after PATIENCE_S they are asked again
+    and the round closes on its quorum with them, node 0 named late (it waited out the
+    20 s timeout with 0 replies before)."""
+    grid = LinkGrid({"train": _metrics_only}, num_nodes=3)
+    try:
+        stream, got, wait, took = _link_run(grid, 2, 20.0, caplog)
+    finally:
+        grid.release.set()
+    assert took < 15.0, took  # the quorum, not the 20 s timeout
+    assert sorted(grid.partition_of[m.metadata.src_node_id] for m in got) == [1, 2]
+    assert not any(m.has_error() for m in got) and stream.duplicates == []
+    assert wait.late == [grid.node_ids[0]]
+
+
+def test_an_unavailable_answer_to_an_id_asked_again_never_shadows_its_reply(caplog):
+    """Node 0's reply takes 3 s to pull: its id is asked again after PATIENCE_S and the
+    SuperLink answers "message unavailable" (it handed the reply out); that answer is dropped,
+    the real reply is taken once, nothing is refused as a duplicate."""
+    grid = LinkGrid({"train": _metrics_only}, num_nodes=3)
+    grid.slow_s = 3.0
+    stream, got, wait, _ = _link_run(grid, None, 30.0, caplog)
+    assert wait.arrived == 3 and not any(m.has_error() for m in got)
+    assert stream.duplicates == [] and stream.puller.shadowed >= 1
+    assert not any("duplicate" in r.message for r in caplog.records)

@@ -15,9 +15,15 @@ demo's sizes, ``n`` at 7B.
 Flower's pull waits for a reply's objects (up to ~3 minutes of retries when a SuperNode died
 mid-upload) and knows no deadline. Each call therefore runs in a daemon thread and the caller
 waits for it at most ``patience_s`` seconds, and never past ``deadline``: a call still running
-then is left to finish in the background, its ids are not asked for again while it runs
-(:meth:`Puller.running`), and the replies it brings are handed out by a later :meth:`pull` (the
-caller treats those of a closed round as late). A grid with a ``time_source`` (a test grid's
+then is left to finish in the background, and the replies it brings are handed out by a later
+:meth:`pull` (the caller treats those of a closed round as late). Its ids are not asked for again
+while it is young (:meth:`Puller.running`); once it has run ``patience_s``, they are: the
+SuperLink hands each reply out once, so the call holds only the replies it was given (the one
+whose upload never completed, and any that were in with it), and the others, which came in
+after it started, reach the caller through a new call instead of waiting minutes behind it. The
+SuperLink answers an id it already handed out with a "message unavailable" error; that answer
+is dropped while the call holding the id runs or once its reply was handed out, so a node's
+reply is never shadowed by it. A grid with a ``time_source`` (a test grid's
 virtual clock) is pulled inline: its calls never block.
 
 Replies come back in the order of the ids asked for, whatever order the grid returns them in,
@@ -27,11 +33,13 @@ so a fold over them is the same bits on every grid.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future
 from concurrent.futures import wait as wait_for
 
 from flwr.app import Message
+from flwr.common.constant import ErrorCode
 from flwr.serverapp import Grid
 
 __all__ = ["PATIENCE_S", "POLL_S", "PULL_BYTES", "Puller"]
@@ -40,6 +48,8 @@ PULL_BYTES = 1 << 30
 """Bytes of replies one pull call may bring at once (the estimate of :attr:`Puller.reply_bytes`)."""
 PATIENCE_S = 1.0
 """Seconds a sweep waits for one pull call before it goes on without it."""
+ANSWERED_KEPT = 1 << 16
+"""Ids answered by a reply that a later "message unavailable" answer is checked against."""
 POLL_S = 0.025
 """Seconds between two sweeps when none brought a reply: one call per sweep at the demo's sizes,
 ``1 / POLL_S`` = 40 SuperLink calls a second for the whole federation."""
@@ -53,7 +63,9 @@ class Puller:
         self.patience_s = float(patience_s)
         self.reply_bytes = 0
         self.calls = 0
-        self._running: dict[Future, list[str]] = {}
+        self.shadowed = 0  # "unavailable" answers dropped: the id's reply is in an older call
+        self._answered: dict[str, None] = {}  # ids answered by a reply (the latest ANSWERED_KEPT)
+        self._running: dict[Future, tuple[list[str], float]] = {}  # call -> (ids, started)
         self._lock = threading.Lock()
 
     @property
@@ -62,9 +74,16 @@ class Puller:
         return max(1, self.max_bytes // self.reply_bytes) if self.reply_bytes > 0 else 1 << 20
 
     def running(self) -> set[str]:
-        """Ids whose pull call is still running in the background."""
+        """Ids of the pull calls still running that started less than ``patience_s`` ago (not
+        asked for again yet; module docstring)."""
+        young = time.monotonic() - self.patience_s
         with self._lock:
-            return {i for f, ids in self._running.items() if not f.done() for i in ids}
+            return {
+                i
+                for f, (ids, t0) in self._running.items()
+                if not f.done() and t0 > young
+                for i in ids
+            }
 
     def pull(
         self, grid: Grid, ids: Sequence[str], deadline: float | None = None, clock: object = None
@@ -108,17 +127,38 @@ class Puller:
                 fut.set_exception(exc)
 
         with self._lock:
-            self._running[fut] = chunk
+            self._running[fut] = (chunk, time.monotonic())
         threading.Thread(target=call, name="flwr-isoloco-pull", daemon=True).start()
         return fut
 
     def _finished(self) -> list[Message]:
-        """Replies of the calls that have returned (a call's exception is raised here)."""
+        """Replies of the calls that have returned (a call's exception is raised here), less
+        the SuperLink's "message unavailable" answers to an id asked again while an older call
+        that holds its reply still runs, or whose reply was already handed out."""
         with self._lock:
             done = [f for f in self._running if f.done()]
             for f in done:
                 del self._running[f]
+            still = {i for ids, _ in self._running.values() for i in ids}
         out: list[Message] = []
         for f in done:
             out.extend(f.result())
-        return out
+        for m in out:
+            if not _unavailable(m):
+                self._answered[_rid(m)] = None
+        while len(self._answered) > ANSWERED_KEPT:
+            del self._answered[next(iter(self._answered))]
+        kept = [
+            m for m in out if not (_unavailable(m) and _rid(m) in still | self._answered.keys())
+        ]
+        self.shadowed += len(out) - len(kept)
+        return kept
+
+
+def _rid(msg: Message) -> str:
+    return msg.metadata.reply_to_message_id
+
+
+def _unavailable(msg: Message) -> bool:
+    """The SuperLink's answer for a message it no longer has (here: handed to another call)."""
+    return msg.has_error() and msg.error.code == ErrorCode.MESSAGE_UNAVAILABLE
