@@ -27,14 +27,13 @@ pytestmark = pytest.mark.deployment
 
 def test_a_supernode_killed_mid_upload_does_not_hold_the_round(tmp_path):
     """The round closes on its quorum and grace window, well before Flower's ~3-minute pull
-    block; the killed node is named late, its upload was cut (never logged as sent) and its
-    pull call is still running when the run ends; the two other replies are merged."""
+    block; the killed node is named late, its upload was cut (never logged as sent); the two
+    other replies are merged."""
     rec = run_once(tmp_path, "grace", kill_delay=0.3, ballast_mb=256)
     assert rec["status"] == "finished:completed", rec
     assert not rec["upload-finished-before-kill"], rec
     assert rec["round-wall-s"] < 60.0, rec
     assert rec["doomed-named-late"], rec
     assert rec["replies-arrived"] == 2 and rec["replies-used"] == 2, rec
-    assert rec["pulls-running-at-end"], rec  # the blocked call, left behind
     assert rec["final-params"] == pytest.approx([0.1875, 0.1875])  # mean of 0.125 and 0.25
     print(f"\nblocked pull: round {rec['round-wall-s']} s, run {rec['run-wall-s']} s")

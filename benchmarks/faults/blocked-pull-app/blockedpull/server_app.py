@@ -2,7 +2,7 @@
 grace_s)`` and a round timeout of ``round-timeout-s``; writes results.json to output-dir: the
 flwr_isoloco it imported (``flwr-isoloco-file``: the benchmark's "before" runs put an older
 checkout first on PYTHONPATH), each round's wall time (its ``run_round``), the per-round
-metrics (``wait-s``, ``replies-*``), the pull calls still running at the end, the final model."""
+metrics (``wait-s``, ``replies-*``), the final model."""
 
 import json
 import os
@@ -59,13 +59,6 @@ def main(grid: Grid, context: Context) -> None:
         "start-s": time.time() - t0,
         "round-marks": {str(r): m for r, m in strategy.marks.items()},
         "round-wall-s": {str(r): m[-1] - m[0] for r, m in strategy.marks.items()},
-        # ids of pull calls still running when the run ended (this checkout's Puller: a call
-        # blocked on the killed node's upload); None where the strategy has no Puller
-        "pulls-running-at-end": (
-            sorted(puller.running())
-            if (puller := getattr(strategy._train_stream, "puller", None))
-            else None
-        ),
         # None when no round stepped the model (Flower's Result.arrays then stays empty)
         "final_params": [float(v) for v in arrays[0]]
         if (arrays := result.arrays.to_numpy_ndarrays())
