@@ -120,19 +120,21 @@ def _gaps(grid: TimedGrid, p: int) -> list[float]:
 
 
 def test_one_slow_node_holds_no_one():
-    """Tasks of 1 s, 1 s and 4 s, K = 3: the fast nodes wait at most once, for 0.25 x their
-    task time, while the slow node's time is still unknown; after that the step is predicted
-    to close with the slow reply, far off, and they are sent work at once."""
+    """Tasks of 1 s, 1 s and 4 s, K = 3: the fast nodes wait at most twice, each time for at
+    most 0.25 x their task time, while the slow node's time is still unknown (a node's first
+    task is not counted: it includes starting its app); after that the step is predicted to
+    close with the slow reply, far off, and they are sent work at once."""
     s = DiLoCo(**_kw(DiLoCo, rounds=Rounds(asynchronous=True)))
-    res, grid = _run(s, [1.0, 1.0, 4.0], 6)
+    res, grid = _run(s, [1.0, 1.0, 4.0], 10)
     end = grid.time_source.now
     poll = 0.025 + 1e-9  # a reply is seen at the next sweep
     for p in (0, 1):
         gaps = _gaps(grid, p)
-        assert gaps[0] == pytest.approx(0.25, abs=poll), gaps  # the one hold
-        assert all(g <= poll for g in gaps[1:]), gaps
+        holds = [g for g in gaps if g > poll]
+        assert len(holds) <= 2 and all(g <= 0.25 + poll for g in holds), gaps
+        assert all(g <= poll for g in gaps[6:]), gaps  # none once the slow node's time is known
         assert sum(1 for _, q in grid.ready if q == p) >= int(end) - 1
-    assert sorted(res.train_metrics_clientapp) == list(range(1, 7))
+    assert sorted(res.train_metrics_clientapp) == list(range(1, 11))
 
 
 def test_a_hold_never_outlasts_its_window():

@@ -282,7 +282,8 @@ class AsyncRounds:
             log(WARNING, "asynchronous round: discarded a reply to no task in flight")
             return False
         w.arrived, now = w.arrived + 1, clock.monotonic()
-        self.hold.took_s[task.node] = now - task.sent_at
+        took = now - task.sent_at
+        self.hold.finished(task.node, took)
         tau = done - task.version
         ok = self._take(train, reply, task, tau)
         if ok:
@@ -298,7 +299,8 @@ class AsyncRounds:
         if reply.has_error():
             return False
         need = self.buffer - w.accepted
-        if not (ok and self.hold.decide(task.node, now, need, self.ledger.tasks.values())):
+        tasks = self.ledger.tasks.values()
+        if not (ok and self.hold.decide(task.node, now, need, tasks, took)):
             self._send(s, grid, [task.node], clock)
         return False
 

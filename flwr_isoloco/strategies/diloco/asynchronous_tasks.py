@@ -117,27 +117,37 @@ class TaskLedger(SentLedger):
 class Hold:
     """Which nodes wait for the step's model (``Rounds.hold`` = ``fraction``;
     :mod:`.asynchronous`'s docstring): ``took_s`` the time each node's last task took (sent to
-    reply), ``held`` node -> when its wait ends."""
+    reply; a node's first task is not counted: it includes starting the node's app),
+    ``held`` node -> when its wait ends."""
 
     def __init__(self, fraction: float) -> None:
         self.fraction = fraction
         self.took_s: dict[int, float] = {}
         self.held: dict[int, float] = {}
+        self._started: set[int] = set()  # nodes whose first task has replied
 
-    def window(self, node: int) -> float:
-        """How long ``node`` may wait for a step: ``hold x min(its last task time, the median
-        of the nodes' last task times)``, so a slow node waits no longer than a typical one."""
-        times = sorted(self.took_s.values())
-        return self.fraction * min(self.took_s[node], times[len(times) // 2])
+    def finished(self, node: int, took: float) -> None:
+        """``node``'s task took ``took`` seconds (its first task's time is not kept)."""
+        if node in self._started:
+            self.took_s[node] = took
+        self._started.add(node)
 
-    def decide(self, node: int, now: float, need: int, tasks: Iterable[Task]) -> bool:
-        """Hold ``node`` (True) when the step, ``need`` accepted replies from closing, is
-        predicted to close within its window: a task in flight replies at its send time plus
-        the time its node's last task took (``node``'s when unknown), or now if overdue."""
-        own, window = self.took_s[node], self.window(node)
+    def window(self, took: float) -> float:
+        """How long a node whose task took ``took`` s may wait for a step: ``hold x min(took,
+        the median of the nodes' last task times)``, so a slow node waits no longer than a
+        typical one."""
+        times = sorted([*self.took_s.values(), took])
+        return self.fraction * min(took, times[len(times) // 2])
+
+    def decide(self, node: int, now: float, need: int, tasks: Iterable[Task], took: float) -> bool:
+        """Hold ``node`` (True), whose task took ``took`` s, when the step, ``need`` accepted
+        replies from closing, is predicted to close within its window: a task in flight replies
+        at its send time plus the time its node's last task took (``took`` when not known
+        yet), or now if overdue."""
+        window = self.window(took)
         if window <= 0:
             return False
-        eta = sorted(max(now, t.sent_at + self.took_s.get(t.node, own)) for t in tasks)
+        eta = sorted(max(now, t.sent_at + self.took_s.get(t.node, took)) for t in tasks)
         if need <= 0 or (len(eta) >= need and eta[need - 1] <= now + window):
             self.held[node] = now + window
             return True
