@@ -76,6 +76,27 @@ def _delta(cells: dict, sync: dict) -> str:
     return ", ".join(f"{cells[k]['final_loss'] - sync[k]['final_loss']:+.4f}" for k in both) or "—"
 
 
+def steady_utilisation(rec: dict[str, Any]) -> float:
+    """The least utilisation over the nodes after the first outer step (``[t_1, W]``): the
+    first asynchronous step is a synchronous round (no task time is known yet), the rest is
+    what a long run keeps. Nodes are told apart by their speed factor (spread > 1)."""
+    t1, end = rec["curve"][1][0], rec["utilisation_window_s"]
+    spans: dict[float, list[tuple[float, float]]] = {}
+    for factor, _sent, start, stop, *_ in rec["task_log"]:
+        if start is not None:
+            spans.setdefault(factor, []).append((start, stop))
+    for factor, sent in rec["unanswered"]:
+        spans.setdefault(factor, []).append((sent, end))
+    out = []
+    for s in spans.values():
+        busy, reach = 0.0, t1
+        for a, b in sorted((max(a, t1), min(b, end)) for a, b in s):
+            if b > reach and b > a:
+                busy, reach = busy + b - max(a, reach), b
+        out.append(busy / (end - t1))
+    return min(out)
+
+
 def table(before: list[dict[str, Any]], after: list[dict[str, Any]]) -> str:
     """Equal speeds (loss at equal tokens, paired against synchronous rounds) and 1x-4x (loss
     at 90 s, min utilisation, turnaround), before and after, every seed."""
@@ -94,8 +115,9 @@ def table(before: list[dict[str, Any]], after: list[dict[str, Any]]) -> str:
     lines += [
         "",
         "| method | 1x-4x mode | val loss at 90 s before | after | min utilisation before "
-        "| after | next task after a reply, median / p95 (s) | pull calls per node per s |",
-        common.rule(8),
+        "| after | after, from step 2 | next task after a reply, median / p95 (s) "
+        "| pull calls per node per s |",
+        common.rule(9),
     ]
     for m in METHODS:
         for mode in ("sync", "quorum", "async", "async-dn", "async-tb"):
@@ -112,7 +134,8 @@ def table(before: list[dict[str, Any]], after: list[dict[str, Any]]) -> str:
             util = lambda c: ", ".join(f"{c[k]['min_utilisation']:.3f}" for k in sorted(c))  # noqa: E731
             lines.append(
                 f"| {m} | {async_lm.LABELS[mode]} | {_losses(b, 'loss_at_budget')} "
-                f"| {_losses(a, 'loss_at_budget')} | {util(b) or '—'} | {util(a)} | {turn} "
+                f"| {_losses(a, 'loss_at_budget')} | {util(b) or '—'} | {util(a)} "
+                f"| {', '.join(f'{steady_utilisation(a[k]):.3f}' for k in sorted(a))} | {turn} "
                 f"| {rate} |"
             )
     return "\n".join(lines)
