@@ -83,8 +83,7 @@ class DiLoCo(FromRunConfig, SettingsViews, DiLoCoState, ResumableStrategy):
     fraction_train, fraction_evaluate, min_train_nodes, min_evaluate_nodes,
     min_available_nodes, weighted_by_key, arrayrecord_key, configrecord_key,
     train_metrics_aggr_fn, evaluate_metrics_aggr_fn :
-        As in ``flwr.serverapp.strategy.FedAvg`` (client metrics: weighted mean by default;
-        with asynchronous rounds the evaluation samples the nodes idle when a step closes).
+        As in ``flwr.serverapp.strategy.FedAvg`` (client metrics: weighted mean by default).
     merge, merge_options :
         The rule for ``g`` (a name in ``flwr_isoloco.merging.MERGE_RULES`` or a MergeRule) and
         its options (``prune_fraction``, ``drop_rate``, ``ns_steps``...; DARE's seed from ``seed``).
@@ -275,16 +274,6 @@ class DiLoCo(FromRunConfig, SettingsViews, DiLoCoState, ResumableStrategy):
         )
         return self.draw(all_nodes, k)
 
-    def evaluation_sample(self, grid: Grid) -> list[int]:
-        """The nodes to evaluate: :meth:`sample_nodes`; with asynchronous rounds, a
-        ``fraction_evaluate`` share (at least ``min_evaluate_nodes`` of them when there are so
-        many) of the nodes idle when the step closed, so no evaluation waits behind training."""
-        f = self.fraction_evaluate
-        if self.async_rounds is None:
-            return self.sample_nodes(grid, f, self.min_evaluate_nodes)
-        idle = self.async_rounds.idle
-        return self.draw(idle, max(int(len(idle) * f), min(self.min_evaluate_nodes, len(idle))))
-
     def draw(self, nodes: list[int], k: int) -> list[int]:
         """``min(k, len(nodes))`` of ``nodes``, drawn with the strategy's seeded generator."""
         return self._rng.sample(nodes, min(k, len(nodes)))
@@ -335,7 +324,8 @@ class DiLoCo(FromRunConfig, SettingsViews, DiLoCoState, ResumableStrategy):
             return []
         if self.theta is None:
             self._adopt(arrays)
-        nodes = self.evaluation_sample(grid)
+        a, f, n = self.async_rounds, self.fraction_evaluate, self.min_evaluate_nodes
+        nodes = a.evaluation_nodes(self) if a else self.sample_nodes(grid, f, n)  # async: idle
         config["server-round"] = self.server_round
         downloads.follow_theta(self.broadcast, self.theta, self._dtypes, self.server_round)
         saved = self.book.bytes_down  # bytes-down of the train metrics: the train messages
@@ -377,12 +367,9 @@ class DiLoCo(FromRunConfig, SettingsViews, DiLoCoState, ResumableStrategy):
     ) -> RoundOutcome:
         """Train then evaluate; replies are taken as they arrive (:mod:`~flwr_isoloco.strategies.core.rounds`), each train
         reply folded into the merge at once (:class:`.train_round.TrainRound`); an evaluation
-        that sends nothing is skipped (:func:`~flwr_isoloco.strategies.core.evaluation.evaluation_round`).
-        Asynchronous rounds: one outer step (:class:`.asynchronous.AsyncRounds`)."""
-        if self.async_rounds is not None:
-            return self.async_rounds.run_round(
-                self, grid, server_round, train_config, timeout, evaluate_config
-            )
+        that sends nothing is skipped (:func:`~flwr_isoloco.strategies.core.evaluation.evaluation_round`)."""
+        if (a := self.async_rounds) is not None:  # one outer step (.asynchronous.AsyncRounds)
+            return a.run_round(self, grid, server_round, train_config, timeout, evaluate_config)
         if self.secagg is not None:  # the train half under SecAgg+ (strategies/diloco/secagg.py)
             return self.secagg.run_round(
                 self, grid, server_round, train_config, evaluate_config, timeout
