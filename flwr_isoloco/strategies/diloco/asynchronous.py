@@ -3,7 +3,8 @@
 Each node always has one task: the newest model to train from. As soon as its reply is in, it
 is checked (the strategy's one reply path, :class:`~.train_round.TrainRound`: reply checks,
 weight bound, dtype policy, norm bounds) and buffered, and the node is sent new work from the
-newest model, or held for the model of the step about to close (the hold, below). A *round* is one outer step, taken once ``K`` replies (``Rounds.buffer``; None:
+newest model, or held for the model of the step about to close (the hold, below). A *round*
+is one outer step, taken once ``K`` replies (``Rounds.buffer``; None:
 the number of nodes training) are accepted; ``num_rounds`` counts outer steps, so with the
 default ``K`` a run of ``num_rounds`` steps uses as many replies as ``num_rounds`` synchronous
 rounds of every node.
@@ -34,7 +35,9 @@ at its send time plus its node's last task time, and the step closes at the arri
 ``K``. Sites of equal speed reply together, so every node waits a moment and the run takes the
 synchronous steps, bit for bit; a slow site is predicted far off and no one waits for it. A
 node whose window runs out first gets the current model; the node whose reply closed the step,
-and every node held, get the step's model. Replies pulled in one call with the one that closed
+and every node held, get the step's model. A node's first task time is not kept (it includes
+starting the node's app), so the first step, with no time known, holds every node: a
+synchronous round. Replies pulled in one call with the one that closed
 a step are taken at the next step (:attr:`AsyncRounds.carried`). Pulls:
 :class:`~flwr_isoloco.strategies.core.pull.Puller` (every id in one call within a byte budget,
 never waited for past the step's deadline).
