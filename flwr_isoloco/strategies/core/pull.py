@@ -22,8 +22,8 @@ SuperLink hands each reply out once, so the call holds only the replies it was g
 whose upload never completed, and any that were in with it), and the others, which came in
 after it started, reach the caller through a new call instead of waiting minutes behind it. The
 SuperLink answers an id it already handed out with a "message unavailable" error; that answer
-is dropped while the call holding the id runs or once its reply was handed out, so a node's
-reply is never shadowed by it. A grid with a ``time_source`` (a test grid's
+is dropped while the call holding the id runs (the id is then not asked again until that call
+returns) or once its reply was handed out, so a node's reply is never shadowed by it. A grid with a ``time_source`` (a test grid's
 virtual clock) is pulled inline: its calls never block.
 
 Replies come back in the order of the ids asked for, whatever order the grid returns them in,
@@ -65,6 +65,7 @@ class Puller:
         self.calls = 0
         self.shadowed = 0  # "unavailable" answers dropped: the id's reply is in an older call
         self._answered: dict[str, None] = {}  # ids answered by a reply (the latest ANSWERED_KEPT)
+        self._elsewhere: dict[str, None] = {}  # ids the SuperLink handed to a call still running
         self._running: dict[Future, tuple[list[str], float]] = {}  # call -> (ids, started)
         self._lock = threading.Lock()
 
@@ -96,7 +97,7 @@ class Puller:
         order = {mid: i for i, mid in enumerate(ids)}
         inline = getattr(grid, "time_source", None) is not None
         yield self._ordered(self._finished(), order)
-        busy = self.running()
+        busy = self.running() | self._elsewhere.keys()
         todo = [i for i in ids if i not in busy]
         for k in range(0, len(todo), self.batch):
             chunk = todo[k : k + self.batch]
@@ -138,7 +139,8 @@ class Puller:
         with self._lock:
             done = [f for f in self._running if f.done()]
             for f in done:
-                del self._running[f]
+                for i in self._running.pop(f)[0]:
+                    self._elsewhere.pop(i, None)  # its call returned: whatever it held is out
             still = {i for ids, _ in self._running.values() for i in ids}
         out: list[Message] = []
         for f in done:
@@ -146,12 +148,17 @@ class Puller:
         for m in out:
             if not _unavailable(m):
                 self._answered[_rid(m)] = None
-        while len(self._answered) > ANSWERED_KEPT:
-            del self._answered[next(iter(self._answered))]
-        kept = [
-            m for m in out if not (_unavailable(m) and _rid(m) in still | self._answered.keys())
-        ]
-        self.shadowed += len(out) - len(kept)
+        for kept_ids in (self._answered, self._elsewhere):
+            while len(kept_ids) > ANSWERED_KEPT:
+                del kept_ids[next(iter(kept_ids))]
+        kept = []
+        for m in out:
+            if _unavailable(m) and _rid(m) in still | self._answered.keys():
+                self.shadowed += 1
+                if _rid(m) in still:  # not asked again until the call holding it returns
+                    self._elsewhere[_rid(m)] = None
+                continue
+            kept.append(m)
         return kept
 
 
