@@ -125,6 +125,7 @@ def utilisation(tasks: list[dict], t0: float, t1: float, nodes: int) -> dict[int
             "busy_s": busy,
             "utilisation": busy / (t1 - t0) if t1 > t0 else 0.0,
             "max_gap_s": max(gaps, default=0.0),
+            "max_gap_after_first_s": max(gaps[1:], default=0.0),  # the first step is held
         }
     return out
 
