@@ -187,16 +187,10 @@ class Rounds:
             ):
                 continue
             raise ValueError(f"Rounds.{name} must be an int >= {low}, got {v!r}")
-        if not (_is_number(self.staleness) and self.staleness >= 0):
-            raise ValueError(
-                f"Rounds.staleness must be a finite number >= 0 (the exponent a of "
-                f"s(tau) = (1 + tau)^-a), got {self.staleness!r}"
-            )
-        if not (_is_number(self.hold) and self.hold >= 0):
-            raise ValueError(
-                f"Rounds.hold must be a finite number >= 0 (a fraction of a node's task time), "
-                f"got {self.hold!r}"
-            )
+        for name, what in (("staleness", "the exponent a of s(tau) = (1 + tau)^-a"),
+                           ("hold", "a fraction of a node's task time")):  # fmt: skip
+            if not (_is_number(v := getattr(self, name)) and v >= 0):
+                raise ValueError(f"Rounds.{name} must be a finite number >= 0 ({what}), got {v!r}")
         if self.asynchronous:
             if self.quorum is not None or self.grace_s:
                 raise ValueError(
