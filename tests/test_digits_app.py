@@ -21,6 +21,7 @@ EXAMPLE = REPO / "examples" / "digits"
 sys.path.insert(0, str(EXAMPLE))
 
 from fakegrid import FakeGrid  # noqa: E402
+from ray_mains import run_mains  # noqa: E402
 
 FEDAVG_LINE = "    strategy = FedAvg()\n"
 TOLERANCE = 0.01  # issue 17: IsoLoCo() >= FedAvg - 0.01
@@ -68,30 +69,13 @@ def test_isoloco_default_matches_fedavg_on_ray():
     run_simulation passes no run config, so the app runs at its code defaults. One simulation,
     one Ray start: its ServerApp runs the two variants' ``main`` one after the other on the
     simulation's grid (the ClientApp keeps no state between messages)."""
-    from flwr.serverapp import ServerApp
-    from flwr.simulation import run_simulation
 
     os.environ["PYTHONPATH"] = os.pathsep.join(
         p for p in (str(EXAMPLE), str(REPO), os.environ.get("PYTHONPATH", "")) if p
     )
     client = importlib.import_module("digits.client_app").app
     mods = {name: _variant(FEDAVG_LINE.replace("FedAvg", name)) for name in ("FedAvg", "IsoLoCo")}
-    server = ServerApp()
-
-    @server.main()
-    def main(grid, context):
-        for mod in mods.values():
-            mod.main(grid, context)
-
-    run_simulation(
-        server_app=server,
-        client_app=client,
-        num_supernodes=4,
-        backend_config={
-            "client_resources": {"num_cpus": 1, "num_gpus": 0.0},
-            "init_args": {"num_cpus": 2, "include_dashboard": False},
-        },
-    )
+    run_mains((mod.main for mod in mods.values()), client, 4)
     final = {}
     for name, mod in mods.items():
         assert mod.LAST.get("strategy") == name, f"{name}: the ServerApp did not finish"

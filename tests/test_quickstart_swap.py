@@ -18,6 +18,7 @@ EXAMPLE = REPO / "examples" / "quickstart-swap"
 sys.path.insert(0, str(EXAMPLE))
 
 from fakegrid import FakeGrid  # noqa: E402
+from ray_mains import run_mains  # noqa: E402
 
 FEDAVG_LINE = "    strategy = FedAvg(fraction_evaluate=0.5)\n"
 SWAPS = ["DiLoCo", "IsoLoCo", "RWLoRA", "GossipLoRA"]
@@ -69,8 +70,6 @@ def test_quickstart_swap_on_ray():
     simulation, one Ray start: its ServerApp runs the four changed ServerApps' ``main`` one
     after the other on the simulation's grid (the ClientApp keeps no state between messages,
     so each swap sees the nodes as a run of its own would)."""
-    from flwr.serverapp import ServerApp
-    from flwr.simulation import run_simulation
 
     os.environ["PYTHONPATH"] = os.pathsep.join(
         p for p in (str(EXAMPLE), str(REPO), os.environ.get("PYTHONPATH", "")) if p
@@ -79,22 +78,8 @@ def test_quickstart_swap_on_ray():
     mods = {name: _variant(name) for name in SWAPS}
     for mod in mods.values():
         mod.LAST.clear()
-    server = ServerApp()
-
-    @server.main()
-    def main(grid, context):
-        for mod in mods.values():
-            mod.main(grid, context)
-
-    run_simulation(
-        server_app=server,
-        client_app=client,
-        num_supernodes=3,
-        backend_config={
-            "client_resources": {"num_cpus": 1, "num_gpus": 0.0},
-            "init_args": {"num_cpus": 2, "include_dashboard": False},
-        },
-    )  # run_simulation() takes no run config: the apps use pyproject.toml's defaults
+    # run_simulation() takes no run config: the apps use pyproject.toml's defaults
+    run_mains((mod.main for mod in mods.values()), client, 3)
     accuracies = {}
     for name, mod in mods.items():
         assert mod.LAST, f"{name}: the ServerApp did not finish"
