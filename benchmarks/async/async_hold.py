@@ -12,7 +12,6 @@ records of ``async_lm.json`` (the synchronous round's arithmetic did not change;
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 from typing import Any
@@ -21,6 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: com
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import async_lm  # noqa: E402
 import common  # noqa: E402
+from tasklog import busy_fraction  # noqa: E402
 
 RECORDS = common.RESULTS / "async_hold.json"
 SPREAD, SEEDS, METHODS = async_lm.SPREAD, async_lm.SEEDS, async_lm.METHODS
@@ -37,26 +37,6 @@ def plan() -> list[tuple[str, str, int, float]]:
             out += [(method, mode, seed, SPREAD) for mode in ("async", "async-tb")]
     out += [(m, mode, 0, SPREAD) for mode in ("sync", "quorum") for m in METHODS]
     return out + [(m, "async-dn", seed, SPREAD) for seed in SEEDS for m in METHODS]
-
-
-def recorded() -> dict[str, dict[str, Any]]:
-    return {r["key"]: r for r in common.load_records(RECORDS)}
-
-
-def one(method: str, mode: str, seed: int, spread: float) -> None:
-    k = async_lm.key(method, mode, seed, spread)
-    if k in recorded():
-        print(f"skip {k}: recorded")
-        return
-    rec = async_lm.run_one(method, mode, seed, spread)
-    common.append_record(RECORDS, rec)
-    t = rec["turnaround"]
-    print(
-        f"done {k}: loss@90 {rec['loss_at_budget']:.4f} final {rec['final_loss']:.4f} "
-        f"min util {rec['min_utilisation']:.3f} next median {t['next_median_s']} "
-        f"p95 {t['next_p95_s']} pulls {rec['pull_calls']} wall {rec['wall_s']:.0f}s",
-        flush=True,
-    )
 
 
 def _cells(records: list[dict[str, Any]], method: str, mode: str, spread: float) -> dict:
@@ -87,14 +67,7 @@ def steady_utilisation(rec: dict[str, Any]) -> float:
             spans.setdefault(factor, []).append((start, stop))
     for factor, sent in rec["unanswered"]:
         spans.setdefault(factor, []).append((sent, end))
-    out = []
-    for s in spans.values():
-        busy, reach = 0.0, t1
-        for a, b in sorted((max(a, t1), min(b, end)) for a, b in s):
-            if b > reach and b > a:
-                busy, reach = busy + b - max(a, reach), b
-        out.append(busy / (end - t1))
-    return min(out)
+    return min(busy_fraction(s, t1, end) for s in spans.values())
 
 
 def table(before: list[dict[str, Any]], after: list[dict[str, Any]]) -> str:
@@ -141,26 +114,15 @@ def table(before: list[dict[str, Any]], after: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def write_table() -> None:
+    """docs/strategies.md's block: before (``async_lm.json``) and after."""
+    text = table(common.load_records(async_lm.RECORDS), common.load_records(RECORDS))
+    common.write_block(async_lm.DOC, "<!-- async-hold:begin -->", "<!-- async-hold:end -->", text)
+    print(text)
+
+
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--queue", action="store_true", help="run the plan, resumable")
-    p.add_argument("--until", help="queue: start no run after HH:MM UTC")
-    p.add_argument("--one", nargs=3, metavar=("METHOD", "MODE", "SEED"))
-    p.add_argument("--spread", type=float, default=SPREAD)
-    p.add_argument("--table", action="store_true", help="docs/strategies.md block")
-    a = p.parse_args(argv)
-    common.offline_env()
-    common.export_path("simulations/isoloco-lm")
-    if a.one:
-        one(a.one[0], a.one[1], int(a.one[2]), a.spread)
-    elif a.queue:
-        async_lm.queue(a.until, plan(), RECORDS, __file__)
-    if a.table:
-        text = table(common.load_records(async_lm.RECORDS), common.load_records(RECORDS))
-        common.write_block(
-            async_lm.DOC, "<!-- async-hold:begin -->", "<!-- async-hold:end -->", text
-        )
-        print(text)
+    async_lm.cli(argv, __doc__, plan(), RECORDS, __file__, write_table)
 
 
 if __name__ == "__main__":

@@ -283,20 +283,23 @@ def plan() -> list[tuple[str, str, int, float]]:
     return out + eq[:8] + staleness + eq[8:]
 
 
-def recorded() -> dict[str, dict[str, Any]]:
-    return {r["key"]: r for r in common.load_records(RECORDS)}
+def recorded(records: Path = RECORDS) -> dict[str, dict[str, Any]]:
+    return {r["key"]: r for r in common.load_records(records)}
 
 
-def one(method: str, mode: str, seed: int, spread: float) -> None:
+def one(method: str, mode: str, seed: int, spread: float, records: Path = RECORDS) -> None:
+    """One run into ``records`` (a no-op when it is there)."""
     k = key(method, mode, seed, spread)
-    if k in recorded():
+    if k in recorded(records):
         print(f"skip {k}: recorded")
         return
     rec = run_one(method, mode, seed, spread)
-    common.append_record(RECORDS, rec)
+    common.append_record(records, rec)
+    t = rec["turnaround"]
     print(
         f"done {k}: loss@{BUDGET_S:g}s {rec['loss_at_budget']:.4f} final {rec['final_loss']:.4f} "
         f"end {rec['end_s']:.1f}s min util {rec['min_utilisation']:.3f} "
+        f"next median {t['next_median_s']} p95 {t['next_p95_s']} pulls {rec['pull_calls']} "
         f"overruns {rec['pace_overruns']} wall {rec['wall_s']:.0f}s",
         flush=True,
     )
@@ -311,7 +314,7 @@ def queue(until: str | None, runs: Any = None, records: Path = RECORDS, script: 
         h, m = map(int, until.split(":"))
         stop = dt.datetime.now(dt.timezone.utc).replace(hour=h, minute=m, second=0)
     for method, mode, seed, spread in runs:
-        if key(method, mode, seed, spread) in {r["key"] for r in common.load_records(records)}:
+        if key(method, mode, seed, spread) in recorded(records):
             continue
         if stop and dt.datetime.now(dt.timezone.utc) >= stop:
             print(f"queue: {until} UTC passed", flush=True)
@@ -404,25 +407,36 @@ def plot(records: list[dict[str, Any]]) -> None:
     fig.savefig(PLOT, dpi=110)
 
 
-def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def cli(argv: list[str] | None, doc: str, runs: Any, records: Path, script: str, table: Any):
+    """The command line of a study: ``--one`` run, ``--queue`` of ``runs`` into ``records``
+    (each run a subprocess of ``script``), ``--table`` calls ``table()``."""
+    p = argparse.ArgumentParser(description=doc.splitlines()[0])
     p.add_argument("--queue", action="store_true", help="run the plan, resumable")
     p.add_argument("--until", help="queue: start no run after HH:MM UTC")
     p.add_argument("--one", nargs=3, metavar=("METHOD", "MODE", "SEED"))
     p.add_argument("--spread", type=float, default=SPREAD)
-    p.add_argument("--table", action="store_true", help="docs/strategies.md block + plot")
+    p.add_argument("--table", action="store_true", help="the docs/strategies.md block")
     a = p.parse_args(argv)
     common.offline_env()
     common.export_path("simulations/isoloco-lm")  # Ray's workers import the LM app
     if a.one:
-        one(a.one[0], a.one[1], int(a.one[2]), a.spread)
+        one(a.one[0], a.one[1], int(a.one[2]), a.spread, records)
     elif a.queue:
-        queue(a.until)
+        queue(a.until, runs, records, script)
     if a.table:
-        records = common.load_records(RECORDS)
-        common.write_block(DOC, "<!-- async-lm:begin -->", "<!-- async-lm:end -->", table(records))
-        plot(records)
-        print(table(records))
+        table()
+
+
+def write_table() -> None:
+    """docs/strategies.md's block and the plot."""
+    records = common.load_records(RECORDS)
+    common.write_block(DOC, "<!-- async-lm:begin -->", "<!-- async-lm:end -->", table(records))
+    plot(records)
+    print(table(records))
+
+
+def main(argv: list[str] | None = None) -> None:
+    cli(argv, __doc__, plan(), RECORDS, __file__, write_table)
 
 
 if __name__ == "__main__":

@@ -60,15 +60,17 @@ def utilisation(tasks: list[dict], sent: dict[str, tuple], t0: float, budget: fl
         spans.setdefault(node, [])
         if (node, when) not in answered:
             spans[node].append((when, end))
-    out = {}
-    for node, s in spans.items():
-        busy, reach = 0.0, t0  # the union of the spans clipped to the window
-        for a, b in sorted((max(a, t0), min(b, end)) for a, b in s):
-            if b > reach and b > a:
-                busy += b - max(a, reach)
-                reach = b
-        out[node] = busy / budget
-    return out
+    return {node: busy_fraction(s, t0, end) for node, s in spans.items()}
+
+
+def busy_fraction(spans: list[tuple[float, float]], t0: float, end: float) -> float:
+    """The length of the union of ``spans`` clipped to ``[t0, end]``, over ``end - t0``."""
+    busy, reach = 0.0, t0
+    for a, b in sorted((max(a, t0), min(b, end)) for a, b in spans):
+        if b > reach and b > a:
+            busy += b - max(a, reach)
+            reach = b
+    return busy / (end - t0)
 
 
 def start_time(tasks: list[dict]) -> float:
