@@ -22,7 +22,7 @@ from flwr_isoloco.checkpoint import load_checkpoint, save_checkpoint
 from flwr_isoloco.checkpoint_spec import CheckpointError
 from flwr_isoloco.outer import OuterSGD
 from flwr_isoloco.strategies import CentralDP, DiLoCo, IsoLoCo, LocalDP, ReplyChecks, Rounds
-from flwr_isoloco.strategies.diloco.asynchronous import staleness_discount
+from flwr_isoloco.strategies.diloco.asynchronous_tasks import staleness_discount
 
 torch.set_num_threads(1)
 

@@ -21,7 +21,7 @@ from flwr_isoloco.clients import inner_loop, make_diloco_train_handler
 from flwr_isoloco.clients.diloco_worker import WORKER_STATE_KEY, next_token_loss
 from flwr_isoloco.clients.inner_loop import another_step_fits
 from flwr_isoloco.strategies.core.replies import ReplyReport, ReplyValidator, steps_problem
-from flwr_isoloco.strategies.diloco.asynchronous import asked_steps
+from flwr_isoloco.strategies.diloco.asynchronous_tasks import asked_steps
 
 torch.set_num_threads(1)
 

@@ -124,7 +124,7 @@ from flwr_isoloco.strategies.diloco.asynchronous_tasks import (
 from flwr_isoloco.strategies.diloco.settings import Rounds
 from flwr_isoloco.strategies.diloco.train_round import TrainRound
 
-__all__ = ["AsyncRounds", "BasedReply", "asked_steps", "refuse_secagg", "staleness_discount"]
+__all__ = ["AsyncRounds", "refuse_secagg"]
 
 VERSION_KEY = "model-version"
 """ConfigRecord key of a task: the version (outer steps) of the model sent."""

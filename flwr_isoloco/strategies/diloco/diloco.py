@@ -41,7 +41,7 @@ from flwr_isoloco.strategies.core.replies import CheckedReply
 from flwr_isoloco.strategies.core.rounds import ReplyStream
 from flwr_isoloco.strategies.diloco import asynchronous_setup as asyn
 from flwr_isoloco.strategies.diloco import downloads
-from flwr_isoloco.strategies.diloco.asynchronous import asked_steps
+from flwr_isoloco.strategies.diloco.asynchronous_tasks import asked_steps
 from flwr_isoloco.strategies.diloco.config import (
     DILOCO_RUN_CONFIG,
     ISOLOCO_RUN_CONFIG,
