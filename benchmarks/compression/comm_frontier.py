@@ -208,12 +208,27 @@ def run_size(quick: bool) -> dict[str, Any]:
     return L.protocol_size("horizon", WORKERS, horizon=HORIZON, inner_lr=INNER_LR)
 
 
-def run_one(name: str, lr: float, seed: int, phase: str, quick: bool = False) -> dict[str, Any]:
-    """Train configuration ``name`` at outer lr ``lr``, seed ``seed``; the record."""
-    cfg = CONFIGS[name]
-    size = run_size(quick)
+def run_one(
+    name: str,
+    lr: float,
+    seed: int,
+    phase: str,
+    quick: bool = False,
+    *,
+    size: dict[str, Any] | None = None,
+    cfg: dict[str, Any] | None = None,
+    codecs: dict[str, Any] | None = None,
+    num_cpus: int | None = None,
+) -> dict[str, Any]:
+    """Train configuration ``name`` at outer lr ``lr``, seed ``seed``; the record. Another
+    study passes its own ``size`` (default :func:`run_size`), ``cfg`` (default
+    ``CONFIGS[name]``; ``cfg["lm_method"]``, where given, is the sweep's method, else
+    ``cfg["method"]``), ``codecs`` (default :func:`codecs_of`) and Ray's ``num_cpus``."""
+    cfg = cfg or CONFIGS[name]
+    size = size or run_size(quick)
+    codecs = codecs_of(name) if codecs is None else codecs
     workers = 2 if quick else WORKERS
-    method = {"diloco": "diloco", "isoloco": "isoloco"}[cfg["method"]]
+    method = cfg.get("lm_method", cfg["method"])
     counters: list[ByteCounter] = []
 
     def wrap(grid: Any) -> ByteCounter:
@@ -237,12 +252,13 @@ def run_one(name: str, lr: float, seed: int, phase: str, quick: bool = False) ->
         MOMENTUM[cfg["opt"]],
         size,
         protocol="horizon",
-        codecs=codecs_of(name),
+        num_cpus=num_cpus,
+        codecs=codecs,
         wrap_grid=wrap,
         in_process_grid=in_process,
     )
     tm = L.RESULT.get("train_metrics", {})
-    codecs = {k: repr(v) for k, v in codecs_of(name).items()}
+    codecs = {k: repr(v) for k, v in codecs.items()}
     return {
         "key": key(name, lr, seed),
         "config": name,
@@ -281,11 +297,15 @@ def recorded(records: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     return {r["key"]: r for r in records}
 
 
-def tuning(name: str, done: dict[str, dict[str, Any]], points: int = 3) -> tuple[list, Any]:
+def tuning(
+    name: str, done: dict[str, dict[str, Any]], points: int = 3, centre: float | None = None
+) -> tuple[list, Any]:
     """(lrs still to run at seed 0, the val-optimal lr or None until the grid is in): the
-    grid around the centre, plus one point beyond an edge optimum (repeatedly)."""
-    cfg = CONFIGS[name]
-    centre = CENTRES[(cfg["method"], cfg["opt"])]
+    grid around the centre (default: :data:`CENTRES` of the configuration's method and outer
+    optimiser), plus one point beyond an edge optimum (repeatedly)."""
+    if centre is None:
+        cfg = CONFIGS[name]
+        centre = CENTRES[(cfg["method"], cfg["opt"])]
     if points == 1:
         steps = [0]
     else:
@@ -357,17 +377,29 @@ def next_run(done: dict[str, dict[str, Any]], only: list[str] | None = None):
     return None
 
 
-def queue(until: str | None, only: list[str] | None, quick: bool = False) -> None:
+def queue(
+    until: str | None,
+    only: list[str] | None,
+    quick: bool = False,
+    *,
+    path: Path | None = None,
+    pick: Any = None,
+    script: str | None = None,
+    extra: tuple[str, ...] = (),
+) -> None:
     """Run :func:`next_run` one subprocess at a time until the plan is done or ``until`` (UTC
-    ``HH:MM`` today) has passed; each run appended to the records at once."""
-    path = QUICK_RECORDS if quick else RECORDS
+    ``HH:MM`` today) has passed; each run appended to the records at once. Another study
+    passes its records ``path``, ``pick(done)`` (its next run, default :func:`next_run`), the
+    ``script`` whose ``--one`` runs it and ``extra`` arguments of that command line."""
+    path = path or (QUICK_RECORDS if quick else RECORDS)
     stop = None
     if until:
         now = dt.datetime.now(dt.timezone.utc)
         h, m = map(int, until.split(":"))
         stop = now.replace(hour=h, minute=m, second=0, microsecond=0)
     while True:
-        nxt = next_run(recorded(common.load_records(path)), only)
+        done = recorded(common.load_records(path))
+        nxt = pick(done) if pick else next_run(done, only)
         if nxt is None:
             print("queue: nothing left to run", flush=True)
             return
@@ -376,19 +408,24 @@ def queue(until: str | None, only: list[str] | None, quick: bool = False) -> Non
             return
         name, lr, seed, phase = nxt
         print(f"queue: {dt.datetime.now(dt.timezone.utc):%H:%M:%S} start {nxt}", flush=True)
-        cmd = [sys.executable, __file__, "--one", name, str(lr), str(seed), phase]
-        rc = subprocess.run(cmd + (["--quick"] if quick else []), check=False).returncode
+        cmd = [sys.executable, script or __file__, "--one", name, str(lr), str(seed), phase]
+        cmd += [*extra, *(["--quick"] if quick else [])]
+        rc = subprocess.run(cmd, check=False).returncode
         if rc:
             print(f"queue: run {nxt} failed (exit {rc}); stopping", flush=True)
             sys.exit(rc)
 
 
-def one(name: str, lr: float, seed: int, phase: str, quick: bool) -> None:
-    path = QUICK_RECORDS if quick else RECORDS
+def one(
+    name: str, lr: float, seed: int, phase: str, quick: bool, *, path: Path | None = None, run=None
+) -> None:
+    """Run one point (``run``, default :func:`run_one`) unless its key is recorded in ``path``
+    (default this study's records), and append its record at once."""
+    path = path or (QUICK_RECORDS if quick else RECORDS)
     if key(name, lr, seed) in recorded(common.load_records(path)):
         print(f"skip {key(name, lr, seed)}: recorded")
         return
-    rec = run_one(name, lr, seed, phase, quick)
+    rec = (run or run_one)(name, lr, seed, phase, quick)
     common.append_record(path, rec)
     b = rec["bytes"]
     print(

@@ -237,6 +237,8 @@ def worker_batch(rows: np.ndarray, m: int, workers: int, step: int, per_step: in
 
 # ----------------------------------------------------------------------------- model / eval
 def model_config(size: dict[str, Any]):
+    """The LLaMA of a size; its MLP width is ``size["intermediate"]`` where given, else the
+    LLaMA rule of :func:`~flwr_isoloco.models.llama.llama_config` (every size of this file)."""
     from flwr_isoloco.models.llama import llama_config
 
     return llama_config(
@@ -244,6 +246,7 @@ def model_config(size: dict[str, Any]):
         hidden=size["hidden"],
         layers=size["layers"],
         heads=size["heads"],
+        intermediate=size.get("intermediate", 0),
         max_seq_len=size["seq_len"],
     )
 

@@ -1,0 +1,411 @@
+"""The bytes-vs-loss frontier of ``comm_frontier.py`` on a model whose sparseloco tiles are real.
+
+``comm_frontier.py`` ran on the 0.53M LM of width 96: no weight dimension is a multiple of 64, so
+sparseloco's tiles were 48 x 48 and 64 x 48 (2.1-2.8 % of the entries kept at k = 64, not the
+1.56 % of a 64 x 64 tile; docs/compression.md). This study repeats it on the smallest LLaMA of
+the LM sweep whose weight matrices all have both dimensions multiples of 64 and >= 256
+(:data:`MODEL`, checked by :func:`model_shapes` before every run): vocab 1024 (the study's
+tokenised data, the same as ``comm_frontier``'s), hidden 256, 4 heads of 64, MLP width 704 (the
+LLaMA rule 8/3 x 256 = 682.7 rounded up to a multiple of 64; the sweep's rounding to 8 gives
+688 = 43 x 16, 16-row tiles), 2 layers (the LM app's default depth), untied: 2,131,200
+parameters; every 2-D tensor is cut into 64 x 64 tiles (1-D norm weights go whole).
+
+Protocol: ``comm_frontier``'s (``run_one``: the LM horizon protocol of
+``benchmarks/lm/lm_sweep_lib.py``, combined corpora, M = 8, T = 600 inner steps, H = 10,
+60 rounds, inner lr 3e-3, Flower in a Ray simulation on :data:`NUM_CPUS` CPU; bytes from the
+``count_bytes()`` of every message), with the model above. T = 600 is the old study's horizon;
+both fp32 methods must end well below the bigram reference (:func:`bigram_loss`: add-one
+counts of the training split's token pairs, ``p(b | a) = (n_ab + 1) / (n_a + V)``, scored on
+the same windows as the model's loss; 4.1802 nats on test, 4.1369 on validation).
+
+Points (:data:`CONFIGS`), each at its own outer lr: seed 0 on 3 lrs a factor sqrt(2) apart
+around :func:`centre` (``comm_frontier.CENTRES`` of the method and outer optimiser; the same
+grid for fp32 and int4), an optimum on the grid's edge adds a point beyond it, selected on the
+validation loss; then seeds 1 and 2 at the optimum for the fp32 references and for every point
+whose seed-0 validation loss at its optimum is within :data:`SEED_BAR` (0.05 nats) of the fp32
+of its method. Test loss (a split never used to choose) is reported.
+
+- fp32 DiLoCo (Nesterov 0.8) and fp32 IsoLoCo (Nesterov 0.8): the references;
+- int4 both ways (uploads with error feedback, decay 0.95; the downloads ``Q(theta - B)``);
+- sparseloco (chunk 4096, k 64, bits 2, ef_decay 0.95) both ways, downloads re-compressed by
+  the server, outer momentum 0 (SparseLoCo's; IsoLoCo's m0 variant as in comm_frontier);
+- ``diloco-sl64exact-m0``: sparseloco uploads, SparseLoCo's own combine
+  (``merge="sparseloco"``) and exact sparse downloads (``Codec("exact")``: the nodes take the
+  server's step from the round's sparse uploads), outer momentum 0, lr centred at 1.0
+  (SparseLoCo's). The queue runs it once the library has it (:func:`exact_available`).
+
+Queue order (:data:`PLAN`): fp32 tuning (the references), sparseloco-exact tuning, int4 tuning,
+sparseloco-both tuning, then the seeds. The next run is a function of the records alone (and
+of whether the exact downloads exist), so ``--queue`` resumes where it stopped.
+
+Budget (measured: :data:`RUN_S`): one run ~15 min of one core at T = 600 (the 0.53M model's
+runs were 3-7 min on 2 cores); ~35 runs (fp32 2 x 3 + seeds 4 + one edge point, int4 2 x 3 +
+seeds 4, sparseloco both ways 2 x 3 + edge points, sparseloco-exact 3 + seeds 2) ~ 8-9 hours
+of one core in all, over several sessions.
+
+    python benchmarks/compression/frontier64.py --queue --until 11:25   # the study (resumes)
+    python benchmarks/compression/frontier64.py --status                # done, best, next
+    python benchmarks/compression/frontier64.py --bigram                # the reference loss
+    python benchmarks/compression/frontier64.py --check-imports         # the code a run uses
+    python benchmarks/compression/frontier64.py --quick                 # tiny, in process
+
+Records: ``benchmarks/results/comm_frontier64.json`` (or ``--records PATH`` /
+``$FRONTIER64_RECORDS``; one per run, appended at once; a rerun skips a recorded key
+``config|lr|seed``), the bigram reference ``comm_frontier64_bigram.json`` next to it. Run from
+a separate git worktree, every run checks that ``flwr_isoloco``, the sweep and this script come
+from that checkout, in this process and in a Ray worker (:func:`check_imports`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common.py
+import common  # noqa: E402
+
+common.on_path("benchmarks/compression", "benchmarks/lm")
+import comm_frontier as CF  # noqa: E402
+import lm_sweep_lib as L  # noqa: E402
+
+RECORDS = Path(os.environ.get("FRONTIER64_RECORDS") or common.RESULTS / "comm_frontier64.json")
+QUICK_RECORDS = common.RESULTS / "comm_frontier64_quick.json"
+MODEL = {"hidden": 256, "layers": 2, "heads": 4, "intermediate": 704}
+"""On top of the sweep's main size (vocab 1024, seq_len 64, global batch 128)."""
+QUICK_MODEL = {"hidden": 64, "layers": 1, "heads": 1, "intermediate": 64}
+"""--quick: every dimension still a multiple of 64 (64 x 64 tiles), 0.16M parameters."""
+MIN_DIM = 256
+NUM_CPUS = 1  # the Ray simulation's CPUs: a run is timed and budgeted on one core
+RUN_S = 900  # one run's wall seconds on one core, measured (module doc)
+SEED_BAR = 0.05  # nats of seed-0 validation loss above fp32 within which a point gets seeds
+EXACT = "diloco-sl64exact-m0"
+EXACT_METHOD = "diloco-sparseloco"  # the sweep's method key of SparseLoCo's combine
+SL64 = {"chunk": 4096, "k": 64, "bits": 2}
+
+CONFIGS: dict[str, dict[str, Any]] = {
+    **{
+        n: CF.CONFIGS[n]
+        for n in (
+            "diloco-fp32-nesterov",
+            "isoloco-fp32-nesterov",
+            "diloco-int4-nesterov-both",
+            "isoloco-int4-nesterov-both",
+            "diloco-sl64-m0-both",
+            "isoloco-sl64-m0-both",
+        )
+    },
+    EXACT: {"method": "diloco", "codec": "sl64", "opt": "m0", "down": "exact"},
+}
+"""name -> method, codec, outer optimiser, download (comm_frontier's, plus 'exact')."""
+REFERENCE = {"diloco": "diloco-fp32-nesterov", "isoloco": "isoloco-fp32-nesterov"}
+PLAN: list[tuple[str, list[str]]] = [
+    ("tune", ["diloco-fp32-nesterov", "isoloco-fp32-nesterov"]),
+    ("tune", [EXACT]),
+    ("tune", ["diloco-int4-nesterov-both", "isoloco-int4-nesterov-both"]),
+    ("tune", ["diloco-sl64-m0-both", "isoloco-sl64-m0-both"]),
+    ("seeds", ["diloco-fp32-nesterov", "isoloco-fp32-nesterov"]),
+    ("seeds", [EXACT, "diloco-int4-nesterov-both", "isoloco-int4-nesterov-both"]),
+    ("seeds", ["diloco-sl64-m0-both", "isoloco-sl64-m0-both"]),
+]
+"""("tune", names): seed 0 over the lr grid; ("seeds", names): seeds 1, 2 at the optimum of
+the references and of the points within :data:`SEED_BAR` of them."""
+
+
+def size64(quick: bool = False) -> dict[str, Any]:
+    """``comm_frontier``'s run size with this study's model (:data:`MODEL`)."""
+    return {**CF.run_size(quick), **(QUICK_MODEL if quick else MODEL)}
+
+
+def model_shapes(size: dict[str, Any], min_dim: int = MIN_DIM) -> dict[str, Any]:
+    """Build the model of ``size``; ValueError unless every 2-D weight has both dimensions
+    multiples of 64 and ``>= min_dim`` and sparseloco cuts it into 64 x 64 tiles. Returns the
+    parameter count and the distinct 2-D shapes."""
+    from flwr_isoloco.compression.lowbit import tiling
+
+    model = L.build_model(size, 0)
+    shapes = {}
+    for name, p in model.state_dict().items():
+        if p.dim() != 2:
+            continue
+        tile = tiling(tuple(p.shape), SL64["chunk"])[2:]
+        if any(d % 64 or d < min_dim for d in p.shape) or tile != (64, 64):
+            raise ValueError(f"{name} {tuple(p.shape)}: sparseloco tiles {tile}, not 64 x 64")
+        shapes[name] = list(p.shape)
+    return {
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "shapes_2d": sorted({tuple(s) for s in shapes.values()}),
+        "tensors_2d": len(shapes),
+    }
+
+
+# ----------------------------------------------------------------------------- configurations
+def centre(name: str) -> float:
+    """The lr grid's centre: comm_frontier's fp32 preset of the method and outer optimiser
+    (DiLoCo Nesterov 0.25, IsoLoCo Nesterov 1.8, DiLoCo m0 1.0 = SparseLoCo's, IsoLoCo m0 3.96)."""
+    cfg = CONFIGS[name]
+    return CF.CENTRES[(cfg["method"], cfg["opt"])]
+
+
+def codecs_of(name: str) -> dict[str, Any]:
+    """The strategy's ``upload`` / ``download`` arguments of configuration ``name``."""
+    from flwr_isoloco.strategies import Codec
+
+    if CONFIGS[name]["down"] != "exact":
+        return CF.codecs_of(name)
+    return {
+        "upload": Codec("sparseloco", **SL64, ef_decay=CF.UPLOAD_EF_DECAY),
+        "download": Codec("exact"),
+    }
+
+
+def run_cfg(name: str) -> dict[str, Any]:
+    """``CONFIGS[name]``, with the sweep's method for SparseLoCo's combine where it needs it."""
+    cfg = dict(CONFIGS[name])
+    if cfg["down"] == "exact":
+        L.METHODS.setdefault(EXACT_METHOD, ("sparseloco", True, (1.0, 0.0)))
+        cfg["lm_method"] = EXACT_METHOD
+    return cfg
+
+
+def exact_available() -> bool:
+    """Whether this checkout builds ``DiLoCo(merge="sparseloco", download=Codec("exact"))``."""
+    from flwr_isoloco.strategies import DiLoCo
+
+    try:
+        DiLoCo(merge="sparseloco", outer_momentum=0.0, **codecs_of(EXACT))
+    except (ValueError, TypeError, KeyError):
+        return False
+    return True
+
+
+# ----------------------------------------------------------------------------- the queue
+def best_val(name: str, done: dict[str, dict[str, Any]]) -> tuple[float | None, float | None]:
+    """(val-optimal lr, its seed-0 validation loss), (None, None) until the grid is in."""
+    todo, best = CF.tuning(name, done, 3, centre(name))
+    if todo or best is None:
+        return None, None
+    return best, done[CF.key(name, best, 0)]["val_loss"]
+
+
+def gets_seeds(name: str, done: dict[str, dict[str, Any]]) -> bool:
+    """A reference, or a point whose optimum is within :data:`SEED_BAR` of its reference's."""
+    ref = REFERENCE[CONFIGS[name]["method"]]
+    if name == ref:
+        return True
+    _, v = best_val(name, done)
+    _, r = best_val(ref, done)
+    return v is not None and r is not None and v <= r + SEED_BAR
+
+
+def next_run(done: dict[str, dict[str, Any]], only: list[str] | None = None, exact: bool = True):
+    """The next (config, lr, seed, phase) of :data:`PLAN` not yet recorded, or None;
+    ``exact``: whether the sparseloco-exact configuration can run (else it is passed over)."""
+    for what, names in PLAN:
+        for name in names:
+            if (only and name not in only) or (name == EXACT and not exact):
+                continue
+            todo, best = CF.tuning(name, done, 3, centre(name))
+            if what == "tune" and todo:
+                return name, todo[0], 0, "tune"
+            if what == "seeds" and best is not None and gets_seeds(name, done):
+                for s in (1, 2):
+                    if CF.key(name, best, s) not in done:
+                        return name, best, s, "seed"
+    return None
+
+
+# ----------------------------------------------------------------------------- one run
+def check_imports(ray_worker: bool = True) -> dict[str, str]:
+    """The files of ``flwr_isoloco``, the sweep, ``comm_frontier`` and ``common`` here and (if
+    ``ray_worker``) in a Ray worker started as Flower's Ray backend starts them (its
+    ``PYTHONPATH`` is this process's ``sys.path``); RuntimeError unless all are in this
+    checkout (``common.REPO``)."""
+    import flwr_isoloco
+
+    def files() -> dict[str, str]:
+        import comm_frontier
+        import common as c
+        import lm_sweep_lib
+
+        import flwr_isoloco as f
+
+        return {
+            m.__name__: str(Path(m.__file__).resolve()) for m in (f, lm_sweep_lib, comm_frontier, c)
+        }
+
+    seen = {"driver": {**files(), "flwr_isoloco": str(Path(flwr_isoloco.__file__).resolve())}}
+    if ray_worker:
+        import ray
+
+        ray.init(
+            num_cpus=1,
+            include_dashboard=False,
+            runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join(sys.path)}},
+        )
+        try:
+            seen["ray_worker"] = ray.get(ray.remote(files).remote())
+        finally:
+            ray.shutdown()
+    root = str(common.REPO.resolve())
+    for where, fs in seen.items():
+        for mod, f in fs.items():
+            if not f.startswith(root + os.sep):
+                raise RuntimeError(f"{where}: {mod} imported from {f}, not from {root}")
+    return {f"{w}:{m}": f for w, fs in seen.items() for m, f in fs.items()}
+
+
+def run_one(name: str, lr: float, seed: int, phase: str, quick: bool = False) -> dict[str, Any]:
+    """``comm_frontier.run_one`` with this study's size, configuration and codecs; the record
+    adds the model's shapes and where the code came from."""
+    size = size64(quick)
+    model = model_shapes(size, 64 if quick else MIN_DIM)
+    imports = check_imports(ray_worker=False)
+    rec = CF.run_one(
+        name,
+        lr,
+        seed,
+        phase,
+        quick,
+        size=size,
+        cfg=run_cfg(name),
+        codecs=codecs_of(name),
+        num_cpus=NUM_CPUS,
+    )
+    rec.update(study="frontier64", model={**MODEL, "vocab": size["vocab"], **model})
+    rec["imports"] = imports
+    return rec
+
+
+def one(name: str, lr: float, seed: int, phase: str, quick: bool, path: Path | None = None):
+    CF.one(
+        name,
+        lr,
+        seed,
+        phase,
+        quick,
+        path=path or (QUICK_RECORDS if quick else RECORDS),
+        run=run_one,
+    )
+
+
+def queue(until: str | None, only: list[str] | None, quick: bool, path: Path) -> None:
+    """``comm_frontier.queue`` over :func:`next_run`, each run a ``--one`` subprocess of this
+    script; the imports checked in a Ray worker first."""
+    if not quick:
+        for k, f in check_imports().items():
+            print(f"imports {k}: {f}", flush=True)
+    exact = exact_available()
+    print(
+        f"queue: sparseloco-exact {'available' if exact else 'not in this checkout: passed over'}"
+    )
+    CF.queue(
+        until,
+        only,
+        quick,
+        path=path,
+        pick=lambda done: next_run(done, only, exact),
+        script=str(Path(__file__).resolve()),
+        extra=("--records", str(path)),
+    )
+
+
+# ----------------------------------------------------------------------------- the reference
+def bigram_loss(size: dict[str, Any]) -> dict[str, Any]:
+    """Add-one bigram of the training split, ``p(b | a) = (n_ab + 1) / (n_a + V)`` with
+    ``n_ab`` the count of the pair (a, b) among consecutive training tokens, scored as the
+    model's loss (``lm_sweep_lib.eval_loss``: next-token loss inside the same windows of
+    ``seq_len + 1`` over the first ``eval_tokens`` tokens of validation and test)."""
+    import numpy as np
+    import torch
+
+    from flwr_isoloco.data.text import eval_batches
+
+    splits = L.load_splits(size)
+    v = size["vocab"]
+    tr = splits.train.astype(np.int64)
+    counts = np.bincount(tr[:-1] * v + tr[1:], minlength=v * v).reshape(v, v) + 1.0
+    logp = torch.from_numpy(np.log(counts / counts.sum(1, keepdims=True)))
+    out = {"data_key": splits.key, "train_tokens": int(len(tr)), "vocab": v}
+    for split, tokens in (("val", splits.val), ("test", splits.test)):
+        total, n = 0.0, 0
+        for batch in eval_batches(tokens, 64, size["seq_len"], size["eval_tokens"]):
+            total -= float(logp[batch[:, :-1], batch[:, 1:]].sum())
+            n += batch[:, 1:].numel()
+        out[f"{split}_loss"] = total / n
+    return out
+
+
+def bigram(path: Path, quick: bool = False) -> dict[str, Any]:
+    """The bigram reference of this study's data, cached at ``<records>_bigram.json``."""
+    out = path.with_name(path.stem + "_bigram.json")
+    if out.is_file():
+        return common.load_records(out)
+    ref = {**bigram_loss(size64(quick)), "formula": "p(b|a) = (n_ab + 1) / (n_a + V), train split"}
+    common.save_json(out, ref)
+    return ref
+
+
+# ----------------------------------------------------------------------------- status
+def status(path: Path, quick: bool = False) -> None:
+    """Each configuration's seed-0 grid, optimum, seeds, bytes; the references; the next run."""
+    recs = common.load_records(path)
+    done = CF.recorded(recs)
+    ref = bigram(path, quick)
+    print(
+        f"records {path}: {len(recs)} runs; bigram val {ref['val_loss']:.4f} test {ref['test_loss']:.4f}"
+    )
+    for name in CONFIGS:
+        runs = sorted(
+            (r for r in recs if r["config"] == name), key=lambda r: (r["seed"], r["outer_lr"])
+        )
+        if not runs:
+            continue
+        best, v = best_val(name, done)
+        print(f"{name}: centre {centre(name):g}, optimum {best} (val {v})")
+        for r in runs:
+            b = r["bytes"]
+            print(
+                f"  lr {r['outer_lr']:g} seed {r['seed']}: val {r['val_loss']:.4f} "
+                f"test {r['test_loss']:.4f} up {b['up_per_node_round']:.0f} "
+                f"down {b['down_per_node_round']:.0f} B/node/round, {r['wall_s']:.0f} s"
+            )
+    print("next:", next_run(done, exact=exact_available()))
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--configs", nargs="*", help=f"configurations (of {len(CONFIGS)}) to run")
+    p.add_argument("--queue", action="store_true", help="run the plan (PLAN) in priority order")
+    p.add_argument("--until", help="queue: start no run after HH:MM UTC")
+    p.add_argument("--one", nargs=4, metavar=("CONFIG", "LR", "SEED", "PHASE"))
+    p.add_argument("--records", type=Path, help=f"records file (default {RECORDS})")
+    p.add_argument("--quick", action="store_true", help="tiny model, 2 rounds, in process")
+    p.add_argument("--status", action="store_true", help="the records so far and the next run")
+    p.add_argument("--bigram", action="store_true", help="the bigram reference loss")
+    p.add_argument("--check-imports", action="store_true", help="where the code comes from")
+    a = p.parse_args(argv)
+    for name in a.configs or []:
+        if name not in CONFIGS:
+            p.error(f"unknown configuration {name!r}; known: {', '.join(CONFIGS)}")
+    path = a.records or (QUICK_RECORDS if a.quick else RECORDS)
+    if a.check_imports:
+        for k, f in check_imports().items():
+            print(f"{k}: {f}")
+    if a.bigram:
+        print(bigram(path, a.quick))
+    if a.one:
+        one(a.one[0], float(a.one[1]), int(a.one[2]), a.one[3], a.quick, path)
+    elif a.quick and not a.queue:
+        for name in a.configs or ["diloco-fp32-nesterov", "diloco-sl64-m0-both"]:
+            one(name, centre(name), 0, "quick", True, path)
+    elif a.queue or a.configs:
+        queue(a.until, a.configs, a.quick, path)
+    if a.status:
+        status(path, a.quick)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,105 @@
+"""benchmarks/compression/frontier64.py --quick: real 64 x 64 sparseloco tiles, bytes, resume, plan.
+
+Two tiny in-process runs (FakeGrid, the sweep's real ClientApp with download_mod) of a model
+whose every 2-D tensor is a multiple of 64 each way: fp32 DiLoCo and sparseloco k = 64 both ways
+with outer momentum 0. The queue's order is checked on made-up records."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def f64(tmp_path_factory):
+    spec = importlib.util.spec_from_file_location(
+        "frontier64", REPO / "benchmarks" / "compression" / "frontier64.py"
+    )
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["frontier64"] = mod
+    spec.loader.exec_module(mod)
+    mod.QUICK_RECORDS = tmp_path_factory.mktemp("frontier64") / "quick.json"
+    mod.main(["--quick"])
+    return mod
+
+
+def test_quick_tiles_are_64_by_64_and_bytes_from_messages(f64):
+    from flwr.app import ArrayRecord
+
+    from flwr_isoloco.compression.lowbit import sparseloco_bytes, tiling
+
+    recs = {r["config"]: r for r in f64.common.load_records(f64.QUICK_RECORDS)}
+    fp32, sl = recs["diloco-fp32-nesterov"], recs["diloco-sl64-m0-both"]
+    assert fp32["study"] == "frontier64" and fp32["model"]["tensors_2d"] > 0
+    model = f64.L.build_model(f64.size64(True), 0)
+    state = model.state_dict()
+    assert all(tiling(tuple(t.shape), 4096)[2:] == (64, 64) for t in state.values() if t.dim() == 2)
+    full = ArrayRecord(state).count_bytes()
+    assert fp32["bytes"]["up_arrays_per_node_round"] == full
+    assert fp32["bytes"]["down_arrays_per_node_round"] == full
+    # sparseloco payload: 112 bytes per 64 x 64 tile + a 16-byte table per 2-D tensor (the
+    # 1-D norm weights go whole); the record's arrays add only their shapes and dtypes
+    opts = {"chunk": 4096, "k": 64, "bits": 2}
+    payload = sum(sparseloco_bytes(tuple(t.shape), opts) for t in state.values() if t.dim() == 2)
+    assert payload == sum(112 * t.numel() // 4096 + 16 for t in state.values() if t.dim() == 2)
+    b = sl["bytes"]
+    assert payload < b["up_arrays_per_node_round"] < full / 50
+    assert payload < b["down_arrays_per_node_round"] < full / 50
+    assert b["round1_down_per_node"] >= full  # round 1 sends the model (nodes hold nothing)
+    assert b["total_run"] == sum(r["down"] + r["up"] for r in sl["bytes_rounds"])
+
+
+def test_resume_skips_recorded_run(f64, capsys):
+    before = f64.common.load_records(f64.QUICK_RECORDS)
+    f64.one("diloco-fp32-nesterov", 0.25, 0, "quick", True)
+    assert "skip diloco-fp32-nesterov|lr=0.25|seed=0" in capsys.readouterr().out
+    assert f64.common.load_records(f64.QUICK_RECORDS) == before
+
+
+def test_study_model_shapes():
+    spec = importlib.util.spec_from_file_location(
+        "frontier64_shapes", REPO / "benchmarks" / "compression" / "frontier64.py"
+    )
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    m = mod.model_shapes(mod.size64())
+    assert m["parameters"] == 2_131_200
+    assert m["shapes_2d"] == [(256, 256), (256, 704), (704, 256), (1024, 256)]
+
+
+def test_plan_order_and_seed_bar(f64):
+    key, grid = f64.CF.key, f64.CF.lr_grid
+
+    def tune(done, name, vals):
+        for lr, v in zip(grid(f64.centre(name)), vals, strict=True):
+            done[key(name, lr, 0)] = {"val_loss": v}
+
+    done = {}
+    nxt = f64.next_run(done, exact=False)
+    assert nxt == ("diloco-fp32-nesterov", 0.177, 0, "tune")
+    tune(done, "diloco-fp32-nesterov", (3.6, 3.5, 3.7))
+    tune(done, "isoloco-fp32-nesterov", (3.4, 3.3, 3.5))
+    assert f64.next_run(done, exact=True)[:2] == (f64.EXACT, 0.707)  # SparseLoCo's lr 1.0
+    assert f64.next_run(done, exact=False)[0] == "diloco-int4-nesterov-both"
+    tune(done, "diloco-int4-nesterov-both", (3.6, 3.54, 3.7))  # +0.04: gets seeds
+    tune(done, "isoloco-int4-nesterov-both", (3.4, 3.36, 3.5))  # +0.06: does not
+    tune(done, "diloco-sl64-m0-both", (4.2, 4.1, 4.3))
+    tune(done, "isoloco-sl64-m0-both", (4.2, 4.1, 4.3))
+    seeds = []
+    while (nxt := f64.next_run(done, exact=False)) is not None:
+        seeds.append(nxt[:3])
+        done[key(*nxt[:3])] = {"val_loss": 9.0}
+    assert seeds == [
+        ("diloco-fp32-nesterov", 0.25, 1),
+        ("diloco-fp32-nesterov", 0.25, 2),
+        ("isoloco-fp32-nesterov", 1.8, 1),
+        ("isoloco-fp32-nesterov", 1.8, 2),
+        ("diloco-int4-nesterov-both", 0.25, 1),
+        ("diloco-int4-nesterov-both", 0.25, 2),
+    ]
+    assert f64.next_run(done, exact=True) == (f64.EXACT, 0.707, 0, "tune")  # once it exists
