@@ -12,10 +12,41 @@ not copied). A tensor of shape ``(R, ...)`` is viewed as ``(R, C)`` with ``C = n
 0-D as ``(1, n)``). Tiles are ``h x w`` with ``h`` the largest divisor of ``R`` that is at most
 ``side = isqrt(chunk)`` and ``w`` likewise for ``C`` (templar's ``_get_smaller_split``: no
 padding, every tile full; a 64-multiple dimension gives 64, a prime one 1). Each tile of
-``T = h w`` entries keeps its ``k_t = min(k, T)`` entries of largest ``|x|``; their tile-local
-indices (``r w + c``) go ascending, ``ceil(log2 T)`` bits each. The ``m`` kept values of the
-whole tensor share one table (templar's ``_quantize_values`` with ``L = 2^bits`` bins over a
-range of 6 sigma)::
+``T = h w`` entries keeps its ``k_t`` entries of largest ``|x|``; their tile-local indices
+(``r w + c``) go ascending, ``ceil(log2 T)`` bits each.
+
+*Tiles and small tensors.* ``k_t`` is ``k`` scaled to the tile, rounded half up::
+
+    k_t = floor(k T / chunk + 1/2)          (integers: (2 k T + chunk) // (2 chunk))
+
+so every tile keeps the density ``k / chunk`` asked for, up to the rounding: ``|k_t - k T /
+chunk| <= 1/2``, so ``k_t / T`` is within 2/3 and 2 times ``k / chunk`` on a tile that keeps
+any (within 2/3 and 4/3 once ``k T / chunk >= 3/2``), and a full tile (``T = chunk``) keeps
+exactly ``k`` (64 x 64 tiles encode bit for bit as before). Rounding to the nearest is the
+smallest error either way; rounding up would keep nearly twice the density on tiles with
+``k T / chunk`` just above 1, down would keep nothing on tiles with ``k T < chunk``. templar
+keeps ``min(k, T)`` instead (its ``_clamp_topk``), which is right for its models (every
+dimension a multiple of 64, full tiles) but on smaller tiles keeps far more than ``k / chunk``:
+all of a 97 x 64 tensor (97 is prime: 1 x 64 tiles), half of a 2 x 4096 one, 2.8 % instead of
+1.56 % of a 96 x 96 one (48 x 48 tiles).
+A tile with ``k_t = 0`` (``2 k T < chunk``: even one entry would be more than twice the asked
+density, e.g. 97 x 97 -> 1 x 1 tiles) cannot be compressed at about that density: such a
+tensor is not encoded with sparseloco at all but travels raw, fp32, by the record's existing
+per-tensor ``"raw"`` encoding (``record.encoding`` asks :func:`sparse_refusal`), as the
+tensors below ``min_dims`` do. Raw rather than a refusal because the record format already
+carries a per-tensor encoding that every decoder reads (no new format, no new option), and a
+refusal would make a whole model unusable with sparseloco for one odd tensor (the only way out
+being a ``min_dims`` that also sends every other tensor of those dims raw); the tensors it
+sends raw are tiny or rare (at the defaults: tiles under 32 entries, i.e. a tiny tensor or
+one whose two dimensions have largest divisors <= 64 that multiply to under 32: 97 x 97, 97 x
+31).
+:func:`sparse_geometry` is the one geometry the encoder, the decoder and the record's length
+checks (:func:`sparseloco_layout`, :func:`checked_indices`, :func:`sparseloco_bytes`) all
+derive from; it raises ValueError for such a shape, so a record that claims sparseloco for one
+is refused, and so is one whose index / code streams are not ``tiles x k_t`` long.
+
+The ``m`` kept values of the whole tensor share one table (templar's ``_quantize_values`` with
+``L = 2^bits`` bins over a range of 6 sigma)::
 
     mu = mean(v);  sigma = ||v - mu|| / sqrt(m - 1);  s = 6 sigma / L  (s = 1 if 0 or not finite)
     c = clamp(round((v - mu) / s + L/2), 0, L - 1);  table[c] = mean of the v with that code
@@ -111,12 +142,38 @@ def tiling(shape: tuple[int, ...], chunk: int) -> tuple[int, int, int, int]:
     return rows, cols, largest_divisor(rows, side), largest_divisor(cols, side)
 
 
-def sparse_geometry(shape: tuple[int, ...], chunk: int, k: int) -> tuple[int, int, int, int]:
-    """``(tiles, T, k_t, index_bits)`` of a tensor: ``k_t = min(k, T)``,
-    ``index_bits = max(1, ceil(log2 T))`` (12 for 64 x 64 tiles)."""
+def tile_keep(t: int, chunk: int, k: int) -> int:
+    """``k_t`` of a tile of ``t`` entries: ``k t / chunk`` rounded half up (module doc), ``k``
+    on a full tile; 0 when ``2 k t < chunk`` (the tile is too small for the density)."""
+    return (2 * k * t + chunk) // (2 * chunk)
+
+
+def sparse_refusal(shape: tuple[int, ...], chunk: int, k: int) -> str | None:
+    """Why a tensor of ``shape`` cannot be sparseloco-encoded at about the density ``k /
+    chunk`` (its tiles keep ``k_t = 0``), or None when it can."""
     rows, cols, h, w = tiling(shape, chunk)
     t = h * w
-    return (rows // h) * (cols // w), t, min(k, t), max(1, (t - 1).bit_length())
+    if tile_keep(t, chunk, k) > 0:
+        return None
+    return (
+        f"shape {tuple(shape)} gets {h} x {w} tiles of {t} entries (viewed as {rows} x {cols}): "
+        f"one entry per tile is {chunk / (k * t):.3g}x the density k / chunk = {k}/{chunk}, "
+        "more than 2x, so sparseloco does not encode it; compress() sends such a "
+        "tensor raw (fp32). To compress it, use a chunk and k with 2 k T >= chunk; to send "
+        "it raw explicitly, raise min_dims above its number of dimensions"
+    )
+
+
+def sparse_geometry(shape: tuple[int, ...], chunk: int, k: int) -> tuple[int, int, int, int]:
+    """``(tiles, T, k_t, index_bits)`` of a tensor: ``k_t`` = :func:`tile_keep` (``k`` on
+    full tiles), ``index_bits = max(1, ceil(log2 T))`` (12 for 64 x 64 tiles). The one
+    geometry of encoder, decoder and length checks; ValueError (:func:`sparse_refusal`) for a
+    shape whose tiles are too small for the density."""
+    if why := sparse_refusal(shape, chunk, k):
+        raise ValueError(f"sparseloco: {why}")
+    rows, cols, h, w = tiling(shape, chunk)
+    t = h * w
+    return (rows // h) * (cols // w), t, tile_keep(t, chunk, k), max(1, (t - 1).bit_length())
 
 
 def sparseloco_layout(shape: tuple[int, ...], o) -> dict[str, tuple[str, int]]:
@@ -204,7 +261,10 @@ def decode_sparseloco(
 
 
 def sparseloco_bytes(shape: tuple[int, ...], o) -> int:
-    """Payload bytes of one encoded tensor (sum of its parts)."""
+    """Payload bytes of one floating tensor of at least ``min_dims`` dims under sparseloco: the
+    sum of its parts, or ``4 n`` (raw fp32) for a shape :func:`sparse_refusal` refuses."""
+    if sparse_refusal(shape, o["chunk"], o["k"]):
+        return 4 * math.prod(shape)
     return sum(n * (4 if d == "float32" else 1) for d, n in sparseloco_layout(shape, o).values())
 
 
@@ -245,6 +305,8 @@ __all__ = [
     "padding_clear",
     "largest_divisor",
     "tiling",
+    "tile_keep",
+    "sparse_refusal",
     "sparse_geometry",
     "sparseloco_layout",
     "quantise_table",

@@ -14,7 +14,9 @@ Layout of a compressed record (every value a 1-D numpy array, so it travels in a
   (packed codes), ``t`` fp32 (2^bits table) -- see :mod:`flwr_isoloco.compression.lowbit`.
 
 Floating tensors with at least ``min_dims`` dimensions (default 2) use the codec; the others
-travel raw. The header alone tells a server how to decode (no side information).
+travel raw, and so do sparseloco tensors whose tiles are too small for its density (see
+:mod:`~flwr_isoloco.compression.lowbit`, "Tiles and small tensors"). The header alone tells a
+server how to decode (no side information).
 
 Every record is treated as hostile: :func:`decompress` bounds the header's size, the number of
 tensors and their total entries (``max_entries``) and checks each part's dtype and length (from
@@ -128,10 +130,16 @@ def _check_sparseloco_options(opts: dict[str, Any]) -> None:
 
 
 def encoding(t: torch.Tensor, codec: str, options: Mapping[str, Any]) -> str:
-    """``codec`` for a floating tensor with >= ``min_dims`` dims and entries, else ``"raw"``."""
+    """``codec`` for a floating tensor with >= ``min_dims`` dims and entries, else ``"raw"``;
+    also ``"raw"`` for a sparseloco tensor whose tiles are too small for the density ``k /
+    chunk`` (:func:`~flwr_isoloco.compression.lowbit.sparse_refusal`)."""
     if codec == "none" or not t.is_floating_point() or t.numel() == 0:
         return "raw"
-    return codec if t.dim() >= options["min_dims"] else "raw"
+    if t.dim() < options["min_dims"]:
+        return "raw"
+    if codec == "sparseloco" and L.sparse_refusal(tuple(t.shape), options["chunk"], options["k"]):
+        return "raw"
+    return codec
 
 
 def _dtype_name(t: torch.Tensor) -> str:
@@ -211,7 +219,7 @@ def _parse_header(record: ArrayRecord) -> dict[str, Any]:
         or arr.shape[0] > MAX_HEADER_BYTES
     ):
         raise ValueError(f"{HEADER_KEY!r}: header must be a 1-D uint8 array of <= 8 MiB")
-    blob = _npy_1d(arr.data, "uint8", arr.shape[0])
+    blob = npy_1d(arr.data, "uint8", arr.shape[0])
     if isinstance(blob, str):
         raise ValueError(f"{HEADER_KEY!r}: header {blob}")
     try:
@@ -273,7 +281,7 @@ def _part_layout(
     return {"i": ("int32", k), "v": ("float32", k)}
 
 
-def _npy_1d(data: bytes, dtype: str, n: int) -> np.ndarray | str:
+def npy_1d(data: bytes, dtype: str, n: int) -> np.ndarray | str:
     """The 1-D array of an npy blob, checked against ``(dtype, n)`` from its header *before*
     any allocation (``np.load`` would allocate whatever the blob's own header claims)."""
     bio = io.BytesIO(data)
@@ -304,7 +312,7 @@ def _load_part(record: ArrayRecord, name: str, part: str, dtype: str, n: int) ->
         raise ValueError(
             f"tensor {name!r}: part {key!r} is {arr.dtype}{tuple(arr.shape)}, expected {dtype}({n},)"
         )
-    nd = _npy_1d(arr.data, dtype, n)
+    nd = npy_1d(arr.data, dtype, n)
     if isinstance(nd, str):
         raise ValueError(f"tensor {name!r}: part {key!r} {nd}")
     return torch.from_numpy(nd)
@@ -335,51 +343,90 @@ def _decode_one(parts: dict[str, torch.Tensor], shape, n: int, enc: str, o: Mapp
     return C.decode_topk(n, parts["i"], vals)
 
 
+class RecordReader:
+    """A :func:`compress` record checked once (header, names, shapes, parts' dtypes and lengths,
+    ``max_entries``), then decoded tensor by tensor with :meth:`tensor`, so a caller combining
+    several records holds one decoded tensor of each at a time (:func:`decompress` decodes all).
+
+    ``shapes`` (e.g. the server's model) must match the header exactly (same names and shapes),
+    checked before anything is allocated. Raises ValueError naming the bad key."""
+
+    def __init__(
+        self,
+        record: ArrayRecord,
+        *,
+        shapes: Mapping[str, tuple[int, ...]] | None = None,
+        max_entries: int = MAX_ENTRIES,
+    ) -> None:
+        if not is_compressed(record):
+            raise ValueError(f"record has no {HEADER_KEY!r} header (not compressed)")
+        head = _parse_header(record)
+        codec, self.options = head["codec"], head["options"]
+        specs = {name: _tensor_spec(name, s, codec) for name, s in head["tensors"].items()}
+        if shapes is not None:
+            _check_names(specs, shapes)
+        total = sum(s[3] for s in specs.values())
+        if total > max_entries:
+            raise ValueError(f"{HEADER_KEY!r}: header claims {total} entries > max {max_entries}")
+        o = self.options
+        layouts = {}
+        for name, s in specs.items():
+            try:  # sparseloco refuses a shape its encoder sends raw (tiles too small)
+                layouts[name] = _part_layout(s[0], s[3], s[1], s[2], o)
+            except ValueError as exc:
+                raise ValueError(f"tensor {name!r}: {exc}") from None
+        wanted = {f"{name}/{p}" for name, lay in layouts.items() for p in lay}
+        present = set(record.keys()) - {HEADER_KEY}
+        if present != wanted:
+            miss, extra = sorted(wanted - present), sorted(present - wanted)
+            raise ValueError(
+                f"record parts differ from its header: missing {miss[:5]}, extra {extra[:5]}"
+            )
+        self.record, self.specs, self.layouts = record, specs, layouts
+
+    @property
+    def names(self) -> list[str]:
+        """The tensors' names, in the record's order."""
+        return list(self.specs)
+
+    def encoding(self, name: str) -> str:
+        """How tensor ``name`` travels: ``"raw"`` or the codec's name."""
+        return self.specs[name][2]
+
+    def tensor(self, name: str) -> torch.Tensor:
+        """Tensor ``name`` decoded (the header's shape and dtype); ValueError if its parts are
+        bad."""
+        shape, dtype, enc, n = self.specs[name]
+        lay = self.layouts[name]
+        parts = {p: _load_part(self.record, name, p, d, k) for p, (d, k) in lay.items()}
+        flat = _decode_one(parts, shape, n, enc, self.options)
+        if isinstance(flat, str):
+            raise ValueError(f"tensor {name!r}: {flat}")
+        return flat.reshape(shape).to(_DTYPES[dtype])
+
+
+def _check_names(specs: Mapping[str, Any], shapes: Mapping[str, tuple[int, ...]]) -> None:
+    missing = sorted(set(shapes) - set(specs))
+    extra = sorted(set(specs) - set(shapes))
+    if missing or extra:
+        raise ValueError(
+            f"tensor keys differ from the model: missing {missing[:5]}, extra {extra[:5]}"
+        )
+    for name, (shape, *_rest) in specs.items():
+        if shape != tuple(shapes[name]):
+            raise ValueError(f"tensor {name!r}: shape {shape}, expected {tuple(shapes[name])}")
+
+
 def decompress(
     record: ArrayRecord,
     *,
     shapes: Mapping[str, tuple[int, ...]] | None = None,
     max_entries: int = MAX_ENTRIES,
 ) -> dict[str, torch.Tensor]:
-    """Decode a :func:`compress` record into ``{name: tensor}`` (the dtypes of the header).
-
-    ``shapes`` (e.g. the server's model) must then match the header exactly (same names and
-    shapes), checked before anything is allocated. Raises ValueError naming the bad key.
-    """
-    if not is_compressed(record):
-        raise ValueError(f"record has no {HEADER_KEY!r} header (not compressed)")
-    head = _parse_header(record)
-    codec, o = head["codec"], head["options"]
-    specs = {name: _tensor_spec(name, s, codec) for name, s in head["tensors"].items()}
-    if shapes is not None:
-        missing = sorted(set(shapes) - set(specs))
-        extra = sorted(set(specs) - set(shapes))
-        if missing or extra:
-            raise ValueError(
-                f"tensor keys differ from the model: missing {missing[:5]}, extra {extra[:5]}"
-            )
-        for name, (shape, *_rest) in specs.items():
-            if shape != tuple(shapes[name]):
-                raise ValueError(f"tensor {name!r}: shape {shape}, expected {tuple(shapes[name])}")
-    total = sum(s[3] for s in specs.values())
-    if total > max_entries:
-        raise ValueError(f"{HEADER_KEY!r}: header claims {total} entries > max {max_entries}")
-    layouts = {name: _part_layout(s[0], s[3], s[1], s[2], o) for name, s in specs.items()}
-    wanted = {f"{name}/{p}" for name, lay in layouts.items() for p in lay}
-    present = set(record.keys()) - {HEADER_KEY}
-    if present != wanted:
-        miss, extra = sorted(wanted - present), sorted(present - wanted)
-        raise ValueError(
-            f"record parts differ from its header: missing {miss[:5]}, extra {extra[:5]}"
-        )
-    out: dict[str, torch.Tensor] = {}
-    for name, (shape, dtype, enc, n) in specs.items():
-        parts = {p: _load_part(record, name, p, d, k) for p, (d, k) in layouts[name].items()}
-        flat = _decode_one(parts, shape, n, enc, o)
-        if isinstance(flat, str):
-            raise ValueError(f"tensor {name!r}: {flat}")
-        out[name] = flat.reshape(shape).to(_DTYPES[dtype])
-    return out
+    """Decode a :func:`compress` record into ``{name: tensor}`` (the dtypes of the header),
+    checked as :class:`RecordReader` checks it."""
+    reader = RecordReader(record, shapes=shapes, max_entries=max_entries)
+    return {name: reader.tensor(name) for name in reader.names}
 
 
 def header(record: ArrayRecord) -> dict[str, Any]:
