@@ -37,10 +37,9 @@ from flwr_isoloco.compression.broadcast import (
     NEEDS_FULL,
     NEEDS_FULL_CODE,
     REPLY_RECORD,
-    apply_update,
+    apply_download,
     model_digest,
 )
-from flwr_isoloco.compression.record import decompress
 
 STATE_ARRAYS = "download-base-model"
 STATE_CONFIG = "download-base-digest"
@@ -120,7 +119,7 @@ def _rebuild(
     if base == digest and len(arrays) == 0:
         return held
     try:
-        return apply_update(held, decompress(arrays))
+        return apply_download(held, arrays)
     except ValueError as exc:
         return f"update does not decode: {exc}"
 

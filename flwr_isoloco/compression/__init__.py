@@ -26,9 +26,11 @@ from flwr_isoloco.compression.record import (
     normalize_options,
     payload_nbytes,
 )
+from flwr_isoloco.compression.step import EXACT
 
 __all__ = [
     "CODECS",
+    "EXACT",
     "CODEC_KEY",
     "EF_DECAY_DEFAULTS",
     "EF_DECAY_KEY",

@@ -30,19 +30,35 @@ nobody trains on a model other than ``B``, silently. A refusal of an update (not
 ``B``) has the code ``NEEDS_FULL_CODE`` and a reason starting ``NEEDS_FULL`` (it names the digest
 the node holds, or none): the server answers it within the round with the full ``B``
 (:func:`asks_for_full`), so a node that lost its copy (a restart) still trains that round.
+
+Exact downloads (codec ``"exact"``, :mod:`.step`): the update is the round's step record, the
+peers' own upload messages from which a node takes the server's step itself, and ``B`` is the
+server's model bit for bit (:meth:`Broadcast.stepped` makes the server's step the nodes'
+arithmetic). A round whose step is not such a record (no step, a step the divergence guard put
+back, a reply that was not compressed) sends the full model to any node not already holding
+it; so does a round whose record is larger than the full model (many peers, dense uploads).
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 from collections.abc import Mapping
 from typing import Any
 
+import numpy as np
 import torch
-from flwr.app import ArrayRecord, Message
+from flwr.app import Array, ArrayRecord, Message
 from flwr.common.constant import ErrorCode
 
-from flwr_isoloco.compression.record import compress, decompress, normalize_options
+from flwr_isoloco.compression.record import (
+    compress,
+    decompress,
+    normalize_options,
+    npy_1d,
+    payload_nbytes,
+)
+from flwr_isoloco.compression.step import EXACT, decode_step, is_step
 
 DIGEST_KEY = "download-digest"
 BASE_KEY = "download-base"
@@ -50,6 +66,9 @@ REPLY_RECORD = "download"
 HELD_KEY = "held"
 NEEDS_FULL_CODE = ErrorCode.MOD_FAILED_PRECONDITION  # the mod's precondition: holding the base
 NEEDS_FULL = "download_mod needs the full model"
+CHAIN_KEY = "__chain__"
+MAX_LINKS = 32
+"""Most versions a node may be behind and still get updates (a chain) instead of the model."""
 
 
 def model_digest(tensors: Mapping[str, torch.Tensor]) -> str:
@@ -77,6 +96,63 @@ def apply_update(
     return out
 
 
+def decode_update(
+    record: ArrayRecord, shapes: Mapping[str, tuple[int, ...]]
+) -> dict[str, torch.Tensor]:
+    """The update a download carries, decoded and checked against the model's ``shapes``: an
+    exact step record (:func:`~.step.decode_step`) or a compressed ``Q(theta - B)``."""
+    if is_step(record):
+        return decode_step(record, shapes)
+    return decompress(record, shapes=shapes)
+
+
+def chain(updates: list[ArrayRecord]) -> ArrayRecord:
+    """The updates of consecutive versions as one record: ``CHAIN_KEY`` (uint8 JSON
+    ``{"links": n}``) and link ``j``'s arrays under ``"l<j>:<key>"``."""
+    blob = json.dumps({"links": len(updates)}).encode()
+    arrays = {CHAIN_KEY: Array(np.frombuffer(blob, dtype=np.uint8).copy())}
+    for j, rec in enumerate(updates):
+        arrays.update({f"l{j}:{k}": v for k, v in rec.items()})
+    return ArrayRecord(arrays)
+
+
+def _links(record: ArrayRecord) -> list[ArrayRecord]:
+    """The updates of a :func:`chain` record, checked: a small header, link numbers in range,
+    no stray arrays (each link is then checked by :func:`decode_update`)."""
+    arr = record[CHAIN_KEY]
+    ok = str(arr.dtype) == "uint8" and len(arr.shape) == 1 and len(arr.data) < 4096
+    blob = npy_1d(arr.data, "uint8", int(arr.shape[0])) if ok else "bad"
+    try:
+        n = json.loads(blob.tobytes().decode()).get("links") if not isinstance(blob, str) else None
+    except (ValueError, AttributeError, UnicodeDecodeError, RecursionError):
+        n = None
+    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_LINKS:
+        raise ValueError(f"{CHAIN_KEY!r}: header must be {{'links': 1..{MAX_LINKS}}}")
+    parts: list[dict[str, Array]] = [{} for _ in range(n)]
+    for key, a in record.items():
+        if key == CHAIN_KEY:
+            continue
+        link, sep, rest = key.partition(":")
+        j = int(link[1:]) if link[:1] == "l" and link[1:].isdigit() else -1
+        if not sep or not 0 <= j < n:
+            raise ValueError(f"chain record: unexpected array {key[:80]!r}")
+        parts[j][rest] = a
+    return [ArrayRecord(p) for p in parts]
+
+
+def apply_download(
+    held: Mapping[str, torch.Tensor], record: ArrayRecord
+) -> dict[str, torch.Tensor]:
+    """The model after a download's update(s): ``B + decode(u)``, or for a :func:`chain` each
+    link applied in turn, as the server advanced ``B`` (ValueError on a bad record)."""
+    shapes = {k: tuple(v.shape) for k, v in held.items()}
+    links = _links(record) if CHAIN_KEY in record else [record]
+    out = dict(held)
+    for link in links:
+        out = apply_update(out, decode_update(link, shapes))
+    return out
+
+
 def reply_digest(msg: Message) -> str | None:
     """The digest a reply says its node holds, or None (error reply, absent, not a string)."""
     if msg.has_error():
@@ -101,9 +177,14 @@ class Broadcast:
         self, codec: str, options: Mapping[str, Any], *, nodes_hold_initial: bool = False
     ) -> None:
         self.codec = codec
+        self.exact = codec == EXACT
         self.nodes_hold_initial = nodes_hold_initial
         self.assumed = ""  # the digest a node not heard from is taken to hold
-        self.options = normalize_options(codec, dict(options))
+        self.options = {} if self.exact else normalize_options(codec, dict(options))
+        self.history: list[tuple[str, str, ArrayRecord, int]] = []  # (from, to, update, bytes)
+        self._chains: dict[int, ArrayRecord] = {}  # first link -> chain record (this version)
+        self.step: ArrayRecord | None = None  # exact: the round's step record, for stepped()
+        self.pending: tuple[ArrayRecord, dict[str, torch.Tensor]] | None = None  # and decoded
         self.base: dict[str, torch.Tensor] | None = None
         self.digest = ""
         self.prev = ""
@@ -118,6 +199,9 @@ class Broadcast:
         if first:
             self.base = {k: v.to(dtypes.get(k, v.dtype)).clone() for k, v in theta.items()}
             self.prev, self.update = "", None
+        elif self.exact:
+            self.prev = self.digest
+            self.update, self.base = self._exact_update(theta, dtypes)
         else:
             delta = {k: theta[k].float() - self.base[k].float() for k in self.base}
             self.update = compress(delta, self.codec, **self.options)
@@ -129,7 +213,48 @@ class Broadcast:
         self.digest = model_digest(self.base)
         if first and self.nodes_hold_initial:
             self.assumed = self.digest
-        self._full = None
+        self._full, self._chains = None, {}
+        self._remember()
+
+    def _remember(self) -> None:
+        """Add this version's update to :attr:`history` (none: the chain breaks), keeping at
+        most ``MAX_LINKS`` links and less than the full model's bytes in all (a longer chain
+        would never be sent: the full model is smaller)."""
+        if self.update is None or not self.prev:
+            self.history = []
+            return
+        self.history.append((self.prev, self.digest, self.update, payload_nbytes(self.update)))
+        full = self._full_nbytes()
+        while self.history and (
+            len(self.history) > MAX_LINKS or sum(h[3] for h in self.history) >= full
+        ):
+            self.history.pop(0)
+
+    def _full_nbytes(self) -> int:
+        assert self.base is not None
+        return sum(v.numel() * v.element_size() for v in self.base.values())
+
+    def stepped(self, params: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The server's new ``params`` (fp32) after the round's exact step :attr:`step`:
+        ``p + d`` in ``B``'s dtypes (:func:`apply_update`, the nodes' arithmetic), so that the
+        next :meth:`advance` finds ``B + d`` equal to them and sends the record."""
+        assert self.base is not None and self.step is not None
+        record, self.step = self.step, None
+        d = decode_step(record, {k: tuple(b.shape) for k, b in self.base.items()})
+        self.pending = (record, d)
+        base = {k: params[k].to(self.base[k].dtype) for k in params}
+        return {k: v.float() for k, v in apply_update(base, {k: d[k] for k in params}).items()}
+
+    def _exact_update(self, theta, dtypes) -> tuple[ArrayRecord | None, dict[str, torch.Tensor]]:
+        """``(update, B)`` of an exact download: the pending step when ``B + d`` is ``theta``
+        bit for bit, else no update (nodes not holding ``theta`` get the full model)."""
+        assert self.base is not None
+        pending, self.pending = self.pending, None
+        if pending is not None and set(pending[1]) == set(self.base):
+            cand = apply_update(self.base, pending[1])
+            if all(torch.equal(cand[k], theta[k].to(cand[k].dtype)) for k in cand):
+                return pending[0], cand
+        return None, {k: v.to(dtypes.get(k, v.dtype)).clone() for k, v in theta.items()}
 
     def full(self) -> ArrayRecord:
         """``B`` as an ArrayRecord (built once per version)."""
@@ -139,13 +264,22 @@ class Broadcast:
         return self._full
 
     def for_node(self, node: int) -> tuple[ArrayRecord, dict[str, str]]:
-        """What ``node`` gets (module docstring) and the config entries that describe it."""
+        """What ``node`` gets (module docstring) and the config entries that describe it: the
+        updates since the version it holds (one, or a chain of them: :func:`chain`) when
+        :attr:`history` reaches back to it, else the full ``B``."""
         held = self.held.get(node, self.assumed)
         entries = {DIGEST_KEY: self.digest}
         if held == self.digest:
             return ArrayRecord(), {**entries, BASE_KEY: self.digest}
-        if self.update is not None and held == self.prev and self.prev:
-            return self.update, {**entries, BASE_KEY: self.prev}
+        starts = [i for i, h in enumerate(self.history) if held and h[0] == held]
+        if starts:
+            links = self.history[starts[0] :]
+            if sum(h[3] for h in links) < self._full_nbytes():
+                if len(links) == 1:
+                    return links[0][2], {**entries, BASE_KEY: held}
+                if starts[0] not in self._chains:
+                    self._chains[starts[0]] = chain([h[2] for h in links])
+                return self._chains[starts[0]], {**entries, BASE_KEY: held}
         return self.full(), {**entries, BASE_KEY: ""}
 
     def note(self, node: int, msg: Message) -> None:
@@ -176,4 +310,9 @@ class Broadcast:
             base = {k: v.clone() for k, v in base.items()}
         self.base, self.digest = base, str(state.get("digest", "")) if base is not None else ""
         self.prev, self.update, self.held, self._full = "", None, {}, None
-        self.assumed, self.version = "", None  # a resumed B is not the nodes' initial model
+        self.history, self._chains = [], {}
+        self.assumed, self.version, self.pending = (
+            "",
+            None,
+            None,
+        )  # a resumed B is not the nodes' initial model

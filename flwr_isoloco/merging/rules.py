@@ -21,6 +21,9 @@ that delta). A rule only touches 2-D tensors whose name matches ``spectral_patte
   entries that agree with it (in chunks: O(one tensor) extra memory; read in row blocks from
   a spill store, :func:`ties_rows`: O(one tensor) for all M workers together).
 - ``dare``: drop entries with probability p, rescale survivors by 1/(1-p), weighted mean.
+- ``sparseloco``: SparseLoCo's combine of sparse deltas (:mod:`.sparse`): each worker's tensor
+  clipped to the workers' median norm, each entry the weighted mean over the workers that sent
+  it (a non-zero entry).
 
 Scale: with weights summing to 1, ``iso_c``, ``iso_cts`` and ``tsv_m`` are on the mean scale;
 the TSV and Iso-C authors' code and the IsoLoCo code's TSV-M are on the sum scale (M times
@@ -40,6 +43,7 @@ from .iso_range import MAX_GAIN, iso_c_matched
 from .options import COMMON_OPTIONS as COMMON_OPTIONS  # re-exported: defined in .options
 from .options import check_options, rule_applies
 from .polar import NS_LOWER, NS_MAX_STEPS, NS_TOL, gram_polar, iso_c, thin_svd
+from .sparse import sparseloco_combine
 
 __all__ = [
     "MergeRule",
@@ -428,6 +432,13 @@ MERGE_RULES: dict[str, MergeRule] = {
         None,
         {"drop_rate": 0.1, "seed": 0},
         "DARE: random drop and rescale, then mean",
+    ),
+    "sparseloco": MergeRule(
+        "sparseloco",
+        sparseloco_combine,
+        None,
+        {},
+        "SparseLoCo: each peer clipped to the median norm, each entry the mean over its senders",
     ),
 }
 

@@ -21,7 +21,7 @@ import math
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from flwr_isoloco.compression import CODECS
+from flwr_isoloco.compression import CODECS, EXACT
 from flwr_isoloco.merging import MERGE_RULES
 from flwr_isoloco.merging.buffers import check_buffers_spec
 from flwr_isoloco.merging.device import parse_device
@@ -218,7 +218,7 @@ RUN_CONFIG_CHECKS: dict[str, Any] = {
     "client-sends": choices(*PAYLOADS),
     "dtype-policy": choices(*DTYPE_POLICIES),
     "upload-codec": choices(*CODECS),
-    "download-codec": choices(*CODECS),
+    "download-codec": choices(*CODECS, EXACT),
     "codec-values": choices("fp32", "int8"),
     "codec-block-size": in_range(1, 1 << 20),
     "codec-min-dims": in_range(0, 8),

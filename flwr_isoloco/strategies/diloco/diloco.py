@@ -167,9 +167,6 @@ class DiLoCo(FromRunConfig, SettingsViews, DiLoCoState, ResumableStrategy):
         self.book = RoundBook(EmptyRoundGuard(rounds.max_empty_rounds, "aggregate_train"))
         setup_merge(self, merge, merge_options, orthogonalize, seed, as_robust(robust))
         self.buffers = check_buffers_spec(buffers)  # float tensors the outer step does not own
-        self.broadcast = None if self.download is None else downloads.new_broadcast(self.download)
-        self.eval_bytes_down = 0  # the evaluation messages' arrays (downloads.evaluated)
-        self.codec_use = downloads.CodecUse(self.upload, self.download, arrayrecord_key)
         self.fraction_train = float(fraction_train)
         self.fraction_evaluate = float(fraction_evaluate)
         self.min_train_nodes = 0 if fraction_train == 0 else min_train_nodes
@@ -181,6 +178,7 @@ class DiLoCo(FromRunConfig, SettingsViews, DiLoCoState, ResumableStrategy):
         self._reset_bookkeeping(seed)
         self.dp = StrategyDP(privacy)
         self.dp.check_strategy(self)  # refuses rules / options DP cannot bound; weights uniform
+        downloads.setup_downloads(self, arrayrecord_key)  # broadcast B, codec use, exact refusals
         self.async_rounds = asyn.asynchronous_rounds(self, rounds)  # None: synchronous
 
     def _reset_bookkeeping(self, seed: int) -> None:
@@ -491,7 +489,7 @@ class DiLoCo(FromRunConfig, SettingsViews, DiLoCoState, ResumableStrategy):
         buffers = buffer_keys(self)
         params = {k: self.theta[k] for k in g if k not in buffers}
         transform = self.merger.update_transform(self.server_round)
-        new = self.outer.step(params, {k: g[k] for k in params}, update_transform=transform)
+        new = downloads.outer_or_exact(self, params, g, transform)  # exact download: its step
         base = self.train_base  # the buffers' mean is taken against the model sent (B or theta)
         new.update(merged_buffers(base, g, buffers))  # a noised variance is clamped at 0
         for k in buffers:  # a checkpoint from before buffers were told apart may hold some

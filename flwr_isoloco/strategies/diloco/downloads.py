@@ -26,11 +26,86 @@ from flwr.common.logger import log
 
 from flwr_isoloco.compression import is_compressed, payload_nbytes
 from flwr_isoloco.compression.broadcast import Broadcast, asks_for_full, reply_digest
+from flwr_isoloco.compression.step import EXACT, build_step
 from flwr_isoloco.strategies.diloco.settings import Codec
 
 RESTORED = "restored"
 """``Broadcast.version``'s object part after a resume whose checkpoint held the ``B`` of the
 theta it saved (the restored theta is a new object)."""
+
+
+def setup_downloads(s: Any, arrayrecord_key: str) -> None:
+    """``s.broadcast`` (None without a download codec), ``s.codec_use``, and the refusals of an
+    exact download (:func:`exact_problems`)."""
+    s.broadcast = None if s.download is None else new_broadcast(s.download)
+    s.eval_bytes_down = 0  # the evaluation messages' arrays (evaluated)
+    s.codec_use = CodecUse(s.upload, s.download, arrayrecord_key)
+    if problems := exact_problems(s):
+        raise ValueError("download='exact': " + "; ".join(problems))
+
+
+def exact_problems(s: Any) -> list[str]:
+    """Why ``s``'s step cannot be sent exactly as the round's uploads (empty: it can): the
+    step must be a function of this round's compressed uploads alone."""
+    if s.download is None or s.download.name != EXACT:
+        return []
+    out = []
+    if s.upload is None:
+        out.append(
+            "it sends the round's upload messages, which without an upload codec are the full "
+            "deltas, M times the model: set upload=Codec('sparseloco')"
+        )
+    if s.outer.momentum != 0:
+        out.append(
+            f"outer_momentum={s.outer.momentum} adds past rounds' steps, which the nodes do not "
+            "have: use outer_momentum=0 (SparseLoCo: the workers' error feedback takes its "
+            "place) or a re-compressed download such as Codec('int4')"
+        )
+    if s.merger.name not in ("mean", "sparseloco") or s.merger.orthogonalize == "update":
+        out.append(
+            f"merge={s.merger.name!r} makes the step dense, not a sum of the sparse uploads: use "
+            "merge='mean' or 'sparseloco', or a re-compressed download such as Codec('int4')"
+        )
+    if s.merger.robust is not None:
+        out.append("a robust rule is not a weighted sum of the uploads: use robust=None")
+    if s.dp.settings is not None and s.dp.mode == "central":
+        out.append("central DP noises the step densely: use LocalDP or download=None")
+    return out
+
+
+def exact_record(s: Any, used: list[Any], weights: list[float], uploads: dict, buffers) -> None:
+    """Under an exact download, ``s.broadcast.step`` = the step record of the round's ``used``
+    replies (:func:`~flwr_isoloco.compression.step.build_step`; ``uploads``: id(reply) -> its
+    compressed record) for the outer step to take (:func:`outer_or_exact`); None when a used
+    reply was not compressed or the model has buffers (BatchNorm statistics are not a sum of
+    the uploads): that round's nodes then get the full model, said once."""
+    b = s.broadcast
+    if b is None or not b.exact or not used:
+        return
+    recs = [uploads.get(id(r)) for r in used]
+    why = "the model has buffers (BatchNorm statistics)" if buffers else None
+    if why is None and any(rec is None or not is_compressed(rec) for rec in recs):
+        why = "a used reply was not compressed (its ClientApp does not run upload_mod)"
+    if why is not None:
+        b.step = None
+        if "exact" not in s.codec_use.warned:
+            s.codec_use.warned.add("exact")
+            log(WARNING, "download='exact': %s; nodes get the full model this round", why)
+        return
+    total = sum(weights)
+    rule = s.merger.name
+    shapes = {k: tuple(v.shape) for k, v in s.theta.items()}
+    per_entry = [k for k, v in s.theta.items() if rule == "sparseloco" and v.dim() == 2]
+    b.step = build_step(recs, [w / total for w in weights], per_entry, -s.outer.lr, shapes)
+
+
+def outer_or_exact(s: Any, params: dict, g: Any, transform: Any) -> dict:
+    """The outer step of ``params``: the round's exact step when there is one
+    (``Broadcast.stepped``: the nodes' arithmetic), else ``s.outer.step`` on ``g``."""
+    b = s.broadcast
+    if b is not None and b.step is not None:
+        return b.stepped(params)
+    return s.outer.step(params, {k: g[k] for k in params}, update_transform=transform)
 
 
 def new_broadcast(codec: Codec) -> Broadcast:

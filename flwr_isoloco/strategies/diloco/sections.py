@@ -70,8 +70,10 @@ def codec_options(c: Mapping[str, Any], codec_key: str = "upload-codec") -> dict
     ...); an option without a key here takes the codec's default. ``codec-ef-decay`` (-1: the
     codec's default) is the decay of a worker's error feedback, an upload option: a download
     codec never takes it (the server sends its whole residual)."""
-    from flwr_isoloco.compression import OPTION_KEYS, normalize_options
+    from flwr_isoloco.compression import EXACT, OPTION_KEYS, normalize_options
 
+    if c[codec_key] == EXACT:  # a download mode without options
+        return {}
     allowed = normalize_options(c[codec_key])
     opts = {o: c[k] for k, o in OPTION_KEYS.items() if o in allowed and k in c}
     decay = c.get("codec-ef-decay", -1)

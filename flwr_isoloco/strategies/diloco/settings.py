@@ -28,7 +28,7 @@ from dataclasses import dataclass, field, fields
 from types import MappingProxyType
 from typing import Any, ClassVar
 
-from flwr_isoloco.compression import normalize_options
+from flwr_isoloco.compression import EXACT, normalize_options
 from flwr_isoloco.merging import MERGE_RULES
 from flwr_isoloco.merging.robust import ROBUST_RULES, resolve_robust
 from flwr_isoloco.strategies.core.divergence import (
@@ -262,6 +262,8 @@ class Codec:
     codec dropped and adds it to its next delta. One class for any direction a codec applies to.
     ``nodes_hold_initial`` (downloads only): every node builds the initial model itself (same
     seed or checkpoint; ``clients.make_download_mod(initial=...)``), so round 1 sends no arrays.
+    ``Codec("exact")`` (downloads only): the nodes take the server's step from the round's
+    sparse uploads, exactly (``compression/step.py``).
     """
 
     name: str
@@ -277,8 +279,8 @@ class Codec:
         nodes_hold_initial: bool = False,
         **options: Any,
     ) -> None:
-        try:
-            normalize_options(name, options)  # unknown codec or option, bad value
+        try:  # unknown codec or option, bad value ("exact": a download mode, no options)
+            normalize_options(name, options) if name != EXACT or options else None
         except ValueError as exc:
             raise _renamed("Codec", exc) from None
         for arg, v in (

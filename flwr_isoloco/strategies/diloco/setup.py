@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from flwr_isoloco.compression import request_config
+from flwr_isoloco.compression import EXACT, request_config
 from flwr_isoloco.merging import MERGE_RULES
 from flwr_isoloco.merging.buffers import resolve_buffers
 from flwr_isoloco.merging.robust import RobustMerge, resolve_robust
@@ -203,6 +203,11 @@ def check_codecs(upload: Codec | None, download: Codec | None) -> None:
     download (the server's residual is sent whole, compression/broadcast.py: no decay)."""
     if upload is not None and upload.nodes_hold_initial:
         raise ValueError("upload: nodes_hold_initial applies to downloads only")
+    if upload is not None and upload.name == EXACT:
+        raise ValueError(
+            "upload: 'exact' is a download mode (the nodes take the server's step from the "
+            "round's uploads); give the uploads a codec such as Codec('sparseloco')"
+        )
     if download is not None and "ef_decay" in download.options:
         raise ValueError(
             f"download: ef_decay={download.options['ef_decay']!r} decays a worker's error "

@@ -43,6 +43,7 @@ from flwr_isoloco.merging.round import RoundFold
 from flwr_isoloco.merging.weights import bounded_weights
 from flwr_isoloco.strategies.core.metrics import metric_record, train_client_metrics
 from flwr_isoloco.strategies.core.replies import CheckedReply, Rejection, ReplyReport
+from flwr_isoloco.strategies.diloco import downloads
 from flwr_isoloco.strategies.diloco.round_close import RoundClose, RoundHost
 from flwr_isoloco.strategies.diloco.setup import buffer_keys
 
@@ -94,6 +95,8 @@ class TrainRound:
         self.fold = RoundFold(
             s.merger, self.base, server_round, spill=spill, dp=dp, buffers=buffers
         )
+        b = getattr(s, "broadcast", None)
+        self.uploads: dict[int, Any] | None = {} if b is not None and b.exact else None
         self.taken: list[CheckedReply] = []
         self.answered: set[str] = set()
         self._w: dict[int, float] = {}  # id(reply) -> merge weight
@@ -133,6 +136,8 @@ class TrainRound:
                 raise
             v.reject(self.report, r.node_id, f"merge refused this delta: {exc}")
             return
+        if self.uploads is not None:  # exact downloads send the used replies' own records
+            self.uploads[id(r)] = r.content.array_records.get(r.arrayrecord_key)
         r.strip()
         self._w[id(r)] = w
         self.taken.append(r)
@@ -211,6 +216,9 @@ class TrainRound:
         kept = getattr(self.fold.robust, "last_kept", None)  # the choosing rules set it
         if g is not None and kept is not None:
             extra["robust-kept"] = len(kept)
+        if g is not None and self.uploads is not None:
+            w = [self._w[id(r)] for r in checked]
+            downloads.exact_record(s, checked, w, self.uploads, self.buffers)
         new_arrays, checked, stepped = close.step(g, checked)
         del g
         if checked and self.ratio:
