@@ -148,3 +148,24 @@ def test_a_step_larger_than_the_model_sends_the_model():
     full = payload_nbytes(ArrayRecord(theta0()))
     assert [m[r]["bytes-down"] for r in (1, 2, 3)] == [4 * full] * 3
     assert [m[r]["replies-used"] for r in (1, 2, 3)] == [4] * 3
+
+
+def test_a_quorum_round_with_a_late_node_keeps_the_nodes_on_the_servers_model():
+    """Rounds(quorum=3, grace_s=0) with node 3 answering one pull late: each round's step is
+    the record of the 3 replies in time, and every node (the late one too, which misses some
+    versions and then gets a chain or the model) still trains from the server's model: each
+    train message rebuilds the announced digest (or download_mod refuses, an error reply)."""
+    from flwr_isoloco.strategies import Rounds
+
+    app = ClientApp(mods=[download_mod, upload_mod])
+    app.train()(train_random)
+    app.evaluate()(evaluate_any)
+    grid = FakeGrid(app, num_nodes=4)
+    grid.set_delay(3, pulls=1, times=10**6)
+    s = exact_strategy(fraction_evaluate=1.0, rounds=Rounds(quorum=3, grace_s=0.0))
+    res = s.start(grid=grid, initial_arrays=ArrayRecord(theta0()), num_rounds=4)
+    m = res.train_metrics_clientapp
+    final = res.arrays.to_torch_state_dict()
+    assert all(torch.equal(s.broadcast.base[k], final[k]) for k in final)
+    assert [m[r]["replies-used"] for r in range(1, 5)] == [3] * 4
+    assert all(m[r]["replies-rejected"] == 0 for r in range(1, 5))

@@ -107,7 +107,9 @@ class DiLoCo(FromRunConfig, SettingsViews, DiLoCoState, ResumableStrategy):
     asynchronous : bool | None
         ``True`` is ``rounds=Rounds(asynchronous=True, ...)`` (None: as ``rounds`` says).
     upload : Codec | str | None
-        The codec workers compress their delta with (``"int8"``, ``"topk"``...; None: plain).
+        Workers' delta codec (int8, fp8, topk, int4, sparseloco; plain ClientApps: upload_mod).
+    download : Codec | str | None
+        Model codec down (nodes run download_mod); ``"exact"``: the step as the sparse uploads.
     divergence : Divergence
         What a round that makes the ``evaluate_fn`` loss blow up does (``"warn"`` by default).
     robust : Robust | str | None
