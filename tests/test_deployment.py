@@ -333,9 +333,9 @@ QUORUM_APP = REPO / "tests" / "deploy-quorum-app"
 
 
 def test_quorum_and_grace_window_over_tls(deployment, tmp_path):
-    """3 SuperNodes, partition 2 sleeps 6 s per message; quorum 2, grace 1 s, 5 rounds: every
-    round closes without it, its late replies are discarded, never merged (the model is the
-    2-node FedAvg). Runs on the real apps' deployment (its extra state-dir is unused here)."""
+    """3 SuperNodes, partition 2 answers each round only after the server closed it (a marker
+    file: late by construction at any load); quorum 2, grace 1 s, 5 rounds: every round closes
+    without it, its late replies are discarded, never merged (the model is the 2-node FedAvg). Runs on the real apps' deployment (its extra state-dir is unused here)."""
     _restore_all_nodes(deployment)
     out = tmp_path / "out"
     run = deployment.run_app(QUORUM_APP, {"output-dir": str(out)}, 300)

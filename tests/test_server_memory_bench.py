@@ -52,6 +52,25 @@ def test_quick_run_writes_cells_and_resumes(tmp_path):
     assert "| after | diloco | 4 |" in again.stdout
 
 
+def _descendants(root):
+    import psutil
+
+    try:
+        return root.children(recursive=True)
+    except psutil.Error:
+        return []
+
+
+def _leads_sleep(p) -> bool:
+    """A ``sleep`` that leads its own process group (setsid has run and exec'd it)."""
+    import psutil
+
+    try:
+        return p.name() == "sleep" and os.getpgid(p.pid) == p.pid
+    except (psutil.Error, ProcessLookupError):
+        return False
+
+
 def test_stop_ends_every_process_group_under_the_run():
     """A run's SuperLink and SuperExec lead their own process groups (setsid), as run_app.sh
     and Flower start them; run_app.sh itself (our group) exits once they are gone."""
@@ -59,11 +78,12 @@ def test_stop_ends_every_process_group_under_the_run():
 
     proc = subprocess.Popen(["bash", "-c", "setsid sleep 300 & setsid sleep 300 & wait"])
     root = psutil.Process(proc.pid)
-    for _ in range(50):
-        kids = root.children(recursive=True)
-        if len(kids) == 2:
+    deadline = time.monotonic() + 120  # both setsid exec'd into sleep, each its own group
+    while True:
+        kids = [k for k in _descendants(root) if _leads_sleep(k)]
+        if len(kids) == 2 or time.monotonic() > deadline:
             break
-        time.sleep(0.1)
+        time.sleep(0.05)
     assert len(kids) == 2 and len({os.getpgid(k.pid) for k in kids}) == 2
     server_memory.stop(root)
     proc.wait(timeout=30)
