@@ -61,6 +61,7 @@ DEFINITIONS: dict[tuple[str, str, str], str] = {
         "Codecs (`flwr_isoloco.compression`)",
         "codec",
     ): "codec formats: error bounds and byte formulas",
+    ("compression.md", "Arguments and run-config keys", "key"): "config keys and defaults",
     ("deployment.md", "5. Start a SuperNode (each institution)", "key"): "config keys",
     ("merging.md", "API", "rule"): "rule options and their defaults",
     ("merging.md", "Iso-C fast mode (`iso_c_ns`)", "step"): "Newton-Schulz coefficients",

@@ -31,7 +31,7 @@ config per message taken from a measured run).
     python benchmarks/compression/comm_frontier.py --queue --until 02:35   # the study
     python benchmarks/compression/comm_frontier.py --configs diloco-sl64-nesterov-both
     python benchmarks/compression/comm_frontier.py --bytes     # computed bytes, every config
-    python benchmarks/compression/comm_frontier.py --table     # docs/compression.md + plot
+    python benchmarks/compression/comm_frontier.py --table     # docs/results-compression.md, plot
     python benchmarks/compression/comm_frontier.py --quick     # 2 rounds, tiny, in process
 
 Records: ``benchmarks/results/comm_frontier.json`` (one per run, appended at once; a rerun
@@ -444,7 +444,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--one", nargs=4, metavar=("CONFIG", "LR", "SEED", "PHASE"))
     p.add_argument("--quick", action="store_true", help="tiny model, 2 rounds, in process")
     p.add_argument("--bytes", action="store_true", help="compute every configuration's bytes")
-    p.add_argument("--table", action="store_true", help="docs/compression.md table + plot")
+    p.add_argument("--table", action="store_true", help="docs/results-compression.md + plot")
     a = p.parse_args(argv)
     for name in a.configs or []:
         if name not in CONFIGS:

@@ -1,4 +1,4 @@
-"""The frontier's computed bytes, table (docs/compression.md) and plot; see ``comm_frontier.py``.
+"""The frontier's computed bytes, table (docs/results-compression.md) and plot (comm_frontier.py).
 
 Bytes of a configuration that was not trained: the arrays are exact (the model's real
 pseudo-gradient after H = 10 inner AdamW steps, encoded once with the configuration's codec,
@@ -17,7 +17,7 @@ from typing import Any
 import comm_frontier as F
 
 common, L = F.common, F.L
-DOC = common.REPO / "docs" / "compression.md"
+DOC = common.REPO / "docs" / "results-compression.md"
 PLOT = common.REPO / "docs" / "img" / "comm_frontier.png"
 BEGIN, END = "<!-- BEGIN COMM_FRONTIER -->", "<!-- END COMM_FRONTIER -->"
 GOAL_X, GOAL_NATS = 100.0, 0.02
