@@ -148,7 +148,7 @@ def test_cuda_on_a_gpu_less_node_is_refused_before_anything_with_the_fix(tiny, m
     (reply,) = grid.send_and_receive([msg])
     reason = reply.error.reason
     assert reply.has_error() and "ValueError: train.device 'cuda': no CUDA device" in reason
-    assert "client-resources.num-gpus" in reason and "AssertionError" not in reason
+    assert "client-resources-num-gpus" in reason and "AssertionError" not in reason
 
 
 # ----------------------------------------------------------------------------- LoRA clients
@@ -274,7 +274,7 @@ def test_lora_cuda_refused_before_the_model_with_the_fix(monkeypatch):
     monkeypatch.setattr(lora_client.SentenceTask, "model", never)
     reply = _lora_send(lora_client.LoRAClient(cfg), MessageType.TRAIN, init)
     assert reply.has_error() and "device 'cuda': no CUDA device" in reply.error.reason
-    assert "client-resources.num-gpus" in reply.error.reason
+    assert "client-resources-num-gpus" in reply.error.reason
     ctx = Context(
         1, 2, {"partition-id": 0, "num-partitions": 1}, RecordDict(), {"train.device": "cuda:0"}
     )

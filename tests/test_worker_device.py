@@ -61,7 +61,7 @@ def test_cuda_without_a_gpu_is_refused_at_construction_with_the_fix(option):
             make(device=option)
         msg = str(err.value)
         assert msg.startswith(f"train.device {option!r}: no CUDA device is visible here")
-        assert "options.backend.client-resources.num-gpus" in msg and "0.5" in msg
+        assert "--federation-config" in msg and "client-resources-num-gpus" in msg and "0.5" in msg
         assert "does not cap" in msg and "CUDA_VISIBLE_DEVICES" in msg and "'cpu'" in msg
 
 

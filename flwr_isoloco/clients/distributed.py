@@ -186,8 +186,9 @@ def _resolve_devices(world_size: int, backend: str | None, devices) -> tuple[lis
         if 0 < seen < world_size:
             raise ValueError(
                 f"world_size={world_size} needs one GPU per rank but this process sees {seen} "
-                "(CUDA_VISIBLE_DEVICES; in a simulation options.backend.client-resources."
-                "num-gpus); give the node more GPUs, lower world_size, or pass devices="
+                "(CUDA_VISIBLE_DEVICES; in a simulation --federation-config "
+                '"client-resources-num-gpus=N"); give the node more GPUs, lower world_size, '
+                "or pass devices="
             )
         devices = [f"cuda:{i}" for i in range(world_size)] if seen else ["cpu"] * world_size
     devs = [torch.device(d) for d in devices]

@@ -7,7 +7,7 @@ back to the CPU, so only one tensor's slices (and its temporaries) live on the d
 the CPU are the same code path, bit for bit, whichever of ``None``, ``"auto"`` or ``"cpu"`` led
 there. A node's training resolves its ``train.device`` with the same function
 (:func:`resolve_node_device`): in a Ray simulation an actor given
-``options.backend.client-resources.num-gpus > 0`` sees its GPU(s) through
+``client-resources-num-gpus > 0`` (``--federation-config``) sees its GPU(s) through
 ``CUDA_VISIBLE_DEVICES`` (so ``cuda`` is the GPU Ray assigned), one given none sees none.
 
 Out of memory is the server's problem, not the replies': :func:`is_out_of_memory` tells such an
@@ -46,8 +46,9 @@ DEVICE_CHOICES = ("auto", "cpu", "cuda", "cuda:<index>")
 
 #: What to do when a node is asked to train on a CUDA device it cannot see.
 NODE_DEVICE_FIX = (
-    "in a simulation give each node a GPU with options.backend.client-resources.num-gpus "
-    "(e.g. 1, or 0.5 to share one GPU between two nodes; sharing does not cap their memory); "
+    "in a simulation give each node a GPU: flwr run ... --federation-config "
+    "\"client-resources-num-gpus=1\" (or 0.5 to share one GPU between two nodes; sharing does "
+    "not cap their memory); "
     "in deployment check CUDA_VISIBLE_DEVICES of the process that runs the ClientApp; "
     "or use 'auto' or 'cpu'"
 )

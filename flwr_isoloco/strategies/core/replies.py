@@ -50,6 +50,7 @@ from flwr_isoloco.strategies.core.reply import (
     array_digest,
     content_digest,
     is_number,
+    node_error_cause,
     reply_metrics,
     reply_nbytes,
     steps_problem,
@@ -278,7 +279,7 @@ class ReplyValidator:
     def _structure(self, msg: Message, node: int, spec: Spec | None) -> CheckedReply | str:
         """The reply's arrays (decoded, dtype policy applied), weight and payload, or why not."""
         if msg.has_error():
-            return f"error reply (code {msg.error.code}): {str(msg.error.reason)[:300]}"
+            return f"error reply (code {msg.error.code}): {node_error_cause(msg.error.reason)}"
         if not msg.has_content():
             return "reply has no content"
         content = msg.content

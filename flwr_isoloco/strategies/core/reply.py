@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -29,6 +30,7 @@ __all__ = [
     "array_digest",
     "content_digest",
     "is_number",
+    "node_error_cause",
     "reply_metrics",
     "reply_nbytes",
     "steps_problem",
@@ -176,6 +178,45 @@ def steps_problem(content: RecordDict, asked: int | None) -> str | None:
         if asked is not None and n > asked:
             return f"metric 'inner-steps' = {int(n)} is more than the {asked} local-steps asked"
     return None
+
+
+_ANSI = re.compile(r"\x1b\[[0-9;?]*[ -/]*[@-~]")
+_WRAPPED = re.compile(r"^<class '([\w.()]+)'>:<'(.*)'>$", re.S)
+_RAISED = "Exception ClientAppException occurred. Message: "
+CAUSE_CHARS = 500
+
+
+def node_error_cause(reason: str) -> str:
+    """The ClientApp's own exception in an error reply's ``reason``, as ``Type: message``.
+
+    Flower wraps it twice: the SuperNode as ``<class 'T'>:<'str(ex)'>``, a Ray simulation as
+    ``RayTaskError(ClientAppException)`` whose text is Ray's actor repr, a traceback (ANSI
+    coloured) and ``ClientAppException ... Message: str(ex)``, which drops the type; the type
+    is read back from the traceback line that carries the message. Escapes and whitespace runs
+    are removed, the result cut at ``CAUSE_CHARS``. A reason in neither form is kept as it is
+    (escapes removed)."""
+    text = _ANSI.sub("", str(reason))
+    wrapped = _WRAPPED.match(text.strip())
+    kind = wrapped.group(1).rsplit(".", 1)[-1] if wrapped else ""
+    inner = wrapped.group(2) if wrapped else text
+    if _RAISED in inner:
+        message = inner.rsplit(_RAISED, 1)[1].strip()
+        head = message.splitlines()[0][:40] if message else ""
+        kind = ""
+        for line in inner.splitlines():
+            m = re.match(r"\s*([A-Za-z_][\w.]*): (.*)", line)
+            if (
+                m
+                and head
+                and m.group(2).startswith(head)
+                and "ClientAppException" not in m.group(1)
+            ):
+                kind = m.group(1).rsplit(".", 1)[-1]
+                break
+        inner = message
+    cause = " ".join(inner.split())
+    cause = f"{kind}: {cause}" if kind and not cause.startswith(kind) else cause
+    return cause[:CAUSE_CHARS]
 
 
 def is_number(v: object) -> bool:
