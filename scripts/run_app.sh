@@ -22,7 +22,8 @@
 #   `finished:completed`;
 # - the SuperLink's process group (it holds the simulation and Ray) is stopped on every exit.
 #
-# Environment: NUM_SUPERNODES (default 4), CPUS_PER_CLIENT (default 1), RUN_APP_KEEP_HOME=1
+# Environment: NUM_SUPERNODES (default 4), CPUS_PER_CLIENT (default 1), GPUS_PER_CLIENT
+# (default 0: none; e.g. 1, or 0.5 for two nodes per GPU), RUN_APP_KEEP_HOME=1
 # keeps the FLWR_HOME folder, FLWR_BIN_DIR (default <repo>/.venv/bin), RUN_APP_DRY_RUN=1 checks
 # the overrides (keys, types, and our apps' value checks), prints them as Flower will read them
 # and exits 0 without starting anything.
@@ -78,6 +79,10 @@ for var in NUM_SUPERNODES CPUS_PER_CLIENT; do
     exit 2
   fi
 done
+if [ -n "${GPUS_PER_CLIENT:-}" ] && ! [[ $GPUS_PER_CLIENT =~ ^([0-9]{1,3}(\.[0-9]{1,4})?)$ ]]; then
+  echo "run_app: GPUS_PER_CLIENT=$GPUS_PER_CLIENT must be a number >= 0 (e.g. 1 or 0.5)" >&2
+  exit 2
+fi
 
 mkdir -p "$REPO/.flwr"
 RUN_HOME=$(mktemp -d "$REPO/.flwr/home.XXXXXX")
@@ -167,6 +172,7 @@ done
 # nested dict and dict.update()s them, so a second flag with keys of the same section (train.a,
 # then train.b) would silently drop the first. In one file all keys survive.
 FED="num-supernodes=${NUM_SUPERNODES:-4} client-resources-num-cpus=${CPUS_PER_CLIENT:-1}"
+FED="$FED client-resources-num-gpus=${GPUS_PER_CLIENT:-0}"
 
 echo "run_app: $APP -> $OUT (SuperLink pid $SL_PID, port $PORT, FLWR_HOME $FLWR_HOME)"
 T0=$(date +%s.%N)

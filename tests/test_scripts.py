@@ -133,6 +133,7 @@ def test_run_app_relative_output_dir_becomes_absolute(tmp_path):
         ),
         ("o", [], {"NUM_SUPERNODES": "4 x=1"}, "run_app: NUM_SUPERNODES=4 x=1 must be a positive"),
         ("o", [], {"CPUS_PER_CLIENT": "0"}, "run_app: CPUS_PER_CLIENT=0 must be a positive"),
+        ("o", [], {"GPUS_PER_CLIENT": "1 x=2"}, "run_app: GPUS_PER_CLIENT=1 x=2 must be a number"),
         ("o", ["lr=0.1", "steps=3"], {}, "run_app: unknown run-config key 'steps'"),
         # issue 17: types are checked here too, before anything starts (they used to pass the
         # dry run and fail only once the ServerApp read them)
