@@ -188,8 +188,10 @@ def test_failed_round_keeps_the_handle(tmp_path):
 
 def test_temp_dir_keeps_the_state_on_disk_removed_with_the_run(tmp_path, monkeypatch, caplog):
     """``temp_dir=True`` and no folder configured (the LM app with ``checkpoint=false``): the
-    moments go to this machine's private per-run folder, newest file only, the run is bitwise
-    the in-memory one, and :func:`remove_run_temp_dir` removes the folder."""
+    node's state goes to this machine's private per-run folder (newest node-state file only;
+    the AdamW moments in the worker's memory-mapped moments file there, context.state holding
+    its handle), the run is bitwise the in-memory one, and :func:`remove_run_temp_dir` removes
+    the folder."""
     import tempfile
 
     from flwr_isoloco.clients.node_state import remove_run_temp_dir, run_temp_dir
@@ -204,13 +206,17 @@ def test_temp_dir_keeps_the_state_on_disk_removed_with_the_run(tmp_path, monkeyp
             assert not any(isinstance(r, ArrayRecord) for r in ctx.state.values())
             h = ctx.state[HANDLE_KEY]
             assert Path(h["path"]) == folder / f"node-p0-r{rnd - 1}.safetensors"
-            assert sorted(p.name for p in folder.iterdir()) == [Path(h["path"]).name]
+            moments = Path(ctx.state[ADAMW_STATE_KEY]["path"])  # the worker's moments file
+            assert moments == folder / "adamw-p0-n77.moments"
+            assert sorted(p.name for p in folder.iterdir()) == sorted(
+                [Path(h["path"]).name, moments.name]
+            )
 
     disk, ctx = _rounds(
         with_node_state(handler(), temp_dir=True), new_context(), before_round=check
     )
     assert all(torch.equal(mem[k], disk[k]) for k in mem)
-    assert HANDLE_KEY in ctx.state and ADAMW_STATE_KEY not in ctx.state
+    assert HANDLE_KEY in ctx.state and isinstance(ctx.state[ADAMW_STATE_KEY], ConfigRecord)
     assert (folder.parent.stat().st_mode & 0o777) == 0o700
     remove_run_temp_dir(1)
     assert not folder.exists()

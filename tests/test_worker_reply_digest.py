@@ -1,10 +1,12 @@
 """The DiLoCo worker's replies are bitwise the ones of the reference implementation.
 
 The digests below are sha256 over every reply of a fixed run (each array's name, dtype, shape
-and bytes, in name order, plus the reply's metrics), computed with the worker as it was before
-its per-message path was rewritten to avoid copies (zero-copy unpacking, in-place load,
-the AdamW moments kept out of Flower records). They pin the numbers, not the speed: a change
-that alters one bit of one reply fails here.
+and bytes, in name order, plus the reply's metrics), computed with the worker that serialised
+everything through Flower's own ``ArrayRecord`` conversions and kept the AdamW moments in
+``context.state``; the worker under test unpacks without copies, packs with one and keeps the
+moments in a memory-mapped file under ``with_node_state(temp_dir=True)``. Every fp32 path
+(cached, a fresh process per message, node-state files, the temp folder) gave that worker one
+digest. They pin the numbers, not the speed: a change that alters one bit of one reply fails.
 
 Floating-point results depend on the CPU's kernels, so the digests hold for the torch version
 and machine architecture they were computed on (:data:`PINNED`); elsewhere the test is skipped
@@ -42,6 +44,8 @@ DIGESTS = {
     "bf16-cached": "2f74b935eefe6b7f111168f6cc0a310b47bf0e40aceb16e20494549f9e871782",
     "delta-cached": "8a3b6d3f6896f34b1b5fa66877254f3e6c16e228c06265a08d11051359443274",
     "fp32-node-state-files": "a2c9246ac4d1c150a0ae03d013e7b730f7fdd8d97d5980c29a1eca0a674c779b",
+    "fp32-temp-dir-cached": "a2c9246ac4d1c150a0ae03d013e7b730f7fdd8d97d5980c29a1eca0a674c779b",
+    "fp32-temp-dir-fresh-process": "a2c9246ac4d1c150a0ae03d013e7b730f7fdd8d97d5980c29a1eca0a674c779b",
 }
 
 
@@ -123,8 +127,11 @@ def _pinned() -> None:
 
 
 @pytest.mark.parametrize("case", sorted(DIGESTS))
-def test_replies_are_bitwise_the_reference(case, tmp_path):
+def test_replies_are_bitwise_the_reference(case, tmp_path, monkeypatch):
     _pinned()
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # run_temp_dir under tmp_path
     if case == "fp32-cached":
         got = _run(_handler())
     elif case == "fp32-fresh-process":
@@ -133,6 +140,9 @@ def test_replies_are_bitwise_the_reference(case, tmp_path):
         got = _run(_handler(precision="bf16"))
     elif case == "delta-cached":
         got = _run(_handler(payload="delta"))
+    elif case.startswith("fp32-temp-dir"):  # the moments in the node's memory-mapped file
+        got = _run(with_node_state(_handler(), temp_dir=True), fresh=case.endswith("process"))
+        assert list(tmp_path.rglob("adamw-p0-n77.moments"))
     else:
         got = _run(with_node_state(_handler(), default_dir=tmp_path), fresh=True)
     assert got == DIGESTS[case]

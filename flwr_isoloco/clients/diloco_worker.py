@@ -38,14 +38,8 @@ from flwr_isoloco.models.hf import load_model_arrays
 from .inner_loop import Amp, InnerLoop, Pace, accumulate, inner_lr
 from .inner_loop import inner_steps as _inner_steps
 from .precision import announce, autocast, check_compile, check_precision, grad_scaler
-from .worker_cache import (
-    ADAMW_STATE_KEY,
-    borrow_model,
-    keep_moments,
-    new_token,
-    restore_moments,
-    save_adamw,
-)
+from .record_io import unpack_record
+from .worker_cache import ADAMW_STATE_KEY, borrow_model, restore_moments, store_moments
 from .worker_reply import RESIDUAL_STATE_KEY, reply_content
 
 __all__ = [
@@ -175,10 +169,11 @@ def _local_dp_request(cfg: Mapping[str, Any]) -> tuple[float, float] | None:
 
 
 def _received_arrays(msg: Message, key: str) -> dict[str, torch.Tensor]:
-    """The message's arrays ``theta`` (on the CPU)."""
+    """The message's arrays ``theta`` (on the CPU, read-only views of the message's bytes:
+    :func:`.record_io.unpack_record`)."""
     if key not in msg.content.array_records:
         raise ValueError(f"train message has no ArrayRecord {key!r}")
-    return msg.content.array_records[key].to_torch_state_dict()
+    return unpack_record(msg.content.array_records[key])
 
 
 def _prepare_training(
@@ -315,12 +310,9 @@ def _train_round(w: _Worker, c: _Round, theta, model, forward, named, context: C
         loop, data, cursor, node_seed, c, pace=pace if pace.active else None
     )
     spent = time.perf_counter() - t0
-    token = new_token() if w.cache_nodes > 0 else None
-    save_adamw(opt, named, context.state, w.layout, token)
+    store_moments(opt, named, context, w.layout, w.device, w.cache_nodes)
     context.state[WORKER_STATE_KEY] = ConfigRecord({"data-cursor": cursor, "last-round": c.rnd})
     new = {k: v.detach().cpu() for k, v in model.state_dict().items() if k in names}
-    if token is not None:
-        keep_moments((context.run_id, context.node_id), token, opt, named, w.device, w.cache_nodes)
     opt.zero_grad(set_to_none=True)  # a pooled model keeps no gradients between messages
     content = reply_content(theta, new, c.request, w.payload, context.state, w.key, c.dp)
     content["metrics"] = _train_metrics(tokens, losses, step_lr, c, amp, spent)

@@ -29,6 +29,15 @@ for them; pass ``default_dir=`` to :func:`with_node_state` to keep them on a dis
 (only the newest file per node: nothing to resume from; the ServerApp removes the folder at the
 end of the run with :func:`remove_run_temp_dir`, which in a simulation is every node's), or
 ``offload=False`` to keep the files but the state in memory as well.
+
+In that temp folder the DiLoCo worker keeps its AdamW moments in a memory-mapped file of its own
+(:mod:`flwr_isoloco.clients.moments_file`; the folder reaches it as
+:data:`~flwr_isoloco.clients.moments_file.MOMENTS_DIR_KEY` in ``context.state`` while the
+handler runs) and ``context.state`` only the file's handle, so the node-state file of a round
+holds kilobytes, not two copies of the model: no file is hashed or copied in full per message,
+and the moments file is checked with checksums when a fresh process maps it. Where there is a
+state to resume from (a server's or the node's folder) the moments stay in the node-state files,
+which are the resume checkpoints.
 """
 
 from __future__ import annotations
@@ -58,6 +67,7 @@ from flwr_isoloco.checkpoint import (
     save_checkpoint,
     tree_to_recorddict,
 )
+from flwr_isoloco.clients.moments_file import MOMENTS_DIR_KEY
 
 __all__ = [
     "HANDLE_KEY",
@@ -303,12 +313,17 @@ def with_node_state(
         handle = _reload(context, pid)
         if not offloaded and RESUME_ROUND_KEY in conf and len(context.state) == 0:
             _restore(context, conf, pid)
+        if keep == 1 and folder is not None:  # nothing to resume from: a moments file there
+            context.state[MOMENTS_DIR_KEY] = ConfigRecord({"dir": str(folder)})
         try:
             reply = train(msg, context)
         except BaseException:
             if handle is not None:  # nothing was saved: the old file still holds the state
                 _drop_arrays(context, handle)
             raise
+        finally:
+            if MOMENTS_DIR_KEY in context.state:
+                del context.state[MOMENTS_DIR_KEY]
         if reply.has_error():
             if handle is not None:
                 _drop_arrays(context, handle)

@@ -24,6 +24,12 @@ replaced (restored from a file, another process's, an older round's) or carries 
 the worker read the stored moments as without a cache. A message that fails drops the node's
 entry (its tensors may be half updated). LRU with ``bound`` entries (the handler's
 ``cache_nodes``); each holds two fp32 copies of the trainable parameters on the device.
+
+Where the moments are stored: an ArrayRecord in ``context.state`` (each message serialises
+them, 2 x 4 bytes per trainable value), or, when the node has a private folder and no state to
+resume from (:data:`.moments_file.MOMENTS_DIR_KEY`), a memory-mapped file there that the
+moments on the CPU are views of (:mod:`.moments_file`: a message writes only its header), with
+``context.state`` holding the file's handle.
 """
 
 from __future__ import annotations
@@ -38,10 +44,12 @@ from logging import WARNING
 from typing import Any
 
 import torch
-from flwr.app import ArrayRecord, Context, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, Context, RecordDict
 from flwr.common.logger import log
 
+from . import moments_file
 from .adamw_state import MOMENTS, adamw_to_arrays, adamw_to_flat, arrays_to_adamw, flat_to_adamw
+from .record_io import pack_record, unpack_record
 
 __all__ = [
     "ADAMW_STATE_KEY",
@@ -56,6 +64,7 @@ __all__ = [
     "new_token",
     "restore_moments",
     "save_adamw",
+    "store_moments",
     "stored_token",
     "take_moments",
 ]
@@ -103,6 +112,7 @@ def clear_caches() -> None:
     """Forget every pooled model and node entry (frees their device memory)."""
     _CACHES.models.clear()
     _CACHES.nodes.clear()
+    moments_file.forget_mappings()
     for k in _CACHES.stats:
         _CACHES.stats[k] = 0
 
@@ -145,7 +155,14 @@ def new_token() -> torch.Tensor:
 
 
 def stored_token(rec: object) -> bytes | None:
-    """The token a stored AdamW record carries (None: none, or not a well-formed one)."""
+    """The token a stored AdamW record carries (None: none, or not a well-formed one); for a
+    moments file's handle (a ConfigRecord), the token of the file it names."""
+    if isinstance(rec, ConfigRecord):
+        try:
+            token = bytes.fromhex(str(rec.get("token", "")))
+        except ValueError:
+            return None
+        return token if len(token) == 16 else None
     if not isinstance(rec, ArrayRecord) or TOKEN_KEY not in rec:
         return None
     try:
@@ -197,13 +214,21 @@ def keep_moments(
 
 
 def load_adamw(opt: torch.optim.Optimizer, named: Named, state: RecordDict) -> bool:
-    """Restore AdamW from ``state`` (:mod:`.adamw_state`, flat layout; the named layout is read
-    too); False (fresh optimiser) if absent or unusable (a warning says why)."""
+    """Restore AdamW from ``state``: an ArrayRecord (:mod:`.adamw_state`, flat layout; the named
+    layout is read too) or the handle of a moments file (:mod:`.moments_file`, checked before
+    use); False (fresh optimiser) if absent or unusable (a warning says why)."""
     rec = state.get(ADAMW_STATE_KEY)
+    if isinstance(rec, ConfigRecord):
+        try:
+            moments_file.attach(opt, named, rec)
+        except ValueError as exc:  # MomentsFileError included
+            log(WARNING, "DiLoCo worker: AdamW moments file refused (%s); fresh optimiser", exc)
+            return False
+        return True
     if not isinstance(rec, ArrayRecord):
         return False
     try:
-        arrays = rec.to_torch_state_dict()
+        arrays = unpack_record(rec)
         if all(m in arrays for m in MOMENTS):
             flat_to_adamw(opt, named, arrays)
         else:
@@ -220,15 +245,40 @@ def save_adamw(
     state: RecordDict,
     layout: str,
     token: torch.Tensor | None = None,
+    path=None,
 ) -> None:
-    """Write the AdamW state to ``state`` (fp32, on the CPU), with the cache's ``token``."""
+    """Write the AdamW state to ``state`` (fp32, on the CPU), with the cache's ``token``: as an
+    ArrayRecord, or with ``path`` (and a ``token``) into the node's moments file there, whose
+    handle ``state`` keeps (:func:`.moments_file.store`; the flat layout)."""
+    if path is not None and token is not None:
+        h = moments_file.store(opt, named, path, token.numpy().tobytes())
+        state[ADAMW_STATE_KEY] = ConfigRecord(h)
+        return
     if layout == "flat":
-        arrays = adamw_to_flat(opt, named, share=True)  # ArrayRecord copies them at once
+        arrays = adamw_to_flat(opt, named, share=True)  # packing copies them at once
     else:
         arrays = adamw_to_arrays(opt, named, step_arrays=True)[0]
     if token is not None:
         arrays[TOKEN_KEY] = token
-    state[ADAMW_STATE_KEY] = ArrayRecord(arrays)
+    state[ADAMW_STATE_KEY] = pack_record(arrays)
+
+
+def store_moments(
+    opt: torch.optim.Optimizer,
+    named: Named,
+    context: Context,
+    layout: str,
+    device: torch.device,
+    bound: int,
+) -> None:
+    """Save the AdamW state (:func:`save_adamw`: into the node's moments file when
+    ``context.state`` names its folder, else into ``context.state``) and, with ``bound`` > 0,
+    keep the moments in this process's cache under the token just written."""
+    path = moments_file.moments_path(context.state, context.node_config, context.node_id)
+    token = new_token() if bound > 0 or path is not None else None
+    save_adamw(opt, named, context.state, layout, token, path)
+    if bound > 0:
+        keep_moments((context.run_id, context.node_id), token, opt, named, device, bound)
 
 
 def restore_moments(

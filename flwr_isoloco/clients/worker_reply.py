@@ -16,7 +16,8 @@ from flwr.common.logger import log
 
 from flwr_isoloco.compression import ErrorFeedback, compress
 from flwr_isoloco.merging.dp import CLIP_KEY, NOISE_KEY, privatize
-from flwr_isoloco.models.hf import travel_state
+
+from .record_io import pack_record
 
 __all__ = ["RESIDUAL_STATE_KEY", "reply_content"]
 
@@ -24,7 +25,8 @@ RESIDUAL_STATE_KEY = "diloco.residual"
 
 
 def fp32_record(sd: Mapping[str, torch.Tensor]) -> ArrayRecord:
-    return ArrayRecord(travel_state(sd))  # bf16 cannot travel in an ArrayRecord: fp32
+    """``sd`` as an ArrayRecord, bf16 as fp32 (an ArrayRecord has no bf16), one copy."""
+    return pack_record(sd)
 
 
 def compressed_delta(
