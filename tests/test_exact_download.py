@@ -121,6 +121,7 @@ def test_a_tampered_record_is_refused_naming_the_part():
         (dict(outer_momentum=0.9, nesterov=True), "outer_momentum"),
         (dict(merge="iso_c"), "dense"),
         (dict(upload=None), "upload codec"),
+        (dict(upload="int8"), "dense"),
     ],
 )
 def test_settings_that_cannot_give_an_exact_step_are_refused(kw, match):
@@ -136,14 +137,13 @@ def test_exact_is_a_download_mode_and_isoloco_is_told_to_recompress():
 
 
 def test_a_step_larger_than_the_model_sends_the_model():
-    """Dense int8 uploads of 4 nodes: the step record is ~4 x 1/4 of the model plus headers,
-    larger than the model, so every node gets the full model (and still trains)."""
+    """sparseloco keeping every entry (k = chunk): each upload is ~10/32 of the model, 4 of
+    them more than the model, so every node gets the full model (and still trains)."""
     app = ClientApp(mods=[download_mod, upload_mod])
     app.train()(train_random)
-    s = exact_strategy(merge="mean", upload=Codec("int8"))
-    res = s.start(
-        grid=FakeGrid(app, num_nodes=4), initial_arrays=ArrayRecord(theta0()), num_rounds=3
-    )
+    s = exact_strategy(upload=Codec("sparseloco", chunk=256, k=256, bits=2))
+    grid = FakeGrid(app, num_nodes=4)
+    res = s.start(grid=grid, initial_arrays=ArrayRecord(theta0()), num_rounds=3)
     m = res.train_metrics_clientapp
     full = payload_nbytes(ArrayRecord(theta0()))
     assert [m[r]["bytes-down"] for r in (1, 2, 3)] == [4 * full] * 3

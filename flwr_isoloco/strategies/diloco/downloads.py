@@ -44,6 +44,10 @@ def setup_downloads(s: Any, arrayrecord_key: str) -> None:
         raise ValueError("download='exact': " + "; ".join(problems))
 
 
+SPARSE_UPLOADS = ("sparseloco", "topk")
+"""Upload codecs whose messages are small enough to send M of them down (``download="exact"``)."""
+
+
 def exact_problems(s: Any) -> list[str]:
     """Why ``s``'s step cannot be sent exactly as the round's uploads (empty: it can): the
     step must be a function of this round's compressed uploads alone."""
@@ -54,6 +58,11 @@ def exact_problems(s: Any) -> list[str]:
         out.append(
             "it sends the round's upload messages, which without an upload codec are the full "
             "deltas, M times the model: set upload=Codec('sparseloco')"
+        )
+    elif s.upload.name not in SPARSE_UPLOADS:
+        out.append(
+            f"upload={s.upload.name!r} is dense: the step record would hold M such uploads, more "
+            f"than the model from a few nodes on; use a sparse upload codec {SPARSE_UPLOADS}"
         )
     if s.outer.momentum != 0:
         out.append(
