@@ -40,7 +40,7 @@ import torch
 from flwr.app import Array, ArrayRecord
 
 from flwr_isoloco.compression.record import MAX_HEADER_BYTES, RecordReader, npy_1d
-from flwr_isoloco.merging.sparse import SparseMean, combine_coefs
+from flwr_isoloco.merging.sparse import SparseMean, clip_factors
 
 __all__ = ["EXACT", "STEP_KEY", "build_step", "decode_step", "is_step", "step_terms"]
 
@@ -67,14 +67,15 @@ def step_terms(
     shapes: Mapping[str, tuple[int, ...]],
 ) -> dict[str, torch.Tensor]:
     """The coefficients ``a`` of every tensor: ``a_i = w_i c_i`` (``c_i`` the clip to the
-    median norm, :func:`~flwr_isoloco.merging.sparse.combine_coefs`) for the tensors in
-    ``per_entry``, ``a_i = w_i`` for the others. One tensor of each upload at a time."""
+    median norm, :func:`~flwr_isoloco.merging.sparse.clip_factors`) for the tensors in
+    ``per_entry``, ``a_i = w_i`` for the others. One decoded tensor in memory at a time."""
     readers = [RecordReader(u, shapes=shapes) for u in uploads]
     w = torch.tensor([float(x) for x in weights], dtype=torch.float32)
     out = {}
     for name in shapes:
         if name in per_entry:
-            out[name] = combine_coefs([r.tensor(name).float() for r in readers], w.tolist())[0]
+            norms = torch.stack([torch.linalg.vector_norm(r.tensor(name).float()) for r in readers])
+            out[name] = w * clip_factors(norms)
         else:
             out[name] = w.clone()
     return out
