@@ -84,3 +84,24 @@ def test_merge_part_on_cpu_gives_the_rules_written_out(gc, monkeypatch):
             max(float(v.abs().max()) for v in w.values()), rel=tol
         )
         assert r["max_abs_diff"] == 0.0  # the "device" run is a second CPU run: the same bits
+
+
+def test_stages_part_dry_on_the_cpu_times_every_stage_of_the_apps_path(gc, tmp_path, monkeypatch):
+    """The stages part on the CPU at the tiny size (its dry path): every stage of the app's path
+    is found in the worker and timed, the stages and ``other`` add up to the message, and the
+    tokens/s are the recorded medians' quotients."""
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    written = []
+    res = gc.stages_part(60, written.append, device="cpu", size_name="tiny")["cells"][0]
+    assert written and res["stages_absent"] == []
+    med = res["median_s"]
+    for row in res["rows"]:
+        parts = sum(v for k, v in row.items() if k != "message")
+        assert parts == pytest.approx(row["message"], rel=1e-9)
+        assert all(v >= 0 for k, v in row.items() if k != "other")
+    tokens = 2 * 16 * 3  # the tiny size: batch 2 x 16 tokens, H = 3
+    assert res["tokens_per_s_handler"] == pytest.approx(tokens / med["message"])
+    assert res["tokens_per_s_bare"] == pytest.approx(tokens / res["bare_median_s"])
+    assert gc.LIMITS_S["stages"] >= 60

