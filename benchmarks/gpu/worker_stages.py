@@ -190,7 +190,7 @@ def stage_breakdown(
 def rss_arm(arm: str, size_name: str, precision: str, messages: int) -> dict[str, Any]:
     """Run one arm alone in this process; its peak RSS (``ru_maxrss``, MiB)."""
     torch.set_num_threads(1)
-    size = sizes("cpu", names=[size_name])[size_name]
+    size = sizes("cpu", quick=size_name == "tiny", names=[size_name])[size_name]
     device = torch.device("cpu")
     if arm == "bare":
         from worker_throughput import Bare, make_batches
@@ -202,8 +202,13 @@ def rss_arm(arm: str, size_name: str, precision: str, messages: int) -> dict[str
             bare.message(batches)
         params = sum(p.numel() for p in model.parameters())
     else:
+        from worker_throughput import Handler
+
+        from flwr_isoloco.clients.node_state import with_node_state
+
+        handler = Handler(size, size.build(0), device, precision, messages, size.h, False)
+        handler.handler = _mods_chain(with_node_state(handler.handler, temp_dir=True), None)
         try:
-            handler = _node_handler(size, device, precision, True, messages)
             for _ in range(messages):
                 handler.message()
         finally:
