@@ -30,6 +30,7 @@ sockets), and the SuperLink's own store.
 from __future__ import annotations
 
 import json
+import os
 import pickle
 import statistics
 import subprocess
@@ -63,7 +64,7 @@ def _inflated(root: str, contents: dict[str, bytes]):
     return inflate_object_from_contents(root, contents)
 
 
-def child(work: Path, size_name: str, precision: str, rnd: int, rounds: int) -> dict[str, Any]:
+def child(work: Path, size_name: str, precision: str, rnd: int, rounds: int, run_id: int):
     """One message in this (fresh) process; its seconds per stage."""
     from flwr.app import ConfigRecord, Message, RecordDict
     from flwr.common.serde import context_from_proto, context_to_proto
@@ -87,6 +88,7 @@ def child(work: Path, size_name: str, precision: str, rnd: int, rounds: int) -> 
         ctx = context_from_proto(proto)
     else:
         ctx = wt.common.node_context()
+        ctx.run_id = run_id  # the parent's: its own run temp folder
     wt.common.node_context()  # Flower's task identity, without which no Message can be built
     transport_in = time.perf_counter() - t
     batches = wt.make_batches(size)
@@ -136,7 +138,7 @@ def measure(size_name: str, precision: str, messages: int = 3) -> dict[str, Any]
     bare = wt.Bare(template, torch.device("cpu"), precision, (messages + 1) * size.h, size.h, False)
     batches = wt.make_batches(size)
     rows, bare_s = [], []
-    remove_run_temp_dir(1)
+    remove_run_temp_dir(os.getpid())
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         arrays = model_arrays(template)
@@ -146,7 +148,7 @@ def measure(size_name: str, precision: str, messages: int = 3) -> dict[str, Any]
             code = (
                 "import json,sys; sys.path.insert(0, 'benchmarks/gpu'); import worker_fresh as f; "
                 f"print('ROW', json.dumps(f.child(f.Path({str(work)!r}), {size_name!r}, "
-                f"{precision!r}, {rnd}, {messages + 1})))"
+                f"{precision!r}, {rnd}, {messages + 1}, {os.getpid()})))"
             )
             t = time.perf_counter()
             res = subprocess.run(
@@ -160,7 +162,7 @@ def measure(size_name: str, precision: str, messages: int = 3) -> dict[str, Any]
             bare_s.append(wt.timed(lambda: bare.message(batches), torch.device("cpu")))
             if rnd > 1:
                 rows.append(row)
-    remove_run_temp_dir(1)
+    remove_run_temp_dir(os.getpid())
     return _summary(size, precision, rows, bare_s[1:])
 
 
@@ -192,7 +194,6 @@ def _summary(size, precision, rows, bare_s) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     import argparse
-    import os
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--phase", default="after")

@@ -164,7 +164,7 @@ def stage_breakdown(
             row["other"] = total - sum(timer.seconds.values())
             rows.append(row)
     finally:
-        remove_run_temp_dir(1)
+        remove_run_temp_dir(os.getpid())
     keys = [*STAGES, "other", "message"]
     med = {k: statistics.median(r.get(k, 0.0) for r in rows) for k in keys}
     med["overhead"] = statistics.median(r["message"] - r.get("inner_steps", 0.0) for r in rows)
@@ -212,7 +212,7 @@ def rss_arm(arm: str, size_name: str, precision: str, messages: int) -> dict[str
             for _ in range(messages):
                 handler.message()
         finally:
-            remove_run_temp_dir(1)
+            remove_run_temp_dir(os.getpid())
         params = sum(v.numel() for v in handler.arrays.to_torch_state_dict().values())
     peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     return {"arm": arm, "peak_rss_mib": peak_mib, "parameters": params, "messages": messages}

@@ -179,6 +179,7 @@ class Handler:
             **kw,
         )
         self.context = common.node_context()
+        self.context.run_id = os.getpid()  # its own run temp folder: benchmarks run side by side
         self.arrays = model_arrays(template)
         self.round = 0
         self.loss = float("nan")
