@@ -1,6 +1,6 @@
 """Gossip rounds close on a quorum (+ grace window): the straggler's vertex keeps its adapter
 exactly as on a timeout, its late reply is discarded and named; RW-LoRA, one node per hop,
-refuses ``quorum`` with the reason."""
+refuses ``Rounds(quorum=...)`` with the reason; the plain keywords name ``rounds=Rounds(...)``."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from fakegrid import FakeGrid
 from flwr.app import ArrayRecord
 from test_lifecycle import init_model, plain_app
 
-from flwr_isoloco.strategies import GossipLoRA, RWLoRA
+from flwr_isoloco.strategies import GossipLoRA, Rounds, RWLoRA
 
 torch.set_num_threads(1)
 N, SLOW = 4, 1  # SLOW: partition id of the straggler
@@ -36,7 +36,7 @@ def test_quorum_round_equals_the_round_without_the_straggler(caplog):
         grid.set_delay(SLOW, pulls=1, times=1)
 
     with caplog.at_level(logging.INFO):
-        s, res, _ = _run(straggler, quorum=N - 1, grace_s=0.0)
+        s, res, _ = _run(straggler, rounds=Rounds(quorum=N - 1, grace_s=0.0))
     ref, ref_res, _ = _run(lambda g: g.set_fault(SLOW, "timeout", times=1))  # all, by timeout
 
     m1, r1 = res.train_metrics_clientapp[1], ref_res.train_metrics_clientapp[1]
@@ -53,13 +53,27 @@ def test_quorum_round_equals_the_round_without_the_straggler(caplog):
             assert torch.equal(t, ref.adapters[v][k]), (v, k)
 
 
-@pytest.mark.parametrize("kw", [{"quorum": 0}, {"quorum": 1.5}, {"grace_s": -1.0}])
+@pytest.mark.parametrize("kw", [{"quorum": 0}, {"quorum": 1.5}, {"quorum": 2, "grace_s": -1.0}])
 def test_gossip_checks_quorum_and_grace(kw):
     with pytest.raises(ValueError, match="quorum|grace_s"):
-        GossipLoRA(**kw)
+        GossipLoRA(rounds=Rounds(**kw))
 
 
+@pytest.mark.parametrize("cls", [GossipLoRA, RWLoRA])
 @pytest.mark.parametrize("name", ["quorum", "grace_s"])
-def test_rwlora_refuses_quorum_with_the_reason(name):
-    with pytest.raises(TypeError, match=f"RWLoRA: {name}= has no meaning here: each hop"):
-        RWLoRA(**{name: 1})
+def test_the_plain_keywords_name_the_new_spelling(cls, name):
+    want = f"{cls.__name__}({name}=3): {name} is a Rounds setting: use rounds=Rounds({name}=3)"
+    with pytest.raises(TypeError) as err:
+        cls(**{name: 3})
+    assert str(err.value).startswith(want)
+    if cls is RWLoRA:  # and why RW-LoRA would refuse it anyway
+        assert str(err.value).endswith(
+            "but RWLoRA refuses it: each hop goes to one node and "
+            "waits for its reply (timeout), then re-routes"
+        )
+
+
+def test_rwlora_refuses_a_quorum_with_the_reason():
+    with pytest.raises(ValueError, match=r"RWLoRA: Rounds.quorum=3 does not apply here: each hop"):
+        RWLoRA(rounds=Rounds(quorum=3, grace_s=1.0))
+    assert RWLoRA(rounds=Rounds(max_empty_rounds=5)).guard.limit == 5

@@ -10,7 +10,7 @@ from rwlora_helpers import HANDLERS, NBYTES, SHAPES, arm, client_update, init_ad
 
 from flwr_isoloco.checkpoint import load_checkpoint, save_checkpoint
 from flwr_isoloco.graphs import build_graph, metropolis_mixing_weights
-from flwr_isoloco.strategies import GossipLoRA
+from flwr_isoloco.strategies import GossipLoRA, ReplyChecks, Rounds
 from flwr_isoloco.strategies.core.guard import NoProgressError
 from flwr_isoloco.strategies.graph.gossip import mix
 
@@ -137,7 +137,7 @@ def test_hostile_replies_keep_the_previous_adapter(corrupt, reason):
 
 def test_norm_ratio_rejects_an_outlier():
     grid = FakeGrid(HANDLERS, num_nodes=5)
-    s = GossipLoRA("complete", num_vertices=5, max_norm_ratio=10.0)
+    s = GossipLoRA("complete", num_vertices=5, checks=ReplyChecks(max_norm_ratio=10.0))
     arm(s, grid, 4, corrupt_arrays(lambda a: {k: v * 1e4 for k, v in a.items()}))
     run(s, grid, 2)
     W = metropolis_mixing_weights(build_graph("complete", n=5))
@@ -226,7 +226,7 @@ def test_run_where_no_vertex_trains_stops_with_no_progress_error():
         run(s, grid, 10)
     assert s.round == 3 and s.failures == 9
     assert "ClientApp raised" in str(s.failure_log[-1])
-    off = GossipLoRA("complete", num_vertices=3, max_empty_rounds=0)
+    off = GossipLoRA("complete", num_vertices=3, rounds=Rounds(max_empty_rounds=0))
     grid.clear_faults()
     off.setup(grid, timeout=5)
     for node in range(3):

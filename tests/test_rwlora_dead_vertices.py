@@ -21,7 +21,7 @@ from rwlora_helpers import (
 
 from flwr_isoloco.checkpoint import load_checkpoint, save_checkpoint
 from flwr_isoloco.graphs import build_graph
-from flwr_isoloco.strategies import GossipLoRA, RWLoRA
+from flwr_isoloco.strategies import GossipLoRA, Rounds, RWLoRA
 from flwr_isoloco.strategies.core.wire import check_train_metrics
 
 torch.set_num_threads(1)
@@ -237,6 +237,8 @@ def test_bad_dead_vertex_and_guard_arguments():
     with pytest.raises(ValueError, match="dead_backoff_max|backoff_max"):
         RWLoRA("complete", num_vertices=3, dead_backoff=8, dead_backoff_max=4)
     with pytest.raises(ValueError, match="max_empty_rounds"):
-        RWLoRA("complete", num_vertices=3, max_empty_rounds=-1)
+        RWLoRA("complete", num_vertices=3, rounds=Rounds(max_empty_rounds=-1))
+    with pytest.raises(TypeError, match=r"use rounds=Rounds\(max_empty_rounds=0\)"):
+        RWLoRA("complete", num_vertices=3, max_empty_rounds=0)
     with pytest.raises(ValueError, match="seed"):
         RWLoRA("complete", num_vertices=3, seed=-1)

@@ -10,7 +10,7 @@ from fakegrid import FakeGrid, corrupt_arrays
 from flwr.app import ArrayRecord, ConfigRecord, MetricRecord
 from rwlora_helpers import HANDLERS, arm, assert_token, json_roundtrip, query, replay, run, train
 
-from flwr_isoloco.strategies import RWLoRA
+from flwr_isoloco.strategies import ReplyChecks, Rounds, RWLoRA
 from flwr_isoloco.strategies.core.guard import NoProgressError
 
 
@@ -55,7 +55,7 @@ def test_no_other_neighbour_left_token_trains_again_then_run_stops_when_all_fail
     assert s2.round == 7 and s2.trajectory == [0, 0, 0, 0]
     assert [(h["hop-ok"], h["walk-vertex"]) for h in s2.history[-3:]] == [(0, -1)] * 3
     assert_token_close_to(s2.current_arrays(), replay([0, 0, 0, 0], 1))
-    off = RWLoRA("0-1", seed=0, start_vertex=0, max_empty_rounds=0)
+    off = RWLoRA("0-1", seed=0, start_vertex=0, rounds=Rounds(max_empty_rounds=0))
     grid = FakeGrid(HANDLERS, num_nodes=2)
     arm(off, grid, 0, "raise")
     grid.set_fault(1, "raise")
@@ -102,7 +102,7 @@ def test_fp16_reply_is_cast_and_accepted():
 
 def test_fp16_reply_is_refused_with_dtype_policy_reject():
     grid = FakeGrid(HANDLERS, num_nodes=3)
-    s = RWLoRA("complete", num_vertices=3, seed=0, dtype_policy="reject")
+    s = RWLoRA("complete", num_vertices=3, seed=0, checks=ReplyChecks(dtype_policy="reject"))
     arm(s, grid, 0, corrupt_arrays(lambda a: {k: v.astype(np.float16) for k, v in a.items()}))
     res = run(s, grid, 12)
     assert 0 not in s.trajectory and s.failures > 0
@@ -146,7 +146,7 @@ def test_norm_bounds_reject_a_huge_update():
         return {k: v * 1e6 for k, v in a.items()}
 
     grid = FakeGrid(HANDLERS, num_nodes=4)
-    s = RWLoRA("complete", num_vertices=4, seed=4, max_update_norm=1e3)
+    s = RWLoRA("complete", num_vertices=4, seed=4, checks=ReplyChecks(max_update_norm=1e3))
     arm(s, grid, 3, corrupt_arrays(blow_up))
     res = run(s, grid, 20)
     assert 3 not in s.trajectory and s.failures > 0
@@ -154,7 +154,13 @@ def test_norm_bounds_reject_a_huge_update():
     grid = FakeGrid(HANDLERS, num_nodes=4)
     # the early blown-up hops poison the token, after which every update is refused: with
     # the empty-round guard off the run goes on (with it, it would stop; see the 0-1 test)
-    s = RWLoRA("complete", num_vertices=4, seed=4, max_norm_ratio=100.0, max_empty_rounds=0)
+    s = RWLoRA(
+        "complete",
+        num_vertices=4,
+        seed=4,
+        checks=ReplyChecks(max_norm_ratio=100.0),
+        rounds=Rounds(max_empty_rounds=0),
+    )
     arm(s, grid, 3, corrupt_arrays(blow_up))
     run(s, grid, 20)
     # until 3 updates are accepted the ratio has no baseline; afterwards vertex 3 is refused

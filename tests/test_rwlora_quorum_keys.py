@@ -1,5 +1,5 @@
 """rwlora_sentiment's strategy.quorum / strategy.grace-s: checked as the isoloco_lm app checks
-them, passed to GossipLoRA, refused with a reason for RW-LoRA and the FedAvg baseline."""
+them, passed to GossipLoRA as its Rounds, refused with a reason for RW-LoRA and the FedAvg baseline."""
 
 from __future__ import annotations
 
@@ -28,15 +28,15 @@ from flwr_isoloco.strategies.graph.rwlora import RWLoRA  # noqa: E402
 def test_quorum_keys_reach_gossip(over, quorum, grace):
     cfg = load_config({"strategy.name": "gossip", "strategy.graph": "ring", **over})
     s = build_strategy(cfg, 4)
-    assert type(s.quorum) is type(quorum) and s.quorum == quorum
-    assert s.grace_s == grace
+    assert type(s.rounds.quorum) is type(quorum) and s.rounds.quorum == quorum
+    assert s.rounds.grace_s == grace
 
 
 @pytest.mark.parametrize(
     "name, key, value, why",
     [
-        ("rwlora", "quorum", 0.5, RWLoRA.REFUSED_ARGS["quorum"]),
-        ("rwlora", "grace-s", 1.0, RWLoRA.REFUSED_ARGS["grace_s"]),
+        ("rwlora", "quorum", 0.5, RWLoRA.REFUSED_SETTINGS["Rounds.quorum"]),
+        ("rwlora", "grace-s", 1.0, RWLoRA.REFUSED_SETTINGS["Rounds.grace_s"]),
         ("fedavg", "quorum", 2, "waits for every reply"),
     ],
 )

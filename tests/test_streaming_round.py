@@ -263,10 +263,15 @@ def test_quorum_arguments():
 
 
 def test_gossip_reads_quorum_one_way():
-    """GossipLoRA shares the check: ``quorum=1`` is refused with the fix, as Rounds does."""
+    """GossipLoRA takes DiLoCo's Rounds: ``quorum=1`` is refused with the fix there, and the
+    plain keyword with the new spelling."""
     from flwr_isoloco.strategies import GossipLoRA
 
     with pytest.raises(ValueError, match=r"quorum=1 is ambiguous"):
+        GossipLoRA(rounds=Rounds(quorum=1))
+    with pytest.raises(
+        TypeError, match=r"GossipLoRA\(quorum=1\): .* use rounds=Rounds\(quorum=1\)"
+    ):
         GossipLoRA(quorum=1)
     for bad in (-1, float("inf"), float("nan"), "5"):
         with pytest.raises(ValueError, match="grace_s"):

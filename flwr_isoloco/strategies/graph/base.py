@@ -25,6 +25,13 @@ from flwr_isoloco.strategies.core.lifecycle import ResumableStrategy, RoundOutco
 from flwr_isoloco.strategies.core.nodes import wait_for_nodes
 from flwr_isoloco.strategies.core.replies import ReplyValidator
 from flwr_isoloco.strategies.core.rounds import ReplyStream
+from flwr_isoloco.strategies.graph.settings import (
+    GRAPH_REFUSED,
+    ReplyChecks,
+    Rounds,
+    check_settings,
+    moved_keyword,
+)
 from flwr_isoloco.strategies.graph.vertices import (
     VertexMap,
     assign_new_nodes,
@@ -60,17 +67,18 @@ class GraphStrategy(ResumableStrategy):
     ``configrecord_key`` / ``weighted_by_key`` (as FedAvg), ``fraction_evaluate`` (default
     1.0 as FedAvg: every round the current model is evaluated on the live vertices' nodes, so
     a swapped FedAvg app keeps its federated evaluation; 0 = server-side ``evaluate_fn``
-    only), ``min_evaluate_nodes``, ``require_weight`` (default False),
-    ``dtype_policy`` (``cast`` | ``reject``), ``max_update_norm``, ``round_end_fn``,
-    ``max_empty_rounds`` (default 3: that many consecutive rounds in which no reply was used
-    stop :meth:`start` with :class:`~flwr_isoloco.strategies.core.guard.NoProgressError`; 0 = off).
+    only), ``min_evaluate_nodes``, ``require_weight`` (default False), ``round_end_fn``,
+    ``checks=ReplyChecks(...)`` and ``rounds=Rounds(...)`` (DiLoCo's classes; what a graph does
+    not use is refused: :mod:`~flwr_isoloco.strategies.graph.settings`): ``max_empty_rounds``
+    (default 3) consecutive rounds in which no reply was used stop :meth:`start` with
+    :class:`~flwr_isoloco.strategies.core.guard.NoProgressError` (0 = off).
     """
 
     what = "graph-strategy"
     REFUSED_FEDAVG_ARGS: dict[str, str] = {}
     """FedAvg keyword arguments that have no meaning for this strategy, with the reason."""
-    REFUSED_ARGS: dict[str, str] = {}
-    """Other strategies' keyword arguments (e.g. DiLoCo's) with no meaning here, with the reason."""
+    REFUSED_SETTINGS: dict[str, str] = GRAPH_REFUSED
+    """``"Class.field"`` of ``checks`` / ``rounds`` with no meaning here, with the reason."""
 
     def __init__(
         self,
@@ -91,13 +99,13 @@ class GraphStrategy(ResumableStrategy):
         configrecord_key: str = "config",
         weighted_by_key: str = "num-examples",
         require_weight: bool = False,
-        dtype_policy: str = "cast",
-        max_update_norm: float | None = None,
         round_end_fn: Callable[[int, GraphStrategy], None] | None = None,
-        max_empty_rounds: int = 3,
+        checks: ReplyChecks = ReplyChecks(),  # noqa: B008 (frozen)
+        rounds: Rounds = Rounds(),  # noqa: B008 (frozen)
         **fedavg_args: Any,
     ) -> None:
         self._refuse(fedavg_args)
+        self.checks, self.rounds = check_settings(self, checks, rounds)
         if isinstance(local_steps, bool) or not isinstance(local_steps, int) or local_steps < 1:
             raise ValueError(f"local_steps must be an int >= 1, got {local_steps!r}")
         if not vertex_key or not isinstance(vertex_key, str):
@@ -132,13 +140,14 @@ class GraphStrategy(ResumableStrategy):
         self.configrecord_key = configrecord_key
         self.weighted_by_key = weighted_by_key
         self.round_end_fn = round_end_fn
-        self.guard = EmptyRoundGuard(max_empty_rounds, self.what)
-        self.validator = ReplyValidator(
+        self.guard = EmptyRoundGuard(rounds.max_empty_rounds, self.what)
+        self.validator = ReplyValidator(  # max_norm_ratio: per strategy (a hop, a vertex)
             arrayrecord_key=arrayrecord_key,
             weighted_by_key=weighted_by_key,
             require_weight=require_weight,
-            dtype_policy=dtype_policy,
-            max_update_norm=max_update_norm,
+            dtype_policy=checks.dtype_policy,
+            max_update_norm=checks.max_update_norm or None,
+            default_payload=checks.client_sends,
             what=self.what,
         )
         self.vmap: VertexMap | None = None
@@ -152,15 +161,16 @@ class GraphStrategy(ResumableStrategy):
         self._pending_state: dict[str, Any] | None = None
 
     def _refuse(self, fedavg_args: Mapping[str, Any]) -> None:
-        """``TypeError`` for a keyword this strategy does not take, saying why for FedAvg's."""
-        for name in fedavg_args:
+        """``TypeError`` for a keyword this strategy does not take, saying why for FedAvg's and
+        naming the new spelling for a setting's field (``quorum=`` -> ``rounds=Rounds(...)``)."""
+        for name, value in fedavg_args.items():
             cls = type(self).__name__
             why = self.REFUSED_FEDAVG_ARGS.get(name)
             if why is not None:
                 raise TypeError(f"{cls}: FedAvg's {name}= has no meaning here: {why}")
-            why = self.REFUSED_ARGS.get(name)
-            if why is not None:
-                raise TypeError(f"{cls}: {name}= has no meaning here: {why}")
+            moved = moved_keyword(cls, name, value, self.REFUSED_SETTINGS)
+            if moved is not None:
+                raise TypeError(moved)
             raise TypeError(f"{cls}() got an unexpected keyword argument {name!r}")
 
     # ----------------------------------------------------------------- vertices

@@ -16,7 +16,7 @@ nodes; TRAIN with ``arrays`` + ``config`` holding ``local-steps`` and ``walk-ver
 vertex; FedAvg-style replies). No optimiser state travels (``carry-optimizer-state`` is False):
 gossip nodes keep their own optimiser locally, if any.
 
-A node that errors, times out (or misses a round closed on ``quorum`` + ``grace_s``) or returns
+A node that errors, times out (or misses a round closed on ``Rounds(quorum, grace_s)``) or returns
 a bad update keeps its previous adapter (it did not train this round) and that copy still
 enters the mixing step, as the last copy its neighbours received. Accounting per round: ``local-updates`` K per node that trained (``n K`` when all
 do); ``bytes-relayed`` what crossed the wire via the server (n adapters down + the replies up);
@@ -43,7 +43,7 @@ from flwr_isoloco.merging.weights import norm_outlier
 from flwr_isoloco.strategies.core.ledger import SentLedger
 from flwr_isoloco.strategies.core.metrics import weighted_mean_metrics
 from flwr_isoloco.strategies.core.replies import ReplyReport
-from flwr_isoloco.strategies.core.rounds import ReplyStream, check_quorum
+from flwr_isoloco.strategies.core.rounds import ReplyStream
 from flwr_isoloco.strategies.core.wire import (
     _record_of,
     check_train_metrics,
@@ -51,6 +51,7 @@ from flwr_isoloco.strategies.core.wire import (
     record_tensors,
 )
 from flwr_isoloco.strategies.graph.base import GraphStrategy, graph_summary
+from flwr_isoloco.strategies.graph.settings import ReplyChecks, Rounds
 
 __all__ = ["GossipLoRA", "mix"]
 
@@ -62,17 +63,15 @@ class GossipLoRA(GraphStrategy):
     ----------
     graph, num_vertices, graph_seed, vertex_key, local_steps :
         As in :class:`~flwr_isoloco.strategies.RWLoRA`.
-    max_update_norm : float, optional
-        Reject a reply whose ``||x_i - reply||`` exceeds this.
-    max_norm_ratio : float, optional
-        Reject a reply whose update norm exceeds this times the median of the other accepted
-        replies of the round (needs 2 others).
-    quorum, grace_s :
-        Close a round once ``quorum`` of the vertices sent to have replied (a fraction in
-        (0, 1], rounded up, or an int count >= 2; None = all; the int 1 is refused as
-        ambiguous) and ``grace_s`` seconds more have passed
-        (:mod:`~flwr_isoloco.strategies.core.rounds`; ``timeout`` stays the cap). A vertex whose
-        reply is not in keeps its adapter, as on a timeout; its late reply is discarded.
+    checks : ReplyChecks
+        ``max_update_norm`` / ``max_norm_ratio``: reject a reply whose ``||x_i - reply||``
+        exceeds this / this times the median of the round's other accepted ones (needs 2).
+    rounds : Rounds
+        ``quorum`` / ``grace_s``: close a round once ``quorum`` of the vertices sent to have
+        replied (a fraction in (0, 1], rounded up, or an int count >= 2; None = all) and
+        ``grace_s`` seconds more have passed (``timeout`` stays the cap); a vertex whose reply
+        is not in keeps its adapter, as on a timeout. ``max_empty_rounds`` as in RW-LoRA.
+        Fields gossip does not use are refused (``REFUSED_SETTINGS``).
     round_end_fn : callable, optional
         ``fn(server_round, strategy)`` after each round (checkpointing).
     """
@@ -90,19 +89,19 @@ class GossipLoRA(GraphStrategy):
         *,
         num_vertices: int | None = None,
         local_steps: int = 1,
-        max_norm_ratio: float | None = None,
-        quorum: float | int | None = None,
-        grace_s: float = 0.0,
+        checks: ReplyChecks = ReplyChecks(),  # noqa: B008 (frozen)
+        rounds: Rounds = Rounds(),  # noqa: B008 (frozen)
         **kwargs: Any,
     ) -> None:
-        super().__init__(graph, num_vertices=num_vertices, local_steps=local_steps, **kwargs)
-        self.quorum, self.grace_s = check_quorum(quorum, grace_s)
+        super().__init__(
+            graph,
+            num_vertices=num_vertices,
+            local_steps=local_steps,
+            checks=checks,
+            rounds=rounds,
+            **kwargs,
+        )
         self._train_stream = ReplyStream(self.what)
-        if max_norm_ratio is not None and not (
-            max_norm_ratio > 0 and math.isfinite(max_norm_ratio)
-        ):
-            raise ValueError(f"max_norm_ratio must be a finite number > 0, got {max_norm_ratio!r}")
-        self.max_norm_ratio = max_norm_ratio
         self.initial: dict[str, torch.Tensor] | None = None
         self.adapters: dict[Any, dict[str, torch.Tensor]] = {}
         self.W: np.ndarray | None = None
@@ -309,10 +308,10 @@ class GossipLoRA(GraphStrategy):
             trained[v] = {k: self.adapters[v][k].float() - update[k] for k in self.adapters[v]}
             norms[v] = reply.update_norm  # tensor_norm(update), fp64, set by the validator
             accepted.append((v, reply))
-        if self.max_norm_ratio is not None:
+        if ratio := self.checks.max_norm_ratio:
             for v in list(trained):
                 others = [n for u, n in norms.items() if u != v and u in trained]
-                reason = norm_outlier(norms[v], others, self.max_norm_ratio, min_reference=2)
+                reason = norm_outlier(norms[v], others, ratio, min_reference=2)
                 if reason is not None:
                     self._fail(v, reason)
                     del trained[v]
@@ -338,8 +337,8 @@ class GossipLoRA(GraphStrategy):
             replies.append,
             server_round=server_round,
             timeout=timeout,
-            quorum=self.quorum,
-            grace_s=self.grace_s,
+            quorum=self.rounds.closing_quorum,
+            grace_s=self.rounds.grace_s,
         )
         del msgs
         _, metrics = self.aggregate_train(server_round, replies)

@@ -56,11 +56,13 @@ from flwr_isoloco.strategies.graph.base import GraphStrategy, graph_summary
 from flwr_isoloco.strategies.graph.rwlora_hops import RWLoRAHops
 from flwr_isoloco.strategies.graph.rwlora_state import RWLoRAState
 from flwr_isoloco.strategies.graph.rwlora_variants import RWLoRAVariants
+from flwr_isoloco.strategies.graph.settings import GRAPH_REFUSED, ReplyChecks, Rounds
 from flwr_isoloco.strategies.graph.vertices import QUERY_VERTEX_KEY, VertexMap, discover_vertices
 from flwr_isoloco.walk import LiveMatrix, LiveTransitions, VertexHealth, reroute_exclusions
 
 __all__ = ["GraphStrategy", "RWLoRA", "VertexMap", "discover_vertices", "record_nbytes"]
 _REEXPORTED = (QUERY_VERTEX_KEY, _record_of)  # older imports from this module
+ONE_NODE_PER_HOP = "each hop goes to one node and waits for its reply (timeout), then re-routes"
 
 
 # ----------------------------------------------------------------------------- RW-LoRA
@@ -96,16 +98,17 @@ class RWLoRA(RWLoRAVariants, RWLoRAHops, RWLoRAState, GraphStrategy):
     max_reroutes : int, optional
         Re-routes per round after a failed hop (default: the maximum degree, i.e. try every
         neighbour); when exhausted the round ends with the token kept where it was.
-    max_update_norm, max_norm_ratio : float, optional
-        Reject an update ``||token - reply||`` above this bound, or above ``max_norm_ratio``
-        times the median of the last ``norm_window`` accepted updates (needs 3 of them).
+    checks : ReplyChecks
+        ``max_update_norm`` / ``max_norm_ratio``: reject an update ``||token - reply||`` above
+        this bound / times the median of the last ``norm_window`` accepted ones (needs 3).
     dead_after : int
         Consecutive failed hops after which a vertex is dead (default 2; 0 = never dead).
     dead_backoff, dead_backoff_max : int
         Rounds a dead vertex is skipped (default 8), doubling on each new death up to
         ``dead_backoff_max`` (default 128) (:class:`flwr_isoloco.walk.VertexHealth`).
-    max_empty_rounds : int
-        Consecutive rounds without an accepted hop that stop the run (default 3; 0 = off).
+    rounds : Rounds
+        ``max_empty_rounds``: rounds in a row without an accepted hop that stop the run
+        (default 3; 0 = off). Fields a walk does not use are refused (``REFUSED_SETTINGS``).
     lr : float, optional
         The clients' base lr ``lr0`` (needed only with ``lr_decay_hops``).
     lr_decay_hops : float
@@ -131,9 +134,10 @@ class RWLoRA(RWLoRAVariants, RWLoRAHops, RWLoRAState, GraphStrategy):
         "min_train_nodes": "RW-LoRA trains exactly one node per round (the walk's vertex)",
         "train_metrics_aggr_fn": "a round has one reply, whose metrics are the round's",
     }
-    REFUSED_ARGS = {
-        "quorum": "each hop goes to one node and waits for its reply (timeout), then re-routes",
-        "grace_s": "each hop goes to one node and waits for its reply (timeout), then re-routes",
+    REFUSED_SETTINGS = {
+        **GRAPH_REFUSED,
+        "Rounds.quorum": ONE_NODE_PER_HOP,
+        "Rounds.grace_s": ONE_NODE_PER_HOP,
     }
 
     def __init__(
@@ -151,7 +155,6 @@ class RWLoRA(RWLoRAVariants, RWLoRAHops, RWLoRAState, GraphStrategy):
         optimizer_key: str = "optimizer",
         optimizer_config_key: str = "optimizer-config",
         max_reroutes: int | None = None,
-        max_norm_ratio: float | None = None,
         norm_window: int = 8,
         dead_after: int = 2,
         dead_backoff: int = 8,
@@ -161,9 +164,18 @@ class RWLoRA(RWLoRAVariants, RWLoRAHops, RWLoRAState, GraphStrategy):
         hop_momentum: float = 0.0,
         average_decay: float = 0.0,
         tail_average_from: int = 0,
+        checks: ReplyChecks = ReplyChecks(),  # noqa: B008 (frozen)
+        rounds: Rounds = Rounds(),  # noqa: B008 (frozen)
         **kwargs: Any,
     ) -> None:
-        super().__init__(graph, num_vertices=num_vertices, local_steps=local_steps, **kwargs)
+        super().__init__(
+            graph,
+            num_vertices=num_vertices,
+            local_steps=local_steps,
+            checks=checks,
+            rounds=rounds,
+            **kwargs,
+        )
         self._init_variants(lr, lr_decay_hops, hop_momentum, average_decay, tail_average_from)
         self.transition = transition
         self.target = target
@@ -180,11 +192,6 @@ class RWLoRA(RWLoRAVariants, RWLoRAHops, RWLoRAState, GraphStrategy):
         if max_reroutes is not None and (not isinstance(max_reroutes, int) or max_reroutes < 0):
             raise ValueError(f"max_reroutes must be an int >= 0, got {max_reroutes!r}")
         self.max_reroutes = max_reroutes
-        if max_norm_ratio is not None and not (
-            max_norm_ratio > 0 and math.isfinite(max_norm_ratio)
-        ):
-            raise ValueError(f"max_norm_ratio must be a finite number > 0, got {max_norm_ratio!r}")
-        self.max_norm_ratio = max_norm_ratio
         self.norm_window = int(norm_window)
         self.health = VertexHealth(dead_after, dead_backoff, dead_backoff_max)
         self.transitions: LiveTransitions | None = None

@@ -78,7 +78,7 @@ class RWLoRAHops:
             reason = norm_outlier(
                 norm,
                 recent,
-                self.max_norm_ratio,
+                self.checks.max_norm_ratio,
                 min_reference=3,
                 reference=f"the last {len(recent)} accepted updates",
             )

@@ -196,9 +196,9 @@ def load_config(run_config: dict[str, Any]) -> DictConfig:
 
 
 def _check_quorum_keys(s: DictConfig) -> None:
-    """``strategy.quorum`` / ``strategy.grace-s`` mean something for 'gossip' only: RW-LoRA
-    sends each hop to one node (its reason: ``RWLoRA.REFUSED_ARGS``), the FedAvg baseline
-    waits for every reply."""
+    """``strategy.quorum`` / ``strategy.grace-s`` mean something for 'gossip' only (its
+    ``Rounds``, :func:`strategy_rounds`): RW-LoRA sends each hop to one node (its reason:
+    ``RWLoRA.REFUSED_SETTINGS``), the FedAvg baseline waits for every reply."""
     from flwr_isoloco.strategies.graph.rwlora import RWLoRA
 
     if s.name == "gossip":
@@ -206,11 +206,18 @@ def _check_quorum_keys(s: DictConfig) -> None:
             check_quorum(quorum_arg(s.quorum), s["grace-s"])
         except ValueError as exc:  # e.g. 1.5: neither a fraction nor a count
             raise RunConfigError(f"run-config key 'strategy.quorum': {exc}") from None
+        if s["grace-s"] and quorum_arg(s.quorum) is None:
+            raise RunConfigError(
+                f"run-config key 'strategy.grace-s' = {s['grace-s']:g} is a wait for the rest "
+                "once a quorum is in, but 'strategy.quorum' = 1.0 waits for every reply: set "
+                "strategy.quorum below 1.0 (a fraction) or to a count >= 2, or leave "
+                "strategy.grace-s at 0"
+            )
     for key, default in (("quorum", 1.0), ("grace-s", 0.0)):
         if s.name == "gossip" or s[key] == default:
             continue
         why = (
-            RWLoRA.REFUSED_ARGS[key.replace("-", "_")]
+            RWLoRA.REFUSED_SETTINGS["Rounds." + key.replace("-", "_")]
             if s.name == "rwlora"
             else "the FedAvg baseline waits for every reply (Flower's send_and_receive)"
         )
@@ -274,6 +281,22 @@ def data_sizes(cfg: DictConfig, n: int) -> list[int]:
     return sizes
 
 
+def strategy_settings(s: DictConfig) -> dict[str, Any]:
+    """The ``checks=`` / ``rounds=`` of RW-LoRA and gossip from the ``strategy.*`` keys (0: off;
+    quorum / grace-s: gossip only, :func:`_check_quorum_keys`)."""
+    from flwr_isoloco.strategies import ReplyChecks, Rounds
+
+    quorum = quorum_arg(s.quorum) if s.name == "gossip" else None
+    grace = s["grace-s"] if s.name == "gossip" else 0.0
+    return dict(
+        checks=ReplyChecks(
+            max_update_norm=s["max-update-norm"] or None,
+            max_norm_ratio=s["max-norm-ratio"] or None,
+        ),
+        rounds=Rounds(quorum=quorum, grace_s=grace, max_empty_rounds=s["max-empty-rounds"]),
+    )
+
+
 def build_strategy(cfg: DictConfig, n: int):
     """The strategy named by ``strategy.name`` for ``n`` clients; a graph the run config
     cannot build for ``n`` clients is a ``RunConfigError`` naming the keys."""
@@ -297,14 +320,12 @@ def build_strategy(cfg: DictConfig, n: int):
         graph_seed=cfg.seed,
         local_steps=s["local-steps"],
         node_wait_s=s["node-wait-s"],
-        max_update_norm=s["max-update-norm"] or None,
-        max_empty_rounds=s["max-empty-rounds"],
+        **strategy_settings(s),
         fraction_evaluate=0.0,  # the app evaluates server-side (its evaluator), every round
     )
     try:
         if s.name == "gossip":
-            q = quorum_arg(s.quorum)
-            return GossipLoRA(s.graph, quorum=q, grace_s=s["grace-s"], **common)
+            return GossipLoRA(s.graph, **common)
         return RWLoRA(
             s.graph,
             transition=s.transition,
@@ -312,7 +333,6 @@ def build_strategy(cfg: DictConfig, n: int):
             lazy=s.lazy,
             seed=cfg.seed,
             carry_optimizer_state=s["carry-optimizer-state"],
-            max_norm_ratio=s["max-norm-ratio"] or None,
             dead_after=s["dead-after"],
             dead_backoff=s["dead-backoff"],
             dead_backoff_max=s["dead-backoff-max"],
