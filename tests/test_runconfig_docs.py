@@ -114,3 +114,20 @@ def test_every_timing_in_the_readme_is_generated_from_a_record():
         r"<!--\s*(BEGIN [\w-]+|docs_claims:[\w-]+:begin).*?-->.*?<!--.*?-->", "", text, flags=re.S
     )
     assert TIMING.findall(prose) == [], "a timing in README.md outside a generated block"
+
+
+def test_the_readme_quotes_only_green_runs():
+    green = {
+        "marker": "",
+        "exit-code": 0,
+        "failed": 0,
+        "passed": 9,
+        "cpus": 2,
+        "load-avg-1min-before": 1.0,
+        "wall-time-s": 100.0,
+        "date": "2026-12-06T00:00:00Z",
+    }
+    red = {**green, "exit-code": 1, "failed": 2, "wall-time-s": 777.0}
+    assert "777" not in suite_time.sentence({"runs": [green, red]})
+    assert "100 s" in suite_time.sentence({"runs": [green, red]})
+    assert "No green run" in suite_time.sentence({"runs": [red]})

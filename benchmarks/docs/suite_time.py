@@ -62,10 +62,17 @@ def parse_summary(output: str) -> dict:
 
 
 def sentence(record: dict) -> str:
-    """The README's sentence: the latest run of each marker selection, with its conditions."""
+    """The README's sentence: the latest green run (exit 0, nothing failed) of each marker
+    selection, with its conditions; a run that failed tests is no timing for the suite."""
     latest: dict[str, dict] = {}
     for run in record["runs"]:
-        latest[run["marker"]] = run
+        if run.get("exit-code") == 0 and not run.get("failed") and not run.get("error"):
+            latest[run["marker"]] = run
+    if not latest:
+        return (
+            "No green run of the suite is recorded yet (`benchmarks/docs/suite_time.py` records "
+            "one in `benchmarks/results/suite_time.json`)."
+        )
     parts = []
     for marker, r in latest.items():
         what = f'`-m "{marker}"`' if marker else "the whole suite"
