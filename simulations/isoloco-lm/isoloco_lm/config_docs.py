@@ -24,7 +24,7 @@ KEY_DOCS: dict[str, str] = {
     "strategy.name": "`isoloco`, `diloco`, or `fedavg` (= DiLoCo with the mean, outer lr 1, "
     "momentum 0)",
     "strategy.merge": "merge rule: `mean`, `iso_c`, `iso_c_matched`, `iso_c_ns`, `iso_cts`, "
-    "`tsv_m`, `ties`, `dare`; empty = the strategy's (IsoLoCo `iso_c`, DiLoCo and FedAvg `mean`)",
+    "`tsv_m`, `ties`, `dare`, `sparseloco`; empty = the strategy's (IsoLoCo `iso_c`, DiLoCo and FedAvg `mean`)",
     "strategy.outer-lr": "outer learning rate; -1 = the merge rule's tuned value (iso_c 1.8, "
     'mean 0.25, ties / dare 0.7, tsv_m 5.66, iso_cts 8; FedAvg 1): strategies.md, "Per-rule '
     'defaults in the LM app"',
@@ -75,9 +75,11 @@ KEY_DOCS: dict[str, str] = {
     "strategy.spectral-pattern": "regex of the 2-D tensor names the spectral rules change, the "
     "others take the mean (empty = every 2-D tensor)",
     "strategy.upload-codec": "compress the workers' uploads: `none` or a codec of "
-    "docs/compression.md (`int8`, `fp8`, `topk`, ...)",
+    "docs/compression.md (`int8`, `fp8`, `topk`, `int4`, `sparseloco`)",
     "strategy.download-codec": "compress the server's downloads to an update of the broadcast "
-    "model (server-side error feedback; `none` = the full model each round; docs/compression.md)",
+    "model (server-side error feedback; `none` = the full model each round; `exact` = the "
+    "step as the round's sparse uploads, with merge `mean` / `sparseloco` and outer momentum "
+    "0; docs/compression.md)",
     "strategy.download-nodes-hold-initial": "with a download codec: every node builds the "
     "initial model itself (same seed / checkpoint), so round 1 sends no arrays",
     "strategy.codec-block-size": "entries per fp32 scale (int8, fp8, top-k with int8 values)",
@@ -85,7 +87,8 @@ KEY_DOCS: dict[str, str] = {
     "strategy.codec-values": "top-k values: `fp32` or `int8`",
     "strategy.codec-min-dims": "tensors with fewer dimensions travel as fp32",
     "strategy.codec-chunk": "sparseloco: entries per chunk, a square (64 x 64 tiles for 2-D)",
-    "strategy.codec-k": "sparseloco: entries sent per chunk (<= codec-chunk)",
+    "strategy.codec-k": "sparseloco: entries sent per chunk (<= codec-chunk; a smaller tile "
+    "keeps the same share)",
     "strategy.codec-bits": "sparseloco: bits per sent value, 2 or 4 (lookup table of bin means)",
     "strategy.codec-ef-decay": "error feedback decay beta of `e <- beta e + delta - sent` "
     "(-1 = the codec's default: 0.95 sparseloco, 1.0 the others)",
