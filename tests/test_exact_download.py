@@ -55,12 +55,16 @@ def exact_strategy(**kw) -> DiLoCo:
     return DiLoCo(**{**args, **kw})
 
 
-def test_nodes_hold_the_servers_model_bitwise_and_download_less_than_the_model():
+@pytest.mark.parametrize(
+    "rule,upload",
+    [("sparseloco", Codec("sparseloco", **SL)), ("mean", Codec("topk", fraction=0.03))],
+)
+def test_nodes_hold_the_servers_model_bitwise_and_download_less_than_the_model(rule, upload):
     app = ClientApp(mods=[download_mod, upload_mod])
     app.train()(train_random)
     app.evaluate()(evaluate_any)  # after each step: B advances, the nodes apply it
     grid = FakeGrid(app, num_nodes=4)
-    s = exact_strategy(fraction_evaluate=1.0)
+    s = exact_strategy(fraction_evaluate=1.0, merge=rule, upload=upload)
     res = s.start(grid=grid, initial_arrays=ArrayRecord(theta0()), num_rounds=4)
     m = res.train_metrics_clientapp
     final = res.arrays.to_torch_state_dict()
