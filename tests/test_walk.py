@@ -1,4 +1,4 @@
-"""flwr_isoloco.walk: the live-graph walk with relays across dead vertices, and the back-off."""
+"""flwr_isoloco.graphs.walk: the live-graph walk with relays across dead vertices, and the back-off."""
 
 import json
 
@@ -7,18 +7,16 @@ import numpy as np
 import pytest
 
 from flwr_isoloco.graphs import (
-    RandomWalk,
-    build_graph,
-    stationary_distribution,
-    total_variation,
-    transition_matrix,
-)
-from flwr_isoloco.walk import (
     LiveTransitions,
+    RandomWalk,
     VertexHealth,
+    build_graph,
     live_transition,
     relay_graph,
     reroute_exclusions,
+    stationary_distribution,
+    total_variation,
+    transition_matrix,
 )
 
 # 7 vertices, degrees 4 2 2 2 3 2 1: hub 0 is a cut vertex ({1, 2} | {3, 4, 5, 6}); the simple

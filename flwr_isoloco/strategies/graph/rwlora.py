@@ -17,7 +17,7 @@ self-loop and without the vertices that failed this round, renormalised; the tok
 trains again only when no other candidate is left), up to ``max_reroutes`` times per round.
 A vertex that fails ``dead_after`` consecutive times is dead for a back-off that doubles on
 repeated deaths; meanwhile the walk moves on the live graph (same target, relays across dead
-vertices where the live graph is disconnected): :mod:`flwr_isoloco.walk`, the repository's ``docs/rwlora.md`` ("RW-LoRA and gossip LoRA").
+vertices where the live graph is disconnected): :mod:`flwr_isoloco.graphs.walk`, the repository's ``docs/rwlora.md`` ("RW-LoRA and gossip LoRA").
 
 Bytes: ``bytes-relayed`` counts what crossed the wire through the server (instruction down +
 reply up, also for failed attempts), ``bytes-p2p`` what a peer-to-peer deployment would send
@@ -39,7 +39,11 @@ from flwr.common.logger import log
 from flwr.serverapp import Grid
 
 from flwr_isoloco.graphs import (
+    LiveMatrix,
+    LiveTransitions,
     RandomWalk,
+    VertexHealth,
+    reroute_exclusions,
     restrict_target,
     spectral_gap,
     subgraph_transition,
@@ -58,7 +62,6 @@ from flwr_isoloco.strategies.graph.rwlora_state import RWLoRAState
 from flwr_isoloco.strategies.graph.rwlora_variants import RWLoRAVariants
 from flwr_isoloco.strategies.graph.settings import GRAPH_REFUSED, ReplyChecks, Rounds
 from flwr_isoloco.strategies.graph.vertices import QUERY_VERTEX_KEY, VertexMap, discover_vertices
-from flwr_isoloco.walk import LiveMatrix, LiveTransitions, VertexHealth, reroute_exclusions
 
 __all__ = ["GraphStrategy", "RWLoRA", "VertexMap", "discover_vertices", "record_nbytes"]
 _REEXPORTED = (QUERY_VERTEX_KEY, _record_of)  # older imports from this module
@@ -105,7 +108,7 @@ class RWLoRA(RWLoRAVariants, RWLoRAHops, RWLoRAState, GraphStrategy):
         Consecutive failed hops after which a vertex is dead (default 2; 0 = never dead).
     dead_backoff, dead_backoff_max : int
         Rounds a dead vertex is skipped (default 8), doubling on each new death up to
-        ``dead_backoff_max`` (default 128) (:class:`flwr_isoloco.walk.VertexHealth`).
+        ``dead_backoff_max`` (default 128) (:class:`flwr_isoloco.graphs.VertexHealth`).
     rounds : Rounds
         ``max_empty_rounds``: rounds in a row without an accepted hop that stop the run
         (default 3; 0 = off). Fields a walk does not use are refused (``REFUSED_SETTINGS``).

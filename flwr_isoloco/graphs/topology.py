@@ -3,7 +3,7 @@
 Vertices are client names: ints (a client's ``partition-id``) or strings (a site name). Every
 matrix and vector here is indexed by :func:`vertex_list` (ints ascending, then strings).
 
-- :func:`build_graph` (in :mod:`flwr_isoloco.graph_specs`, imported here): a connected
+- :func:`build_graph` (in :mod:`flwr_isoloco.graphs.specs`, imported here): a connected
   ``networkx.Graph`` from a spec (``complete``, ``ring``,
   ``star``, ``erdos_renyi:p=0.3``, ``random_regular:d=3``, ``"0-1,1-2,2-0"``, an edge-list
   file, or a graph).
@@ -14,7 +14,7 @@ matrix and vector here is indexed by :func:`vertex_list` (ints ascending, then s
 - :func:`metropolis_mixing_weights`: gossip weights ``W_ij = 1/(1 + max(d_i, d_j))``;
   :func:`mix` (``x_i <- sum_j W_ij x_j``) and :func:`consensus_distance`.
 - :class:`RandomWalk`: a seeded walk with re-routing around failed vertices and a plain
-  (JSON-able) ``state_dict``. Dead vertices and the live-graph walk: :mod:`flwr_isoloco.walk`.
+  (JSON-able) ``state_dict``. Dead vertices and the live-graph walk: :mod:`flwr_isoloco.graphs.walk`.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from typing import Any
 import networkx as nx
 import numpy as np
 
-from .graph_specs import (
+from .specs import (
     GRAPH_KINDS,
     build_graph,
     deferred_graph,
@@ -362,7 +362,7 @@ class RandomWalk:
 
     def set_transition(self, P: np.ndarray) -> None:
         """Swap the transition matrix (same vertices; position and RNG unchanged), e.g. for the
-        live graph while some vertices are dead (:mod:`flwr_isoloco.walk`)."""
+        live graph while some vertices are dead (:mod:`flwr_isoloco.graphs.walk`)."""
         P = _check_stochastic(P)
         if P.shape != self.P.shape:
             raise ValueError(f"RandomWalk.set_transition: shape {P.shape}, expected {self.P.shape}")

@@ -35,7 +35,7 @@ from typing import Any
 import networkx as nx
 import numpy as np
 
-from .graphs import (
+from .topology import (
     PeriodicWalkWarning,
     _target_vector,
     restrict_target,
