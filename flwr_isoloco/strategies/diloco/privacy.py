@@ -41,7 +41,7 @@ from flwr.serverapp.exception import PrivacyBudgetExhausted  # Flower's own (its
 from flwr_isoloco.merging.dp import CLIP_KEY, NOISE_KEY, GaussianSum
 from flwr_isoloco.strategies.diloco import composition
 from flwr_isoloco.strategies.diloco.dp_journal import DPJournal, charge_unsaved
-from flwr_isoloco.strategies.diloco.settings import DEFAULT_CLIP_LR, DEFAULT_DP_DELTA, DPSettings
+from flwr_isoloco.strategies.diloco.dp_settings import DEFAULT_CLIP_LR, DEFAULT_DP_DELTA, DPSettings
 
 __all__ = [
     "DEFAULT_DP_DELTA",

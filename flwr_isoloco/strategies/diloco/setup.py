@@ -18,6 +18,7 @@ from flwr_isoloco.merging.round import RoundMerge
 from flwr_isoloco.merging.rules import check_options
 from flwr_isoloco.outer import OuterSGD
 from flwr_isoloco.strategies.core.replies import ReplyValidator
+from flwr_isoloco.strategies.diloco.dp_settings import finite_number as _is_number
 from flwr_isoloco.strategies.diloco.settings import (
     CentralDP,
     Codec,
@@ -25,7 +26,6 @@ from flwr_isoloco.strategies.diloco.settings import (
     ReplyChecks,
     Robust,
     Rounds,
-    _is_number,
 )
 
 SPECTRAL_FOR_UPDATE = ("iso_c", "iso_c_ns")
