@@ -102,15 +102,15 @@ def test_use_secagg_refuses_asynchronous_rounds_with_the_reason():
 
 
 # ----------------------------------------------------------------------------- one source
-VIEWS = ("quorum", "grace_s", "weighting", "max_weight_ratio", "client_sends", "upload_codec")
+VIEWS = ("quorum", "grace_s", "weighting", "max_weight_ratio", "payload", "upload_codec")
 
 
 @pytest.mark.parametrize("cls", [DiLoCo, IsoLoCo])
 def test_the_strategys_views_are_read_from_its_settings(cls):
-    checks = ReplyChecks(client_sends="delta", max_weight_ratio=2.0)
+    checks = ReplyChecks(payload="delta", max_weight_ratio=2.0)
     s = cls(rounds=Rounds(quorum=2, grace_s=1.5), checks=checks, upload="int8")
     assert (s.quorum, s.grace_s) == (2, 1.5)
-    assert (s.weighting, s.max_weight_ratio, s.client_sends) == ("examples", 2.0, "delta")
+    assert (s.weighting, s.max_weight_ratio, s.payload) == ("examples", 2.0, "delta")
     assert s.upload_codec == "int8"
     for name in VIEWS:
         assert name not in vars(s), f"{name} is a second copy of a setting"
@@ -121,3 +121,13 @@ def test_the_strategys_views_are_read_from_its_settings(cls):
 def test_central_dp_weighs_uniformly_whatever_checks_say():
     s = DiLoCo(privacy=CentralDP(clipping_norm=1.0))
     assert s.effective_weighting == "uniform" and s.max_weight_ratio == 0.0
+
+
+def test_renamed_fields_and_keys_name_the_new_spelling():
+    with pytest.raises(
+        TypeError, match=r"client_sends is now payload: use ReplyChecks\(payload='delta'\)"
+    ):
+        ReplyChecks(client_sends="delta")
+    assert ReplyChecks(payload="delta").payload == "delta"
+    with pytest.raises(ValueError, match=r"'strategy.client-sends' is now 'strategy.payload'"):
+        DiLoCo.from_run_config({"strategy.client-sends": "delta"})

@@ -23,11 +23,11 @@ def test_plain_arguments_are_kept_as_given():
     )
     assert set(values) == set(PLAIN_ARGUMENTS)
     assert set(PLAIN_ARGUMENTS) <= set(inspect.signature(DiLoCo).parameters)
-    checks = ReplyChecks(weighting="uniform", client_sends="delta")
+    checks = ReplyChecks(weighting="uniform", payload="delta")
     for cls in (DiLoCo, IsoLoCo):
         s = cls(merge="iso_c", **values, checks=checks)
         assert {n: getattr(s, n) for n in PLAIN_ARGUMENTS} == values
-        assert (s.checks, s.weighting, s.client_sends) == (checks, "uniform", "delta")
+        assert (s.checks, s.weighting, s.payload) == (checks, "uniform", "delta")
         assert s.train_validator.arrayrecord_key == "model"
         assert s.eval_validator.weighted_by_key == "tokens"
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from flwr_isoloco.strategies import GossipLoRA, ReplyChecks, Rounds, RWLoRA
-from flwr_isoloco.strategies.graph.settings import MOVED
+from flwr_isoloco.strategies.graph.settings import MOVED, RENAMED
 
 APP = Path(__file__).resolve().parents[1] / "simulations" / "rwlora-sentiment"
 STRATEGIES = [RWLoRA, GossipLoRA]
@@ -20,6 +20,7 @@ VALUES = {
     "max_norm_ratio": 4.0,
     "dtype_policy": "reject",
     "client_sends": "delta",
+    "payload": "delta",
     "quorum": 3,
     "grace_s": 1.5,
     "max_empty_rounds": 0,
@@ -34,7 +35,8 @@ def test_a_plain_keyword_names_its_settings_object(cls, name):
     with pytest.raises(TypeError) as err:
         cls(**{name: v})
     want = f"{cls.__name__}({name}={v!r}): {name} is a {klass.__name__} setting: use "
-    assert str(err.value).startswith(want + f"{arg}={klass.__name__}({name}={v!r})")
+    field = RENAMED.get(name, name)
+    assert str(err.value).startswith(want + f"{arg}={klass.__name__}({field}={v!r})")
 
 
 @pytest.mark.parametrize("cls", STRATEGIES)
@@ -67,7 +69,7 @@ def test_settings_must_be_the_settings_classes(cls):
 @pytest.mark.parametrize("cls", STRATEGIES)
 def test_one_source_of_truth(cls):
     checks = ReplyChecks(
-        max_update_norm=7.0, max_norm_ratio=3.0, dtype_policy="reject", client_sends="delta"
+        max_update_norm=7.0, max_norm_ratio=3.0, dtype_policy="reject", payload="delta"
     )
     rounds = Rounds(max_empty_rounds=5)
     s = cls(checks=checks, rounds=rounds)

@@ -64,7 +64,7 @@ DILOCO_RUN_CONFIG: dict[str, Any] = {
     "nesterov": True,
     "orthogonalize": "gradient",
     "weighting": "examples",
-    "client-sends": "weights",
+    "payload": "weights",
     "fraction-train": 1.0,
     "fraction-evaluate": 1.0,
     "min-train-nodes": 2,
@@ -215,7 +215,7 @@ RUN_CONFIG_CHECKS: dict[str, Any] = {
     "max-empty-rounds": non_negative,
     "orthogonalize": choices(*ORTHOGONALIZE),
     "weighting": choices(*WEIGHTINGS),
-    "client-sends": choices(*PAYLOADS),
+    "payload": choices(*PAYLOADS),
     "dtype-policy": choices(*DTYPE_POLICIES),
     "upload-codec": choices(*CODECS),
     "download-codec": choices(*CODECS, EXACT),
@@ -255,6 +255,10 @@ RUN_CONFIG_CHECKS: dict[str, Any] = {
 """Value checks per key (types come from the defaults); merge options are checked by the rule."""
 
 
+RENAMED_KEYS = {"client-sends": "payload"}
+"""Section keys that have another name now (old -> new): refused, naming the new one."""
+
+
 def read_section(
     run_config: Mapping[str, Any],
     defaults: Mapping[str, Any],
@@ -268,6 +272,9 @@ def read_section(
     """
     skip = {prefix + k for k in ignore}
     mine = {k: v for k, v in run_config.items() if k.startswith(prefix) and k not in skip}
+    for old, new in RENAMED_KEYS.items():
+        if prefix + old in mine:
+            raise ValueError(f"run-config key {prefix + old!r} is now {prefix + new!r}")
     parts = [p for p in prefix.split(".") if p]
     schema: dict[str, Any] = dict(defaults)  # nested under the prefix: errors name the full key
     for part in reversed(parts):

@@ -2,7 +2,7 @@
 
 Each round the server sends the global model ``theta`` to the sampled nodes; node ``i`` trains
 and replies FedAvg-style (its weights ``theta_i`` under ``arrays``, ``num-examples`` in a
-MetricRecord), or its delta (ConfigRecord ``payload="delta"``, or ``client_sends="delta"``).
+MetricRecord), or its delta (ConfigRecord ``payload="delta"``, or ``ReplyChecks(payload="delta")``).
 The server forms the pseudo-gradients ``delta_i = theta - theta_i``, merges them
 
     g = merge(delta_1..delta_M; w),   w_i = num-examples_i  (or 1 with ``ReplyChecks(weighting="uniform")``)

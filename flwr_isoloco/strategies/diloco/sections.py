@@ -118,7 +118,7 @@ def section_checks(c: Mapping[str, Any]) -> ReplyChecks:
         )
     return ReplyChecks(
         weighting=c["weighting"],
-        client_sends=c["client-sends"],
+        payload=c["payload"],
         max_update_norm=c["max-update-norm"] or None,
         max_norm_ratio=c["max-norm-ratio"] or None,
         max_weight_ratio="auto" if ratio == DEFAULT_MAX_WEIGHT_RATIO else ratio,

@@ -22,6 +22,7 @@ at the strategy's construction. The run-config keys map onto these objects in on
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from types import MappingProxyType
@@ -77,14 +78,38 @@ def _renamed(where: str, exc: ValueError) -> ValueError:
     return ValueError(f"{where}: {exc}")
 
 
+def _renamed_fields(**renamed: str):
+    """A settings class whose old field names (``old=new``) are refused with the new one named,
+    not taken for an unknown argument."""
+
+    def wrap(cls):
+        init = cls.__init__
+
+        @functools.wraps(init)
+        def __init__(self, *args: Any, **kw: Any) -> None:
+            for old, new in renamed.items():
+                if old in kw:
+                    raise TypeError(
+                        f"{cls.__name__}({old}={kw[old]!r}): {old} is now {new}: use "
+                        f"{cls.__name__}({new}={kw[old]!r})"
+                    )
+            init(self, *args, **kw)
+
+        cls.__init__ = __init__
+        return cls
+
+    return wrap
+
+
 # ----------------------------------------------------------------------------- replies, rounds
+@_renamed_fields(client_sends="payload")
 @dataclass(frozen=True)
 class ReplyChecks:
     """What a train reply must be, and how much it may weigh.
 
     ``weighting``: ``w_i = num-examples_i`` (``"examples"``) or ``1`` (``"uniform"``).
-    ``client_sends``: what clients reply by default, ``"weights"`` or ``"delta"`` (a reply's
-    ConfigRecord ``payload`` overrides it). ``max_update_norm`` / ``max_norm_ratio``: drop a
+    ``payload``: what a reply holds unless its ConfigRecord ``payload`` says otherwise,
+    ``"weights"`` (the trained model, as FedAvg) or ``"delta"`` (``theta - theta_i``). ``max_update_norm`` / ``max_norm_ratio``: drop a
     reply whose ``||delta_i||_2`` is above this (absolute; x the median of the others; None or
     0: off). ``max_weight_ratio``: each weight clipped to ``r x`` the round's median weight, so
     no one site owns the merge (None or 0: off; ``"auto"``: 5, off under ``"uniform"``, where a
@@ -93,7 +118,7 @@ class ReplyChecks:
     """
 
     weighting: str = "examples"
-    client_sends: str = "weights"
+    payload: str = "weights"
     max_update_norm: float | None = None
     max_norm_ratio: float | None = None
     max_weight_ratio: float | str | None = "auto"
@@ -102,7 +127,7 @@ class ReplyChecks:
     def __post_init__(self) -> None:
         for name, allowed in (
             ("weighting", WEIGHTINGS),
-            ("client_sends", PAYLOADS),
+            ("payload", PAYLOADS),
             ("dtype_policy", DTYPE_POLICIES),
         ):
             if getattr(self, name) not in allowed:

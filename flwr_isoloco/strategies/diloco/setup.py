@@ -120,7 +120,7 @@ def validators(s: Any, checks: ReplyChecks) -> tuple[ReplyValidator, ReplyValida
         dtype_policy=checks.dtype_policy,
         max_update_norm=checks.max_update_norm or None,
         max_norm_ratio=checks.max_norm_ratio or None,
-        default_payload=checks.client_sends,
+        default_payload=checks.payload,
         what="aggregate_train",
     )
     evaluate = ReplyValidator(
@@ -170,9 +170,9 @@ class SettingsViews:
         return 0.0 if self.effective_weighting == "uniform" else self.checks.weight_ratio
 
     @property
-    def client_sends(self) -> str:
-        """What replies hold by default: ``checks.client_sends``."""
-        return self.checks.client_sends
+    def payload(self) -> str:
+        """What replies hold by default: ``checks.payload``."""
+        return self.checks.payload
 
     @property
     def quorum(self) -> float | int | None:

@@ -89,7 +89,7 @@ def log_summary(s: Any) -> None:
         "\t├──> Replies: weighting %s | payload %s | max-update-norm %s | max-norm-ratio %s"
         " | max-weight-ratio %s",
         s.weighting,
-        s.client_sends,
+        s.payload,
         s.train_validator.max_update_norm,
         s.train_validator.max_norm_ratio,
         s.max_weight_ratio or "off",

@@ -147,7 +147,7 @@ class GraphStrategy(ResumableStrategy):
             require_weight=require_weight,
             dtype_policy=checks.dtype_policy,
             max_update_norm=checks.max_update_norm or None,
-            default_payload=checks.client_sends,
+            default_payload=checks.payload,
             what=self.what,
         )
         self.vmap: VertexMap | None = None

@@ -1,7 +1,7 @@
 """The graph strategies' settings: the objects DiLoCo and IsoLoCo take, one spelling per concept.
 
 ``checks=ReplyChecks(...)`` (``max_update_norm``, ``max_norm_ratio``, ``dtype_policy``,
-``client_sends``) and ``rounds=Rounds(...)`` (``max_empty_rounds``; gossip: ``quorum``,
+``payload``) and ``rounds=Rounds(...)`` (``max_empty_rounds``; gossip: ``quorum``,
 ``grace_s``) are :mod:`flwr_isoloco.strategies.diloco.settings`'s classes. A field that means
 nothing on a graph (:data:`GRAPH_REFUSED`, plus a strategy's own ``REFUSED_SETTINGS``) is
 refused at a value other than its default with a ``ValueError`` saying why, and the plain
@@ -22,12 +22,15 @@ MOVED: dict[str, tuple[str, type]] = {
     "max_update_norm": ("checks", ReplyChecks),
     "max_norm_ratio": ("checks", ReplyChecks),
     "dtype_policy": ("checks", ReplyChecks),
-    "client_sends": ("checks", ReplyChecks),
+    "payload": ("checks", ReplyChecks),
+    "client_sends": ("checks", ReplyChecks),  # ReplyChecks' old name of payload
     "quorum": ("rounds", Rounds),
     "grace_s": ("rounds", Rounds),
     "max_empty_rounds": ("rounds", Rounds),
 }
 """Plain keywords that are a field of a settings object: name -> (argument, class)."""
+RENAMED = {"client_sends": "payload"}
+"""Plain keywords whose field has another name."""
 
 _UNWEIGHTED = (
     "a graph strategy weights no reply by its examples (RW-LoRA's token is the one reply of a "
@@ -50,9 +53,10 @@ def moved_keyword(cls: str, name: str, value: Any, refused: Mapping[str, str]) -
     if name not in MOVED:
         return None
     arg, klass = MOVED[name]
+    field = RENAMED.get(name, name)
     text = (
         f"{cls}({name}={value!r}): {name} is a {klass.__name__} setting: use "
-        f"{arg}={klass.__name__}({name}={value!r})"
+        f"{arg}={klass.__name__}({field}={value!r})"
     )
     why = refused.get(f"{klass.__name__}.{name}")
     return text if why is None else f"{text}; but {cls} refuses it: {why}"

@@ -62,7 +62,7 @@ KEY_DOCS: dict[str, str] = {
     "strategy.max-empty-rounds": "end the run (status `failed`) after this many consecutive "
     "rounds that used no reply (0 = never)",
     "strategy.weighting": "`examples`: a reply weighs its `num-examples`; `uniform`: 1 each",
-    "strategy.client-sends": "what replies hold: `weights` (the trained model, as FedAvg) or "
+    "strategy.payload": "what replies hold: `weights` (the trained model, as FedAvg) or "
     "`delta` (the pseudo-gradient)",
     "strategy.dtype-policy": "a reply array of another float dtype is cast (`cast`) or the reply "
     "dropped (`reject`)",
