@@ -36,6 +36,7 @@ def test_quick_tiles_are_64_by_64_and_bytes_from_messages(f64):
     recs = {r["config"]: r for r in f64.common.load_records(f64.QUICK_RECORDS)}
     fp32, sl = recs["diloco-fp32-nesterov"], recs["diloco-sl64-m0-both"]
     assert fp32["study"] == "frontier64" and fp32["model"]["tensors_2d"] > 0
+    assert len(fp32["round_s"]) == 2 and fp32["imports"]
     model = f64.L.build_model(f64.size64(True), 0)
     state = model.state_dict()
     assert all(tiling(tuple(t.shape), 4096)[2:] == (64, 64) for t in state.values() if t.dim() == 2)

@@ -38,10 +38,13 @@ Queue order (:data:`PLAN`): fp32 tuning (the references), sparseloco-exact tunin
 sparseloco-both tuning, then the seeds. The next run is a function of the records alone (and
 of whether the exact downloads exist), so ``--queue`` resumes where it stopped.
 
-Budget (measured: :data:`RUN_S`): one run ~15 min of one core at T = 600 (the 0.53M model's
-runs were 3-7 min on 2 cores); ~35 runs (fp32 2 x 3 + seeds 4 + one edge point, int4 2 x 3 +
-seeds 4, sparseloco both ways 2 x 3 + edge points, sparseloco-exact 3 + seeds 2) ~ 8-9 hours
-of one core in all, over several sessions.
+Budget (:data:`RUN_S`, measured on the first run, fp32 DiLoCo lr 0.177): ~15 s of CPU a round
+(the 8 nodes' 10 inner steps of 16 x 64 tokens at ~0.14 s each, the server's evaluation on
+16,384 tokens and the merge), so one run of 60 rounds is ~15 min of one core (its wall time
+was 23 min with the 2 cores shared at load 6-10; the 0.53M model's runs were 3-7 min). The
+study: ~35 runs (fp32 2 x 3 + seeds 4 + an edge point, int4 2 x 3 + seeds 4, sparseloco both
+ways 2 x 3 + edge points, sparseloco-exact 3 + seeds 2), ~9 hours of one core in all
+(~13 hours of wall time on the shared machine), over several sessions.
 
     python benchmarks/compression/frontier64.py --queue --until 11:25   # the study (resumes)
     python benchmarks/compression/frontier64.py --status                # done, best, next
@@ -274,6 +277,8 @@ def run_one(name: str, lr: float, seed: int, phase: str, quick: bool = False) ->
         codecs=codecs_of(name),
         num_cpus=NUM_CPUS,
     )
+    times = L.RESULT.get("times", [])  # evaluate_fn's clock, rounds 0..R: a round's wall time
+    rec["round_s"] = [b - a for a, b in zip(times, times[1:], strict=False)]
     rec.update(study="frontier64", model={**MODEL, "vocab": size["vocab"], **model})
     rec["imports"] = imports
     return rec
