@@ -129,7 +129,9 @@ class FakeGrid(Grid):
         self._delays: dict[int, list[int]] = {}  # node -> [pulls to withhold, messages left]
         self._withheld: dict[str, int] = {}  # message id -> pulls still to withhold
         self.pull_calls = 0
-        self.time_source = _VirtualClock(self)  # the round driver's clock (rounds.py)
+        self.time_source = _VirtualClock(
+            self
+        )  # the round driver's clock (strategies/core/stream.py)
         self._run = Run.create_empty(self.run_id)
 
     # ------------------------------------------------------------------ faults

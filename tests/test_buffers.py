@@ -15,7 +15,7 @@ from flwr.app import ArrayRecord, Message, MetricRecord, RecordDict
 from torch import nn
 
 from flwr_isoloco.merging import MERGE_RULES
-from flwr_isoloco.merging.round import RoundFold, RoundMerge
+from flwr_isoloco.merging.fold import RoundFold, RoundMerge
 from flwr_isoloco.strategies import CentralDP, DiLoCo, IsoLoCo, ReplyChecks
 
 torch.set_num_threads(1)

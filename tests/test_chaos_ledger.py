@@ -12,7 +12,7 @@ from flwr.app import Message, RecordDict
 from flwr.common.constant import SUPERLINK_NODE_ID
 from flwr.supercore.task_identity import TaskIdentity
 
-from flwr_isoloco.strategies.core.rounds import ReplyStream
+from flwr_isoloco.strategies.core.stream import ReplyStream
 
 
 class ScriptedGrid:

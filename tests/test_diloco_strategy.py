@@ -215,7 +215,7 @@ def test_server_round_sent_to_clients_counts_globally():
 
 
 def test_streaming_rules_do_not_call_full_merge(monkeypatch):
-    import flwr_isoloco.merging.round as mod  # the round merge lives in merging/
+    import flwr_isoloco.merging.fold as mod  # the round merge lives in merging/
 
     def boom(*a, **k):
         raise AssertionError("full merge() called for a streaming rule")

@@ -293,7 +293,7 @@ def test_near_fp32_max_values_drop_only_that_reply(merge_name, caplog):
 def test_failing_merge_drops_the_reply_that_fails_alone(monkeypatch, caplog):
     """A merge that fails on one (finite, small) reply: that reply alone is dropped and named,
     and the log line and the metrics agree on the count (B12)."""
-    import flwr_isoloco.merging.round as diloco_mod  # the round merge lives in merging/
+    import flwr_isoloco.merging.fold as diloco_mod  # the round merge lives in merging/
 
     real = diloco_mod.merge
 
@@ -319,7 +319,7 @@ def test_failing_merge_drops_the_reply_that_fails_alone(monkeypatch, caplog):
 
 
 def test_merge_failure_log_and_metrics_agree(monkeypatch, caplog):
-    import flwr_isoloco.merging.round as diloco_mod  # the round merge lives in merging/
+    import flwr_isoloco.merging.fold as diloco_mod  # the round merge lives in merging/
 
     def broken(*a, **k):
         raise RuntimeError("linalg error")

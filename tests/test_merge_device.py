@@ -12,7 +12,7 @@ from fakegrid import FakeGrid
 from flwr.app import ArrayRecord, Message, MetricRecord, RecordDict
 from outer_reference import assert_close, capped_iso_c, iso_c, of_the_mean, sync_rounds, ties
 
-import flwr_isoloco.merging.round as round_mod
+import flwr_isoloco.merging.fold as round_mod
 from flwr_isoloco.merging.streaming import OrderFreeMean
 from flwr_isoloco.runconfig import RunConfigError, precheck_app_config
 from flwr_isoloco.strategies import DiLoCo, IsoLoCo

@@ -15,7 +15,7 @@ from fakegrid import FakeGrid
 from flwr.app import ArrayRecord, Message, MetricRecord, RecordDict
 
 import flwr_isoloco.merging.device as device_mod
-import flwr_isoloco.merging.round as round_mod
+import flwr_isoloco.merging.fold as round_mod
 from flwr_isoloco.merging.streaming import OrderFreeMean
 from flwr_isoloco.strategies import DiLoCo, ReplyChecks, Rounds
 

@@ -17,7 +17,7 @@ from test_async_rounds import init_model, train
 
 from flwr_isoloco.strategies import DiLoCo, ReplyChecks, Rounds
 from flwr_isoloco.strategies.core.pull import Puller
-from flwr_isoloco.strategies.core.rounds import ReplyStream
+from flwr_isoloco.strategies.core.stream import ReplyStream
 
 
 def _metrics_only(msg: Message, ctx) -> Message:

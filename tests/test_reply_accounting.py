@@ -17,7 +17,7 @@ from flwr.app import ArrayRecord, Message, MetricRecord, RecordDict
 from flwr_isoloco.strategies import DiLoCo, Rounds
 from flwr_isoloco.strategies.core.ledger import SentLedger
 from flwr_isoloco.strategies.core.replies import ReplyValidator
-from flwr_isoloco.strategies.core.rounds import ReplyStream
+from flwr_isoloco.strategies.core.stream import ReplyStream
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "simulations" / "isoloco-lm"))
 from isoloco_lm import client_app, server_app  # noqa: E402

@@ -15,6 +15,7 @@ from fakegrid import FakeGrid
 from flwr.app import ArrayRecord, Message, MetricRecord, RecordDict
 from flwr.serverapp.strategy.multikrum import select_multikrum
 
+from flwr_isoloco.merging.fold import RoundFold, RoundMerge
 from flwr_isoloco.merging.robust import (
     RobustMerge,
     clip_factors,
@@ -25,7 +26,6 @@ from flwr_isoloco.merging.robust import (
     resolve_robust,
     trimmed_mean,
 )
-from flwr_isoloco.merging.round import RoundFold, RoundMerge
 from flwr_isoloco.merging.rules import MERGE_RULES
 from flwr_isoloco.strategies import DiLoCo, IsoLoCo
 

@@ -8,7 +8,7 @@ import weakref
 
 import torch
 
-from flwr_isoloco.merging.round import RoundFold, RoundMerge
+from flwr_isoloco.merging.fold import RoundFold, RoundMerge
 from flwr_isoloco.merging.rules import MERGE_RULES
 from flwr_isoloco.merging.spill import SpillStore
 

@@ -21,12 +21,12 @@ from fakegrid import FakeGrid
 from flwr.app import ArrayRecord, Message, MetricRecord, RecordDict
 
 from flwr_isoloco.merging import merge
-from flwr_isoloco.merging.round import RoundFold, RoundMerge
+from flwr_isoloco.merging.fold import RoundFold, RoundMerge
 from flwr_isoloco.merging.rules import MERGE_RULES
 from flwr_isoloco.merging.spill import SpillStore
 from flwr_isoloco.merging.streaming import OrderFreeMean
 from flwr_isoloco.strategies import DiLoCo, IsoLoCo, ReplyChecks, Rounds
-from flwr_isoloco.strategies.core.rounds import check_quorum, quorum_arg, quorum_count
+from flwr_isoloco.strategies.core.stream import check_quorum, quorum_arg, quorum_count
 
 torch.set_num_threads(1)
 

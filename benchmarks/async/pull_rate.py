@@ -5,7 +5,7 @@ hold) against now (``strategies/core/pull.py``: every id in one call within 1 Gi
 
 The grid (:class:`TimedGrid`) answers node ``p``'s task ``0.5 + 0.05 p`` seconds after it was
 pushed (``--task-s``); it counts pull calls. Synchronous: one round of ``M`` nodes through
-:class:`~flwr_isoloco.strategies.core.rounds.ReplyStream`. Asynchronous: DiLoCo with
+:class:`~flwr_isoloco.strategies.core.stream.ReplyStream`. Asynchronous: DiLoCo with
 ``Rounds(asynchronous=True)`` for 6 outer steps, the turnaround of each reply (due -> the
 node's next task pushed; a held node's includes its hold, so "after, hold 0" gives the bare
 turnaround).
@@ -31,7 +31,7 @@ from fakegrid import FakeGrid  # noqa: E402
 from flwr.app import ArrayRecord, Message, MetricRecord, RecordDict  # noqa: E402
 
 from flwr_isoloco.strategies import DiLoCo, ReplyChecks, Rounds  # noqa: E402
-from flwr_isoloco.strategies.core.rounds import ReplyStream  # noqa: E402
+from flwr_isoloco.strategies.core.stream import ReplyStream  # noqa: E402
 
 RECORDS = common.RESULTS / "pull_rate.json"
 BEFORE = {"poll_s": 0.1, "max_bytes": 1, "hold": 0.0}

@@ -319,7 +319,7 @@ def probe(m: int, rows: bool) -> dict:
 
     import torch
 
-    from flwr_isoloco.merging.round import RoundFold, RoundMerge
+    from flwr_isoloco.merging.fold import RoundFold, RoundMerge
     from flwr_isoloco.merging.rules import MERGE_RULES
     from flwr_isoloco.models.llama import build_llama, llama_config
 

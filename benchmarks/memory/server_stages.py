@@ -88,8 +88,8 @@ class Stages:
 def patch(st: Stages, server_app, fakegrid) -> None:
     """Wrap the server's stages (and the fake transport + worker) with ``st``."""
     from flwr_isoloco import apprunner
-    from flwr_isoloco.merging.round import RoundFold
-    from flwr_isoloco.strategies.core.rounds import ReplyStream
+    from flwr_isoloco.merging.fold import RoundFold
+    from flwr_isoloco.strategies.core.stream import ReplyStream
     from flwr_isoloco.strategies.diloco.diloco import DiLoCo
     from flwr_isoloco.strategies.diloco.train_round import TrainRound
 

@@ -42,7 +42,7 @@ MIB = common.MIB
 #: and ``round_<rule>``: what a server round computes at the defaults from round 2 on, the
 #: replies folded into an :class:`OrderFreeMean` (fp64 double-double) and ``result(rule)``, key
 #: by key (memory O(one tensor)); ``fold_<rule>``: the same with one accumulator for the whole
-#: model, as :class:`~flwr_isoloco.merging.round.RoundFold` holds it (memory 4 x the model);
+#: model, as :class:`~flwr_isoloco.merging.fold.RoundFold` holds it (memory 4 x the model);
 #: ``robust_<name>``: a rule of :mod:`flwr_isoloco.merging.robust` with ``mean``;
 #: ``spill_pass``: writing the replies to the spill store and reading them back once.
 DEFAULT_CASES = (

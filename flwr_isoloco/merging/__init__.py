@@ -6,9 +6,9 @@ rule, streaming or not, the DARE seed per round and the orthogonalised-update tr
 """
 
 from .device import resolve_device
+from .fold import RoundMerge
 from .merge import merge
 from .polar import iso_c, newton_schulz_polar, ns_coefficients, polar
-from .round import RoundMerge
 from .rules import MERGE_RULES, MergeRule
 from .streaming import StreamingMerger
 

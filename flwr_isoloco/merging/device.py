@@ -47,7 +47,7 @@ DEVICE_CHOICES = ("auto", "cpu", "cuda", "cuda:<index>")
 #: What to do when a node is asked to train on a CUDA device it cannot see.
 NODE_DEVICE_FIX = (
     "in a simulation give each node a GPU: flwr run ... --federation-config "
-    "\"client-resources-num-gpus=1\" (or 0.5 to share one GPU between two nodes; sharing does "
+    '"client-resources-num-gpus=1" (or 0.5 to share one GPU between two nodes; sharing does '
     "not cap their memory); "
     "in deployment check CUDA_VISIBLE_DEVICES of the process that runs the ClientApp; "
     "or use 'auto' or 'cpu'"

@@ -1,6 +1,6 @@
 """What every strategy shares: the resumable lifecycle (``lifecycle``), a reply's one path
 (``replies``: decode, check, weigh; ``wire``: record helpers; ``ledger``: who was sent what),
-rounds that take replies as they arrive with a quorum (``rounds``), waiting for nodes
+the reply stream of a round, replies taken as they arrive with a quorum (``stream``), waiting for nodes
 (``nodes``), federated evaluation (``evaluation``), metrics (``metrics``) and the guards
 (``guard``: empty rounds; ``divergence``: the server loss). Nothing here imports a family."""
 

@@ -28,7 +28,7 @@ from flwr_isoloco.strategies.core.metrics import metric_record, weighted_mean_me
 from flwr_isoloco.strategies.core.replies import ReplyValidator
 
 if TYPE_CHECKING:
-    from flwr_isoloco.strategies.core.rounds import ReplyStream
+    from flwr_isoloco.strategies.core.stream import ReplyStream
 
 __all__ = [
     "FederatedEvaluation",

@@ -27,7 +27,7 @@ from logging import INFO, WARNING
 from flwr.common.logger import log
 from flwr.serverapp import Grid
 
-from flwr_isoloco.strategies.core.rounds import quorum_count
+from flwr_isoloco.strategies.core.stream import quorum_count
 
 __all__ = ["DEFAULT_NODE_WAIT_S", "NodeWaitError", "nodes_for_round", "wait_for_nodes"]
 

@@ -69,7 +69,7 @@ moves the momentum once per ``K`` buffered pseudo-gradients.
 Memory. The server keeps the models it sent that a task in flight still trains from and that
 are at most ``max_staleness`` steps old: ``min(max_staleness + 1, nodes + 1)`` fp32 model copies
 at most, the current one included (a model is shared, not copied, while it is current). A
-buffer holds what a synchronous round holds (folded or spilled deltas, :mod:`~flwr_isoloco.merging.round`).
+buffer holds what a synchronous round holds (folded or spilled deltas, :mod:`~flwr_isoloco.merging.fold`).
 
 An outer step also closes without ``K`` replies when ``max(K, nodes)`` replies in a row failed
 their checks (stale ones aside; it then merges those it has, possibly none: an empty round,

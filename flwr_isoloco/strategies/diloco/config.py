@@ -120,8 +120,8 @@ DILOCO_RUN_CONFIG: dict[str, Any] = {
     "async-hold": 0.25,
 }
 """``quorum``: a fraction of the sampled nodes in (0, 1] (1.0, or 1 in TOML: all) or a whole
-count >= 2 (:func:`~flwr_isoloco.strategies.core.rounds.quorum_arg`); ``grace-s``: seconds to wait for the rest once the quorum
-is in (strategies/core/rounds.py; needs a quorum below all). ``robust``: the
+count >= 2 (:func:`~flwr_isoloco.strategies.core.stream.quorum_arg`); ``grace-s``: seconds to wait for the rest once the quorum
+is in (strategies/core/stream.py; needs a quorum below all). ``robust``: the
 robust aggregation (merging/robust.py); its options ``robust-trim`` / ``robust-f`` /
 ``robust-select`` / ``robust-factor`` at -1 take the rule's default. ``dp-*``: central DP (strategies/diloco/privacy.py);
 0 for the noise multiplier, clipping norm or max epsilon = off; ``dp-adaptive-quantile`` 0 =

@@ -15,7 +15,7 @@ and applies the outer optimiser (``torch.optim.SGD`` convention, dampening 0)::
 
 ``DiLoCo(merge="mean", outer_lr=1.0, outer_momentum=0.0)`` is FedAvg. Bad replies are dropped
 with a logged reason (:mod:`~flwr_isoloco.strategies.core.replies`); replies are merged in
-content-digest order (not node-id order); node sampling and DARE masks come from ``seed``. Round merge: :mod:`flwr_isoloco.merging.round`.
+content-digest order (not node-id order); node sampling and DARE masks come from ``seed``. Round merge: :mod:`flwr_isoloco.merging.fold`.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from flwr_isoloco.strategies.core.guard import EmptyRoundGuard
 from flwr_isoloco.strategies.core.lifecycle import ResumableStrategy, RoundOutcome
 from flwr_isoloco.strategies.core.nodes import DEFAULT_NODE_WAIT_S, nodes_for_round
 from flwr_isoloco.strategies.core.replies import CheckedReply
-from flwr_isoloco.strategies.core.rounds import ReplyStream
+from flwr_isoloco.strategies.core.stream import ReplyStream
 from flwr_isoloco.strategies.diloco import asynchronous_setup as asyn
 from flwr_isoloco.strategies.diloco import downloads
 from flwr_isoloco.strategies.diloco.asynchronous_tasks import asked_steps
@@ -365,7 +365,7 @@ class DiLoCo(FromRunConfig, SettingsViews, DiLoCoState, ResumableStrategy):
         evaluate_config: ConfigRecord,
         timeout: float,
     ) -> RoundOutcome:
-        """Train then evaluate; replies are taken as they arrive (:mod:`~flwr_isoloco.strategies.core.rounds`), each train
+        """Train then evaluate; replies are taken as they arrive (:mod:`~flwr_isoloco.strategies.core.stream`), each train
         reply folded into the merge at once (:class:`.train_round.TrainRound`); an evaluation
         that sends nothing is skipped (:func:`~flwr_isoloco.strategies.core.evaluation.evaluation_round`)."""
         if (a := self.async_rounds) is not None:  # one outer step (.asynchronous.AsyncRounds)

@@ -16,7 +16,7 @@ from typing import Any
 
 from flwr_isoloco.merging.device import resolve_device
 from flwr_isoloco.merging.robust import ROBUST_OPTIONS
-from flwr_isoloco.strategies.core.rounds import quorum_arg
+from flwr_isoloco.strategies.core.stream import quorum_arg
 from flwr_isoloco.strategies.diloco.config import (
     APP_KEYS,
     DILOCO_RUN_CONFIG,
@@ -172,7 +172,7 @@ ASYNC_KEYS = {
 
 
 def section_rounds(c: Mapping[str, Any]) -> Rounds:
-    """``quorum`` (:func:`~flwr_isoloco.strategies.core.rounds.quorum_arg`), ``grace-s``, ``max-empty-rounds`` and
+    """``quorum`` (:func:`~flwr_isoloco.strategies.core.stream.quorum_arg`), ``grace-s``, ``max-empty-rounds`` and
     the asynchronous keys as :class:`Rounds`; a ``ValueError`` naming the keys that do not go
     together (a section without the asynchronous keys, e.g. an app's older schema, is
     synchronous)."""

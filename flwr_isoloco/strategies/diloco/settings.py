@@ -38,7 +38,7 @@ from flwr_isoloco.strategies.core.divergence import (
 )
 from flwr_isoloco.strategies.core.guard import EmptyRoundGuard
 from flwr_isoloco.strategies.core.replies import PAYLOADS
-from flwr_isoloco.strategies.core.rounds import check_quorum
+from flwr_isoloco.strategies.core.stream import check_quorum
 from flwr_isoloco.strategies.diloco.dp_settings import (
     AdaptiveClipping,
     CentralDP,

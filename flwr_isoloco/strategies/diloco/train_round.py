@@ -1,7 +1,7 @@
 """One DiLoCo/IsoLoCo train round, fed reply by reply: check, weigh, fold, then the outer step.
 
 :class:`TrainRound` is the one path of a train reply in DiLoCo and IsoLoCo, whether the replies
-come one at a time from :class:`~flwr_isoloco.strategies.core.rounds.ReplyStream` or as Flower's list
+come one at a time from :class:`~flwr_isoloco.strategies.core.stream.ReplyStream` or as Flower's list
 (``aggregate_train``)::
 
     take(reply):  ReplyValidator.check -> merge weight -> RoundFold.add -> strip the arrays
@@ -39,7 +39,7 @@ from flwr.app import ArrayRecord, Message, MetricRecord
 from flwr.common.logger import log
 
 from flwr_isoloco.merging.device import is_out_of_memory
-from flwr_isoloco.merging.round import RoundFold
+from flwr_isoloco.merging.fold import RoundFold
 from flwr_isoloco.merging.weights import bounded_weights
 from flwr_isoloco.strategies.core.metrics import metric_record, train_client_metrics
 from flwr_isoloco.strategies.core.replies import CheckedReply, Rejection, ReplyReport
@@ -48,7 +48,7 @@ from flwr_isoloco.strategies.diloco.round_close import RoundClose, RoundHost
 from flwr_isoloco.strategies.diloco.setup import buffer_keys
 
 if TYPE_CHECKING:
-    from flwr_isoloco.strategies.core.rounds import RoundWait
+    from flwr_isoloco.strategies.core.stream import RoundWait
 
 __all__ = ["RoundStrategy", "TrainRound"]
 

@@ -24,7 +24,7 @@ from flwr_isoloco.strategies.core.guard import EmptyRoundGuard, NoProgressError
 from flwr_isoloco.strategies.core.lifecycle import ResumableStrategy, RoundOutcome
 from flwr_isoloco.strategies.core.nodes import wait_for_nodes
 from flwr_isoloco.strategies.core.replies import ReplyValidator
-from flwr_isoloco.strategies.core.rounds import ReplyStream
+from flwr_isoloco.strategies.core.stream import ReplyStream
 from flwr_isoloco.strategies.graph.settings import (
     GRAPH_REFUSED,
     ReplyChecks,

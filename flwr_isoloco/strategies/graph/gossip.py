@@ -43,7 +43,7 @@ from flwr_isoloco.merging.weights import norm_outlier
 from flwr_isoloco.strategies.core.ledger import SentLedger
 from flwr_isoloco.strategies.core.metrics import weighted_mean_metrics
 from flwr_isoloco.strategies.core.replies import ReplyReport
-from flwr_isoloco.strategies.core.rounds import ReplyStream
+from flwr_isoloco.strategies.core.stream import ReplyStream
 from flwr_isoloco.strategies.core.wire import (
     _record_of,
     check_train_metrics,

@@ -34,7 +34,7 @@ from flwr_isoloco.runconfig import (
     positive,
     read_run_config,
 )
-from flwr_isoloco.strategies.core.rounds import check_quorum, quorum_arg
+from flwr_isoloco.strategies.core.stream import check_quorum, quorum_arg
 from flwr_isoloco.strategies.diloco.config import RUN_CONFIG_CHECKS
 
 STRATEGIES = ("rwlora", "gossip", "fedavg")

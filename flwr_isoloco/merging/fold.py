@@ -1,4 +1,4 @@
-"""One merging object for a server round, for every rule (streaming or not).
+"""A round's merge folded reply by reply (RoundFold), for every rule (streaming or not).
 
 :class:`RoundMerge` computes the round's merged pseudo-gradient
 

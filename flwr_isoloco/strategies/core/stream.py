@@ -1,4 +1,4 @@
-"""A round that takes replies as they arrive, with a quorum and a grace window.
+"""A round's reply stream: replies taken as they arrive, with a quorum and a grace window.
 
 Flower's ``grid.send_and_receive`` returns every reply of a round in one list, so a server holds
 ``M`` replies at once and waits for the slowest node. :class:`ReplyStream` pushes the round's
