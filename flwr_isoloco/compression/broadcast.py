@@ -42,21 +42,22 @@ it; so does a round whose record is larger than the full model (many peers, dens
 from __future__ import annotations
 
 import hashlib
-import json
 from collections.abc import Mapping
 from typing import Any
 
-import numpy as np
 import torch
-from flwr.app import Array, ArrayRecord, Message
+from flwr.app import ArrayRecord, Message
 from flwr.common.constant import ErrorCode
 
 from flwr_isoloco.compression.record import (
     compress,
     decompress,
+    json_array,
+    json_header,
+    nest,
     normalize_options,
-    npy_1d,
     payload_nbytes,
+    unnest,
 )
 from flwr_isoloco.compression.step import EXACT, decode_step, is_step
 
@@ -107,37 +108,19 @@ def decode_update(
 
 
 def chain(updates: list[ArrayRecord]) -> ArrayRecord:
-    """The updates of consecutive versions as one record: ``CHAIN_KEY`` (uint8 JSON
-    ``{"links": n}``) and link ``j``'s arrays under ``"l<j>:<key>"``."""
-    blob = json.dumps({"links": len(updates)}).encode()
-    arrays = {CHAIN_KEY: Array(np.frombuffer(blob, dtype=np.uint8).copy())}
-    for j, rec in enumerate(updates):
-        arrays.update({f"l{j}:{k}": v for k, v in rec.items()})
-    return ArrayRecord(arrays)
+    """The updates of consecutive versions as one record: ``CHAIN_KEY`` (JSON ``{"links": n}``)
+    and link ``j``'s arrays under ``"l<j>:<key>"`` (:func:`~.record.nest`)."""
+    return ArrayRecord({CHAIN_KEY: json_array({"links": len(updates)}), **nest(updates, "l")})
 
 
 def _links(record: ArrayRecord) -> list[ArrayRecord]:
     """The updates of a :func:`chain` record, checked: a small header, link numbers in range,
     no stray arrays (each link is then checked by :func:`decode_update`)."""
-    arr = record[CHAIN_KEY]
-    ok = str(arr.dtype) == "uint8" and len(arr.shape) == 1 and len(arr.data) < 4096
-    blob = npy_1d(arr.data, "uint8", int(arr.shape[0])) if ok else "bad"
-    try:
-        n = json.loads(blob.tobytes().decode()).get("links") if not isinstance(blob, str) else None
-    except (ValueError, AttributeError, UnicodeDecodeError, RecursionError):
-        n = None
+    head = json_header(record, CHAIN_KEY, limit=4096)
+    n = head.get("links") if isinstance(head, dict) else None
     if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_LINKS:
         raise ValueError(f"{CHAIN_KEY!r}: header must be {{'links': 1..{MAX_LINKS}}}")
-    parts: list[dict[str, Array]] = [{} for _ in range(n)]
-    for key, a in record.items():
-        if key == CHAIN_KEY:
-            continue
-        link, sep, rest = key.partition(":")
-        j = int(link[1:]) if link[:1] == "l" and link[1:].isdigit() else -1
-        if not sep or not 0 <= j < n:
-            raise ValueError(f"chain record: unexpected array {key[:80]!r}")
-        parts[j][rest] = a
-    return [ArrayRecord(p) for p in parts]
+    return unnest(record, "l", n, {CHAIN_KEY})
 
 
 def apply_download(

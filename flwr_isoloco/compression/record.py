@@ -185,8 +185,7 @@ def compress(tensors: Mapping[str, torch.Tensor], codec: str, **options: Any) ->
             arrays[f"{name}/{part}"] = Array(np.ascontiguousarray(p.numpy()))
     wire = {k: v for k, v in opts.items() if k != "ef_decay"}  # the sender's business
     meta = {"format": FORMAT, "version": VERSION, "codec": codec, "options": wire}
-    blob = json.dumps({**meta, "tensors": header}, separators=(",", ":")).encode()
-    return ArrayRecord({HEADER_KEY: Array(np.frombuffer(blob, dtype=np.uint8).copy()), **arrays})
+    return ArrayRecord({HEADER_KEY: json_array({**meta, "tensors": header}), **arrays})
 
 
 def is_compressed(record: ArrayRecord) -> bool:
@@ -209,23 +208,56 @@ def payload_nbytes(record: ArrayRecord) -> int:
     return total
 
 
-def _parse_header(record: ArrayRecord) -> dict[str, Any]:
-    arr = record[HEADER_KEY]
+def json_header(record: ArrayRecord, key: str, limit: int = MAX_HEADER_BYTES) -> Any:
+    """The JSON value of ``record[key]``, a 1-D uint8 array of at most ``limit`` bytes of UTF-8
+    JSON, read as hostile input (sizes checked before anything is decoded); ValueError naming
+    ``key``."""
+    arr = record[key]
     if (
         str(arr.dtype) != "uint8"
         or len(arr.shape) != 1
         or not isinstance(arr.shape[0], int)
-        or len(arr.data) > MAX_HEADER_BYTES
-        or arr.shape[0] > MAX_HEADER_BYTES
+        or len(arr.data) > limit + _NPY_SLACK
+        or arr.shape[0] > limit
     ):
-        raise ValueError(f"{HEADER_KEY!r}: header must be a 1-D uint8 array of <= 8 MiB")
+        raise ValueError(f"{key!r}: header must be a 1-D uint8 array of <= {limit} bytes")
     blob = npy_1d(arr.data, "uint8", arr.shape[0])
     if isinstance(blob, str):
-        raise ValueError(f"{HEADER_KEY!r}: header {blob}")
+        raise ValueError(f"{key!r}: header {blob}")
     try:
-        head = json.loads(blob.tobytes().decode("utf-8"))
+        return json.loads(blob.tobytes().decode("utf-8"))
     except (ValueError, RecursionError, UnicodeDecodeError) as exc:
-        raise ValueError(f"{HEADER_KEY!r}: header is not UTF-8 JSON ({exc})") from None
+        raise ValueError(f"{key!r}: header is not UTF-8 JSON ({exc})") from None
+
+
+def json_array(value: Any) -> Array:
+    """``value`` as the compact UTF-8 JSON uint8 array :func:`json_header` reads."""
+    blob = json.dumps(value, separators=(",", ":")).encode()
+    return Array(np.frombuffer(blob, dtype=np.uint8).copy())
+
+
+def nest(records: list[ArrayRecord], letter: str) -> dict[str, Array]:
+    """Several records in one: record ``i``'s array ``k`` under ``"<letter><i>:<k>"``."""
+    return {f"{letter}{i}:{k}": v for i, rec in enumerate(records) for k, v in rec.items()}
+
+
+def unnest(record: ArrayRecord, letter: str, n: int, skip: set[str]) -> list[ArrayRecord]:
+    """The ``n`` records :func:`nest` put in ``record`` (arrays in ``skip`` left out); an array
+    of any other name, or of a number outside ``[0, n)``, is refused (ValueError)."""
+    parts: list[dict[str, Array]] = [{} for _ in range(n)]
+    for key, arr in record.items():
+        if key in skip:
+            continue
+        head, sep, rest = key.partition(":")
+        i = int(head[1:]) if head[:1] == letter and head[1:].isdigit() else -1
+        if not sep or not 0 <= i < n:
+            raise ValueError(f"nested record: unexpected array {key[:80]!r}")
+        parts[i][rest] = arr
+    return [ArrayRecord(p) for p in parts]
+
+
+def _parse_header(record: ArrayRecord) -> dict[str, Any]:
+    head = json_header(record, HEADER_KEY)
     if not isinstance(head, dict) or head.get("format") != FORMAT:
         raise ValueError(f"{HEADER_KEY!r}: not a {FORMAT} header")
     if head.get("version") != VERSION:

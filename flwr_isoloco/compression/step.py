@@ -30,7 +30,6 @@ sends the full model instead when that is smaller.
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -39,7 +38,14 @@ import numpy as np
 import torch
 from flwr.app import Array, ArrayRecord
 
-from flwr_isoloco.compression.record import MAX_HEADER_BYTES, RecordReader, npy_1d
+from flwr_isoloco.compression.record import (
+    RecordReader,
+    json_array,
+    json_header,
+    nest,
+    npy_1d,
+    unnest,
+)
 from flwr_isoloco.merging.sparse import SparseMean, clip_factors
 
 __all__ = ["EXACT", "STEP_KEY", "build_step", "decode_step", "is_step", "step_terms"]
@@ -101,26 +107,14 @@ def build_step(
         "scale": float(np.float32(scale)),
         "per_entry": sorted(per_entry),
     }
-    blob = json.dumps(head, separators=(",", ":")).encode()
-    arrays: dict[str, Array] = {STEP_KEY: Array(np.frombuffer(blob, dtype=np.uint8).copy())}
-    for i, rec in enumerate(uploads):
-        arrays.update({f"p{i}:{k}": v for k, v in rec.items()})
+    arrays: dict[str, Array] = {STEP_KEY: json_array(head), **nest(list(uploads), "p")}
     arrays.update({f"a:{k}": _f32(v) for k, v in coefs.items()})
     arrays["w"] = _f32([float(x) for x in weights])
     return ArrayRecord(arrays)
 
 
 def _header(record: ArrayRecord) -> dict[str, Any]:
-    arr = record[STEP_KEY]
-    if str(arr.dtype) != "uint8" or len(arr.shape) != 1 or len(arr.data) > MAX_HEADER_BYTES:
-        raise ValueError(f"{STEP_KEY!r}: header must be a 1-D uint8 array of <= 8 MiB")
-    blob = npy_1d(arr.data, "uint8", int(arr.shape[0]))
-    if isinstance(blob, str):
-        raise ValueError(f"{STEP_KEY!r}: header {blob}")
-    try:
-        head = json.loads(blob.tobytes().decode("utf-8"))
-    except (ValueError, RecursionError, UnicodeDecodeError) as exc:
-        raise ValueError(f"{STEP_KEY!r}: header is not UTF-8 JSON ({exc})") from None
+    head = json_header(record, STEP_KEY)
     if not isinstance(head, dict) or (head.get("format"), head.get("version")) != (
         FORMAT,
         VERSION,
@@ -156,17 +150,9 @@ def decode_step(
     m, names = head["peers"], list(shapes)
     if not set(head["per_entry"]) <= set(names):
         raise ValueError("step record: 'per_entry' names tensors the model does not have")
-    subs: list[dict[str, Array]] = [{} for _ in range(m)]
     expected = {STEP_KEY, "w", *(f"a:{n}" for n in names)}
-    for key, arr in record.items():
-        if key in expected:
-            continue
-        peer, sep, rest = key.partition(":")
-        i = int(peer[1:]) if peer[:1] == "p" and peer[1:].isdigit() else -1
-        if not sep or not 0 <= i < m:
-            raise ValueError(f"step record: unexpected array {key[:80]!r}")
-        subs[i][rest] = arr
-    readers = [RecordReader(ArrayRecord(s), shapes=shapes) for s in subs]
+    subs = unnest(record, "p", m, expected)
+    readers = [RecordReader(sub, shapes=shapes) for sub in subs]
     w = _vector(record, "w", m)
     scale = torch.tensor(head["scale"], dtype=torch.float32)
     out = {}
