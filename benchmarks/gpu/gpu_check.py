@@ -1,4 +1,4 @@
-"""The prepared GPU check (issue 37, item 5): one command, at most 8 minutes on one GPU.
+"""The prepared GPU check: one command, at most 8 minutes on one GPU.
 
     python benchmarks/gpu/gpu_check.py --out $OUT/gpu_check.json
 

@@ -1,5 +1,5 @@
 """Where the DiLoCo worker's time goes (``benchmarks/gpu/worker_throughput.py --profile`` and
-``--share``; issue 37, item 3).
+``--share``).
 
 - :func:`profile_message`: one handler message under cProfile, the cumulative seconds of the
   functions of :data:`PROFILED` (after one warm-up message), and one bare message's seconds.

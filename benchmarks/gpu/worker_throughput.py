@@ -1,5 +1,5 @@
-"""The DiLoCo worker's train handler against a bare PyTorch loop (issue 37, item 3; the GPU study
-of ``benchmarks/gpu/``).
+"""The DiLoCo worker's train handler against a bare PyTorch loop (the GPU study of
+``benchmarks/gpu/``).
 
 One process, one device, one precision: the same model (the same starting weights), the same
 batches in the same order, the same AdamW (betas 0.9/0.95, eps 1e-8, weight decay 0.1), the
@@ -71,7 +71,8 @@ APP_LOCAL_STEPS = 20  # isoloco-lm's train.local-steps default: the projected ra
 
 
 def handler_features() -> dict[str, bool]:
-    """Which of issue 37's arguments the installed ``make_diloco_train_handler`` takes."""
+    """Which device arguments the installed ``make_diloco_train_handler`` takes (an older
+    package on ``PYTHONPATH`` may lack them)."""
     from flwr_isoloco.clients import make_diloco_train_handler
 
     params = inspect.signature(make_diloco_train_handler).parameters
@@ -93,7 +94,7 @@ def sync(device: torch.device) -> None:
 
 
 def autocast(device: torch.device, precision: str):
-    """Mixed precision as the issue specifies it: fp32 weights, autocast to bf16/fp16."""
+    """Mixed precision as the worker runs it: fp32 weights, autocast to bf16/fp16."""
     if precision == "fp32":
         return contextlib.nullcontext()
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[precision]
@@ -102,8 +103,8 @@ def autocast(device: torch.device, precision: str):
 
 class Bare:
     """The bare loop: model + AdamW kept across messages; AdamW fused where the worker fuses it
-    (``diloco_worker._use_fused_adamw``: CUDA and the CPU; a worker without it, before issue
-    37, runs the default AdamW), so both arms run one optimiser."""
+    (``diloco_worker._use_fused_adamw``: CUDA and the CPU; with a worker that lacks it, the
+    default AdamW), so both arms run one optimiser."""
 
     def __init__(self, model, device, precision, total_steps, warmup, compile_):
         from flwr_isoloco.clients import diloco_worker

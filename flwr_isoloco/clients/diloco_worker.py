@@ -310,10 +310,10 @@ def _train_round(w: _Worker, c: _Round, theta, model, forward, named, context: C
         loop, data, cursor, node_seed, c, pace=pace if pace.active else None
     )
     spent = time.perf_counter() - t0
+    opt.zero_grad(set_to_none=True)  # freed before the state and reply are written (peak RSS)
     store_moments(opt, named, context, w.layout, w.device, w.cache_nodes)
     context.state[WORKER_STATE_KEY] = ConfigRecord({"data-cursor": cursor, "last-round": c.rnd})
     new = {k: v.detach().cpu() for k, v in model.state_dict().items() if k in names}
-    opt.zero_grad(set_to_none=True)  # a pooled model keeps no gradients between messages
     content = reply_content(theta, new, c.request, w.payload, context.state, w.key, c.dp)
     content["metrics"] = _train_metrics(tokens, losses, step_lr, c, amp, spent)
     if pace.active:  # what the emulation did: the study checks its speeds held
