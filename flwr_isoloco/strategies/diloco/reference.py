@@ -14,10 +14,8 @@ An argument without a description is shown as such, never blank, and listed by
 one). The names an argument takes from a registry are appended from the registry itself: the
 merge rules (``MERGE_RULES``, with their options), the codecs (``CODECS``, ``"exact"``) and the
 robust rules. The tables go between :data:`BEGIN` and :data:`END` in the repository's
-``docs/strategies.md``:
-
-    python -m flwr_isoloco.strategies.diloco.reference docs/strategies.md          # rewrite
-    python -m flwr_isoloco.strategies.diloco.reference --check docs/strategies.md  # exit 1: stale
+``docs/strategies.md``, which ``python -m flwr_isoloco.strategies.diloco.reference <markdown
+file>`` rewrites (``--check``: exit 1 when the block is stale).
 """
 
 from __future__ import annotations
