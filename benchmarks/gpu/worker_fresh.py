@@ -126,9 +126,15 @@ def child(work: Path, size_name: str, precision: str, rnd: int, rounds: int, run
     }
 
 
-def measure(size_name: str, precision: str, messages: int = 3) -> dict[str, Any]:
+def read_reply(path: Path) -> dict[str, torch.Tensor]:
+    """The reply arrays a child wrote (its deflated objects, checked and inflated)."""
+    root, contents = pickle.loads(path.read_bytes())
+    return _inflated(root, contents).to_torch_state_dict()
+
+
+def measure(size_name: str, precision: str, messages: int = 3, keep=None) -> dict[str, Any]:
     """``messages + 1`` children (the first is a warm-up of the page cache), alternated with
-    bare-loop messages in this process."""
+    bare-loop messages in this process; ``keep``: where to copy the last reply's file."""
     from flwr_isoloco.clients.node_state import remove_run_temp_dir
     from flwr_isoloco.models.hf import model_arrays
 
@@ -162,6 +168,8 @@ def measure(size_name: str, precision: str, messages: int = 3) -> dict[str, Any]
             bare_s.append(wt.timed(lambda: bare.message(batches), torch.device("cpu")))
             if rnd > 1:
                 rows.append(row)
+        if keep is not None:
+            Path(keep).write_bytes((work / "message.pkl").read_bytes())
     remove_run_temp_dir(os.getpid())
     return _summary(size, precision, rows, bare_s[1:])
 
