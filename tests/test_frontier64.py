@@ -68,7 +68,9 @@ def test_study_model_shapes():
     )
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    m = mod.model_shapes(mod.size64())
+    size = mod.size64()
+    assert size["rounds"] * size["inner_steps"] == mod.HORIZON == 800
+    m = mod.model_shapes(size)
     assert m["parameters"] == 2_131_200
     assert m["shapes_2d"] == [(256, 256), (256, 704), (704, 256), (1024, 256)]
 

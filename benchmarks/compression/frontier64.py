@@ -11,12 +11,18 @@ LLaMA rule 8/3 x 256 = 682.7 rounded up to a multiple of 64; the sweep's roundin
 parameters; every 2-D tensor is cut into 64 x 64 tiles (1-D norm weights go whole).
 
 Protocol: ``comm_frontier``'s (``run_one``: the LM horizon protocol of
-``benchmarks/lm/lm_sweep_lib.py``, combined corpora, M = 8, T = 600 inner steps, H = 10,
-60 rounds, inner lr 3e-3, Flower in a Ray simulation on :data:`NUM_CPUS` CPU; bytes from the
-``count_bytes()`` of every message), with the model above. T = 600 is the old study's horizon;
-both fp32 methods must end well below the bigram reference (:func:`bigram_loss`: add-one
-counts of the training split's token pairs, ``p(b | a) = (n_ab + 1) / (n_a + V)``, scored on
-the same windows as the model's loss; 4.1802 nats on test, 4.1369 on validation).
+``benchmarks/lm/lm_sweep_lib.py``, combined corpora, M = 8, H = 10, inner lr 3e-3, Flower in a
+Ray simulation on :data:`NUM_CPUS` CPU; bytes from the ``count_bytes()`` of every message),
+with the model above and T = :data:`HORIZON` = 800 inner steps (80 rounds, 102,400 distinct
+training rows of the 138,240 that fit without repeating one). Both fp32 methods must end well
+below the bigram reference (:func:`bigram_loss`: add-one counts of the training split's token
+pairs, ``p(b | a) = (n_ab + 1) / (n_a + V)``, scored on the same windows as the model's loss;
+4.1802 nats on test, 4.1369 on validation). At the old study's T = 600 they did not clearly:
+fp32 DiLoCo (seed 0) ended at test 4.0129 (lr 0.177) and 4.0603 (lr 0.25), 0.17 nats below
+the bigram, its validation loss crossing the bigram's only in round 37 of 60 (the 0.53M model
+crossed in round 29 and ended at 3.93); those two runs are kept in
+``comm_frontier64_t600.json``. At the horizon study's rate (DiLoCo -0.27 nats from T = 600 to
+1,080, about 0.46 per unit of ln T) T = 800 should end ~0.3 below the bigram.
 
 Points (:data:`CONFIGS`), each at its own outer lr: seed 0 on 3 lrs a factor sqrt(2) apart
 around :func:`centre` (``comm_frontier.CENTRES`` of the method and outer optimiser; the same
@@ -38,13 +44,14 @@ Queue order (:data:`PLAN`): fp32 tuning (the references), sparseloco-exact tunin
 sparseloco-both tuning, then the seeds. The next run is a function of the records alone (and
 of whether the exact downloads exist), so ``--queue`` resumes where it stopped.
 
-Budget (:data:`RUN_S`, measured on the first run, fp32 DiLoCo lr 0.177): ~15 s of CPU a round
-(the 8 nodes' 10 inner steps of 16 x 64 tokens at ~0.14 s each, the server's evaluation on
-16,384 tokens and the merge), so one run of 60 rounds is ~15 min of one core (its wall time
-was 23 min with the 2 cores shared at load 6-10; the 0.53M model's runs were 3-7 min). The
-study: ~35 runs (fp32 2 x 3 + seeds 4 + an edge point, int4 2 x 3 + seeds 4, sparseloco both
-ways 2 x 3 + edge points, sparseloco-exact 3 + seeds 2), ~9 hours of one core in all
-(~13 hours of wall time on the shared machine), over several sessions.
+Budget (:data:`RUN_S`, measured on the T = 600 runs): ~15 s of CPU a round (the 8 nodes' 10
+inner steps of 16 x 64 tokens at ~0.14 s each, the server's evaluation on 16,384 tokens and
+the merge; the wall time was 20-23 s a round with the 2 cores shared at load 5-10), so one run
+of 80 rounds is ~20 min of one core. The study: ~33 runs (fp32 2 x 3 + seeds 4 + an edge
+point, int4 2 x 3 + seeds 4, sparseloco both ways 2 x 3 + edge points, sparseloco-exact 3 +
+seeds 2 if within the bar), ~11 hours of one core in all (~14 hours of wall time on the shared
+machine), over several sessions: above the 6-10 hours aimed at, the price of a horizon past
+the bigram stage (T = 600 would be ~8 hours).
 
     python benchmarks/compression/frontier64.py --queue --until 11:25   # the study (resumes)
     python benchmarks/compression/frontier64.py --status                # done, best, next
@@ -81,8 +88,9 @@ MODEL = {"hidden": 256, "layers": 2, "heads": 4, "intermediate": 704}
 QUICK_MODEL = {"hidden": 64, "layers": 1, "heads": 1, "intermediate": 64}
 """--quick: every dimension still a multiple of 64 (64 x 64 tiles), 0.16M parameters."""
 MIN_DIM = 256
+HORIZON = 800  # T inner steps, 80 rounds of H = 10 (module doc: why not comm_frontier's 600)
 NUM_CPUS = 1  # the Ray simulation's CPUs: a run is timed and budgeted on one core
-RUN_S = 900  # one run's wall seconds on one core, measured (module doc)
+RUN_S = 1200  # one run's seconds on one core: 80 rounds x ~15 s (module doc)
 SEED_BAR = 0.05  # nats of seed-0 validation loss above fp32 within which a point gets seeds
 EXACT = "diloco-sl64exact-m0"
 EXACT_METHOD = "diloco-sparseloco"  # the sweep's method key of SparseLoCo's combine
@@ -118,8 +126,21 @@ the references and of the points within :data:`SEED_BAR` of them."""
 
 
 def size64(quick: bool = False) -> dict[str, Any]:
-    """``comm_frontier``'s run size with this study's model (:data:`MODEL`)."""
-    return {**CF.run_size(quick), **(QUICK_MODEL if quick else MODEL)}
+    """``comm_frontier``'s run size (``--quick``: its tiny one) at T = :data:`HORIZON` with this
+    study's model (:data:`MODEL`)."""
+    if quick:
+        return {**CF.run_size(True), **QUICK_MODEL}
+    size = L.protocol_size("horizon", CF.WORKERS, horizon=HORIZON, inner_lr=CF.INNER_LR)
+    return {**size, **MODEL}
+
+
+def check_records(path: Path, quick: bool) -> None:
+    """SystemExit if ``path`` holds a run of another horizon (a key names no horizon)."""
+    want = size64(quick)
+    want = want["rounds"] * want["inner_steps"]
+    other = [r["key"] for r in common.load_records(path) if r["horizon"] != want]
+    if other:
+        raise SystemExit(f"{path}: runs of another horizon than T = {want}: {other[:3]}")
 
 
 def model_shapes(size: dict[str, Any], min_dim: int = MIN_DIM) -> dict[str, Any]:
@@ -285,6 +306,8 @@ def run_one(name: str, lr: float, seed: int, phase: str, quick: bool = False) ->
 
 
 def one(name: str, lr: float, seed: int, phase: str, quick: bool, path: Path | None = None):
+    """``comm_frontier.one`` with this study's run and records."""
+    check_records(path or (QUICK_RECORDS if quick else RECORDS), quick)
     CF.one(
         name,
         lr,
@@ -299,6 +322,7 @@ def one(name: str, lr: float, seed: int, phase: str, quick: bool, path: Path | N
 def queue(until: str | None, only: list[str] | None, quick: bool, path: Path) -> None:
     """``comm_frontier.queue`` over :func:`next_run`, each run a ``--one`` subprocess of this
     script; the imports checked in a Ray worker first."""
+    check_records(path, quick)
     if not quick:
         for k, f in check_imports().items():
             print(f"imports {k}: {f}", flush=True)
