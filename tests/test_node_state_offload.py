@@ -189,7 +189,7 @@ def test_failed_round_keeps_the_handle(tmp_path):
 def test_temp_dir_keeps_the_state_on_disk_removed_with_the_run(tmp_path, monkeypatch, caplog):
     """``temp_dir=True`` and no folder configured (the LM app with ``checkpoint=false``): the
     node's state goes to this machine's private per-run folder (newest node-state file only;
-    the AdamW moments in the worker's memory-mapped moments file there, context.state holding
+    the AdamW moments in the worker's moments file there, context.state holding
     its handle), the run is bitwise the in-memory one, and :func:`remove_run_temp_dir` removes
     the folder."""
     import tempfile

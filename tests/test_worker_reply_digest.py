@@ -3,9 +3,9 @@
 The digests below are sha256 over every reply of a fixed run (each array's name, dtype, shape
 and bytes, in name order, plus the reply's metrics), computed with the worker that serialised
 everything through Flower's own ``ArrayRecord`` conversions and kept the AdamW moments in
-``context.state``; the worker under test unpacks without copies, packs with one and keeps the
-moments in a memory-mapped file under ``with_node_state(temp_dir=True)``. Every fp32 path
-(cached, a fresh process per message, node-state files, the temp folder) gave that worker one
+``context.state``; the worker under test unpacks without copies, packs with one and, under
+``with_node_state(temp_dir=True)``, keeps the moments in a file of the node written in the
+background. Every fp32 path (cached, a fresh process per message, node-state files, the temp folder) gave that worker one
 digest. They pin the numbers, not the speed: a change that alters one bit of one reply fails.
 
 Floating-point results depend on the CPU's kernels, so the digests hold for the torch version
@@ -140,7 +140,7 @@ def test_replies_are_bitwise_the_reference(case, tmp_path, monkeypatch):
         got = _run(_handler(precision="bf16"))
     elif case == "delta-cached":
         got = _run(_handler(payload="delta"))
-    elif case.startswith("fp32-temp-dir"):  # the moments in the node's memory-mapped file
+    elif case.startswith("fp32-temp-dir"):  # the moments in the node's moments file
         got = _run(with_node_state(_handler(), temp_dir=True), fresh=case.endswith("process"))
         assert list(tmp_path.rglob("adamw-p0-n77.moments"))
     else:

@@ -30,14 +30,15 @@ for them; pass ``default_dir=`` to :func:`with_node_state` to keep them on a dis
 end of the run with :func:`remove_run_temp_dir`, which in a simulation is every node's), or
 ``offload=False`` to keep the files but the state in memory as well.
 
-In that temp folder the DiLoCo worker keeps its AdamW moments in a memory-mapped file of its own
-(:mod:`flwr_isoloco.clients.moments_file`; the folder reaches it as
-:data:`~flwr_isoloco.clients.moments_file.MOMENTS_DIR_KEY` in ``context.state`` while the
-handler runs) and ``context.state`` only the file's handle, so the node-state file of a round
-holds kilobytes, not two copies of the model: no file is hashed or copied in full per message,
-and the moments file is checked with checksums when a fresh process maps it. Where there is a
-state to resume from (a server's or the node's folder) the moments stay in the node-state files,
-which are the resume checkpoints.
+In that temp folder the DiLoCo worker keeps its AdamW moments in a file of its own
+(:mod:`flwr_isoloco.clients.moments_file`, written by a background thread while the message
+replies; the folder reaches it as :data:`~flwr_isoloco.clients.moments_file.MOMENTS_DIR_KEY` in
+``context.state`` while the handler runs) and ``context.state`` only the file's handle, so the
+node-state file of a round holds kilobytes, not two copies of the model: no file is hashed with
+sha256 or read back in full per message, and the moments file is checked with checksums when a
+process without the moments in memory reads it. Where there is a state to resume from (a
+server's or the node's folder) the moments stay in the node-state files, which are the resume
+checkpoints.
 """
 
 from __future__ import annotations

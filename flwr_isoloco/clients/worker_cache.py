@@ -27,9 +27,9 @@ entry (its tensors may be half updated). LRU with ``bound`` entries (the handler
 
 Where the moments are stored: an ArrayRecord in ``context.state`` (each message serialises
 them, 2 x 4 bytes per trainable value), or, when the node has a private folder and no state to
-resume from (:data:`.moments_file.MOMENTS_DIR_KEY`), a memory-mapped file there that the
-moments on the CPU are views of (:mod:`.moments_file`: a message writes only its header), with
-``context.state`` holding the file's handle.
+resume from (:data:`.moments_file.MOMENTS_DIR_KEY`), a file there written by a background
+thread while the message replies (:mod:`.moments_file`), with ``context.state`` holding the
+file's handle.
 """
 
 from __future__ import annotations
@@ -112,7 +112,7 @@ def clear_caches() -> None:
     """Forget every pooled model and node entry (frees their device memory)."""
     _CACHES.models.clear()
     _CACHES.nodes.clear()
-    moments_file.forget_mappings()
+    moments_file.wait_writes()
     for k in _CACHES.stats:
         _CACHES.stats[k] = 0
 
@@ -286,7 +286,8 @@ def restore_moments(
 ) -> None:
     """The node's moments from this process's cache when they are the stored ones (``bound``
     > 0 and the stored record carries the cached token), else from ``context.state``
-    (:func:`load_adamw`)."""
+    (:func:`load_adamw`). A background write of the moments (:mod:`.moments_file`) ends first."""
+    moments_file.wait_writes()
     if bound > 0:
         token = stored_token(context.state.get(ADAMW_STATE_KEY))
         hit = take_moments((context.run_id, context.node_id), token, named, device)
