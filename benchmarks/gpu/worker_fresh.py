@@ -41,7 +41,8 @@ from pathlib import Path
 from typing import Any
 
 T0 = time.time()
-sys.path[:0] = [str(Path(__file__).resolve().parent)]
+HERE = Path(__file__).resolve().parent
+sys.path[:0] = [str(HERE)]
 import torch  # noqa: E402
 import worker_stages as ws  # noqa: E402
 import worker_throughput as wt  # noqa: E402
@@ -123,6 +124,7 @@ def child(work: Path, size_name: str, precision: str, rnd: int, rounds: int, run
         "handler_s": message_s,
         "stages_s": stages,
         "child_s": time.time() - T0,  # from its first import to its return
+        "package": str(Path(sys.modules["flwr_isoloco"].__file__).parent),
     }
 
 
@@ -152,14 +154,14 @@ def measure(size_name: str, precision: str, messages: int = 3, keep=None) -> dic
         del arrays
         for rnd in range(1, messages + 2):
             code = (
-                "import json,sys; sys.path.insert(0, 'benchmarks/gpu'); import worker_fresh as f; "
+                "import json; import worker_fresh as f; "
                 f"print('ROW', json.dumps(f.child(f.Path({str(work)!r}), {size_name!r}, "
                 f"{precision!r}, {rnd}, {messages + 1}, {os.getpid()})))"
             )
             t = time.perf_counter()
             res = subprocess.run(
-                [sys.executable, "-c", code], capture_output=True, text=True, cwd=wt.common.REPO
-            )
+                [sys.executable, "-c", code], capture_output=True, text=True, cwd=HERE
+            )  # from this folder: its "" on sys.path must not be the repository's package
             wall = time.perf_counter() - t
             if res.returncode != 0:
                 raise RuntimeError(res.stderr[-3000:])
@@ -196,6 +198,7 @@ def _summary(size, precision, rows, bare_s) -> dict[str, Any]:
         "bare_msg_s": bare_s,
         "bare_median_s": statistics.median(bare_s),
         "ratio": statistics.median(bare_s) / wall,
+        "package": sorted({r["package"] for r in rows}),
         "rows": rows,
     }
 

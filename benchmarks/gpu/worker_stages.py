@@ -31,7 +31,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path[:0] = [str(Path(__file__).resolve().parent)]  # worker_throughput
+HERE = Path(__file__).resolve().parent
+sys.path[:0] = [str(HERE)]  # worker_throughput
 import torch  # noqa: E402
 from worker_throughput import Size, arms, common, sizes, sync, timed  # noqa: E402
 
@@ -181,6 +182,7 @@ def stage_breakdown(
         "bare_median_s": statistics.median(bare_s),
         "ratio": statistics.median(bare_s) / med["message"],
         "stages_timed": found,
+        "package": str(Path(importlib.import_module("flwr_isoloco").__file__).parent),
         "stages_absent": sorted(set(STAGES) - set(found)),
         "load_avg_end": list(os.getloadavg()),
     }
@@ -214,8 +216,16 @@ def rss_arm(arm: str, size_name: str, precision: str, messages: int) -> dict[str
         finally:
             remove_run_temp_dir(os.getpid())
         params = sum(v.numel() for v in handler.arrays.to_torch_state_dict().values())
+    import flwr_isoloco
+
     peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    return {"arm": arm, "peak_rss_mib": peak_mib, "parameters": params, "messages": messages}
+    return {
+        "arm": arm,
+        "peak_rss_mib": peak_mib,
+        "parameters": params,
+        "messages": messages,
+        "package": str(Path(flwr_isoloco.__file__).parent),
+    }
 
 
 def peak_rss(size_name: str, precision: str, messages: int = 3) -> dict[str, Any]:
@@ -223,12 +233,12 @@ def peak_rss(size_name: str, precision: str, messages: int = 3) -> dict[str, Any
     out: dict[str, Any] = {"size": size_name, "precision": precision}
     for arm in ("bare", "handler"):
         code = (
-            "import json,sys; sys.path.insert(0, 'benchmarks/gpu'); import worker_stages as w; "
+            "import json; import worker_stages as w; "
             f"print(json.dumps(w.rss_arm({arm!r}, {size_name!r}, {precision!r}, {messages})))"
         )
         res = subprocess.run(
-            [sys.executable, "-c", code], capture_output=True, text=True, cwd=common.REPO
-        )
+            [sys.executable, "-c", code], capture_output=True, text=True, cwd=HERE
+        )  # run from this folder: its "" on sys.path must not be the repository's package
         if res.returncode != 0:
             out[arm] = {"error": res.stderr[-2000:]}
             continue
