@@ -88,7 +88,7 @@ def stages_part(budget_s: float, write, device: str = "cuda", size_name: str = "
 
     dev = torch.device(device)
     size = wt.sizes(dev.type, quick=size_name == "tiny", names=[size_name])[size_name]
-    res = ws.stage_breakdown(size, dev, "bf16", messages=3, app=True)
+    res = ws.stage_breakdown(size, dev, "bf16", messages=2, app=True)  # fits its 90 s
     tokens = size.batch * size.seq_len * size.h
     res["tokens_per_s_bare"] = tokens / res["bare_median_s"]
     res["tokens_per_s_handler"] = tokens / res["median_s"]["message"]
