@@ -117,9 +117,9 @@ def test_table_lists_every_seed_and_checks_the_goal_on_the_worst():
     assert "| attack | f | none | multikrum |" in text  # only the defences run
     assert "| signflip | 1 |  | +0.040 ± 0.028 (+0.020 / +0.060) |" in text
     assert "| signflip | 2 | diverged (diverged / -) |  |" in text
-    goal = next(line for line in text.splitlines() if line.startswith("- goal with `multikrum`"))
+    goal = next(line for line in text.splitlines() if line.startswith("- bounds with `multikrum`"))
     assert "honest <= 0.02: yes (worst +0.010" in goal
-    # the goal counts the four attacks; edge is reported apart, worst seed
+    # the thresholds count the four attacks they were set for; edge apart, worst seed
     assert "f = 1 <= 0.05: **no** (worst +0.060, signflip seed 1; 2 runs, 1/4 attacks)" in goal
     assert goal.endswith("; edge (worst seed): f = 1 +0.500"), goal
 

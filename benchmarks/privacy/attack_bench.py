@@ -336,13 +336,13 @@ def final(r: dict) -> float:
     return float("inf") if v is None or not math.isfinite(v) else float(v)
 
 
-GOAL = {0: 0.02, 1: 0.05, 2: 0.15}  # issue 20: the most a defence may cost, by f
+GOAL = {0: 0.02, 1: 0.05, 2: 0.15}  # the most a defence may cost in loss, by f (thresholds)
 
 
 def table(records: list[dict], size: str) -> str:
     """Final loss minus the honest run without defence (same seed), one table per strategy:
     rows attack x f (and honest), columns the defences run. With several seeds a cell is
-    ``mean ± sd (seed 0 / seed 1 / ...)``; the goal lines use the worst seed."""
+    ``mean ± sd (seed 0 / seed 1 / ...)``; the threshold lines use the worst seed."""
     recs = [r for r in records if r["size"] == size]
     lines = []
     for st in [s for s in STRATEGIES if any(r["strategy"] == s for r in recs)]:
@@ -383,13 +383,13 @@ def table(records: list[dict], size: str) -> str:
     return "\n".join(lines)
 
 
-ISSUE_ATTACKS = ATTACKS[:4]  # the goal's attacks; edge (adapted to distance-filter) is ours
+ISSUE_ATTACKS = ATTACKS[:4]  # the thresholds' attacks; edge (adapted to distance-filter) is ours
 
 
 def goal_lines(diffs: dict, defences: list[str], seeds: list[int]) -> list[str]:
-    """Per defence with an honest run: the issue's goal (:data:`GOAL`) on the worst seed and
-    the worst of the issue's attacks (:data:`ISSUE_ATTACKS`), how much of the grid that
-    covers, then the worst ``edge`` cell apart."""
+    """Per defence with an honest run: the thresholds (:data:`GOAL`) on the worst seed and
+    the worst of the four attacks they were set for (:data:`ISSUE_ATTACKS`), how much of the
+    grid that covers, then the worst ``edge`` cell apart."""
     out = []
     for d in defences:
         if d == "none" or ("honest", 0, d) not in diffs:
@@ -416,7 +416,7 @@ def goal_lines(diffs: dict, defences: list[str], seeds: list[int]) -> list[str]:
         ]
         if edge:
             parts.append("edge (worst seed): " + ", ".join(edge))
-        out.append(f"- goal with `{d}`: " + "; ".join(parts))
+        out.append(f"- bounds with `{d}`: " + "; ".join(parts))
     return out
 
 
