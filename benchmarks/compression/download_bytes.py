@@ -28,9 +28,10 @@ from fakegrid import FakeGrid  # noqa: E402
 from flwr.app import ArrayRecord  # noqa: E402
 from test_download import make_app  # noqa: E402
 
+from flwr_isoloco.clients import download_mod, upload_mod  # noqa: E402
 from flwr_isoloco.compression import broadcast  # noqa: E402
 from flwr_isoloco.compression.record import payload_nbytes  # noqa: E402
-from flwr_isoloco.strategies import DiLoCo  # noqa: E402
+from flwr_isoloco.strategies import Codec, DiLoCo  # noqa: E402
 
 CODECS = ("none", "int8", "int4", "sparseloco")
 ROUNDS, NODES = 4, 2
@@ -57,9 +58,18 @@ def run(codec: str) -> dict:
     }
 
 
+EXACT_STEP = {
+    "merge": "sparseloco",
+    "outer_lr": 1.0,
+    "outer_momentum": 0.0,
+    "upload": Codec("sparseloco"),
+}
+
+
 def per_node(codec: str, fraction: float, links: int, nodes: int = 8, rounds: int = 16) -> float:
     """Mean bytes down per sampled node over rounds 2+, as a share of the full model."""
     keep, broadcast.MAX_LINKS = broadcast.MAX_LINKS, links
+    exact = EXACT_STEP if codec == "exact" else {}  # SparseLoCo's step, its uploads sent down
     try:
         s = DiLoCo(
             min_available_nodes=nodes,
@@ -67,8 +77,10 @@ def per_node(codec: str, fraction: float, links: int, nodes: int = 8, rounds: in
             fraction_train=fraction,
             fraction_evaluate=0.0,
             download=codec,
+            **exact,
         )
-        grid = FakeGrid(make_app(), num_nodes=nodes)
+        app = make_app((download_mod, upload_mod)) if exact else make_app()
+        grid = FakeGrid(app, num_nodes=nodes)
         res = s.start(grid=grid, initial_arrays=ArrayRecord(model()), num_rounds=rounds)
     finally:
         broadcast.MAX_LINKS = keep
@@ -80,7 +92,7 @@ def per_node(codec: str, fraction: float, links: int, nodes: int = 8, rounds: in
 
 def by_fraction() -> None:
     out = {}
-    for codec in ("int4", "sparseloco"):
+    for codec in ("int4", "sparseloco", "exact"):
         for fraction in (0.25, 0.5, 1.0):
             before, after = per_node(codec, fraction, 1), per_node(codec, fraction, 32)
             out[f"{codec}|{fraction}"] = {"before": round(before, 4), "after": round(after, 4)}
