@@ -263,16 +263,15 @@ def read_verified(h, names: bytes, n: int, p: int) -> dict[str, torch.Tensor]:
             if size != _file_bytes(n, p):
                 raise MomentsFileError(f"{path} has {size} bytes, not the layout's")
             checks = _check_header(path, fh.read(HEADER_BYTES), want, names)
-            buf = torch.empty((size - HEADER_BYTES) // 4, dtype=torch.float32)
-            if fh.readinto(memoryview(buf.numpy()).cast("B")) != size - HEADER_BYTES:
-                raise MomentsFileError(f"{path} ended early")
+            out, segments = {}, []
+            for name, count, row0 in _layout(n, p):  # one buffer each: AdamW's flat moments
+                out[name] = torch.empty(count, dtype=torch.float32)
+                fh.seek(HEADER_BYTES + row0 * ROW * 8)
+                if fh.readinto(memoryview(out[name].numpy()).cast("B")) != 4 * count:
+                    raise MomentsFileError(f"{path} ended early")
+                segments.append((out[name], row0))
     except OSError as exc:
         raise MomentsFileError(f"{path} unreadable ({exc})") from None
-    out, segments = {}, []
-    for name, count, row0 in _layout(n, p):
-        start = row0 * ROW * 2
-        out[name] = buf[start : start + count]
-        segments.append((buf[start : start + _rows(count) * ROW * 2], row0))
     if checksums(segments) != checks:
         raise MomentsFileError(f"{path}: values do not match their checksum (damaged)")
     s = out["step"]
@@ -283,8 +282,10 @@ def read_verified(h, names: bytes, n: int, p: int) -> dict[str, torch.Tensor]:
 
 def attach(opt: torch.optim.Optimizer, named, h) -> None:
     """Restore ``opt``'s state from the file of handle ``h`` (:func:`read_verified`). On the CPU
-    the moments of fp32 parameters are views of the buffer read (no further copy); others are
-    copied to their parameter's device and dtype. A parameter with step 0 gets no state."""
+    the moments of fp32 parameters are views of the two buffers read (no further copy, and the
+    flat buffers :func:`~.adamw_state.adamw_to_flat` hands to the next :func:`store` without
+    one); others are copied to their parameter's device and dtype. A parameter with step 0 gets
+    no state."""
     from .adamw_state import _step_tensor
 
     n, p = sum(q.numel() for _, q in named), len(named)
