@@ -188,8 +188,10 @@ def run_digits(
     rounds: int,
     record: bool = False,
     model: str = "cnn",
+    split: str = "test",
 ) -> dict:
-    """One federation of the digits app; final accuracy, accuracy per round, records."""
+    """One federation of the digits app; final accuracy, accuracy per round, records.
+    ``split="validation"`` evaluates on the app's held-out training images (for tuning)."""
     from digits import client_app, server_app
     from fakegrid import FakeGrid
 
@@ -199,6 +201,7 @@ def run_digits(
         "partition-seed": seed,
         "model-seed": seed,
         "model": model,
+        "split": split,
         "output-dir": "",
     }
     strategy = factory()

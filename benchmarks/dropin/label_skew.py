@@ -148,10 +148,10 @@ def _patch_digits() -> None:
     orig = task.partition_indices
 
     @lru_cache(maxsize=64)
-    def partition_indices(num_partitions, partitioner="iid", alpha=0.5, seed=0):
+    def partition_indices(num_partitions, partitioner="iid", alpha=0.5, seed=0, split="test"):
         if partitioner in ("iid", "dirichlet"):
-            return orig(num_partitions, partitioner, alpha, seed)
-        y = task._split()[2]
+            return orig(num_partitions, partitioner, alpha, seed, split)
+        y = task._split(split)[2]  # the training labels of ``split`` (the app's run-config key)
         return tuple(tuple(int(i) for i in p) for p in shards(y, num_partitions, partitioner, seed))
 
     task.partition_indices = partition_indices
@@ -161,14 +161,22 @@ def _patch_digits() -> None:
 # ---- the breast-cancer app ------------------------------------------------------------------
 
 
-@lru_cache(maxsize=1)
-def cancer_data():
-    """Standardised (train-set statistics) breast-cancer split: x_tr, x_te, y_tr, y_te."""
+@lru_cache(maxsize=2)
+def cancer_data(split: str = "test"):
+    """Standardised (train-set statistics) breast-cancer split: x_tr, x_te, y_tr, y_te.
+    ``split="validation"`` (for tuning) cuts the same stratified 25 % again out of the 426
+    training rows (319 train / 107 evaluation rows); the test rows are not touched."""
     from sklearn.datasets import load_breast_cancer
     from sklearn.model_selection import train_test_split
 
+    if split not in ("test", "validation"):
+        raise ValueError(f"split must be 'test' or 'validation', got {split!r}")
     x, y = load_breast_cancer(return_X_y=True)
     x_tr, x_te, y_tr, y_te = train_test_split(x, y, test_size=0.25, random_state=0, stratify=y)
+    if split == "validation":
+        x_tr, x_te, y_tr, y_te = train_test_split(
+            x_tr, y_tr, test_size=0.25, random_state=0, stratify=y_tr
+        )
     mu, sd = x_tr.mean(0), x_tr.std(0) + 1e-8
     f = lambda a: torch.tensor((a - mu) / sd, dtype=torch.float32)  # noqa: E731
     return f(x_tr), f(x_te), torch.tensor(y_tr), torch.tensor(y_te)
@@ -185,7 +193,7 @@ cancer_app = ClientApp()
 @cancer_app.train()
 def _cancer_train(msg: Message, context: Context) -> Message:
     rc, pid = context.run_config, int(context.node_config["partition-id"])
-    x_tr, _, y_tr, _ = cancer_data()
+    x_tr, _, y_tr, _ = cancer_data(rc.get("split", "test"))
     idx = shards(
         y_tr.numpy(), int(context.node_config["num-partitions"]), rc["partitioner"], rc["seed"]
     )[pid]
@@ -213,11 +221,14 @@ def _cancer_evaluate(msg: Message, context: Context) -> Message:
     return Message(content=RecordDict({"metrics": MetricRecord({"num-examples": 1})}), reply_to=msg)
 
 
-def run_cancer(factory: Callable[[], object], part: str, seed: int, rounds: int) -> dict:
-    """One federation of the breast-cancer app (5 nodes); final accuracy, per round, records."""
+def run_cancer(
+    factory: Callable[[], object], part: str, seed: int, rounds: int, split: str = "test"
+) -> dict:
+    """One federation of the breast-cancer app (5 nodes); final accuracy, per round, records
+    (evaluated on ``split``'s evaluation rows, :func:`cancer_data`)."""
     from fakegrid import FakeGrid
 
-    _, x_te, _, y_te = cancer_data()
+    _, x_te, _, y_te = cancer_data(split)
     net = cancer_net(seed)
 
     def evaluate(server_round: int, arrays: ArrayRecord) -> MetricRecord:
@@ -232,7 +243,7 @@ def run_cancer(factory: Callable[[], object], part: str, seed: int, rounds: int)
     strategy = factory()
     if hasattr(strategy, "seed"):
         strategy.seed = seed
-    rc = {"partitioner": part, "seed": seed}
+    rc = {"partitioner": part, "seed": seed, "split": split}
     grid = FakeGrid(cancer_app, num_nodes=5, run_config=rc)
     result = strategy.start(
         grid=grid,
@@ -250,10 +261,12 @@ def run_cancer(factory: Callable[[], object], part: str, seed: int, rounds: int)
     return out
 
 
-def run_digits(factory: Callable[[], object], part: str, seed: int, rounds: int) -> dict:
+def run_digits(
+    factory: Callable[[], object], part: str, seed: int, rounds: int, split: str = "test"
+) -> dict:
     """:func:`isoloco_dropin.run_digits` (4 nodes) with the shardings of :func:`shards`."""
     _patch_digits()
-    return dropin.run_digits(factory, part, seed, rounds)
+    return dropin.run_digits(factory, part, seed, rounds, split=split)
 
 
 APPS = {"cancer": (run_cancer, 15), "digits": (run_digits, 10)}
