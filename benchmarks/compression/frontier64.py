@@ -17,12 +17,14 @@ with the model above and T = :data:`HORIZON` = 800 inner steps (80 rounds, 102,4
 training rows of the 138,240 that fit without repeating one). Both fp32 methods must end well
 below the bigram reference (:func:`bigram_loss`: add-one counts of the training split's token
 pairs, ``p(b | a) = (n_ab + 1) / (n_a + V)``, scored on the same windows as the model's loss;
-4.1802 nats on test, 4.1369 on validation). At the old study's T = 600 they did not clearly:
-fp32 DiLoCo (seed 0) ended at test 4.0129 (lr 0.177) and 4.0603 (lr 0.25), 0.17 nats below
+4.1802 nats on test, 4.1369 on validation). At the old study's T = 600 fp32 DiLoCo did not
+clearly: seed 0 ended at test 4.0129 (lr 0.177) and 4.0603 (lr 0.25), 0.17 nats below
 the bigram, its validation loss crossing the bigram's only in round 37 of 60 (the 0.53M model
 crossed in round 29 and ended at 3.93); those two runs are kept in
 ``comm_frontier64_t600.json``. At the horizon study's rate (DiLoCo -0.27 nats from T = 600 to
-1,080, about 0.46 per unit of ln T) T = 800 should end ~0.3 below the bigram.
+1,080, about 0.46 per unit of ln T) T = 800 should end ~0.3 below the bigram; measured,
+fp32 DiLoCo lr 0.177 seed 0 ends at test 3.8317, 0.35 below, its validation loss crossing the
+bigram's in round 36 of 80.
 
 Points (:data:`CONFIGS`), each at its own outer lr: seed 0 on 3 lrs a factor sqrt(2) apart
 around :func:`centre` (``comm_frontier.CENTRES`` of the method and outer optimiser; the same
@@ -44,10 +46,10 @@ Queue order (:data:`PLAN`): fp32 tuning (the references), sparseloco-exact tunin
 sparseloco-both tuning, then the seeds. The next run is a function of the records alone (and
 of whether the exact downloads exist), so ``--queue`` resumes where it stopped.
 
-Budget (:data:`RUN_S`, measured on the T = 600 runs): ~15 s of CPU a round (the 8 nodes' 10
+Budget (:data:`RUN_S`, measured on the first runs): ~15 s of CPU a round (the 8 nodes' 10
 inner steps of 16 x 64 tokens at ~0.14 s each, the server's evaluation on 16,384 tokens and
-the merge; the wall time was 20-23 s a round with the 2 cores shared at load 5-10), so one run
-of 80 rounds is ~20 min of one core. The study: ~33 runs (fp32 2 x 3 + seeds 4 + an edge
+the merge; the wall time was 20-23 s a round with the 2 cores shared at load 5-10, 12.8 s at
+the least), so one run of 80 rounds is ~20 min of one core (31 min of wall time at load 7-9). The study: ~33 runs (fp32 2 x 3 + seeds 4 + an edge
 point, int4 2 x 3 + seeds 4, sparseloco both ways 2 x 3 + edge points, sparseloco-exact 3 +
 seeds 2 if within the bar), ~11 hours of one core in all (~14 hours of wall time on the shared
 machine), over several sessions: above the 6-10 hours aimed at, the price of a horizon past
