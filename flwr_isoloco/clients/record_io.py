@@ -13,8 +13,8 @@ SmolLM2-135M's 0.5 GB of weights is most of a CPU message's overhead. Here:
   it cannot read.
 - :func:`pack_record`: each tensor becomes an ``Array`` whose bytes are the ``.npy`` header
   followed by the tensor's values, joined in one copy; the bytes are identical to what
-  ``ArrayRecord(state_dict)`` writes (``tests/test_record_io.py`` checks it for every dtype and
-  shape the worker sends). bf16 travels as fp32, as everywhere in flwr-isoloco.
+  ``ArrayRecord(state_dict)`` writes (the repository's ``tests/test_record_io.py`` checks it
+  for every dtype and shape the worker sends). bf16 travels as fp32, as everywhere in flwr-isoloco.
 """
 
 from __future__ import annotations
