@@ -18,8 +18,8 @@ training rows of the 138,240 that fit without repeating one). Both fp32 methods 
 below the bigram reference (:func:`bigram_loss`: add-one counts of the training split's token
 pairs, ``p(b | a) = (n_ab + 1) / (n_a + V)``, scored on the same windows as the model's loss;
 4.1802 nats on test, 4.1369 on validation). At the old study's T = 600 fp32 DiLoCo did not
-clearly: seed 0 ended at test 4.0129 (lr 0.177) and 4.0603 (lr 0.25), 0.17 nats below
-the bigram, its validation loss crossing the bigram's only in round 37 of 60 (the 0.53M model
+clearly: seed 0 ended at test 4.0129 (lr 0.177) and 4.0603 (lr 0.25), 0.17 and 0.12 nats
+below the bigram, its validation loss crossing the bigram's only in round 37 of 60 (the 0.53M model
 crossed in round 29 and ended at 3.93); those two runs are kept in
 ``comm_frontier64_t600.json``. At the horizon study's rate (DiLoCo -0.27 nats from T = 600 to
 1,080, about 0.46 per unit of ln T) T = 800 should end ~0.3 below the bigram; measured,
