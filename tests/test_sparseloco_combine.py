@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from flwr_isoloco.merging import MERGE_RULES, merge
-from flwr_isoloco.merging.sparse import clip_factors, sparse_mean
+from flwr_isoloco.merging.sparse import lower_median_clip, sparse_mean
 
 
 def _peers(m: int, n: int, k: int, seed: int, overlap: float = 0.0):
@@ -74,7 +74,7 @@ def test_entry_chosen_by_one_peer_counts_fully_not_one_mth():
 
 def test_lower_median_clips_as_torch_median():
     # two peers, norms 1 and 3: torch.median takes the lower (1), so the second is scaled 1/3
-    assert torch.allclose(clip_factors(torch.tensor([1.0, 3.0])), torch.tensor([1.0, 1 / 3]))
+    assert torch.allclose(lower_median_clip(torch.tensor([1.0, 3.0])), torch.tensor([1.0, 1 / 3]))
     a = {"w": torch.tensor([[1.0, 0.0]])}
     b = {"w": torch.tensor([[0.0, 3.0]])}
     g = merge("sparseloco", [a, b], device="cpu")["w"]

@@ -46,7 +46,7 @@ from flwr_isoloco.compression.record import (
     npy_1d,
     unnest,
 )
-from flwr_isoloco.merging.sparse import SparseMean, clip_factors
+from flwr_isoloco.merging.sparse import SparseMean, combine_coefs
 
 __all__ = ["EXACT", "STEP_KEY", "build_step", "decode_step", "is_step", "step_terms"]
 
@@ -73,7 +73,7 @@ def step_terms(
     shapes: Mapping[str, tuple[int, ...]],
 ) -> dict[str, torch.Tensor]:
     """The coefficients ``a`` of every tensor: ``a_i = w_i c_i`` (``c_i`` the clip to the
-    median norm, :func:`~flwr_isoloco.merging.sparse.clip_factors`) for the tensors in
+    median norm, :func:`~flwr_isoloco.merging.sparse.combine_coefs`) for the tensors in
     ``per_entry``, ``a_i = w_i`` for the others. One decoded tensor in memory at a time."""
     readers = [RecordReader(u, shapes=shapes) for u in uploads]
     w = torch.tensor([float(x) for x in weights], dtype=torch.float32)
@@ -81,7 +81,7 @@ def step_terms(
     for name in shapes:
         if name in per_entry:
             norms = torch.stack([torch.linalg.vector_norm(r.tensor(name).float()) for r in readers])
-            out[name] = w * clip_factors(norms)
+            out[name] = combine_coefs(norms, weights)[0]
         else:
             out[name] = w.clone()
     return out

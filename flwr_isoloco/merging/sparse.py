@@ -35,8 +35,8 @@ import torch
 __all__ = [
     "CLIP_EPS",
     "SparseMean",
-    "clip_factors",
     "combine_coefs",
+    "lower_median_clip",
     "sparse_mean",
     "sparseloco_combine",
 ]
@@ -45,8 +45,12 @@ CLIP_EPS = 1e-8
 """The reference's ``1e-8`` in ``median / (norm + 1e-8)``."""
 
 
-def clip_factors(norms: torch.Tensor) -> torch.Tensor:
-    """``c_i = min(1, m / (n_i + 1e-8))`` with ``m`` the lower median of ``norms`` (module doc)."""
+def lower_median_clip(norms: torch.Tensor) -> torch.Tensor:
+    """``c_i = min(1, m / (n_i + 1e-8))`` with ``m`` the lower median of ``norms`` (module doc).
+
+    Not :func:`~.robust.clip_factors` (the ``NormClip`` rule's): that one takes the statistics
+    median (the mean of the two middle norms for an even M) and no ``1e-8``; this one follows
+    the SparseLoCo reference's arithmetic."""
     med = torch.median(norms)
     return torch.clamp(med / (norms + CLIP_EPS), max=1.0)
 
@@ -86,14 +90,12 @@ def sparse_mean(
 
 
 def combine_coefs(
-    deltas: Sequence[torch.Tensor], weights: Sequence[float]
+    norms: torch.Tensor, weights: Sequence[float]
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(a, w)`` of :func:`sparse_mean` for the module doc's combine: ``a_i = w_i c_i``,
-    in the deltas' dtype."""
-    dt = deltas[0].dtype
-    norms = torch.stack([torch.linalg.vector_norm(d) for d in deltas])
-    w = torch.tensor([float(x) for x in weights], dtype=dt)
-    return w * clip_factors(norms).to(dt), w
+    """``(a, w)`` of :func:`sparse_mean` for the module doc's combine, from the peers' norms:
+    ``a_i = w_i c_i`` (:func:`lower_median_clip`), in the norms' dtype."""
+    w = torch.tensor([float(x) for x in weights], dtype=norms.dtype)
+    return w * lower_median_clip(norms), w
 
 
 def sparseloco_combine(
@@ -101,5 +103,6 @@ def sparseloco_combine(
 ) -> torch.Tensor:
     """The combine of the module doc for one 2-D tensor (``weights`` sum to 1)."""
     del key  # the same rule for every tensor
-    coefs, w = combine_coefs(deltas, weights)
+    norms = torch.stack([torch.linalg.vector_norm(d) for d in deltas])
+    coefs, w = combine_coefs(norms, weights)
     return sparse_mean(deltas, coefs, w)
