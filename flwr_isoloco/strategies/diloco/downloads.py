@@ -27,6 +27,7 @@ from flwr.common.logger import log
 from flwr_isoloco.compression import is_compressed, payload_nbytes
 from flwr_isoloco.compression.broadcast import Broadcast, asks_for_full, reply_digest
 from flwr_isoloco.compression.step import EXACT, build_step
+from flwr_isoloco.merging.options import check_options, rule_applies
 from flwr_isoloco.strategies.diloco.settings import Codec
 
 RESTORED = "restored"
@@ -104,7 +105,10 @@ def exact_record(s: Any, used: list[Any], weights: list[float], uploads: dict, b
     total = sum(weights)
     rule = s.merger.name
     shapes = {k: tuple(v.shape) for k, v in s.theta.items()}
-    per_entry = [k for k, v in s.theta.items() if rule == "sparseloco" and v.dim() == 2]
+    _, pattern = check_options(s.merger.rule, s.merger.options)  # the tensors the rule acts on
+    per_entry = [
+        k for k, v in s.theta.items() if rule == "sparseloco" and rule_applies(k, v, pattern)
+    ]
     b.step = build_step(recs, [w / total for w in weights], per_entry, -s.outer.lr, shapes)
 
 
