@@ -155,13 +155,18 @@ def load_records(path: Path) -> list[dict[str, Any]]:
 
 
 def append_record(path: Path, record: dict[str, Any]) -> None:
-    """Append ``record`` to the JSON list at ``path`` at once (atomic replace)."""
-    records = load_records(path)
-    records.append(record)
+    """Append ``record`` to the JSON list at ``path`` at once (atomic replace), under an
+    exclusive lock on ``path.lock`` so that two queues sharing the file lose no record."""
+    import fcntl
+
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(records, indent=1) + "\n")
-    os.replace(tmp, path)
+    with open(path.with_suffix(path.suffix + ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        records = load_records(path)
+        records.append(record)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(records, indent=1) + "\n")
+        os.replace(tmp, path)
 
 
 def splice(text: str, begin: str, end: str, body: str) -> str:

@@ -42,8 +42,9 @@ of its method. Test loss (a split never used to choose) is reported.
   server's step from the round's sparse uploads), outer momentum 0, lr centred at 1.0
   (SparseLoCo's). The queue runs it once the library has it (:func:`exact_available`).
 
-Queue order (:data:`PLAN`): fp32 tuning (the references), sparseloco-exact tuning, int4 tuning,
-sparseloco-both tuning, then the seeds. The next run is a function of the records alone (and
+Queue order (:data:`PLAN`): first the pair that decides the 25x question (fp32 DiLoCo and
+sparseloco-exact, the only point near 25x that may keep the loss: tuning, then seeds), then
+IsoLoCo's fp32 reference, int4 and sparseloco-both tuning, then their seeds. The next run is a function of the records alone (and
 of whether the exact downloads exist), so ``--queue`` resumes where it stopped.
 
 Budget (:data:`RUN_S`, measured on the first runs): ~15 s of CPU a round (the 8 nodes' 10
@@ -56,6 +57,8 @@ machine), over several sessions: above the 6-10 hours aimed at, the price of a h
 the bigram stage (T = 600 would be ~8 hours).
 
     python benchmarks/compression/frontier64.py --queue --until 11:25   # the study (resumes)
+    python benchmarks/compression/frontier64.py --queue --configs diloco-sl64exact-m0 --until 11:25
+                                           # a second queue beside the first, on other points
     python benchmarks/compression/frontier64.py --status                # done, best, next
     python benchmarks/compression/frontier64.py --bigram                # the reference loss
     python benchmarks/compression/frontier64.py --check-imports         # the code a run uses
@@ -115,12 +118,14 @@ CONFIGS: dict[str, dict[str, Any]] = {
 """name -> method, codec, outer optimiser, download (comm_frontier's, plus 'exact')."""
 REFERENCE = {"diloco": "diloco-fp32-nesterov", "isoloco": "isoloco-fp32-nesterov"}
 PLAN: list[tuple[str, list[str]]] = [
-    ("tune", ["diloco-fp32-nesterov", "isoloco-fp32-nesterov"]),
+    ("tune", ["diloco-fp32-nesterov"]),
     ("tune", [EXACT]),
+    ("seeds", ["diloco-fp32-nesterov", EXACT]),
+    ("tune", ["isoloco-fp32-nesterov"]),
     ("tune", ["diloco-int4-nesterov-both", "isoloco-int4-nesterov-both"]),
     ("tune", ["diloco-sl64-m0-both", "isoloco-sl64-m0-both"]),
-    ("seeds", ["diloco-fp32-nesterov", "isoloco-fp32-nesterov"]),
-    ("seeds", [EXACT, "diloco-int4-nesterov-both", "isoloco-int4-nesterov-both"]),
+    ("seeds", ["isoloco-fp32-nesterov"]),
+    ("seeds", ["diloco-int4-nesterov-both", "isoloco-int4-nesterov-both"]),
     ("seeds", ["diloco-sl64-m0-both", "isoloco-sl64-m0-both"]),
 ]
 """("tune", names): seed 0 over the lr grid; ("seeds", names): seeds 1, 2 at the optimum of
