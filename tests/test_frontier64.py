@@ -86,23 +86,33 @@ def test_plan_order_and_seed_bar(f64):
     nxt = f64.next_run(done, exact=False)
     assert nxt == ("diloco-fp32-nesterov", 0.177, 0, "tune")
     tune(done, "diloco-fp32-nesterov", (3.6, 3.5, 3.7))
-    tune(done, "isoloco-fp32-nesterov", (3.4, 3.3, 3.5))
+    # the pair that decides the 25x question first: sparseloco-exact's grid, then both seeds
     assert f64.next_run(done, exact=True)[:2] == (f64.EXACT, 0.707)  # SparseLoCo's lr 1.0
+    assert f64.next_run(done, exact=False) == ("diloco-fp32-nesterov", 0.25, 1, "seed")
+    tune(done, f64.EXACT, (3.53, 3.52, 3.6))  # +0.02: gets seeds
+    seeds = []
+    while (nxt := f64.next_run(done, exact=True))[0] != "isoloco-fp32-nesterov":
+        seeds.append(nxt[:3])
+        done[key(*nxt[:3])] = {"val_loss": 9.0}
+    assert seeds == [
+        ("diloco-fp32-nesterov", 0.25, 1),
+        ("diloco-fp32-nesterov", 0.25, 2),
+        (f64.EXACT, 1.0, 1),
+        (f64.EXACT, 1.0, 2),
+    ]
+    tune(done, "isoloco-fp32-nesterov", (3.4, 3.3, 3.5))
     assert f64.next_run(done, exact=False)[0] == "diloco-int4-nesterov-both"
     tune(done, "diloco-int4-nesterov-both", (3.6, 3.54, 3.7))  # +0.04: gets seeds
     tune(done, "isoloco-int4-nesterov-both", (3.4, 3.36, 3.5))  # +0.06: does not
     tune(done, "diloco-sl64-m0-both", (4.2, 4.1, 4.3))
     tune(done, "isoloco-sl64-m0-both", (4.2, 4.1, 4.3))
     seeds = []
-    while (nxt := f64.next_run(done, exact=False)) is not None:
+    while (nxt := f64.next_run(done, exact=True)) is not None:
         seeds.append(nxt[:3])
         done[key(*nxt[:3])] = {"val_loss": 9.0}
     assert seeds == [
-        ("diloco-fp32-nesterov", 0.25, 1),
-        ("diloco-fp32-nesterov", 0.25, 2),
         ("isoloco-fp32-nesterov", 1.8, 1),
         ("isoloco-fp32-nesterov", 1.8, 2),
         ("diloco-int4-nesterov-both", 0.25, 1),
         ("diloco-int4-nesterov-both", 0.25, 2),
     ]
-    assert f64.next_run(done, exact=True) == (f64.EXACT, 0.707, 0, "tune")  # once it exists
