@@ -25,7 +25,14 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-__all__ = ["MOMENTS", "adamw_to_arrays", "arrays_to_adamw", "adamw_to_flat", "flat_to_adamw"]
+__all__ = [
+    "MOMENTS",
+    "adamw_to_arrays",
+    "arrays_to_adamw",
+    "adamw_to_flat",
+    "flat_to_adamw",
+    "flat_zeros",
+]
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 """The AdamW state entries stored per parameter (besides its step)."""
@@ -158,6 +165,32 @@ def _share(opt: torch.optim.Optimizer, named: Named, flat: Mapping[str, torch.Te
             for m in MOMENTS:
                 st[m] = flat[m][off : off + n].view(p.shape)
         off += n
+
+
+def flat_zeros(opt: torch.optim.Optimizer, named: Named) -> bool:
+    """Give a fresh ``opt`` the state AdamW creates on its first step (step 0, zero moments),
+    its moments views of two flat zero buffers in ``named`` order; True if it did.
+
+    The arithmetic is AdamW's own (its first step finds the state it would have made), but
+    :func:`adamw_to_flat` with ``share=True`` then hands the buffers out as they are: without
+    this, a fresh optimiser's moments are concatenated at the first save, and both copies are
+    alive at once (1 GB more at the peak of a 135M node's first message). Only when no
+    parameter has state yet and every one is fp32 on one device (else nothing is done)."""
+    params = [p for _, p in named]
+    if not params or any(opt.state.get(p) for p in params):
+        return False
+    if any(p.dtype != torch.float32 or p.device != params[0].device for p in params):
+        return False
+    n = sum(p.numel() for p in params)
+    flat = {m: torch.zeros(n, dtype=torch.float32, device=params[0].device) for m in MOMENTS}
+    off = 0
+    for p in params:
+        k = p.numel()
+        st = {"step": _step_tensor(opt, p, 0.0)}
+        st.update({m: flat[m][off : off + k].view(p.shape) for m in MOMENTS})
+        opt.state[p] = st
+        off += k
+    return True
 
 
 def adamw_to_flat(

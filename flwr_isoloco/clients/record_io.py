@@ -22,7 +22,7 @@ from __future__ import annotations
 import io
 import math
 import warnings
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 
 import numpy as np
 import torch
@@ -91,9 +91,12 @@ def _array(t: torch.Tensor) -> Array:
     return Array(dtype=str(values.dtype), shape=tuple(values.shape), stype=_NUMPY_STYPE, data=data)
 
 
-def pack_record(sd: Mapping[str, torch.Tensor]) -> ArrayRecord:
-    """``ArrayRecord`` of ``sd`` (bf16 as fp32), each Array's bytes made in one copy."""
+def pack_record(sd: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]) -> ArrayRecord:
+    """``ArrayRecord`` of ``sd`` (bf16 as fp32), each Array's bytes made in one copy. ``sd``
+    may be an iterable of ``(name, tensor)`` made lazily: then only one tensor at a time is
+    alive beside the record (the worker's pseudo-gradient, 0.5 GB less at 135M)."""
     rec = ArrayRecord()
-    for name, t in sd.items():
+    for name, t in sd.items() if isinstance(sd, Mapping) else sd:
         rec[name] = _array(t)
+        del t
     return rec

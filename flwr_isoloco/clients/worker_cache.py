@@ -48,7 +48,14 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, RecordDict
 from flwr.common.logger import log
 
 from . import moments_file
-from .adamw_state import MOMENTS, adamw_to_arrays, adamw_to_flat, arrays_to_adamw, flat_to_adamw
+from .adamw_state import (
+    MOMENTS,
+    adamw_to_arrays,
+    adamw_to_flat,
+    arrays_to_adamw,
+    flat_to_adamw,
+    flat_zeros,
+)
 from .record_io import pack_record, unpack_record
 
 __all__ = [
@@ -296,4 +303,5 @@ def restore_moments(
                 if st is not None:
                     opt.state[p] = st
             return
-    load_adamw(opt, named, context.state)
+    if not load_adamw(opt, named, context.state):
+        flat_zeros(opt, named)  # the first save then needs no second copy of the moments

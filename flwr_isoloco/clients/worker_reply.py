@@ -67,6 +67,10 @@ def reply_content(
     if request is None and payload == "weights" and dp is None:
         content[key] = fp32_record(new)
         return content
+    if request is None and payload == "delta" and dp is None:  # one delta tensor at a time
+        content[key] = pack_record((k, theta[k].to(new[k].dtype) - new[k]) for k in new)
+        content["config"] = ConfigRecord({"payload": "delta"})
+        return content
     delta = {k: theta[k].to(new[k].dtype) - new[k] for k in new}
     echo: dict[str, Any] = {}
     if dp is not None:
