@@ -14,7 +14,10 @@ of the stages nested in it; ``other`` is the message's seconds minus every stage
 
 Peak memory (``--rss``): each arm in a process of its own, ``ru_maxrss`` after its messages
 (the bare loop: model, gradients, AdamW moments and the activations of one step; the floor is
-``4 x parameters x 4`` bytes of fp32 model, gradient and two moments).
+``4 x parameters x 4`` bytes of fp32 model, gradient and two moments). Each arm also records
+its RSS once the runtime both load is imported (interpreter, torch, transformers, Flower; before
+any model), and ``<arm>_above_runtime_over_floor`` is what the model and its messages add above
+that, against the floor.
 """
 
 from __future__ import annotations
@@ -189,9 +192,21 @@ def stage_breakdown(
 
 
 # ----------------------------------------------------------------------------- peak memory
+def _rss_now_mib() -> float:
+    """This process's resident set now (``/proc/self/statm``), MiB."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
 def rss_arm(arm: str, size_name: str, precision: str, messages: int) -> dict[str, Any]:
     """Run one arm alone in this process; its peak RSS (``ru_maxrss``, MiB)."""
     torch.set_num_threads(1)
+    import transformers  # noqa: F401  (the runtime both arms load, before the baseline)
+    import worker_throughput  # noqa: F401
+
+    import flwr_isoloco.clients  # noqa: F401
+
+    base_mib = _rss_now_mib()  # the runtime: interpreter, torch, transformers, Flower
     size = sizes("cpu", quick=size_name == "tiny", names=[size_name])[size_name]
     device = torch.device("cpu")
     if arm == "bare":
@@ -222,6 +237,7 @@ def rss_arm(arm: str, size_name: str, precision: str, messages: int) -> dict[str
     return {
         "arm": arm,
         "peak_rss_mib": peak_mib,
+        "runtime_rss_mib": base_mib,
         "parameters": params,
         "messages": messages,
         "package": str(Path(flwr_isoloco.__file__).parent),
@@ -249,6 +265,10 @@ def peak_rss(size_name: str, precision: str, messages: int = 3) -> dict[str, Any
         out["handler_over_floor"] = out["handler"]["peak_rss_mib"] / floor
         out["bare_over_floor"] = out["bare"]["peak_rss_mib"] / floor
         out["handler_over_bare"] = out["handler"]["peak_rss_mib"] / out["bare"]["peak_rss_mib"]
+        for arm in ("bare", "handler"):  # what the messages add above the runtime
+            if "runtime_rss_mib" in out[arm]:
+                above = out[arm]["peak_rss_mib"] - out[arm]["runtime_rss_mib"]
+                out[f"{arm}_above_runtime_over_floor"] = above / floor
     return out
 
 
