@@ -194,6 +194,7 @@ def test_federated_evaluation_runs_on_idle_nodes_only():
 
 
 def test_the_one_flag_switch_works_at_every_default():
-    """IsoLoCo(asynchronous=True) at FedAvg's fraction_evaluate=1.0 is accepted."""
-    s = IsoLoCo(asynchronous=True)
+    """IsoLoCo(rounds=Rounds(asynchronous=True)) at FedAvg's fraction_evaluate=1.0 is
+    accepted."""
+    s = IsoLoCo(rounds=Rounds(asynchronous=True))
     assert s.fraction_evaluate == 1.0 and s.async_rounds is not None

@@ -333,7 +333,6 @@ def test_isoloco_with_a_robust_rule_per_buffer_and_the_divergence_guard():
     from flwr_isoloco.strategies import MultiKrum
 
     s = IsoLoCo(
-        asynchronous=True,
         rounds=Rounds(asynchronous=True, buffer=3),
         fraction_evaluate=0.0,
         min_train_nodes=3,
@@ -459,11 +458,9 @@ def test_reply_beyond_max_staleness_is_dropped_and_named(caplog):
         torch.testing.assert_close(got[k].double(), th2[k], rtol=1e-6, atol=1e-6)
 
 
-@pytest.mark.parametrize(
-    "kw", [{}, {"asynchronous": False}, {"rounds": Rounds(asynchronous=False)}]
-)
+@pytest.mark.parametrize("kw", [{}, {"rounds": Rounds(asynchronous=False)}])
 def test_default_off_is_the_synchronous_strategy(kw):
-    """asynchronous=False / default Rounds(): synchronous DiLoCo with its documented defaults,
+    """Default Rounds() / Rounds(asynchronous=False): synchronous DiLoCo with its documented defaults,
     against :func:`outer_reference.sync_rounds` (fp64): 3 rounds, every node's reply used,
     g = sum n_p delta_p / sum n_p (n = 1, 1, 2), Nesterov with lr 0.7, mu 0.9, no delay; no
     asynchronous state in the checkpoint."""
@@ -480,11 +477,12 @@ def _evaluate(msg: Message, ctx) -> Message:
     return Message(RecordDict({"m": MetricRecord({"num-examples": 1, "loss": 1.0})}), reply_to=msg)
 
 
-def test_plain_keyword_and_settings_checks():
-    s = IsoLoCo(asynchronous=True, fraction_evaluate=0.0)
+def test_the_plain_keyword_is_refused_and_settings_are_checked():
+    s = IsoLoCo(rounds=Rounds(asynchronous=True), fraction_evaluate=0.0)
     assert s.rounds.asynchronous and s.async_rounds is not None
-    with pytest.raises(ValueError, match="contradicts"):
-        DiLoCo(asynchronous=False, rounds=Rounds(asynchronous=True), fraction_evaluate=0.0)
+    for cls in (DiLoCo, IsoLoCo):
+        with pytest.raises(TypeError, match=r"use \w+\(rounds=Rounds\(asynchronous=True\)\)"):
+            cls(asynchronous=True, fraction_evaluate=0.0)
     with pytest.raises(ValueError, match="asynchronous rounds only"):
         Rounds(buffer=4)
     with pytest.raises(ValueError, match="quorum"):
@@ -502,7 +500,7 @@ def test_plain_keyword_and_settings_checks():
 )
 def test_what_does_not_compose_is_refused(kw, match):
     with pytest.raises(ValueError, match=f"asynchronous rounds: .*{match}"):
-        DiLoCo(asynchronous=True, **{"fraction_evaluate": 0.0, **kw})
+        DiLoCo(rounds=Rounds(asynchronous=True), **{"fraction_evaluate": 0.0, **kw})
 
 
 def test_secagg_is_refused():

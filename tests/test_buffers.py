@@ -16,7 +16,7 @@ from torch import nn
 
 from flwr_isoloco.merging import MERGE_RULES
 from flwr_isoloco.merging.fold import RoundFold, RoundMerge
-from flwr_isoloco.strategies import CentralDP, DiLoCo, IsoLoCo, ReplyChecks
+from flwr_isoloco.strategies import CentralDP, DiLoCo, IsoLoCo, MergeSettings, ReplyChecks
 
 torch.set_num_threads(1)
 
@@ -97,7 +97,7 @@ def test_outer_state_has_no_momentum_for_buffers(name):
 
 
 def test_buffers_none_gives_the_old_outer_step():
-    s = DiLoCo(**_quiet(fraction_evaluate=0.0), buffers="none")
+    s = DiLoCo(**_quiet(fraction_evaluate=0.0), merge_settings=MergeSettings(buffers="none"))
     _run(s, rounds=1)
     # 1 - 0.7 * (g + 0.9 g), g = 0.8: every float tensor is owned by the outer step
     assert s.theta["bn.running_var"][0].item() == pytest.approx(1 - 0.7 * 1.9 * 0.8, abs=1e-6)
@@ -120,7 +120,7 @@ class _BN(nn.Module):
     ids=["names", "regex", "callable"],
 )
 def test_explicit_buffers_override_the_default(spec):
-    s = DiLoCo(**_quiet(fraction_evaluate=0.0), buffers=spec)
+    s = DiLoCo(**_quiet(fraction_evaluate=0.0), merge_settings=MergeSettings(buffers=spec))
     _run(s, rounds=1)
     assert s.theta["bn.running_var"][0].item() == pytest.approx(0.2, abs=1e-6)
     # running_mean is not named: the outer step owns it (1.9 x the mean delta -0.625, lr 0.7)
@@ -159,7 +159,7 @@ def test_module_buffers_and_auto_names():
     with pytest.raises(ValueError, match="regular expression"):
         check_buffers_spec("running_(")
     with pytest.raises(ValueError, match="regular expression"):
-        DiLoCo(buffers="(")
+        MergeSettings(buffers="(")
 
 
 def test_run_config_key():
@@ -173,7 +173,9 @@ def test_a_2d_buffer_takes_the_mean_not_the_rule(spill):
     """Iso-C acts on 2-D tensors; a 2-D buffer (named explicitly) takes the plain mean, in the
     folded and in the spilled merge (``max_norm_ratio`` forces spilling)."""
     kw = {"checks": ReplyChecks(max_norm_ratio=100.0)} if spill else {}
-    s = IsoLoCo(**_quiet(fraction_evaluate=0.0), buffers=r"^bn\.", **kw)
+    s = IsoLoCo(
+        **_quiet(fraction_evaluate=0.0), merge_settings=MergeSettings(buffers=r"^bn\."), **kw
+    )
     _run(s, rounds=1, cov=True)
     want = torch.full((3, 3), 0.2) + torch.eye(3) * (0 + 1 + 2 * 2) / 4
     assert torch.allclose(s.theta["bn.cov"], want, atol=1e-6)

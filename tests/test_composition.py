@@ -813,7 +813,7 @@ def test_a_cell_with_a_second_guarantee(key):
 
 
 # ----------------------------------------------------------------------------- refusals
-ASYNC = dict(asynchronous=True, fraction_evaluate=0.0)
+ASYNC = dict(rounds=Rounds(asynchronous=True), fraction_evaluate=0.0)
 UNIFORM = dict(checks=ReplyChecks(weighting="uniform"), fraction_evaluate=0.0)
 BUILDS: dict[tuple[str, str], Callable[[], object]] = {
     ("asynchronous", "central-dp"): lambda: DiLoCo(
@@ -830,7 +830,9 @@ BUILDS: dict[tuple[str, str], Callable[[], object]] = {
     ("secagg", "upload"): lambda: use_secagg(DiLoCo(**UNIFORM, upload="int8")),
     ("secagg", "download"): lambda: use_secagg(DiLoCo(**UNIFORM, download="int8")),
     ("asynchronous", "quorum"): lambda: Rounds(asynchronous=True, quorum=2),
-    ("asynchronous", "secagg"): lambda: use_secagg(DiLoCo(**UNIFORM, asynchronous=True)),
+    ("asynchronous", "secagg"): lambda: use_secagg(
+        DiLoCo(**UNIFORM, rounds=Rounds(asynchronous=True))
+    ),
     ("quorum", "secagg"): lambda: use_secagg(DiLoCo(**UNIFORM, rounds=Rounds(quorum=2))),
 }
 """Each refused pair, built as a user would."""

@@ -95,7 +95,11 @@ def test_run_config_ef_decay_goes_to_the_upload_codec_only():
 
 # ----------------------------------------------------------------------------- secagg
 def test_use_secagg_refuses_asynchronous_rounds_with_the_reason():
-    s = DiLoCo(checks=ReplyChecks(weighting="uniform"), fraction_evaluate=0.0, asynchronous=True)
+    s = DiLoCo(
+        checks=ReplyChecks(weighting="uniform"),
+        fraction_evaluate=0.0,
+        rounds=Rounds(asynchronous=True),
+    )
     with pytest.raises(ValueError, match=r"secagg.*asynchronous"):
         use_secagg(s)
     assert s.secagg is None

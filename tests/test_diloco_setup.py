@@ -6,27 +6,41 @@ from __future__ import annotations
 
 import inspect
 
-from flwr_isoloco.strategies import AdaptiveClipping, CentralDP, DiLoCo, IsoLoCo, ReplyChecks
-from flwr_isoloco.strategies.diloco.setup import PLAIN_ARGUMENTS
+import pytest
+
+from flwr_isoloco.strategies import (
+    AdaptiveClipping,
+    CentralDP,
+    DiLoCo,
+    IsoLoCo,
+    MergeSettings,
+    Records,
+    ReplyChecks,
+)
+from flwr_isoloco.strategies.diloco.setup import MOVED_TO_MERGE_SETTINGS, RECORD_FIELDS
 
 
-def test_plain_arguments_are_kept_as_given():
-    values = dict(
-        min_available_nodes=3,
+def test_plain_arguments_and_grouped_fields_are_kept_as_given():
+    fields = dict(
         weighted_by_key="tokens",
         arrayrecord_key="model",
         configrecord_key="cfg",
         train_metrics_aggr_fn=lambda r, k: None,
         evaluate_metrics_aggr_fn=lambda r, k: None,
-        orthogonalize="update",
-        seed=11,
     )
-    assert set(values) == set(PLAIN_ARGUMENTS)
-    assert set(PLAIN_ARGUMENTS) <= set(inspect.signature(DiLoCo).parameters)
+    assert set(fields) == set(RECORD_FIELDS)
+    values = dict(min_available_nodes=3, seed=11, orthogonalize="update", **fields)
     checks = ReplyChecks(weighting="uniform", payload="delta")
     for cls in (DiLoCo, IsoLoCo):
-        s = cls(merge="iso_c", **values, checks=checks)
-        assert {n: getattr(s, n) for n in PLAIN_ARGUMENTS} == values
+        s = cls(
+            merge="iso_c",
+            min_available_nodes=3,
+            seed=11,
+            records=Records(**fields),
+            merge_settings=MergeSettings(orthogonalize="update"),
+            checks=checks,
+        )
+        assert {n: getattr(s, n) for n in values} == values
         assert (s.checks, s.weighting, s.payload) == (checks, "uniform", "delta")
         assert s.train_validator.arrayrecord_key == "model"
         assert s.eval_validator.weighted_by_key == "tokens"
@@ -47,3 +61,17 @@ def test_every_dp_setting_arrives_in_the_strategys_dp():
     assert (s.dp.z, s.dp.c, s.dp.delta, s.dp.max_epsilon) == (1.5, 0.2, 1e-6, 50.0)
     assert (s.dp.noise_key, s.dp.mode, s.dp.quantile) == (9, "central", 0.4)
     assert (s.dp.clip_lr, s.dp.count_std) == (0.1, 2.0)
+
+
+@pytest.mark.parametrize("cls", [DiLoCo, IsoLoCo])
+def test_the_grouped_keywords_are_refused_naming_the_new_spelling(cls):
+    assert not set(RECORD_FIELDS) & set(inspect.signature(cls).parameters)
+    assert not set(MOVED_TO_MERGE_SETTINGS) & set(inspect.signature(cls).parameters)
+    for old, field in MOVED_TO_MERGE_SETTINGS.items():
+        with pytest.raises(
+            TypeError, match=rf"use {cls.__name__}\(merge_settings=MergeSettings\({field}="
+        ):
+            cls(**{old: "x"})
+    for old in RECORD_FIELDS:
+        with pytest.raises(TypeError, match=rf"use {cls.__name__}\(records=Records\({old}='x'\)\)"):
+            cls(**{old: "x"})

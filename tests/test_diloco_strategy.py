@@ -15,7 +15,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDic
 from flwr.serverapp.strategy import FedAvg
 
 from flwr_isoloco.checkpoint import load_checkpoint, save_checkpoint
-from flwr_isoloco.strategies import DiLoCo, IsoLoCo, ReplyChecks
+from flwr_isoloco.strategies import DiLoCo, IsoLoCo, MergeSettings, ReplyChecks
 
 torch.set_num_threads(1)
 
@@ -156,7 +156,11 @@ def test_rounds_match_torch_sgd_nesterov_on_merged_pseudo_gradients(merge_name):
 def test_orthogonalize_update_applies_iso_c_after_momentum():
     theta = init_model()
     strat = DiLoCo(
-        merge="iso_c", orthogonalize="update", outer_lr=0.5, outer_momentum=0.9, **quiet()
+        merge="iso_c",
+        merge_settings=MergeSettings(orthogonalize="update"),
+        outer_lr=0.5,
+        outer_momentum=0.9,
+        **quiet(),
     )
     res, _ = run(strat, rounds=1)
     g = weighted_mean_delta(theta, client_replies(theta, 1))
@@ -285,9 +289,11 @@ def test_isoloco_defaults_and_fast_switch():
         0.8,
         True,
     )
-    assert IsoLoCo(preset="isoloco-paper", fast=True).merge_name == "iso_c_ns"
-    with pytest.raises(ValueError, match="fast=True is iso_c_ns"):
-        IsoLoCo(fast=True)  # the dropin rule has no Newton-Schulz form: refused, not swapped
+    assert IsoLoCo(preset="isoloco-paper", merge="iso_c_ns").merge_name == "iso_c_ns"
+    with pytest.raises(
+        TypeError, match="use IsoLoCo\\(preset='isoloco-paper', merge='iso_c_ns'\\)"
+    ):
+        IsoLoCo(fast=True)  # merge="iso_c_ns" says it
     d = DiLoCo()
     assert (d.merge_name, d.outer.lr, d.outer.momentum, d.outer.nesterov) == (
         "mean",
@@ -313,7 +319,7 @@ def test_from_run_config_reads_documented_keys():
     assert s.merge_name == "ties" and s.merge_options == {"prune_fraction": 0.2}
     assert (s.outer.lr, s.outer.momentum, s.outer.nesterov) == (0.5, 0.0, False)
     assert s.fraction_train == 0.5 and s.train_validator.max_norm_ratio == 10.0
-    with pytest.raises(ValueError, match="fast=True is iso_c_ns"):
+    with pytest.raises(ValueError, match="strategy.fast = true is iso_c_ns"):
         IsoLoCo.from_run_config({"strategy.fast": True})  # under "dropin": refused
     iso = IsoLoCo.from_run_config({"strategy.fast": True, "strategy.preset": "isoloco-paper"})
     assert iso.merge_name == "iso_c_ns" and iso.outer.lr == 1.8

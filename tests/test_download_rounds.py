@@ -17,7 +17,7 @@ from flwr_isoloco.clients import download_mod, upload_mod
 from flwr_isoloco.compression import compress, payload_nbytes
 from flwr_isoloco.compression.broadcast import BASE_KEY, DIGEST_KEY, apply_update, model_digest
 from flwr_isoloco.compression.record import decompress
-from flwr_isoloco.strategies import DiLoCo, Divergence
+from flwr_isoloco.strategies import DiLoCo, Divergence, Records
 
 
 def train_any(msg: Message, context: Context) -> Message:
@@ -51,7 +51,7 @@ def test_mods_read_the_config_the_strategy_named_otherwise():
     s = DiLoCo(
         min_available_nodes=2,
         fraction_evaluate=0.0,
-        configrecord_key="cfg",
+        records=Records(configrecord_key="cfg"),
         download="int8",
         upload="int8",
     )

@@ -14,7 +14,7 @@ import torch
 from fakegrid import FakeGrid, corrupt_arrays
 from flwr.app import ArrayRecord, Message, MetricRecord, RecordDict
 
-from flwr_isoloco.strategies import DiLoCo, IsoLoCo, ReplyChecks, Rounds
+from flwr_isoloco.strategies import DiLoCo, IsoLoCo, MergeSettings, ReplyChecks, Rounds
 from flwr_isoloco.strategies.core.ledger import SentLedger
 from flwr_isoloco.strategies.core.replies import ReplyValidator
 
@@ -237,18 +237,29 @@ def test_bad_run_config_names_the_key(cfg, needle):
         ({"outer_lr": -1.0}, "lr"),
         ({"outer_lr": float("nan")}, "lr"),
         ({"fraction_train": 2.0}, "fraction_train"),
-        ({"orthogonalize": "update", "merge": "ties"}, "orthogonalize='update'"),
+        (
+            {"merge_settings": {"orthogonalize": "update"}, "merge": "ties"},
+            "orthogonalize='update'",
+        ),
         ({"checks": {"weighting": "tokens"}}, "weighting"),
         ({"checks": {"max_update_norm": -3.0}}, "max_update_norm"),
         ({"checks": {"dtype_policy": "ignore"}}, "dtype_policy"),
-        ({"merge": "mean", "merge_options": {"prune_fraction": 0.2}}, "prune_fraction"),
-        ({"merge": "ties", "merge_options": {"prune_fraction": 1.5}}, "prune_fraction"),
+        (
+            {"merge": "mean", "merge_settings": {"options": {"prune_fraction": 0.2}}},
+            "prune_fraction",
+        ),
+        (
+            {"merge": "ties", "merge_settings": {"options": {"prune_fraction": 1.5}}},
+            "prune_fraction",
+        ),
     ],
 )
 def test_bad_constructor_argument_names_it(kwargs, needle):
     with pytest.raises(ValueError, match=needle.replace("(", r"\(").replace("'", "'")):
         if "checks" in kwargs:  # a settings object checks its fields when built
             kwargs = {**kwargs, "checks": ReplyChecks(**kwargs["checks"])}
+        if "merge_settings" in kwargs:
+            kwargs = {**kwargs, "merge_settings": MergeSettings(**kwargs["merge_settings"])}
         DiLoCo(**kwargs)
 
 

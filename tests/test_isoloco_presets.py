@@ -14,7 +14,7 @@ from flwr.app import ArrayRecord, Message, MetricRecord, RecordDict
 from outer_reference import assert_close, iso_c, of_the_mean, sync_rounds
 
 from flwr_isoloco.outer import ISOLOCO_PRESETS, nesterov_step_limit, resolve_preset
-from flwr_isoloco.strategies import DiLoCo, IsoLoCo
+from flwr_isoloco.strategies import DiLoCo, IsoLoCo, MergeSettings
 
 torch.set_num_threads(1)
 
@@ -94,23 +94,26 @@ def test_explicit_arguments_override_the_preset():
     assert (s.outer.lr, s.outer.momentum) == (0.5, 0.8)
     s = IsoLoCo(outer_momentum=0.0)
     assert s.outer.momentum == 0.0 and not s.outer.nesterov
-    assert IsoLoCo(preset="isoloco-paper", fast=True).merge_name == "iso_c_ns"
+    assert IsoLoCo(preset="isoloco-paper", merge="iso_c_ns").merge_name == "iso_c_ns"
     assert IsoLoCo(merge="mean").merge_name == "mean"
-    assert IsoLoCo(orthogonalize="update").merge_name == "iso_c"
+    assert IsoLoCo(merge_settings=MergeSettings(orthogonalize="update")).merge_name == "iso_c"
     fast = {"strategy.fast": True, "strategy.preset": "isoloco-paper"}
     assert IsoLoCo.from_run_config(fast).merge_name == "iso_c_ns"
     assert IsoLoCo.from_run_config({"strategy.merge": "ties"}).merge_name == "ties"
 
 
 def test_fast_under_the_default_preset_is_refused_not_a_silent_change_of_rule():
-    """fast=True used to swap the "dropin" rule (iso_c_matched at lr 0.5) for iso_c_ns, another
-    rule at another scale, without a word (issue 34, item 6). The Newton-Schulz form exists for
-    iso_c only: under "dropin" it is an error naming the two ways to get what one meant."""
-    with pytest.raises(ValueError, match=r"fast=True is iso_c_ns.*'dropin'.*iso_c_matched"):
+    """strategy.fast = true is iso_c_ns, the Newton-Schulz form of iso_c only: under "dropin"
+    (iso_c_matched at lr 0.5) it is an error naming the two ways to get what one meant, not a
+    swap to another rule at another scale. The constructor has no fast=: it names
+    merge="iso_c_ns" with the "isoloco-paper" preset."""
+    with pytest.raises(TypeError, match=r"use IsoLoCo\(preset='isoloco-paper', merge='iso_c_ns'\)"):
         IsoLoCo(fast=True)
-    with pytest.raises(ValueError, match=r"preset='isoloco-paper', fast=True"):
+    with pytest.raises(ValueError, match=r"fast = true is iso_c_ns.*'dropin'.*iso_c_matched"):
         IsoLoCo.from_run_config({"strategy.fast": True})
-    paper = IsoLoCo(preset="isoloco-paper", fast=True)
+    with pytest.raises(ValueError, match=r"strategy.preset = 'isoloco-paper'"):
+        IsoLoCo.from_run_config({"strategy.fast": True})
+    paper = IsoLoCo(preset="isoloco-paper", merge="iso_c_ns")
     assert (paper.merge_name, paper.outer.lr, paper.outer.momentum) == ("iso_c_ns", 1.8, 0.8)
     chosen = IsoLoCo(merge="iso_c_ns")  # the rule by name, with the dropin preset's lr
     assert (chosen.merge_name, chosen.outer.lr) == ("iso_c_ns", 0.5)
@@ -156,14 +159,14 @@ def test_signature_spells_out_every_diloco_parameter():
     assert not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in iso.values())
     missing = [name for name in dil if name not in iso]
     assert not missing, f"IsoLoCo lacks DiLoCo's parameters {missing}"
-    assert {"preset", "fast"} <= set(iso)
+    assert "preset" in iso and "fast" not in iso
     assert all(p.kind is inspect.Parameter.KEYWORD_ONLY for p in iso.values())
-    preset_owned = {"merge", "merge_options", "outer_lr", "outer_momentum", "nesterov"}
+    preset_owned = {"merge", "outer_lr", "outer_momentum", "nesterov"}
     for name, p in dil.items():
         if name not in preset_owned:
             assert iso[name].default == p.default, name
     doc = inspect.getdoc(IsoLoCo)
-    for name in ("preset", "fast", "outer_lr", "DiLoCo"):
+    for name in ("preset", "iso_c_ns", "outer_lr", "DiLoCo"):
         assert name in doc, name
 
 

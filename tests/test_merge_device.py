@@ -15,7 +15,7 @@ from outer_reference import assert_close, capped_iso_c, iso_c, of_the_mean, sync
 import flwr_isoloco.merging.fold as round_mod
 from flwr_isoloco.merging.streaming import OrderFreeMean
 from flwr_isoloco.runconfig import RunConfigError, precheck_app_config
-from flwr_isoloco.strategies import DiLoCo, IsoLoCo
+from flwr_isoloco.strategies import DiLoCo, IsoLoCo, MergeSettings
 
 torch.set_num_threads(1)
 
@@ -89,7 +89,9 @@ def test_cpu_and_auto_give_the_reference_model_and_the_device_reaches_the_merge(
     want = sync_rounds(_model(), _local, 2, [1, 2, 3], **REFERENCE[path])
     for option in ("cpu", "auto"):
         seen.clear()
-        s = _run(cls, merge_device=option, **kw)
+        rule = {k: v for k, v in kw.items() if k == "merge"}
+        fields = {k: v for k, v in kw.items() if k != "merge"}  # MergeSettings' fields
+        s = _run(cls, merge_settings=MergeSettings(device=option, **fields), **rule)
         assert s.merge_device == CPU and s.merger.device == CPU
         # every merge of the two rounds was handed the strategy's device, none left to "auto"
         assert seen and all(d == CPU for d in seen), (path, seen)
@@ -101,13 +103,13 @@ def test_cpu_and_auto_give_the_reference_model_and_the_device_reaches_the_merge(
 @pytest.mark.parametrize("option", ["cuda", "cuda:0"])
 def test_cuda_without_a_gpu_is_refused_at_construction(cls, option):
     with pytest.raises(ValueError, match="no CUDA device is visible"):
-        cls(merge_device=option)
+        cls(merge_settings=MergeSettings(device=option))
 
 
 @pytest.mark.parametrize("bad", ["gpu", "tpu", "", "meta", 0])
 def test_an_unknown_device_is_refused_at_construction(bad):
-    with pytest.raises(ValueError, match="merge device"):
-        DiLoCo(merge_device=bad)
+    with pytest.raises(ValueError, match="MergeSettings.device"):
+        MergeSettings(device=bad)
 
 
 def test_run_config_key_reaches_the_strategy_and_is_prechecked():

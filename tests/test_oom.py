@@ -17,7 +17,7 @@ from flwr.app import ArrayRecord, Message, MetricRecord, RecordDict
 import flwr_isoloco.merging.device as device_mod
 import flwr_isoloco.merging.fold as round_mod
 from flwr_isoloco.merging.streaming import OrderFreeMean
-from flwr_isoloco.strategies import DiLoCo, ReplyChecks, Rounds
+from flwr_isoloco.strategies import DiLoCo, MergeSettings, ReplyChecks, Rounds
 
 torch.set_num_threads(1)
 
@@ -36,7 +36,10 @@ def _client():
 def _strategy() -> DiLoCo:
     kw = dict(min_train_nodes=1, min_evaluate_nodes=1, min_available_nodes=1)
     return DiLoCo(
-        **kw, fraction_evaluate=0.0, merge_device="cpu", rounds=Rounds(max_empty_rounds=1)
+        **kw,
+        fraction_evaluate=0.0,
+        merge_settings=MergeSettings(device="cpu"),
+        rounds=Rounds(max_empty_rounds=1),
     )
 
 
@@ -121,9 +124,8 @@ def _update_strategy() -> DiLoCo:
     return DiLoCo(
         **kw,
         merge="iso_c",
-        orthogonalize="update",
+        merge_settings=MergeSettings(orthogonalize="update", device="cpu"),
         fraction_evaluate=0.0,
-        merge_device="cpu",
         rounds=Rounds(max_empty_rounds=1),
     )
 

@@ -12,7 +12,7 @@ from flwr.clientapp import ClientApp
 from test_lifecycle import init_model
 from test_secagg import _federation, _strategy
 
-from flwr_isoloco.strategies import DiLoCo, ReplyChecks
+from flwr_isoloco.strategies import DiLoCo, Records, ReplyChecks
 
 torch.set_num_threads(1)
 
@@ -71,7 +71,7 @@ def test_the_app_s_aggr_fn_still_sees_what_the_clients_sent():
         min_train_nodes=3,
         min_available_nodes=3,
         fraction_evaluate=0.0,
-        train_metrics_aggr_fn=aggr,
+        records=Records(train_metrics_aggr_fn=aggr),
     )
     assert _round_one(s, [10, 10, 10**6])["n"] == 3
     assert sorted(m["num-examples"] for m in seen[0]) == [10, 10, 10**6]
@@ -96,7 +96,9 @@ def test_secagg_round_calls_the_app_s_train_metrics_aggr_fn():
         calls.append((key, [dict(next(iter(r.metric_records.values()))) for r in records]))
         return MetricRecord({"my-metric": 42.0})
 
-    result, *_ = _federation(_strategy(train_metrics_aggr_fn=aggr), secagg=True, rounds=1)
+    result, *_ = _federation(
+        _strategy(records=Records(train_metrics_aggr_fn=aggr)), secagg=True, rounds=1
+    )
     m = result.train_metrics_clientapp[1]
     assert m["my-metric"] == 42.0 and m["replies-used"] == 3
     assert len(calls) == 1

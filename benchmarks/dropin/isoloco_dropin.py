@@ -62,7 +62,7 @@ from flwr.serverapp.strategy import FedAvg  # noqa: E402
 
 from flwr_isoloco.merging.iso_range import iso_c_range, numerical_rank  # noqa: E402
 from flwr_isoloco.merging.rules import MergeRule, _streaming  # noqa: E402
-from flwr_isoloco.strategies import DiLoCo, IsoLoCo  # noqa: E402
+from flwr_isoloco.strategies import DiLoCo, IsoLoCo, MergeSettings  # noqa: E402
 
 OUT = common.RESULTS / "isoloco_dropin.json"
 OUT_BN = common.RESULTS / "isoloco_dropin_bn.json"
@@ -84,7 +84,7 @@ DIAGNOSIS: dict[str, Callable[[], object]] = {
     "paper": lambda: _paper(),
     "paper, mu=0": lambda: _paper(outer_momentum=0.0),
     "paper, Iso-C on fc1 only": lambda: _paper(
-        merge_options={"spectral_pattern": _pattern_only(["fc1.weight"])}
+        merge_settings=MergeSettings(options={"spectral_pattern": _pattern_only(["fc1.weight"])})
     ),
     "Iso-C, lr=0.7, mu=0.9": lambda: _paper(outer_lr=0.7, outer_momentum=0.9),
     "Iso-C on the range, lr=0.7, mu=0.9": lambda: _paper(
@@ -103,8 +103,8 @@ BN_SWEEP: dict[str, Callable[[], object]] = {
     "FedAvg": lambda: FedAvg(),
     "DiLoCo()": lambda: DiLoCo(),
     "IsoLoCo()": lambda: IsoLoCo(),
-    "DiLoCo(buffers='none')": lambda: DiLoCo(buffers="none"),
-    "IsoLoCo(buffers='none')": lambda: IsoLoCo(buffers="none"),
+    "DiLoCo(buffers='none')": lambda: DiLoCo(merge_settings=MergeSettings(buffers="none")),
+    "IsoLoCo(buffers='none')": lambda: IsoLoCo(merge_settings=MergeSettings(buffers="none")),
 }
 """The BatchNorm CNN (``model="cnn-bn"``): the defaults, which merge the running statistics as
 FedAvg does, and ``buffers="none"``, the outer step owning them (the behaviour before)."""
@@ -416,7 +416,9 @@ def main() -> None:
         out["sweep_bn_failures"] = check(out["sweep_bn"], names=("DiLoCo()", "IsoLoCo()"))
     if args.negative_variance or args.bn:
         out["negative_variance"] = negative_variance()
-        out["negative_variance_before"] = negative_variance(buffers="none")
+        out["negative_variance_before"] = negative_variance(
+            merge_settings=MergeSettings(buffers="none")
+        )
     if args.lm:
         import tempfile
 

@@ -50,7 +50,7 @@ from flwr.serverapp.strategy import FedAvg  # noqa: E402
 
 from flwr_isoloco.merging.polar import thin_svd  # noqa: E402
 from flwr_isoloco.merging.rules import MergeRule, _streaming  # noqa: E402
-from flwr_isoloco.strategies import DiLoCo, IsoLoCo  # noqa: E402
+from flwr_isoloco.strategies import DiLoCo, IsoLoCo, MergeSettings  # noqa: E402
 
 OUT = common.RESULTS / "label_skew.json"
 PARTS = ("sorted", "dir0.1")
@@ -101,10 +101,10 @@ ABLATION: dict[str, Callable[[], object]] = {
     "IsoLoCo(), lr 0.5, mu 0.8": lambda: IsoLoCo(outer_momentum=0.8),
     "Iso-C flattened where the nodes agree": lambda: IsoLoCo(merge=AGREEMENT_RULE),
     "IsoLoCo() before, first layer only": lambda: IsoLoCo(
-        merge=FULL_RULE, merge_options={"spectral_pattern": r"^0\."}
+        merge=FULL_RULE, merge_settings=MergeSettings(options={"spectral_pattern": r"^0\."})
     ),
     "IsoLoCo() before, classifier only": lambda: IsoLoCo(
-        merge=FULL_RULE, merge_options={"spectral_pattern": r"^2\."}
+        merge=FULL_RULE, merge_settings=MergeSettings(options={"spectral_pattern": r"^2\."})
     ),
 }
 """Cancer-app variants that separate the merge from the outer step (``--ablation``)."""

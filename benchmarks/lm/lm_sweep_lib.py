@@ -369,7 +369,7 @@ def make_strategy(
     ``iso_c-no-embed``: Iso-C only on tensors matching :data:`NO_EMBED_PATTERN`. ``codecs``:
     ``upload`` / ``download`` keyword arguments of the strategy (a Codec or a codec name);
     none given: the strategy's defaults (no compression)."""
-    from flwr_isoloco.strategies import DiLoCo
+    from flwr_isoloco.strategies import DiLoCo, MergeSettings
 
     merge_rule = METHODS[method][0]
     options = {}
@@ -379,7 +379,7 @@ def make_strategy(
         options = {"spectral_pattern": NO_EMBED_PATTERN}
     return DiLoCo(
         merge=merge_rule,
-        merge_options=options,
+        merge_settings=MergeSettings(options=options),
         outer_lr=outer_lr,
         outer_momentum=outer_momentum,
         nesterov=True,

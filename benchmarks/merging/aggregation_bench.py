@@ -87,7 +87,7 @@ def strategies(workers: int) -> dict:
         "FedAvg (Flower)": lambda: FedAvg(**common),
         "DiLoCo (mean, Nesterov)": lambda: DiLoCo(**common),
         "IsoLoCo (SVD)": lambda: IsoLoCo(**common),
-        "IsoLoCo (fast)": lambda: IsoLoCo(preset="isoloco-paper", fast=True, **common),
+        "IsoLoCo (fast)": lambda: IsoLoCo(preset="isoloco-paper", merge="iso_c_ns", **common),
     }
 
 

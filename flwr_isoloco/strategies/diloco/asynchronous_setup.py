@@ -1,10 +1,9 @@
-"""Setting up asynchronous rounds (:mod:`.asynchronous`): the plain ``asynchronous=`` keyword,
-the refusals of what does not compose, the delayed outer momentum, and the checkpoint fields.
+"""Setting up asynchronous rounds (:mod:`.asynchronous`, ``Rounds(asynchronous=True)``): the
+refusals of what does not compose, the delayed outer momentum, and the checkpoint fields.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
@@ -19,23 +18,8 @@ __all__ = [
     "asynchronous_rounds",
     "check_composition",
     "parse_checkpoint",
-    "resolve_rounds",
     "state_spec",
 ]
-
-
-def resolve_rounds(rounds: Rounds, asynchronous: bool | None) -> Rounds:
-    """``rounds`` with the plain ``asynchronous=`` keyword folded in (None: as ``rounds`` says);
-    ``ValueError`` when the two disagree."""
-    if asynchronous is None or asynchronous == rounds.asynchronous:
-        return rounds
-    if not isinstance(asynchronous, bool):
-        raise ValueError(f"asynchronous must be a bool or None, got {asynchronous!r}")
-    if not asynchronous:
-        raise ValueError(
-            "asynchronous=False contradicts rounds=Rounds(asynchronous=True); give one of them"
-        )
-    return dataclasses.replace(rounds, asynchronous=True)
 
 
 def check_composition(s: Any, fraction_evaluate: float, fraction_train: float) -> None:

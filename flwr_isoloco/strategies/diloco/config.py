@@ -41,6 +41,7 @@ from flwr_isoloco.strategies.diloco.settings import (
     ReplyChecks,
     Rounds,
 )
+from flwr_isoloco.strategies.diloco.settings_groups import ORTHOGONALIZE, MergeSettings, Records
 
 __all__ = [
     "DILOCO_RUN_CONFIG",
@@ -51,7 +52,6 @@ __all__ = [
     "read_section",
 ]
 
-ORTHOGONALIZE = ("gradient", "update")
 APP_KEYS = ("name", "timeout", "round-timeout")
 """``strategy.*`` keys that belong to the app, not to the strategy (ignored here)."""
 
@@ -290,6 +290,8 @@ SETTINGS_TYPES = {
     "checks": (ReplyChecks,),
     "rounds": (Rounds,),
     "divergence": (Divergence,),
+    "merge_settings": (MergeSettings,),
+    "records": (Records,),
     "privacy": (CentralDP, LocalDP, type(None)),
 }
 """The settings arguments that take exactly one kind of object (``upload`` and ``robust`` also
@@ -303,10 +305,6 @@ def check_arguments(**args: Any) -> None:
         check_fraction(name, args[name])
     for name in ("min_train_nodes", "min_evaluate_nodes", "min_available_nodes"):
         check_count(name, args[name])
-    if args["orthogonalize"] not in ORTHOGONALIZE:
-        raise ValueError(
-            f"orthogonalize must be one of {ORTHOGONALIZE}, got {args['orthogonalize']!r}"
-        )
     seed = args["seed"]
     if not isinstance(seed, int) or isinstance(seed, bool):
         raise ValueError(f"seed must be an int, got {seed!r}")

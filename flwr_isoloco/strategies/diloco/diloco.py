@@ -21,7 +21,7 @@ content-digest order (not node-id order); node sampling and DARE masks come from
 from __future__ import annotations
 
 import random
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from logging import INFO, WARNING
 from typing import Any
 
@@ -32,7 +32,7 @@ from flwr.serverapp import Grid
 
 from flwr_isoloco.compression import payload_nbytes
 from flwr_isoloco.merging import resolve_device
-from flwr_isoloco.merging.buffers import check_buffers_spec, merged_buffers
+from flwr_isoloco.merging.buffers import merged_buffers
 from flwr_isoloco.strategies.core.evaluation import aggregate_metrics, evaluation_round
 from flwr_isoloco.strategies.core.guard import EmptyRoundGuard
 from flwr_isoloco.strategies.core.lifecycle import ResumableStrategy, RoundOutcome
@@ -54,14 +54,18 @@ from flwr_isoloco.strategies.diloco.settings import (
     Codec,
     Divergence,
     DPSettings,
+    MergeSettings,
+    Records,
     ReplyChecks,
     Robust,
     Rounds,
     as_codec,
     as_robust,
+    renamed_fields,
 )
 from flwr_isoloco.strategies.diloco.setup import (
-    PLAIN_ARGUMENTS,
+    MOVED_ARGUMENTS,
+    RECORD_FIELDS,
     SettingsViews,
     buffer_keys,
     check_codecs,
@@ -75,41 +79,39 @@ from flwr_isoloco.strategies.diloco.train_round import TrainRound
 __all__ = ["DiLoCo", "DILOCO_RUN_CONFIG", "ISOLOCO_RUN_CONFIG"]
 
 
+@renamed_fields(**MOVED_ARGUMENTS)
 class DiLoCo(FromRunConfig, SettingsViews, DiLoCoState, ResumableStrategy):
     """DiLoCo: merge the nodes' pseudo-gradients, then an outer SGD/Nesterov step.
 
-    Parameters (keyword-only)
+    Parameters
     ----------
     fraction_train, fraction_evaluate, min_train_nodes, min_evaluate_nodes,
-    min_available_nodes, weighted_by_key, arrayrecord_key, configrecord_key,
-    train_metrics_aggr_fn, evaluate_metrics_aggr_fn :
-        As in ``flwr.serverapp.strategy.FedAvg`` (client metrics: weighted mean by default).
-    merge, merge_options :
-        The rule for ``g`` (a name in ``flwr_isoloco.merging.MERGE_RULES`` or a MergeRule) and
-        its options (``prune_fraction``, ``drop_rate``, ``ns_steps``...; DARE's seed from ``seed``).
+    min_available_nodes :
+        As in ``flwr.serverapp.strategy.FedAvg``.
+    records : Records
+        FedAvg's record keys (``weighted_by_key``, ``arrayrecord_key``, ``configrecord_key``)
+        and metric aggregations (default: the weighted mean).
+    merge : str | MergeRule
+        The rule for ``g``: a name in ``flwr_isoloco.merging.MERGE_RULES`` or a MergeRule.
     outer_lr, outer_momentum, nesterov :
         The outer optimiser's ``lr``, ``mu`` and Nesterov switch (ignored when ``mu = 0``).
     seed : int
         Seed for node sampling and DARE masks.
-    orthogonalize : "gradient" | "update"
-        The rule merges ``g``; or ``g`` is the weighted mean and the rule (``iso_c``,
-        ``iso_c_ns``) applies to the outer update ``u`` after momentum.
-    buffers : "auto" | "none" | regex | names | callable | nn.Module
-        Float tensors not trained by gradients (BatchNorm statistics), merged as FedAvg does
-        (weighted mean; no rule, no outer step); ``"auto"``: ``running_*`` and the like.
-    merge_device : "auto" | "cpu" | "cuda" | "cuda:<index>"
-        Where the merge computes (``"auto"``: CUDA if available); results stay on the CPU.
+    merge_settings : MergeSettings
+        The rule's options, ``orthogonalize`` (merge ``g`` or the outer update ``u``), the
+        merge's device, and the buffers (BatchNorm statistics: merged as FedAvg does).
     checks : ReplyChecks
         Weighting, default payload, norm and weight bounds, dtype policy of the replies.
     rounds : Rounds
         Quorum and grace window of a round; consecutive empty rounds before a stop; or
-        asynchronous rounds (:mod:`.asynchronous`: a round is one outer step of K replies).
-    asynchronous : bool | None
-        ``True`` is ``rounds=Rounds(asynchronous=True, ...)`` (None: as ``rounds`` says).
+        asynchronous rounds (``Rounds(asynchronous=True)``: a round is one outer step of K
+        replies).
     upload : Codec | str | None
-        Workers' delta codec (int8, fp8, topk, int4, sparseloco; plain ClientApps: upload_mod).
+        The workers' delta codec (int8, fp8, int4, topk, sparseloco); a plain ClientApp
+        needs ``ClientApp(mods=[upload_mod])`` (``flwr_isoloco.clients``).
     download : Codec | str | None
-        Model codec down (nodes run download_mod); ``"exact"``: the step as the sparse uploads.
+        The model codec down (nodes: ``mods=[download_mod]``); ``"exact"``: the nodes take
+        the server's step from the round's sparse uploads.
     divergence : Divergence
         What a round that makes the ``evaluate_fn`` loss blow up does (``"warn"`` by default).
     robust : Robust | str | None
@@ -134,20 +136,13 @@ class DiLoCo(FromRunConfig, SettingsViews, DiLoCoState, ResumableStrategy):
         min_train_nodes: int = 2,
         min_evaluate_nodes: int = 2,
         min_available_nodes: int = 2,
-        weighted_by_key: str = "num-examples",
-        arrayrecord_key: str = "arrays",
-        configrecord_key: str = "config",
-        train_metrics_aggr_fn: Callable[[list[RecordDict], str], MetricRecord] | None = None,
-        evaluate_metrics_aggr_fn: Callable[[list[RecordDict], str], MetricRecord] | None = None,
+        records: Records = Records(),  # noqa: B008 (frozen)
         merge: Any = "mean",
-        merge_options: Mapping[str, Any] | None = None,
         outer_lr: float = 0.7,
         outer_momentum: float = 0.9,
         nesterov: bool = True,
         seed: int = 0,
-        orthogonalize: str = "gradient",
-        buffers: Any = "auto",
-        merge_device: str = "auto",
+        merge_settings: MergeSettings = MergeSettings(),  # noqa: B008 (frozen)
         checks: ReplyChecks = ReplyChecks(),  # noqa: B008 (frozen)
         rounds: Rounds = Rounds(),  # noqa: B008 (frozen)
         upload: Codec | str | None = None,
@@ -155,32 +150,37 @@ class DiLoCo(FromRunConfig, SettingsViews, DiLoCoState, ResumableStrategy):
         divergence: Divergence = Divergence(),  # noqa: B008 (frozen)
         robust: Robust | str | None = None,
         privacy: DPSettings | None = None,
-        asynchronous: bool | None = None,
     ) -> None:
-        args = dict(locals())  # every argument by name, for the checks and setters below
-        check_arguments(**args)  # fractions, node counts, orthogonalize, seed, settings types
-        rounds = asyn.resolve_rounds(rounds, asynchronous)
+        args = dict(locals())  # every argument by name, for the checks below
+        check_arguments(**args)  # fractions, node counts, seed, settings types
+        m = merge_settings
         self.checks, self.rounds, self.divergence = checks, rounds, divergence
         self.upload, self.download, self.privacy = as_codec(upload), as_codec(download), privacy
         check_codecs(self.upload, self.download)  # an option that does nothing that way
-        self.merge_device = resolve_device(merge_device)  # ValueError: e.g. "cuda" without a GPU
+        self.merge_device = resolve_device(m.device)  # ValueError: e.g. "cuda" without a GPU
         d = divergence
         self.set_divergence_guard(d.on_divergence, d.factor, d.key, d.collapse_factor)
         self.book = RoundBook(EmptyRoundGuard(rounds.max_empty_rounds, "aggregate_train"))
-        setup_merge(self, merge, merge_options, orthogonalize, seed, as_robust(robust))
-        self.buffers = check_buffers_spec(buffers)  # float tensors the outer step does not own
+        setup_merge(self, merge, m.options, m.orthogonalize, seed, as_robust(robust))
+        self.buffers = m.buffers  # float tensors the outer step does not own
         self.fraction_train = float(fraction_train)
         self.fraction_evaluate = float(fraction_evaluate)
         self.min_train_nodes = 0 if fraction_train == 0 else min_train_nodes
         self.min_evaluate_nodes = 0 if fraction_evaluate == 0 else min_evaluate_nodes
-        for name in PLAIN_ARGUMENTS:  # weighted_by_key, the record keys, seed...: as given
-            setattr(self, name, args[name])
+        self.min_available_nodes, self.seed, self.orthogonalize = (
+            min_available_nodes,
+            seed,
+            m.orthogonalize,
+        )
+        self.merge_settings, self.records = m, records
+        for name in RECORD_FIELDS:  # weighted_by_key, the record keys, the metric aggregations
+            setattr(self, name, getattr(records, name))
         self.outer = outer_optimizer(outer_lr, outer_momentum, nesterov)
         self.train_validator, self.eval_validator = validators(self, checks)
         self._reset_bookkeeping(seed)
         self.dp = StrategyDP(privacy)
         self.dp.check_strategy(self)  # refuses rules / options DP cannot bound; weights uniform
-        downloads.setup_downloads(self, arrayrecord_key)  # broadcast B, codec use, exact refusals
+        downloads.setup_downloads(self, self.arrayrecord_key)  # broadcast B, codec, refusals
         self.async_rounds = asyn.asynchronous_rounds(self, rounds)  # None: synchronous
 
     def _reset_bookkeeping(self, seed: int) -> None:

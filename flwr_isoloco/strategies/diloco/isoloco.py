@@ -16,19 +16,25 @@ from flwr.common.logger import log
 from flwr_isoloco.outer import ISOLOCO_PRESETS, nesterov_step_limit, resolve_preset
 from flwr_isoloco.strategies.diloco.config import ISOLOCO_RUN_CONFIG
 from flwr_isoloco.strategies.diloco.diloco import DiLoCo
+from flwr_isoloco.strategies.diloco.settings import MergeSettings, renamed_fields
 
 __all__ = ["IsoLoCo", "ISOLOCO_PRESETS"]
 
 
+@renamed_fields(fast="preset='isoloco-paper', merge='iso_c_ns'")
 class IsoLoCo(DiLoCo):
     """DiLoCo with Iso-C merging: ``g = rule(weighted mean)`` on 2-D tensors, mean elsewhere.
 
-    ``rule`` is ``iso_c_matched`` (``"dropin"``: ``U diag(min(t, 2 s)) V^T`` at the mean's
-    Frobenius norm, no singular direction raised more than 2 x) or ``iso_c``
-    (``"isoloco-paper"``: ``mean(s) U V^T``); then the outer Nesterov step
-    ``theta <- theta - lr u``.
+    With the weighted mean of the pseudo-gradients ``m = U diag(s) V^T`` (thin SVD, ``s`` its
+    singular values), ``rule`` is ``iso_c_matched`` (preset ``"dropin"``)::
 
-    Parameters (keyword-only): ``preset`` and ``fast``, then every :class:`DiLoCo` argument.
+        g = U diag(min(t, 2 s)) V^T,   t > 0 such that ||g||_F = ||m||_F
+
+    (the top of the spectrum flattened to the level ``t``, no direction raised more than
+    2 x) or ``iso_c`` (``"isoloco-paper"``: ``g = mean(s) U V^T``); then DiLoCo's outer
+    Nesterov step ``theta <- theta - lr u``.
+
+    Parameters
     ----------
     preset : "dropin" | "isoloco-paper"
         Where ``merge``, ``outer_lr``, ``outer_momentum`` and ``nesterov`` come from when not
@@ -37,14 +43,20 @@ class IsoLoCo(DiLoCo):
         Nesterov; inside the outer step's stability limit even when local training converges
         within a round (SGD apps). ``"isoloco-paper"``: the paper's update, ``iso_c``,
         ``outer_lr=1.8``, ``outer_momentum=0.8``, Nesterov (tuned for LLaMA pre-training with
-        AdamW inner steps; diverges where local training converges within a round).
-    fast : bool
-        Merge with ``iso_c_ns``, Iso-C by Newton-Schulz: the fast form of the
-        ``"isoloco-paper"`` preset's ``iso_c``. Under ``"dropin"`` (whose rule has no
-        Newton-Schulz form) a ``ValueError``, not a silent change of rule.
+        AdamW inner steps; diverges where local training converges within a round); its fast
+        form: ``merge="iso_c_ns"`` (Iso-C by Newton-Schulz).
     merge, outer_lr, outer_momentum, nesterov :
         As in :class:`DiLoCo`; ``None`` (default) means "the preset's value" (``merge`` with
-        ``orthogonalize="update"``: ``iso_c``).
+        ``MergeSettings(orthogonalize="update")``: ``iso_c``).
+    upload : Codec | str | None
+        The workers' delta codec: ``"int8"``, ``"fp8"``, ``"int4"``, ``"topk"`` or
+        ``"sparseloco"`` (or a :class:`Codec` with options). A plain ClientApp that replies
+        its weights needs ``ClientApp(mods=[upload_mod])`` (``flwr_isoloco.clients``).
+    download : Codec | str | None
+        The model codec down: the server sends the compressed change of the nodes' copy ``B``
+        of the model instead of ``theta``; the nodes need ``ClientApp(mods=[download_mod])``
+        (both ways: ``mods=[download_mod, upload_mod]``). ``"exact"``: the nodes take the
+        server's step from the round's sparse uploads.
     **kwargs :
         The other arguments of :class:`DiLoCo`, passed on as given.
     """
@@ -55,7 +67,6 @@ class IsoLoCo(DiLoCo):
         self,
         *,
         preset: str = "dropin",
-        fast: bool = False,
         merge: Any = None,
         outer_lr: float | None = None,
         outer_momentum: float | None = None,
@@ -63,21 +74,9 @@ class IsoLoCo(DiLoCo):
         **kwargs: Any,
     ) -> None:
         p = resolve_preset(preset)
-        orthogonalize = kwargs.get("orthogonalize", "gradient")
-        if merge is None:
-            if fast and p.merge != "iso_c":  # fast=True must not change the rule behind one's back
-                raise ValueError(
-                    f"fast=True is iso_c_ns, the Newton-Schulz form of iso_c (preset "
-                    f"'isoloco-paper'); preset {preset!r} merges with {p.merge!r}, which has no "
-                    "Newton-Schulz form. Use IsoLoCo(preset='isoloco-paper', fast=True), or "
-                    "merge='iso_c_ns' to take that rule with this preset's outer lr and momentum"
-                )
-            # iso_c_ns and orthogonalize="update" take the exact-SVD rule's Newton-Schulz /
-            # update form; neither has a range-restricted variant (iso_c_ns needs none)
-            merge = "iso_c_ns" if fast else "iso_c" if orthogonalize == "update" else p.merge
-        elif fast:
-            raise ValueError("give either merge= or fast=True, not both")
-        self.fast = fast
+        orthogonalize = kwargs.get("merge_settings", MergeSettings()).orthogonalize
+        if merge is None:  # orthogonalize="update" takes the exact-SVD rule's update form
+            merge = "iso_c" if orthogonalize == "update" else p.merge
         self.preset = preset
         super().__init__(
             merge=merge,
@@ -116,19 +115,28 @@ class IsoLoCo(DiLoCo):
         for key, arg in (("outer-lr", "outer_lr"), ("outer-momentum", "outer_momentum")):
             if c[key] == -1:
                 extra[arg] = None
-        if c.get("fast"):
+        if c.get("fast"):  # iso_c_ns, the Newton-Schulz form of the "isoloco-paper" rule
             if c["merge"] not in ("", "iso_c", "iso_c_ns"):
                 raise ValueError("strategy.fast=true needs strategy.merge 'iso_c' (the default)")
-            extra.update(merge=None, fast=True)
+            rule = resolve_preset(extra["preset"]).merge
+            if rule != "iso_c":  # fast must not change the rule behind one's back
+                raise ValueError(
+                    f"strategy.fast = true is iso_c_ns, the Newton-Schulz form of iso_c "
+                    f"(strategy.preset = 'isoloco-paper'); preset {extra['preset']!r} merges "
+                    f"with {rule!r}, which has no Newton-Schulz form: set strategy.preset = "
+                    "'isoloco-paper', or strategy.merge = 'iso_c_ns' to take that rule with "
+                    "this preset's outer lr and momentum"
+                )
+            extra["merge"] = "iso_c_ns"
         return extra
 
 
 def _signature() -> inspect.Signature:
-    """IsoLoCo's signature as ``help()`` and IDEs show it: ``preset``, ``fast``, then DiLoCo's
+    """IsoLoCo's signature as ``help()`` and IDEs show it: ``preset``, then DiLoCo's
     parameters (``merge`` and the outer optimiser defaulting to None: the preset's), read from
     :class:`DiLoCo` so the two cannot drift apart."""
     own = inspect.signature(IsoLoCo.__init__).parameters
-    first = [own["self"], own["preset"], own["fast"]]
+    first = [own["self"], own["preset"]]
     rest = [own.get(n, q) for n, q in inspect.signature(DiLoCo.__init__).parameters.items()]
     return inspect.Signature([*first, *rest[1:]], return_annotation=None)
 

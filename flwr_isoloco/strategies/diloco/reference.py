@@ -44,8 +44,10 @@ from flwr_isoloco.strategies.diloco.settings import (
     Krum,
     LocalDP,
     Median,
+    MergeSettings,
     MultiKrum,
     NormClip,
+    Records,
     ReplyChecks,
     Rounds,
     TrimmedMean,
@@ -54,7 +56,7 @@ from flwr_isoloco.strategies.diloco.settings import (
 __all__ = ["BEGIN", "CONSTRUCTORS", "END", "render", "render_block", "replace_block", "rows"]
 
 CONSTRUCTORS: tuple[type, ...] = (
-    DiLoCo, IsoLoCo, ReplyChecks, Rounds, Codec, Divergence,
+    DiLoCo, IsoLoCo, MergeSettings, Records, ReplyChecks, Rounds, Codec, Divergence,
     Median, TrimmedMean, Krum, MultiKrum, NormClip, DistanceFilter,
     CentralDP, LocalDP, AdaptiveClipping,
 )  # fmt: skip
@@ -231,13 +233,15 @@ def _robust() -> str:
 
 REGISTRIES: dict[str, Callable[[], str]] = {
     "merge": _merge_rules,
-    "merge_options": _merge_options,
     "upload": lambda: _codecs("upload"),
     "download": lambda: _codecs("download"),
     "robust": _robust,
 }
 """Argument name (of DiLoCo / IsoLoCo) -> the names it takes, read from their registry."""
-CODEC_NAMES = {(Codec, "name"): lambda: f"One of {', '.join(f'`{c}`' for c in CODECS)}, `{EXACT}`."}
+CODEC_NAMES = {
+    (Codec, "name"): lambda: f"One of {', '.join(f'`{c}`' for c in CODECS)}, `{EXACT}`.",
+    (MergeSettings, "options"): _merge_options,
+}
 
 
 # ----------------------------------------------------------------------------- tables

@@ -6,6 +6,9 @@ outer optimiser: small frozen objects, each checked when built (``ValueError`` n
 - ``rounds=Rounds(...)``: when a round closes (quorum, grace) and when a run that trains nothing
   stops.
 - ``upload=Codec(...)`` (or a codec name): how workers compress their delta.
+- ``merge_settings=MergeSettings(...)``, ``records=Records(...)``: the merge rule's options,
+  device and buffers; Flower's record keys and metric aggregation
+  (:mod:`~flwr_isoloco.strategies.diloco.settings_groups`).
 - ``divergence=Divergence(...)``: what a round that makes the evaluation loss blow up does.
 - ``robust=Median() | TrimmedMean() | Krum() | MultiKrum() | NormClip() | DistanceFilter()`` (or
   a rule name): robust aggregation in place of the mean.
@@ -23,8 +26,9 @@ at the strategy's construction. The run-config keys map onto these objects in on
 from __future__ import annotations
 
 import functools
+import re
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import MISSING, dataclass, field, fields
 from types import MappingProxyType
 from typing import Any, ClassVar
 
@@ -58,8 +62,10 @@ __all__ = [
     "Krum",
     "LocalDP",
     "Median",
+    "MergeSettings",
     "MultiKrum",
     "NormClip",
+    "Records",
     "ReplyChecks",
     "Robust",
     "Rounds",
@@ -78,9 +84,23 @@ def _renamed(where: str, exc: ValueError) -> ValueError:
     return ValueError(f"{where}: {exc}")
 
 
-def _renamed_fields(**renamed: str):
-    """A settings class whose old field names (``old=new``) are refused with the new one named,
-    not taken for an unknown argument."""
+_MOVED = re.compile(r"(\w+)=(\w+)\.(\w+)")
+
+
+def renamed_message(name: str, old: str, value: Any, new: str) -> str:
+    """The message refusing ``name(old=value)``: ``new`` is the new field name, ``arg=Class.field``
+    (the field of a settings object: ``rounds=Rounds.asynchronous``) or a spelling to use
+    instead (``merge='iso_c_ns'``)."""
+    if m := _MOVED.fullmatch(new):
+        what, use = f"{m[2]}.{m[3]}", f"{m[1]}={m[2]}({m[3]}={value!r})"
+    else:
+        what, use = new, new if "=" in new else f"{new}={value!r}"
+    return f"{name}({old}={value!r}): {old} is now {what}: use {name}({use})"
+
+
+def renamed_fields(**renamed: str):
+    """A class whose old keywords (``old=new``, :func:`renamed_message`) are refused with a
+    ``TypeError`` naming the new spelling, not taken for an unknown argument."""
 
     def wrap(cls):
         init = cls.__init__
@@ -89,10 +109,7 @@ def _renamed_fields(**renamed: str):
         def __init__(self, *args: Any, **kw: Any) -> None:
             for old, new in renamed.items():
                 if old in kw:
-                    raise TypeError(
-                        f"{cls.__name__}({old}={kw[old]!r}): {old} is now {new}: use "
-                        f"{cls.__name__}({new}={kw[old]!r})"
-                    )
+                    raise TypeError(renamed_message(type(self).__name__, old, kw[old], new))
             init(self, *args, **kw)
 
         cls.__init__ = __init__
@@ -101,8 +118,27 @@ def _renamed_fields(**renamed: str):
     return wrap
 
 
+def short_repr(cls):
+    """A dataclass whose repr names only the fields not at their default (``Rounds()``,
+    ``Rounds(quorum=0.5)``): a signature that shows it as a default stays one short line."""
+
+    def __repr__(self) -> str:
+        args = []
+        for f in fields(self):
+            v = getattr(self, f.name)
+            v = dict(v) if isinstance(v, MappingProxyType) else v
+            default = f.default_factory() if f.default_factory is not MISSING else f.default
+            if default is MISSING or type(v) is not type(default) or v != default:
+                args.append(f"{f.name}={v!r}")
+        return f"{type(self).__name__}({', '.join(args)})"
+
+    cls.__repr__ = __repr__
+    return cls
+
+
 # ----------------------------------------------------------------------------- replies, rounds
-@_renamed_fields(client_sends="payload")
+@renamed_fields(client_sends="payload")
+@short_repr
 @dataclass(frozen=True)
 class ReplyChecks:
     """What a train reply must be, and how much it may weigh.
@@ -157,6 +193,7 @@ class ReplyChecks:
         return DEFAULT_MAX_WEIGHT_RATIO if r == "auto" else float(r)
 
 
+@short_repr
 @dataclass(frozen=True)
 class Rounds:
     """When a round closes and when a run stops; synchronous or asynchronous rounds.
@@ -252,6 +289,7 @@ def check_quorum_type(quorum: object) -> None:
         raise ValueError(f"Rounds.quorum={quorum!r}: a count is an int: write {int(quorum)}")
 
 
+@short_repr
 @dataclass(frozen=True)
 class Divergence:
     """The divergence guard (:mod:`~flwr_isoloco.strategies.core.divergence`): a round whose
@@ -422,3 +460,7 @@ def as_robust(
     if robust not in ROBUST_CLASSES:
         raise ValueError(f"robust must be one of {ROBUST_RULES} or a Robust, got {robust!r}")
     return ROBUST_CLASSES[robust](**dict(options or {}))
+
+
+# the grouped arguments (their module builds on short_repr above, hence imported last)
+from flwr_isoloco.strategies.diloco.settings_groups import MergeSettings, Records  # noqa: E402

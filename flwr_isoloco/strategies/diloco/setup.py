@@ -31,17 +31,28 @@ from flwr_isoloco.strategies.diloco.settings import (
 SPECTRAL_FOR_UPDATE = ("iso_c", "iso_c_ns")
 """The rules that ``orthogonalize="update"`` applies to the outer update."""
 
-PLAIN_ARGUMENTS = (
-    "min_available_nodes",
+RECORD_FIELDS = (
     "weighted_by_key",
     "arrayrecord_key",
     "configrecord_key",
     "train_metrics_aggr_fn",
     "evaluate_metrics_aggr_fn",
-    "orthogonalize",
-    "seed",
 )
-"""Constructor arguments the strategy keeps as attributes of the same name, as given."""
+"""The fields of ``records=Records(...)``, kept by the strategy as attributes of the same name."""
+MOVED_TO_MERGE_SETTINGS = {
+    "merge_options": "options",
+    "orthogonalize": "orthogonalize",
+    "merge_device": "device",
+    "buffers": "buffers",
+}
+"""The constructor keywords that are a field of ``merge_settings=MergeSettings(...)`` now."""
+MOVED_ARGUMENTS = {
+    "asynchronous": "rounds=Rounds.asynchronous",
+    **{k: f"merge_settings=MergeSettings.{f}" for k, f in MOVED_TO_MERGE_SETTINGS.items()},
+    **{k: f"records=Records.{k}" for k in RECORD_FIELDS},
+}
+"""Keywords DiLoCo refuses, naming the settings field that took their place
+(:func:`~flwr_isoloco.strategies.diloco.settings.renamed_fields`)."""
 
 
 def rule_and_name(merge_rule: Any) -> tuple[Any, str]:
