@@ -73,15 +73,21 @@ def test_prepare_tokens_val_is_held_out(small_corpus, tmp_path):
     assert np.array_equal(again.train, data.train) and np.array_equal(again.val, data.val)
 
 
-@pytest.mark.parametrize("rows,parts", [(10, 3), (12, 4), (7, 7), (1000, 8), (5078, 4)])
-def test_shard_rows_from_flwr_datasets_keep_the_old_split(rows, parts):
-    """The flwr-datasets partition equals the closed form the LM shards used before
-    (``div*p + min(p, mod)``, one extra row for the first ``mod`` partitions): same shards,
-    same demo numbers."""
-    div, mod = divmod(rows, parts)
+@pytest.mark.parametrize(
+    "rows,parts", [(10, 3), (12, 4), (7, 7), (1000, 8), (5078, 4), (97, 13)]
+)
+def test_shard_rows_equal_flwr_datasets_iid_partitioner(rows, parts):
+    """The closed form equals flwr-datasets' ``IidPartitioner`` over an unshuffled dataset of
+    the row numbers, partition by partition (contiguous rows, the first ``mod`` one longer)."""
+    from datasets import Dataset
+    from flwr_datasets.partitioner import IidPartitioner
+
+    partitioner = IidPartitioner(num_partitions=parts)
+    partitioner.dataset = Dataset.from_dict({"row": np.arange(rows, dtype=np.int64)})
     for p in range(parts):
-        start = div * p + min(p, mod)
-        assert shard_rows(rows, p, parts) == (start, start + div + (p < mod))
+        got = partitioner.load_partition(p).with_format("numpy")[:]["row"]
+        assert shard_rows(rows, p, parts) == (int(got[0]), int(got[-1]) + 1)
+        assert int(got[-1]) + 1 - int(got[0]) == len(got)  # contiguous
 
 
 def test_shards_contiguous_disjoint_cover():

@@ -21,7 +21,6 @@ Pipeline (all deterministic, cached by content hash):
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import os
 import re
@@ -181,34 +180,21 @@ def prepare_tokens(
     return TextData(arrays["train"], arrays["val"], tok.get_vocab_size(), tok_path, key)
 
 
-@functools.lru_cache(maxsize=64)
 def shard_rows(num_rows: int, partition_id: int, num_partitions: int) -> tuple[int, int]:
-    """Row range ``[start, stop)`` of partition ``partition_id``: flwr-datasets'
-    ``IidPartitioner`` over an unshuffled ``datasets.Dataset`` of the row numbers (it splits with
-    ``Dataset.shard(contiguous=True)``: the first ``num_rows % num_partitions`` partitions get
-    one extra row). A Dataset of row numbers, not of the tokens themselves, so that no copy of
-    the token stream is made; the result is cached per process (one simulated node asks every
-    round). Cost measured on the demo's 6,656 rows: importing ``datasets`` once per process
-    (~2.7 s on a loaded 2-core machine), then ~60 ms per new partition."""
+    """Row range ``[start, stop)`` of partition ``partition_id``: the split of flwr-datasets'
+    ``IidPartitioner`` over an unshuffled dataset (``Dataset.shard(contiguous=True)``): with
+    ``div, mod = divmod(num_rows, num_partitions)``, ``start = div p + min(p, mod)`` and the
+    first ``mod`` partitions one row longer. Computed here, not by calling the partitioner,
+    because a deployed node runs each message in a fresh process and importing ``datasets``
+    cost 1.7-2.7 s of every message; the repository's ``tests/test_text_data.py`` checks the
+    formula against ``IidPartitioner`` itself."""
     if num_partitions < 1 or not 0 <= partition_id < num_partitions:
         raise ValueError(
             f"partition_id {partition_id} out of range for num_partitions {num_partitions}"
         )
-    from datasets import Dataset
-    from flwr_datasets.partitioner import IidPartitioner
-
-    partitioner = IidPartitioner(num_partitions=num_partitions)
-    partitioner.dataset = Dataset.from_dict({"row": np.arange(num_rows, dtype=np.int64)})
-    # The whole column at once, as numpy: ``partition["row"]`` is a lazy Column that converts
-    # one row per step (~25 s for the 4.7M bytes of Shakespeare that examples/swap-fedavg shards).
-    part = partitioner.load_partition(partition_id).with_format("numpy")
-    rows = np.asarray(part[:]["row"], dtype=np.int64)
-    if len(rows) == 0:
-        return 0, 0
-    start, stop = int(rows[0]), int(rows[-1]) + 1
-    if stop - start != len(rows):  # IidPartitioner's contract; shard_tokens relies on it
-        raise RuntimeError(f"IidPartitioner returned non-contiguous rows for {partition_id}")
-    return start, stop
+    div, mod = divmod(num_rows, num_partitions)
+    start = div * partition_id + min(partition_id, mod)
+    return start, start + div + (partition_id < mod)
 
 
 def shard_tokens(
