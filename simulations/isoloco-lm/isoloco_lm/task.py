@@ -312,11 +312,13 @@ def model_kwargs(cfg: DictConfig) -> dict[str, Any]:
 
 
 # ----------------------------------------------------------------------------- model and data
-def build_model(cfg: DictConfig) -> torch.nn.Module:
-    """The built-in LLaMA of the ``model.*`` sizes, or the pretrained ``model.name-or-path``."""
+def build_model(cfg: DictConfig, init: bool = True) -> torch.nn.Module:
+    """The built-in LLaMA of the ``model.*`` sizes, or the pretrained ``model.name-or-path``;
+    ``init=False``: the built-in LLaMA's weights are not drawn (for a worker, which loads every
+    weight from the server's message next; :func:`~flwr_isoloco.models.llama.build_llama`)."""
     if pretrained.is_pretrained(cfg):
         return pretrained.build(cfg, _cache(cfg))
-    return build_llama(llama_config(**model_kwargs(cfg)), seed=cfg.seed)
+    return build_llama(llama_config(**model_kwargs(cfg)), seed=cfg.seed, init=init)
 
 
 def check_seq_len(cfg: DictConfig) -> None:
