@@ -16,6 +16,7 @@ from flwr_isoloco.compression import codecs as C
 from flwr_isoloco.compression import decompress, is_compressed, payload_nbytes
 from flwr_isoloco.models.llama import build_llama, llama_config
 from flwr_isoloco.strategies import Codec, DiLoCo, IsoLoCo
+from flwr_isoloco.strategies.diloco.setup import codec_request
 
 torch.set_num_threads(1)
 
@@ -257,15 +258,17 @@ def test_run_config_sparseloco_and_int4_options():
             "strategy.codec-ef-decay": 0.9,
         }
     )
-    req = s.codec_request
+    req = codec_request(s.upload)
     assert (req["codec-chunk"], req["codec-k"], req["codec-bits"]) == (1024, 32, 4)
     assert req["upload-ef-decay"] == 0.9
-    default = DiLoCo.from_run_config({"strategy.upload-codec": "sparseloco"}).codec_request
+    default = codec_request(DiLoCo.from_run_config({"strategy.upload-codec": "sparseloco"}).upload)
     assert (default["codec-chunk"], default["codec-k"], default["codec-bits"]) == (4096, 64, 2)
     assert default["upload-ef-decay"] == 0.95  # -1: sparseloco's own decay
-    int4 = DiLoCo.from_run_config(
-        {"strategy.upload-codec": "int4", "strategy.codec-k": 8, "strategy.codec-ef-decay": 0.5}
-    ).codec_request
+    int4 = codec_request(
+        DiLoCo.from_run_config(
+            {"strategy.upload-codec": "int4", "strategy.codec-k": 8, "strategy.codec-ef-decay": 0.5}
+        ).upload
+    )
     assert "codec-k" not in int4 and "codec-chunk" not in int4  # options int4 does not take
     assert int4["upload-ef-decay"] == 0.5
     for key, bad in [("codec-bits", 3), ("codec-ef-decay", 1.5), ("codec-k", 0)]:
@@ -285,13 +288,13 @@ def test_run_config_keys_and_codec_request():
             "strategy.error-feedback": False,
         }
     )
-    assert s.codec_request["upload-codec"] == "topk"
+    assert codec_request(s.upload)["upload-codec"] == "topk"
     assert (
-        s.codec_request["codec-fraction"] == 0.1
-        and s.codec_request["upload-error-feedback"] is False
+        codec_request(s.upload)["codec-fraction"] == 0.1
+        and codec_request(s.upload)["upload-error-feedback"] is False
     )
-    assert DiLoCo.from_run_config({}).codec_request == {}  # default: plain replies
-    sparse = DiLoCo.from_run_config({"strategy.upload-codec": "sparseloco"}).codec_request
+    assert codec_request(DiLoCo.from_run_config({}).upload) == {}  # default: plain replies
+    sparse = codec_request(DiLoCo.from_run_config({"strategy.upload-codec": "sparseloco"}).upload)
     assert sparse["upload-codec"] == "sparseloco"  # options without a key: the codec's defaults
     with pytest.raises(ValueError, match="strategy.upload-codec"):
         DiLoCo.from_run_config({"strategy.upload-codec": "gzip"})

@@ -17,6 +17,7 @@ from flwr_isoloco.strategies import (
     Rounds,
 )
 from flwr_isoloco.strategies.diloco.secagg import use_secagg
+from flwr_isoloco.strategies.diloco.setup import effective_weighting
 
 
 # ----------------------------------------------------------------------------- quorum
@@ -124,7 +125,7 @@ def test_the_strategys_views_are_read_from_its_settings(cls):
 
 def test_central_dp_weighs_uniformly_whatever_checks_say():
     s = DiLoCo(privacy=CentralDP(clipping_norm=1.0))
-    assert s.effective_weighting == "uniform" and s.max_weight_ratio == 0.0
+    assert effective_weighting(s) == "uniform" and s.max_weight_ratio == 0.0
 
 
 def test_renamed_fields_and_keys_name_the_new_spelling():

@@ -17,6 +17,7 @@ from flwr_isoloco.checkpoint import load_checkpoint, save_checkpoint
 from flwr_isoloco.strategies import DiLoCo, Divergence, GossipLoRA, IsoLoCo, RWLoRA
 from flwr_isoloco.strategies.core.divergence import DivergenceError, DivergenceGuard
 from flwr_isoloco.strategies.core.guard import NoProgressError
+from flwr_isoloco.strategies.core.lifecycle import divergence_guard, set_divergence_guard
 
 torch.set_num_threads(1)
 N = 3
@@ -163,7 +164,7 @@ def test_old_checkpoint_without_guard_state_still_loads():
     del sd["meta"]["divergence"]
     second = diloco()
     second.load_state_dict(sd)
-    assert second.divergence_guard.reference is None and second.completed_rounds == 1
+    assert divergence_guard(second).reference is None and second.completed_rounds == 1
 
 
 def test_loss_key_is_found_by_name_or_given(caplog):
@@ -206,8 +207,8 @@ def test_run_config_keys_reach_the_guard():
     s = IsoLoCo.from_run_config(
         {"strategy.on-divergence": "stop", "strategy.divergence-factor": 2.0}
     )
-    assert (s.divergence_guard.mode, s.divergence_guard.factor) == ("stop", 2.0)
-    assert DiLoCo.from_run_config({}).divergence_guard.mode == "warn"
+    assert (divergence_guard(s).mode, divergence_guard(s).factor) == ("stop", 2.0)
+    assert divergence_guard(DiLoCo.from_run_config({})).mode == "warn"
     with pytest.raises(ValueError, match="strategy.on-divergence"):
         DiLoCo.from_run_config({"strategy.on-divergence": "skipp"})
     with pytest.raises(ValueError, match="strategy.divergence-factor"):
@@ -217,13 +218,13 @@ def test_run_config_keys_reach_the_guard():
 @pytest.mark.parametrize("cls", [RWLoRA, GossipLoRA])
 def test_graph_strategies_warn_and_refuse_skip(cls, caplog):
     with pytest.raises(ValueError, match="on_divergence='skip' needs"):
-        cls().set_divergence_guard("skip")
+        set_divergence_guard(cls(), "skip")
     with caplog.at_level(logging.WARNING, logger="flwr"):
         res = run(cls(), 2, Scripted([1.0, math.nan, 0.9]))
     assert "divergence guard: round 1: loss 1 -> nan (not finite" in caplog.text
     assert _diverged(res) == [1, 0]
     s = cls()
-    s.set_divergence_guard("stop")
+    set_divergence_guard(s, "stop")
     with pytest.raises(DivergenceError):
         run(s, 2, Scripted([1.0, math.nan]))
 
@@ -249,7 +250,7 @@ def test_a_slow_collapse_stops_a_run_and_skip_keeps_the_best_model():
     # every round after round 2 keeps collapsing: each is undone and re-evaluated at 0.5
     res = run(s, 4, Scripted([0.39, 0.42, 0.5, 0.6, 0.5, 0.62, 0.5]))
     assert _diverged(res) == [0, 0, 1, 1]
-    assert s.divergence_guard.best == 0.39 and s.outer.steps == 2
+    assert divergence_guard(s).best == 0.39 and s.outer.steps == 2
 
 
 def test_collapse_factor_is_checked_documented_and_can_be_off():
@@ -261,8 +262,8 @@ def test_collapse_factor_is_checked_documented_and_can_be_off():
         with pytest.raises(ValueError, match="collapse_factor"):
             DivergenceGuard("warn", collapse_factor=bad)
     s = diloco()
-    s.set_divergence_guard("warn", 1.5, None, collapse_factor=3.0)
-    assert s.divergence_guard.collapse_factor == 3.0
+    set_divergence_guard(s, "warn", 1.5, None, collapse_factor=3.0)
+    assert divergence_guard(s).collapse_factor == 3.0
 
 
 def _record_curves(name: str, path: list) -> list[list[float]]:

@@ -22,6 +22,7 @@ from flwr_isoloco.compression.broadcast import (
     reply_digest,
 )
 from flwr_isoloco.strategies import Codec, DiLoCo
+from flwr_isoloco.strategies.diloco.downloads import train_base
 
 TRAINED_ON: dict[tuple[int, int], str] = {}  # (node, round) -> digest of the arrays it got
 
@@ -332,7 +333,7 @@ def test_none_sends_one_shared_record_and_deltas_against_theta():
     s.prepare(grid, ArrayRecord(theta0()), 5.0)
     msgs = list(s.configure_train(1, ArrayRecord(theta0()), ConfigRecord({}), grid))
     assert msgs[0].content is msgs[1].content and DIGEST_KEY not in msgs[0].content["config"]
-    assert s.train_base is s.theta and s.broadcast is None
+    assert train_base(s.broadcast, s.theta) is s.theta and s.broadcast is None
 
 
 def test_hostile_digests_and_corrupt_copies():

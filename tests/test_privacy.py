@@ -24,6 +24,7 @@ from flwr_isoloco.checkpoint_spec import CheckpointError
 from flwr_isoloco.merging.dp import clip_to_norm, noise_like
 from flwr_isoloco.strategies import CentralDP, DiLoCo, IsoLoCo, LocalDP, ReplyChecks, Rounds
 from flwr_isoloco.strategies.diloco.privacy import PrivacyBudgetExhausted, noise_for_epsilon
+from flwr_isoloco.strategies.diloco.setup import effective_weighting
 
 
 def test_zero_updates_release_noise_of_std_z_c_over_m():
@@ -229,7 +230,7 @@ def test_bad_dp_arguments_are_refused():
     with pytest.raises(ValueError, match="delta"):
         DiLoCo(privacy=CentralDP(noise_multiplier=1.0, clipping_norm=1.0, delta=1.0))
     assert (
-        DiLoCo(privacy=CentralDP(clipping_norm=1.0)).effective_weighting == "uniform"
+        effective_weighting(DiLoCo(privacy=CentralDP(clipping_norm=1.0))) == "uniform"
     )  # DP's weights are w_i = 1
 
 
@@ -239,7 +240,7 @@ def test_the_dp_check_reads_the_configuration_and_never_rewrites_it():
     checks = ReplyChecks(weighting="examples")
     s = DiLoCo(checks=checks, privacy=CentralDP(clipping_norm=1.0))
     assert s.checks is checks and s.checks.weighting == "examples"
-    assert s.effective_weighting == "uniform" and s.max_weight_ratio == 0.0
+    assert effective_weighting(s) == "uniform" and s.max_weight_ratio == 0.0
     assert "weighting='examples' ignored" in s.dp.describe()
     with pytest.raises(ValueError, match="central DP refuses ReplyChecks.max_weight_ratio=3"):
         DiLoCo(checks=ReplyChecks(max_weight_ratio=3), privacy=CentralDP(clipping_norm=1.0))

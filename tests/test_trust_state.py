@@ -18,6 +18,7 @@ from flwr_isoloco.checkpoint import load_checkpoint, save_checkpoint
 from flwr_isoloco.checkpoint_spec import CheckpointError
 from flwr_isoloco.strategies import AdaptiveClipping, CentralDP, DiLoCo, GossipLoRA, Rounds
 from flwr_isoloco.strategies.core.guard import NoProgressError
+from flwr_isoloco.strategies.core.lifecycle import set_divergence_guard
 
 torch.set_num_threads(1)
 
@@ -157,7 +158,7 @@ class _Losses:
 
 def test_skip_restores_the_weight_reference():
     s = DiLoCo(min_train_nodes=1, min_available_nodes=1, fraction_evaluate=0.0)
-    s.set_divergence_guard("skip")
+    set_divergence_guard(s, "skip")
     seen = {}
     s.on_round_end = lambda rnd, *_: seen.setdefault(rnd, s.weight_reference)
     # round 2 diverges (nan) and is skipped; its re-evaluation gives 0.9
@@ -185,7 +186,7 @@ def test_skip_restores_the_adaptive_clipping_norm():
         ),
     )
     s = DiLoCo(**kw)
-    s.set_divergence_guard("skip")
+    set_divergence_guard(s, "skip")
     norms = {}
     s.on_round_end = lambda rnd, *_: norms.setdefault(rnd, s.dp.c)
     _start(

@@ -20,10 +20,10 @@ evaluation merged with ``evaluate_fn``'s result (server-side keys win; None when
 Apps write results rows and checkpoints there; ``strategy.state_dict()`` then holds the round.
 
 Between ``evaluate_fn`` and the hook the divergence guard
-(:mod:`~flwr_isoloco.strategies.core.divergence`, :meth:`ResumableStrategy.set_divergence_guard`)
+(:mod:`~flwr_isoloco.strategies.core.divergence`, :func:`set_divergence_guard`)
 compares the round's evaluation loss with the previous one and with the best one so far (a
 slow collapse): ``"warn"`` logs, ``"skip"``
-restores :meth:`~ResumableStrategy.round_snapshot` (taken before :meth:`run_round`) and
+restores the round snapshot (taken before :meth:`~ResumableStrategy.run_round`) and
 evaluates the restored model again, ``"stop"`` raises after the hook.
 """
 
@@ -48,7 +48,13 @@ from flwr_isoloco.strategies.core.divergence import (
     DivergenceGuard,
 )
 
-__all__ = ["ResumableStrategy", "RoundEndFn", "RoundOutcome"]
+__all__ = [
+    "ResumableStrategy",
+    "RoundEndFn",
+    "RoundOutcome",
+    "divergence_guard",
+    "set_divergence_guard",
+]
 
 EvaluateFn = Callable[[int, ArrayRecord], MetricRecord | None]
 RoundEndFn = Callable[[int, ArrayRecord, MetricRecord | None, MetricRecord | None], None]
@@ -71,6 +77,41 @@ class RoundOutcome:
     stop: Exception | None = None
 
 
+def set_divergence_guard(
+    strategy: ResumableStrategy,
+    on_divergence: str = "warn",
+    divergence_factor: float = DEFAULT_DIVERGENCE_FACTOR,
+    divergence_key: str | None = None,
+    collapse_factor: float = DEFAULT_COLLAPSE_FACTOR,
+) -> None:
+    """Set ``strategy``'s divergence guard (:mod:`~flwr_isoloco.strategies.core.divergence`).
+
+    ``on_divergence``: ``"warn"`` | ``"skip"`` | ``"stop"``; ``divergence_factor``: a round
+    whose ``evaluate_fn`` loss is above ``factor x`` the previous one's (or not finite)
+    diverged (``>= 1``; 0 = only non-finite); ``divergence_key``: the loss's metric name
+    (None: the first of ``LOSS_KEYS`` present); ``collapse_factor``: a round whose loss is
+    above ``collapse_factor x`` the best one so far diverged too (default 1.5; 0 = off).
+    ``"skip"`` needs a strategy that restores a round (DiLoCo, IsoLoCo).
+    """
+    guard = DivergenceGuard(
+        on_divergence, divergence_factor, divergence_key, collapse_factor=collapse_factor
+    )
+    hook = type(strategy)._round_snapshot
+    if on_divergence == "skip" and hook is ResumableStrategy._round_snapshot:
+        raise ValueError(
+            f"on_divergence='skip' needs {type(strategy).__name__} to restore a round "
+            "(a round snapshot); use 'warn' or 'stop'"
+        )
+    strategy._divergence = guard
+
+
+def divergence_guard(strategy: ResumableStrategy) -> DivergenceGuard:
+    """``strategy``'s guard in force (default: ``"warn"``, factor 1.5, loss key found by name)."""
+    if strategy._divergence is None:
+        strategy._divergence = DivergenceGuard()
+    return strategy._divergence
+
+
 class ResumableStrategy(Strategy):
     """A Flower ``Strategy`` whose :meth:`start` resumes and numbers rounds globally.
 
@@ -78,53 +119,15 @@ class ResumableStrategy(Strategy):
     and (unless Flower's configure/aggregate round fits) :meth:`run_round`.
     """
 
-    on_round_end: RoundEndFn | None = None
     _divergence: DivergenceGuard | None = None
 
-    # ----------------------------------------------------------------- divergence guard
-    def set_divergence_guard(
-        self,
-        on_divergence: str = "warn",
-        divergence_factor: float = DEFAULT_DIVERGENCE_FACTOR,
-        divergence_key: str | None = None,
-        collapse_factor: float = DEFAULT_COLLAPSE_FACTOR,
-    ) -> None:
-        """Set the divergence guard (:mod:`~flwr_isoloco.strategies.core.divergence`).
-
-        ``on_divergence``: ``"warn"`` | ``"skip"`` | ``"stop"``; ``divergence_factor``: a round
-        whose ``evaluate_fn`` loss is above ``factor x`` the previous one's (or not finite)
-        diverged (``>= 1``; 0 = only non-finite); ``divergence_key``: the loss's metric name
-        (None: the first of ``LOSS_KEYS`` present); ``collapse_factor``: a round whose loss is
-        above ``collapse_factor x`` the best one so far diverged too (default 1.5; 0 = off).
-        ``"skip"`` needs :meth:`round_snapshot`.
-        """
-        guard = DivergenceGuard(
-            on_divergence, divergence_factor, divergence_key, collapse_factor=collapse_factor
-        )
-        if on_divergence == "skip" and not self._can_snapshot():
-            raise ValueError(
-                f"on_divergence='skip' needs {type(self).__name__} to restore a round "
-                "(round_snapshot / restore_round_snapshot); use 'warn' or 'stop'"
-            )
-        self._divergence = guard
-
-    @property
-    def divergence_guard(self) -> DivergenceGuard:
-        """The guard in force (default: ``"warn"``, factor 1.5, loss key found by name)."""
-        if self._divergence is None:
-            self._divergence = DivergenceGuard()
-        return self._divergence
-
-    def _can_snapshot(self) -> bool:
-        return type(self).round_snapshot is not ResumableStrategy.round_snapshot
-
-    def round_snapshot(self) -> Any:
+    def _round_snapshot(self) -> Any:
         """What ``on_divergence="skip"`` restores: the model and optimiser state before a round
-        (strategies that support "skip" override this and :meth:`restore_round_snapshot`)."""
+        (strategies that support "skip" override this and :meth:`_restore_round_snapshot`)."""
         raise NotImplementedError
 
-    def restore_round_snapshot(self, snapshot: Any) -> None:
-        """Put back :meth:`round_snapshot`'s state; the round still counts as run."""
+    def _restore_round_snapshot(self, snapshot: Any) -> None:
+        """Put back :meth:`_round_snapshot`'s state; the round still counts as run."""
         raise NotImplementedError
 
     # ----------------------------------------------------------------- subclass interface
@@ -176,19 +179,15 @@ class ResumableStrategy(Strategy):
         evaluate_fn: EvaluateFn | None = None,
         on_round_end: RoundEndFn | None = None,
     ) -> Result:
-        """Run rounds ``completed_rounds + 1 .. num_rounds`` (module docstring).
-
-        ``num_rounds`` is the run's total, so a resumed strategy given the same number
-        finishes the same run. ``on_round_end`` (default: ``self.on_round_end``) is called
-        after every round with global round numbers.
-        """
+        """Run rounds ``completed_rounds + 1 .. num_rounds`` (the run's total), calling
+        ``on_round_end`` (default: ``strategy.on_round_end`` if set) after each (module doc)."""
         log(INFO, "Starting %s strategy:", self.__class__.__name__)
         log_strategy_start_info(num_rounds, initial_arrays, train_config, evaluate_config)
         self.summary()
         log(INFO, "")
         train_config = ConfigRecord() if train_config is None else train_config
         evaluate_config = ConfigRecord() if evaluate_config is None else evaluate_config
-        hook = on_round_end if on_round_end is not None else self.on_round_end
+        hook = on_round_end if on_round_end is not None else getattr(self, "on_round_end", None)
         result = Result()
         t0 = time.time()
         self.prepare(grid, initial_arrays, timeout)
@@ -210,12 +209,12 @@ class ResumableStrategy(Strategy):
             log(INFO, "Initial global evaluation results: %s", res)
             if res is not None:
                 result.evaluate_metrics_serverapp[0] = res
-            self.divergence_guard.observe(res)
-        skip = evaluate_fn is not None and self.divergence_guard.mode == "skip"
+            divergence_guard(self).observe(res)
+        skip = evaluate_fn is not None and divergence_guard(self).mode == "skip"
         for server_round in range(done + 1, num_rounds + 1):
             log(INFO, "")
             log(INFO, "[ROUND %s/%s]", server_round, num_rounds)
-            snapshot = self.round_snapshot() if skip else None
+            snapshot = self._round_snapshot() if skip else None
             out = self.run_round(
                 grid,
                 server_round,
@@ -261,8 +260,8 @@ class ResumableStrategy(Strategy):
         if out.stop is not None:
             log(ERROR, "%s", out.stop)
             raise out.stop
-        if diverged and self.divergence_guard.mode == "stop":
-            exc = self.divergence_guard.error(server_round)
+        if diverged and divergence_guard(self).mode == "stop":
+            exc = divergence_guard(self).error(server_round)
             log(ERROR, "%s", exc)
             raise exc
 
@@ -275,10 +274,10 @@ class ResumableStrategy(Strategy):
         log(INFO, "Global evaluation")
         res = evaluate_fn(server_round, arrays)
         log(INFO, "\t└──> MetricRecord: %s", res)
-        guard = self.divergence_guard
+        guard = divergence_guard(self)
         diverged = guard.check(server_round, res)
         if diverged and snapshot is not None:
-            self.restore_round_snapshot(snapshot)
+            self._restore_round_snapshot(snapshot)
             log(INFO, "Global evaluation of the restored model")
             res = evaluate_fn(server_round, self.current_arrays())
             log(INFO, "\t└──> MetricRecord: %s", res)

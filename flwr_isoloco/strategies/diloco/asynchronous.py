@@ -109,7 +109,7 @@ from flwr.common.logger import log
 from flwr.serverapp import Grid
 
 from flwr_isoloco.compression import payload_nbytes
-from flwr_isoloco.strategies.core.lifecycle import RoundOutcome
+from flwr_isoloco.strategies.core.lifecycle import RoundOutcome, divergence_guard
 from flwr_isoloco.strategies.core.pull import POLL_S, Puller
 from flwr_isoloco.strategies.core.replies import reply_nbytes
 from flwr_isoloco.strategies.diloco.asynchronous_tasks import (
@@ -122,6 +122,7 @@ from flwr_isoloco.strategies.diloco.asynchronous_tasks import (
     staleness_discount,
 )
 from flwr_isoloco.strategies.diloco.settings import Rounds
+from flwr_isoloco.strategies.diloco.setup import codec_request
 from flwr_isoloco.strategies.diloco.train_round import TrainRound
 
 __all__ = ["AsyncRounds", "refuse_secagg"]
@@ -138,6 +139,14 @@ def refuse_secagg(s: Any) -> None:
             "together; asynchronous replies arrive one by one from different model versions. "
             "Use synchronous rounds with use_secagg"
         )
+
+
+def strategy_module() -> Any:
+    """:mod:`~flwr_isoloco.strategies.diloco.diloco` (it imports this module, so it is imported
+    here when first used): the strategy's node sampling, evaluation and record helpers."""
+    from flwr_isoloco.strategies.diloco import diloco
+
+    return diloco
 
 
 class AsyncRounds:
@@ -200,7 +209,7 @@ class AsyncRounds:
         self.versions[done] = s.theta
         self._down = 0
         self._config = ConfigRecord(dict(train_config))
-        for k, v in s.codec_request.items():
+        for k, v in codec_request(s.upload).items():
             self._config[k] = v
         s.train_validator.asked_steps = asked_steps(self._config)  # inner-steps <= it
         s.book.train_ledger = self.ledger  # replies are attributed to the node of their task
@@ -218,7 +227,7 @@ class AsyncRounds:
         self.current = s.server_round
         held = self.hold.release()
         evaluated = self._evaluate(s, grid, server_round, held, evaluate_config, timeout)
-        if s.divergence_guard.mode != "skip":
+        if divergence_guard(s).mode != "skip":
             self._send(s, grid, held, clock)  # from the model this step made
         # with on_divergence="skip" the step's model may be put back after evaluate_fn: the
         # nodes are then sent work at the next step's top-up, from the model that stands
@@ -237,7 +246,9 @@ class AsyncRounds:
         """A ``fraction_evaluate`` share of the nodes idle when the step closed (at least
         ``min_evaluate_nodes`` of them where there are so many), drawn with ``s``'s generator."""
         idle, f = self.idle, s.fraction_evaluate
-        return s.draw(idle, max(int(len(idle) * f), min(s.min_evaluate_nodes, len(idle))))
+        return strategy_module().draw(
+            s, idle, max(int(len(idle) * f), min(s.min_evaluate_nodes, len(idle)))
+        )
 
     def _evaluate(
         self, s: Any, grid: Grid, server_round: int, held: list[int], config: Any, timeout: float
@@ -248,7 +259,8 @@ class AsyncRounds:
             return None
         self.idle = held
         try:
-            return s.evaluate_half(grid, server_round, ConfigRecord(dict(config or {})), timeout)
+            config = ConfigRecord(dict(config or {}))
+            return strategy_module().federated_evaluation(s, grid, server_round, config, timeout)
         finally:
             self.idle = []
 
@@ -367,6 +379,7 @@ class AsyncRounds:
     def _start_or_top_up(self, s: Any, grid: Grid, clock: Any) -> None:
         """First step: sample the nodes (a resumed run re-sends its checkpoint's tasks first);
         later: connected nodes without a task get one, up to the number training."""
+        d = strategy_module()
         if not self.started:
             self.started = True
             if self.plan:
@@ -376,7 +389,7 @@ class AsyncRounds:
                         self._send(s, grid, [node], clock, version)
                 self.plan = []
             else:
-                nodes = s.sample_nodes(grid, s.fraction_train, s.min_train_nodes)
+                nodes = d.sample_nodes(s, grid, s.fraction_train, s.min_train_nodes)
                 self.nodes = len(nodes)
                 self._send(s, grid, nodes, clock)
             if self.buffer is None:
@@ -386,9 +399,9 @@ class AsyncRounds:
         idle = sorted(n for n in grid.get_node_ids() if n not in busy)
         room = self.nodes - len(busy)
         if room > 0 and idle:
-            self._send(s, grid, s.draw(idle, room), clock)
+            self._send(s, grid, d.draw(s, idle, room), clock)
         if not self.ledger.tasks:  # nobody to work: wait for nodes as a round does
-            self._send(s, grid, s.sample_nodes(grid, s.fraction_train, s.min_train_nodes), clock)
+            self._send(s, grid, d.sample_nodes(s, grid, s.fraction_train, s.min_train_nodes), clock)
 
     def _send(
         self, s: Any, grid: Grid, nodes: Iterable[int], clock: Any, version: int | None = None
@@ -403,7 +416,7 @@ class AsyncRounds:
             self.versions[current] = s.theta
             record = s.current_arrays()
         else:
-            record = s.record_of(self.versions[v])
+            record = strategy_module().record_of(s, self.versions[v])
         config = ConfigRecord(dict(self._config))
         config["server-round"] = current + 1
         config[VERSION_KEY] = v

@@ -35,9 +35,12 @@ from flwr_isoloco.merging import resolve_device
 from flwr_isoloco.merging.buffers import merged_buffers
 from flwr_isoloco.strategies.core.evaluation import aggregate_metrics, evaluation_round
 from flwr_isoloco.strategies.core.guard import EmptyRoundGuard
-from flwr_isoloco.strategies.core.lifecycle import ResumableStrategy, RoundOutcome
+from flwr_isoloco.strategies.core.lifecycle import (
+    ResumableStrategy,
+    RoundOutcome,
+    set_divergence_guard,
+)
 from flwr_isoloco.strategies.core.nodes import DEFAULT_NODE_WAIT_S, nodes_for_round
-from flwr_isoloco.strategies.core.replies import CheckedReply
 from flwr_isoloco.strategies.core.stream import ReplyStream
 from flwr_isoloco.strategies.diloco import asynchronous_setup as asyn
 from flwr_isoloco.strategies.diloco import downloads
@@ -69,6 +72,7 @@ from flwr_isoloco.strategies.diloco.setup import (
     SettingsViews,
     buffer_keys,
     check_codecs,
+    codec_request,
     outer_optimizer,
     setup_merge,
     validators,
@@ -76,7 +80,15 @@ from flwr_isoloco.strategies.diloco.setup import (
 from flwr_isoloco.strategies.diloco.state import DiLoCoState, log_summary
 from flwr_isoloco.strategies.diloco.train_round import TrainRound
 
-__all__ = ["DiLoCo", "DILOCO_RUN_CONFIG", "ISOLOCO_RUN_CONFIG"]
+__all__ = [
+    "DILOCO_RUN_CONFIG",
+    "ISOLOCO_RUN_CONFIG",
+    "DiLoCo",
+    "draw",
+    "federated_evaluation",
+    "record_of",
+    "sample_nodes",
+]
 
 
 @renamed_fields(**MOVED_ARGUMENTS)
@@ -89,8 +101,7 @@ class DiLoCo(FromRunConfig, SettingsViews, DiLoCoState, ResumableStrategy):
     min_available_nodes :
         As in ``flwr.serverapp.strategy.FedAvg``.
     records : Records
-        FedAvg's record keys (``weighted_by_key``, ``arrayrecord_key``, ``configrecord_key``)
-        and metric aggregations (default: the weighted mean).
+        FedAvg's record keys and metric aggregations.
     merge : str | MergeRule
         The rule for ``g``: a name in ``flwr_isoloco.merging.MERGE_RULES`` or a MergeRule.
     outer_lr, outer_momentum, nesterov :
@@ -98,35 +109,24 @@ class DiLoCo(FromRunConfig, SettingsViews, DiLoCoState, ResumableStrategy):
     seed : int
         Seed for node sampling and DARE masks.
     merge_settings : MergeSettings
-        The rule's options, ``orthogonalize`` (merge ``g`` or the outer update ``u``), the
-        merge's device, and the buffers (BatchNorm statistics: merged as FedAvg does).
+        The rule's options, ``orthogonalize``, the merge's device and the buffers.
     checks : ReplyChecks
         Weighting, default payload, norm and weight bounds, dtype policy of the replies.
     rounds : Rounds
-        Quorum and grace window of a round; consecutive empty rounds before a stop; or
-        asynchronous rounds (``Rounds(asynchronous=True)``: a round is one outer step of K
-        replies).
+        Quorum and grace window; empty rounds before a stop; asynchronous rounds.
     upload : Codec | str | None
-        The workers' delta codec (int8, fp8, int4, topk, sparseloco); a plain ClientApp
-        needs ``ClientApp(mods=[upload_mod])`` (``flwr_isoloco.clients``).
+        The workers' delta codec: int8, fp8, int4, topk, sparseloco (``mods=[upload_mod]``).
     download : Codec | str | None
-        The model codec down (nodes: ``mods=[download_mod]``); ``"exact"``: the nodes take
-        the server's step from the round's sparse uploads.
+        The model codec down (``mods=[download_mod]``); ``"exact"``: nodes redo the step.
     divergence : Divergence
         What a round that makes the ``evaluate_fn`` loss blow up does (``"warn"`` by default).
     robust : Robust | str | None
-        Robust aggregation in place of the mean: ``Median()``, ``TrimmedMean(trim)``,
-        ``Krum(f)``, ``MultiKrum(f, select)``, ``NormClip()``, ``DistanceFilter(factor)``.
+        Robust aggregation in place of the mean (``Median()``, ``Krum(f)``, ...).
     privacy : CentralDP | LocalDP | None
         Differential privacy (clip to ``C``, Gaussian noise, epsilon accounting).
 
-    The settings classes are in :mod:`flwr_isoloco.strategies.diloco.settings`; combinations
-    that cannot hold (central DP with a robust rule or a rule that needs every delta, ...) are
-    refused here. ``DiLoCo(merge="mean", outer_lr=1.0, outer_momentum=0.0)`` is FedAvg.
+    Settings classes document their fields. FedAvg: ``merge="mean", outer_lr=1, outer_momentum=0``.
     """
-
-    secagg: Any = None
-    """None, or the SecAgg+ shim that :func:`~flwr_isoloco.strategies.diloco.secagg.use_secagg` set."""
 
     def __init__(
         self,
@@ -159,7 +159,8 @@ class DiLoCo(FromRunConfig, SettingsViews, DiLoCoState, ResumableStrategy):
         check_codecs(self.upload, self.download)  # an option that does nothing that way
         self.merge_device = resolve_device(m.device)  # ValueError: e.g. "cuda" without a GPU
         d = divergence
-        self.set_divergence_guard(d.on_divergence, d.factor, d.key, d.collapse_factor)
+        set_divergence_guard(self, d.on_divergence, d.factor, d.key, d.collapse_factor)
+        self.secagg: Any = None  # or the SecAgg+ shim that secagg.use_secagg sets
         self.book = RoundBook(EmptyRoundGuard(rounds.max_empty_rounds, "aggregate_train"))
         setup_merge(self, merge, m.options, m.orthogonalize, seed, as_robust(robust))
         self.buffers = m.buffers  # float tensors the outer step does not own
@@ -203,15 +204,11 @@ class DiLoCo(FromRunConfig, SettingsViews, DiLoCoState, ResumableStrategy):
             for k, v in sd.items()
         }
 
-    @property
-    def theta(self) -> dict[str, torch.Tensor] | None:
-        """The fp32 master copy of the model (replaced each step, never changed in place)."""
-        return self.__dict__.get("_theta")
-
-    @theta.setter
-    def theta(self, value: dict[str, torch.Tensor] | None) -> None:
-        self.__dict__["_theta"] = value
-        self.__dict__["_record"] = None  # the record of the old theta is not this model's
+    def __setattr__(self, name: str, value: Any) -> None:
+        """A new ``theta`` (fp32 master copy, never changed in place) drops the old's record."""
+        if name == "theta":
+            self.__dict__["_record"] = None
+        super().__setattr__(name, value)
 
     def _model_record(self) -> ArrayRecord:
         """``theta`` in the model's dtypes, built once per ``theta``: the record sent, the
@@ -220,13 +217,9 @@ class DiLoCo(FromRunConfig, SettingsViews, DiLoCoState, ResumableStrategy):
         cached = self.__dict__.get("_record")
         if cached is not None and cached[0] is self._dtypes:  # dtypes: replaced, never changed
             return cached[1]
-        record = self.record_of(self.theta)
+        record = record_of(self, self.theta)
         self.__dict__["_record"] = (self._dtypes, record)
         return record
-
-    def record_of(self, model: Mapping[str, torch.Tensor]) -> ArrayRecord:
-        """``model`` (fp32, as ``theta``) as a record in the model's own dtypes."""
-        return ArrayRecord({k: v.to(self._dtypes.get(k, v.dtype)) for k, v in model.items()})
 
     @property
     def completed_rounds(self) -> int:
@@ -238,8 +231,7 @@ class DiLoCo(FromRunConfig, SettingsViews, DiLoCoState, ResumableStrategy):
         return self._model_record()
 
     def prepare(self, grid: Grid, initial_arrays: ArrayRecord, timeout: float) -> None:
-        """Adopt ``initial_arrays``; a restored strategy keeps its ``theta`` (same keys).
-        ``timeout`` also bounds each round's wait for nodes (:meth:`sample_nodes`)."""
+        """Adopt ``initial_arrays`` (a restored strategy keeps its ``theta``, same keys)."""
         self._round_timeout = timeout
         if self.theta is None:
             self._adopt(initial_arrays)
@@ -257,27 +249,6 @@ class DiLoCo(FromRunConfig, SettingsViews, DiLoCoState, ResumableStrategy):
         if self.secagg is not None:
             log(INFO, "\t└──> Secure aggregation: %s", self.secagg.describe())
 
-    def sample_nodes(self, grid: Grid, fraction: float, min_nodes: int) -> list[int]:
-        """``k = max(floor(fraction N), min_nodes)`` of the ``N`` connected nodes, drawn with
-        the seeded generator, once ``max(min_available_nodes, k)`` are connected. The wait is
-        bounded by the round timeout given to ``start`` (:func:`~flwr_isoloco.strategies.core.nodes.nodes_for_round`): then
-        the run goes on with the connected nodes if they make the ``Rounds.quorum``, else it stops
-        with :class:`~flwr_isoloco.strategies.core.nodes.NodeWaitError` (the run ends failed)."""
-        connected = list(grid.get_node_ids())
-        k = max(int(len(connected) * fraction), min_nodes)
-        all_nodes = nodes_for_round(
-            grid,
-            max(self.min_available_nodes, k),
-            timeout_s=getattr(self, "_round_timeout", None) or DEFAULT_NODE_WAIT_S,
-            quorum=self.quorum,
-            what="DiLoCo",
-        )
-        return self.draw(all_nodes, k)
-
-    def draw(self, nodes: list[int], k: int) -> list[int]:
-        """``min(k, len(nodes))`` of ``nodes``, drawn with the strategy's seeded generator."""
-        return self._rng.sample(nodes, min(k, len(nodes)))
-
     def _messages(
         self, arrays: ArrayRecord, config: ConfigRecord, nodes: list[int], mtype: str
     ) -> list[Message]:
@@ -288,12 +259,6 @@ class DiLoCo(FromRunConfig, SettingsViews, DiLoCoState, ResumableStrategy):
         self.book.bytes_down = payload_nbytes(arrays) * len(nodes)
         return [Message(content=record, message_type=mtype, dst_node_id=n) for n in nodes]
 
-    @property
-    def train_base(self) -> dict[str, torch.Tensor] | None:
-        """The model the workers trained from, their deltas' reference: ``B`` with a download
-        codec, else ``theta`` (:func:`.downloads.train_base`)."""
-        return downloads.train_base(self.broadcast, self.theta)
-
     def configure_train(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
@@ -303,10 +268,10 @@ class DiLoCo(FromRunConfig, SettingsViews, DiLoCoState, ResumableStrategy):
         if self.theta is None:
             self._adopt(arrays)
         self.dp.before_round(self.server_round + 1)  # PrivacyBudgetExhausted before sending
-        nodes = self.sample_nodes(grid, self.fraction_train, self.min_train_nodes)
+        nodes = sample_nodes(self, grid, self.fraction_train, self.min_train_nodes)
         log(INFO, "configure_train: sampled %d nodes", len(nodes))
         config["server-round"] = self.server_round + 1
-        for k, v in {**self.codec_request, **self.dp.request()}.items():
+        for k, v in {**codec_request(self.upload), **self.dp.request()}.items():
             config[k] = v
         self.train_validator.asked_steps = asked_steps(config)  # inner-steps <= it
         # a download codec's B: advanced towards theta here or by the evaluation before
@@ -318,14 +283,13 @@ class DiLoCo(FromRunConfig, SettingsViews, DiLoCoState, ResumableStrategy):
     def configure_evaluate(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
-        """Send the current ``theta`` to the sampled nodes for evaluation (with a download
-        codec: ``B`` advanced towards it, the model they train from next round)."""
+        """Send ``theta`` (with a download codec: ``B`` advanced towards it) for evaluation."""
         if self.fraction_evaluate == 0.0:
             return []
         if self.theta is None:
             self._adopt(arrays)
         a, f, n = self.async_rounds, self.fraction_evaluate, self.min_evaluate_nodes
-        nodes = a.evaluation_nodes(self) if a else self.sample_nodes(grid, f, n)  # async: idle
+        nodes = a.evaluation_nodes(self) if a else sample_nodes(self, grid, f, n)  # async: idle
         config["server-round"] = self.server_round
         downloads.follow_theta(self.broadcast, self.theta, self._dtypes, self.server_round)
         saved = self.book.bytes_down  # bytes-down of the train metrics: the train messages
@@ -337,12 +301,7 @@ class DiLoCo(FromRunConfig, SettingsViews, DiLoCoState, ResumableStrategy):
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        """Validate, bound the weights, merge and take the outer step.
-
-        A bad reply is dropped and named, never the round; the counts logged and returned
-        agree. Raises :class:`~flwr_isoloco.strategies.core.guard.NoProgressError` only when
-        ``Rounds.max_empty_rounds`` consecutive rounds used no reply.
-        """
+        """Validate, bound the weights, merge, step; a bad reply is dropped, never the round."""
         self.server_round += 1
         if self.theta is None:
             log(WARNING, "aggregate_train: no global model yet (configure_train not called)")
@@ -365,9 +324,7 @@ class DiLoCo(FromRunConfig, SettingsViews, DiLoCoState, ResumableStrategy):
         evaluate_config: ConfigRecord,
         timeout: float,
     ) -> RoundOutcome:
-        """Train then evaluate; replies are taken as they arrive (:mod:`~flwr_isoloco.strategies.core.stream`), each train
-        reply folded into the merge at once (:class:`.train_round.TrainRound`); an evaluation
-        that sends nothing is skipped (:func:`~flwr_isoloco.strategies.core.evaluation.evaluation_round`)."""
+        """Train then evaluate, each train reply folded into the merge as it arrives."""
         if (a := self.async_rounds) is not None:  # one outer step (.asynchronous.AsyncRounds)
             return a.run_round(self, grid, server_round, train_config, timeout, evaluate_config)
         if self.secagg is not None:  # the train half under SecAgg+ (strategies/diloco/secagg.py)
@@ -398,37 +355,20 @@ class DiLoCo(FromRunConfig, SettingsViews, DiLoCoState, ResumableStrategy):
         return RoundOutcome(
             new_arrays,
             train_metrics,
-            self.evaluate_half(grid, server_round, evaluate_config, timeout),
-        )
-
-    def evaluate_half(
-        self, grid: Grid, server_round: int, evaluate_config: Any, timeout: float | None
-    ) -> Any:
-        """The round's federated evaluation of the current model (replies as they arrive,
-        with the strategy's quorum and grace window); None when it sends nothing."""
-        return evaluation_round(
-            self._eval_stream,
-            grid,
-            self.configure_evaluate(server_round, self.current_arrays(), evaluate_config, grid),
-            self.aggregate_evaluate,
-            server_round=server_round,
-            timeout=timeout,
-            quorum=self.quorum,
-            grace_s=self.grace_s,
+            federated_evaluation(self, grid, server_round, evaluate_config, timeout),
         )
 
     def aggregate_evaluate(
         self, server_round: int, replies: Iterable[Message]
     ) -> MetricRecord | None:
-        """Weighted mean of the valid replies' metrics (bad replies dropped, never raises);
-        with a download codec also ``bytes-down`` (:func:`.downloads.evaluated`)."""
+        """Weighted mean of the valid replies' metrics (bad replies dropped, never raises)."""
         replies, ledger = list(replies), self.book.eval_ledger
         agg = aggregate_metrics(self.eval_validator, replies, ledger, self.evaluate_metrics_aggr_fn)
         return downloads.evaluated(self, ledger, replies, agg)
 
     # ------------------------------------------------------------------ checkpoint extras
     def state_dict(self) -> dict[str, Any]:
-        """:meth:`DiLoCoState.state_dict` plus the weight bound's reference weight."""
+        """:meth:`DiLoCoState.state_dict` plus the DP, download and asynchronous state."""
         sd = super().state_dict()
         if self.weight_reference is not None:
             sd["meta"]["weight_reference"] = self.weight_reference
@@ -454,8 +394,7 @@ class DiLoCo(FromRunConfig, SettingsViews, DiLoCoState, ResumableStrategy):
     def load_state_dict(
         self, state: Mapping[str, Any], reference: Mapping[str, Any] | None = None
     ) -> None:
-        """:meth:`DiLoCoState.load_state_dict`; restores the reference weight (None if absent)
-        and the DP accountant (epsilon continues; checked before anything is set)."""
+        """Restore :meth:`state_dict`'s output, all checked before anything is set."""
         from flwr_isoloco.checkpoint_spec import CheckpointError
 
         meta = state.get("meta") if isinstance(state, Mapping) else None
@@ -480,20 +419,62 @@ class DiLoCo(FromRunConfig, SettingsViews, DiLoCoState, ResumableStrategy):
         self.weight_reference = None if ref is None else float(ref)
 
     # ------------------------------------------------------------------ maths glue
-    def merge_weight(self, reply: CheckedReply) -> float:
-        return 1.0 if self.effective_weighting == "uniform" else reply.weight
-
     def outer_step(self, g: Mapping[str, torch.Tensor]) -> None:
-        """``theta <- theta - lr u`` (OuterSGD; ``u`` orthogonalised with "update") for the
-        parameters; ``theta_b <- base_b - g_b`` (the nodes' weighted mean, variances clamped at
-        0: :func:`~flwr_isoloco.merging.buffers.merged_buffers`) for the buffers."""
+        """``theta <- theta - lr u`` (parameters); ``theta_b <- base_b - g_b`` (buffers)."""
         assert self.theta is not None
         buffers = buffer_keys(self)
         params = {k: self.theta[k] for k in g if k not in buffers}
         transform = self.merger.update_transform(self.server_round)
         new = downloads.outer_or_exact(self, params, g, transform)  # exact download: its step
-        base = self.train_base  # the buffers' mean is taken against the model sent (B or theta)
+        base = downloads.train_base(self.broadcast, self.theta)  # the model sent: B or theta
         new.update(merged_buffers(base, g, buffers))  # a noised variance is clamped at 0
         for k in buffers:  # a checkpoint from before buffers were told apart may hold some
             self.outer.momentum_buffer.pop(k, None)
         self.theta = {**self.theta, **{k: v.float() for k, v in new.items()}}
+
+
+# ---------------------------------------------------------------------- the strategy's helpers
+def record_of(s: DiLoCo, model: Mapping[str, torch.Tensor]) -> ArrayRecord:
+    """``model`` (fp32, as ``theta``) as a record in strategy ``s``'s model dtypes."""
+    return ArrayRecord({k: v.to(s._dtypes.get(k, v.dtype)) for k, v in model.items()})
+
+
+def sample_nodes(s: DiLoCo, grid: Grid, fraction: float, min_nodes: int) -> list[int]:
+    """``k = max(floor(fraction N), min_nodes)`` of the ``N`` connected nodes, drawn with
+    ``s``'s seeded generator once ``max(min_available_nodes, k)`` are connected. The wait is
+    bounded by the round timeout given to ``start``
+    (:func:`~flwr_isoloco.strategies.core.nodes.nodes_for_round`): then the run goes on with the
+    connected nodes if they make the ``Rounds.quorum``, else it stops with
+    :class:`~flwr_isoloco.strategies.core.nodes.NodeWaitError` (the run ends failed)."""
+    connected = list(grid.get_node_ids())
+    k = max(int(len(connected) * fraction), min_nodes)
+    all_nodes = nodes_for_round(
+        grid,
+        max(s.min_available_nodes, k),
+        timeout_s=getattr(s, "_round_timeout", None) or DEFAULT_NODE_WAIT_S,
+        quorum=s.quorum,
+        what="DiLoCo",
+    )
+    return draw(s, all_nodes, k)
+
+
+def draw(s: DiLoCo, nodes: list[int], k: int) -> list[int]:
+    """``min(k, len(nodes))`` of ``nodes``, drawn with ``s``'s seeded generator."""
+    return s._rng.sample(nodes, min(k, len(nodes)))
+
+
+def federated_evaluation(
+    s: DiLoCo, grid: Grid, server_round: int, evaluate_config: Any, timeout: float | None
+) -> Any:
+    """The round's federated evaluation of ``s``'s current model (replies as they arrive, with
+    the strategy's quorum and grace window); None when it sends nothing."""
+    return evaluation_round(
+        s._eval_stream,
+        grid,
+        s.configure_evaluate(server_round, s.current_arrays(), evaluate_config, grid),
+        s.aggregate_evaluate,
+        server_round=server_round,
+        timeout=timeout,
+        quorum=s.quorum,
+        grace_s=s.grace_s,
+    )

@@ -2,7 +2,7 @@
 :class:`~flwr_isoloco.compression.broadcast.Broadcast` (the protocol is documented there).
 
 With a download codec the workers train from the broadcast model ``B``, so their deltas are
-taken against ``B`` (``DiLoCo.train_base``) and the outer step moves the server's ``theta``:
+taken against ``B`` (:func:`train_base`) and the outer step moves the server's ``theta``:
 ``theta <- theta - lr * outer(mean_i(B - theta_i))``. ``B = theta - e`` lags ``theta`` by the
 residual ``e`` that error feedback sends later; the run's result is the server's ``theta`` (it
 holds every accepted update; ``B`` is ``theta`` less what is still queued), while federated

@@ -25,43 +25,31 @@ __all__ = ["IsoLoCo", "ISOLOCO_PRESETS"]
 class IsoLoCo(DiLoCo):
     """DiLoCo with Iso-C merging: ``g = rule(weighted mean)`` on 2-D tensors, mean elsewhere.
 
-    With the weighted mean of the pseudo-gradients ``m = U diag(s) V^T`` (thin SVD, ``s`` its
-    singular values), ``rule`` is ``iso_c_matched`` (preset ``"dropin"``)::
-
-        g = U diag(min(t, 2 s)) V^T,   t > 0 such that ||g||_F = ||m||_F
-
-    (the top of the spectrum flattened to the level ``t``, no direction raised more than
-    2 x) or ``iso_c`` (``"isoloco-paper"``: ``g = mean(s) U V^T``); then DiLoCo's outer
-    Nesterov step ``theta <- theta - lr u``.
+    With the weighted mean ``m = U diag(s) V^T`` (thin SVD, ``s`` its singular values), the
+    ``"dropin"`` rule (``iso_c_matched``) is ``g = U diag(min(t, 2 s)) V^T``, ``t`` the level at
+    which ``||g||_F = ||m||_F`` (no direction raised more than 2 x); the ``"isoloco-paper"``
+    rule (``iso_c``) is ``g = mean(s) U V^T``. Then DiLoCo's outer step.
 
     Parameters
     ----------
     preset : "dropin" | "isoloco-paper"
-        Where ``merge``, ``outer_lr``, ``outer_momentum`` and ``nesterov`` come from when not
-        given (``None``); an explicit argument overrides the preset's value.
-        ``"dropin"`` (default): ``iso_c_matched``, ``outer_lr=0.5``, ``outer_momentum=0.9``,
-        Nesterov; inside the outer step's stability limit even when local training converges
-        within a round (SGD apps). ``"isoloco-paper"``: the paper's update, ``iso_c``,
-        ``outer_lr=1.8``, ``outer_momentum=0.8``, Nesterov (tuned for LLaMA pre-training with
-        AdamW inner steps; diverges where local training converges within a round); its fast
-        form: ``merge="iso_c_ns"`` (Iso-C by Newton-Schulz).
+        The rule, ``outer_lr``, ``outer_momentum`` and ``nesterov`` not given: ``"dropin"``:
+        ``iso_c_matched``, 0.5, 0.9, Nesterov (stable where local training converges within a
+        round); ``"isoloco-paper"``: ``iso_c``, 1.8, 0.8, Nesterov (tuned for LLaMA with
+        AdamW; its Newton-Schulz form: ``merge="iso_c_ns"``).
     merge, outer_lr, outer_momentum, nesterov :
-        As in :class:`DiLoCo`; ``None`` (default) means "the preset's value" (``merge`` with
-        ``MergeSettings(orthogonalize="update")``: ``iso_c``).
+        As in :class:`DiLoCo`; ``None``: the preset's (with ``orthogonalize="update"``: iso_c).
     upload : Codec | str | None
-        The workers' delta codec: ``"int8"``, ``"fp8"``, ``"int4"``, ``"topk"`` or
-        ``"sparseloco"`` (or a :class:`Codec` with options). A plain ClientApp that replies
-        its weights needs ``ClientApp(mods=[upload_mod])`` (``flwr_isoloco.clients``).
+        The workers' delta codec: ``"int8"``, ``"fp8"``, ``"int4"``, ``"topk"``,
+        ``"sparseloco"`` or a :class:`Codec`; a plain ClientApp needs ``mods=[upload_mod]``.
     download : Codec | str | None
-        The model codec down: the server sends the compressed change of the nodes' copy ``B``
-        of the model instead of ``theta``; the nodes need ``ClientApp(mods=[download_mod])``
-        (both ways: ``mods=[download_mod, upload_mod]``). ``"exact"``: the nodes take the
-        server's step from the round's sparse uploads.
+        The model codec down (the change of the nodes' copy ``B``, not ``theta``; nodes need
+        ``mods=[download_mod]``); ``"exact"``: the server's step from the sparse uploads.
     **kwargs :
         The other arguments of :class:`DiLoCo`, passed on as given.
     """
 
-    RUN_CONFIG_DEFAULTS = {**ISOLOCO_RUN_CONFIG, "fast": False}
+    _RUN_CONFIG_DEFAULTS = {**ISOLOCO_RUN_CONFIG, "fast": False}  # fast: merge="iso_c_ns"
 
     def __init__(
         self,

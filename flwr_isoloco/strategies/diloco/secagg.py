@@ -61,6 +61,7 @@ from flwr_isoloco.strategies.core.lifecycle import RoundOutcome
 from flwr_isoloco.strategies.core.metrics import metric_record, tensor_norm, train_client_metrics
 from flwr_isoloco.strategies.core.replies import MAX_MERGEABLE_NORM, CheckedReply, ReplyReport
 from flwr_isoloco.strategies.diloco.composition import refusal
+from flwr_isoloco.strategies.diloco.diloco import federated_evaluation
 from flwr_isoloco.strategies.diloco.privacy import require_secagg
 from flwr_isoloco.strategies.diloco.round_close import RoundClose
 from flwr_isoloco.strategies.diloco.secagg_settings import SecAggSettings
@@ -185,7 +186,7 @@ class SecAggShim:
                 str(exc)[:300],
             )
         new_arrays, train_metrics = adapter.outcome(counting, time.perf_counter() - t0)
-        evaluate_metrics = s.evaluate_half(grid, server_round, evaluate_config, timeout)
+        evaluate_metrics = federated_evaluation(s, grid, server_round, evaluate_config, timeout)
         return RoundOutcome(new_arrays, train_metrics, evaluate_metrics)
 
 

@@ -38,6 +38,7 @@ from flwr_isoloco.strategies.diloco.settings import (
 
 __all__ = [
     "FromRunConfig",
+    "run_config_defaults",
     "codec_options",
     "section_checks",
     "section_kwargs",
@@ -250,10 +251,17 @@ def robust_options(c: Mapping[str, Any]) -> dict[str, Any]:
     return {o: c[k] for o, k in keys.items() if o in allowed and c[k] != -1}
 
 
+def run_config_defaults(cls: type[FromRunConfig]) -> dict[str, Any]:
+    """The run-config keys of strategy class ``cls`` (without the ``strategy.`` prefix) and their
+    defaults: DiLoCo's :data:`~.config.DILOCO_RUN_CONFIG`; IsoLoCo's ``ISOLOCO_RUN_CONFIG`` and
+    ``fast``."""
+    return dict(cls._RUN_CONFIG_DEFAULTS)
+
+
 class FromRunConfig:
     """Mixin of :class:`~flwr_isoloco.strategies.DiLoCo`: construction from a run config."""
 
-    RUN_CONFIG_DEFAULTS = DILOCO_RUN_CONFIG
+    _RUN_CONFIG_DEFAULTS = DILOCO_RUN_CONFIG  # IsoLoCo: ISOLOCO_RUN_CONFIG and strategy.fast
 
     @classmethod
     def from_run_config(
@@ -263,22 +271,15 @@ class FromRunConfig:
         ignore: Iterable[str] = APP_KEYS,
         **overrides: Any,
     ) -> Any:
-        """Build from Flower's flat run config (keys ``strategy.<key>``, see ``RUN_CONFIG_DEFAULTS``).
-
-        Keys outside ``prefix`` are ignored, as are ``prefix + k`` for ``k`` in ``ignore`` (the
-        app's own keys such as ``strategy.name``). An unknown ``strategy.*`` key, a value of the
-        wrong type, an unknown merge rule or a negative lr raise ``ValueError`` naming it.
-        ``overrides`` are constructor arguments applied last.
-        """
-        section = read_section(run_config, cls.RUN_CONFIG_DEFAULTS, prefix, ignore)
+        """Build from Flower's flat run config (``strategy.<key>``: :func:`run_config_defaults`);
+        ``ValueError`` naming a bad key; ``overrides``: constructor arguments applied last."""
+        section = read_section(run_config, cls._RUN_CONFIG_DEFAULTS, prefix, ignore)
         return cls.from_section(section, **overrides)
 
     @classmethod
     def from_section(cls, section: Mapping[str, Any], **overrides: Any) -> Any:
-        """Build from an already validated section (keys of ``RUN_CONFIG_DEFAULTS`` without the
-        prefix; missing keys take their defaults), e.g. the ``strategy`` part of an app's
-        schema checked with :data:`~flwr_isoloco.strategies.diloco.config.RUN_CONFIG_CHECKS`."""
-        c = {**cls.RUN_CONFIG_DEFAULTS, **section}
+        """Build from an already validated section (keys without the prefix, defaults filled in)."""
+        c = {**cls._RUN_CONFIG_DEFAULTS, **section}
         kwargs = section_kwargs(c)
         kwargs.update(cls._extra_from_config(c))
         kwargs.update(overrides)

@@ -158,27 +158,10 @@ class SettingsViews:
         """The weighting configured: ``checks.weighting``."""
         return self.checks.weighting
 
-    @weighting.setter
-    def weighting(self, value: str) -> None:
-        """Assigning the weighting in force (:attr:`effective_weighting`) changes nothing; any
-        other value is refused: the weighting is read from ``checks``, never stored apart."""
-        if value != self.effective_weighting:
-            raise AttributeError(
-                f"weighting is read from checks.weighting; build the strategy with "
-                f"checks=ReplyChecks(weighting={value!r})"
-            )
-
-    @property
-    def effective_weighting(self) -> str:
-        """The weighting in force: ``checks.weighting``, but ``"uniform"`` under central DP (its
-        noise is sized for ``w_i = 1``, privacy.py)."""
-        return "uniform" if isinstance(self.privacy, CentralDP) else self.checks.weighting
-
     @property
     def max_weight_ratio(self) -> float:
-        """The weight bound ``r`` in force (0.0: off, always under uniform weights):
-        :attr:`ReplyChecks.weight_ratio` for the :attr:`effective_weighting`."""
-        return 0.0 if self.effective_weighting == "uniform" else self.checks.weight_ratio
+        """The weight bound in force: ``checks.weight_ratio``, 0.0 (off) under uniform weights."""
+        return 0.0 if effective_weighting(self) == "uniform" else self.checks.weight_ratio
 
     @property
     def payload(self) -> str:
@@ -187,8 +170,7 @@ class SettingsViews:
 
     @property
     def quorum(self) -> float | int | None:
-        """The quorum that closes a round before every reply is in (None: all):
-        :attr:`Rounds.closing_quorum`."""
+        """The quorum that closes a round early (None: all): ``rounds.closing_quorum``."""
         return self.rounds.closing_quorum
 
     @property
@@ -201,11 +183,17 @@ class SettingsViews:
         """The upload codec's name (``"none"``: plain replies)."""
         return "none" if self.upload is None else self.upload.name
 
-    @property
-    def codec_request(self) -> dict[str, Any]:
-        """The train-config entries asking the workers for the upload codec (empty: none)."""
-        u = self.upload
-        return {} if u is None else request_config(u.name, u.options, u.error_feedback)
+
+def effective_weighting(s: Any) -> str:
+    """Strategy ``s``'s weighting in force: ``checks.weighting``, but ``"uniform"`` under central
+    DP (its noise is sized for ``w_i = 1``, privacy.py)."""
+    return "uniform" if isinstance(s.privacy, CentralDP) else s.checks.weighting
+
+
+def codec_request(upload: Codec | None) -> dict[str, Any]:
+    """The train-config entries asking the workers for the ``upload`` codec (empty: none)."""
+    u = upload
+    return {} if u is None else request_config(u.name, u.options, u.error_feedback)
 
 
 def check_codecs(upload: Codec | None, download: Codec | None) -> None:

@@ -5,7 +5,7 @@ holds ``server_round``, the model dtypes, the outer optimiser's scalars, the sam
 the merge settings, which a resumed run must share (a checkpoint that disagrees is refused),
 the divergence guard's reference loss (so a resumed run compares its first round with the
 last one before the checkpoint) and the empty-round streak (so ``max_empty_rounds`` counts
-across a resume). :meth:`DiLoCoState.round_snapshot` is the lighter copy that
+across a resume). :meth:`DiLoCoState._round_snapshot` is the lighter copy that
 ``on_divergence="skip"`` restores: ``theta``, the outer optimiser, and what the skipped round's
 replies moved (the weight bound's reference weight, the adaptive DP clipping norm).
 """
@@ -19,6 +19,9 @@ from typing import Any
 
 import torch
 from flwr.common.logger import log
+
+from flwr_isoloco.strategies.core.lifecycle import divergence_guard
+from flwr_isoloco.strategies.diloco.setup import codec_request
 
 __all__ = ["DiLoCoState", "log_summary"]
 
@@ -107,7 +110,7 @@ def log_summary(s: Any) -> None:
             r.momentum_every,
             r.hold,
         )
-    log(INFO, "\t├──> Uploads: codec %s %s", s.upload_codec, s.codec_request)
+    log(INFO, "\t├──> Uploads: codec %s %s", s.upload_codec, codec_request(s.upload))
     log(INFO, "\t└──> Keys in records:")
     log(INFO, "\t\t├── Weighted by: '%s'", s.weighted_by_key)
     log(INFO, "\t\t├── ArrayRecord key: '%s'", s.arrayrecord_key)
@@ -119,7 +122,6 @@ class DiLoCoState:
 
     theta: dict[str, torch.Tensor] | None
     server_round: int
-    divergence_guard: Any  # ResumableStrategy's
     book: Any  # DiLoCo's RoundBook (the empty-round guard)
 
     def state_dict(self) -> dict[str, Any]:
@@ -148,12 +150,12 @@ class DiLoCoState:
                 "merge": self.merge_name,
                 "merge_options": self.merge_options,
                 "orthogonalize": self.orthogonalize,
-                "divergence": self.divergence_guard.state(),
+                "divergence": divergence_guard(self).state(),
                 "empty_streak": self.book.guard.streak,
             },
         }
 
-    def round_snapshot(self) -> dict[str, Any]:
+    def _round_snapshot(self) -> dict[str, Any]:
         """What ``on_divergence="skip"`` puts back, cloned: ``theta``, the outer optimiser
         (momentum buffers, step count), the weight bound's reference weight (the median weight
         of the last used round: the skipped round's must not bound the next one) and the
@@ -161,7 +163,7 @@ class DiLoCoState:
         counter, sampling RNG, guards and the DP accountant go on: the round was sent and its
         noisy sum released, so its privacy cost stays counted."""
         if self.theta is None:
-            raise ValueError("round_snapshot(): no global model yet")
+            raise ValueError("round snapshot: no global model yet")
         dp = getattr(self, "dp", None)
         return {
             "theta": {k: v.clone() for k, v in self.theta.items()},
@@ -170,8 +172,8 @@ class DiLoCoState:
             "dp_clipping_norm": None if dp is None else dp.c,
         }
 
-    def restore_round_snapshot(self, snapshot: Mapping[str, Any]) -> None:
-        """Put back :meth:`round_snapshot` (bitwise: the model, momentum, reference weight and
+    def _restore_round_snapshot(self, snapshot: Mapping[str, Any]) -> None:
+        """Put back :meth:`_round_snapshot` (bitwise: the model, momentum, reference weight and
         clipping norm from before the round)."""
         self.theta = dict(snapshot["theta"])
         self.outer.load_state_dict(snapshot["outer"])
@@ -297,5 +299,5 @@ class DiLoCoState:
         self._dtypes = dtypes
         self._rng.setstate(rng.getstate())
         self.server_round = meta["server_round"]
-        self.divergence_guard.load_state(meta.get("divergence", {}))
+        divergence_guard(self).load_state(meta.get("divergence", {}))
         self.book.guard.streak = meta.get("empty_streak", 0)  # absent in older checkpoints

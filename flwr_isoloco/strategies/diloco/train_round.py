@@ -45,7 +45,7 @@ from flwr_isoloco.strategies.core.metrics import metric_record, train_client_met
 from flwr_isoloco.strategies.core.replies import CheckedReply, Rejection, ReplyReport
 from flwr_isoloco.strategies.diloco import downloads
 from flwr_isoloco.strategies.diloco.round_close import RoundClose, RoundHost
-from flwr_isoloco.strategies.diloco.setup import buffer_keys
+from flwr_isoloco.strategies.diloco.setup import buffer_keys, effective_weighting
 
 if TYPE_CHECKING:
     from flwr_isoloco.strategies.core.stream import RoundWait
@@ -69,7 +69,10 @@ class RoundStrategy(RoundHost, Protocol):
     weight_reference: float | None
     train_metrics_aggr_fn: Any
 
-    def merge_weight(self, reply: CheckedReply) -> float: ...
+
+def merge_weight(s: RoundStrategy, reply: CheckedReply) -> float:
+    """A reply's weight in the merge: its own (bounded) weight, or 1 under uniform weighting."""
+    return 1.0 if effective_weighting(s) == "uniform" else reply.weight
 
 
 class TrainRound:
@@ -91,7 +94,7 @@ class TrainRound:
         dp = s.dp.mechanism(server_round, s.book.train_ledger.count(), floats)  # None: DP off
         self.buffers = buffers = buffer_keys(s)  # merged as FedAvg does, outside the step
         # deltas against the model the workers trained from: B with compressed downloads
-        self.base = getattr(s, "train_base", s.theta)
+        self.base = downloads.train_base(getattr(s, "broadcast", None), s.theta)
         self.fold = RoundFold(
             s.merger, self.base, server_round, spill=spill, dp=dp, buffers=buffers
         )
@@ -154,7 +157,7 @@ class TrainRound:
         self.v.reject(self.report, node, why)
 
     def _capped(self, r: CheckedReply) -> float:
-        w = self.s.merge_weight(r)
+        w = merge_weight(self.s, r)
         if self.cap is not None and w > self.cap:
             log(
                 WARNING,
@@ -173,7 +176,7 @@ class TrainRound:
     # ------------------------------------------------------------------ end of round
     def _bound_now(self, keep: list[CheckedReply]) -> None:
         """The round's own median bound (a round without a reference weight)."""
-        raw = [self.s.merge_weight(r) for r in keep]
+        raw = [merge_weight(self.s, r) for r in keep]
         bounded, clipped = bounded_weights(raw, self.ratio)
         for i in clipped:
             log(
@@ -222,7 +225,7 @@ class TrainRound:
         new_arrays, checked, stepped = close.step(g, checked)
         del g
         if checked and self.ratio:
-            s.weight_reference = statistics.median(s.merge_weight(r) for r in checked)
+            s.weight_reference = statistics.median(merge_weight(s, r) for r in checked)
         metrics = close.close(
             checked,
             {
