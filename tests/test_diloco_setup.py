@@ -5,6 +5,7 @@ belongs."""
 from __future__ import annotations
 
 import inspect
+import pydoc
 
 import pytest
 
@@ -75,3 +76,12 @@ def test_the_grouped_keywords_are_refused_naming_the_new_spelling(cls):
     for old in RECORD_FIELDS:
         with pytest.raises(TypeError, match=rf"use {cls.__name__}\(records=Records\({old}='x'\)\)"):
             cls(**{old: "x"})
+
+
+@pytest.mark.parametrize("cls", [DiLoCo, IsoLoCo])
+def test_help_stays_about_the_size_of_fedavgs(cls):
+    """help() shows what a user passes and calls: at most 20 constructor arguments (the rarely
+    changed ones grouped in settings objects, each documented on its class) and 150 lines
+    (Flower's FedAvg: 10 and 120), internals kept off the class."""
+    assert len(inspect.signature(cls).parameters) <= 20
+    assert len(pydoc.render_doc(cls, renderer=pydoc.plaintext).splitlines()) <= 150

@@ -7,7 +7,8 @@ global round numbers and an ``on_round_end`` hook). Three sub-packages, one per 
   the empty-round and divergence guards.
 - ``diloco/``: :class:`DiLoCo`, :class:`IsoLoCo` (merge pseudo-gradients + outer optimiser),
   their settings objects (:class:`ReplyChecks`, :class:`Rounds`, :class:`Codec`,
-  :class:`Divergence`, the robust rules, :class:`CentralDP` / :class:`LocalDP`), train round,
+  :class:`Divergence`, :class:`MergeSettings`, :class:`Records`, the robust rules,
+  :class:`CentralDP` / :class:`LocalDP`), train round,
   run-config section, checkpoint state, DP and SecAgg+.
 - ``graph/``: :class:`RWLoRA` (one adapter walks the client graph, one node per round) and
   :class:`GossipLoRA` (decentralised-SGD baseline with Metropolis mixing).
