@@ -1,6 +1,7 @@
 """DiLoCo's construction helpers: the merge rule and round merge, the outer optimiser, the
-reply validators, the names of the constructor arguments stored as given, and
-:class:`SettingsViews`, the strategy's read-only views of its settings objects.
+reply validators, the keywords that moved into a settings object (refused, naming it), and
+:class:`SettingsViews` with :func:`effective_weighting` and :func:`codec_request`, the strategy's
+read-only views of its settings objects.
 
 The argument checks themselves are :func:`~flwr_isoloco.strategies.diloco.config.check_arguments`.
 """
