@@ -116,3 +116,44 @@ def test_plan_order_and_seed_bar(f64):
         ("diloco-int4-nesterov-both", 0.25, 1),
         ("diloco-int4-nesterov-both", 0.25, 2),
     ]
+
+
+def test_report_optimum_ratios_and_paired_deltas(f64):
+    """The table's numbers from made-up records: the val-optimal lr, x fewer up / down / run
+    from the records' bytes (round 1 counted apart), paired test deltas seed by seed."""
+    import frontier64_report as R
+
+    key, grid = f64.CF.key, f64.CF.lr_grid
+
+    def rec(name, lr, seed, val, test, up, down):
+        return {
+            "key": key(name, lr, seed), "outer_lr": lr, "seed": seed, "val_loss": val,
+            "test_loss": test, "rounds": 80,
+            "bytes": {
+                "round1_up_per_node": up, "up_per_node_round": up, "round1_down_per_node": 100.0,
+                "down_per_node_round": down, "total_run": 8 * (100.0 + 79 * down + 80 * up),
+            },
+        }  # fmt: skip
+
+    done = {}
+    for name, vals, up, down in (
+        ("diloco-fp32-nesterov", (3.6, 3.5, 3.7), 100.0, 100.0),
+        (f64.EXACT, (3.53, 3.52, 3.6), 1.0, 8.0),
+    ):
+        for lr, v in zip(grid(f64.centre(name)), vals, strict=True):
+            r = rec(name, lr, 0, v, v + 0.05, up, down)
+            done[r["key"]] = r
+    for s, (a, b) in {1: (3.56, 3.57), 2: (3.54, 3.58)}.items():
+        for name, lr, t in (("diloco-fp32-nesterov", 0.25, a), (f64.EXACT, 1.0, b)):
+            r = rec(name, lr, s, t, t, *((100.0, 100.0) if "fp32" in name else (1.0, 8.0)))
+            done[r["key"]] = r
+    rows = {r["config"]: r for r in R.rows(done)}
+    ex = rows[f64.EXACT]
+    assert ex["lr"] == 1.0 and ex["status"].startswith("tuned")
+    assert ex["x"]["up"] == pytest.approx(100.0)
+    assert ex["x"]["down"] == pytest.approx((100 + 79 * 100) / (100 + 79 * 8))
+    assert ex["x"]["run"] == pytest.approx((100 + 79 * 100 + 8000) / (100 + 79 * 8 + 80))
+    assert ex["paired"] == pytest.approx({0: 0.02, 1: 0.01, 2: 0.04})
+    assert ex["val_delta"] == pytest.approx(0.02)
+    text = R.table_text(list(rows.values()))
+    assert "+0.0400" in text and "100.0x" in text

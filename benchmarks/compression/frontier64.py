@@ -60,6 +60,7 @@ the bigram stage (T = 600 would be ~8 hours).
     python benchmarks/compression/frontier64.py --queue --configs diloco-sl64exact-m0 --until 11:25
                                            # a second queue beside the first, on other points
     python benchmarks/compression/frontier64.py --status                # done, best, next
+    python benchmarks/compression/frontier64.py --table                 # docs table and plot
     python benchmarks/compression/frontier64.py --bigram                # the reference loss
     python benchmarks/compression/frontier64.py --check-imports         # the code a run uses
     python benchmarks/compression/frontier64.py --quick                 # tiny, in process
@@ -420,6 +421,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--records", type=Path, help=f"records file (default {RECORDS})")
     p.add_argument("--quick", action="store_true", help="tiny model, 2 rounds, in process")
     p.add_argument("--status", action="store_true", help="the records so far and the next run")
+    p.add_argument("--table", action="store_true", help="the docs table and plot (records only)")
     p.add_argument("--bigram", action="store_true", help="the bigram reference loss")
     p.add_argument("--check-imports", action="store_true", help="where the code comes from")
     a = p.parse_args(argv)
@@ -441,6 +443,10 @@ def main(argv: list[str] | None = None) -> None:
         queue(a.until, a.configs, a.quick, path)
     if a.status:
         status(path, a.quick)
+    if a.table:
+        import frontier64_report
+
+        frontier64_report.table(path, write=not a.quick)
 
 
 if __name__ == "__main__":
