@@ -7,15 +7,20 @@ isoloco-lm app at SmolLM2-135M's body (hidden 576, 30 layers, 9 heads of 64, 3 K
 1536) with an untied vocabulary of 24,576, which gives SmolLM2-135M's 134.5M parameters (it ties
 49,152 x 576 once), so each message moves the same 0.54 GB. H = 4 inner steps of 1 x 64 tokens,
 fp32, DiLoCo with the fp32 weights payload, ``checkpoint=false`` (the moments in the node's
-private temp folder), 1 torch thread per process.
+private temp folder), 1 torch thread per process. The SuperLink keeps its state in memory
+(``--database :flwr-in-memory:``): with its state in a file, the SuperLink answered 500
+("sqlite3.OperationalError: database is locked") to the ServerApp's pull while a 0.54 GB reply
+was being stored, on this machine at load 8, and the run failed in round 1.
 
 The app is a copy of ``simulations/isoloco-lm`` whose ClientApp is :data:`STAGE_CLIENT`: the
 app's own ClientApp with ``worker_stages.StageTimer`` installed and the handler timed; at its
 exit (Flower's exit handlers, after the reply is sent) each ``flwr-clientapp`` process appends a
-line to ``$ISOLOCO_STAGE_LOG``: seconds from the process's creation to the app imported
-(``imports``), in the handler and its stages, and to the exit (``process``). What is neither
-imports nor handler (``transport_other``) is Flower's: pulling the message and the Context,
-inflating them, sending the reply, and the process's own start and stop.
+line to ``$ISOLOCO_STAGE_LOG``: seconds from the process's creation to Flower loading the app
+(``before_app``: the interpreter and Flower's start, the FAB, pulling the message and its
+Context), importing the app (``app_import``: torch, transformers, flwr_isoloco, the app), in
+the handler and its stages, and to the exit (``process``). What is neither of these
+(``after``: ``process - before_app - app_import - handler``) is Flower's sending of the reply
+and the process's stop.
 
     python benchmarks/gpu/worker_deployed.py                # 3 rounds, records in worker_throughput.json
     python benchmarks/gpu/worker_deployed.py --rounds 2 --vocab 2048 --layers 2   # small, quick
@@ -43,7 +48,7 @@ sys.path[:0] = [str(HERE), str(HERE.parent)]
 import common  # noqa: E402
 
 common.on_path("tests")
-from deploy_harness import loopback_deployment  # noqa: E402
+from deploy_harness import IN_MEMORY, loopback_deployment  # noqa: E402
 
 APP = common.REPO / "simulations" / "isoloco-lm"
 
@@ -93,6 +98,8 @@ READY = time.time()
 def _line():
     rec = {
         "pid": os.getpid(),
+        "before_app": T0 - CREATED,
+        "app_import": READY - T0 - BENCH_S,
         "imports": READY - CREATED - BENCH_S,
         "handler": HANDLER,
         "stages": TIMER.seconds,
@@ -144,9 +151,8 @@ def run_config(args, out: Path) -> dict[str, Any]:
 
 
 def summary(lines: list[dict[str, Any]]) -> dict[str, Any]:
-    """Medians over the train messages after each node's first (which starts from nothing)."""
-    train = [r for r in lines if any(t == "train" for t, _ in r["handler"])]
-    train.sort(key=lambda r: r["pid"])
+    """Medians over the train messages after round 1's two (which start from nothing)."""
+    train = [r for r in lines if any(t == "train" for t, _ in r["handler"])]  # in exit order
     later = train[2:] if len(train) > 2 else train
     rows: dict[str, list[float]] = {}
     for r in later:
@@ -154,6 +160,11 @@ def summary(lines: list[dict[str, Any]]) -> dict[str, Any]:
         for k, v in r["stages"].items():
             rows.setdefault(k, []).append(v)
         rows.setdefault("imports", []).append(r["imports"])
+        for k in ("before_app", "app_import"):
+            rows.setdefault(k, []).append(r[k])
+        rows.setdefault("after", []).append(
+            r["process"] - r["before_app"] - r["app_import"] - handler
+        )
         rows.setdefault("handler", []).append(handler)
         rows.setdefault("process", []).append(r["process"])
         rows.setdefault("transport_other", []).append(r["process"] - r["imports"] - handler)
@@ -184,11 +195,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         os.environ["OMP_NUM_THREADS"] = "1"
         app = make_app(root)
         t0 = time.perf_counter()
-        with loopback_deployment(root / "dep", num_supernodes=2) as dep:
+        with loopback_deployment(root / "dep", num_supernodes=2, database=IN_MEMORY) as dep:
             up = time.perf_counter()
             outcome = dep.run_app(app, run_config(args, root / "out"), timeout=args.timeout)
             wall = time.perf_counter() - up
         if outcome.status != "finished:completed":
+            keep = Path(tempfile.mkdtemp(prefix="worker-deployed-failed-"))
+            shutil.copytree(root / "dep", keep / "dep", ignore=shutil.ignore_patterns("*.db"))
+            print(f"the deployment's logs are kept in {keep}", file=sys.stderr)
             raise RuntimeError(f"run ended {outcome.status}: {outcome.output[-2000:]} {outcome.logs[-3000:]}")
         lines = [json.loads(x) for x in log.read_text().splitlines() if x.strip()]
         results = json.loads((root / "out" / "results.json").read_text())
