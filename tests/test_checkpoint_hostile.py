@@ -22,7 +22,7 @@ from flwr_isoloco.checkpoint import (
     tree_to_recorddict,
     write_bytes_atomic,
 )
-from flwr_isoloco.checkpoint import _header as digest_header  # to forge "valid" files
+from flwr_isoloco.checkpoint.store import _header as digest_header  # to forge "valid" files
 from flwr_isoloco.runconfig import RunConfigError, check_resumable
 from flwr_isoloco.strategies import DiLoCo
 
@@ -279,7 +279,7 @@ def test_diloco_refuses_wrong_shapes_and_non_finite_tensors():
 def _killed_write(path: str) -> None:  # child process: dies between write and rename
     import signal
 
-    import flwr_isoloco.checkpoint as ck
+    import flwr_isoloco.checkpoint.store as ck
 
     def die(*a):
         os.kill(os.getpid(), signal.SIGKILL)

@@ -25,7 +25,7 @@ from safetensors.torch import save as st_save
 
 from flwr_isoloco.apprunner import AppRun
 from flwr_isoloco.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
-from flwr_isoloco.safetensors_stream import DTYPES, header_bytes, write_safetensors
+from flwr_isoloco.checkpoint.safetensors_stream import DTYPES, header_bytes, write_safetensors
 from flwr_isoloco.strategies import DiLoCo
 
 

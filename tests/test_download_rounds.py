@@ -201,7 +201,7 @@ def test_resume_after_an_evaluated_round_continues_bitwise(tmp_path):
     a, b = res.arrays.to_torch_state_dict(), res_whole.arrays.to_torch_state_dict()
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert resumed.broadcast.digest == whole.broadcast.digest
-    from flwr_isoloco.checkpoint_spec import CheckpointError
+    from flwr_isoloco.checkpoint.spec import CheckpointError
 
     forged = {**meta, "broadcast": {**meta["broadcast"], "current": "yes"}}
     with pytest.raises(CheckpointError, match="broadcast.current' must be a bool"):

@@ -20,7 +20,7 @@ from privacy_helpers import (
     through_checkpoint,
 )
 
-from flwr_isoloco.checkpoint_spec import CheckpointError
+from flwr_isoloco.checkpoint.spec import CheckpointError
 from flwr_isoloco.merging.dp import clip_to_norm, noise_like
 from flwr_isoloco.strategies import CentralDP, DiLoCo, IsoLoCo, LocalDP, ReplyChecks, Rounds
 from flwr_isoloco.strategies.diloco.privacy import PrivacyBudgetExhausted, noise_for_epsilon

@@ -10,7 +10,7 @@ import pytest
 import torch
 from privacy_helpers import QUIET, flower_epsilon, start_run, through_checkpoint
 
-from flwr_isoloco.checkpoint_spec import CheckpointError
+from flwr_isoloco.checkpoint.spec import CheckpointError
 from flwr_isoloco.merging.dp import noise_like
 from flwr_isoloco.strategies import AdaptiveClipping, CentralDP, DiLoCo, IsoLoCo, LocalDP
 

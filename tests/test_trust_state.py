@@ -15,7 +15,7 @@ from rwlora_helpers import HANDLERS, init_adapter
 from test_lifecycle import init_model, plain_app
 
 from flwr_isoloco.checkpoint import load_checkpoint, save_checkpoint
-from flwr_isoloco.checkpoint_spec import CheckpointError
+from flwr_isoloco.checkpoint.spec import CheckpointError
 from flwr_isoloco.strategies import AdaptiveClipping, CentralDP, DiLoCo, GossipLoRA, Rounds
 from flwr_isoloco.strategies.core.guard import NoProgressError
 from flwr_isoloco.strategies.core.lifecycle import set_divergence_guard

@@ -51,7 +51,7 @@ def asynchronous_rounds(s: Any, rounds: Rounds) -> AsyncRounds | None:
 
 def state_spec() -> Any:
     """The checkpoint meta field ``async``."""
-    from flwr_isoloco.checkpoint_spec import Field
+    from flwr_isoloco.checkpoint.spec import Field
 
     task = Field("list", length=2, items=Field("int", min=0))
     return Field(
@@ -77,7 +77,7 @@ def _parse(
 ) -> tuple[dict[int, dict[str, torch.Tensor]], list[tuple[int, int]], int, int | None]:
     """Check a checkpoint's asynchronous state against this strategy; ``(versions, plan,
     nodes, buffer)``. ``ValueError`` naming the field or tensor."""
-    from flwr_isoloco.checkpoint_spec import check_tensors
+    from flwr_isoloco.checkpoint.spec import check_tensors
 
     if meta is None:
         raise ValueError(
@@ -110,8 +110,8 @@ def parse_checkpoint(s: Any, state: Any) -> tuple[Any, ...] | None:
     """Strategy ``s``'s asynchronous state in checkpoint ``state``, checked before anything is
     set (:meth:`AsyncRounds.parse`; :meth:`AsyncRounds.restore` takes the result); None for
     synchronous rounds, or when the base checks will refuse the checkpoint anyway.
-    :class:`~flwr_isoloco.checkpoint_spec.CheckpointError` when the modes or settings differ."""
-    from flwr_isoloco.checkpoint_spec import CheckpointError, check_fields
+    :class:`~flwr_isoloco.checkpoint.spec.CheckpointError` when the modes or settings differ."""
+    from flwr_isoloco.checkpoint.spec import CheckpointError, check_fields
 
     meta = state.get("meta") if isinstance(state, Mapping) else None
     tensors = state.get("tensors") if isinstance(state, Mapping) else None

@@ -382,7 +382,7 @@ class DiLoCo(FromRunConfig, SettingsViews, DiLoCoState, ResumableStrategy):
 
     @staticmethod
     def _state_spec() -> dict[str, Any]:
-        from flwr_isoloco.checkpoint_spec import Field
+        from flwr_isoloco.checkpoint.spec import Field
 
         spec = DiLoCoState._state_spec()
         spec["weight_reference"] = Field("float", min=0, optional=True)
@@ -395,7 +395,7 @@ class DiLoCo(FromRunConfig, SettingsViews, DiLoCoState, ResumableStrategy):
         self, state: Mapping[str, Any], reference: Mapping[str, Any] | None = None
     ) -> None:
         """Restore :meth:`state_dict`'s output, all checked before anything is set."""
-        from flwr_isoloco.checkpoint_spec import CheckpointError
+        from flwr_isoloco.checkpoint.spec import CheckpointError
 
         meta = state.get("meta") if isinstance(state, Mapping) else None
         dp = self.dp.accountant, self.dp.noise_key, self.dp.c

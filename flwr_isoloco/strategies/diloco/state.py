@@ -186,7 +186,7 @@ class DiLoCoState:
     @staticmethod
     def _state_spec() -> dict[str, Any]:
         """The fields :meth:`load_state_dict` needs in ``meta`` (types and ranges)."""
-        from flwr_isoloco.checkpoint_spec import Field
+        from flwr_isoloco.checkpoint.spec import Field
 
         number = Field("float", min=0)
         outer = {"lr": number, "momentum": number, "nesterov": Field("bool")}
@@ -206,7 +206,7 @@ class DiLoCoState:
         """Saved merge rule/options, ``orthogonalize`` and outer hyper-parameters must be ours."""
         import json
 
-        from flwr_isoloco.checkpoint_spec import CheckpointError
+        from flwr_isoloco.checkpoint.spec import CheckpointError
 
         if meta["merge"] != self.merge_name:
             raise CheckpointError(
@@ -248,7 +248,7 @@ class DiLoCoState:
         equal this strategy's: a resumed run uses the settings it was built with, so a
         checkpoint that disagrees is refused rather than silently overriding them.
         """
-        from flwr_isoloco.checkpoint_spec import CheckpointError, check_fields, check_tensors
+        from flwr_isoloco.checkpoint.spec import CheckpointError, check_fields, check_tensors
 
         if not isinstance(state, Mapping) or "tensors" not in state or "meta" not in state:
             raise CheckpointError("DiLoCo state must be a dict with 'tensors' and 'meta'")

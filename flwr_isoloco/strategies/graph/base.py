@@ -414,7 +414,7 @@ class GraphStrategy(ResumableStrategy):
         :class:`~flwr_isoloco.checkpoint.CheckpointError` (a ``ValueError``) naming the field
         or tensor.
         """
-        from flwr_isoloco.checkpoint_spec import CheckpointError, Field, check_fields
+        from flwr_isoloco.checkpoint.spec import CheckpointError, Field, check_fields
 
         if not isinstance(state, Mapping) or "tensors" not in state or "meta" not in state:
             raise ValueError(f"{self.what} state must be a dict with 'tensors' and 'meta'")

@@ -369,7 +369,7 @@ class GossipLoRA(GraphStrategy):
     ) -> None:
         """One finite adapter per vertex, each with the names and shapes of ``reference`` (the
         model's adapter) when given, else of the first vertex's."""
-        from flwr_isoloco.checkpoint_spec import CheckpointError, check_tensors
+        from flwr_isoloco.checkpoint.spec import CheckpointError, check_tensors
 
         adapters = tensors.get("adapters")
         if not isinstance(adapters, Mapping) or not adapters:

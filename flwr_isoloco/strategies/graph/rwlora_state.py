@@ -69,7 +69,7 @@ class RWLoRAState:
         """Token: finite, non-empty, the names and shapes of ``reference`` (the adapter) when
         given. Optimizer state (opaque to the strategy): finite float or int tensors, with the
         names and shapes of ``optimizer_reference`` when given and the state is not empty."""
-        from flwr_isoloco.checkpoint_spec import CheckpointError, Field, check_fields, check_tensors
+        from flwr_isoloco.checkpoint.spec import CheckpointError, Field, check_fields, check_tensors
 
         check_fields(
             dict(meta),

@@ -20,7 +20,7 @@ can recompute it), so the loader also refuses non-finite tensors and, given a ``
 Files of format ``/1`` (no digest) are refused.
 
 Writing streams the file to a temporary file ``.<name>.<random>.tmp`` in the same directory
-(:mod:`~flwr_isoloco.safetensors_stream`: the header, then each tensor's bytes from its own
+(:mod:`~flwr_isoloco.checkpoint.safetensors_stream`: the header, then each tensor's bytes from its own
 memory, so a save holds no copy of the model; the bytes are those ``safetensors.torch.save``
 would return), fsyncs it, then ``os.replace``s it over the target, so a crash leaves either the
 old or the new checkpoint, never a torn one; the next write to the same target removes such
@@ -44,7 +44,7 @@ import numpy as np
 import torch
 from safetensors import safe_open
 
-from .checkpoint_spec import (
+from .spec import (
     CheckpointError,
     Field,
     check_fields,
