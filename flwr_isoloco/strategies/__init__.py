@@ -18,18 +18,54 @@ global round numbers and an ``on_round_end`` hook). Three sub-packages, one per 
 
 from flwr_isoloco.strategies.core.lifecycle import ResumableStrategy, RoundOutcome
 from flwr_isoloco.strategies.core.nodes import NodeWaitError, wait_for_nodes
-from flwr_isoloco.strategies.diloco import DiLoCo, IsoLoCo, settings
-from flwr_isoloco.strategies.diloco.settings import *  # noqa: F403 (settings.__all__)
+from flwr_isoloco.strategies.diloco import DiLoCo, IsoLoCo
+from flwr_isoloco.strategies.diloco.settings import (
+    AdaptiveClipping,
+    CentralDP,
+    Codec,
+    DistanceFilter,
+    Divergence,
+    Krum,
+    LocalDP,
+    Median,
+    MergeSettings,
+    MultiKrum,
+    NormClip,
+    Records,
+    ReplyChecks,
+    Robust,
+    Rounds,
+    TrimmedMean,
+)
 from flwr_isoloco.strategies.graph import GossipLoRA, RWLoRA
 
 __all__ = [
+    # the strategies
     "DiLoCo",
-    "GossipLoRA",
     "IsoLoCo",
-    "NodeWaitError",
     "RWLoRA",
+    "GossipLoRA",
+    # their settings
+    "ReplyChecks",
+    "Rounds",
+    "Codec",
+    "Divergence",
+    "MergeSettings",
+    "Records",
+    "CentralDP",
+    "LocalDP",
+    "AdaptiveClipping",
+    # robust merging rules (Robust: the base of a custom rule)
+    "Robust",
+    "NormClip",
+    "TrimmedMean",
+    "Median",
+    "Krum",
+    "MultiKrum",
+    "DistanceFilter",
+    # the lifecycle every strategy shares, for subclasses and apps
     "ResumableStrategy",
     "RoundOutcome",
+    "NodeWaitError",
     "wait_for_nodes",
-    *settings.__all__,
 ]
