@@ -68,7 +68,7 @@ DEFINITIONS: dict[tuple[str, str, str], str] = {
     ("privacy.md", "Secure aggregation (SecAgg+)", "option"): "options",
     (
         "results-lm.md",
-        "Horizon study (issue 21): the claims at 3x and 5.4x the steps",
+        "Horizon study: the claims at 3x and 5.4x the steps",
         "step",
     ): "the study's plan: run counts and CPU-hour estimates made before it ran",
     (
@@ -78,7 +78,7 @@ DEFINITIONS: dict[tuple[str, str, str], str] = {
     ): "the sweep's plan: run counts and estimates made before it ran",
     (
         "results-rwlora.md",
-        "Label skew: variants of the walk (issue 21, deliverable 3)",
+        "Label skew: variants of the walk",
         "variant",
     ): "byte formulas of each variant",
     ("rwlora.md", "Graphs", "spec"): "graph specs",
@@ -105,7 +105,7 @@ DEFINITIONS: dict[tuple[str, str, str], str] = {
     ("user-guide.md", "Reading `results.json`", "key"): "the keys of results.json",
     (
         "results-lm.md",
-        "Horizon study (issue 21): the claims at 3x and 5.4x the steps",
+        "Horizon study: the claims at 3x and 5.4x the steps",
         "corpus",
     ): "sizes of the installed corpora, counted from the packages (tests/test_lm_horizon.py)",
 }
