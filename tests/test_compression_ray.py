@@ -34,11 +34,12 @@ def _apps():
     from flwr.clientapp import ClientApp
     from flwr.serverapp import Grid, ServerApp
 
-    from flwr_isoloco.clients import make_diloco_train_handler
+    from flwr_isoloco.clients import TrainSettings, make_diloco_train_handler
     from flwr_isoloco.strategies import IsoLoCo
 
     client = ClientApp()
-    client.train()(make_diloco_train_handler(_model, _data, lr=1e-2, local_steps=H))
+    train = TrainSettings(lr=1e-2, local_steps=H)
+    client.train()(make_diloco_train_handler(_model, _data, train=train))
     server = ServerApp()
 
     @server.main()

@@ -10,7 +10,7 @@ from fakegrid import FakeGrid
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, RecordDict
 from flwr.common.serde import context_from_proto, context_to_proto
 
-from flwr_isoloco.clients import make_diloco_train_handler
+from flwr_isoloco.clients import TrainSettings, make_diloco_train_handler
 from flwr_isoloco.clients.diloco_worker import RESIDUAL_STATE_KEY
 from flwr_isoloco.compression import codecs as C
 from flwr_isoloco.compression import decompress, is_compressed, payload_nbytes
@@ -35,9 +35,8 @@ def data_fn(ctx):
 
 
 def worker(**kw):
-    return make_diloco_train_handler(
-        model_fn, data_fn, lr=1e-2, local_steps=H, num_server_rounds=4, **kw
-    )
+    train = TrainSettings(lr=1e-2, local_steps=H, num_server_rounds=4)
+    return make_diloco_train_handler(model_fn, data_fn, train=train, **kw)
 
 
 def theta0():

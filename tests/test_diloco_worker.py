@@ -8,6 +8,8 @@ deployment mode where every message runs in a fresh process.
 from __future__ import annotations
 
 import math
+import re
+from dataclasses import replace
 
 import pytest
 import torch
@@ -15,7 +17,14 @@ from fakegrid import FakeGrid
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, RecordDict
 from flwr.common.serde import context_from_proto, context_to_proto
 
-from flwr_isoloco.clients import make_diloco_train_handler, make_lm_evaluate_handler
+from flwr_isoloco.clients import (
+    Pace,
+    Runtime,
+    TrainSettings,
+    make_diloco_train_handler,
+    make_distributed_train_handler,
+    make_lm_evaluate_handler,
+)
 from flwr_isoloco.clients.diloco_worker import ADAMW_STATE_KEY, WORKER_STATE_KEY, inner_lr
 from flwr_isoloco.models.llama import build_llama, llama_config
 from flwr_isoloco.strategies import DiLoCo
@@ -24,6 +33,7 @@ torch.set_num_threads(1)
 
 CFG = llama_config(vocab_size=32, hidden=16, layers=1, heads=2, max_seq_len=16)
 H, ROUNDS, LR, WARM = 3, 2, 1e-2, 2
+TRAIN = TrainSettings(lr=LR, local_steps=H, num_server_rounds=ROUNDS, warmup_steps=WARM)
 
 
 def model_fn(_ctx=None):
@@ -42,12 +52,8 @@ def data_fn(_ctx):
     return lambda i: BATCHES[i % len(BATCHES)]  # explicit order: batch i at inner step i
 
 
-def handler(**kw):
-    kw.setdefault("lr", LR)
-    kw.setdefault("local_steps", H)
-    kw.setdefault("num_server_rounds", ROUNDS)
-    kw.setdefault("warmup_steps", WARM)
-    return make_diloco_train_handler(model_fn, data_fn, **kw)
+def handler(train=TRAIN, **kw):
+    return make_diloco_train_handler(model_fn, data_fn, train=train, **kw)
 
 
 def new_context(pid=0):
@@ -182,7 +188,10 @@ def test_sequence_data_is_visited_in_a_seeded_order_covering_every_batch():
 
     batches = [torch.full((1, 3), i) for i in range(4)]
     train = make_diloco_train_handler(
-        model_fn, lambda c: batches, loss_fn=loss_fn, local_steps=4, num_server_rounds=1
+        model_fn,
+        lambda c: batches,
+        loss_fn=loss_fn,
+        train=TrainSettings(local_steps=4, num_server_rounds=1),
     )
     send(train, {k: v.detach() for k, v in model_fn().state_dict().items()}, 1, new_context())
     assert sorted(seen) == [0, 1, 2, 3]
@@ -219,7 +228,7 @@ def test_evaluate_handler_token_weighted_loss():
 
 
 def test_worker_under_diloco_on_fake_grid_lowers_eval_loss():
-    train = handler(lr=3e-2)
+    train = handler(replace(TRAIN, lr=3e-2))
     ev = make_lm_evaluate_handler(model_fn, lambda c: BATCHES)
     grid = FakeGrid({"train": train, "evaluate": ev}, num_nodes=2)
     strat = DiLoCo(min_available_nodes=2)
@@ -244,3 +253,61 @@ def test_warmup_longer_than_the_run_is_refused_before_training():
     assert ADAMW_STATE_KEY not in ctx.state and WORKER_STATE_KEY not in ctx.state
     send(handler(), theta, 1, ctx, **{"warmup-steps": ROUNDS * H})  # exactly the run: allowed
     assert ctx.state[WORKER_STATE_KEY]["data-cursor"] == H
+
+
+# ----------------------------------------------------------------------------- settings
+@pytest.mark.parametrize(
+    "old,value,use",
+    [
+        ("lr", 0.01, "train=TrainSettings(lr=0.01)"),
+        ("local_steps", 5, "train=TrainSettings(local_steps=5)"),
+        ("time_budget_s", 2.0, "train=TrainSettings(time_budget_s=2.0)"),
+        ("device", "cpu", "runtime=Runtime(device='cpu')"),
+        ("cache_nodes", 0, "runtime=Runtime(cache_nodes=0)"),
+        ("emulated_slowdown", 2.0, "pace=Pace(slowdown=2.0)"),
+        ("emulated_step_s", 0.1, "pace=Pace(step_s=0.1)"),
+    ],
+)
+def test_an_old_keyword_is_refused_naming_the_new_spelling(old, value, use):
+    group = {"world_size": 2}
+    for make, extra in ((make_diloco_train_handler, {}), (make_distributed_train_handler, group)):
+        if extra and old == "device":
+            continue  # the group takes devices=[...]: test_worker_distributed
+        name = make.__name__
+        with pytest.raises(TypeError, match=rf"^{name}\({old}=.*: use {name}\({re.escape(use)}\)$"):
+            make(model_fn, data_fn, **extra, **{old: value})
+
+
+def test_settings_are_checked_when_built_and_shown_by_what_differs():
+    assert repr(TrainSettings()) == "TrainSettings()" and repr(Runtime()) == "Runtime()"
+    assert (
+        repr(TRAIN) == "TrainSettings(lr=0.01, local_steps=3, num_server_rounds=2, warmup_steps=2)"
+    )
+    assert (
+        repr(Runtime(precision=" BF16", cache_nodes=0))
+        == "Runtime(precision='bf16', cache_nodes=0)"
+    )
+    for bad, match in (
+        (dict(local_steps=0), "TrainSettings.local_steps must be an int >= 1"),
+        (dict(num_server_rounds=True), "TrainSettings.num_server_rounds must be an int"),
+        (dict(lr=float("nan")), "TrainSettings.lr must be a finite number"),
+        (dict(min_lr_ratio=1.5), r"TrainSettings.min_lr_ratio must be in \[0, 1\]"),
+        (dict(betas=(0.9, 1.0)), r"TrainSettings.betas must be in \[0, 1\)"),
+        (dict(betas=0.9), "TrainSettings.betas must be a pair"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            TrainSettings(**bad)
+    for bad, match in (
+        (dict(state_layout="tree"), "Runtime.state_layout must be 'flat' or 'named'"),
+        (dict(micro_batch=-1), "Runtime.micro_batch must be an int >= 0"),
+        (dict(gradient_checkpointing=1), "Runtime.gradient_checkpointing must be True or False"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            Runtime(**bad)
+    with pytest.raises(TypeError, match="train must be a TrainSettings"):
+        make_diloco_train_handler(model_fn, data_fn, train={"lr": 0.1})
+    with pytest.raises(TypeError, match="pace must be a Pace or None"):
+        make_diloco_train_handler(model_fn, data_fn, pace=2.0)
+    with pytest.raises(ValueError, match="payload must be 'weights' or 'delta'"):
+        make_diloco_train_handler(model_fn, data_fn, payload="grad")
+    assert make_diloco_train_handler(model_fn, data_fn, pace=Pace()).__name__ == "train"

@@ -11,7 +11,15 @@ import tempfile
 
 import pytest
 import torch
-from test_diloco_worker import BATCHES, fresh_process, handler, model_fn, new_context, send
+from test_diloco_worker import (
+    BATCHES,
+    TRAIN,
+    fresh_process,
+    handler,
+    model_fn,
+    new_context,
+    send,
+)
 
 from flwr_isoloco.clients import moments_file as mf
 from flwr_isoloco.clients.diloco_worker import ADAMW_STATE_KEY
@@ -136,9 +144,9 @@ def test_a_message_that_fails_mid_round_leaves_the_previous_file_for_an_exact_re
 
         return batch
 
-    from flwr_isoloco.clients import make_diloco_train_handler
+    from flwr_isoloco.clients import Runtime, make_diloco_train_handler
 
-    kw = dict(lr=1e-2, local_steps=3, num_server_rounds=2, warmup_steps=2)
+    kw = dict(train=TRAIN)
     train = with_node_state(make_diloco_train_handler(model_fn, data_fn, **kw), temp_dir=True)
     ctx = new_context()
     theta1 = _arrays(send(train, _theta0(), 1, ctx))
@@ -150,7 +158,7 @@ def test_a_message_that_fails_mid_round_leaves_the_previous_file_for_an_exact_re
         got = _arrays(send(train, theta1, 2, ctx))
     assert "refused" not in caplog.text
     ref_ctx = new_context()
-    ref = make_diloco_train_handler(model_fn, data_fn, cache_nodes=0, **kw)
+    ref = make_diloco_train_handler(model_fn, data_fn, runtime=Runtime(cache_nodes=0), **kw)
     want = _arrays(send(ref, _arrays(send(ref, _theta0(), 1, ref_ctx)), 2, ref_ctx))
     assert _same(got, want)
 

@@ -11,12 +11,14 @@ from __future__ import annotations
 import logging
 import pickle
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 from flwr.app import ArrayRecord, ConfigRecord
 from test_diloco_worker import (
     ROUNDS,
+    TRAIN,
     H,
     fresh_process,
     handler,
@@ -114,7 +116,7 @@ def _replace_by_other_node(path):
     """A valid node-state file of the right name but someone else's state (e.g. a second node
     configured with the same partition): its digest is not the one this node wrote."""
     other = path.parent / "other"
-    train = with_node_state(handler(lr=5e-2))
+    train = with_node_state(handler(replace(TRAIN, lr=5e-2)))
     send(train, _theta0(), 1, new_context(), **{STATE_DIR_KEY: str(other)})
     shutil.copy(other / "node-p0-r1.safetensors", path)
     shutil.rmtree(other)

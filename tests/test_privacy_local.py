@@ -14,16 +14,17 @@ from privacy_helpers import QUIET, flower_epsilon, start_run
 from flwr_isoloco.strategies import DiLoCo, LocalDP
 
 
-def _tiny_worker(**kw):
-    from flwr_isoloco.clients import make_diloco_train_handler
+def _tiny_worker(payload="weights", **train):
+    from flwr_isoloco.clients import TrainSettings, make_diloco_train_handler
     from flwr_isoloco.models.llama import build_llama, llama_config
 
     cfg = llama_config(vocab_size=32, hidden=16, layers=1, heads=2, max_seq_len=16)
     g = torch.Generator().manual_seed(1)
     batches = [torch.randint(0, 32, (2, 9), generator=g) for _ in range(4)]
-    kw = {"lr": 1e-2, "local_steps": 2, "num_server_rounds": 2, **kw}
+    train = TrainSettings(**{"lr": 1e-2, "local_steps": 2, "num_server_rounds": 2, **train})
     model_fn = lambda _ctx=None: build_llama(cfg, seed=0)  # noqa: E731
-    return make_diloco_train_handler(model_fn, lambda _c: batches, **kw), model_fn
+    worker = make_diloco_train_handler(model_fn, lambda _c: batches, train=train, payload=payload)
+    return worker, model_fn
 
 
 def test_privatize_clips_then_adds_noise_of_std_z_c():

@@ -34,11 +34,16 @@ def _apps():
     from flwr.clientapp import ClientApp
     from flwr.serverapp import Grid, ServerApp
 
-    from flwr_isoloco.clients import make_diloco_train_handler, make_lm_evaluate_handler
+    from flwr_isoloco.clients import (
+        TrainSettings,
+        make_diloco_train_handler,
+        make_lm_evaluate_handler,
+    )
     from flwr_isoloco.strategies import IsoLoCo
 
     client = ClientApp()
-    client.train()(make_diloco_train_handler(_model, _data, lr=1e-2, local_steps=H))
+    train = TrainSettings(lr=1e-2, local_steps=H)
+    client.train()(make_diloco_train_handler(_model, _data, train=train))
     client.evaluate()(make_lm_evaluate_handler(_model, _data))
 
     server = ServerApp()

@@ -13,7 +13,7 @@ from fakegrid import FakeGrid
 from flwr.app import ArrayRecord, Message, RecordDict
 from flwr.common import bytes_to_ndarray
 
-from flwr_isoloco.clients import make_diloco_train_handler
+from flwr_isoloco.clients import TrainSettings, make_diloco_train_handler
 from flwr_isoloco.models.llama import build_llama, llama_config
 from flwr_isoloco.secagg_mod import secagg_mod
 from flwr_isoloco.strategies import CentralDP, DiLoCo, IsoLoCo, LocalDP, ReplyChecks, Rounds
@@ -32,8 +32,8 @@ def _batches(ctx):
 
 
 def _worker(**kw):
-    kw = {"lr": 1e-2, "local_steps": 2, "num_server_rounds": 2, "warmup_steps": 0, **kw}
-    return make_diloco_train_handler(_model, _batches, **kw)
+    train = TrainSettings(lr=1e-2, local_steps=2, num_server_rounds=2, warmup_steps=0)
+    return make_diloco_train_handler(_model, _batches, train=train, **kw)
 
 
 class RecordingGrid(FakeGrid):

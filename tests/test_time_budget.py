@@ -17,7 +17,7 @@ from flwr.app import ArrayRecord, ConfigRecord, MetricRecord, RecordDict
 from test_async_rounds import ScriptedGrid, init_model, strategy
 from test_diloco_worker import model_fn, new_context, send
 
-from flwr_isoloco.clients import inner_loop, make_diloco_train_handler
+from flwr_isoloco.clients import Pace, TrainSettings, inner_loop, make_diloco_train_handler
 from flwr_isoloco.clients.diloco_worker import WORKER_STATE_KEY, next_token_loss
 from flwr_isoloco.clients.inner_loop import another_step_fits
 from flwr_isoloco.strategies.core.replies import ReplyReport, ReplyValidator, steps_problem
@@ -52,11 +52,17 @@ def batches(n=8, seed=1):
 BATCHES = batches()
 
 
-def handler(clock: StepClock | None = None, **kw):
-    kw = {"lr": 1e-2, "local_steps": H, "num_server_rounds": 2, "warmup_steps": 0, **kw}
+def handler(clock: StepClock | None = None, pace: Pace | None = None, **train):
+    """The worker timed by ``clock``; ``train``: the fields of its TrainSettings that differ
+    from this test's."""
+    train = {"lr": 1e-2, "local_steps": H, "num_server_rounds": 2, "warmup_steps": 0, **train}
     loss = clock.loss if clock is not None else next_token_loss
     return make_diloco_train_handler(
-        model_fn, lambda ctx: lambda i: BATCHES[i % 8], loss_fn=loss, **kw
+        model_fn,
+        lambda ctx: lambda i: BATCHES[i % 8],
+        loss_fn=loss,
+        train=TrainSettings(**train),
+        pace=pace,
     )
 
 
@@ -150,8 +156,8 @@ def test_off_by_default_replies_exactly_as_today(monkeypatch):
 
 @pytest.mark.parametrize("bad", [-1.0, float("nan"), float("inf"), True, "1"])
 def test_a_bad_budget_is_refused(bad):
-    with pytest.raises(ValueError, match="time_budget_s"):
-        handler(time_budget_s=bad)
+    with pytest.raises(ValueError, match="TrainSettings.time_budget_s"):
+        TrainSettings(time_budget_s=bad)
 
 
 def test_a_negative_budget_in_the_message_is_refused_before_training():

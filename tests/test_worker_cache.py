@@ -2,17 +2,20 @@
 node's AdamW moments stay on the device between messages, used only when the node's stored
 AdamW record is the one this process wrote last, and bitwise the same as reading it back.
 
-Reference in every test: the same messages through a handler with ``cache_nodes=0`` (the model
+Reference in every test: the same messages through a handler with ``Runtime(cache_nodes=0)`` (the model
 rebuilt and the moments read from ``context.state`` every message, as before the cache).
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import pytest
 import torch
 from flwr.app import ArrayRecord
 from test_diloco_worker import (
     BATCHES,
+    TRAIN,
     data_fn,
     fresh_process,
     handler,
@@ -21,6 +24,7 @@ from test_diloco_worker import (
     send,
 )
 
+from flwr_isoloco.clients import Runtime, TrainSettings
 from flwr_isoloco.clients.diloco_worker import ADAMW_STATE_KEY, WORKER_STATE_KEY
 from flwr_isoloco.clients.node_state import HANDLE_KEY, with_node_state
 from flwr_isoloco.clients.worker_cache import TOKEN_KEY, cache_stats, clear_caches
@@ -63,11 +67,11 @@ def _rounds(train, ctx, theta, rounds=ROUNDS, **config):
 
 
 def test_cache_hits_give_bitwise_the_replies_and_state_of_no_cache():
-    cached, ctx = handler(cache_nodes=1), new_context()
+    cached, ctx = handler(runtime=Runtime(cache_nodes=1)), new_context()
     got = _rounds(cached, ctx, _theta0())
     assert cache_stats()["hits"] == ROUNDS - 1 and cache_stats()["model-builds"] == 1
     ref_ctx = new_context()
-    want = _rounds(handler(cache_nodes=0), ref_ctx, _theta0())
+    want = _rounds(handler(runtime=Runtime(cache_nodes=0)), ref_ctx, _theta0())
     assert all(_same(g, w) for g, w in zip(got, want, strict=True))
     assert _same(_stored(ctx), _stored(ref_ctx))  # the stored state is written as before
     assert (
@@ -86,7 +90,9 @@ def test_a_hit_does_not_build_the_model_again():
     from flwr_isoloco.clients import make_diloco_train_handler
 
     train = make_diloco_train_handler(
-        counting_model_fn, lambda c: BATCHES, local_steps=2, num_server_rounds=3
+        counting_model_fn,
+        lambda c: BATCHES,
+        train=TrainSettings(local_steps=2, num_server_rounds=3),
     )
     ctx = new_context()
     theta = _theta0()
@@ -98,7 +104,9 @@ def test_a_hit_does_not_build_the_model_again():
 def _round1_state(lr):
     """A node state after round 1 of a no-cache handler with learning rate ``lr``."""
     ctx = new_context()
-    theta1 = _arrays(send(handler(cache_nodes=0, lr=lr), _theta0(), 1, ctx))
+    theta1 = _arrays(
+        send(handler(replace(TRAIN, lr=lr), runtime=Runtime(cache_nodes=0)), _theta0(), 1, ctx)
+    )
     return ctx, theta1
 
 
@@ -107,7 +115,7 @@ def test_a_changed_or_deleted_stored_state_is_read_not_the_cache(change):
     """After a cached round 1, the node's stored AdamW record is replaced by another's (e.g. a
     file restored from another run), deleted, or stripped of its token: round 2 equals the
     no-cache round 2 from that stored state, and the cache reports a miss."""
-    cached, ctx = handler(cache_nodes=1), new_context()
+    cached, ctx = handler(runtime=Runtime(cache_nodes=1)), new_context()
     theta1 = _arrays(send(cached, _theta0(), 1, ctx))
     if change == "replaced":
         other, _ = _round1_state(lr=5e-2)
@@ -123,25 +131,27 @@ def test_a_changed_or_deleted_stored_state_is_read_not_the_cache(change):
         ctx.state[ADAMW_STATE_KEY] = ArrayRecord(arrays)
     before = fresh_process(ctx)  # the stored state the no-cache handler reads
     got = _arrays(send(cached, theta1, 2, ctx))
-    want = _arrays(send(handler(cache_nodes=0), theta1, 2, before))
+    want = _arrays(send(handler(runtime=Runtime(cache_nodes=0)), theta1, 2, before))
     assert cache_stats()["hits"] == 0 and cache_stats()["misses"] == 2
     assert _same(got, want)
     if change != "deleted":  # control: the stored record did matter
         fresh = new_context()
         fresh.state[WORKER_STATE_KEY] = ctx.state[WORKER_STATE_KEY]
-        assert not _same(got, _arrays(send(handler(cache_nodes=0), theta1, 2, fresh)))
+        assert not _same(
+            got, _arrays(send(handler(runtime=Runtime(cache_nodes=0)), theta1, 2, fresh))
+        )
 
 
 def test_an_older_stored_state_is_read_not_the_newer_cache():
     """The node's state goes back a round (its round-2 state was not kept, e.g. a resume from an
     older file): round 2 runs again from the round-1 state and equals the no-cache reply."""
-    cached, ctx = handler(cache_nodes=1), new_context()
+    cached, ctx = handler(runtime=Runtime(cache_nodes=1)), new_context()
     theta1 = _arrays(send(cached, _theta0(), 1, ctx))
     after1, ref1 = fresh_process(ctx), fresh_process(ctx)
     first = _arrays(send(cached, theta1, 2, ctx))  # a hit: the cache now holds round 2
     again = _arrays(send(cached, theta1, 2, after1))  # the stored state is round 1's
     assert cache_stats()["hits"] == 1 and cache_stats()["misses"] == 2
-    want = _arrays(send(handler(cache_nodes=0), theta1, 2, ref1))
+    want = _arrays(send(handler(runtime=Runtime(cache_nodes=0)), theta1, 2, ref1))
     assert _same(again, want) and _same(first, want)
 
 
@@ -160,7 +170,7 @@ def test_a_failed_message_drops_the_half_updated_moments():
 
     from flwr_isoloco.clients import make_diloco_train_handler
 
-    kw = dict(lr=1e-2, local_steps=3, num_server_rounds=2, warmup_steps=2)
+    kw = dict(train=TRAIN)
     cached = make_diloco_train_handler(model_fn, data_fn, **kw)
     ctx = new_context()
     theta1 = _arrays(send(cached, _theta0(), 1, ctx))
@@ -170,7 +180,7 @@ def test_a_failed_message_drops_the_half_updated_moments():
     failing["on"] = False
     assert cache_stats()["nodes"] == 0
     got = _arrays(send(cached, theta1, 2, ctx))
-    ref = make_diloco_train_handler(model_fn, data_fn, cache_nodes=0, **kw)
+    ref = make_diloco_train_handler(model_fn, data_fn, runtime=Runtime(cache_nodes=0), **kw)
     ref_ctx = new_context()
     want = _arrays(send(ref, _arrays(send(ref, _theta0(), 1, ref_ctx)), 2, ref_ctx))
     assert _same(got, want)
@@ -187,8 +197,9 @@ def _alternate(cache_nodes, rounds=3):
     from flwr_isoloco.clients import make_diloco_train_handler
 
     train = make_diloco_train_handler(
-        model_fn, _two_node_data, lr=1e-2, local_steps=2, num_server_rounds=rounds,
-        cache_nodes=cache_nodes,
+        model_fn, _two_node_data,
+        train=TrainSettings(lr=1e-2, local_steps=2, num_server_rounds=rounds),
+        runtime=Runtime(cache_nodes=cache_nodes),
     )  # fmt: skip
     ctxs = {pid: new_context(pid) for pid in (0, 1)}
     for pid, ctx in ctxs.items():
@@ -219,7 +230,10 @@ def test_the_bound_evicts_the_least_recently_used_node():
     from flwr_isoloco.clients import make_diloco_train_handler
 
     train = make_diloco_train_handler(
-        model_fn, _two_node_data, local_steps=1, num_server_rounds=2, cache_nodes=2
+        model_fn,
+        _two_node_data,
+        train=TrainSettings(local_steps=1, num_server_rounds=2),
+        runtime=Runtime(cache_nodes=2),
     )
     ctxs = []
     for pid in range(3):
@@ -241,18 +255,18 @@ def test_cache_with_node_state_files_equals_in_memory_without_cache(tmp_path):
     """Offloaded to a node-state file between rounds (the LM app's default), the cache still
     hits (the file holds the token this process wrote) and the replies are unchanged."""
     ctx = new_context()
-    train = with_node_state(handler(cache_nodes=1), default_dir=tmp_path)
+    train = with_node_state(handler(runtime=Runtime(cache_nodes=1)), default_dir=tmp_path)
     got = _rounds(train, ctx, _theta0())
     assert HANDLE_KEY in ctx.state and ADAMW_STATE_KEY not in ctx.state
     assert cache_stats()["hits"] == ROUNDS - 1
-    want = _rounds(handler(cache_nodes=0), new_context(), _theta0())
+    want = _rounds(handler(runtime=Runtime(cache_nodes=0)), new_context(), _theta0())
     assert all(_same(g, w) for g, w in zip(got, want, strict=True))
 
 
 def test_cache_nodes_is_checked():
     for bad in (-1, 1.5, True, "2"):
         with pytest.raises(ValueError, match="cache_nodes must be an int >= 0"):
-            handler(cache_nodes=bad)
+            Runtime(cache_nodes=bad)
 
 
 def test_an_unhashable_model_fn_is_built_every_message_and_the_moments_still_hit():
@@ -271,9 +285,9 @@ def test_an_unhashable_model_fn_is_built_every_message_and_the_moments_still_hit
             return model_fn(ctx)
 
     fn = ModelFn()
-    kw = dict(lr=1e-2, local_steps=3, num_server_rounds=2, warmup_steps=2)
+    kw = dict(train=TRAIN)
     got = _rounds(make_diloco_train_handler(fn, data_fn, **kw), new_context(), _theta0())
     assert fn.built == ROUNDS and cache_stats()["hits"] == ROUNDS - 1
     assert cache_stats()["model-builds"] == 0
-    want = _rounds(handler(cache_nodes=0), new_context(), _theta0())
+    want = _rounds(handler(runtime=Runtime(cache_nodes=0)), new_context(), _theta0())
     assert all(_same(g, w) for g, w in zip(got, want, strict=True))

@@ -28,7 +28,12 @@ from test_diloco_worker import (
 )
 from test_worker_cache import _empty_caches, _theta0  # noqa: F401  (autouse fixture)
 
-from flwr_isoloco.clients import make_diloco_train_handler, make_lm_evaluate_handler
+from flwr_isoloco.clients import (
+    Runtime,
+    TrainSettings,
+    make_diloco_train_handler,
+    make_lm_evaluate_handler,
+)
 from flwr_isoloco.clients.diloco_worker import ADAMW_STATE_KEY
 from flwr_isoloco.clients.precision import PRECISIONS, autocast, check_precision, grad_scaler
 from flwr_isoloco.clients.worker_cache import cache_stats
@@ -38,8 +43,8 @@ H = 3
 NO_CUDA = not torch.cuda.is_available()
 
 
-def _round1(**kw):
-    reply = send(handler(**kw), _theta0(), 1, new_context())
+def _round1(**runtime):
+    reply = send(handler(runtime=Runtime(**runtime)), _theta0(), 1, new_context())
     assert not reply.has_error()
     return reply.content["arrays"].to_torch_state_dict(), reply.content["metrics"]
 
@@ -56,7 +61,10 @@ def _max_diff(a, b):
 @pytest.mark.skipif(not NO_CUDA, reason="checks the refusal where no GPU is visible")
 @pytest.mark.parametrize("option", ["cuda", "cuda:0", torch.device("cuda", 1)])
 def test_cuda_without_a_gpu_is_refused_at_construction_with_the_fix(option):
-    for make in (handler, lambda **kw: make_lm_evaluate_handler(model_fn, lambda c: [], **kw)):
+    for make in (
+        lambda **kw: handler(runtime=Runtime(**kw)),
+        lambda **kw: make_lm_evaluate_handler(model_fn, lambda c: [], **kw),
+    ):
         with pytest.raises(ValueError) as err:
             make(device=option)
         msg = str(err.value)
@@ -68,7 +76,7 @@ def test_cuda_without_a_gpu_is_refused_at_construction_with_the_fix(option):
 @pytest.mark.parametrize("bad", ["tpu", "gpu", "cuda:x", 3])
 def test_an_unknown_device_is_refused_naming_train_device(bad):
     with pytest.raises(ValueError, match=rf"train.device {bad!r} is not one of auto, cpu"):
-        handler(device=bad)
+        Runtime(device=bad)
     with pytest.raises(ValueError, match=rf"merge device {bad!r} is not one of"):
         resolve_device(bad)  # the server's option keeps its own name
 
@@ -102,7 +110,7 @@ def test_auto_and_cpu_give_the_plain_adamw_loop_here(device):
 
 
 def test_the_node_logs_its_device_once_per_process(caplog):
-    train = handler(precision="bf16")
+    train = handler(runtime=Runtime(precision="bf16"))
     ctx = new_context(pid=3)
     ctx.node_id = 4242
     theta = _theta0()
@@ -120,7 +128,7 @@ def test_check_precision_names_the_option():
     with pytest.raises(ValueError, match=r"train.precision 'fp8' is not one of 'fp32', 'bf16'"):
         check_precision("fp8")
     with pytest.raises(ValueError, match="train.precision"):
-        handler(precision="half")
+        Runtime(precision="half")
     assert grad_scaler("cpu", "bf16") is None and grad_scaler("cpu", "fp16") is not None
 
 
@@ -181,7 +189,7 @@ def test_low_precision_round_is_the_autocast_loop_and_close_to_fp32(precision):
 
 def test_low_precision_keeps_fp32_adamw_state():
     ctx = new_context()
-    send(handler(precision="bf16"), _theta0(), 1, ctx)
+    send(handler(runtime=Runtime(precision="bf16")), _theta0(), 1, ctx)
     stored = ctx.state[ADAMW_STATE_KEY].to_torch_state_dict()
     _, _, opt = _autocast_reference("bf16")
     ref = torch.cat([opt.state[p]["exp_avg"].reshape(-1) for p in opt.param_groups[0]["params"]])
@@ -200,8 +208,9 @@ def test_fp16_counts_the_steps_the_scaler_skips():
         ), batch[:, 1:].numel()
 
     train = make_diloco_train_handler(
-        model_fn, lambda c: BATCHES, loss_fn=big_loss, lr=LR, local_steps=16,
-        num_server_rounds=1, precision="fp16",
+        model_fn, lambda c: BATCHES, loss_fn=big_loss,
+        train=TrainSettings(lr=LR, local_steps=16, num_server_rounds=1),
+        runtime=Runtime(precision="fp16"),
     )  # fmt: skip
     reply = send(train, _theta0(), 1, new_context())
     skipped = reply.content["metrics"]["skipped-steps"]
@@ -250,7 +259,10 @@ def compile_run(backend: str | None) -> dict:
     ref_ctxs = {pid: new_context(pid) for pid in (0, 1)}
     for ctx in (*ctxs.values(), *ref_ctxs.values()):
         ctx.node_id = 700 + int(ctx.node_config["partition-id"])
-    train, plain = handler(compile=True, cache_nodes=2), handler(cache_nodes=0)
+    train, plain = (
+        handler(runtime=Runtime(compile=True, cache_nodes=2)),
+        handler(runtime=Runtime(cache_nodes=0)),
+    )
     for rnd in (1, 2):
         for pid in (0, 1):
             theta[pid] = (
@@ -293,7 +305,7 @@ def test_compile_with_inductor_gives_the_same_reply_within_fp32_tolerance():
 
 def test_compile_is_checked():
     with pytest.raises(ValueError, match="compile must be True or False"):
-        handler(compile="yes")
+        Runtime(compile="yes")
 
 
 def test_fused_adamw_and_its_restored_step_lives_on_the_parameters_device():

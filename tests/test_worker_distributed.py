@@ -27,6 +27,7 @@ import torch
 from fakegrid import FakeGrid
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, RecordDict
 
+from flwr_isoloco.clients import Runtime, TrainSettings
 from flwr_isoloco.clients.diloco_worker import (
     ADAMW_STATE_KEY,
     WORKER_STATE_KEY,
@@ -45,7 +46,7 @@ from flwr_isoloco.models.llama import build_llama, llama_config
 torch.set_num_threads(1)
 
 CFG = llama_config(vocab_size=32, hidden=16, layers=1, heads=2, max_seq_len=16)
-KW = dict(lr=1e-2, local_steps=3, num_server_rounds=2, warmup_steps=1)
+KW = dict(train=TrainSettings(lr=1e-2, local_steps=3, num_server_rounds=2, warmup_steps=1))
 TOL = 1e-5
 
 
@@ -167,8 +168,10 @@ def test_options_are_refused_before_any_process_starts():
         make(model_fn, data_fn, world_size=2, devices=["cpu", "cpu"], backend="nccl")
     with pytest.raises(ValueError, match="devices="):
         make(model_fn, data_fn, world_size=2, device="cpu")
-    with pytest.raises(ValueError, match="micro_batch"):
-        make(model_fn, data_fn, world_size=2, micro_batch=-1)
+    with pytest.raises(ValueError, match="devices="):
+        make(model_fn, data_fn, world_size=2, runtime=Runtime(device="cpu"))
+    with pytest.raises(ValueError, match="payload"):
+        make(model_fn, data_fn, world_size=2, payload="grad")
     with pytest.raises(ValueError, match="model_fn must be picklable"):
         make(lambda ctx: model_fn(), data_fn, world_size=2)
 
@@ -194,7 +197,7 @@ def test_default_devices_are_one_gpu_per_rank_and_too_few_gpus_are_refused(monke
 
 def _one_process_and_group(micro_batch: int):
     """Round 2 from a node state holding round 1's AdamW moments, one process vs 2 ranks."""
-    kw = dict(KW, loss_fn=masked_loss, micro_batch=micro_batch)
+    kw = dict(KW, loss_fn=masked_loss, runtime=Runtime(micro_batch=micro_batch))
     theta = model_fn().state_dict()
     ctx = _context()
     one = make_diloco_train_handler(model_fn, data_fn, **kw)

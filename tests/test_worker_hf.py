@@ -7,7 +7,7 @@ import torch
 from fakegrid import FakeGrid
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, RecordDict
 
-from flwr_isoloco.clients import make_diloco_train_handler
+from flwr_isoloco.clients import Runtime, TrainSettings, make_diloco_train_handler
 from flwr_isoloco.clients.diloco_worker import _accumulate, next_token_loss
 from flwr_isoloco.models.hf import model_arrays, shared_tensors
 from flwr_isoloco.models.llama import build_llama, llama_config
@@ -52,8 +52,7 @@ def _reply(**kw):
     train = make_diloco_train_handler(
         lambda ctx: build_llama(CFG, seed=5),
         lambda ctx: BATCHES,
-        lr=1e-2,
-        warmup_steps=0,
+        train=TrainSettings(lr=1e-2, warmup_steps=0),
         **kw,
     )
     FakeGrid({}, num_nodes=1)
@@ -65,7 +64,9 @@ def test_tied_model_travels_once_and_micro_batches_give_the_same_step():
     full = _reply().content.array_records["arrays"].to_torch_state_dict()
     assert "lm_head.weight" not in full and "model.embed_tokens.weight" in full
     assert shared_tensors(build_llama(CFG)) == {"lm_head.weight": "model.embed_tokens.weight"}
-    micro = _reply(micro_batch=2).content.array_records["arrays"].to_torch_state_dict()
+    micro = (
+        _reply(runtime=Runtime(micro_batch=2)).content.array_records["arrays"].to_torch_state_dict()
+    )
     # 2 AdamW steps of lr 1e-2 from gradients equal to fp32 rounding; Adam's first step is
     # ~lr * sign(g), so a near-zero gradient entry moves by up to ~1e-2 * its rounding ratio
     for k in full:
@@ -83,4 +84,4 @@ def test_a_message_with_the_tie_sent_twice_differently_is_refused():
 
 def test_bad_micro_batch_is_refused():
     with pytest.raises(ValueError, match="micro_batch"):
-        make_diloco_train_handler(lambda c: None, lambda c: [], micro_batch=-1)
+        Runtime(micro_batch=-1)

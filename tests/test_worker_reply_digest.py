@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import platform
+from dataclasses import replace
 
 import pytest
 import torch
@@ -25,7 +26,7 @@ from fakegrid import FakeGrid
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, RecordDict
 from flwr.common.serde import context_from_proto, context_to_proto
 
-from flwr_isoloco.clients import make_diloco_train_handler
+from flwr_isoloco.clients import Runtime, TrainSettings, make_diloco_train_handler
 from flwr_isoloco.clients.node_state import with_node_state
 from flwr_isoloco.clients.worker_cache import clear_caches
 from flwr_isoloco.models.hf import model_arrays
@@ -57,14 +58,14 @@ def _batches():
 BATCHES = _batches()
 
 
-def _handler(**kw):
+TRAIN = TrainSettings(lr=3e-3, local_steps=H, num_server_rounds=ROUNDS, warmup_steps=2)
+
+
+def _handler(train=TRAIN, **kw):
     return make_diloco_train_handler(
         lambda _ctx: build_llama(CFG, seed=0),
         lambda _ctx: lambda i: BATCHES[i % len(BATCHES)],
-        lr=3e-3,
-        local_steps=H,
-        num_server_rounds=ROUNDS,
-        warmup_steps=2,
+        train=train,
         **kw,
     )
 
@@ -137,7 +138,7 @@ def test_replies_are_bitwise_the_reference(case, tmp_path, monkeypatch):
     elif case == "fp32-fresh-process":
         got = _run(_handler(), fresh=True)
     elif case == "bf16-cached":
-        got = _run(_handler(precision="bf16"))
+        got = _run(_handler(runtime=Runtime(precision="bf16")))
     elif case == "delta-cached":
         got = _run(_handler(payload="delta"))
     elif case.startswith("fp32-temp-dir"):  # the moments in the node's moments file
@@ -153,14 +154,5 @@ def test_the_digest_sees_one_changed_bit():
     _pinned()
     a = _run(_handler())
     clear_caches()
-    b = _run(
-        make_diloco_train_handler(
-            lambda _ctx: build_llama(CFG, seed=0),
-            lambda _ctx: lambda i: BATCHES[i % len(BATCHES)],
-            lr=3e-3 * (1 + 2**-20),
-            local_steps=H,
-            num_server_rounds=ROUNDS,
-            warmup_steps=2,
-        )
-    )
+    b = _run(_handler(replace(TRAIN, lr=3e-3 * (1 + 2**-20))))
     assert a != b and a == DIGESTS["fp32-cached"]

@@ -94,13 +94,16 @@ def child(work: Path, size_name: str, precision: str, rnd: int, rounds: int, run
     transport_in = time.perf_counter() - t
     batches = wt.make_batches(size)
     build = timer.wrap("model_build", lambda _ctx: size.build(0))
+    settings = dict(
+        lr=wt.HP["lr"], betas=wt.HP["betas"], weight_decay=wt.HP["weight_decay"],
+        clip_norm=wt.HP["clip"], local_steps=size.h, num_server_rounds=rounds,
+        warmup_steps=size.h, min_lr_ratio=wt.MIN_LR_RATIO,
+    )  # fmt: skip
     train = make_diloco_train_handler(
         build,
         lambda _ctx: lambda i: batches[i % len(batches)],
-        lr=wt.HP["lr"], betas=wt.HP["betas"], weight_decay=wt.HP["weight_decay"],
-        clip_norm=wt.HP["clip"], local_steps=size.h, num_server_rounds=rounds,
-        warmup_steps=size.h, min_lr_ratio=wt.MIN_LR_RATIO, precision=precision,
-    )  # fmt: skip
+        **wt.worker_kwargs(settings, {"precision": precision}),
+    )
     handler = ws._mods_chain(with_node_state(train, temp_dir=True), timer)
     msg = Message(
         RecordDict({"arrays": arrays, "config": ConfigRecord({"server-round": rnd})}), 77, "train"

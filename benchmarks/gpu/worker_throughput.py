@@ -45,6 +45,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import dataclasses
 import inspect
 import json
 import os
@@ -70,15 +71,33 @@ MIN_LR_RATIO = 0.1
 APP_LOCAL_STEPS = 20  # isoloco-lm's train.local-steps default: the projected ratio's H
 
 
-def handler_features() -> dict[str, bool]:
-    """Which device arguments the installed ``make_diloco_train_handler`` takes (an older
-    package on ``PYTHONPATH`` may lack them)."""
-    from flwr_isoloco.clients import make_diloco_train_handler
+def _runtime_defaults() -> dict[str, Any]:
+    """The installed worker's runtime options and their defaults: the fields of ``Runtime``, or
+    the handler's keywords in an older package (on ``PYTHONPATH``) that has no ``Runtime``."""
+    from flwr_isoloco import clients
 
-    params = inspect.signature(make_diloco_train_handler).parameters
-    feats = {k: k in params for k in ("precision", "compile", "cache_nodes")}
-    feats["device_auto"] = "device" in params and params["device"].default == "auto"
+    if hasattr(clients, "Runtime"):
+        return {f.name: f.default for f in dataclasses.fields(clients.Runtime)}
+    params = inspect.signature(clients.make_diloco_train_handler).parameters
+    return {k: p.default for k, p in params.items()}
+
+
+def handler_features() -> dict[str, bool]:
+    """Which device options the installed worker takes (an older package may lack them)."""
+    options = _runtime_defaults()
+    feats = {k: k in options for k in ("precision", "compile", "cache_nodes")}
+    feats["device_auto"] = options.get("device") == "auto"
     return feats
+
+
+def worker_kwargs(train: dict[str, Any], runtime: dict[str, Any]) -> dict[str, Any]:
+    """The installed worker's arguments for these settings: ``train=TrainSettings(...)`` and
+    ``runtime=Runtime(...)``, or the same as keywords in an older package that lacks them."""
+    from flwr_isoloco import clients
+
+    if hasattr(clients, "TrainSettings"):
+        return {"train": clients.TrainSettings(**train), "runtime": clients.Runtime(**runtime)}
+    return {**train, **runtime}
 
 
 def make_batches(size: Size, seed: int = 1) -> list[torch.Tensor]:
@@ -165,9 +184,7 @@ class Handler:
                 raise ValueError("the installed handler has no compile argument")
             kw["compile"] = True
         batches = make_batches(size)
-        self.handler = make_diloco_train_handler(
-            lambda ctx: size.build(0),
-            lambda ctx: lambda i: batches[i % len(batches)],
+        train = dict(
             lr=HP["lr"],
             betas=HP["betas"],
             weight_decay=HP["weight_decay"],
@@ -176,8 +193,11 @@ class Handler:
             num_server_rounds=total_msgs,
             warmup_steps=warmup,
             min_lr_ratio=MIN_LR_RATIO,
-            device=str(device),
-            **kw,
+        )
+        self.handler = make_diloco_train_handler(
+            lambda ctx: size.build(0),
+            lambda ctx: lambda i: batches[i % len(batches)],
+            **worker_kwargs(train, {"device": str(device), **kw}),
         )
         self.context = common.node_context()
         self.context.run_id = os.getpid()  # its own run temp folder: benchmarks run side by side

@@ -311,7 +311,7 @@ _HANDLERS: dict[str, Any] = {}
 
 def _make_handler(spec: dict[str, Any]):
     """DiLoCo train handler for one cell; its model is built once per process if asked."""
-    from flwr_isoloco.clients import make_diloco_train_handler
+    from flwr_isoloco.clients import Runtime, TrainSettings, make_diloco_train_handler
 
     size, workers = spec["size"], spec["workers"]
     path = Path(spec["rows_path"])
@@ -332,16 +332,19 @@ def _make_handler(spec: dict[str, Any]):
         m = int(context.node_config["partition-id"])
         return lambda step: worker_batch(rows, m, workers, step, per_step)
 
-    return make_diloco_train_handler(
-        model_fn,
-        data_fn,
+    train = TrainSettings(
         lr=size["inner_lr"],
         local_steps=size["inner_steps"],
         num_server_rounds=size["rounds"],
         warmup_steps=size["warmup"],
         min_lr_ratio=size["min_lr_ratio"],
+    )
+    return make_diloco_train_handler(
+        model_fn,
+        data_fn,
+        train=train,
+        runtime=Runtime(state_layout=spec.get("state_layout", "flat")),
         seed=spec["seed"],
-        state_layout=spec.get("state_layout", "flat"),
     )
 
 

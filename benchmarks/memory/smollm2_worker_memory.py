@@ -39,7 +39,7 @@ def main() -> None:
     from flwr.app import ConfigRecord, Context, Message, RecordDict
     from isoloco_lm import task
 
-    from flwr_isoloco.clients import make_diloco_train_handler
+    from flwr_isoloco.clients import Runtime, TrainSettings, make_diloco_train_handler
     from flwr_isoloco.models.hf import model_arrays
 
     torch.set_num_threads(1)
@@ -54,9 +54,8 @@ def main() -> None:
     train = make_diloco_train_handler(
         lambda c: task.build_model(cfg),
         lambda c: task.node_batches(cfg, 0, 2),
-        lr=1e-4,
-        micro_batch=args.micro_batch,
-        gradient_checkpointing=args.gc,
+        train=TrainSettings(lr=1e-4),
+        runtime=Runtime(micro_batch=args.micro_batch, gradient_checkpointing=args.gc),
     )
     FakeGrid({}, num_nodes=1)  # Flower's task identity, so Messages can be built
     ctx = Context(1, 77, {"partition-id": 0, "num-partitions": 2}, RecordDict(), {})

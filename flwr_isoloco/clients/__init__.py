@@ -1,10 +1,14 @@
 """Client building blocks: ClientApp handlers and their training loops.
 
-- ``diloco_worker.py``: DiLoCo worker (H inner AdamW steps, optimiser state in ``context.state``);
-  ``inner_loop.py`` its inner steps, ``worker_cache.py`` its per-process cache (model and
-  moments on the device between messages), ``precision.py`` autocast / fp16 scaler
-  (:data:`PRECISIONS`, :func:`check_precision`), shared with the LoRA clients;
+- ``diloco_worker.py``: DiLoCo worker (H inner AdamW steps, optimiser state in ``context.state``),
+  set with ``train=TrainSettings(...)`` and ``runtime=Runtime(...)`` (``worker_settings.py``);
+  ``inner_loop.py`` its inner steps (and :class:`Pace`, a study's emulated speed),
+  ``worker_cache.py`` its per-process cache (model and moments on the device between
+  messages), ``precision.py`` autocast / fp16 scaler (:data:`PRECISIONS`,
+  :func:`check_precision`), shared with the LoRA clients;
   :func:`cache_stats` / :func:`clear_caches` report on and free the worker's cache.
+- ``distributed.py``: :func:`make_distributed_train_handler`, the same worker on several devices
+  of one site (a ``torch.distributed`` DDP group per message).
 - ``lora_client.py``: peft LoRA client that sends only the adapter.
 - ``adamw_state.py``: the AdamW state codec both use (named fp32 tensors, no pickle).
 - ``node_state.py``: :func:`~.node_state.with_node_state`, node-state files for exact resume;
@@ -21,22 +25,29 @@
 """
 
 from .diloco_worker import make_diloco_train_handler, make_lm_evaluate_handler
+from .distributed import make_distributed_train_handler
 from .download import download_mod, make_download_mod
+from .inner_loop import Pace
 from .lora_client import LoRAClient, LoRAClientConfig
 from .precision import PRECISIONS, check_precision
 from .query import partition_id_query
 from .upload import upload_mod
 from .worker_cache import cache_stats, clear_caches
+from .worker_settings import Runtime, TrainSettings
 
 __all__ = [
     "PRECISIONS",
     "LoRAClient",
     "LoRAClientConfig",
+    "Pace",
+    "Runtime",
+    "TrainSettings",
     "cache_stats",
     "check_precision",
     "clear_caches",
     "download_mod",
     "make_diloco_train_handler",
+    "make_distributed_train_handler",
     "make_download_mod",
     "make_lm_evaluate_handler",
     "partition_id_query",

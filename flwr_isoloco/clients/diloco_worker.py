@@ -4,15 +4,17 @@
 ``context.state`` (:mod:`flwr_isoloco.clients.adamw_state`; it never travels), runs H steps
 (:mod:`.inner_loop`) with the learning rate of :func:`inner_lr` (warm-up, then cosine to
 ``min-lr-ratio`` over the whole run), saves the state and replies ``theta_i`` (or the delta,
-compressed on request with error feedback) with ``num-examples`` = predicted tokens.
-``make_lm_evaluate_handler`` gives the token-weighted validation loss. The message config keys,
-the state records and the reply are specified in the repository's ``docs/strategies.md``
-("DiLoCo / IsoLoCo strategies"), "The DiLoCo worker". Wrapped in
+compressed on request with error feedback) with ``num-examples`` = predicted tokens. Its
+settings are two objects (:mod:`.worker_settings`): ``train=TrainSettings(...)``, the inner
+loop's optimisation (the defaults of the message config keys), and ``runtime=Runtime(...)``,
+where and how it runs. ``make_lm_evaluate_handler`` gives the token-weighted validation loss.
+The message config keys, the state records and the reply are specified in the repository's
+``docs/strategies.md`` ("DiLoCo / IsoLoCo strategies"), "The DiLoCo worker". Wrapped in
 :func:`~flwr_isoloco.clients.node_state.with_node_state`, the state's ArrayRecords wait for the
 next round in the node's state file rather than in ``context.state`` (in a simulation that is
 the ServerApp's process).
 
-Both run on ``device`` (``"auto"``: the GPU the process sees, else the CPU) in ``precision``
+Both run on a device (``"auto"``: the GPU the process sees, else the CPU) in a precision
 (:mod:`.precision`: autocast, fp32 master weights and moments); the train handler optionally
 compiles the model and keeps it and the node's moments on the device between messages of one
 process (:mod:`.worker_cache`; the stored state is written as without it). Whatever the
@@ -24,7 +26,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Hashable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -34,15 +36,18 @@ from flwr_isoloco.compression import parse_request
 from flwr_isoloco.merging.device import resolve_node_device
 from flwr_isoloco.merging.dp import CLIP_KEY, NOISE_KEY
 from flwr_isoloco.models.hf import load_model_arrays
+from flwr_isoloco.settings_tools import renamed_fields
 
 from .inner_loop import Amp, InnerLoop, Pace, accumulate, inner_lr
 from .inner_loop import inner_steps as _inner_steps
-from .precision import announce, autocast, check_compile, check_precision, grad_scaler
+from .precision import announce, autocast, check_precision, grad_scaler
 from .record_io import unpack_record
 from .worker_cache import ADAMW_STATE_KEY, borrow_model, restore_moments, store_moments
 from .worker_reply import RESIDUAL_STATE_KEY, reply_content
+from .worker_settings import RUNTIME_FIELDS, TRAIN_FIELDS, Runtime, TrainSettings
 
 __all__ = [
+    "MOVED_KEYWORDS",
     "make_diloco_train_handler",
     "make_lm_evaluate_handler",
     "next_token_loss",
@@ -55,7 +60,7 @@ __all__ = [
 
 WORKER_STATE_KEY = "diloco.worker"
 TIME_BUDGET_KEY = "time-budget-s"
-"""Message config key overriding the handler's ``time_budget_s`` (seconds; 0 = off)."""
+"""Message config key overriding ``TrainSettings.time_budget_s`` (seconds; 0 = off)."""
 
 ModelFn = Callable[[Context], torch.nn.Module]
 DataFn = Callable[[Context], Any]
@@ -119,8 +124,8 @@ class _Round:
     budget: float = 0.0  # time-budget-s: inner steps until it is spent (0 = all H)
 
 
-def _round_settings(cfg: Mapping[str, Any], d: Mapping[str, Any]) -> _Round:
-    """Read and check the message config (``d``: the factory's keyword defaults).
+def _round_settings(cfg: Mapping[str, Any], d: TrainSettings) -> _Round:
+    """Read and check the message config (``d``: its defaults).
 
     Raises ValueError for a missing or ill-typed key, a count below 1, a warm-up longer than
     the run (``warmup-steps > num-server-rounds * local-steps``: the lr would never reach its
@@ -128,16 +133,16 @@ def _round_settings(cfg: Mapping[str, Any], d: Mapping[str, Any]) -> _Round:
     """
     c = _Round(
         rnd=_get(cfg, "server-round", None, int),
-        h=_get(cfg, "local-steps", d["local_steps"], int),
-        rounds=_get(cfg, "num-server-rounds", d["num_server_rounds"], int),
-        lr=_get(cfg, "lr", d["lr"], float),
-        warm=_get(cfg, "warmup-steps", d["warmup_steps"], int),
-        min_ratio=_get(cfg, "min-lr-ratio", d["min_lr_ratio"], float),
-        wd=_get(cfg, "weight-decay", d["weight_decay"], float),
-        clip=_get(cfg, "clip-norm", d["clip_norm"], float),
+        h=_get(cfg, "local-steps", d.local_steps, int),
+        rounds=_get(cfg, "num-server-rounds", d.num_server_rounds, int),
+        lr=_get(cfg, "lr", d.lr, float),
+        warm=_get(cfg, "warmup-steps", d.warmup_steps, int),
+        min_ratio=_get(cfg, "min-lr-ratio", d.min_lr_ratio, float),
+        wd=_get(cfg, "weight-decay", d.weight_decay, float),
+        clip=_get(cfg, "clip-norm", d.clip_norm, float),
         request=parse_request(cfg),  # bad codec config -> ValueError
         dp=_local_dp_request(cfg),
-        budget=_get(cfg, TIME_BUDGET_KEY, d["time_budget_s"], float),
+        budget=_get(cfg, TIME_BUDGET_KEY, d.time_budget_s, float),
     )
     if c.budget < 0:
         raise ValueError(f"{TIME_BUDGET_KEY} must be >= 0 (0 = off), got {c.budget!r}")
@@ -237,53 +242,44 @@ def _one_of(name: str, value: str, options: tuple[str, ...]) -> None:
         raise ValueError(f"{name} must be " + " or ".join(map(repr, options)) + f", got {value!r}")
 
 
-def _check_handler_options(
-    micro_batch: object, payload: str, state_layout: str, cache_nodes: object, compile: object
-) -> None:
-    """``ValueError`` naming the first of the train handler's options that is not allowed."""
-    for name, value in (("micro_batch", micro_batch), ("cache_nodes", cache_nodes)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise ValueError(f"{name} must be an int >= 0, got {value!r}")
-    _one_of("payload", payload, ("weights", "delta"))
-    _one_of("state_layout", state_layout, ("flat", "named"))
-    check_compile(compile)
-
-
 @dataclass(frozen=True)
 class _Worker:
-    """The train handler's keyword arguments, checked (``make_diloco_train_handler``)."""
+    """The train handler's arguments, checked (``make_diloco_train_handler``)."""
 
     model_fn: ModelFn
     data_fn: DataFn
     loss_fn: LossFn
-    betas: tuple[float, float]
+    train: TrainSettings
+    run: Runtime
     payload: str
     seed: int
     key: str
-    device: torch.device
-    precision: str
-    layout: str
-    micro_batch: int
-    checkpointing: bool
-    compile: bool
-    cache_nodes: int
-    pace: tuple[float, float] = (1.0, 0.0)  # emulated speed: (slowdown, step seconds)
+    device: torch.device  # run.device resolved: the device this process trains on
+    pace: Pace | None  # None: no emulated speed
 
     def model_key(self, context: Context, theta: Mapping[str, torch.Tensor]) -> tuple | None:
         """The model pool's key (:func:`~.worker_cache.borrow_model`; None: no pooling)."""
         code = getattr(self.model_fn, "__code__", self.model_fn)  # a lambda's: one per source
-        if (self.cache_nodes == 0 and not self.compile) or not isinstance(code, Hashable):
+        run = self.run
+        if (run.cache_nodes == 0 and not run.compile) or not isinstance(code, Hashable):
             return None
         sig = tuple((k, tuple(v.shape), v.dtype) for k, v in theta.items())
-        return (context.run_id, code, sig, str(self.device), self.checkpointing, self.compile)
+        return (
+            context.run_id,
+            code,
+            sig,
+            str(self.device),
+            run.gradient_checkpointing,
+            run.compile,
+        )
 
     def build(self, context: Context):
         """``() -> (model on the device, forward, trainable named parameters)``."""
 
         def build():
             model = self.model_fn(context).to(self.device)
-            named = _prepare_training(model, self.checkpointing)
-            return model, (torch.compile(model) if self.compile else model), named
+            named = _prepare_training(model, self.run.gradient_checkpointing)
+            return model, (torch.compile(model) if self.run.compile else model), named
 
         return build
 
@@ -296,147 +292,97 @@ def _train_round(w: _Worker, c: _Round, theta, model, forward, named, context: C
     model.train()
     if c.request is None and w.payload == "weights" and c.dp is None:
         theta = None  # a plain weights reply does not need theta: one model copy less
-    opt = _adamw(named, c.lr, w.betas, c.wd, _use_fused_adamw(w.device))
-    restore_moments(opt, named, context, w.device, w.cache_nodes)
+    opt = _adamw(named, c.lr, w.train.betas, c.wd, _use_fused_adamw(w.device))
+    restore_moments(opt, named, context, w.device, w.run.cache_nodes)
     cursor = _data_cursor(context.state)
     node_seed = w.seed * 1_000_003 + int(context.node_config.get("partition-id", context.node_id))
     data = w.data_fn(context)
     torch.manual_seed(node_seed * 7919 + c.rnd)  # dropout etc., reproducible per round
-    amp = Amp(w.device, w.precision, grad_scaler(w.device, w.precision))
-    loop = InnerLoop(forward, opt, named, w.loss_fn, w.micro_batch, amp)
-    pace = Pace(*w.pace)
+    amp = Amp(w.device, w.run.precision, grad_scaler(w.device, w.run.precision))
+    loop = InnerLoop(forward, opt, named, w.loss_fn, w.run.micro_batch, amp)
+    pace = None if w.pace is None else replace(w.pace, overruns=0)  # this message's count
     t0 = time.perf_counter()
-    losses, tokens, step_lr, cursor = _inner_steps(
-        loop, data, cursor, node_seed, c, pace=pace if pace.active else None
-    )
+    losses, tokens, step_lr, cursor = _inner_steps(loop, data, cursor, node_seed, c, pace=pace)
     spent = time.perf_counter() - t0
     opt.zero_grad(set_to_none=True)  # freed before the state and reply are written (peak RSS)
-    store_moments(opt, named, context, w.layout, w.device, w.cache_nodes)
+    store_moments(opt, named, context, w.run.state_layout, w.device, w.run.cache_nodes)
     context.state[WORKER_STATE_KEY] = ConfigRecord({"data-cursor": cursor, "last-round": c.rnd})
     new = {k: v.detach().cpu() for k, v in model.state_dict().items() if k in names}
     content = reply_content(theta, new, c.request, w.payload, context.state, w.key, c.dp)
     content["metrics"] = _train_metrics(tokens, losses, step_lr, c, amp, spent)
-    if pace.active:  # what the emulation did: the study checks its speeds held
+    if pace is not None:  # what the emulation did: the study checks its speeds held
         content["metrics"]["emulated-slowdown"] = pace.slowdown
         content["metrics"]["pace-overruns"] = pace.overruns
     return content
 
 
+MOVED_KEYWORDS = {
+    **{name: f"train=TrainSettings.{name}" for name in TRAIN_FIELDS},
+    **{name: f"runtime=Runtime.{name}" for name in RUNTIME_FIELDS},
+    "emulated_slowdown": "pace=Pace.slowdown",
+    "emulated_step_s": "pace=Pace.step_s",
+}
+"""The keywords the train handler factories refuse (a ``TypeError``), naming the settings
+field that took their place (:func:`~flwr_isoloco.settings_tools.renamed_fields`)."""
+
+
+def _settings(train: object, runtime: object, payload: str, pace: object) -> None:
+    """``TypeError`` for a settings argument of the wrong kind; ``ValueError`` for a payload
+    that is neither ``"weights"`` nor ``"delta"``."""
+    for name, value, kind in (("train", train, TrainSettings), ("runtime", runtime, Runtime)):
+        if not isinstance(value, kind):
+            raise TypeError(f"{name} must be a {kind.__name__}, got {value!r}")
+    if pace is not None and not isinstance(pace, Pace):
+        raise TypeError(f"pace must be a Pace or None, got {pace!r}")
+    _one_of("payload", payload, ("weights", "delta"))
+
+
+@renamed_fields(**MOVED_KEYWORDS)
 def make_diloco_train_handler(
     model_fn: ModelFn,
     data_fn: DataFn,
     *,
     loss_fn: LossFn = next_token_loss,
-    lr: float = 1.38e-3,
-    local_steps: int = 30,
-    num_server_rounds: int | None = None,
-    warmup_steps: int = 0,
-    min_lr_ratio: float = 0.1,
-    weight_decay: float = 0.1,
-    betas: tuple[float, float] = (0.9, 0.95),
-    clip_norm: float = 1.0,
+    train: TrainSettings = TrainSettings(),  # noqa: B008 (frozen)
+    runtime: Runtime = Runtime(),  # noqa: B008 (frozen)
     payload: str = "weights",
     seed: int = 0,
     arrayrecord_key: str = "arrays",
     configrecord_key: str = "config",
-    device: str | torch.device = "auto",
-    precision: str = "fp32",
-    compile: bool = False,
-    cache_nodes: int = 1,
-    state_layout: str = "flat",
-    micro_batch: int = 0,
-    gradient_checkpointing: bool = False,
-    time_budget_s: float = 0.0,
-    emulated_slowdown: float = 1.0,
-    emulated_step_s: float = 0.0,
+    pace: Pace | None = None,
 ) -> Callable[[Message, Context], Message]:
-    """A ClientApp ``@app.train()`` handler running H inner AdamW steps (the repository's ``docs/strategies.md`` ("DiLoCo / IsoLoCo strategies")).
+    """A ClientApp ``@app.train()`` handler running H inner AdamW steps (the repository's
+    ``docs/strategies.md``, "The DiLoCo worker").
 
-    Parameters
-    ----------
-    model_fn, data_fn, loss_fn :
-        ``(context) -> Module`` the received ``arrays`` load into (strict); ``(context) ->`` the
-        node's batches (a sequence, seeded order per epoch, or ``batch(step)``); ``(model,
-        batch) -> (mean loss, predicted tokens)``.
-    lr, local_steps, num_server_rounds, warmup_steps, min_lr_ratio, weight_decay, clip_norm :
-        Defaults of the message config keys of the same names (:func:`inner_lr`).
-    betas, payload, seed, arrayrecord_key, configrecord_key :
-        AdamW betas; reply ``"weights"`` (FedAvg-style) or ``"delta"``; with the node's
-        ``partition-id`` seeds batch order and dropout; record names.
-    device :
-        ``"auto"`` (the GPU this process sees, in a Ray simulation the one assigned to the
-        node's actor by ``options.backend.client-resources.num-gpus``; else the CPU), ``"cpu"``,
-        ``"cuda"``, ``"cuda:<i>"`` or a ``torch.device``. A CUDA device that is not visible is
-        refused here, before any message, with the fix named
-        (:func:`~flwr_isoloco.merging.device.resolve_node_device`). The node logs once per
-        process where it trains. The reply and the stored state are fp32 on the CPU.
-    precision :
-        ``"fp32"``, ``"bf16"`` or ``"fp16"`` (:mod:`.precision`): the forward and loss under
-        autocast, fp32 weights, gradients and AdamW moments, so the pseudo-gradient is fp32.
-        fp16 scales the loss with a ``torch.amp.GradScaler`` made fresh for each message (its
-        scale starts at 2**16 every message: it is not part of the node's state); the steps it
-        skips are in the reply's ``skipped-steps``.
-    compile :
-        ``torch.compile`` the model, once per process (the compiled model is kept in the
-        process's model pool, :mod:`.worker_cache`, and reused by every later message).
-    cache_nodes :
-        Keep the model and the AdamW moments of the last ``cache_nodes`` nodes this process
-        trained on the device between messages (:mod:`.worker_cache`): used only when the
-        node's stored AdamW record is the one this process wrote last (a token in it says so),
-        and bitwise the same as reading it back. The state is still written to
-        ``context.state`` every message. 0: build the model and read the moments every message.
-    state_layout :
-        How the AdamW state is kept in ``context.state``: ``"flat"`` (three arrays) or
-        ``"named"`` (three per parameter; same numbers, slower per message). Both are read.
-    micro_batch, gradient_checkpointing :
-        Memory: each inner step's batch is run in pieces of ``micro_batch`` rows with the
-        gradient accumulated (0: in one piece; same step to fp32 rounding); recompute
-        activations in the backward pass (``model.gradient_checkpointing_enable()``, a
-        Hugging Face model's method).
-    time_budget_s :
-        Speed-scaled local steps (0, the default: off, every round runs H steps). Seconds of
-        inner steps per round (the message config's ``time-budget-s`` overrides it): the node
-        runs steps until the budget is spent, at least 1 and at most H, predicting each next
-        step from its own mean step time so far (:func:`.inner_loop.another_step_fits`). The
-        reply reports the steps run (``inner-steps``), ``inner-steps-asked`` (H), the budget
-        and ``step-time-s``; ``num-examples`` counts the tokens of the steps run, so the server
-        weighs the node by the work it did. Given the step count the round is deterministic;
-        the count depends on wall time (the node's speed and load), so runs differ.
-    emulated_slowdown, emulated_step_s :
-        Emulated speed for heterogeneity studies on one machine (1 and 0, the defaults: off;
-        :class:`~.inner_loop.Pace`): each inner step is padded with a sleep so the node runs
-        ``emulated_slowdown`` times slower, to ``emulated_slowdown * emulated_step_s`` seconds
-        a step when ``emulated_step_s > 0`` (independent of the machine's load while a step
-        computes in less; steps that compute longer are counted in ``pace-overruns``). The
-        reply adds ``emulated-slowdown`` and ``pace-overruns``.
+    ``model_fn(context) -> Module``: the model the received ``arrays`` load into
+    (:func:`~flwr_isoloco.models.hf.load_model_arrays`: names, shapes and dtypes checked, a tied
+    tensor received once and the tie kept; the reply has the message's names).
+    ``data_fn(context)``: the node's batches, a sequence (a seeded order per epoch) or
+    ``batch(step)``. ``loss_fn(model, batch) -> (mean loss, predicted tokens)``.
 
-    The received arrays load with :func:`flwr_isoloco.models.hf.load_model_arrays` (names and
-    shapes checked; a tied tensor arrives once and the tie holds), and the reply has the same
-    names as the message.
+    ``train``: the inner loop's optimisation, the defaults of the message's config keys
+    (:class:`~.worker_settings.TrainSettings`). ``runtime``: device, precision, memory and the
+    per-process cache (:class:`~.worker_settings.Runtime`). ``payload``: reply ``theta_i``
+    (``"weights"``, FedAvg-style) or ``theta - theta_i`` (``"delta"``). ``seed``, with the
+    node's ``partition-id``, seeds the batch order and dropout. ``arrayrecord_key`` /
+    ``configrecord_key``: the message's record names.
+
+    ``pace`` (a study hook; None: off): a :class:`~.inner_loop.Pace` that pads every inner step
+    with a sleep, so one machine emulates sites of unequal speed. It acts between a step and the
+    time budget's next check, so the budget sees the padded steps as it would a slower machine;
+    the reply adds ``emulated-slowdown`` and ``pace-overruns`` (counted per message).
     """
-    _check_handler_options(micro_batch, payload, state_layout, cache_nodes, compile)
-    Pace(emulated_slowdown, emulated_step_s)  # checked: ValueError naming the bad one
-    budget = time_budget_s
-    if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not budget >= 0:
-        raise ValueError(f"time_budget_s must be a number >= 0 (0 = off), got {budget!r}")
-    if not math.isfinite(budget):
-        raise ValueError(f"time_budget_s must be finite, got {budget!r}")
+    _settings(train, runtime, payload, pace)
     w = _Worker(
-        model_fn, data_fn, loss_fn, betas, payload, seed, arrayrecord_key,
-        resolve_node_device(device), check_precision(precision), state_layout, micro_batch,
-        gradient_checkpointing, compile, cache_nodes,
-        pace=(float(emulated_slowdown), float(emulated_step_s)),
+        model_fn, data_fn, loss_fn, train, runtime, payload, seed, arrayrecord_key,
+        resolve_node_device(runtime.device), pace if pace is not None and pace.active else None,
     )  # fmt: skip
-    defaults = dict(local_steps=local_steps, num_server_rounds=num_server_rounds, lr=lr)
-    defaults |= dict(warmup_steps=warmup_steps, min_lr_ratio=min_lr_ratio)
-    defaults |= dict(weight_decay=weight_decay, clip_norm=clip_norm)
-    defaults |= dict(time_budget_s=float(time_budget_s))
 
-    def train(msg: Message, context: Context) -> Message:
-        c = _round_settings(_config(msg, configrecord_key), defaults)
+    def train(msg: Message, context: Context) -> Message:  # the settings are w.train from here
+        c = _round_settings(_config(msg, configrecord_key), w.train)
         theta = _received_arrays(msg, arrayrecord_key)
         pid = context.node_config.get("partition-id", "-")
-        announce("DiLoCo worker", context, pid, w.device, w.precision, w.compile)
+        announce("DiLoCo worker", context, pid, w.device, w.run.precision, w.run.compile)
         with borrow_model(w.model_key(context, theta), w.build(context)) as (model, fwd, named):
             content = _train_round(w, c, theta, model, fwd, named, context)
         return Message(content, reply_to=msg)
@@ -458,8 +404,8 @@ def make_lm_evaluate_handler(
 
     Replies ``num-examples`` (predicted tokens), ``eval-loss`` and ``eval-ppl = exp(eval-loss)``.
     ``data_fn(context)`` returns a sequence of validation batches. ``device`` and ``precision``
-    as for :func:`make_diloco_train_handler` (the forward under autocast; the loss is summed in
-    fp64 on the CPU).
+    as the train handler's :class:`~.worker_settings.Runtime` fields of those names (the forward
+    under autocast; the loss is summed in fp64 on the CPU).
     """
     dev = resolve_node_device(device)
     precision = check_precision(precision)

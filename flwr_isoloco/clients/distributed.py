@@ -46,7 +46,6 @@ written from full (unsharded) tensors by name, which a sharded model would first
 
 from __future__ import annotations
 
-import inspect
 import os
 import pickle
 import signal
@@ -55,6 +54,7 @@ import tempfile
 import time
 import traceback
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 from datetime import timedelta
 from logging import INFO
 from multiprocessing import connection as mp_connection
@@ -67,7 +67,18 @@ import torch.multiprocessing as mp
 from flwr.app import Context, Message, RecordDict
 from flwr.common.logger import log
 
-from .diloco_worker import DataFn, LossFn, ModelFn, make_diloco_train_handler, next_token_loss
+from flwr_isoloco.merging.device import parse_device
+from flwr_isoloco.settings_tools import renamed_fields
+
+from .diloco_worker import (
+    MOVED_KEYWORDS,
+    DataFn,
+    LossFn,
+    ModelFn,
+    make_diloco_train_handler,
+    next_token_loss,
+)
+from .worker_settings import Runtime, TrainSettings
 
 __all__ = [
     "DistributedWorkerError",
@@ -256,7 +267,7 @@ def _train_rank(rank: int, job: dict, device: torch.device) -> None:
         job["model_fn"],
         _SlicedData(job["data_fn"], rank, job["world_size"]),
         loss_fn=_DDPLoss(job["loss_fn"], rank, job["world_size"], device),
-        device=device,
+        runtime=replace(job["runtime"], device=device),
         **job["kwargs"],
     )
     reply = handler(msg, context)
@@ -351,6 +362,7 @@ def _check_picklable(**fns: Any) -> None:
             ) from None
 
 
+@renamed_fields(**{k: v for k, v in MOVED_KEYWORDS.items() if k != "device"})
 def make_distributed_train_handler(
     model_fn: ModelFn,
     data_fn: DataFn,
@@ -359,6 +371,8 @@ def make_distributed_train_handler(
     backend: str | None = None,
     devices: Sequence[str | torch.device] | None = None,
     loss_fn: LossFn = next_token_loss,
+    train: TrainSettings = TrainSettings(),  # noqa: B008 (frozen)
+    runtime: Runtime = Runtime(),  # noqa: B008 (frozen)
     timeout_s: float = 1800.0,
     **handler_kwargs: Any,
 ) -> Callable[[Message, Context], Message]:
@@ -374,22 +388,30 @@ def make_distributed_train_handler(
         Ranks, one device each (``["cuda:0", "cuda:1"]``; default ``cuda:0 .. cuda:W-1`` of the
         GPUs this process sees, refused if it sees fewer than ``W``; the CPU where it sees
         none); ``"nccl"`` (CUDA) or ``"gloo"`` (CPU; also CUDA), default by device.
+    train, runtime :
+        The one-process handler's settings, the same in every rank; ``runtime.device`` stays
+        ``"auto"`` (``devices`` places the ranks) and ``runtime.cache_nodes`` is 0 in the ranks
+        (a rank's process ends with its message).
     timeout_s :
         Limit for one message's group (start, H inner steps, reply) and for every collective.
     handler_kwargs :
-        The one-process handler's other options (``lr``, ``local_steps``, ``payload``,
-        ``micro_batch`` ...), passed to it unchanged in every rank; ``device`` is per rank.
+        The one-process handler's other arguments (``payload``, ``seed``, the record keys,
+        ``pace``), passed to it unchanged in every rank.
     """
-    if "device" in handler_kwargs:
-        raise ValueError("distributed worker: pass devices=[...] (one per rank), not device=")
+    if "device" in handler_kwargs or parse_device(getattr(runtime, "device", None)) is not None:
+        raise ValueError(
+            "distributed worker: pass devices=[...] (one per rank), not device= or "
+            "Runtime(device=...)"
+        )
     devs, backend = _resolve_devices(world_size, backend, devices)
     if not (isinstance(timeout_s, (int, float)) and timeout_s > 0):
         raise ValueError(f"timeout_s must be a number > 0, got {timeout_s!r}")
-    # the one-process handler checks its options here, before any message (on the CPU: the
+    # the one-process handler checks its arguments here, before any message (on the CPU: the
     # ClientApp's own process touches no GPU; each rank takes its device)
-    make_diloco_train_handler(model_fn, data_fn, loss_fn=loss_fn, device="cpu", **handler_kwargs)
-    if "cache_nodes" in inspect.signature(make_diloco_train_handler).parameters:
-        handler_kwargs.setdefault("cache_nodes", 0)  # a rank's process ends with its message
+    handler_kwargs = dict(handler_kwargs, train=train)
+    cpu = replace(runtime, device="cpu")
+    make_diloco_train_handler(model_fn, data_fn, loss_fn=loss_fn, runtime=cpu, **handler_kwargs)
+    runtime = replace(runtime, cache_nodes=0)  # a rank's process ends with its message
     _check_picklable(model_fn=model_fn, data_fn=data_fn, loss_fn=loss_fn)
     threads = max(1, torch.get_num_threads() // world_size)
     logged: list[bool] = []
@@ -405,7 +427,7 @@ def make_distributed_train_handler(
             job = dict(
                 world_size=world_size, devices=devs, backend=backend, port=store.port,
                 dir=tmp, timeout_s=float(timeout_s), threads=threads, model_fn=model_fn,
-                data_fn=data_fn, loss_fn=loss_fn, kwargs=handler_kwargs,
+                data_fn=data_fn, loss_fn=loss_fn, runtime=runtime, kwargs=handler_kwargs,
             )  # fmt: skip
             _run_group(job, float(timeout_s))
             result = Path(tmp) / _RESULT

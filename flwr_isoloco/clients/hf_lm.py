@@ -8,7 +8,7 @@ Hugging Face model"; the example app in the repository's ``examples/hf-causal-lm
     def data_fn(context):
         texts = partition_texts(dataset, pid, num_partitions)  # flwr-datasets IidPartitioner
         return window_batches(tokenize_texts(texts, tok), 4, 256, seed=0, partition_id=pid)
-    app.train()(make_diloco_train_handler(model_fn, data_fn, micro_batch=2))
+    app.train()(make_diloco_train_handler(model_fn, data_fn, runtime=Runtime(micro_batch=2)))
 
 and on the server ``initial_arrays = model_arrays(model)`` (each tied tensor once; see
 :mod:`flwr_isoloco.models.hf`) and, at the end, ``load_model_arrays(model, result.arrays)``.

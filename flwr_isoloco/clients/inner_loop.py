@@ -191,8 +191,9 @@ def another_step_fits(done: int, elapsed: float, h: int, budget: float) -> bool:
 
 @dataclass
 class Pace:
-    """Emulated speed (module docstring): ``slowdown`` ``f >= 1``, fixed step time ``step_s``
-    ``p >= 0`` (0: scale the node's own compute). Counts the overruns."""
+    """Emulated speed (module docstring; the train handler's ``pace=``): ``slowdown``
+    ``f >= 1``, fixed step time ``step_s`` ``p >= 0`` (0: scale the node's own compute). Counts
+    the overruns."""
 
     slowdown: float = 1.0
     step_s: float = 0.0

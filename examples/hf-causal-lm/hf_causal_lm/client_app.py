@@ -3,7 +3,7 @@
 from flwr.app import Context, Message
 from flwr.clientapp import ClientApp
 
-from flwr_isoloco.clients import make_diloco_train_handler
+from flwr_isoloco.clients import Runtime, TrainSettings, make_diloco_train_handler
 from flwr_isoloco.clients.hf_lm import partition_texts, tokenize_texts, window_batches
 
 from .task import model_fn_for, model_source, text_splits, tokenizer_for
@@ -25,13 +25,16 @@ def train(msg: Message, context: Context) -> Message:
         tokens = tokenize_texts(texts, tok)
         return window_batches(tokens, rc["batch-size"], rc["seq-len"], seed=0, partition_id=pid)
 
-    handler = make_diloco_train_handler(
-        model_fn_for(source),
-        data_fn,
+    settings = TrainSettings(
         lr=rc["lr"],
         local_steps=rc["local-steps"],
         num_server_rounds=rc["num-server-rounds"],
         warmup_steps=0,
-        micro_batch=rc["micro-batch"],
+    )
+    handler = make_diloco_train_handler(
+        model_fn_for(source),
+        data_fn,
+        train=settings,
+        runtime=Runtime(micro_batch=rc["micro-batch"]),
     )
     return handler(msg, context)

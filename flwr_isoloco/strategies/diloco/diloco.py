@@ -33,6 +33,7 @@ from flwr.serverapp import Grid
 from flwr_isoloco.compression import payload_nbytes
 from flwr_isoloco.merging import resolve_device
 from flwr_isoloco.merging.buffers import merged_buffers
+from flwr_isoloco.settings_tools import renamed_fields
 from flwr_isoloco.strategies.core.evaluation import aggregate_metrics, evaluation_round
 from flwr_isoloco.strategies.core.guard import EmptyRoundGuard
 from flwr_isoloco.strategies.core.lifecycle import (
@@ -64,7 +65,6 @@ from flwr_isoloco.strategies.diloco.settings import (
     Rounds,
     as_codec,
     as_robust,
-    renamed_fields,
 )
 from flwr_isoloco.strategies.diloco.setup import (
     MOVED_ARGUMENTS,

@@ -14,9 +14,10 @@ from typing import Any
 from flwr.common.logger import log
 
 from flwr_isoloco.outer import ISOLOCO_PRESETS, nesterov_step_limit, resolve_preset
+from flwr_isoloco.settings_tools import renamed_fields
 from flwr_isoloco.strategies.diloco.config import ISOLOCO_RUN_CONFIG
 from flwr_isoloco.strategies.diloco.diloco import DiLoCo
-from flwr_isoloco.strategies.diloco.settings import MergeSettings, renamed_fields
+from flwr_isoloco.strategies.diloco.settings import MergeSettings
 
 __all__ = ["IsoLoCo", "ISOLOCO_PRESETS"]
 

@@ -25,16 +25,15 @@ at the strategy's construction. The run-config keys map onto these objects in on
 
 from __future__ import annotations
 
-import functools
-import re
 from collections.abc import Mapping
-from dataclasses import MISSING, dataclass, field, fields
+from dataclasses import dataclass, field, fields
 from types import MappingProxyType
 from typing import Any, ClassVar
 
 from flwr_isoloco.compression import EXACT, normalize_options
 from flwr_isoloco.merging import MERGE_RULES
 from flwr_isoloco.merging.robust import ROBUST_RULES, resolve_robust
+from flwr_isoloco.settings_tools import renamed_fields, short_repr
 from flwr_isoloco.strategies.core.divergence import (
     DEFAULT_COLLAPSE_FACTOR,
     DEFAULT_DIVERGENCE_FACTOR,
@@ -51,6 +50,7 @@ from flwr_isoloco.strategies.diloco.dp_settings import (
     finite_number,
     off_or_positive,
 )
+from flwr_isoloco.strategies.diloco.settings_groups import MergeSettings, Records
 
 __all__ = [
     "AdaptiveClipping",
@@ -82,58 +82,6 @@ DEFAULT_MAX_WEIGHT_RATIO = 5.0
 
 def _renamed(where: str, exc: ValueError) -> ValueError:
     return ValueError(f"{where}: {exc}")
-
-
-_MOVED = re.compile(r"(\w+)=(\w+)\.(\w+)")
-
-
-def renamed_message(name: str, old: str, value: Any, new: str) -> str:
-    """The message refusing ``name(old=value)``: ``new`` is the new field name, ``arg=Class.field``
-    (the field of a settings object: ``rounds=Rounds.asynchronous``) or a spelling to use
-    instead (``merge='iso_c_ns'``)."""
-    if m := _MOVED.fullmatch(new):
-        what, use = f"{m[2]}.{m[3]}", f"{m[1]}={m[2]}({m[3]}={value!r})"
-    else:
-        what, use = new, new if "=" in new else f"{new}={value!r}"
-    return f"{name}({old}={value!r}): {old} is now {what}: use {name}({use})"
-
-
-def renamed_fields(**renamed: str):
-    """A class whose old keywords (``old=new``, :func:`renamed_message`) are refused with a
-    ``TypeError`` naming the new spelling, not taken for an unknown argument."""
-
-    def wrap(cls):
-        init = cls.__init__
-
-        @functools.wraps(init)
-        def __init__(self, *args: Any, **kw: Any) -> None:
-            for old, new in renamed.items():
-                if old in kw:
-                    raise TypeError(renamed_message(type(self).__name__, old, kw[old], new))
-            init(self, *args, **kw)
-
-        cls.__init__ = __init__
-        return cls
-
-    return wrap
-
-
-def short_repr(cls):
-    """A dataclass whose repr names only the fields not at their default (``Rounds()``,
-    ``Rounds(quorum=0.5)``): a signature that shows it as a default stays one short line."""
-
-    def __repr__(self) -> str:
-        args = []
-        for f in fields(self):
-            v = getattr(self, f.name)
-            v = dict(v) if isinstance(v, MappingProxyType) else v
-            default = f.default_factory() if f.default_factory is not MISSING else f.default
-            if default is MISSING or type(v) is not type(default) or v != default:
-                args.append(f"{f.name}={v!r}")
-        return f"{type(self).__name__}({', '.join(args)})"
-
-    cls.__repr__ = __repr__
-    return cls
 
 
 # ----------------------------------------------------------------------------- replies, rounds
@@ -460,7 +408,3 @@ def as_robust(
     if robust not in ROBUST_CLASSES:
         raise ValueError(f"robust must be one of {ROBUST_RULES} or a Robust, got {robust!r}")
     return ROBUST_CLASSES[robust](**dict(options or {}))
-
-
-# the grouped arguments (their module builds on short_repr above, hence imported last)
-from flwr_isoloco.strategies.diloco.settings_groups import MergeSettings, Records  # noqa: E402

@@ -8,7 +8,8 @@ takes one argument for each group:
   aggregates the nodes' metrics (the FedAvg arguments of the same names).
 
 Like the classes of :mod:`~flwr_isoloco.strategies.diloco.settings`, each is frozen and checks
-its fields when built (``ValueError`` naming the field).
+its fields when built (``ValueError`` naming the field) and its repr shows the fields not at
+their default (:func:`~flwr_isoloco.settings_tools.short_repr`).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from flwr.app import MetricRecord, RecordDict
 
 from flwr_isoloco.merging.buffers import check_buffers_spec
 from flwr_isoloco.merging.device import parse_device
-from flwr_isoloco.strategies.diloco.settings import short_repr
+from flwr_isoloco.settings_tools import short_repr
 
 __all__ = ["ORTHOGONALIZE", "MergeSettings", "Records"]
 

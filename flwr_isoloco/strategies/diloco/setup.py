@@ -53,7 +53,7 @@ MOVED_ARGUMENTS = {
     **{k: f"records=Records.{k}" for k in RECORD_FIELDS},
 }
 """Keywords DiLoCo refuses, naming the settings field that took their place
-(:func:`~flwr_isoloco.strategies.diloco.settings.renamed_fields`)."""
+(:func:`~flwr_isoloco.settings_tools.renamed_fields`)."""
 
 
 def rule_and_name(merge_rule: Any) -> tuple[Any, str]:

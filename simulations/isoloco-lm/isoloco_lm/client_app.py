@@ -20,11 +20,12 @@ the GPU this node's process sees (in a simulation, one given by
 ``options.backend.client-resources.num-gpus``; with the default 0 Ray hides every GPU from the
 node), else the CPU; ``cuda`` where none is visible is refused naming the key and the fix.
 ``train.precision``, ``train.compile`` and ``train.time-budget-s`` (speed-scaled local steps,
-0 = off) go to the worker as they are. ``train.slowdown-spread`` / ``train.emulated-step-s`` emulate
-unequal sites on one machine (:func:`node_slowdown`; the worker's ``emulated_slowdown``): the
-reply then adds the task's wall-clock start and end (``task-start-s``, ``task-end-s``, for
-utilisation). The node checks the
-strategy section for spelling only: ``strategy.merge-device`` is the server's (task.load_config).
+0 = off) go to the worker as they are (its ``Runtime`` and ``TrainSettings``).
+``train.slowdown-spread`` / ``train.emulated-step-s`` emulate unequal sites on one machine
+(:func:`node_slowdown`, the worker's ``pace=Pace(slowdown, step_s)``): the reply then adds the
+task's wall-clock start and end (``task-start-s``, ``task-end-s``, for utilisation). The node
+checks the strategy section for spelling only: ``strategy.merge-device`` is the server's
+(task.load_config).
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from flwr.app import Context, Message
 from flwr.clientapp import ClientApp
 from flwr.common.logger import log
 
-from flwr_isoloco.clients.diloco_worker import make_diloco_train_handler
+from flwr_isoloco.clients import Pace, Runtime, TrainSettings, make_diloco_train_handler
 from flwr_isoloco.clients.download import make_download_mod
 from flwr_isoloco.clients.node_state import with_node_state
 from flwr_isoloco.merging.device import resolve_node_device
@@ -110,18 +111,20 @@ def _train(msg: Message, context: Context) -> Message:
         def data_fn(ctx):
             return node_batches(cfg, pid, parts)
 
-    handler = make_diloco_train_handler(
-        lambda ctx: build_model(cfg, init=False),  # every weight comes from the message
-        data_fn,
-        seed=cfg.seed,
-        micro_batch=cfg.train["micro-batch"],
-        gradient_checkpointing=cfg.train["gradient-checkpointing"],
+    runtime = Runtime(
         device=device,
         precision=cfg.train.precision,
         compile=cfg.train.compile,
-        time_budget_s=float(cfg.train["time-budget-s"]),
-        emulated_slowdown=node_slowdown(cfg, context),
-        emulated_step_s=float(cfg.train["emulated-step-s"]),
+        micro_batch=cfg.train["micro-batch"],
+        gradient_checkpointing=cfg.train["gradient-checkpointing"],
+    )
+    handler = make_diloco_train_handler(
+        lambda ctx: build_model(cfg, init=False),  # every weight comes from the message
+        data_fn,
+        train=TrainSettings(time_budget_s=float(cfg.train["time-budget-s"])),
+        runtime=runtime,
+        seed=cfg.seed,
+        pace=Pace(node_slowdown(cfg, context), float(cfg.train["emulated-step-s"])),
     )
     started, t0 = time.time(), time.perf_counter()
     reply = handler(msg, context)

@@ -19,17 +19,15 @@ app = ClientApp(mods=[secagg_mod])
 def train(msg: Message, context: Context) -> Message:
     import numpy as np
 
-    from flwr_isoloco.clients import make_diloco_train_handler
+    from flwr_isoloco.clients import TrainSettings, make_diloco_train_handler
     from secaggfed.task import build_model, node_batches
 
     pid = int(context.node_config["partition-id"])
+    rounds = int(context.run_config["num-server-rounds"])
     handler = make_diloco_train_handler(
         build_model,
         lambda _c: node_batches(pid),
-        lr=1e-2,
-        local_steps=2,
-        num_server_rounds=int(context.run_config["num-server-rounds"]),
-        warmup_steps=0,
+        train=TrainSettings(lr=1e-2, local_steps=2, num_server_rounds=rounds, warmup_steps=0),
     )
     theta = msg.content["arrays"].to_torch_state_dict()
     reply = handler(msg, context)
