@@ -73,9 +73,7 @@ def test_prepare_tokens_val_is_held_out(small_corpus, tmp_path):
     assert np.array_equal(again.train, data.train) and np.array_equal(again.val, data.val)
 
 
-@pytest.mark.parametrize(
-    "rows,parts", [(10, 3), (12, 4), (7, 7), (1000, 8), (5078, 4), (97, 13)]
-)
+@pytest.mark.parametrize("rows,parts", [(10, 3), (12, 4), (7, 7), (1000, 8), (5078, 4), (97, 13)])
 def test_shard_rows_equal_flwr_datasets_iid_partitioner(rows, parts):
     """The closed form equals flwr-datasets' ``IidPartitioner`` over an unshuffled dataset of
     the row numbers, partition by partition (contiguous rows, the first ``mod`` one longer)."""

@@ -98,7 +98,8 @@ an evaluate message never waits behind a training task), before they are sent wo
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
 from itertools import chain
 from logging import INFO, WARNING
 from typing import Any
@@ -141,19 +142,24 @@ def refuse_secagg(s: Any) -> None:
         )
 
 
-def strategy_module() -> Any:
-    """:mod:`~flwr_isoloco.strategies.diloco.diloco` (it imports this module, so it is imported
-    here when first used): the strategy's node sampling, evaluation and record helpers."""
-    from flwr_isoloco.strategies.diloco import diloco
+@dataclass(frozen=True)
+class StrategyOps:
+    """What asynchronous rounds ask of the strategy that runs them, handed over by it (so this
+    module does not import the strategy's): ``sample_nodes(s, grid, fraction, min_nodes)``,
+    ``draw(s, nodes, k)``, ``federated_evaluation(s, grid, round, config, timeout)`` and
+    ``record_of(s, model)``."""
 
-    return diloco
+    sample_nodes: Callable[..., list[int]]
+    draw: Callable[..., list[int]]
+    federated_evaluation: Callable[..., Any]
+    record_of: Callable[..., Any]
 
 
 class AsyncRounds:
     """The asynchronous round driver of one strategy (module docstring)."""
 
-    def __init__(self, rounds: Rounds, poll_s: float = POLL_S) -> None:
-        self.settings, self.poll_s = rounds, poll_s
+    def __init__(self, rounds: Rounds, ops: StrategyOps, poll_s: float = POLL_S) -> None:
+        self.settings, self.ops, self.poll_s = rounds, ops, poll_s
         self.buffer: int | None = rounds.buffer  # K, fixed at the first step when None
         self.nodes = 0  # nodes kept training (the first sample's size)
         self.versions: dict[int, dict[str, torch.Tensor]] = {}  # version -> model sent
@@ -246,7 +252,7 @@ class AsyncRounds:
         """A ``fraction_evaluate`` share of the nodes idle when the step closed (at least
         ``min_evaluate_nodes`` of them where there are so many), drawn with ``s``'s generator."""
         idle, f = self.idle, s.fraction_evaluate
-        return strategy_module().draw(
+        return self.ops.draw(
             s, idle, max(int(len(idle) * f), min(s.min_evaluate_nodes, len(idle)))
         )
 
@@ -260,7 +266,7 @@ class AsyncRounds:
         self.idle = held
         try:
             config = ConfigRecord(dict(config or {}))
-            return strategy_module().federated_evaluation(s, grid, server_round, config, timeout)
+            return self.ops.federated_evaluation(s, grid, server_round, config, timeout)
         finally:
             self.idle = []
 
@@ -379,7 +385,7 @@ class AsyncRounds:
     def _start_or_top_up(self, s: Any, grid: Grid, clock: Any) -> None:
         """First step: sample the nodes (a resumed run re-sends its checkpoint's tasks first);
         later: connected nodes without a task get one, up to the number training."""
-        d = strategy_module()
+        d = self.ops
         if not self.started:
             self.started = True
             if self.plan:
@@ -416,7 +422,7 @@ class AsyncRounds:
             self.versions[current] = s.theta
             record = s.current_arrays()
         else:
-            record = strategy_module().record_of(s, self.versions[v])
+            record = self.ops.record_of(s, self.versions[v])
         config = ConfigRecord(dict(self._config))
         config["server-round"] = current + 1
         config[VERSION_KEY] = v

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from flwr_isoloco.outer import OuterSGD
-from flwr_isoloco.strategies.diloco.asynchronous import AsyncRounds
+from flwr_isoloco.strategies.diloco.asynchronous import AsyncRounds, StrategyOps
 from flwr_isoloco.strategies.diloco.composition import refusal
 from flwr_isoloco.strategies.diloco.settings import Rounds
 
@@ -38,15 +38,16 @@ def check_composition(s: Any, fraction_evaluate: float, fraction_train: float) -
         raise ValueError(f"asynchronous rounds: {why}")
 
 
-def asynchronous_rounds(s: Any, rounds: Rounds) -> AsyncRounds | None:
-    """Strategy ``s``'s asynchronous round driver (None for synchronous rounds); refuses what
-    does not compose and gives ``s`` the delayed outer momentum (``Rounds.momentum_every``)."""
+def asynchronous_rounds(s: Any, rounds: Rounds, ops: StrategyOps) -> AsyncRounds | None:
+    """Strategy ``s``'s asynchronous round driver (None for synchronous rounds), working
+    through ``ops``; refuses what does not compose and gives ``s`` the delayed outer momentum
+    (``Rounds.momentum_every``)."""
     if not rounds.asynchronous:
         return None
     check_composition(s, s.fraction_evaluate, s.fraction_train)
     o = s.outer
     s.outer = OuterSGD(o.lr, o.momentum, o.nesterov, delay=rounds.momentum_every)
-    return AsyncRounds(rounds)
+    return AsyncRounds(rounds, ops)
 
 
 def state_spec() -> Any:

@@ -182,7 +182,8 @@ class DiLoCo(FromRunConfig, SettingsViews, DiLoCoState, ResumableStrategy):
         self.dp = StrategyDP(privacy)
         self.dp.check_strategy(self)  # refuses rules / options DP cannot bound; weights uniform
         downloads.setup_downloads(self, self.arrayrecord_key)  # broadcast B, codec, refusals
-        self.async_rounds = asyn.asynchronous_rounds(self, rounds)  # None: synchronous
+        ops = asyn.StrategyOps(sample_nodes, draw, federated_evaluation, record_of)
+        self.async_rounds = asyn.asynchronous_rounds(self, rounds, ops)  # None: synchronous
 
     def _reset_bookkeeping(self, seed: int) -> None:
         """No model, no round aggregated yet; sampling from ``seed``; empty ledgers, streams."""
