@@ -42,11 +42,10 @@ from test_async_rounds import strategy as async_strategy
 from test_async_rounds import train as async_train
 
 from flwr_isoloco.checkpoint import load_checkpoint, save_checkpoint
-from flwr_isoloco.clients import download_mod, upload_mod
+from flwr_isoloco.clients import download_mod, secagg_mod, upload_mod
 from flwr_isoloco.compression import compress, decompress, payload_nbytes
 from flwr_isoloco.compression.broadcast import apply_update
 from flwr_isoloco.merging.dp import CLIP_KEY, NOISE_KEY, noise_like, privatize
-from flwr_isoloco.secagg_mod import secagg_mod
 from flwr_isoloco.strategies import (
     CentralDP,
     Codec,

@@ -13,9 +13,8 @@ from fakegrid import FakeGrid
 from flwr.app import ArrayRecord, Message, RecordDict
 from flwr.common import bytes_to_ndarray
 
-from flwr_isoloco.clients import TrainSettings, make_diloco_train_handler
+from flwr_isoloco.clients import TrainSettings, make_diloco_train_handler, secagg_mod
 from flwr_isoloco.models.llama import build_llama, llama_config
-from flwr_isoloco.secagg_mod import secagg_mod
 from flwr_isoloco.strategies import CentralDP, DiLoCo, IsoLoCo, LocalDP, ReplyChecks, Rounds
 from flwr_isoloco.strategies.diloco.secagg import CLIPPED_METRIC, SecAggSettings, use_secagg
 
@@ -273,7 +272,7 @@ def test_the_mod_passes_plain_messages_through_unchanged():
 def test_the_mod_names_flowers_record_keys():
     from flwr.common.secure_aggregation import secaggplus_constants as flower
 
-    from flwr_isoloco import secagg_mod as ours
+    from flwr_isoloco.clients import secagg as ours
 
     assert (ours.RECORD_KEY_CONFIGS, ours.RECORD_KEY_STATE) == (
         flower.RECORD_KEY_CONFIGS,

@@ -14,8 +14,8 @@ from fakegrid import FakeGrid
 from isoloco_lm import client_app, server_app, task
 from lm_app import tiny_config, write_corpus
 
+from flwr_isoloco.clients import secagg_mod
 from flwr_isoloco.runconfig import RunConfigError
-from flwr_isoloco.secagg_mod import secagg_mod
 
 
 @pytest.fixture(scope="module")

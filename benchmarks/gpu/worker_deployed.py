@@ -169,9 +169,7 @@ def summary(lines: list[dict[str, Any]]) -> dict[str, Any]:
         rows.setdefault("process", []).append(r["process"])
         rows.setdefault("transport_other", []).append(r["process"] - r["imports"] - handler)
         rows.setdefault("overhead", []).append(r["process"] - r["stages"].get("inner_steps", 0))
-        rows.setdefault("handler_overhead", []).append(
-            handler - r["stages"].get("inner_steps", 0)
-        )
+        rows.setdefault("handler_overhead", []).append(handler - r["stages"].get("inner_steps", 0))
     return {k: statistics.median(v) for k, v in rows.items()} | {"messages": len(later)}
 
 
@@ -203,7 +201,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             keep = Path(tempfile.mkdtemp(prefix="worker-deployed-failed-"))
             shutil.copytree(root / "dep", keep / "dep", ignore=shutil.ignore_patterns("*.db"))
             print(f"the deployment's logs are kept in {keep}", file=sys.stderr)
-            raise RuntimeError(f"run ended {outcome.status}: {outcome.output[-2000:]} {outcome.logs[-3000:]}")
+            raise RuntimeError(
+                f"run ended {outcome.status}: {outcome.output[-2000:]} {outcome.logs[-3000:]}"
+            )
         lines = [json.loads(x) for x in log.read_text().splitlines() if x.strip()]
         results = json.loads((root / "out" / "results.json").read_text())
     rec = {

@@ -111,8 +111,8 @@ class StageTimer:
 def _mods_chain(handler, timer: StageTimer | None):
     """The isoloco-lm ClientApp's mods around ``handler`` (``(msg, ctx) -> reply``), each
     timed as stage ``mods`` by ``timer``."""
-    from flwr_isoloco import secagg_mod as sm
     from flwr_isoloco.clients import download
+    from flwr_isoloco.clients import secagg as sm
 
     mods = [download.make_download_mod(), sm.secagg_mod]
     if timer is not None:

@@ -44,6 +44,7 @@ import numpy as np
 import torch
 from safetensors import safe_open
 
+from .safetensors_stream import ordered, write_safetensors
 from .spec import (
     CheckpointError,
     Field,
@@ -52,7 +53,6 @@ from .spec import (
     checkpoint_error,
     restoring,
 )
-from .safetensors_stream import ordered, write_safetensors
 
 __all__ = [
     "CheckpointError",

@@ -20,6 +20,9 @@
   :func:`make_download_mod` for nodes that build the initial model themselves.
 - ``upload.py``: :func:`upload_mod`, compressed uploads (with error feedback) for an unchanged
   handler that replies full weights; ``mods=[download_mod, upload_mod]`` for both ways.
+- ``secagg.py``: :func:`secagg_mod`, the node side of SecAgg+ for the DiLoCo strategies
+  (Flower's ``secaggplus_mod`` around the train handler), and the config keys it shares with
+  the server.
 - ``query.py``: :func:`partition_id_query`, an ``@app.query()`` handler for the graph
   strategies' vertex query.
 """
@@ -31,6 +34,7 @@ from .inner_loop import Pace
 from .lora_client import LoRAClient, LoRAClientConfig
 from .precision import PRECISIONS, check_precision
 from .query import partition_id_query
+from .secagg import secagg_mod
 from .upload import upload_mod
 from .worker_cache import cache_stats, clear_caches
 from .worker_settings import Runtime, TrainSettings
@@ -51,5 +55,6 @@ __all__ = [
     "make_download_mod",
     "make_lm_evaluate_handler",
     "partition_id_query",
+    "secagg_mod",
     "upload_mod",
 ]

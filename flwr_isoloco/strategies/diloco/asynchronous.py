@@ -252,9 +252,7 @@ class AsyncRounds:
         """A ``fraction_evaluate`` share of the nodes idle when the step closed (at least
         ``min_evaluate_nodes`` of them where there are so many), drawn with ``s``'s generator."""
         idle, f = self.idle, s.fraction_evaluate
-        return self.ops.draw(
-            s, idle, max(int(len(idle) * f), min(s.min_evaluate_nodes, len(idle)))
-        )
+        return self.ops.draw(s, idle, max(int(len(idle) * f), min(s.min_evaluate_nodes, len(idle))))
 
     def _evaluate(
         self, s: Any, grid: Grid, server_round: int, held: list[int], config: Any, timeout: float

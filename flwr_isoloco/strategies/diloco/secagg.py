@@ -8,7 +8,7 @@ the round-end hook); only :meth:`DiLoCo.run_round` hands the train half here. Pe
 
     configure_fit:  the strategy's configure_train (theta, its train config) as FitIns
     clients:        delta_i = theta - theta_i, in the NumPyClient layout, through secaggplus_mod
-                    (:mod:`flwr_isoloco.secagg_mod`): clipped to +-c, quantised, masked
+                    (:mod:`flwr_isoloco.clients.secagg`): clipped to +-c, quantised, masked
     aggregate_fit:  SecAgg+'s unmasked aggregate  a = sum_i w_i delta_i / sum_i w_i  (+- step)
                     -> checked -> g = rule([a]) (mean: a; Iso-C of the mean) -> outer step
 
@@ -48,15 +48,15 @@ from flwr.server.strategy import Strategy as LegacyStrategy
 from flwr.server.workflow.constant import MAIN_CONFIGS_RECORD, MAIN_PARAMS_RECORD
 from flwr.server.workflow.constant import Key as WorkflowKey
 
-from flwr_isoloco.compression import payload_nbytes
-from flwr_isoloco.merging.device import is_out_of_memory
-from flwr_isoloco.secagg_mod import (
+from flwr_isoloco.clients.secagg import (
     CLIPPED_METRIC,
     FLOAT_KEYS_KEY,
     KEYS_KEY,
     RANGE_KEY,
     WEIGHTING_KEY,
 )
+from flwr_isoloco.compression import payload_nbytes
+from flwr_isoloco.merging.device import is_out_of_memory
 from flwr_isoloco.strategies.core.lifecycle import RoundOutcome
 from flwr_isoloco.strategies.core.metrics import metric_record, tensor_norm, train_client_metrics
 from flwr_isoloco.strategies.core.replies import MAX_MERGEABLE_NORM, CheckedReply, ReplyReport

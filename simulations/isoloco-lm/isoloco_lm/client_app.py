@@ -38,12 +38,11 @@ from flwr.app import Context, Message
 from flwr.clientapp import ClientApp
 from flwr.common.logger import log
 
-from flwr_isoloco.clients import Pace, Runtime, TrainSettings, make_diloco_train_handler
+from flwr_isoloco.clients import Pace, Runtime, TrainSettings, make_diloco_train_handler, secagg_mod
 from flwr_isoloco.clients.download import make_download_mod
 from flwr_isoloco.clients.node_state import with_node_state
 from flwr_isoloco.merging.device import resolve_node_device
 from flwr_isoloco.models.hf import model_arrays
-from flwr_isoloco.secagg_mod import secagg_mod
 
 from .pretrained import is_pretrained, peak_rss_mb
 from .task import (

@@ -10,7 +10,7 @@ from pathlib import Path
 from flwr.app import Context, Message
 from flwr.clientapp import ClientApp
 
-from flwr_isoloco.secagg_mod import secagg_mod
+from flwr_isoloco.clients import secagg_mod
 
 app = ClientApp(mods=[secagg_mod])
 
