@@ -6,7 +6,7 @@ One round ``r`` (every node sampled, every reply used): node ``p`` trains from `
 (``local(theta_fp32, p, r)``, in fp32 as the node does); ``delta_p = theta - theta_p``; ``g``
 is the merge of the deltas with weights ``w_p`` (:func:`mean` or a rule below, applied to 2-D
 tensors; other tensors take the weighted mean); then the outer step (docs of
-``flwr_isoloco/outer.py``, ``torch.optim.SGD`` with ``dampening=0``)::
+``flwr_isoloco/merging/outer.py``, ``torch.optim.SGD`` with ``dampening=0``)::
 
     b <- mu b + g;   u = g + mu b (Nesterov) | b (heavy-ball) | g (mu = 0)
     u <- transform(u)   (IsoLoCo orthogonalize="update": Iso-C of u, 2-D tensors)

@@ -20,7 +20,7 @@ from outer_reference import assert_close, sync_rounds
 
 from flwr_isoloco.checkpoint import load_checkpoint, save_checkpoint
 from flwr_isoloco.checkpoint.spec import CheckpointError
-from flwr_isoloco.outer import OuterSGD
+from flwr_isoloco.merging.outer import OuterSGD
 from flwr_isoloco.strategies import CentralDP, DiLoCo, IsoLoCo, LocalDP, ReplyChecks, Rounds
 from flwr_isoloco.strategies.diloco.asynchronous_tasks import staleness_discount
 

@@ -419,9 +419,11 @@ def test_generated_claims_match_their_records():
 
 
 def _source_presets() -> dict[str, tuple[str, float, float, bool]]:
-    """``ISOLOCO_PRESETS`` as written in flwr_isoloco/outer.py (read with ``ast``: importing the
-    package costs seconds of torch import). name -> (merge, outer lr, momentum, nesterov)."""
-    tree = ast.parse((REPO / "flwr_isoloco" / "outer.py").read_text(encoding="utf-8"))
+    """``ISOLOCO_PRESETS`` as written in flwr_isoloco/strategies/diloco/presets.py (read with
+    ``ast``: importing the package costs seconds of torch import). name -> (merge, outer lr, momentum, nesterov)."""
+    tree = ast.parse(
+        (REPO / "flwr_isoloco" / "strategies" / "diloco" / "presets.py").read_text(encoding="utf-8")
+    )
     node = next(
         n.value
         for n in tree.body

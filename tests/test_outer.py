@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from flwr_isoloco.outer import OuterSGD
+from flwr_isoloco.merging.outer import OuterSGD
 
 torch.set_num_threads(1)
 

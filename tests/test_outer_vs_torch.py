@@ -1,10 +1,10 @@
 """OuterSGD is bitwise torch.optim.SGD (issue 9, item 7): kept for its update hook, not for
-different numbers (see flwr_isoloco/outer.py)."""
+different numbers (see flwr_isoloco/merging/outer.py)."""
 
 import pytest
 import torch
 
-from flwr_isoloco.outer import OuterSGD
+from flwr_isoloco.merging.outer import OuterSGD
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])

@@ -62,7 +62,7 @@ already counts its work. A reply claiming more ``inner-steps`` than the train co
 
 Outer momentum: ``Rounds.momentum_every = N`` moves the momentum once every ``N`` outer steps
 on the mean of their ``g`` and takes plain steps ``g / N`` in between (delayed Nesterov, Liu et
-al. arXiv 2401.09135; the formula is :mod:`flwr_isoloco.outer`'s module docstring). ``K = 1``
+al. arXiv 2401.09135; the formula is :mod:`flwr_isoloco.merging.outer`'s module docstring). ``K = 1``
 with ``N`` = the number of nodes is that paper's setting; the default ``K`` = nodes, ``N = 1``
 moves the momentum once per ``K`` buffered pseudo-gradients.
 

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from flwr_isoloco.outer import OuterSGD
+from flwr_isoloco.merging.outer import OuterSGD
 from flwr_isoloco.strategies.diloco.asynchronous import AsyncRounds, StrategyOps
 from flwr_isoloco.strategies.diloco.composition import refusal
 from flwr_isoloco.strategies.diloco.settings import Rounds

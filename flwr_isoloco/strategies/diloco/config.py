@@ -26,11 +26,11 @@ from flwr_isoloco.merging import MERGE_RULES
 from flwr_isoloco.merging.buffers import check_buffers_spec
 from flwr_isoloco.merging.device import parse_device
 from flwr_isoloco.merging.robust import ROBUST_RULES
-from flwr_isoloco.outer import ISOLOCO_PRESETS
 from flwr_isoloco.runconfig import choices, in_range, non_negative, positive, read_run_config
 from flwr_isoloco.strategies.core.divergence import DEFAULT_DIVERGENCE_FACTOR, DIVERGENCE_MODES
 from flwr_isoloco.strategies.core.evaluation import check_count, check_fraction
 from flwr_isoloco.strategies.core.replies import PAYLOADS
+from flwr_isoloco.strategies.diloco.presets import ISOLOCO_PRESETS
 from flwr_isoloco.strategies.diloco.settings import (
     DEFAULT_MAX_WEIGHT_RATIO,
     DTYPE_POLICIES,
@@ -136,7 +136,7 @@ up to ``async-hold`` x its task time (``Rounds``' fields)."""
 ISOLOCO_RUN_CONFIG: dict[str, Any] = {
     **DILOCO_RUN_CONFIG,
     "merge": "",  # "": the preset's rule
-    "preset": "dropin",  # IsoLoCo's presets (flwr_isoloco.outer.ISOLOCO_PRESETS)
+    "preset": "dropin",  # IsoLoCo's presets (flwr_isoloco.strategies.diloco.presets.ISOLOCO_PRESETS)
     "outer-lr": -1.0,  # -1: the preset's value
     "outer-momentum": -1.0,
 }

@@ -1,6 +1,6 @@
 """IsoLoCo: DiLoCo whose merge rule is Iso-C (flattened spectrum of the weighted mean).
 
-Its update comes by name (``preset``, :data:`flwr_isoloco.outer.ISOLOCO_PRESETS`); the maths
+Its update comes by name (``preset``, :data:`flwr_isoloco.strategies.diloco.presets.ISOLOCO_PRESETS`); the maths
 is the repository's ``docs/algorithms.md`` ("Algorithms") 3 and 3.1, the choice of defaults the repository's ``docs/strategies.md`` ("DiLoCo / IsoLoCo strategies") "Defaults".
 """
 
@@ -13,10 +13,11 @@ from typing import Any
 
 from flwr.common.logger import log
 
-from flwr_isoloco.outer import ISOLOCO_PRESETS, nesterov_step_limit, resolve_preset
+from flwr_isoloco.merging.outer import nesterov_step_limit
 from flwr_isoloco.settings_tools import renamed_fields
 from flwr_isoloco.strategies.diloco.config import ISOLOCO_RUN_CONFIG
 from flwr_isoloco.strategies.diloco.diloco import DiLoCo
+from flwr_isoloco.strategies.diloco.presets import ISOLOCO_PRESETS, resolve_preset
 from flwr_isoloco.strategies.diloco.settings import MergeSettings
 
 __all__ = ["IsoLoCo", "ISOLOCO_PRESETS"]

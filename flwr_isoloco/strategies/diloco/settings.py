@@ -158,7 +158,7 @@ class Rounds:
     trained from a model ``tau`` outer steps old weighs ``(1 + tau) ** -staleness`` (``s(tau)``,
     0: no discount, 0.5: FedBuff's ``1/sqrt(1+tau)``); beyond ``max_staleness`` steps it is
     dropped. ``momentum_every``: the outer momentum moves once every N outer steps
-    (delayed Nesterov, :class:`~flwr_isoloco.outer.OuterSGD` ``delay``; 1: every step).
+    (delayed Nesterov, :class:`~flwr_isoloco.merging.outer.OuterSGD` ``delay``; 1: every step).
     ``hold``: a node whose reply entered the buffer waits for the step's new model when that
     step is predicted to close within ``hold`` x its task time (its last task's, at most the
     nodes' median); else, or once that time ran out, it gets the current model: sites of equal

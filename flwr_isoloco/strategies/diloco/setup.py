@@ -15,9 +15,9 @@ from flwr_isoloco.compression import EXACT, request_config
 from flwr_isoloco.merging import MERGE_RULES
 from flwr_isoloco.merging.buffers import resolve_buffers
 from flwr_isoloco.merging.fold import RoundMerge
+from flwr_isoloco.merging.outer import OuterSGD
 from flwr_isoloco.merging.robust import RobustMerge, resolve_robust
 from flwr_isoloco.merging.rules import check_options
-from flwr_isoloco.outer import OuterSGD
 from flwr_isoloco.strategies.core.replies import ReplyValidator
 from flwr_isoloco.strategies.diloco.dp_settings import finite_number as _is_number
 from flwr_isoloco.strategies.diloco.settings import (

@@ -19,7 +19,6 @@ from flwr_isoloco.data.text import shard_tokens
 from flwr_isoloco.merging import MERGE_RULES
 from flwr_isoloco.merging.device import parse_device
 from flwr_isoloco.models.llama import build_llama, llama_config
-from flwr_isoloco.outer import ISOLOCO_PRESETS
 from flwr_isoloco.runconfig import (
     SEED_MAX,
     THREADS_MAX,
@@ -38,6 +37,7 @@ from flwr_isoloco.strategies.diloco.config import (
     RUN_CONFIG_CHECKS,
     node_view,
 )
+from flwr_isoloco.strategies.diloco.presets import ISOLOCO_PRESETS
 
 from . import pretrained
 

@@ -47,19 +47,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 
 import torch
 
-from .merging.validation import all_finite
+from .validation import all_finite
 
-__all__ = [
-    "ISOLOCO_PRESETS",
-    "IsoLoCoPreset",
-    "OuterSGD",
-    "nesterov_step_limit",
-    "resolve_preset",
-]
+__all__ = ["OuterSGD", "nesterov_step_limit"]
 
 UpdateTransform = Callable[[dict[str, torch.Tensor]], Mapping[str, torch.Tensor]]
 
@@ -323,29 +316,3 @@ def nesterov_step_limit(momentum: float, nesterov: bool = True) -> float:
     if mu == 0:
         return 2.0
     return 2 * (1 + mu) / (1 + 2 * mu) if nesterov else 2 * (1 + mu)
-
-
-@dataclass(frozen=True)
-class IsoLoCoPreset:
-    """IsoLoCo's update by name: merge rule and outer optimiser (the repository's ``docs/algorithms.md`` ("Algorithms"), 3.1)."""
-
-    name: str
-    merge: str
-    outer_lr: float
-    outer_momentum: float
-    nesterov: bool = True
-
-
-ISOLOCO_PRESETS: dict[str, IsoLoCoPreset] = {
-    "dropin": IsoLoCoPreset("dropin", "iso_c_matched", 0.5, 0.9),
-    "isoloco-paper": IsoLoCoPreset("isoloco-paper", "iso_c", 1.8, 0.8),
-}
-
-
-def resolve_preset(name: object) -> IsoLoCoPreset:
-    """The preset called ``name`` (``ValueError`` listing the known ones)."""
-    if not isinstance(name, str) or name not in ISOLOCO_PRESETS:
-        raise ValueError(
-            f"unknown IsoLoCo preset {name!r}; expected one of {sorted(ISOLOCO_PRESETS)}"
-        )
-    return ISOLOCO_PRESETS[name]
