@@ -13,8 +13,9 @@ from fakegrid import FakeGrid
 from flwr.app import ArrayRecord, Message, MetricRecord, RecordDict
 from outer_reference import assert_close, iso_c, of_the_mean, sync_rounds
 
-from flwr_isoloco.outer import ISOLOCO_PRESETS, nesterov_step_limit, resolve_preset
+from flwr_isoloco.merging.outer import nesterov_step_limit
 from flwr_isoloco.strategies import DiLoCo, IsoLoCo, MergeSettings
+from flwr_isoloco.strategies.diloco.presets import ISOLOCO_PRESETS, resolve_preset
 
 torch.set_num_threads(1)
 
@@ -189,7 +190,7 @@ def test_warning_when_the_outer_step_is_beyond_the_stability_limit(caplog):
 def test_step_limit_is_where_the_linear_recursion_stops_contracting():
     """Independent check of nesterov_step_limit: iterate the outer step on g = c (theta - 0)
     with OuterSGD itself, just below and just above a = lr c = limit."""
-    from flwr_isoloco.outer import OuterSGD
+    from flwr_isoloco.merging.outer import OuterSGD
 
     for mu, nesterov in ((0.8, True), (0.9, True), (0.5, False), (0.0, False)):
         limit = nesterov_step_limit(mu, nesterov)
