@@ -128,10 +128,12 @@ def test_report_optimum_ratios_and_paired_deltas(f64):
     def rec(name, lr, seed, val, test, up, down):
         return {
             "key": key(name, lr, seed), "outer_lr": lr, "seed": seed, "val_loss": val,
-            "test_loss": test, "rounds": 80,
+            "test_loss": test, "rounds": 80, "workers": 8,
+            "download": "none" if "fp32" in name else "Codec('exact')",
             "bytes": {
                 "round1_up_per_node": up, "up_per_node_round": up, "round1_down_per_node": 100.0,
-                "down_per_node_round": down, "total_run": 8 * (100.0 + 79 * down + 80 * up),
+                "down_per_node_round": down, "down_arrays_per_node_round": down,
+                "total_run": 8 * (100.0 + 79 * down + 80 * up),
             },
         }  # fmt: skip
 
@@ -153,6 +155,9 @@ def test_report_optimum_ratios_and_paired_deltas(f64):
     assert ex["x"]["up"] == pytest.approx(100.0)
     assert ex["x"]["down"] == pytest.approx((100 + 79 * 100) / (100 + 79 * 8))
     assert ex["x"]["run"] == pytest.approx((100 + 79 * 100 + 8000) / (100 + 79 * 8 + 80))
+    # nodes that build round 0 themselves: round 1's 100 bytes of model do not go down
+    assert ex["x"]["run_local0"] == pytest.approx((100 + 79 * 100 + 8000) / (79 * 8 + 80))
+    assert rows["diloco-fp32-nesterov"]["x"]["run_local0"] == pytest.approx(1.0)
     assert ex["paired"] == pytest.approx({0: 0.02, 1: 0.01, 2: 0.04})
     assert ex["val_delta"] == pytest.approx(0.02)
     text = R.table_text(list(rows.values()))

@@ -51,6 +51,8 @@ def config_row(name: str, done: dict[str, dict[str, Any]]) -> dict[str, Any] | N
         "test": {s: r["test_loss"] for s, r in seeds.items()},
         "bytes": seeds[0]["bytes"],
         "rounds": seeds[0]["rounds"],
+        "workers": seeds[0].get("workers", 8),
+        "compressed_down": seeds[0].get("download", "none") != "none",
     }
 
 
@@ -67,10 +69,23 @@ def rows(done: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
         r["x"] = (
             {side: _run(base, side) / _run(r, side) for side in ("up", "down")}
             | {"run": base["bytes"]["total_run"] / r["bytes"]["total_run"]}
+            | {"run_local0": base["bytes"]["total_run"] / _run_local0(r)}
             if base
             else {}
         )
     return out
+
+
+def _run_local0(r: dict[str, Any]) -> float:
+    """The run's bytes had every node built the initial model itself (a download codec with
+    ``nodes_hold_initial=True``): round 1 then sends no model down, only its config. Computed
+    from the measured run (its round-1 download arrays taken out); plain downloads send the
+    full model every round, so nothing changes for them."""
+    b = r["bytes"]
+    if not r["compressed_down"]:
+        return b["total_run"]
+    model = b["round1_down_per_node"] - (b["down_per_node_round"] - b["down_arrays_per_node_round"])
+    return b["total_run"] - r["workers"] * model
 
 
 def _run(r: dict[str, Any], side: str) -> float:
@@ -88,10 +103,11 @@ def table_text(rs: list[dict[str, Any]]) -> str:
     head = (
         "| configuration | outer lr (status) | bytes up / node / round | down / node / round | "
         "run total (8 nodes, 80 rounds) | x fewer up | x fewer down | x fewer run | "
+        "x fewer run, nodes build round 0 | "
         "test loss per seed (0, 1, 2) | mean ± half-range | paired Δ test vs fp32, per seed | "
         "Δ val, seed 0 |"
     )
-    lines = [head, common.rule(12)]
+    lines = [head, common.rule(13)]
     for r in rs:
         b, x = r["bytes"], r["x"]
         t = r["test"]
@@ -102,7 +118,8 @@ def table_text(rs: list[dict[str, Any]]) -> str:
             f"| {r['config']} | {r['lr']:g} ({r['status']}) | {b['up_per_node_round']:,.0f} | "
             f"{b['down_per_node_round']:,.0f} | {b['total_run'] / 1e9:.3f} GB | "
             f"{x.get('up', float('nan')):.1f}x | {x.get('down', float('nan')):.1f}x | "
-            f"{x.get('run', float('nan')):.1f}x | {every} | {_mean_range(list(t.values()))} | "
+            f"{x.get('run', float('nan')):.1f}x | {x.get('run_local0', float('nan')):.1f}x | "
+            f"{every} | {_mean_range(list(t.values()))} | "
             f"{paired} | {dv} |"
         )
     return "\n".join(lines)
