@@ -67,11 +67,12 @@ def reply_content(
     if request is None and payload == "weights" and dp is None:
         content[key] = fp32_record(new)
         return content
-    if request is None and payload == "delta" and dp is None:  # one delta tensor at a time
-        content[key] = pack_record((k, theta[k].to(new[k].dtype) - new[k]) for k in new)
+    deltas = ((k, theta[k].to(new[k].dtype) - new[k]) for k in new)  # made one at a time
+    if request is None and payload == "delta" and dp is None:  # packed as they are made
+        content[key] = pack_record(deltas)
         content["config"] = ConfigRecord({"payload": "delta"})
         return content
-    delta = {k: theta[k].to(new[k].dtype) - new[k] for k in new}
+    delta = dict(deltas)
     echo: dict[str, Any] = {}
     if dp is not None:
         delta = privatize(delta, *dp)
