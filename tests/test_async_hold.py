@@ -161,7 +161,7 @@ def test_hold_is_checked_and_is_a_run_config_key():
             "quorum": 1.0,
             "grace-s": 0.0,
             "max-empty-rounds": 3,
-            "async-buffer": 0,
+            "async-replies-per-step": 0,
             "max-staleness": 16,
             "async-staleness": 0.5,
             "momentum-every": 1,

@@ -89,7 +89,7 @@ class ScriptedGrid(FakeGrid):
 def strategy(**kw) -> DiLoCo:
     """hold=0 unless given: every node is sent work the moment its reply is in (the semantics
     :func:`reference_run` writes out; the hold is tested on :class:`TimedGrid`)."""
-    keys = ("buffer", "max_staleness", "staleness", "momentum_every", "hold")
+    keys = ("replies_per_step", "max_staleness", "staleness", "momentum_every", "hold")
     rounds = {"hold": 0.0, **{k: kw.pop(k) for k in keys if k in kw}}
     base = dict(
         merge="mean",
@@ -120,7 +120,7 @@ def test_staleness_weights_match_a_hand_computation():
     """K=2, order 0 1 | 2 1: step 1 merges two fresh replies; in step 2 node 2's reply trained
     from theta_0 (tau = 1, s = 1/sqrt 2) and node 1's from theta_1 (tau = 0):
     g_2 = (2 s delta_2(theta_0) + 1 delta_1(theta_1)) / (2 + 1) (rho times the weighted mean)."""
-    s = strategy(buffer=2)
+    s = strategy(replies_per_step=2)
     res, _ = run(s, [0, 1, 2, 1], 2)
     th0 = {k: v.double() for k, v in init_model().items()}
     d0, d1 = delta(th0, 0), delta(th0, 1)
@@ -134,14 +134,14 @@ def test_staleness_weights_match_a_hand_computation():
     m2 = res.train_metrics_clientapp[2]
     assert m2["staleness-max"] == 1 and m2["staleness-mean"] == 0.5
     assert m2["staleness-scale"] == pytest.approx((2 * sd + 1) / 3)
-    assert m2["replies-used"] == 2 and m2["buffer"] == 2
+    assert m2["replies-used"] == 2 and m2["replies-per-step"] == 2
 
 
 def test_the_weight_bound_applies_to_tokens_before_the_discount():
     """max_weight_ratio=1: step 1 (no reference yet) bounds by its own median (1); in step 2
     node 2's n = 2 is clipped to 1 x the reference 1, then discounted: g_2 = (1 s delta_2 +
     1 delta_1) / (1 + 1); the next reference is the median of the raw token counts (2, 1)."""
-    s = strategy(buffer=2, checks=ReplyChecks(max_weight_ratio=1))
+    s = strategy(replies_per_step=2, checks=ReplyChecks(max_weight_ratio=1))
     res, _ = run(s, [0, 1, 2, 1], 2)
     th0 = {k: v.double() for k, v in init_model().items()}
     d0, d1 = delta(th0, 0), delta(th0, 1)
@@ -213,7 +213,7 @@ def test_delayed_nesterov_run_matches_the_reference(k, every, nesterov, smax):
     several periods) against :func:`reference_run`."""
     steps = 9
     s = strategy(
-        buffer=k,
+        replies_per_step=k,
         momentum_every=every,
         max_staleness=smax,
         outer_lr=0.7,
@@ -261,7 +261,7 @@ def test_outer_delay_against_its_formula_and_the_period_identity():
 def test_a_reply_that_fails_its_checks_is_dropped_and_its_node_gets_new_work(caplog):
     """Node 1's second reply (arrival 5) carries a NaN: the reply checks drop it, named, the
     node is sent the newest model, and the run equals the reference without that reply."""
-    s = strategy(buffer=2, outer_lr=0.7, outer_momentum=0.9, momentum_every=2)
+    s = strategy(replies_per_step=2, outer_lr=0.7, outer_momentum=0.9, momentum_every=2)
     grid = ScriptedGrid(ORDER)
     state = {"n": 0}
 
@@ -287,7 +287,7 @@ def test_a_reply_that_fails_its_checks_is_dropped_and_its_node_gets_new_work(cap
 
 def test_an_error_reply_costs_only_that_task():
     """Node 2's first task raises: its node is idle until the next step sends it work again."""
-    s = strategy(buffer=2)
+    s = strategy(replies_per_step=2)
     grid = ScriptedGrid([2, 0, 1, 2, 0, 1, 2, 0])
     grid.set_fault(2, "raise", times=1)
     res = s.start(grid=grid, initial_arrays=ArrayRecord(init_model()), num_rounds=3)
@@ -303,7 +303,7 @@ def test_a_dead_node_is_named_by_its_task_and_a_run_of_bad_replies_stops(caplog)
     replies, and the run stops at max_empty_rounds (3) with NoProgressError."""
     from flwr_isoloco.strategies.core.guard import NoProgressError
 
-    s = strategy(buffer=2)
+    s = strategy(replies_per_step=2)
     grid = ScriptedGrid([2, 0, 1, 2, 0, 1, 2, 0])
     grid.set_fault(2, "dead", times=1)
     with caplog.at_level(logging.WARNING, logger="flwr"):
@@ -318,7 +318,7 @@ def test_a_dead_node_is_named_by_its_task_and_a_run_of_bad_replies_stops(caplog)
         reply.content["arrays"] = ArrayRecord(rec)
         return reply
 
-    s = strategy(buffer=2)
+    s = strategy(replies_per_step=2)
     grid = ScriptedGrid([0, 1, 2] * 10)
     for p in range(3):
         grid.set_fault(p, nan)
@@ -333,7 +333,7 @@ def test_isoloco_with_a_robust_rule_per_buffer_and_the_divergence_guard():
     from flwr_isoloco.strategies import MultiKrum
 
     s = IsoLoCo(
-        rounds=Rounds(asynchronous=True, buffer=3),
+        rounds=Rounds(asynchronous=True, replies_per_step=3),
         fraction_evaluate=0.0,
         min_train_nodes=3,
         min_available_nodes=3,
@@ -371,7 +371,7 @@ def test_compressed_uploads_are_decoded_against_the_model_sent():
 
     runs = []
     for upload in (None, "int8"):
-        s = strategy(buffer=2, upload=upload, outer_lr=0.7, outer_momentum=0.9)
+        s = strategy(replies_per_step=2, upload=upload, outer_lr=0.7, outer_momentum=0.9)
         grid = ScriptedGrid(ORDER)
         if upload:
             grid.app = {"train": int8_train}
@@ -389,7 +389,7 @@ def test_an_upload_codec_the_clientapp_does_not_run_is_said_once(caplog):
     compresses (the step above's int8 replies) is not warned about."""
     import logging
 
-    s = strategy(buffer=2, upload="int8")
+    s = strategy(replies_per_step=2, upload="int8")
     with caplog.at_level(logging.WARNING, logger="flwr"):
         res = s.start(
             grid=ScriptedGrid(ORDER), initial_arrays=ArrayRecord(init_model()), num_rounds=3
@@ -404,7 +404,7 @@ def test_divergence_skip_puts_the_step_back_and_sends_no_work_from_the_skipped_m
     closed step 2 is sent the restored model (at the next step), not the skipped one."""
     from flwr_isoloco.strategies import Divergence
 
-    s = strategy(buffer=2, divergence=Divergence(on_divergence="skip"))
+    s = strategy(replies_per_step=2, divergence=Divergence(on_divergence="skip"))
     evaluated = []
 
     def evaluate_fn(rnd, arrays):
@@ -436,7 +436,7 @@ def test_reply_beyond_max_staleness_is_dropped_and_named(caplog):
     """max_staleness 0, K=2, order 0 1 | 2 0 1 2: nodes 2 and 0 trained from theta_0 (node 0's
     second task was sent before step 1), so after step 1 both are one step old: dropped, named,
     re-sent theta_1; step 2 merges node 1's and node 2's fresh replies."""
-    s = strategy(buffer=2, max_staleness=0)
+    s = strategy(replies_per_step=2, max_staleness=0)
     with caplog.at_level(logging.WARNING, logger="flwr"):
         res, grid = run(s, [0, 1, 2, 0, 1, 2], 2)
     m = res.train_metrics_clientapp[2]
@@ -484,7 +484,7 @@ def test_the_plain_keyword_is_refused_and_settings_are_checked():
         with pytest.raises(TypeError, match=r"use \w+\(rounds=Rounds\(asynchronous=True\)\)"):
             cls(asynchronous=True, fraction_evaluate=0.0)
     with pytest.raises(ValueError, match="asynchronous rounds only"):
-        Rounds(buffer=4)
+        Rounds(replies_per_step=4)
     with pytest.raises(ValueError, match="quorum"):
         Rounds(asynchronous=True, quorum=2)
 
@@ -506,7 +506,7 @@ def test_what_does_not_compose_is_refused(kw, match):
 def test_secagg_is_refused():
     from flwr_isoloco.strategies.diloco.secagg import use_secagg
 
-    s = strategy(buffer=2)
+    s = strategy(replies_per_step=2)
     with pytest.raises(ValueError, match="secagg: not supported with asynchronous rounds"):
         use_secagg(s, num_shares=3, reconstruction_threshold=2)  # refused when set, not at round 1
     assert s.secagg is None
@@ -516,7 +516,7 @@ def test_secagg_is_refused():
 def test_resume_mid_run_is_bitwise_the_uninterrupted_run(tmp_path):
     """Checkpoint after step 3 (tasks in flight from older versions), resume on a new grid
     whose arrival order continues the script: the model after step 7 is the same bits."""
-    kw = dict(buffer=2, momentum_every=2, outer_lr=0.7, outer_momentum=0.9)
+    kw = dict(replies_per_step=2, momentum_every=2, outer_lr=0.7, outer_momentum=0.9)
     saved = {}
 
     def hook(rnd, arrays, tm, em):
@@ -542,13 +542,13 @@ def test_resume_mid_run_is_bitwise_the_uninterrupted_run(tmp_path):
 
 
 def test_checkpoint_modes_and_settings_must_match(tmp_path):
-    s = strategy(buffer=2)
+    s = strategy(replies_per_step=2)
     run(s, ORDER, 2)
     sd = s.state_dict()
     with pytest.raises(CheckpointError, match="asynchronous"):
         DiLoCo(min_train_nodes=3, outer_lr=1.0, outer_momentum=0.0).load_state_dict(sd)
-    with pytest.raises(CheckpointError, match="buffer"):
-        strategy(buffer=3).load_state_dict(sd)
+    with pytest.raises(CheckpointError, match=r"async\.buffer.*Rounds\.replies_per_step"):
+        strategy(replies_per_step=3).load_state_dict(sd)
     sync = DiLoCo(min_train_nodes=3, outer_lr=1.0, outer_momentum=0.0)
     sync.start(
         grid=FakeGrid({"train": train, "evaluate": _evaluate}, num_nodes=3),
@@ -556,7 +556,7 @@ def test_checkpoint_modes_and_settings_must_match(tmp_path):
         num_rounds=1,
     )
     with pytest.raises(CheckpointError, match="synchronous"):
-        strategy(buffer=2).load_state_dict(sync.state_dict())
+        strategy(replies_per_step=2).load_state_dict(sync.state_dict())
 
 
 # ----------------------------------------------------------------------------- real Flower
@@ -597,7 +597,7 @@ def test_ray_nodes_of_unequal_speed_never_wait_for_the_slowest():
     ],
 )
 def test_a_hostile_asynchronous_checkpoint_is_refused_before_anything_is_set(spoil, match):
-    s = strategy(buffer=2)
+    s = strategy(replies_per_step=2)
     run(s, ORDER, 3)
     sd = s.state_dict()
     tensors = {
@@ -610,7 +610,7 @@ def test_a_hostile_asynchronous_checkpoint_is_refused_before_anything_is_set(spo
     meta = {**sd["meta"], "async": dict(sd["meta"]["async"])}
     assert tensors["versions"]
     spoil(tensors, meta)
-    fresh = strategy(buffer=2)
+    fresh = strategy(replies_per_step=2)
     with pytest.raises(CheckpointError, match=match):
         fresh.load_state_dict({"tensors": tensors, "meta": meta})
     assert fresh.theta is None and fresh.server_round == 0
@@ -619,7 +619,7 @@ def test_a_hostile_asynchronous_checkpoint_is_refused_before_anything_is_set(spo
 def test_run_config_keys():
     rc = {
         "strategy.asynchronous": True,
-        "strategy.async-buffer": 3,
+        "strategy.async-replies-per-step": 3,
         "strategy.max-staleness": 4,
         "strategy.async-staleness": 1.0,
         "strategy.momentum-every": 2,
@@ -627,12 +627,13 @@ def test_run_config_keys():
     }
     s = IsoLoCo.from_run_config(rc)
     r = s.rounds
-    assert (r.asynchronous, r.buffer, r.max_staleness, r.staleness) == (True, 3, 4, 1.0)
+    assert (r.asynchronous, r.replies_per_step, r.max_staleness, r.staleness) == (True, 3, 4, 1.0)
     assert r.momentum_every == 2 and s.outer.delay == 2 and s.async_rounds is not None
-    assert DiLoCo.from_run_config({**rc, "strategy.async-buffer": 0}).rounds.buffer is None
+    rc0 = {**rc, "strategy.async-replies-per-step": 0}
+    assert DiLoCo.from_run_config(rc0).rounds.replies_per_step is None
     assert DiLoCo.from_run_config({}).async_rounds is None
-    with pytest.raises(ValueError, match="strategy.async-buffer apply to asynchronous"):
-        DiLoCo.from_run_config({"strategy.async-buffer": 3})
+    with pytest.raises(ValueError, match="strategy.async-replies-per-step apply to asynchronous"):
+        DiLoCo.from_run_config({"strategy.async-replies-per-step": 3})
     with pytest.raises(ValueError, match="strategy.quorum"):
         DiLoCo.from_run_config({**rc, "strategy.quorum": 0.5})
     assert DiLoCo.from_run_config({**rc, "strategy.fraction-evaluate": 1.0}).async_rounds

@@ -50,7 +50,7 @@ def _async_run(order, steps, var):
         seen[rnd] = {k: v.clone() for k, v in arrays.to_torch_state_dict().items()}
         return None
 
-    s = async_strategy(buffer=2, outer_lr=0.7, outer_momentum=0.9)
+    s = async_strategy(replies_per_step=2, outer_lr=0.7, outer_momentum=0.9)
     grid = ScriptedGrid(order)
     grid.app = bn_client(var)
     s.start(

@@ -263,7 +263,7 @@ def check_buffers_async() -> None:
     """K = 2, order 0 1 | 2 1: step 2 merges node 2 (trained from version 0: tau 1, weight
     ``n s(1) = 2 / sqrt 2``) and node 1 (tau 0, weight 1); the statistics are the weighted mean
     of the reported values, not scaled by ``rho``."""
-    s = async_strategy(buffer=2)
+    s = async_strategy(replies_per_step=2)
     grid = ScriptedGrid([0, 1, 2, 1])
     grid.app = {"train": _bn_train(N_EX)}
     _, _, models = _run("asynchronous", s, None, 2, model=_bn_model, grid=grid)
@@ -364,7 +364,7 @@ def check_robust_async() -> None:
     """K = 3, order 0 1 2 | 0 1 2: step 1 is the median of three fresh deltas; in step 2 nodes
     0 and 1 trained from version 0 again (tau 1), node 2 from version 1:
     ``g_2 = rho median(delta_0(th0), delta_1(th0), delta_2(th1))``, ``rho = (s + s + 2) / 4``."""
-    s = async_strategy(buffer=3, robust=Median())
+    s = async_strategy(replies_per_step=3, robust=Median())
     grid = ScriptedGrid([0, 1, 2, 0, 1, 2])
     _, _, models = _run("asynchronous", s, None, 2, grid=grid)
     th0 = _f64(init_model())
@@ -406,7 +406,7 @@ def check_upload(row: str) -> None:
 def check_upload_async() -> None:
     """K = 2, order 0 1 | 2 1: node 2's int8 delta is decoded against version 0, the model it
     was sent: ``g_2 = (2 s decode(Q(delta_2(th0))) + decode(Q(delta_1(th1)))) / 3``."""
-    s = async_strategy(buffer=2, upload=INT8)
+    s = async_strategy(replies_per_step=2, upload=INT8)
     grid = ScriptedGrid([0, 1, 2, 1])
     app = ClientApp(mods=[upload_mod])
     app.train()(async_train)
@@ -524,7 +524,7 @@ def check_resume(row: str, tmp_path) -> None:
 def check_resume_async(tmp_path) -> None:
     """A checkpoint after step 2, with tasks in flight from older versions; the resumed run
     on a grid whose arrival order continues the script ends bitwise at step 5."""
-    kw = dict(buffer=2, momentum_every=2, outer_lr=LR, outer_momentum=MU)
+    kw = dict(replies_per_step=2, momentum_every=2, outer_lr=LR, outer_momentum=MU)
     saved: dict = {}
 
     def after(rnd, grid):
@@ -583,7 +583,7 @@ def check_restart_download() -> None:
 def check_restart_async() -> None:
     """Node 0 loses its upload residual after step 1; every step still merges K = 2 replies
     and none is rejected."""
-    s = async_strategy(buffer=2, upload="int8")
+    s = async_strategy(replies_per_step=2, upload="int8")
     grid = ScriptedGrid(ORDER)
     app = ClientApp(mods=[upload_mod])
     app.train()(async_train)
@@ -656,14 +656,14 @@ def check_late_async(caplog) -> None:
     """``max_staleness=0``: replies one step old are dropped, counted and named; within the
     bound a stale reply weighs ``(1 + tau)^-0.5`` (``test_async_rounds``' hand computation
     runs the latter at length; here: step 2's model of order 0 1 | 2 1)."""
-    s = async_strategy(buffer=2, max_staleness=0)
+    s = async_strategy(replies_per_step=2, max_staleness=0)
     with caplog.at_level(logging.WARNING, logger="flwr"):
         res, grid, _ = _run("asynchronous", s, None, 2, grid=ScriptedGrid([0, 1, 2, 0, 1, 2]))
     m = res.train_metrics_clientapp[2]
     assert (m["replies-stale"], m["replies-used"]) == (2, 2)
     for p in (0, 2):
         assert _said(caplog, f"node {grid.node_ids[p]}", "stale")
-    s = async_strategy(buffer=2)
+    s = async_strategy(replies_per_step=2)
     _, _, models = _run("asynchronous", s, None, 2, grid=ScriptedGrid([0, 1, 2, 1]))
     th0, th1 = _f64(init_model()), _f64(models[1])
     sd = 1 / math.sqrt(2)

@@ -136,3 +136,20 @@ def test_renamed_fields_and_keys_name_the_new_spelling():
     assert ReplyChecks(payload="delta").payload == "delta"
     with pytest.raises(ValueError, match=r"'strategy.client-sends' is now 'strategy.payload'"):
         DiLoCo.from_run_config({"strategy.client-sends": "delta"})
+
+
+def test_async_buffer_is_refused_naming_replies_per_step():
+    """``buffer`` also names BatchNorm statistics (``MergeSettings.buffers``): K is
+    ``Rounds.replies_per_step`` and ``strategy.async-replies-per-step``."""
+    with pytest.raises(
+        TypeError, match=r"buffer is now replies_per_step: use Rounds\(replies_per_step=2\)"
+    ):
+        Rounds(buffer=2)
+    assert Rounds(asynchronous=True, replies_per_step=2).replies_per_step == 2
+    rc = {"strategy.asynchronous": True, "strategy.fraction-evaluate": 0.0}
+    for cls in (DiLoCo, IsoLoCo):
+        with pytest.raises(
+            ValueError,
+            match=r"'strategy.async-buffer' is now 'strategy.async-replies-per-step'",
+        ):
+            cls.from_run_config({**rc, "strategy.async-buffer": 2})

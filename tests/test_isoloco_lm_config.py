@@ -18,6 +18,7 @@ from flwr_isoloco.runconfig import RunConfigError  # noqa: E402
 from flwr_isoloco.strategies.diloco.config import (  # noqa: E402
     DILOCO_RUN_CONFIG,
     ISOLOCO_RUN_CONFIG,
+    RENAMED_KEYS,
 )
 
 
@@ -40,6 +41,13 @@ def test_every_documented_key_is_accepted_or_refused_with_a_reason():
                 task.load_config({f"strategy.{key}": value})
         else:
             assert key in task.STRATEGY_SECTION, key
+
+
+def test_a_renamed_key_is_refused_naming_the_new_one():
+    for old, new in RENAMED_KEYS.items():
+        value = DILOCO_RUN_CONFIG[new]
+        with pytest.raises(RunConfigError, match=f"'strategy.{old}' is now 'strategy.{new}'"):
+            task.load_config({f"strategy.{old}": value})
 
 
 def test_strategy_defaults_are_the_strategy_s_own():

@@ -262,7 +262,7 @@ def test_asynchronous_rounds_drop_a_reply_claiming_more_steps_than_asked(caplog)
     """Node 1 claims 6 inner steps where the train config asked for 5: dropped and named; node
     0 reporting its 5 (or fewer) steps is used."""
     m, named, grid = run_with_a_claim(
-        strategy(buffer=2), caplog, {0: (claims(3), None), 1: (claims(6), 1)}
+        strategy(replies_per_step=2), caplog, {0: (claims(3), None), 1: (claims(6), 1)}
     )
     assert sum(x["replies-rejected"] for x in m.values()) == 1
     assert sum(x["replies-used"] for x in m.values()) == 4

@@ -3,8 +3,8 @@
 ``N`` nodes train a small model; node ``p`` sleeps ``base_s * (1 + (spread - 1) p / (N - 1))``
 seconds per task (the slowdown knob: node 0 at 1x, the last at ``spread`` x), then returns a
 deterministic update of the model it got. The same federation runs with asynchronous rounds
-(``Rounds(asynchronous=True, buffer=K)``) and, with ``--compare``, with synchronous rounds.
-Each reply reports when its task started and ended (wall clock); reported per node: tasks
+(``Rounds(asynchronous=True, replies_per_step=K)``) and, with ``--compare``, with synchronous
+rounds. Each reply reports when its task started and ended (wall clock); reported per node: tasks
 done, time computing, utilisation (time computing / the run's wall time from the first task
 to the last step), and the largest idle gap between the end of one task and the start of the
 next, which is the wait for other nodes in synchronous rounds and only the server's latency in
@@ -68,7 +68,11 @@ def _strategy():
     from flwr_isoloco.strategies import DiLoCo
 
     n = SETTINGS["nodes"]
-    rounds = Rounds(asynchronous=True, buffer=SETTINGS["buffer"]) if SETTINGS["async"] else Rounds()
+    rounds = (
+        Rounds(asynchronous=True, replies_per_step=SETTINGS["buffer"])
+        if SETTINGS["async"]
+        else Rounds()
+    )
     return DiLoCo(min_available_nodes=n, min_train_nodes=n, fraction_evaluate=0.0, rounds=rounds)
 
 

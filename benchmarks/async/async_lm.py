@@ -55,25 +55,25 @@ METHODS = ("diloco", "isoloco")
 MODES: dict[str, dict[str, Any]] = {
     "sync": {},
     "quorum": {"strategy.quorum": 0.5, "strategy.grace-s": 0.5},
-    "async": {"strategy.asynchronous": True, "strategy.async-buffer": NODES},
+    "async": {"strategy.asynchronous": True, "strategy.async-replies-per-step": NODES},
     "async-dn": {
         "strategy.asynchronous": True,
-        "strategy.async-buffer": 2,
+        "strategy.async-replies-per-step": 2,
         "strategy.momentum-every": 4,
     },
     "async-tb": {
         "strategy.asynchronous": True,
-        "strategy.async-buffer": NODES,
+        "strategy.async-replies-per-step": NODES,
         "train.time-budget-s": H * STEP_S,
     },
     "async-a0": {
         "strategy.asynchronous": True,
-        "strategy.async-buffer": NODES,
+        "strategy.async-replies-per-step": NODES,
         "strategy.async-staleness": 0.0,
     },
     "async-a1": {
         "strategy.asynchronous": True,
-        "strategy.async-buffer": NODES,
+        "strategy.async-replies-per-step": NODES,
         "strategy.async-staleness": 1.0,
     },
 }

@@ -12,8 +12,8 @@ bit for bit, an in-process merge of the ``N - 1`` fast replies (the same strateg
     nice -n 10 python benchmarks/faults/straggler.py --quick    # 3 nodes, 0.3 s / 3 s, grace 1 s, 3 rounds
     nice -n 10 python benchmarks/faults/straggler.py --asynchronous --all-threads --rounds 6
 
-``--asynchronous`` adds the same federation in asynchronous rounds (``buffer = N - 1``: an outer
-step per ``N - 1`` replies, the slow node's reply merged when it comes, discounted by its
+``--asynchronous`` adds the same federation in asynchronous rounds (``replies_per_step = N - 1``:
+an outer step per ``N - 1`` replies, the slow node's reply merged when it comes, discounted by its
 staleness); reported per step: wall time, ``wait-s``, the replies used and which steps took the
 slow node's. ``--all-threads`` lets Flower's simulation engine run every node at once
 (:func:`common.engine_threads`; without it a 2-core machine runs 6 of 8 at a time).
@@ -71,7 +71,7 @@ def _strategy(quorum, grace_s: float):
 
     n = SETTINGS["nodes"]
     if quorum == "async":
-        rounds = Rounds(asynchronous=True, buffer=n - 1)
+        rounds = Rounds(asynchronous=True, replies_per_step=n - 1)
     else:
         rounds = Rounds(quorum=quorum, grace_s=grace_s)
     return DiLoCo(min_available_nodes=n, min_train_nodes=n, fraction_evaluate=0.0, rounds=rounds)

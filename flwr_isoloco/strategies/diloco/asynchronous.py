@@ -2,12 +2,12 @@
 
 Each node always has one task: the newest model to train from. As soon as its reply is in, it
 is checked (the strategy's one reply path, :class:`~.train_round.TrainRound`: reply checks,
-weight bound, dtype policy, norm bounds) and buffered, and the node is sent new work from the
-newest model, or held for the model of the step about to close (the hold, below). A *round*
-is one outer step, taken once ``K`` replies (``Rounds.buffer``; None:
-the number of nodes training) are accepted; ``num_rounds`` counts outer steps, so with the
-default ``K`` a run of ``num_rounds`` steps uses as many replies as ``num_rounds`` synchronous
-rounds of every node.
+weight bound, dtype policy, norm bounds) and kept for the step, and the node is sent new work
+from the newest model, or held for the model of the step about to close (the hold, below). A
+*round* is one outer step, taken once ``K`` replies (``Rounds.replies_per_step``, FedBuff's
+buffer size; None: the number of nodes training) are accepted; ``num_rounds`` counts outer
+steps, so with the default ``K`` a run of ``num_rounds`` steps uses as many replies as
+``num_rounds`` synchronous rounds of every node.
 
 Staleness. Model *version* ``v`` is the model after ``v`` outer steps. A reply to a task sent
 version ``v`` that arrives while the server has taken ``d`` steps has staleness
@@ -18,18 +18,18 @@ version ``v`` that arrives while the server has taken ``d`` steps has staleness
 
 (``n_i`` its ``num-examples``, ``bound`` the weight bound of ``ReplyChecks.max_weight_ratio``,
 1 with uniform weighting; ``a = 0.5`` is FedBuff's ``1/sqrt(1+tau)``, ``a = 0`` no discount).
-The buffer's merge ``m = merge(delta_1..delta_K; w)`` is the strategy's rule (mean, Iso-C,
-... and a robust rule per buffer) and the outer step takes
+The step's merge ``m = merge(delta_1..delta_K; w)`` is the strategy's rule (mean, Iso-C,
+... and a robust rule per step) and the outer step takes
 
     g = rho * m,   rho = sum_i bound(n_i) s(tau_i) / sum_i bound(n_i)
 
 so that, for the mean, ``g = sum_i bound(n_i) s(tau_i) delta_i / sum_i bound(n_i)`` (FedBuff's
-discounted sum): a buffer of stale replies moves the model less, a fresh one (``tau = 0``) as
+discounted sum): a step of stale replies moves the model less, a fresh one (``tau = 0``) as
 a synchronous round would. A reply with ``tau > Rounds.max_staleness`` is dropped before any
 check, logged with its node and the reason, and counted (``replies-stale``).
 
 The hold (``Rounds.hold`` = ``h``, :class:`~.asynchronous_tasks.Hold`). A node whose reply
-entered the buffer waits for the step's model when the step is predicted to close within its
+was accepted waits for the step's model when the step is predicted to close within its
 window ``h x min(its last task time, the nodes' median)``: a task in flight is predicted to reply
 at its send time plus its node's last task time, and the step closes at the arrival that makes
 ``K``. Sites of equal speed reply together, so every node waits a moment and the run takes the
@@ -64,12 +64,13 @@ Outer momentum: ``Rounds.momentum_every = N`` moves the momentum once every ``N`
 on the mean of their ``g`` and takes plain steps ``g / N`` in between (delayed Nesterov, Liu et
 al. arXiv 2401.09135; the formula is :mod:`flwr_isoloco.merging.outer`'s module docstring). ``K = 1``
 with ``N`` = the number of nodes is that paper's setting; the default ``K`` = nodes, ``N = 1``
-moves the momentum once per ``K`` buffered pseudo-gradients.
+moves the momentum once per ``K`` accepted pseudo-gradients.
 
 Memory. The server keeps the models it sent that a task in flight still trains from and that
 are at most ``max_staleness`` steps old: ``min(max_staleness + 1, nodes + 1)`` fp32 model copies
 at most, the current one included (a model is shared, not copied, while it is current). A
-buffer holds what a synchronous round holds (folded or spilled deltas, :mod:`~flwr_isoloco.merging.fold`).
+step's replies are held as a synchronous round's are (folded or spilled deltas,
+:mod:`~flwr_isoloco.merging.fold`).
 
 An outer step also closes without ``K`` replies when ``max(K, nodes)`` replies in a row failed
 their checks (stale ones aside; it then merges those it has, possibly none: an empty round,
@@ -88,7 +89,7 @@ or the node is new, and tops up to the number of nodes training.
 What does not compose is refused (:func:`~.asynchronous_setup.check_composition` at
 construction, :func:`refuse_secagg` when the run starts): SecAgg+ (a fixed cohort sums its
 masked updates), central and local DP (the accountant counts rounds of a
-sampled cohort; a buffer is the first ``K`` replies of whichever nodes are fastest, possibly
+sampled cohort; a step is the first ``K`` replies of whichever nodes are fastest, possibly
 one node twice, so neither the sampling nor the per-node count of releases that
 Flower's ``RdpAccountant`` composes holds), compressed downloads (the broadcast model is one
 version for every node). Federated evaluation samples the nodes held when a step closes (idle:
@@ -160,7 +161,7 @@ class AsyncRounds:
 
     def __init__(self, rounds: Rounds, ops: StrategyOps, poll_s: float = POLL_S) -> None:
         self.settings, self.ops, self.poll_s = rounds, ops, poll_s
-        self.buffer: int | None = rounds.buffer  # K, fixed at the first step when None
+        self.replies_per_step: int | None = rounds.replies_per_step  # K; None: set at step 1
         self.nodes = 0  # nodes kept training (the first sample's size)
         self.versions: dict[int, dict[str, torch.Tensor]] = {}  # version -> model sent
         self.ledger = TaskLedger()
@@ -242,7 +243,7 @@ class AsyncRounds:
             **dict(metrics),
             **wait,
             "nodes-held": len(held),
-            "buffer": self.buffer,
+            "replies-per-step": self.replies_per_step,
             "tasks-in-flight": len(self.ledger.tasks),
             "versions-kept": len(self.versions),
         }
@@ -271,8 +272,8 @@ class AsyncRounds:
     def _wait(
         self, s: Any, grid: Grid, train: TrainRound, done: int, clock: Any, timeout: float
     ) -> dict[str, float]:
-        """Pull replies until the step closes (module docstring); a node whose reply entered
-        the buffer is held for the step's model when :meth:`Hold.decide` says so, else sent work at
+        """Pull replies until the step closes (module docstring); a node whose reply was
+        accepted is held for the step's model when :meth:`Hold.decide` says so, else sent work at
         once. Replies pulled with the one that closed the step are carried to the next step.
         Returns the wait's metrics."""
         w = Wait(t0=clock.monotonic(), calls0=self.puller.calls)
@@ -289,7 +290,7 @@ class AsyncRounds:
                         return self._wait_metrics(w, clock)
             self._carry = []
             self._release(s, grid, clock)
-            if w.dropped_run >= max(self.buffer, self.nodes) or not self.ledger.tasks:
+            if w.dropped_run >= max(self.replies_per_step, self.nodes) or not self.ledger.tasks:
                 break
             if clock.monotonic() >= deadline:
                 self._give_up(train, clock, timeout)
@@ -314,7 +315,7 @@ class AsyncRounds:
         if ok:
             w.accepted, w.dropped_run = w.accepted + 1, 0
             w.taus.append(tau)
-            if w.accepted >= self.buffer:
+            if w.accepted >= self.replies_per_step:
                 self.hold.keep(task.node, now)
                 return True
         elif tau > self.settings.max_staleness:
@@ -323,7 +324,7 @@ class AsyncRounds:
             w.dropped_run += 1
         if reply.has_error():
             return False
-        need = self.buffer - w.accepted
+        need = self.replies_per_step - w.accepted
         tasks = self.ledger.tasks.values()
         if not (ok and self.hold.decide(task.node, now, need, tasks, took)):
             self._send(s, grid, [task.node], clock)
@@ -346,7 +347,7 @@ class AsyncRounds:
 
     def _take(self, train: TrainRound, reply: Message, task: Task, tau: int) -> bool:
         """Drop a reply beyond ``max_staleness`` (named), else the round's one reply path;
-        True when it entered the buffer."""
+        True when it was accepted."""
         rid = reply.metadata.reply_to_message_id
         if tau > self.settings.max_staleness:
             train.report.bytes_up += reply_nbytes(reply)
@@ -396,9 +397,10 @@ class AsyncRounds:
                 nodes = d.sample_nodes(s, grid, s.fraction_train, s.min_train_nodes)
                 self.nodes = len(nodes)
                 self._send(s, grid, nodes, clock)
-            if self.buffer is None:
-                self.buffer = max(self.nodes, 1)
-            log(INFO, "asynchronous rounds: %d nodes, buffer K=%d", self.nodes, self.buffer)
+            if self.replies_per_step is None:
+                self.replies_per_step = max(self.nodes, 1)
+            k = self.replies_per_step
+            log(INFO, "asynchronous rounds: %d nodes, %d replies per step (K)", self.nodes, k)
         busy = self.ledger.busy()
         idle = sorted(n for n in grid.get_node_ids() if n not in busy)
         room = self.nodes - len(busy)
@@ -444,10 +446,12 @@ class AsyncRounds:
 
     # ------------------------------------------------------------------ checkpoint
     def settings_meta(self) -> dict[str, Any]:
-        """The settings a resumed run must share (``buffer``: K as resolved)."""
+        """The settings a resumed run must share, as the checkpoint's ``async`` fields name them
+        (``buffer``: K, ``replies_per_step`` as resolved; the field keeps its name so that every
+        checkpoint written loads)."""
         r = self.settings
         return {
-            "buffer": self.buffer,
+            "buffer": self.replies_per_step,
             "max_staleness": r.max_staleness,
             "staleness": r.staleness,
             "momentum_every": r.momentum_every,
@@ -469,10 +473,11 @@ class AsyncRounds:
         versions: dict[int, dict[str, torch.Tensor]],
         plan: list[tuple[int, int]],
         nodes: int,
-        buffer: int | None,
+        replies_per_step: int | None,
     ) -> None:
         """Set what :func:`~.asynchronous_setup.parse_checkpoint` returned: the next step
         re-sends the plan's tasks."""
-        self.versions, self.plan, self.nodes, self.buffer = versions, plan, nodes, buffer
+        self.versions, self.plan, self.nodes = versions, plan, nodes
+        self.replies_per_step = replies_per_step
         self.ledger = TaskLedger()
         self.started = False

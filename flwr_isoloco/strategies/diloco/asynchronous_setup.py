@@ -59,7 +59,7 @@ def state_spec() -> Any:
         "dict",
         optional=True,
         fields={
-            "buffer": Field("int", min=1, nullable=True),
+            "buffer": Field("int", min=1, nullable=True),  # K: Rounds.replies_per_step
             "max_staleness": Field("int", min=0),
             "staleness": Field("float", min=0),
             "momentum_every": Field("int", min=1),
@@ -77,7 +77,8 @@ def _parse(
     current: int,
 ) -> tuple[dict[int, dict[str, torch.Tensor]], list[tuple[int, int]], int, int | None]:
     """Check a checkpoint's asynchronous state against this strategy; ``(versions, plan,
-    nodes, buffer)``. ``ValueError`` naming the field or tensor."""
+    nodes, K)`` (K: the field ``buffer``, ``Rounds.replies_per_step`` as resolved). ``ValueError``
+    naming the field or tensor."""
     from flwr_isoloco.checkpoint.spec import check_tensors
 
     if meta is None:
@@ -86,12 +87,13 @@ def _parse(
         )
     ours = driver.settings_meta()
     for key, value in ours.items():
-        if key == "buffer" and driver.settings.buffer is None:
+        if key == "buffer" and driver.settings.replies_per_step is None:
             continue  # resolved from the nodes: the checkpoint's value is kept
         if meta[key] != value:
+            field = "replies_per_step" if key == "buffer" else key
             raise ValueError(
                 f"field 'async.{key}' = {meta[key]!r} differs from this strategy's "
-                f"{value!r}; a resumed run must use the same settings"
+                f"{value!r} (Rounds.{field}); a resumed run must use the same settings"
             )
     tensors = {} if tensors is None else tensors
     if not isinstance(tensors, Mapping):

@@ -95,7 +95,7 @@ ASYNC_SECAGG = (
 )
 ASYNC_QUORUM = (
     "Rounds.quorum / grace_s close a synchronous round; asynchronous rounds never wait for a "
-    "cohort (an outer step takes the first `buffer` replies): leave them unset with "
+    "cohort (an outer step takes the first `replies_per_step` replies): leave them unset with "
     "asynchronous=True"
 )
 SECAGG_CENTRAL_DP = (

@@ -26,7 +26,14 @@ from flwr_isoloco.merging import MERGE_RULES
 from flwr_isoloco.merging.buffers import check_buffers_spec
 from flwr_isoloco.merging.device import parse_device
 from flwr_isoloco.merging.robust import ROBUST_RULES
-from flwr_isoloco.runconfig import choices, in_range, non_negative, positive, read_run_config
+from flwr_isoloco.runconfig import (
+    RunConfigError,
+    choices,
+    in_range,
+    non_negative,
+    positive,
+    read_run_config,
+)
 from flwr_isoloco.strategies.core.divergence import DEFAULT_DIVERGENCE_FACTOR, DIVERGENCE_MODES
 from flwr_isoloco.strategies.core.evaluation import check_count, check_fraction
 from flwr_isoloco.strategies.core.replies import PAYLOADS
@@ -50,6 +57,7 @@ __all__ = [
     "SERVER_ONLY_KEYS",
     "node_view",
     "read_section",
+    "refuse_renamed_keys",
 ]
 
 APP_KEYS = ("name", "timeout", "round-timeout")
@@ -113,7 +121,7 @@ DILOCO_RUN_CONFIG: dict[str, Any] = {
     "robust-factor": -1.0,
     "buffers": "auto",
     "asynchronous": False,
-    "async-buffer": 0,
+    "async-replies-per-step": 0,
     "max-staleness": 16,
     "async-staleness": 0.5,
     "momentum-every": 1,
@@ -129,10 +137,10 @@ fixed clipping norm, else adaptive clipping with ``dp-clip-lr`` and ``dp-clip-co
 server merge computes ("auto" | "cpu" | "cuda" | "cuda:<index>", merging/device.py). ``buffers``:
 the tensors merged as FedAvg does, outside the outer step ("auto" | "none" | a regex;
 merging/buffers.py). ``asynchronous``: asynchronous rounds (strategies/diloco/asynchronous.py),
-an outer step per ``async-buffer`` replies (0: the number of nodes training), replies more
-than ``max-staleness`` steps old dropped, weights discounted by ``(1 + tau)^-async-staleness``,
-the outer momentum moved once every ``momentum-every`` steps, a node held for the step's model
-up to ``async-hold`` x its task time (``Rounds``' fields)."""
+an outer step per ``async-replies-per-step`` replies (0: the number of nodes training), replies
+more than ``max-staleness`` steps old dropped, weights discounted by
+``(1 + tau)^-async-staleness``, the outer momentum moved once every ``momentum-every`` steps, a
+node held for the step's model up to ``async-hold`` x its task time (``Rounds``' fields)."""
 ISOLOCO_RUN_CONFIG: dict[str, Any] = {
     **DILOCO_RUN_CONFIG,
     "merge": "",  # "": the preset's rule
@@ -246,7 +254,7 @@ RUN_CONFIG_CHECKS: dict[str, Any] = {
     "robust-select": _default_or_positive,
     "robust-factor": _default_or_factor,
     "buffers": check_buffers_spec,
-    "async-buffer": non_negative,
+    "async-replies-per-step": non_negative,
     "max-staleness": non_negative,
     "async-staleness": non_negative,
     "momentum-every": positive,
@@ -255,8 +263,18 @@ RUN_CONFIG_CHECKS: dict[str, Any] = {
 """Value checks per key (types come from the defaults); merge options are checked by the rule."""
 
 
-RENAMED_KEYS = {"client-sends": "payload"}
+RENAMED_KEYS = {"client-sends": "payload", "async-buffer": "async-replies-per-step"}
 """Section keys that have another name now (old -> new): refused, naming the new one."""
+
+
+def refuse_renamed_keys(keys: Iterable[str], prefix: str = "strategy.") -> None:
+    """:class:`~flwr_isoloco.runconfig.RunConfigError` (a ``ValueError``) naming the new key
+    for a key of ``keys`` that :data:`RENAMED_KEYS` renamed (an app's own schema would only
+    call it unknown)."""
+    keys = set(keys)
+    for old, new in RENAMED_KEYS.items():
+        if prefix + old in keys:
+            raise RunConfigError(f"run-config key {prefix + old!r} is now {prefix + new!r}")
 
 
 def read_section(
@@ -272,9 +290,7 @@ def read_section(
     """
     skip = {prefix + k for k in ignore}
     mine = {k: v for k, v in run_config.items() if k.startswith(prefix) and k not in skip}
-    for old, new in RENAMED_KEYS.items():
-        if prefix + old in mine:
-            raise ValueError(f"run-config key {prefix + old!r} is now {prefix + new!r}")
+    refuse_renamed_keys(mine, prefix)
     parts = [p for p in prefix.split(".") if p]
     schema: dict[str, Any] = dict(defaults)  # nested under the prefix: errors name the full key
     for part in reversed(parts):

@@ -166,7 +166,7 @@ def section_kwargs(c: Mapping[str, Any]) -> dict[str, Any]:
 
 
 ASYNC_KEYS = {
-    "async-buffer": "buffer",
+    "async-replies-per-step": "replies_per_step",
     "max-staleness": "max_staleness",
     "async-staleness": "staleness",
     "momentum-every": "momentum_every",
@@ -199,11 +199,11 @@ def section_rounds(c: Mapping[str, Any]) -> Rounds:
         raise ValueError(
             "strategy.quorum / strategy.grace-s close a synchronous round; with "
             "strategy.asynchronous = true leave them at 1.0 / 0.0 (an outer step takes the first "
-            "strategy.async-buffer replies)"
+            "strategy.async-replies-per-step replies)"
         )
     fields = {f: c[k] for k, f in ASYNC_KEYS.items() if k in c}
-    if fields.get("buffer") == 0:
-        fields["buffer"] = None  # 0: the number of nodes training
+    if fields.get("replies_per_step") == 0:
+        fields["replies_per_step"] = None  # 0: the number of nodes training
     return Rounds(max_empty_rounds=c["max-empty-rounds"], asynchronous=True, **fields)
 
 

@@ -141,6 +141,7 @@ class ReplyChecks:
         return DEFAULT_MAX_WEIGHT_RATIO if r == "auto" else float(r)
 
 
+@renamed_fields(buffer="replies_per_step")
 @short_repr
 @dataclass(frozen=True)
 class Rounds:
@@ -154,13 +155,14 @@ class Rounds:
 
     ``asynchronous=True`` (:mod:`~flwr_isoloco.strategies.diloco.asynchronous`): a node gets new
     work from the newest model as soon as its reply is in, and a round is one outer step, taken
-    once ``buffer`` replies (K; None: the number of nodes training) are accepted. A reply that
-    trained from a model ``tau`` outer steps old weighs ``(1 + tau) ** -staleness`` (``s(tau)``,
-    0: no discount, 0.5: FedBuff's ``1/sqrt(1+tau)``); beyond ``max_staleness`` steps it is
-    dropped. ``momentum_every``: the outer momentum moves once every N outer steps
-    (delayed Nesterov, :class:`~flwr_isoloco.merging.outer.OuterSGD` ``delay``; 1: every step).
-    ``hold``: a node whose reply entered the buffer waits for the step's new model when that
-    step is predicted to close within ``hold`` x its task time (its last task's, at most the
+    once ``replies_per_step`` replies (K, FedBuff's buffer size; None: the number of nodes
+    training) are accepted. A reply that trained from a model ``tau`` outer steps old weighs
+    ``(1 + tau) ** -staleness`` (``s(tau)``, 0: no discount, 0.5: FedBuff's ``1/sqrt(1+tau)``);
+    beyond ``max_staleness`` steps it is dropped.
+    ``momentum_every``: the outer momentum moves once every N outer steps (delayed Nesterov,
+    :class:`~flwr_isoloco.merging.outer.OuterSGD` ``delay``; 1: every step).
+    ``hold``: a node whose reply was accepted waits for the step's new model when that step is
+    predicted to close within ``hold`` x its task time (its last task's, at most the
     nodes' median); else, or once that time ran out, it gets the current model: sites of equal
     speed then take the synchronous steps; 0: never wait.
     ``quorum`` and ``grace_s`` are for synchronous rounds only.
@@ -170,7 +172,7 @@ class Rounds:
     grace_s: float = 0.0
     max_empty_rounds: int = 3
     asynchronous: bool = False
-    buffer: int | None = None
+    replies_per_step: int | None = None
     max_staleness: int = 16
     staleness: float = 0.5
     momentum_every: int = 1
@@ -185,9 +187,9 @@ class Rounds:
             raise _renamed("Rounds", exc) from None
         if not isinstance(self.asynchronous, bool):
             raise ValueError(f"Rounds.asynchronous must be a bool, got {self.asynchronous!r}")
-        for name, low in (("buffer", 1), ("max_staleness", 0), ("momentum_every", 1)):
+        for name, low in (("replies_per_step", 1), ("max_staleness", 0), ("momentum_every", 1)):
             v = getattr(self, name)
-            if (v is None and name == "buffer") or (
+            if (v is None and name == "replies_per_step") or (
                 isinstance(v, int) and not isinstance(v, bool) and v >= low
             ):
                 continue
@@ -200,8 +202,8 @@ class Rounds:
             if self.quorum is not None or self.grace_s:
                 raise ValueError(
                     "Rounds.quorum / grace_s close a synchronous round; asynchronous rounds "
-                    "never wait for a cohort (an outer step takes the first `buffer` replies): "
-                    "leave them unset with asynchronous=True"
+                    "never wait for a cohort (an outer step takes the first `replies_per_step` "
+                    "replies): leave them unset with asynchronous=True"
                 )
             return
         changed = [
@@ -227,7 +229,7 @@ class Rounds:
         return None if self.quorum is None or self.quorum == 1.0 else self.quorum
 
 
-ASYNC_FIELDS = ("buffer", "max_staleness", "staleness", "momentum_every", "hold")
+ASYNC_FIELDS = ("replies_per_step", "max_staleness", "staleness", "momentum_every", "hold")
 """The fields of :class:`Rounds` that only asynchronous rounds read."""
 
 

@@ -102,9 +102,9 @@ def log_summary(s: Any) -> None:
         r = a.settings
         log(
             INFO,
-            "\t├──> Rounds: asynchronous | buffer %s | max-staleness %d | staleness (1+tau)^-%g"
-            " | momentum every %d outer steps | hold %g x a task",
-            r.buffer or "nodes",
+            "\t├──> Rounds: asynchronous | replies per step %s | max-staleness %d"
+            " | staleness (1+tau)^-%g | momentum every %d outer steps | hold %g x a task",
+            r.replies_per_step or "nodes",
             r.max_staleness,
             r.staleness,
             r.momentum_every,

@@ -22,7 +22,7 @@ each reply is then checked against the model its node was sent (``per_reply.base
 the reply :meth:`per_reply.adopt <flwr_isoloco.strategies.diloco.asynchronous.AsyncRounds.adopt>`
 returns carries its ``discount`` ``s(tau)``: its merge weight is the bounded weight times
 ``s(tau)``, and ``g`` is scaled by ``rho = sum_i w_i s_i / sum_i w_i`` (``w_i`` the bounded
-weights), so that a buffer of stale replies moves the model less; buffer keys (BatchNorm
+weights), so that a step of stale replies moves the model less; buffer keys (BatchNorm
 statistics, :mod:`~flwr_isoloco.merging.buffers`) are taken against the current model and
 not scaled, so they become the weighted mean of the values the nodes reported. Without
 ``per_reply`` none of this runs (synchronous rounds, bit for bit as before).

@@ -131,9 +131,10 @@ KEY_DOCS: dict[str, str] = {
     "strategy.robust-factor": "`distance-filter`: drop updates farther than this x the median "
     "distance (-1 = 2.0)",
     "strategy.asynchronous": "asynchronous rounds: each node gets new work as soon as its reply "
-    "is in, a round is one outer step of `strategy.async-buffer` replies (docs/strategies.md)",
-    "strategy.async-buffer": "asynchronous rounds: accepted replies per outer step (0 = the "
-    "number of nodes training)",
+    "is in, a round is one outer step of `strategy.async-replies-per-step` replies "
+    "(docs/strategies.md)",
+    "strategy.async-replies-per-step": "asynchronous rounds: accepted replies per outer step "
+    "(K, FedBuff's buffer size; 0 = the number of nodes training)",
     "strategy.max-staleness": "asynchronous rounds: drop a reply trained from a model more than "
     "this many outer steps old",
     "strategy.async-staleness": "asynchronous rounds: a reply `tau` steps old weighs "

@@ -36,6 +36,7 @@ from flwr_isoloco.strategies.diloco.config import (
     ISOLOCO_RUN_CONFIG,
     RUN_CONFIG_CHECKS,
     node_view,
+    refuse_renamed_keys,
 )
 from flwr_isoloco.strategies.diloco.presets import ISOLOCO_PRESETS
 
@@ -245,6 +246,7 @@ def load_config(run_config: Mapping[str, Any], *, node: bool = False) -> DictCon
     ``node=True`` (a ClientApp): the server's own settings (``strategy.merge-device``) are
     checked for spelling only, not resolved on the node's machine (:func:`node_view`).
     """
+    refuse_renamed_keys(run_config)
     for key, why in NOT_IN_APP.items():
         if f"strategy.{key}" in run_config:
             raise RunConfigError(f"run-config key 'strategy.{key}' has no meaning here: {why}")

@@ -30,7 +30,7 @@ def main(grid: Grid, context: Context) -> None:
         min_train_nodes=n,
         min_available_nodes=n,
         checks=ReplyChecks(max_weight_ratio=None),
-        rounds=Rounds(asynchronous=True, buffer=int(cfg["buffer"]), staleness=0.0),
+        rounds=Rounds(asynchronous=True, replies_per_step=int(cfg["buffer"]), staleness=0.0),
     )
     pace = float(cfg["step-min-s"])
 
