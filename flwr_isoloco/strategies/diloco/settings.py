@@ -265,8 +265,10 @@ class Divergence:
 @dataclass(frozen=True, init=False)
 class Codec:
     """A delta codec and its options (:mod:`flwr_isoloco.compression`), e.g.
-    ``Codec("int8", block_size=64)``, ``Codec("topk", fraction=0.01, values="int8")``; the
-    options not given take the codec's defaults. ``error_feedback``: the worker keeps what the
+    ``Codec("int8", block_size=64)``, ``Codec("topk", fraction=0.01, values="int8")``.
+    ``name``: the codec (``int8``, ``fp8``, ``int4``, ``topk``, ``sparseloco``; ``exact`` for
+    downloads). ``options``: the codec's own options as keywords; those not given take the
+    codec's defaults. ``error_feedback``: the worker keeps what the
     codec dropped and adds it to its next delta. One class for any direction a codec applies to.
     ``nodes_hold_initial`` (downloads only): every node builds the initial model itself (same
     seed or checkpoint; ``clients.make_download_mod(initial=...)``), so round 1 sends no arrays.
