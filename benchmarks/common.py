@@ -9,6 +9,8 @@ A script in ``benchmarks/<study>/`` reaches this module with::
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
 import re
@@ -154,14 +156,24 @@ def load_records(path: Path) -> list[dict[str, Any]]:
     return json.loads(path.read_text()) if path.is_file() else []
 
 
-def append_record(path: Path, record: dict[str, Any]) -> None:
-    """Append ``record`` to the JSON list at ``path`` at once (atomic replace), under an
-    exclusive lock on ``path.lock`` so that two queues sharing the file lose no record."""
-    import fcntl
-
+@contextlib.contextmanager
+def locked(path: Path):
+    """Exclusive lock on the folder of ``path`` (``flock`` on the folder itself, so no lock file
+    is left behind): processes appending to one records file take it in turn."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path.with_suffix(path.suffix + ".lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+    fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def append_record(path: Path, record: dict[str, Any]) -> None:
+    """Append ``record`` to the JSON list at ``path`` at once (atomic replace), under
+    :func:`locked`, so that processes sharing the file (a sweep's shards, two queues) lose no
+    record."""
+    with locked(path):
         records = load_records(path)
         records.append(record)
         tmp = path.with_suffix(f".{os.getpid()}.tmp")

@@ -29,8 +29,6 @@ the same run config is skipped, so an interrupted sweep continues where it stopp
 from __future__ import annotations
 
 import argparse
-import contextlib
-import fcntl
 import json
 import os
 import sys
@@ -207,19 +205,6 @@ def run_cell(cell: dict[str, Any], args) -> dict[str, Any]:
     }
 
 
-@contextlib.contextmanager
-def locked(path: Path):
-    """Exclusive lock on the folder of ``path`` (shards of one sweep append to the same file;
-    no lock file is left behind)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
-    finally:
-        os.close(fd)  # releases the lock
-
-
 def ensure_cell(cell: dict[str, Any], args) -> tuple[dict[str, Any], bool]:
     """The cell's record: the one in ``args.out`` if done (``False``), else run and append it
     at once (``True``)."""
@@ -233,8 +218,7 @@ def ensure_cell(cell: dict[str, Any], args) -> tuple[dict[str, Any], bool]:
         return done, False
     print(f"[rwlora_sweep] run: {cell}", flush=True)
     rec = run_cell(cell, args)
-    with locked(args.out):
-        append_record(args.out, rec)
+    append_record(args.out, rec)  # under the records folder's lock (common.locked)
     ups = rec["updates_to_target"]
     print(
         f"[rwlora_sweep] done {cell}: final acc {rec['final_acc']:.3f} at "
