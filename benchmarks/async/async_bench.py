@@ -1,4 +1,4 @@
-"""Asynchronous rounds (issue 38) in a real Ray simulation: nodes of unequal speed never wait.
+"""Asynchronous rounds in a real Ray simulation: nodes of unequal speed never wait.
 
 ``N`` nodes train a small model; node ``p`` sleeps ``base_s * (1 + (spread - 1) p / (N - 1))``
 seconds per task (the slowdown knob: node 0 at 1x, the last at ``spread`` x), then returns a
@@ -13,8 +13,8 @@ asynchronous ones.
     nice -n 10 python benchmarks/async/async_bench.py --quick            # 3 nodes, 0.2 s / 2 s
     nice -n 10 python benchmarks/async/async_bench.py --nodes 8 --spread 4 --compare
 
-This is the skeleton of the issue's study; the LM app (loss against wall time, DiLoCo and
-IsoLoCo, 3 seeds) is still to be measured. The client-side sleep lives in this benchmark's own
+The same question on the LM app (loss against wall time, DiLoCo and IsoLoCo) is
+``benchmarks/async/async_lm.py``. The client-side sleep lives in this benchmark's own
 ClientApp, not in the library.
 """
 

@@ -1,5 +1,7 @@
-"""Issue 38's LM study: validation loss against wall time for sites of unequal speed, and each
-site's utilisation, with synchronous rounds, quorum + grace and asynchronous rounds.
+"""LM study of asynchronous rounds: validation loss against wall time for sites of unequal speed.
+
+Validation loss and each site's utilisation, with synchronous rounds, quorum + grace and
+asynchronous rounds.
 
 The LM app (``simulations/isoloco-lm``, :data:`common.SMALL_LM`) in a Ray simulation of 8
 nodes, each node one Ray actor (a quarter of a CPU: all 8 run at once on 2 cores). Speeds are

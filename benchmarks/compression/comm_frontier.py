@@ -1,12 +1,12 @@
-"""The bytes-vs-loss frontier of compressed uploads and downloads (issue 36, items 3 and 4).
+"""The bytes-vs-loss frontier of compressed uploads and downloads.
 
-Lives under ``benchmarks/compression/`` (our benchmarks are grouped by study; the issue names it
-``benchmarks/comm_frontier.py``). The LM horizon protocol of ``benchmarks/lm/lm_sweep_lib.py``
-(combined corpora, M = 8, T = 600 inner steps, H = 10, 60 rounds, inner lr 3e-3, real Flower in
-a Ray simulation) for DiLoCo (mean merge) and IsoLoCo (Iso-C merge of the decoded pseudo-
-gradients) x codec {fp32, int8, int4, sparseloco k = 64 and k = 128 per 4,096} x outer
-optimiser {Nesterov 0.8 kept with error feedback (MuLoCo-style), outer momentum 0 with error
-feedback in its place (SparseLoCo-style)} x download {none, the same codec} (:data:`CONFIGS`).
+Lives under ``benchmarks/compression/`` (our benchmarks are grouped by study). The LM horizon
+protocol of ``benchmarks/lm/lm_sweep_lib.py`` (combined corpora, M = 8, T = 600 inner steps, H = 10,
+60 rounds, inner lr 3e-3, real Flower in a Ray simulation) for DiLoCo (mean merge) and IsoLoCo
+(Iso-C merge of the decoded pseudo-gradients) x codec {fp32, int8, int4, sparseloco k = 64 and k =
+128 per 4,096} x outer optimiser {Nesterov 0.8 kept with error feedback (MuLoCo-style), outer
+momentum 0 with error feedback in its place (SparseLoCo-style)} x download {none, the same codec}
+(:data:`CONFIGS`).
 
 Uploads keep an error-feedback residual with decay 0.95 (``e <- 0.95 e + delta; send Q(e);
 e <- e - sent``) with every codec; a compressed download sends ``Q(theta - B)`` and the gap

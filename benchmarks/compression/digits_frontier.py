@@ -1,4 +1,4 @@
-"""The bytes-vs-accuracy frontier, short, on ``examples/digits`` (issue 36, item 4's last line).
+"""The bytes-vs-accuracy frontier, short, on ``examples/digits``.
 
 The digits app (small CNN on sklearn's 8x8 digits, 4 nodes, IID, 10 rounds of 1 local epoch)
 runs in-process on the tests' fake grid, as ``benchmarks/dropin/isoloco_dropin.py`` runs it

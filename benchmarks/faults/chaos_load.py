@@ -1,6 +1,7 @@
-"""Load benchmark (issue 39 item 3): the chaos federation (``tests/deploy_harness.py``'s loopback
-TLS deployment: SuperLink with SuperNode authentication, N SuperNodes each its own process) with
-many SuperNodes and a SmolLM2-sized message, no faults; the SuperLink's state on disk
+"""Load benchmark: the chaos federation with many SuperNodes and a SmolLM2-sized message, no faults.
+
+The federation is ``tests/deploy_harness.py``'s loopback TLS deployment (SuperLink with SuperNode
+authentication, N SuperNodes each its own process); the SuperLink's state on disk
 (``--database <root>/superlink.db``) or in memory (``:flwr-in-memory:``). One record per cell in
 ``benchmarks/results/chaos_load.json``.
 

@@ -1,4 +1,4 @@
-"""Straggler run (issue 18): a real Ray simulation, one node answering 10x slower.
+"""Straggler run: a real Ray simulation, one node answering 10x slower.
 
 ``N`` nodes train a small model (the update is a deterministic function of partition and round,
 after a sleep: ``--base-s`` seconds, ``--slow-factor`` times longer for the last partition).

@@ -1,4 +1,4 @@
-"""IsoLoCo vs DiLoCo and the merge rules from 1 to 128 workers (issue 11, LM part): a resumable sweep.
+"""IsoLoCo vs DiLoCo and the merge rules from 1 to 128 workers: a resumable sweep.
 
 Each cell (method, protocol, M, seed, outer lr, outer momentum, H, rounds) is one real Flower
 simulation (Ray) of the project's DiLoCo strategy family and DiLoCo worker, except
@@ -16,7 +16,7 @@ Outer values: ``--outer-lr`` / ``--outer-momentum`` if given; else the tuned opt
 tuning file (the M = 64 optimum for M >= 32 when there is one, else the M = 8 one); else the
 fallback of ``METHODS`` in the library, recorded as ``"tuned": false, "hp_source": "default"``.
 
-Protocol ``horizon`` (issue 21; ``lm_sweep_horizon.py`` holds its tuning rules) writes to
+Protocol ``horizon`` (``lm_sweep_horizon.py`` holds its tuning rules) writes to
 ``lm_horizon.json`` / ``lm_horizon_tuning.json`` unless ``--out`` / ``--tuning-file`` say::
 
     python benchmarks/lm/lm_sweep.py --protocol horizon --tune --horizon 200 600 --methods isoloco

@@ -1,5 +1,5 @@
-"""The horizon study of ``benchmarks/lm/lm_sweep.py --protocol horizon`` (issue 21): its grids, how a
-cell's outer and inner lrs are chosen from the tuning records, and the run order.
+"""The horizon study of ``benchmarks/lm/lm_sweep.py --protocol horizon``: its grids, how a cell's
+outer and inner lrs are chosen from the tuning records, and the run order.
 
 Question: do IsoLoCo's gains over DiLoCo, FedAvg and a tuned synchronous AdamW survive a longer
 budget? Total inner steps ``T`` in :data:`lm_sweep_lib.HORIZONS` (H = 10, so T / 10 outer
@@ -7,15 +7,15 @@ steps), M in {1, 8, 32}, the combined corpus :data:`lm_sweep_lib.HORIZON_CORPORA
 
 Tuning, all at M = 8 and seed 0, chosen on the validation split:
 
-- **outer lr** (and momentum) at *every* T (``--tune``): :data:`GRIDS`, five lrs a factor
-  sqrt(2) apart centred on the issue-11 M = 8 optimum at its momentum (0.8 won there for both
-  momentum methods), then one probe at momentum :data:`MOMENTUM_PROBE` at the best lr, and the
-  grid grows by sqrt(2) while the optimum is on its edge (``lm_sweep.extension``). The grid runs
-  at the method's current inner lr (below), so it is rerun when that changes. Beyond
-  ``T =`` :data:`INNER_TUNE_HORIZON` (the longest horizon, whose runs cost the most) the grid
-  is narrower (:func:`initial_grid`): three lrs, the optimum of the next shorter T and one step
-  either side, extended the same way, so the optimum is still inside it; and the momentum probe
-  is left out where it lost at every shorter T (:func:`probe_lost_before`).
+- **outer lr** (and momentum) at *every* T (``--tune``): :data:`GRIDS`, five lrs a factor sqrt(2)
+  apart centred on the ``main`` protocol's M = 8 optimum at its momentum (0.8 won there for both
+  momentum methods), then one probe at momentum :data:`MOMENTUM_PROBE` at the best lr, and the grid
+  grows by sqrt(2) while the optimum is on its edge (``lm_sweep.extension``). The grid runs at the
+  method's current inner lr (below), so it is rerun when that changes. Beyond ``T =``
+  :data:`INNER_TUNE_HORIZON` (the longest horizon, whose runs cost the most) the grid is narrower
+  (:func:`initial_grid`): three lrs, the optimum of the next shorter T and one step either side,
+  extended the same way, so the optimum is still inside it; and the momentum probe is left out where
+  it lost at every shorter T (:func:`probe_lost_before`).
 - **inner lr** of the workers, once per method at ``T =`` :data:`INNER_TUNE_HORIZON`
   (``--tune-inner``): :data:`INNER_GRID` at the method's outer optimum found with the default
   inner lr, extended by a factor 2 while the optimum is on its edge. Used at every T.
@@ -34,7 +34,7 @@ import lm_sweep_lib as lib
 TUNE_WORKERS = 8
 INNER_TUNE_HORIZON = 600
 QUICK_INNER_TUNE_HORIZON = 4  # --quick: H = 2, so 2 rounds
-DEFAULT_INNER_LR = 3e-3  # the issue-11 sweep's inner lr (SIZES["main"])
+DEFAULT_INNER_LR = 3e-3  # the main protocol's inner lr (SIZES["main"])
 INNER_GRID = (1.5e-3, 3e-3, 6e-3)
 INNER_RATIO = 2.0
 OUTER_RATIO = math.sqrt(2.0)
@@ -47,7 +47,7 @@ GRIDS: dict[str, tuple[list[float], float | None]] = {
     "iso_c-sgd": ([2.8, 3.96, 5.6, 7.92, 11.2], 0.0),
     "dp-adamw": ([7.5e-4, 1.5e-3, 3e-3, 6e-3], None),
 }
-CENTRES = {"diloco": 0.25, "isoloco": 1.8, "iso_c-sgd": 5.6, "dp-adamw": 1.5e-3}  # issue-11 optima
+CENTRES = {"diloco": 0.25, "isoloco": 1.8, "iso_c-sgd": 5.6, "dp-adamw": 1.5e-3}  # main's optima
 METHODS = ("fedavg", "diloco", "isoloco", "iso_c-sgd", "dp-adamw")
 SEEDS = {1: (0, 1), 8: (0, 1, 2), 32: (0, 1)}  # 2 seeds per cell, 3 at M = 8
 
@@ -57,7 +57,7 @@ def _r3(x: float) -> float:
 
 
 def centre_out(method: str) -> list[float]:
-    """The initial grid of ``method``, its centre (the issue-11 optimum) first, then outwards:
+    """The initial grid of ``method``, its centre (the ``main`` optimum) first, then outwards:
     with ``--grid-points 1`` every method runs at the old optimum first (a first comparison)."""
     c = CENTRES[method]
     return sorted(GRIDS[method][0], key=lambda x: (abs(math.log(x / c)), x))

@@ -1,6 +1,6 @@
 """Building blocks of ``benchmarks/lm/lm_sweep.py``: sizing, data, Flower apps, one run per cell.
 
-Protocol ``main`` (issue 11): every run, whatever the number of workers M, trains on the same
+Protocol ``main``: every run, whatever the number of workers M, trains on the same
 ``N = rounds * H * G`` training sequences (``G`` = global batch, a multiple of 128, so every
 M in {1..128} divides it). The training split is cut into non-overlapping rows of
 ``seq_len + 1`` tokens; a seeded permutation (seed = the run's seed) picks the N rows, and
@@ -10,7 +10,7 @@ token budget ``N * seq_len`` and the number of rounds are the same for every M, 
 split of each global batch over workers changes. ``dp-adamw`` takes, at step ``t``, the union
 of the M workers' step-``t`` batches (the same tokens, one synchronous AdamW).
 
-Protocol ``horizon`` (issue 21): the main sizing on the combined corpus :data:`HORIZON_CORPORA`,
+Protocol ``horizon``: the main sizing on the combined corpus :data:`HORIZON_CORPORA`,
 ``T`` inner steps in all (``rounds = T / H``, H = 10), the workers' (or dp-adamw's peak) inner lr
 given per cell. A run needs ``N = T G`` distinct rows: :func:`max_horizon` says how long a run
 fits without repeating a row (see docs/results-lm.md, "Horizon study").
@@ -140,7 +140,7 @@ def protocol_size(
     return size
 
 
-# main and the other issue-11 protocols: Shakespeare, the corpus their records were run on
+# every protocol but horizon: Shakespeare, the corpus their records were run on
 # (pinned: installing more corpora must not change them); a size's "corpora" overrides it
 DATA = {"corpora": ("shakespeare",), "chunk_chars": 8192, "period": 20}
 

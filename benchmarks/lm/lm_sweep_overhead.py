@@ -1,4 +1,4 @@
-"""Per-message overhead of a Flower/Ray round at M = 128 for the lm_sweep workload (issue 11).
+"""Per-message overhead of a Flower/Ray round at M = 128 for the lm_sweep workload.
 
 A FedAvg run of the sweep's main model with H = 1 inner step on G / M = 1 sequence per worker
 and 3 rounds, so a round is almost all overhead (message in, context and AdamW state restored,

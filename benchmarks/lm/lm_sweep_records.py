@@ -27,7 +27,7 @@ KEY_FIELDS = (
 
 def _key_value(rec: dict[str, Any], field: str) -> Any:
     """``rec[field]``; ``inner_lr`` from ``rec["size"]`` and ``corpora`` as a tuple for records
-    written before those fields were part of the key (issue-11 records)."""
+    written before those fields were part of the key (the ``main`` protocol's first records)."""
     if field == "inner_lr":
         return rec.get("inner_lr", (rec.get("size") or {}).get("inner_lr"))
     if field == "corpora":

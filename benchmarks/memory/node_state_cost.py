@@ -1,4 +1,4 @@
-"""Per-message cost of keeping a DiLoCo worker's AdamW state on the node's disk (issue 18).
+"""Per-message cost of keeping a DiLoCo worker's AdamW state on the node's disk.
 
 In one process, for the flat AdamW state of a model of N parameters (``exp_avg``,
 ``exp_avg_sq``: N fp32 each; ``step``: one per parameter tensor), median of ``--repeats``:

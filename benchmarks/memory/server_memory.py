@@ -1,4 +1,4 @@
-"""Server memory against the number of workers M in a real Ray simulation (issue 18).
+"""Server memory against the number of workers M in a real Ray simulation.
 
 Runs ``simulations/isoloco-lm`` through ``scripts/run_app.sh`` (NUM_SUPERNODES=M,
 CPUS_PER_CLIENT=1) with a model of 51.0 MiB of fp32 arrays (``model.hidden=512

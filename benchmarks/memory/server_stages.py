@@ -1,4 +1,4 @@
-"""Where the LM app's server memory goes at 135M: one in-process run, RSS per stage (issue 18).
+"""Where the LM app's server memory goes at 135M: one in-process run, RSS per stage.
 
 Runs ``simulations/isoloco-lm``'s ServerApp (``run_server``: build, rounds, evaluation,
 checkpoint, export) on SmolLM2-135M in this process with the test suite's in-process grid

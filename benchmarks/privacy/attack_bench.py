@@ -1,4 +1,4 @@
-"""Attackers vs defences on the isoloco-lm app (issue 20 item 4).
+"""Attackers vs defences on the isoloco-lm app.
 
 In-process Flower runs of the app's ServerApp (``run_server``) and ClientApp (the DiLoCo worker,
 a small LLaMA on Shakespeare) on ``tests/fakegrid.FakeGrid`` (as ``tests/test_isoloco_lm_app.py``;
@@ -75,7 +75,7 @@ FLOAT_OPTIONS = ("trim", "factor", "ratio")
 STRATEGIES = ("isoloco", "diloco")
 SIZES = {  # rounds, local steps and model per grid; "test" is the cheap one of the unit test
     "full": {"num-server-rounds": 20, "train.local-steps": 10, "model.hidden": 64},
-    # the issue's 20 rounds at 2 local steps: what a shared 2-core machine affords
+    # full's 20 rounds at 2 local steps: what a shared 2-core machine affords
     "headline": {"num-server-rounds": 20, "train.local-steps": 2, "model.hidden": 64},
     "quick": {"num-server-rounds": 5, "train.local-steps": 4, "model.hidden": 64},
     "test": {"num-server-rounds": 2, "train.local-steps": 2, "model.hidden": 32},

@@ -1,4 +1,4 @@
-"""One malicious site vs the weight bound, and an honest size-skewed federation (issue 8, sec. 2).
+"""One malicious site vs the weight bound, and an honest size-skewed federation.
 
 Real Flower runs (Ray simulation through ``flwr.simulation.run_simulation``) of the isoloco-lm
 app's ServerApp (``run_server``) and its DiLoCo worker, 8 nodes, a small LLaMA. Cases:

@@ -1,4 +1,4 @@
-"""RW-LoRA vs gossip LoRA vs FedAvg-LoRA with seeds (issue 11, RW-LoRA part): a resumable sweep.
+"""RW-LoRA vs gossip LoRA vs FedAvg-LoRA with seeds: a resumable sweep.
 
 Each cell (method, graph, clients, partition, rank, seed) is one run of the rwlora_sentiment
 app's own server (``run_server``) and LoRA client under Flower's simulation engine (Ray
@@ -229,7 +229,7 @@ def ensure_cell(cell: dict[str, Any], args) -> tuple[dict[str, Any], bool]:
 
 
 def _cell_args(ap: argparse.ArgumentParser) -> None:
-    """Which cells: the six lists of the issue's CLI, or a planned suite."""
+    """Which cells: the cross product of the six lists below, or a planned suite."""
     ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
     ap.add_argument("--graphs", nargs="+", default=list(GRAPHS), choices=list(GRAPHS))
     ap.add_argument("--clients", nargs="+", type=int, default=None, help="default: 8 (quick: 4)")

@@ -16,12 +16,12 @@ from the best loss so far (a slow collapse, no single jump)
 
 with ``L_best`` the lowest loss of a kept model (round 0 included). ``factor = 0`` checks only
 for non-finite losses (both rules off); ``collapse_factor = 0`` turns the second rule off.
-The default ``collapse_factor`` 1.5 (:data:`DEFAULT_COLLAPSE_FACTOR`) catches the collapse of
-issue 34 (test loss 0.39 -> 1.07 in steps below x1.5 each: flagged at the first loss above
-0.585) and the diverging runs in the repository's ``benchmarks/results`` (e.g. ``weight_bound.json``
-attack-off DiLoCo, 7.50 -> 14.68 at <= x1.14 a round), and leaves every healthy curve there
-alone: the largest ``L_k / L_best`` of a healthy run in those records is 1.15 (gossip on a
-ring, ``rwlora_summary.json``; 1.07 for the 54 LM runs of ``compression_loss.json``).
+The default ``collapse_factor`` 1.5 (:data:`DEFAULT_COLLAPSE_FACTOR`) catches the slow collapse seen
+with the drop-in under strong label skew (test loss 0.39 -> 1.07 in steps below x1.5 each: flagged
+at the first loss above 0.585) and the diverging runs in the repository's ``benchmarks/results``
+(e.g. ``weight_bound.json`` attack-off DiLoCo, 7.50 -> 14.68 at <= x1.14 a round), and leaves every
+healthy curve there alone: the largest ``L_k / L_best`` of a healthy run in those records is 1.15
+(gossip on a ring, ``rwlora_summary.json``; 1.07 for the 54 LM runs of ``compression_loss.json``).
 ``on_divergence`` says what happens then:
 
 - ``"warn"`` (default): a WARNING naming the round, both losses and the factor; the round's
