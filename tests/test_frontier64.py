@@ -107,7 +107,7 @@ def test_plan_order_and_seed_bar(f64):
     tune(done, "diloco-sl64-m0-both", (4.2, 4.1, 4.3))
     tune(done, "isoloco-sl64-m0-both", (4.2, 4.1, 4.3))
     seeds = []
-    while (nxt := f64.next_run(done, exact=True)) is not None:
+    while (nxt := f64.next_run(done, exact=True))[0] != f64.CONTROL:
         seeds.append(nxt[:3])
         done[key(*nxt[:3])] = {"val_loss": 9.0}
     assert seeds == [
@@ -116,6 +116,10 @@ def test_plan_order_and_seed_bar(f64):
         ("diloco-int4-nesterov-both", 0.25, 1),
         ("diloco-int4-nesterov-both", 0.25, 2),
     ]
+    # the control (fp32, momentum 0) comes last, on its own grid around SparseLoCo's lr 1.0
+    assert nxt == (f64.CONTROL, 0.707, 0, "tune")
+    tune(done, f64.CONTROL, (3.7, 3.6, 3.8))  # +0.1: no seeds
+    assert f64.next_run(done, exact=True) is None
 
 
 def test_report_optimum_ratios_and_paired_deltas(f64):

@@ -40,11 +40,15 @@ of its method. Test loss (a split never used to choose) is reported.
 - ``diloco-sl64exact-m0``: sparseloco uploads, SparseLoCo's own combine
   (``merge="sparseloco"``) and exact sparse downloads (``Codec("exact")``: the nodes take the
   server's step from the round's sparse uploads), outer momentum 0, lr centred at 1.0
-  (SparseLoCo's). The queue runs it once the library has it (:func:`exact_available`).
+  (SparseLoCo's). The queue runs it once the library has it (:func:`exact_available`);
+- ``diloco-fp32-m0`` (:data:`CONTROL`): fp32 DiLoCo with sparseloco-exact's outer optimiser
+  (momentum 0, lr centred at 1.0), so a difference between sparseloco-exact and fp32 DiLoCo
+  can be split into the outer optimiser's share and the compression's.
 
 Queue order (:data:`PLAN`): first the pair that decides the 25x question (fp32 DiLoCo and
 sparseloco-exact, the only point near 25x that may keep the loss: tuning, then seeds), then
-IsoLoCo's fp32 reference, int4 and sparseloco-both tuning, then their seeds. The next run is a function of the records alone (and
+IsoLoCo's fp32 reference, int4 and sparseloco-both tuning, then their seeds, the control
+last. The next run is a function of the records alone (and
 of whether the exact downloads exist), so ``--queue`` resumes where it stopped.
 
 Budget (:data:`RUN_S`, measured on the first runs): ~15 s of CPU a round (the 8 nodes' 10
@@ -101,6 +105,7 @@ SEED_BAR = 0.05  # nats of seed-0 validation loss above fp32 within which a poin
 EXACT = "diloco-sl64exact-m0"
 EXACT_METHOD = "diloco-sparseloco"  # the sweep's method key of SparseLoCo's combine
 SL64 = {"chunk": 4096, "k": 64, "bits": 2}
+CONTROL = "diloco-fp32-m0"  # sparseloco-exact's outer optimiser (momentum 0) without compression
 
 CONFIGS: dict[str, dict[str, Any]] = {
     **{
@@ -112,6 +117,7 @@ CONFIGS: dict[str, dict[str, Any]] = {
             "isoloco-int4-nesterov-both",
             "diloco-sl64-m0-both",
             "isoloco-sl64-m0-both",
+            CONTROL,
         )
     },
     EXACT: {"method": "diloco", "codec": "sl64", "opt": "m0", "down": "exact"},
@@ -128,9 +134,12 @@ PLAN: list[tuple[str, list[str]]] = [
     ("seeds", ["isoloco-fp32-nesterov"]),
     ("seeds", ["diloco-int4-nesterov-both", "isoloco-int4-nesterov-both"]),
     ("seeds", ["diloco-sl64-m0-both", "isoloco-sl64-m0-both"]),
+    ("tune", [CONTROL]),
+    ("seeds", [CONTROL]),
 ]
 """("tune", names): seed 0 over the lr grid; ("seeds", names): seeds 1, 2 at the optimum of
-the references and of the points within :data:`SEED_BAR` of them."""
+the references and of the points within :data:`SEED_BAR` of them. :data:`CONTROL` last: it
+tells whether sparseloco-exact's lead over fp32 DiLoCo is its outer optimiser's."""
 
 
 def size64(quick: bool = False) -> dict[str, Any]:
