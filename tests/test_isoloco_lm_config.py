@@ -78,6 +78,23 @@ def test_strategy_defaults_are_the_strategy_s_own():
             {"strategy.name": "fedavg"},
             lambda s: (s.merge_name, s.outer.lr, s.outer.momentum) == ("mean", 1.0, 0.0),
         ),
+        (  # compression.md's first recommendation, SparseLoCo's setup, as its command spells it
+            {
+                "strategy.name": "diloco",
+                "strategy.merge": "sparseloco",
+                "strategy.outer-lr": 0.18,
+                "strategy.outer-momentum": 0.0,
+                "strategy.nesterov": False,
+                "strategy.upload-codec": "sparseloco",
+                "strategy.download-codec": "exact",
+            },
+            lambda s: (
+                (s.merge_name, s.outer.lr, s.outer.momentum, s.outer.nesterov)
+                == ("sparseloco", 0.18, 0.0, False)
+                and (s.upload.name, s.upload.options["k"], s.download.name)
+                == ("sparseloco", 64, "exact")
+            ),
+        ),
     ],
 )
 def test_documented_keys_reach_the_strategy(rc, check):
