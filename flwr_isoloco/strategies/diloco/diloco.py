@@ -23,6 +23,7 @@ from __future__ import annotations
 import random
 from collections.abc import Iterable, Mapping
 from logging import INFO, WARNING
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -227,6 +228,12 @@ class DiLoCo(FromRunConfig, SettingsViews, DiLoCoState, ResumableStrategy):
         """Rounds aggregated so far (``server_round``; continues across a resume)."""
         return self.server_round
 
+    @property
+    def dtypes(self) -> Mapping[str, torch.dtype]:
+        """The model's dtype per key, as the initial (or restored) model had them; ``theta``
+        is kept in fp32 and sent back in these. Read-only: replaced, never changed."""
+        return MappingProxyType(self._dtypes)
+
     def current_arrays(self) -> ArrayRecord:
         """``theta`` in the model's own dtypes."""
         return self._model_record()
@@ -276,7 +283,7 @@ class DiLoCo(FromRunConfig, SettingsViews, DiLoCoState, ResumableStrategy):
             config[k] = v
         self.train_validator.asked_steps = asked_steps(config)  # inner-steps <= it
         # a download codec's B: advanced towards theta here or by the evaluation before
-        downloads.follow_theta(self.broadcast, self.theta, self._dtypes, self.server_round)
+        downloads.follow_theta(self.broadcast, self.theta, self.dtypes, self.server_round)
         record = self._model_record() if self.broadcast is None else ArrayRecord()
         msgs = self._messages(record, config, nodes, MessageType.TRAIN)
         return self.book.train_ledger.remember(msgs)
@@ -292,7 +299,7 @@ class DiLoCo(FromRunConfig, SettingsViews, DiLoCoState, ResumableStrategy):
         a, f, n = self.async_rounds, self.fraction_evaluate, self.min_evaluate_nodes
         nodes = a.evaluation_nodes(self) if a else sample_nodes(self, grid, f, n)  # async: idle
         config["server-round"] = self.server_round
-        downloads.follow_theta(self.broadcast, self.theta, self._dtypes, self.server_round)
+        downloads.follow_theta(self.broadcast, self.theta, self.dtypes, self.server_round)
         saved = self.book.bytes_down  # bytes-down of the train metrics: the train messages
         record = self._model_record() if self.broadcast is None else ArrayRecord()
         msgs = self._messages(record, config, nodes, MessageType.EVALUATE)
@@ -437,7 +444,7 @@ class DiLoCo(FromRunConfig, SettingsViews, DiLoCoState, ResumableStrategy):
 # ---------------------------------------------------------------------- the strategy's helpers
 def record_of(s: DiLoCo, model: Mapping[str, torch.Tensor]) -> ArrayRecord:
     """``model`` (fp32, as ``theta``) as a record in strategy ``s``'s model dtypes."""
-    return ArrayRecord({k: v.to(s._dtypes.get(k, v.dtype)) for k, v in model.items()})
+    return ArrayRecord({k: v.to(s.dtypes.get(k, v.dtype)) for k, v in model.items()})
 
 
 def sample_nodes(s: DiLoCo, grid: Grid, fraction: float, min_nodes: int) -> list[int]:

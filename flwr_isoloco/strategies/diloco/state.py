@@ -144,7 +144,7 @@ class DiLoCoState:
             "tensors": {"theta": dict(self.theta), "outer": outer_t},
             "meta": {
                 "server_round": self.server_round,
-                "dtypes": {k: str(v).replace("torch.", "") for k, v in self._dtypes.items()},
+                "dtypes": {k: str(v).replace("torch.", "") for k, v in self.dtypes.items()},
                 "outer": outer_m,
                 "rng": [version, list(internal), gauss],
                 "merge": self.merge_name,
