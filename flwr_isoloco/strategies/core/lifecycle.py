@@ -179,8 +179,7 @@ class ResumableStrategy(Strategy):
         evaluate_fn: EvaluateFn | None = None,
         on_round_end: RoundEndFn | None = None,
     ) -> Result:
-        """Run rounds ``completed_rounds + 1 .. num_rounds`` (the run's total), calling
-        ``on_round_end`` (default: ``strategy.on_round_end`` if set) after each (module doc)."""
+        """Run rounds ``completed_rounds + 1 .. num_rounds``, ``on_round_end`` after each one."""
         log(INFO, "Starting %s strategy:", self.__class__.__name__)
         log_strategy_start_info(num_rounds, initial_arrays, train_config, evaluate_config)
         self.summary()

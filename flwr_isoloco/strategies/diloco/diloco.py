@@ -230,8 +230,7 @@ class DiLoCo(FromRunConfig, SettingsViews, DiLoCoState, ResumableStrategy):
 
     @property
     def dtypes(self) -> Mapping[str, torch.dtype]:
-        """The model's dtype per key, as the initial (or restored) model had them; ``theta``
-        is kept in fp32 and sent back in these. Read-only: replaced, never changed."""
+        """The model's dtype per key (read-only); ``theta`` is fp32 and is sent in these."""
         return MappingProxyType(self._dtypes)
 
     def current_arrays(self) -> ArrayRecord:

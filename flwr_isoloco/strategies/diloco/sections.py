@@ -271,8 +271,7 @@ class FromRunConfig:
         ignore: Iterable[str] = APP_KEYS,
         **overrides: Any,
     ) -> Any:
-        """Build from Flower's flat run config (``strategy.<key>``: :func:`run_config_defaults`);
-        ``ValueError`` naming a bad key; ``overrides``: constructor arguments applied last."""
+        """From the flat run config (``strategy.<key>``); a bad key: ``ValueError``; overrides last."""
         section = read_section(run_config, cls._RUN_CONFIG_DEFAULTS, prefix, ignore)
         return cls.from_section(section, **overrides)
 
