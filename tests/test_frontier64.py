@@ -116,9 +116,22 @@ def test_plan_order_and_seed_bar(f64):
         ("diloco-int4-nesterov-both", 0.25, 1),
         ("diloco-int4-nesterov-both", 0.25, 2),
     ]
-    # the control (fp32, momentum 0) comes last, on its own grid around SparseLoCo's lr 1.0
+    # the control (fp32, momentum 0) comes late, on its own grid around SparseLoCo's lr 1.0
     assert nxt == (f64.CONTROL, 0.707, 0, "tune")
-    tune(done, f64.CONTROL, (3.7, 3.6, 3.8))  # +0.1: no seeds
+    assert f64.reference(f64.INT4_M0, done) == "diloco-fp32-nesterov"
+    tune(done, f64.CONTROL, (3.5, 3.45, 3.6))  # below fp32 Nesterov (3.5): the new reference
+    assert f64.reference(f64.INT4_M0, done) == f64.CONTROL
+    assert f64.reference("isoloco-int4-nesterov-both", done) == "isoloco-fp32-nesterov"
+    assert not f64.gets_seeds("diloco-int4-nesterov-both", done)  # now +0.09
+    seeds = []
+    while (nxt := f64.next_run(done, exact=True))[0] != f64.INT4_M0:
+        seeds.append(nxt[:3])
+        done[key(*nxt[:3])] = {"val_loss": 9.0}
+    assert seeds == [(f64.CONTROL, 1.0, 1), (f64.CONTROL, 1.0, 2)]  # fp32: always seeded
+    assert nxt == (f64.INT4_M0, 0.707, 0, "tune")
+    tune(done, f64.INT4_M0, (3.52, 3.48, 3.6))  # +0.03 over the control: gets seeds
+    assert f64.next_run(done, exact=True) == (f64.INT4_M0, 1.0, 1, "seed")
+    done[key(f64.INT4_M0, 1.0, 1)] = done[key(f64.INT4_M0, 1.0, 2)] = {"val_loss": 9.0}
     assert f64.next_run(done, exact=True) is None
 
 
@@ -164,5 +177,18 @@ def test_report_optimum_ratios_and_paired_deltas(f64):
     assert rows["diloco-fp32-nesterov"]["x"]["run_local0"] == pytest.approx(1.0)
     assert ex["paired"] == pytest.approx({0: 0.02, 1: 0.01, 2: 0.04})
     assert ex["val_delta"] == pytest.approx(0.02)
+    assert ex["reference"] == "diloco-fp32-nesterov" and ex["paired_same_opt"] == {}
     text = R.table_text(list(rows.values()))
     assert "+0.0400" in text and "100.0x" in text
+    # fp32 at momentum 0 tuned below fp32 Nesterov: the reference of every DiLoCo point, and
+    # the same-optimiser fp32 of sparseloco-exact
+    for lr, v in zip(grid(f64.centre(f64.CONTROL)), (3.5, 3.45, 3.6), strict=True):
+        r = rec(f64.CONTROL, lr, 0, v, v + 0.05, 100.0, 100.0)
+        done[r["key"]] = r
+    rows = {r["config"]: r for r in R.rows(done)}
+    ex, nest = rows[f64.EXACT], rows["diloco-fp32-nesterov"]
+    assert ex["reference"] == nest["reference"] == f64.CONTROL
+    assert ex["paired"] == ex["paired_same_opt"] == pytest.approx({0: 3.57 - 3.50})
+    assert ex["val_delta"] == pytest.approx(3.52 - 3.45)
+    assert nest["paired"] == pytest.approx({0: 3.55 - 3.50}) and nest["paired_same_opt"] == {}
+    assert "(vs fp32-m0)" in R.table_text(list(rows.values()))

@@ -29,9 +29,10 @@ bigram's in round 36 of 80.
 Points (:data:`CONFIGS`), each at its own outer lr: seed 0 on 3 lrs a factor sqrt(2) apart
 around :func:`centre` (``comm_frontier.CENTRES`` of the method and outer optimiser; the same
 grid for fp32 and int4), an optimum on the grid's edge adds a point beyond it, selected on the
-validation loss; then seeds 1 and 2 at the optimum for the fp32 references and for every point
-whose seed-0 validation loss at its optimum is within :data:`SEED_BAR` (0.05 nats) of the fp32
-of its method. Test loss (a split never used to choose) is reported.
+validation loss; then seeds 1 and 2 at the optimum for every fp32 configuration and for every
+point whose seed-0 validation loss at its optimum is within :data:`SEED_BAR` (0.05 nats) of its
+method's :func:`reference` (the best-tuned fp32 outer optimiser). Test loss (a split never used
+to choose) is reported.
 
 - fp32 DiLoCo (Nesterov 0.8) and fp32 IsoLoCo (Nesterov 0.8): the references;
 - int4 both ways (uploads with error feedback, decay 0.95; the downloads ``Q(theta - B)``);
@@ -43,12 +44,14 @@ of its method. Test loss (a split never used to choose) is reported.
   (SparseLoCo's). The queue runs it once the library has it (:func:`exact_available`);
 - ``diloco-fp32-m0`` (:data:`CONTROL`): fp32 DiLoCo with sparseloco-exact's outer optimiser
   (momentum 0, lr centred at 1.0), so a difference between sparseloco-exact and fp32 DiLoCo
-  can be split into the outer optimiser's share and the compression's.
+  can be split into the outer optimiser's share and the compression's;
+- ``diloco-int4-m0-both`` (:data:`INT4_M0`): int4 both ways under the control's optimiser, since
+  the control ends below fp32 DiLoCo with Nesterov.
 
 Queue order (:data:`PLAN`): first the pair that decides the 25x question (fp32 DiLoCo and
 sparseloco-exact, the only point near 25x that may keep the loss: tuning, then seeds), then
-IsoLoCo's fp32 reference, int4 and sparseloco-both tuning, then their seeds, the control
-last. The next run is a function of the records alone (and
+IsoLoCo's fp32 reference, int4 and sparseloco-both tuning, then their seeds, the control,
+int4 at momentum 0 last. The next run is a function of the records alone (and
 of whether the exact downloads exist), so ``--queue`` resumes where it stopped.
 
 Budget (:data:`RUN_S`, measured on the first runs): ~15 s of CPU a round (the 8 nodes' 10
@@ -106,6 +109,7 @@ EXACT = "diloco-sl64exact-m0"
 EXACT_METHOD = "diloco-sparseloco"  # the sweep's method key of SparseLoCo's combine
 SL64 = {"chunk": 4096, "k": 64, "bits": 2}
 CONTROL = "diloco-fp32-m0"  # sparseloco-exact's outer optimiser (momentum 0) without compression
+INT4_M0 = "diloco-int4-m0-both"  # int4 both ways under the control's outer optimiser
 
 CONFIGS: dict[str, dict[str, Any]] = {
     **{
@@ -118,12 +122,14 @@ CONFIGS: dict[str, dict[str, Any]] = {
             "diloco-sl64-m0-both",
             "isoloco-sl64-m0-both",
             CONTROL,
+            INT4_M0,
         )
     },
     EXACT: {"method": "diloco", "codec": "sl64", "opt": "m0", "down": "exact"},
 }
 """name -> method, codec, outer optimiser, download (comm_frontier's, plus 'exact')."""
-REFERENCE = {"diloco": "diloco-fp32-nesterov", "isoloco": "isoloco-fp32-nesterov"}
+NESTEROV_REFERENCE = {"diloco": "diloco-fp32-nesterov", "isoloco": "isoloco-fp32-nesterov"}
+"""The method's fp32 reference while no other fp32 configuration of it is tuned (:func:`reference`)."""
 PLAN: list[tuple[str, list[str]]] = [
     ("tune", ["diloco-fp32-nesterov"]),
     ("tune", [EXACT]),
@@ -136,10 +142,13 @@ PLAN: list[tuple[str, list[str]]] = [
     ("seeds", ["diloco-sl64-m0-both", "isoloco-sl64-m0-both"]),
     ("tune", [CONTROL]),
     ("seeds", [CONTROL]),
+    ("tune", [INT4_M0]),
+    ("seeds", [INT4_M0]),
 ]
 """("tune", names): seed 0 over the lr grid; ("seeds", names): seeds 1, 2 at the optimum of
-the references and of the points within :data:`SEED_BAR` of them. :data:`CONTROL` last: it
-tells whether sparseloco-exact's lead over fp32 DiLoCo is its outer optimiser's."""
+every fp32 configuration and of the points within :data:`SEED_BAR` of their method's
+:func:`reference`. :data:`CONTROL` late: it tells whether sparseloco-exact's lead over fp32
+DiLoCo is its outer optimiser's; then int4 both ways under that optimiser."""
 
 
 def size64(quick: bool = False) -> dict[str, Any]:
@@ -231,13 +240,35 @@ def best_val(name: str, done: dict[str, dict[str, Any]]) -> tuple[float | None, 
     return best, done[CF.key(name, best, 0)]["val_loss"]
 
 
+def fp32_of(name: str, same_optimiser: bool = False) -> list[str]:
+    """The fp32 configurations of ``name``'s method (``same_optimiser``: and outer optimiser)."""
+    cfg = CONFIGS[name]
+    return [
+        n
+        for n, c in CONFIGS.items()
+        if c["codec"] == "fp32"
+        and c["method"] == cfg["method"]
+        and (not same_optimiser or c["opt"] == cfg["opt"])
+    ]
+
+
+def reference(name: str, done: dict[str, dict[str, Any]]) -> str:
+    """The fp32 configuration ``name`` is held against: of its method's fp32 configurations
+    (outer optimiser Nesterov 0.8 or momentum 0), the tuned one with the lowest seed-0
+    validation loss at its optimum; :data:`NESTEROV_REFERENCE` while none is tuned."""
+    tuned = {n: v for n in fp32_of(name) if (v := best_val(n, done)[1]) is not None}
+    if not tuned:
+        return NESTEROV_REFERENCE[CONFIGS[name]["method"]]
+    return min(tuned, key=tuned.__getitem__)
+
+
 def gets_seeds(name: str, done: dict[str, dict[str, Any]]) -> bool:
-    """A reference, or a point whose optimum is within :data:`SEED_BAR` of its reference's."""
-    ref = REFERENCE[CONFIGS[name]["method"]]
-    if name == ref:
+    """An fp32 configuration (a candidate reference), or a point whose optimum is within
+    :data:`SEED_BAR` of its :func:`reference`'s."""
+    if CONFIGS[name]["codec"] == "fp32":
         return True
     _, v = best_val(name, done)
-    _, r = best_val(ref, done)
+    _, r = best_val(reference(name, done), done)
     return v is not None and r is not None and v <= r + SEED_BAR
 
 
