@@ -171,7 +171,8 @@ def plot(rs: list[dict[str, Any]], path: Path = PLOT) -> None:
             xytext=(4, 2), textcoords="offset points",
         )  # fmt: skip
     by_name = {r["config"]: r for r in rs}
-    base, ref = by_name.get(BASE), by_name.get((by_name.get(BASE) or {}).get("reference"))
+    base = by_name.get(BASE)
+    ref = by_name.get(base["reference"]) if base else None
     if base and ref:
         ax.axvline(base["bytes"]["total_run"] / GOAL_X, color="grey", ls=":", lw=1)
         ax.axhline(statistics.mean(ref["test"].values()) + GOAL_NATS, color="grey", ls=":", lw=1)
