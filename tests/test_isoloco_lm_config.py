@@ -85,20 +85,28 @@ def test_documented_keys_reach_the_strategy(rc, check):
     assert check(strategy)
 
 
-def test_compression_md_s_first_command_builds_sparseloco_s_setup():
-    """docs/compression.md's first ``flwr run`` command, parsed as Flower parses it."""
+def test_compression_md_s_commands_build_what_they_say():
+    """docs/compression.md's first two ``flwr run`` commands, parsed as Flower parses them:
+    int4 both ways, then SparseLoCo's setup."""
     from flwr.common.config import parse_config_args
 
     text = (ROOT / "docs" / "compression.md").read_text()
-    command = re.search(r'flwr run simulations/isoloco-lm --run-config "([^"]+)"', text)
-    s = task.build_strategy(task.load_config(parse_config_args([command.group(1)])))
-    assert (s.merge_name, s.outer.lr, s.outer.momentum, s.outer.nesterov) == (
+    commands = re.findall(r'flwr run simulations/isoloco-lm --run-config "([^"]+)"', text)
+    int4, sparse = (
+        task.build_strategy(task.load_config(parse_config_args([c]))) for c in commands[:2]
+    )
+    assert (int4.upload.name, int4.download.name) == ("int4", "int4")
+    assert (sparse.merge_name, sparse.outer.lr, sparse.outer.momentum, sparse.outer.nesterov) == (
         "sparseloco",
         0.18,
         0.0,
         False,
     )
-    assert (s.upload.name, s.upload.options["k"], s.download.name) == ("sparseloco", 64, "exact")
+    assert (sparse.upload.name, sparse.upload.options["k"], sparse.download.name) == (
+        "sparseloco",
+        64,
+        "exact",
+    )
 
 
 @pytest.mark.parametrize(
