@@ -61,7 +61,8 @@ the least), so one run of 80 rounds is ~20 min of one core (31 min of wall time 
 point, int4 2 x 3 + seeds 4, sparseloco both ways 2 x 3 + edge points, sparseloco-exact 3 +
 seeds 2 if within the bar), ~11 hours of one core in all (~14 hours of wall time on the shared
 machine), over several sessions: above the 6-10 hours aimed at, the price of a horizon past
-the bigram stage (T = 600 would be ~8 hours).
+the bigram stage (T = 600 would be ~8 hours). As run: 52 runs, 20.8 hours of one core (the
+8-lr grid of sparseloco-exact, and the control and int4 at momentum 0 added to the plan).
 
     python benchmarks/compression/frontier64.py --queue --until 11:25   # the study (resumes)
     python benchmarks/compression/frontier64.py --queue --configs diloco-sl64exact-m0 --until 11:25
